@@ -1,0 +1,41 @@
+"""``shoal-service NAME [flags]``: run one shoal service process.
+
+NAME is one of resource-manager, job-scheduler, parameter-sync, host-agent; each lives in
+``shoal.<name with underscores>.main`` with a ``main(argv) -> int`` function (also runnable as
+``python -m shoal.<package>``). ``shoal-service NAME --help`` lists the service's flags.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+SERVICES = ("resource-manager", "job-scheduler", "parameter-sync", "host-agent")
+
+
+def configure_logging(service: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get("SHOAL_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or args[0] not in SERVICES:
+        print(f"usage: shoal-service {{{','.join(SERVICES)}}} [flags]", file=sys.stderr)
+        if args and args[0] not in ("-h", "--help"):
+            print(f"shoal-service: unknown service {args[0]!r}", file=sys.stderr)
+            return 2
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    configure_logging(name)
+    module = importlib.import_module(f"shoal.{name.replace('-', '_')}.main")
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
