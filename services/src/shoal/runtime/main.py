@@ -1,7 +1,7 @@
 """``shoal-service NAME [flags]``: run one shoal service process.
 
-NAME is one of resource-manager, job-scheduler, parameter-sync, host-agent; each lives in
-``shoal.<name with underscores>.main`` with a ``main(argv) -> int`` function (also runnable as
+NAME is one of resource-manager, job-scheduler, parameter-sync, host-agent; each lives in its
+package's ``main`` module with a ``main(argv) -> int`` function (also runnable as
 ``python -m shoal.<package>``). ``shoal-service NAME --help`` lists the service's flags.
 """
 
@@ -13,7 +13,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-SERVICES = ("resource-manager", "job-scheduler", "parameter-sync", "host-agent")
+PACKAGES = {
+    "resource-manager": "shoal.resource_manager",
+    "job-scheduler": "shoal.scheduler",
+    "parameter-sync": "shoal.param_sync",
+    "host-agent": "shoal.host_agent",
+}
+SERVICES = tuple(PACKAGES)
 
 
 def configure_logging(service: str) -> None:
@@ -33,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     name, rest = args[0], args[1:]
     configure_logging(name)
-    module = importlib.import_module(f"shoal.{name.replace('-', '_')}.main")
+    module = importlib.import_module(f"{PACKAGES[name]}.main")
     return int(module.main(rest) or 0)
 
 
