@@ -518,29 +518,41 @@ Global___Assignment: _TypeAlias = Assignment  # noqa: Y015
 
 @_typing.final
 class BoundaryRequest(_message.Message):
-    """BoundaryRequest asks for the next assignment."""
+    """BoundaryRequest asks for the next assignment and reports the learner's last iteration."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     LEARNER_ID_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    COMPLETED_ITERATION_FIELD_NUMBER: _builtins.int
+    LOSS_SUM_FIELD_NUMBER: _builtins.int
+    NUM_SAMPLES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     learner_id: _builtins.str
     """The learner."""
     generation: _builtins.int
     """The generation of the learner's last iteration (0 before the first)."""
+    completed_iteration: _builtins.int
+    """The global iteration the learner just completed (-1 when none)."""
+    loss_sum: _builtins.float
+    """The sum of the per-sample losses of the learner's share of that iteration."""
+    num_samples: _builtins.int
+    """The number of samples in the learner's share of that iteration."""
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         learner_id: _builtins.str = ...,
         generation: _builtins.int = ...,
+        completed_iteration: _builtins.int = ...,
+        loss_sum: _builtins.float = ...,
+        num_samples: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "learner_id", b"learner_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iteration", b"completed_iteration", "generation", b"generation", "job_id", b"job_id", "learner_id", b"learner_id", "loss_sum", b"loss_sum", "num_samples", b"num_samples"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1048,3 +1060,276 @@ class GetMembershipResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetMembershipResponse: _TypeAlias = GetMembershipResponse  # noqa: Y015
+
+@_typing.final
+class ConfigureShardRequest(_message.Message):
+    """ConfigureShardRequest gives a shard its part of a job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    OPTIMIZER_FIELD_NUMBER: _builtins.int
+    COORDINATOR_ADDRESS_FIELD_NUMBER: _builtins.int
+    ACTIVE_SHARDS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    shard_index: _builtins.int
+    """The shard's index."""
+    coordinator_address: _builtins.str
+    """The address of the job's coordinator shard."""
+    active_shards: _builtins.int
+    """The number of shards that hold at least one of the job's tensors."""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]:
+        """The tensors (parameters and buffers) this shard holds, with the model's flat layout."""
+
+    @_builtins.property
+    def optimizer(self) -> Global___OptimizerSpec:
+        """The optimizer the shard runs over its parameters."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        shard_index: _builtins.int = ...,
+        tensors: _abc.Iterable[Global___TensorInfo] | None = ...,
+        optimizer: Global___OptimizerSpec | None = ...,
+        coordinator_address: _builtins.str = ...,
+        active_shards: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_shards", b"active_shards", "coordinator_address", b"coordinator_address", "job_id", b"job_id", "optimizer", b"optimizer", "shard_index", b"shard_index", "tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigureShardRequest: _TypeAlias = ConfigureShardRequest  # noqa: Y015
+
+@_typing.final
+class ConfigureShardResponse(_message.Message):
+    """ConfigureShardResponse acknowledges a configuration."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigureShardResponse: _TypeAlias = ConfigureShardResponse  # noqa: Y015
+
+@_typing.final
+class ShardReadyRequest(_message.Message):
+    """ShardReadyRequest reports that a shard holds all gradients of an iteration."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    ITERATION_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    shard_index: _builtins.int
+    """The shard's index."""
+    generation: _builtins.int
+    """The generation."""
+    iteration: _builtins.int
+    """The global iteration."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        shard_index: _builtins.int = ...,
+        generation: _builtins.int = ...,
+        iteration: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "iteration", b"iteration", "job_id", b"job_id", "shard_index", b"shard_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardReadyRequest: _TypeAlias = ShardReadyRequest  # noqa: Y015
+
+@_typing.final
+class ShardReadyResponse(_message.Message):
+    """ShardReadyResponse acknowledges a ready report."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardReadyResponse: _TypeAlias = ShardReadyResponse  # noqa: Y015
+
+@_typing.final
+class ResolveIterationRequest(_message.Message):
+    """ResolveIterationRequest commits or aborts an iteration on a shard."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    ITERATION_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    generation: _builtins.int
+    """The generation."""
+    iteration: _builtins.int
+    """The global iteration."""
+    commit: _builtins.bool
+    """True to apply the optimizer step; false to drop the partial sums."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        iteration: _builtins.int = ...,
+        commit: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "generation", b"generation", "iteration", b"iteration", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResolveIterationRequest: _TypeAlias = ResolveIterationRequest  # noqa: Y015
+
+@_typing.final
+class ResolveIterationResponse(_message.Message):
+    """ResolveIterationResponse acknowledges a resolution."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResolveIterationResponse: _TypeAlias = ResolveIterationResponse  # noqa: Y015
+
+@_typing.final
+class SaveShardRequest(_message.Message):
+    """SaveShardRequest asks a shard to write its slice of a checkpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    DIRECTORY_FIELD_NUMBER: _builtins.int
+    GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    directory: _builtins.str
+    """The checkpoint directory (an fsspec URI)."""
+    global_iteration: _builtins.int
+    """The global iteration the parameters are at (checked against the shard's)."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        directory: _builtins.str = ...,
+        global_iteration: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["directory", b"directory", "global_iteration", b"global_iteration", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SaveShardRequest: _TypeAlias = SaveShardRequest  # noqa: Y015
+
+@_typing.final
+class SaveShardResponse(_message.Message):
+    """SaveShardResponse describes the file written."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    URI_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    uri: _builtins.str
+    """The file's URI."""
+    size_bytes: _builtins.int
+    """The file's size in bytes."""
+    sha256: _builtins.str
+    """The sha256 of the file in lowercase hex."""
+    def __init__(
+        self,
+        *,
+        uri: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sha256", b"sha256", "size_bytes", b"size_bytes", "uri", b"uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SaveShardResponse: _TypeAlias = SaveShardResponse  # noqa: Y015
+
+@_typing.final
+class LoadShardRequest(_message.Message):
+    """LoadShardRequest asks a shard to restore its slice from a checkpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    DIRECTORY_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    directory: _builtins.str
+    """The checkpoint directory (an fsspec URI)."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        directory: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["directory", b"directory", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadShardRequest: _TypeAlias = LoadShardRequest  # noqa: Y015
+
+@_typing.final
+class LoadShardResponse(_message.Message):
+    """LoadShardResponse acknowledges a restore."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    global_iteration: _builtins.int
+    """The global iteration the restored parameters are at."""
+    def __init__(
+        self,
+        *,
+        global_iteration: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_iteration", b"global_iteration"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadShardResponse: _TypeAlias = LoadShardResponse  # noqa: Y015

@@ -105,6 +105,31 @@ class ParameterSyncServiceStub:
                 request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.GetMembershipRequest.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.GetMembershipResponse.FromString,
                 _registered_method=True)
+        self.ConfigureShard = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/ConfigureShard',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ConfigureShardRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ConfigureShardResponse.FromString,
+                _registered_method=True)
+        self.ShardReady = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/ShardReady',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ShardReadyRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ShardReadyResponse.FromString,
+                _registered_method=True)
+        self.ResolveIteration = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/ResolveIteration',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ResolveIterationRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ResolveIterationResponse.FromString,
+                _registered_method=True)
+        self.SaveShard = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/SaveShard',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.SaveShardRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.SaveShardResponse.FromString,
+                _registered_method=True)
+        self.LoadShard = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/LoadShard',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterSyncServiceServicer:
@@ -237,6 +262,54 @@ class ParameterSyncServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConfigureShard(self, request, context):
+        """ConfigureShard tells a shard which of a job's tensors it holds and which optimizer it
+        runs (coordinator to shard, once the job's layout is known). Idempotent. Returns
+        INVALID_ARGUMENT (unknown optimizer or bad hyperparameters), UNAUTHENTICATED,
+        PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShardReady(self, request, context):
+        """ShardReady tells the coordinator that a shard holds every member's gradients for an
+        iteration (shard to coordinator). The coordinator commits the iteration when all shards
+        are ready, or aborts it on an eviction. Returns NOT_FOUND, FAILED_PRECONDITION (stale
+        generation), UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResolveIteration(self, request, context):
+        """ResolveIteration tells a shard to apply (commit) or drop (abort) an iteration's summed
+        gradients (coordinator to shard). No shard steps an iteration before every shard has all
+        of its gradients, so an aborted iteration leaves every shard untouched. Returns
+        NOT_FOUND, UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveShard(self, request, context):
+        """SaveShard writes a shard's slice of a job (parameters, buffers, optimizer state) as a
+        safetensors file under the given checkpoint directory (coordinator to shard). Returns
+        NOT_FOUND, FAILED_PRECONDITION (not initialized), UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadShard(self, request, context):
+        """LoadShard restores a shard's slice of a job from a checkpoint directory (coordinator to
+        shard). Returns NOT_FOUND (no such checkpoint), INVALID_ARGUMENT (layout mismatch),
+        UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterSyncServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -304,6 +377,31 @@ def add_ParameterSyncServiceServicer_to_server(servicer, server):
                     servicer.GetMembership,
                     request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.GetMembershipRequest.FromString,
                     response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.GetMembershipResponse.SerializeToString,
+            ),
+            'ConfigureShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfigureShard,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ConfigureShardRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ConfigureShardResponse.SerializeToString,
+            ),
+            'ShardReady': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShardReady,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ShardReadyRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ShardReadyResponse.SerializeToString,
+            ),
+            'ResolveIteration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveIteration,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ResolveIterationRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ResolveIterationResponse.SerializeToString,
+            ),
+            'SaveShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveShard,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.SaveShardRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.SaveShardResponse.SerializeToString,
+            ),
+            'LoadShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadShard,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -663,6 +761,141 @@ class ParameterSyncService:
             '/shoal.v1.ParameterSyncService/GetMembership',
             shoal_dot_v1_dot_parameter__sync__service__pb2.GetMembershipRequest.SerializeToString,
             shoal_dot_v1_dot_parameter__sync__service__pb2.GetMembershipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfigureShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/ConfigureShard',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.ConfigureShardRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.ConfigureShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShardReady(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/ShardReady',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.ShardReadyRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.ShardReadyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveIteration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/ResolveIteration',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.ResolveIterationRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.ResolveIterationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/SaveShard',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.SaveShardRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.SaveShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/LoadShard',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -108,6 +108,34 @@ class ParameterSyncServiceStub:
     coordinator to know whose gradients to wait for). Returns NOT_FOUND, FAILED_PRECONDITION
     (generation not frozen yet or superseded), UNAUTHENTICATED.
     """
+    ConfigureShard: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.ConfigureShardRequest, _parameter_sync_service_pb2.ConfigureShardResponse]
+    """ConfigureShard tells a shard which of a job's tensors it holds and which optimizer it
+    runs (coordinator to shard, once the job's layout is known). Idempotent. Returns
+    INVALID_ARGUMENT (unknown optimizer or bad hyperparameters), UNAUTHENTICATED,
+    PERMISSION_DENIED.
+    """
+    ShardReady: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.ShardReadyRequest, _parameter_sync_service_pb2.ShardReadyResponse]
+    """ShardReady tells the coordinator that a shard holds every member's gradients for an
+    iteration (shard to coordinator). The coordinator commits the iteration when all shards
+    are ready, or aborts it on an eviction. Returns NOT_FOUND, FAILED_PRECONDITION (stale
+    generation), UNAUTHENTICATED, PERMISSION_DENIED.
+    """
+    ResolveIteration: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.ResolveIterationRequest, _parameter_sync_service_pb2.ResolveIterationResponse]
+    """ResolveIteration tells a shard to apply (commit) or drop (abort) an iteration's summed
+    gradients (coordinator to shard). No shard steps an iteration before every shard has all
+    of its gradients, so an aborted iteration leaves every shard untouched. Returns
+    NOT_FOUND, UNAUTHENTICATED, PERMISSION_DENIED.
+    """
+    SaveShard: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.SaveShardRequest, _parameter_sync_service_pb2.SaveShardResponse]
+    """SaveShard writes a shard's slice of a job (parameters, buffers, optimizer state) as a
+    safetensors file under the given checkpoint directory (coordinator to shard). Returns
+    NOT_FOUND, FAILED_PRECONDITION (not initialized), UNAUTHENTICATED, PERMISSION_DENIED.
+    """
+    LoadShard: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.LoadShardRequest, _parameter_sync_service_pb2.LoadShardResponse]
+    """LoadShard restores a shard's slice of a job from a checkpoint directory (coordinator to
+    shard). Returns NOT_FOUND (no such checkpoint), INVALID_ARGUMENT (layout mismatch),
+    UNAUTHENTICATED, PERMISSION_DENIED.
+    """
 
 @_typing.type_check_only
 class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
@@ -188,6 +216,34 @@ class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
     """GetMembership returns the members of one generation of a job (shards ask the
     coordinator to know whose gradients to wait for). Returns NOT_FOUND, FAILED_PRECONDITION
     (generation not frozen yet or superseded), UNAUTHENTICATED.
+    """
+    ConfigureShard: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.ConfigureShardRequest, _parameter_sync_service_pb2.ConfigureShardResponse]  # type: ignore[assignment]
+    """ConfigureShard tells a shard which of a job's tensors it holds and which optimizer it
+    runs (coordinator to shard, once the job's layout is known). Idempotent. Returns
+    INVALID_ARGUMENT (unknown optimizer or bad hyperparameters), UNAUTHENTICATED,
+    PERMISSION_DENIED.
+    """
+    ShardReady: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.ShardReadyRequest, _parameter_sync_service_pb2.ShardReadyResponse]  # type: ignore[assignment]
+    """ShardReady tells the coordinator that a shard holds every member's gradients for an
+    iteration (shard to coordinator). The coordinator commits the iteration when all shards
+    are ready, or aborts it on an eviction. Returns NOT_FOUND, FAILED_PRECONDITION (stale
+    generation), UNAUTHENTICATED, PERMISSION_DENIED.
+    """
+    ResolveIteration: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.ResolveIterationRequest, _parameter_sync_service_pb2.ResolveIterationResponse]  # type: ignore[assignment]
+    """ResolveIteration tells a shard to apply (commit) or drop (abort) an iteration's summed
+    gradients (coordinator to shard). No shard steps an iteration before every shard has all
+    of its gradients, so an aborted iteration leaves every shard untouched. Returns
+    NOT_FOUND, UNAUTHENTICATED, PERMISSION_DENIED.
+    """
+    SaveShard: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.SaveShardRequest, _parameter_sync_service_pb2.SaveShardResponse]  # type: ignore[assignment]
+    """SaveShard writes a shard's slice of a job (parameters, buffers, optimizer state) as a
+    safetensors file under the given checkpoint directory (coordinator to shard). Returns
+    NOT_FOUND, FAILED_PRECONDITION (not initialized), UNAUTHENTICATED, PERMISSION_DENIED.
+    """
+    LoadShard: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.LoadShardRequest, _parameter_sync_service_pb2.LoadShardResponse]  # type: ignore[assignment]
+    """LoadShard restores a shard's slice of a job from a checkpoint directory (coordinator to
+    shard). Returns NOT_FOUND (no such checkpoint), INVALID_ARGUMENT (layout mismatch),
+    UNAUTHENTICATED, PERMISSION_DENIED.
     """
 
 class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -344,6 +400,64 @@ class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         """GetMembership returns the members of one generation of a job (shards ask the
         coordinator to know whose gradients to wait for). Returns NOT_FOUND, FAILED_PRECONDITION
         (generation not frozen yet or superseded), UNAUTHENTICATED.
+        """
+
+    @_abc_1.abstractmethod
+    def ConfigureShard(
+        self,
+        request: _parameter_sync_service_pb2.ConfigureShardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.ConfigureShardResponse, _abc.Awaitable[_parameter_sync_service_pb2.ConfigureShardResponse]]:
+        """ConfigureShard tells a shard which of a job's tensors it holds and which optimizer it
+        runs (coordinator to shard, once the job's layout is known). Idempotent. Returns
+        INVALID_ARGUMENT (unknown optimizer or bad hyperparameters), UNAUTHENTICATED,
+        PERMISSION_DENIED.
+        """
+
+    @_abc_1.abstractmethod
+    def ShardReady(
+        self,
+        request: _parameter_sync_service_pb2.ShardReadyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.ShardReadyResponse, _abc.Awaitable[_parameter_sync_service_pb2.ShardReadyResponse]]:
+        """ShardReady tells the coordinator that a shard holds every member's gradients for an
+        iteration (shard to coordinator). The coordinator commits the iteration when all shards
+        are ready, or aborts it on an eviction. Returns NOT_FOUND, FAILED_PRECONDITION (stale
+        generation), UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+
+    @_abc_1.abstractmethod
+    def ResolveIteration(
+        self,
+        request: _parameter_sync_service_pb2.ResolveIterationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.ResolveIterationResponse, _abc.Awaitable[_parameter_sync_service_pb2.ResolveIterationResponse]]:
+        """ResolveIteration tells a shard to apply (commit) or drop (abort) an iteration's summed
+        gradients (coordinator to shard). No shard steps an iteration before every shard has all
+        of its gradients, so an aborted iteration leaves every shard untouched. Returns
+        NOT_FOUND, UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+
+    @_abc_1.abstractmethod
+    def SaveShard(
+        self,
+        request: _parameter_sync_service_pb2.SaveShardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.SaveShardResponse, _abc.Awaitable[_parameter_sync_service_pb2.SaveShardResponse]]:
+        """SaveShard writes a shard's slice of a job (parameters, buffers, optimizer state) as a
+        safetensors file under the given checkpoint directory (coordinator to shard). Returns
+        NOT_FOUND, FAILED_PRECONDITION (not initialized), UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+
+    @_abc_1.abstractmethod
+    def LoadShard(
+        self,
+        request: _parameter_sync_service_pb2.LoadShardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.LoadShardResponse, _abc.Awaitable[_parameter_sync_service_pb2.LoadShardResponse]]:
+        """LoadShard restores a shard's slice of a job from a checkpoint directory (coordinator to
+        shard). Returns NOT_FOUND (no such checkpoint), INVALID_ARGUMENT (layout mismatch),
+        UNAUTHENTICATED, PERMISSION_DENIED.
         """
 
 def add_ParameterSyncServiceServicer_to_server(servicer: ParameterSyncServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
