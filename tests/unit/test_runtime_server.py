@@ -12,8 +12,7 @@ from shoal.runtime.channels import connect
 from shoal.runtime.config import ServerConfig
 from shoal.runtime.errors import DEFAULT_TABLE, InvalidField, JobNotFound, NotLeader
 from shoal.runtime.server import ServiceBinding, create_server
-from shoal.v1 import job_pb2, job_scheduler_service_pb2_grpc
-from shoal.v1 import job_scheduler_service_pb2 as js
+from shoal.v1 import job_pb2, job_scheduler_service_pb2 as js, job_scheduler_service_pb2_grpc
 from tests.support import make_tokens
 
 SERVICE = "shoal.v1.JobSchedulerService"

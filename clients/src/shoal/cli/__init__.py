@@ -1,0 +1,1 @@
+"""shoal.cli: the ``shoal`` command."""

@@ -1,0 +1,339 @@
+"""The asyncio client of shoal (``AsyncClient``); :mod:`shoal.client` also has a sync one."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import tarfile
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from shoal.client.config import ClientConfig
+from shoal.client.errors import ShoalClientError
+from shoal.v1 import (
+    job_pb2,
+    job_scheduler_service_pb2 as js,
+    job_scheduler_service_pb2_grpc as js_grpc,
+    resource_manager_service_pb2 as rm,
+    resource_manager_service_pb2_grpc as rm_grpc,
+    resources_pb2,
+)
+
+CHUNK = 1024 * 1024
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+MAX_MESSAGE = 64 * 1024 * 1024
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+def pack_directory(directory: str | Path) -> bytes:
+    """A deterministic tar.gz of a model directory (sorted names, zeroed times and owners), so
+    the same directory always has the same content address."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise ShoalClientError(
+            "INVALID_ARGUMENT", f"model directory ({str(root)!r}) is not a directory"
+        )
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        for path in sorted(root.rglob("*")):
+            if "__pycache__" in path.parts or path.suffix == ".pyc":
+                continue
+            info = tar.gettarinfo(str(path), arcname=str(path.relative_to(root)))
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            if path.is_file():
+                with path.open("rb") as fh:
+                    tar.addfile(info, fh)
+            else:
+                tar.addfile(info)
+    return buf.getvalue()
+
+
+class _Endpoints:
+    """A replicated service: try the known leader first, follow `shoal-leader` hints."""
+
+    def __init__(self, addresses: Iterable[str], config: ClientConfig) -> None:
+        self.addresses = list(addresses)
+        self.current = 0
+        self._config = config
+        self._channels: dict[str, aio.Channel] = {}
+
+    def channel(self, address: str | None = None) -> aio.Channel:
+        address = address or self.addresses[self.current]
+        if address not in self._channels:
+            options = [
+                ("grpc.max_send_message_length", MAX_MESSAGE),
+                ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ]
+            if self._config.tls_ca:
+                creds = grpc.ssl_channel_credentials(Path(self._config.tls_ca).read_bytes())
+                self._channels[address] = aio.secure_channel(address, creds, options=options)
+            else:
+                self._channels[address] = aio.insecure_channel(address, options=options)
+        return self._channels[address]
+
+    def follow(self, err: aio.AioRpcError) -> bool:
+        """Move to the leader named by the error, or to the next endpoint. True if moved."""
+        leader = dict(err.trailing_metadata() or ()).get("shoal-leader")
+        if leader:
+            if leader not in self.addresses:
+                self.addresses.append(str(leader))
+            self.current = self.addresses.index(str(leader))
+            return True
+        if len(self.addresses) > 1:
+            self.current = (self.current + 1) % len(self.addresses)
+            return True
+        return False
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+class AsyncClient:
+    """Typed asyncio client over the generated stubs: deadlines, retries of idempotent calls,
+    leader discovery (any endpoint works), bearer token."""
+
+    def __init__(self, config: ClientConfig, *, timeout: float = 30.0, retries: int = 5) -> None:
+        self.config = config
+        self.timeout = timeout
+        self.retries = retries
+        self._scheduler = _Endpoints(config.scheduler, config)
+        self._rm = _Endpoints(config.resource_manager, config)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._scheduler.close()
+        await self._rm.close()
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
+
+    async def _unary(
+        self, endpoints: _Endpoints, stub_cls: Any, method: str, request: Any, *, idempotent: bool
+    ) -> Any:
+        if not endpoints.addresses:
+            raise ShoalClientError("FAILED_PRECONDITION", "no resource-manager endpoint configured")
+        delay = 0.1
+        for attempt in range(self.retries + 1):
+            stub = stub_cls(endpoints.channel())
+            try:
+                return await getattr(stub, method)(
+                    request, timeout=self.timeout, metadata=self.metadata
+                )
+            except aio.AioRpcError as err:
+                not_leader = (
+                    dict(err.trailing_metadata() or ()).get("shoal-error-reason")
+                    == "ERROR_REASON_NOT_LEADER"
+                )
+                # A standby did nothing, so moving to the leader is safe for any call.
+                retry = err.code() in RETRYABLE and (idempotent or not_leader)
+                if not retry or attempt == self.retries:
+                    raise ShoalClientError.from_rpc(err, method) from None
+                endpoints.follow(err)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        raise AssertionError("unreachable")
+
+    def _sched(self, method: str, request: Any, *, idempotent: bool = True) -> Any:
+        return self._unary(
+            self._scheduler, js_grpc.JobSchedulerServiceStub, method, request, idempotent=idempotent
+        )
+
+    def _rmcall(self, method: str, request: Any, *, idempotent: bool = True) -> Any:
+        return self._unary(
+            self._rm, rm_grpc.ResourceManagerServiceStub, method, request, idempotent=idempotent
+        )
+
+    async def _stream(self, method: str, request: Any) -> AsyncIterator[Any]:
+        """A server stream from the scheduler leader (re-resolved if it hits a standby)."""
+        for attempt in range(self.retries + 1):
+            stub = js_grpc.JobSchedulerServiceStub(self._scheduler.channel())
+            call = getattr(stub, method)(request, metadata=self.metadata)
+            received = False
+            try:
+                async for item in call:
+                    received = True
+                    yield item
+                return
+            except aio.AioRpcError as err:
+                if received or err.code() not in RETRYABLE or attempt == self.retries:
+                    raise ShoalClientError.from_rpc(err, method) from None
+                self._scheduler.follow(err)
+                await asyncio.sleep(0.2)
+
+    # -- jobs ---------------------------------------------------------------------------
+
+    async def submit_job(
+        self, spec: job_pb2.JobSpec, *, request_id: str | None = None
+    ) -> job_pb2.Job:
+        request = js.SubmitJobRequest(request_id=request_id or str(uuid.uuid4()), spec=spec)
+        return (await self._sched("SubmitJob", request)).job  # idempotent by request_id
+
+    async def get_job(self, job_id: str) -> job_pb2.Job:
+        return (await self._sched("GetJob", js.GetJobRequest(job_id=job_id))).job
+
+    async def list_jobs(
+        self, *, states: Iterable[int] = (), page_size: int = 100
+    ) -> AsyncIterator[job_pb2.Job]:
+        token = ""
+        while True:
+            reply = await self._sched(
+                "ListJobs",
+                js.ListJobsRequest(page_size=page_size, page_token=token, states=list(states)),
+            )
+            for job in reply.jobs:
+                yield job
+            token = reply.next_page_token
+            if not token:
+                return
+
+    async def cancel_job(self, job_id: str) -> job_pb2.Job:
+        request = js.CancelJobRequest(job_id=job_id, request_id=str(uuid.uuid4()))
+        return (await self._sched("CancelJob", request)).job
+
+    async def update_job(
+        self, job_id: str, *, priority: int | None = None, max_workers: int | None = None
+    ) -> job_pb2.Job:
+        request = js.UpdateJobRequest(job_id=job_id, request_id=str(uuid.uuid4()))
+        if priority is not None:
+            request.priority = priority
+        if max_workers is not None:
+            request.max_workers = max_workers
+        return (await self._sched("UpdateJob", request)).job
+
+    async def watch_job(self, job_id: str) -> AsyncIterator[job_pb2.JobEvent]:
+        async for reply in self._stream("WatchJob", js.WatchJobRequest(job_id=job_id)):
+            yield reply.event
+
+    async def stream_logs(
+        self, job_id: str, *, follow: bool = False, learner_id: str = "", tail_lines: int = 0
+    ) -> AsyncIterator[resources_pb2.LogLine]:
+        request = js.StreamJobLogsRequest(
+            job_id=job_id, follow=follow, learner_id=learner_id, tail_lines=tail_lines
+        )
+        async for reply in self._stream("StreamJobLogs", request):
+            for line in reply.lines:
+                yield line
+
+    async def get_metrics(
+        self, job_id: str, *, after_iteration: int = 0
+    ) -> js.GetJobMetricsResponse:
+        return await self._sched(
+            "GetJobMetrics", js.GetJobMetricsRequest(job_id=job_id, after_iteration=after_iteration)
+        )
+
+    async def allocation_history(self, job_id: str = "") -> list[job_pb2.AllocationEvent]:
+        reply = await self._sched(
+            "GetAllocationHistory", js.GetAllocationHistoryRequest(job_id=job_id)
+        )
+        return list(reply.events)
+
+    # -- artifacts and models --------------------------------------------------------------
+
+    async def upload_artifact(
+        self, data: bytes, *, name: str = "", progress: Progress | None = None
+    ) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+
+        async def requests() -> AsyncIterator[js.UploadArtifactRequest]:
+            header = js.ArtifactHeader(name=name, size_bytes=len(data), sha256=digest)
+            yield js.UploadArtifactRequest(header=header)
+            view = memoryview(data)
+            for offset in range(0, len(data), CHUNK):
+                yield js.UploadArtifactRequest(chunk=bytes(view[offset : offset + CHUNK]))
+                if progress:
+                    progress(min(offset + CHUNK, len(data)), len(data))
+
+        for attempt in range(self.retries + 1):  # content-addressed: a retry is idempotent
+            stub = js_grpc.JobSchedulerServiceStub(self._scheduler.channel())
+            try:
+                reply = await stub.UploadArtifact(requests(), metadata=self.metadata)
+                return str(reply.artifact_id)
+            except aio.AioRpcError as err:
+                if err.code() not in RETRYABLE or attempt == self.retries:
+                    raise ShoalClientError.from_rpc(err, "UploadArtifact") from None
+                self._scheduler.follow(err)
+                await asyncio.sleep(0.2)
+        raise AssertionError("unreachable")
+
+    async def upload_directory(
+        self, directory: str | Path, *, progress: Progress | None = None
+    ) -> str:
+        return await self.upload_artifact(
+            pack_directory(directory), name=Path(directory).name, progress=progress
+        )
+
+    async def _download(
+        self, method: str, request: Any, dest: Path, progress: Progress | None
+    ) -> int:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + ".part")
+        total = done = 0
+        digest = hashlib.sha256()
+        expected = ""
+        with tmp.open("wb") as fh:
+            async for reply in self._stream(method, request):
+                if reply.WhichOneof("content") == "header":
+                    total, expected = reply.header.size_bytes, reply.header.sha256
+                    continue
+                fh.write(reply.chunk)
+                digest.update(reply.chunk)
+                done += len(reply.chunk)
+                if progress:
+                    progress(done, total)
+        if expected and digest.hexdigest() != expected:
+            tmp.unlink()
+            raise ShoalClientError("DATA_LOSS", f"download of {dest.name} failed its sha256 check")
+        tmp.replace(dest)  # never leave a partial file under the final name
+        return done
+
+    async def download_model(
+        self, job_id: str, dest: str | Path, *, progress: Progress | None = None
+    ) -> int:
+        return await self._download(
+            "DownloadModel", js.DownloadModelRequest(job_id=job_id), Path(dest), progress
+        )
+
+    async def download_artifact(self, artifact_id: str, dest: str | Path) -> int:
+        return await self._download(
+            "DownloadArtifact",
+            js.DownloadArtifactRequest(artifact_id=artifact_id),
+            Path(dest),
+            None,
+        )
+
+    # -- hosts -----------------------------------------------------------------------------
+
+    async def list_hosts(self, *, include_lost: bool = False) -> list[resources_pb2.Host]:
+        hosts: list[resources_pb2.Host] = []
+        token = ""
+        while True:
+            reply = await self._rmcall(
+                "ListHosts", rm.ListHostsRequest(page_token=token, include_lost=include_lost)
+            )
+            hosts.extend(reply.hosts)
+            token = reply.next_page_token
+            if not token:
+                return hosts
+
+    async def cordon_host(self, host_id: str, *, cordon: bool = True) -> resources_pb2.Host:
+        reply = await self._rmcall(
+            "CordonHost", rm.CordonHostRequest(host_id=host_id, cordon=cordon)
+        )
+        return reply.host
+
+    async def drain_host(self, host_id: str) -> resources_pb2.Host:
+        return (await self._rmcall("DrainHost", rm.DrainHostRequest(host_id=host_id))).host
