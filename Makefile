@@ -35,9 +35,12 @@ protos: $(STAMP)
 protos-check: $(STAMP)
 	$(PY) tools/gen_protos.py --check
 
+MYPY_PATHS  ?= clients/src/shoal/client services/src/shoal/runtime
+
 lint: $(STAMP) $(BUF)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy $(MYPY_PATHS)
 	cd protos && ../$(BUF) lint
 	@if git rev-parse --verify -q main >/dev/null; then \
 	  cd protos && ../$(BUF) breaking --against '../.git#branch=main,subdir=protos'; \

@@ -192,7 +192,11 @@ class AsyncClient:
         while True:
             reply = await self._sched(
                 "ListJobs",
-                js.ListJobsRequest(page_size=page_size, page_token=token, states=list(states)),
+                js.ListJobsRequest(
+                    page_size=page_size,
+                    page_token=token,
+                    states=[job_pb2.JobState.ValueType(s) for s in states],
+                ),
             )
             for job in reply.jobs:
                 yield job

@@ -20,6 +20,7 @@ from shoal.runtime.auth import (
     PUBLIC_SERVICES,
     MethodRoles,
     Principal,
+    Role,
     TokenTable,
     set_current_principal,
 )
@@ -92,7 +93,7 @@ class ShoalServerInterceptor(aio.ServerInterceptor):
         policy = self._roles.get(service)
         if policy is None:
             # A service without a declared policy is for admins only: fail closed.
-            allowed = frozenset()
+            allowed: frozenset[Role] = frozenset()
         else:
             allowed = policy.allowed(method)
         if principal.role not in allowed and not principal.is_admin:
