@@ -58,8 +58,9 @@ test-slow: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m shoal.cluster.demo
 
+# Each bench prints a table; the recorded results are in bench/RESULTS-*.md.
 bench: $(STAMP)
-	$(PY) -m pytest bench -q
+	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache .mypy_cache

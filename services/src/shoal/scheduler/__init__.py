@@ -1,0 +1,1 @@
+"""The job-scheduler: share policy, device placement and the trace-replay simulator (pure core)."""

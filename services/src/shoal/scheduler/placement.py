@@ -1,0 +1,396 @@
+"""Placement: from (jobs, inventory, current learners) to Start / Retire decisions, purely.
+
+``plan(jobs, inventory, current, config, now=...)`` is level-triggered: it is recomputed from
+the observed state on every reconcile cycle, and the same observed state gives the same
+decisions. Once the decisions of a plan are applied (started learners appear in ``current``,
+retired ones are marked ``retiring``), the next plan has no decisions until something else
+changes (a learner exits, a job is submitted, a host is lost...).
+
+The model
+    * A *device* is one GPU slot of a host, named by ``(host_id, device_id)``.
+    * A host is READY, CORDONED (its learners keep running; nothing new is placed on it) or
+      LOST (its learners are gone). Learners on a lost host, or on a host or device the
+      inventory does not list, are reported in ``Plan.lost`` for the reconcile loop to evict;
+      they count for nothing else.
+    * ``current`` lists every learner the scheduler knows about, starting, running or
+      retiring. A retiring learner (asked to retire, not yet exited) still occupies its
+      device: the device becomes free only once the reconcile loop has seen the exit and
+      dropped the learner from ``current``. A job's *held* count is its learners that are not
+      retiring.
+    * A device is free when its host is READY, no learner in ``current`` is on it and the
+      resource-manager has not allocated it (``DeviceView.allocated_to is None``).
+    * The capacity given to the policy is the devices of READY hosts (less those the
+      resource-manager allocated to a learner the scheduler does not know, which it cannot
+      free), plus the devices of CORDONED hosts that learners occupy (a cordoned host's
+      capacity goes away as its learners leave).
+
+The decisions
+    * Shares: ``compute_shares`` over the jobs, with ``current`` replaced by the held count
+      observed here (the value passed in ``JobDemand.current`` is ignored).
+    * Shrink: a job holding more than its share retires the difference, taken first from
+      cordoned hosts, then from the hosts where it has the fewest learners (ties: host id),
+      so it stays packed; on a host, the greatest learner ids first. A job already retiring
+      enough learners gets no more retires. Learners of a job that is not in ``jobs`` are all
+      retired.
+    * Grow: only free devices are handed out, to the jobs below their share in admission
+      order (highest priority first, then submit order; FIFO: submit order). A job waits
+      while the devices it needs are still held by learners that are retiring. Each job's
+      new learners are packed: first onto the hosts where it already runs (most of its
+      learners first), then, if one host can take all the rest, the host with the fewest free
+      devices that can (best fit, keeping whole hosts free for larger jobs), else the host
+      with the most free devices, repeatedly. Ties go to the smaller host id; on a host,
+      devices are taken in natural order of their ids.
+
+The caller's part (the reconcile loop): record ``last_shrunk_at = now`` on every job that got
+a Retire (the hold-time rule reads it), ask those learners to retire and mark them retiring,
+reserve the devices of the Starts and add the starting learners to ``current``, evict the
+``lost`` learners, and drop a learner from ``current`` once its exit is observed.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from shoal.scheduler.policy import JobDemand, Policy, admission_key, compute_shares
+
+__all__ = [
+    "DeviceView",
+    "HostState",
+    "HostView",
+    "LearnerView",
+    "PlacementConfig",
+    "Plan",
+    "Retire",
+    "Start",
+    "plan",
+]
+
+
+class HostState(enum.Enum):
+    """Whether a host can receive new learners."""
+
+    READY = "ready"
+    """Alive and schedulable."""
+    CORDONED = "cordoned"
+    """Alive; its learners keep running, but nothing new is placed on it."""
+    LOST = "lost"
+    """Declared lost by the resource-manager: its learners are gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceView:
+    """One device (GPU slot) of a host.
+
+    Attributes:
+        device_id: unique within its host (e.g. "0" or "gpu3").
+        allocated_to: the learner id the resource-manager has allocated the device to, or
+            None. A device allocated to a learner absent from ``current`` is never free and
+            does not count in the capacity.
+    """
+
+    device_id: str
+    allocated_to: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HostView:
+    """One host of the inventory, as the resource-manager sees it."""
+
+    host_id: str
+    devices: tuple[DeviceView, ...]
+    state: HostState = HostState.READY
+
+    @classmethod
+    def with_devices(cls, host_id: str, count: int, state: HostState = HostState.READY) -> HostView:
+        """A host with ``count`` unallocated devices named "0" .. str(count - 1)."""
+        return cls(host_id, tuple(DeviceView(str(d)) for d in range(count)), state)
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerView:
+    """One learner the scheduler knows about (starting, running or retiring)."""
+
+    learner_id: str
+    job_id: str
+    host_id: str
+    device_id: str
+    retiring: bool = False
+    """True once the scheduler asked it to retire and until its exit is observed."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    """Scheduling configuration, built once and validated."""
+
+    policy: Policy = Policy.FAIRSHARE
+    hold_time: float = 0.0
+    """Seconds during which a job just shrunk is not shrunk again (see policy.py)."""
+    sticky_rounding: bool = True
+    """Spare units of the rounding go first to jobs already holding them (see policy.py)."""
+
+    def __post_init__(self) -> None:
+        if self.hold_time < 0:
+            raise ValueError(f"hold_time ({self.hold_time}) must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Start a learner of ``job_id`` pinned to ``device_id`` of ``host_id``."""
+
+    job_id: str
+    host_id: str
+    device_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Retire:
+    """Ask ``learner_id`` of ``job_id`` to retire at its next iteration boundary."""
+
+    job_id: str
+    learner_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The decisions of one scheduling cycle.
+
+    Attributes:
+        shares: target learner count of every job (0 for queued jobs).
+        starts: learners to start, in admission order of their jobs.
+        retires: learners to retire, in admission order of their jobs (unknown jobs last).
+        queue: jobs waiting for their minimum, in the order they will be admitted.
+        capacity: the device count the shares were computed on.
+        held: jobs kept above their share by the hold-time rule.
+        lost: ids of learners on lost or unknown hosts or devices (to be evicted).
+    """
+
+    shares: Mapping[str, int]
+    starts: tuple[Start, ...] = ()
+    retires: tuple[Retire, ...] = ()
+    queue: tuple[str, ...] = ()
+    capacity: int = 0
+    held: frozenset[str] = field(default_factory=frozenset)
+    lost: tuple[str, ...] = ()
+
+    @property
+    def decisions(self) -> tuple[Start | Retire, ...]:
+        """Retires first (they free devices), then starts."""
+        return (*self.retires, *self.starts)
+
+
+def _natural_key(name: str) -> tuple[int, str]:
+    return (len(name), name)
+
+
+class _FreeIndex:
+    """Free devices per READY host, indexed by free count for O(devices per host) queries.
+
+    ``buckets[k]`` is a heap of the ids of hosts with k free devices. Counts only go down
+    during a plan, so an entry is stale exactly when its host's count is no longer k; stale
+    entries are dropped lazily when they reach the top.
+    """
+
+    def __init__(self, free: dict[str, list[str]]) -> None:
+        # Device ids are kept reversed so that the next one to hand out is at the end.
+        self.free = {h: sorted(d, key=_natural_key, reverse=True) for h, d in free.items() if d}
+        self.total = sum(len(d) for d in self.free.values())
+        top = max((len(d) for d in self.free.values()), default=0)
+        self.buckets: list[list[str]] = [[] for _ in range(top + 1)]
+        for h in sorted(self.free):
+            self.buckets[len(self.free[h])].append(h)  # sorted lists are heaps
+
+    def count(self, host: str) -> int:
+        devices = self.free.get(host)
+        return len(devices) if devices else 0
+
+    def take(self, host: str, n: int) -> list[str]:
+        devices = self.free[host]
+        taken = [devices.pop() for _ in range(min(n, len(devices)))]
+        self.total -= len(taken)
+        if devices:
+            heapq.heappush(self.buckets[len(devices)], host)
+        return taken
+
+    def _top(self, k: int) -> str | None:
+        bucket = self.buckets[k]
+        while bucket and self.count(bucket[0]) != k:
+            heapq.heappop(bucket)
+        return bucket[0] if bucket else None
+
+    def best_host(self, need: int) -> str | None:
+        """The fullest-fitting host: fewest free devices >= need, else the most free."""
+        for k in range(min(need, len(self.buckets)), len(self.buckets)):
+            if k and (host := self._top(k)) is not None:
+                return host
+        for k in range(min(need, len(self.buckets)) - 1, 0, -1):
+            if (host := self._top(k)) is not None:
+                return host
+        return None
+
+
+def plan(
+    jobs: Sequence[JobDemand],
+    inventory: Sequence[HostView],
+    current: Sequence[LearnerView],
+    config: PlacementConfig,
+    *,
+    now: float = 0.0,
+) -> Plan:
+    """The shares and the Start / Retire decisions for one cycle (see the module docstring).
+
+    Raises:
+        ValueError: a host id or a device id on one host given twice, a learner id given
+            twice, two learners on one device, or any error of ``compute_shares``.
+    """
+    hosts: dict[str, HostView] = {}
+    devices_of: dict[str, dict[str, DeviceView]] = {}
+    for host in inventory:
+        if host.host_id in hosts:
+            raise ValueError(f"host_id ({host.host_id!r}) is given more than once")
+        hosts[host.host_id] = host
+        by_id: dict[str, DeviceView] = {}
+        for device in host.devices:
+            if device.device_id in by_id:
+                raise ValueError(
+                    f"device_id ({device.device_id!r}) is given more than once "
+                    f"on host {host.host_id}"
+                )
+            by_id[device.device_id] = device
+        devices_of[host.host_id] = by_id
+
+    # Who sits where; which learners are gone with their host.
+    learner_ids: set[str] = set()
+    occupant: dict[tuple[str, str], str] = {}
+    live: list[LearnerView] = []
+    lost: list[str] = []
+    for learner in current:
+        if learner.learner_id in learner_ids:
+            raise ValueError(f"learner_id ({learner.learner_id!r}) is given more than once")
+        learner_ids.add(learner.learner_id)
+        home = hosts.get(learner.host_id)
+        if (
+            home is None
+            or home.state is HostState.LOST
+            or learner.device_id not in devices_of[learner.host_id]
+        ):
+            lost.append(learner.learner_id)
+            continue
+        slot = (learner.host_id, learner.device_id)
+        if slot in occupant:
+            raise ValueError(
+                f"device ({learner.host_id}, {learner.device_id}) is held by two learners: "
+                f"{occupant[slot]} and {learner.learner_id}"
+            )
+        occupant[slot] = learner.learner_id
+        live.append(learner)
+
+    # Capacity and free devices.
+    capacity = 0
+    free: dict[str, list[str]] = {}
+    for host in inventory:
+        if host.state is HostState.LOST:
+            continue
+        ready = host.state is HostState.READY
+        for device in host.devices:
+            occupied = (host.host_id, device.device_id) in occupant
+            if occupied:
+                capacity += 1
+            elif device.allocated_to is None and ready:
+                capacity += 1
+                free.setdefault(host.host_id, []).append(device.device_id)
+
+    # What each job holds (learners not retiring), by host.
+    held_by_job: dict[str, list[LearnerView]] = {}
+    for learner in live:
+        if not learner.retiring:
+            held_by_job.setdefault(learner.job_id, []).append(learner)
+    observed = []
+    for job in jobs:
+        count = len(held_by_job.get(job.job_id, ()))
+        observed.append(job if job.current == count else replace(job, current=count))
+    allocation = compute_shares(
+        observed,
+        capacity,
+        config.policy,
+        now=now,
+        hold_time=config.hold_time,
+        sticky_rounding=config.sticky_rounding,
+    )
+    order = sorted(observed, key=admission_key(config.policy))
+
+    # Shrink.
+    retires: list[Retire] = []
+    for job in order:
+        held = held_by_job.get(job.job_id, [])
+        excess = len(held) - allocation.share(job.job_id)
+        if excess > 0:
+            retires.extend(_choose_retires(job.job_id, held, excess, hosts))
+    known = {job.job_id for job in jobs}
+    for job_id in sorted(set(held_by_job) - known):
+        held = held_by_job[job_id]
+        retires.extend(_choose_retires(job_id, held, len(held), hosts))
+
+    # Grow, onto free devices only, in admission order.
+    index = _FreeIndex(free)
+    starts: list[Start] = []
+    for job in order:
+        if index.total == 0:
+            break
+        need = allocation.share(job.job_id) - job.current
+        if need > 0:
+            starts.extend(_choose_starts(job.job_id, held_by_job.get(job.job_id, []), need, index))
+
+    return Plan(
+        shares=allocation.shares,
+        starts=tuple(starts),
+        retires=tuple(retires),
+        queue=allocation.queue,
+        capacity=capacity,
+        held=allocation.held,
+        lost=tuple(lost),
+    )
+
+
+def _choose_retires(
+    job_id: str, held: list[LearnerView], count: int, hosts: Mapping[str, HostView]
+) -> list[Retire]:
+    """``count`` of ``held``: cordoned hosts first, then the hosts with the fewest of them."""
+    per_host: dict[str, list[LearnerView]] = {}
+    for learner in held:
+        per_host.setdefault(learner.host_id, []).append(learner)
+
+    def host_order(host_id: str) -> tuple[bool, int, str]:
+        ready = hosts[host_id].state is HostState.READY
+        return (ready, len(per_host[host_id]), host_id)
+
+    chosen: list[Retire] = []
+    for host_id in sorted(per_host, key=host_order):
+        for learner in sorted(per_host[host_id], key=lambda x: x.learner_id, reverse=True):
+            if len(chosen) == count:
+                return chosen
+            chosen.append(Retire(job_id, learner.learner_id))
+    return chosen
+
+
+def _choose_starts(
+    job_id: str, held: list[LearnerView], need: int, index: _FreeIndex
+) -> list[Start]:
+    """Up to ``need`` free devices for ``job_id``, packed onto as few hosts as possible."""
+    starts: list[Start] = []
+    mine = Counter(learner.host_id for learner in held)
+    for host_id in sorted(mine, key=lambda h: (-mine[h], -index.count(h), h)):
+        if need == 0:
+            return starts
+        if index.count(host_id):
+            taken = index.take(host_id, need)
+            starts.extend(Start(job_id, host_id, d) for d in taken)
+            need -= len(taken)
+    while need > 0 and (best := index.best_host(need)) is not None:
+        taken = index.take(best, need)
+        starts.extend(Start(job_id, best, d) for d in taken)
+        need -= len(taken)
+    return starts
