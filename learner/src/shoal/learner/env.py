@@ -1,0 +1,224 @@
+"""The learner's environment contract: every variable a learner process reads, in one place.
+
+The host-agent sets these when it starts a learner on the cluster; a standalone run
+(``python train.py``) sets none of them and gets the defaults below, which select the
+``local`` backend (one process, no cluster). One function per variable, each with its default;
+each takes an optional ``environ`` mapping (``os.environ`` when omitted) so tests need not
+patch the process environment. A malformed value raises ``ValueError`` naming the variable.
+
+:class:`LearnerEnv` reads them all at once; it is what backend factories receive.
+
+=========================== ======================= =============================================
+Variable                    Default                 Meaning
+=========================== ======================= =============================================
+SHOAL_JOB_ID                unset (standalone)      The job this learner belongs to.
+SHOAL_LEARNER_ID            unset                   This learner's id, unique within the job.
+SHOAL_GENERATION            0                       Membership generation the learner was
+                                                    started for (the coordinator may admit it
+                                                    to a later one).
+SHOAL_SYNC_ENDPOINTS        empty                   Comma-separated ``host:port`` of the job's
+                                                    parameter-sync shards, in shard order.
+SHOAL_COORDINATOR           first sync endpoint     ``host:port`` of the shard coordinating
+                                                    the job.
+SHOAL_SYNC_BACKEND          ``local`` without a     Name of the sync backend in the registry
+                            job id, else            (``backend.get_backend``).
+                            ``parameter_server``
+SHOAL_MAX_BATCH_PER_DEVICE  unset (no limit)        Most samples one forward/backward pass
+                                                    holds; larger shares are accumulated in
+                                                    micro-batches.
+SHOAL_STORAGE_URI           unset (no storage)      fsspec URI for checkpoints, metrics and
+                                                    the final model.
+SHOAL_TOKEN                 unset                   Bearer token for the shoal services.
+TRACEPARENT                 unset                   W3C trace context of the span that started
+                                                    this learner (OpenTelemetry).
+SHOAL_EPOCHS                unset                   Job settings; when set they win over the
+SHOAL_BATCH_SIZE            unset                   script's arguments (on the cluster the job,
+SHOAL_SEED                  unset                   not the script, decides them).
+=========================== ======================= =============================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "CLUSTER_DEFAULT_BACKEND",
+    "LOCAL_BACKEND",
+    "LearnerEnv",
+    "batch_size",
+    "coordinator",
+    "epochs",
+    "generation",
+    "job_id",
+    "learner_id",
+    "max_batch_per_device",
+    "seed",
+    "storage_uri",
+    "sync_backend",
+    "sync_endpoints",
+    "token",
+    "traceparent",
+]
+
+#: Backend used when no job id is set (standalone).
+LOCAL_BACKEND = "local"
+#: Backend used by default on the cluster (a job id is set).
+CLUSTER_DEFAULT_BACKEND = "parameter_server"
+
+
+def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def _str(name: str, environ: Mapping[str, str] | None) -> str | None:
+    value = _env(environ).get(name, "").strip()
+    return value or None
+
+
+def _int(name: str, environ: Mapping[str, str] | None, minimum: int) -> int | None:
+    raw = _str(name, environ)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} ({raw!r}) must be an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name} ({value}) must be >= {minimum}")
+    return value
+
+
+def _endpoint(name: str, value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name} ({value!r}) must be host:port")
+    return value
+
+
+def job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """SHOAL_JOB_ID: the job this learner belongs to; ``None`` when running standalone."""
+    return _str("SHOAL_JOB_ID", environ)
+
+
+def learner_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """SHOAL_LEARNER_ID: this learner's id within the job; ``None`` when unset."""
+    return _str("SHOAL_LEARNER_ID", environ)
+
+
+def generation(environ: Mapping[str, str] | None = None) -> int:
+    """SHOAL_GENERATION: the membership generation the learner was started for (default 0)."""
+    value = _int("SHOAL_GENERATION", environ, 0)
+    return 0 if value is None else value
+
+
+def sync_endpoints(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """SHOAL_SYNC_ENDPOINTS: ``host:port`` of each parameter-sync shard, comma-separated, in
+    shard order (default: none)."""
+    raw = _str("SHOAL_SYNC_ENDPOINTS", environ)
+    if raw is None:
+        return ()
+    parts = [p.strip() for p in raw.split(",")]
+    if any(not p for p in parts):
+        raise ValueError(f"SHOAL_SYNC_ENDPOINTS ({raw!r}) has an empty entry")
+    return tuple(_endpoint("SHOAL_SYNC_ENDPOINTS", p) for p in parts)
+
+
+def coordinator(environ: Mapping[str, str] | None = None) -> str | None:
+    """SHOAL_COORDINATOR: ``host:port`` of the coordinating shard (default: the first sync
+    endpoint, ``None`` when there is none)."""
+    raw = _str("SHOAL_COORDINATOR", environ)
+    if raw is not None:
+        return _endpoint("SHOAL_COORDINATOR", raw)
+    endpoints = sync_endpoints(environ)
+    return endpoints[0] if endpoints else None
+
+
+def sync_backend(environ: Mapping[str, str] | None = None) -> str:
+    """SHOAL_SYNC_BACKEND: registry name of the sync backend (default ``local`` without a job
+    id, ``parameter_server`` with one)."""
+    raw = _str("SHOAL_SYNC_BACKEND", environ)
+    if raw is not None:
+        return raw
+    return LOCAL_BACKEND if job_id(environ) is None else CLUSTER_DEFAULT_BACKEND
+
+
+def max_batch_per_device(environ: Mapping[str, str] | None = None) -> int | None:
+    """SHOAL_MAX_BATCH_PER_DEVICE: most samples per forward/backward pass (default: no limit)."""
+    return _int("SHOAL_MAX_BATCH_PER_DEVICE", environ, 1)
+
+
+def storage_uri(environ: Mapping[str, str] | None = None) -> str | None:
+    """SHOAL_STORAGE_URI: fsspec URI for checkpoints, metrics and the final model (default:
+    none, so a standalone run writes nothing)."""
+    return _str("SHOAL_STORAGE_URI", environ)
+
+
+def token(environ: Mapping[str, str] | None = None) -> str | None:
+    """SHOAL_TOKEN: bearer token presented to the shoal services (default: none)."""
+    return _str("SHOAL_TOKEN", environ)
+
+
+def traceparent(environ: Mapping[str, str] | None = None) -> str | None:
+    """TRACEPARENT: W3C trace context of the span that started this learner (default: none)."""
+    return _str("TRACEPARENT", environ)
+
+
+def epochs(environ: Mapping[str, str] | None = None) -> int | None:
+    """SHOAL_EPOCHS: the job's number of epochs; overrides the script's (default: unset)."""
+    return _int("SHOAL_EPOCHS", environ, 1)
+
+
+def batch_size(environ: Mapping[str, str] | None = None) -> int | None:
+    """SHOAL_BATCH_SIZE: the job's global batch size B; overrides the script's (default:
+    unset)."""
+    return _int("SHOAL_BATCH_SIZE", environ, 1)
+
+
+def seed(environ: Mapping[str, str] | None = None) -> int | None:
+    """SHOAL_SEED: the job's data-order seed; overrides the script's (default: unset)."""
+    return _int("SHOAL_SEED", environ, 0)
+
+
+@dataclass(frozen=True)
+class LearnerEnv:
+    """All of the contract read at once (see the module docstring for each field)."""
+
+    job_id: str | None = None
+    learner_id: str | None = None
+    generation: int = 0
+    sync_endpoints: tuple[str, ...] = ()
+    coordinator: str | None = None
+    sync_backend: str = LOCAL_BACKEND
+    max_batch_per_device: int | None = None
+    storage_uri: str | None = None
+    token: str | None = None
+    traceparent: str | None = None
+    epochs: int | None = None
+    batch_size: int | None = None
+    seed: int | None = None
+
+    @property
+    def standalone(self) -> bool:
+        """True when no job id is set: a plain ``python train.py`` run."""
+        return self.job_id is None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LearnerEnv:
+        """Read every variable of the contract (``os.environ`` when ``environ`` is None)."""
+        return cls(
+            job_id=job_id(environ),
+            learner_id=learner_id(environ),
+            generation=generation(environ),
+            sync_endpoints=sync_endpoints(environ),
+            coordinator=coordinator(environ),
+            sync_backend=sync_backend(environ),
+            max_batch_per_device=max_batch_per_device(environ),
+            storage_uri=storage_uri(environ),
+            token=token(environ),
+            traceparent=traceparent(environ),
+            epochs=epochs(environ),
+            batch_size=batch_size(environ),
+            seed=seed(environ),
+        )

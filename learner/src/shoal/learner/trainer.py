@@ -1,0 +1,569 @@
+"""``ElasticTrainer``: a training loop written once, run standalone or elastically.
+
+The user gives the model, a function that builds the datasets, a mean-reduced loss and the
+optimizer by name; the trainer runs the iteration protocol of DESIGN.md against a
+:class:`~shoal.learner.backend.SyncBackend` chosen from the environment (``local`` when run as
+``python train.py``; the parameter-sync client on the cluster).
+
+Each iteration the learner computes the mean gradient over its share of the global batch
+(accumulating micro-batches when the share exceeds what the device holds), hands it with its
+sample count, loss sum and buffers to the backend, and loads the parameters it gets back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
+
+from shoal.learner import partition
+from shoal.learner.backend import (
+    Assignment,
+    Contribution,
+    EpochReport,
+    IterationAborted,
+    OptimizerLike,
+    OptimizerSpec,
+    SyncBackend,
+    TensorSpec,
+    TrainingPlan,
+    TrainingSetup,
+    create_backend,
+)
+from shoal.learner.env import LearnerEnv
+from shoal.learner.metrics import MetricsFn, classification_metrics
+
+__all__ = [
+    "DatasetsFn",
+    "ElasticTrainer",
+    "EpochResult",
+    "IterationRecord",
+    "LRSchedule",
+    "TrainResult",
+    "compute_contribution",
+    "evaluate",
+    "fetch_batch",
+    "persistent_buffers",
+]
+
+logger = logging.getLogger("shoal.learner")
+
+#: ``() -> (train, test)``; ``test`` may be None (no evaluation). Items are ``(input, target)``.
+DatasetsFn: TypeAlias = Callable[[], tuple[Dataset[Any], Dataset[Any] | None]]
+#: Learning rate of a global iteration (or of an epoch, with ``lr_schedule_unit="epoch"``).
+LRSchedule: TypeAlias = Callable[[int], float]
+LossFn: TypeAlias = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One completed iteration as this learner saw it: ``loss`` is the global mean training
+    loss of the iteration (all learners) when the backend reports it, else None;
+    ``share_loss`` the mean over this learner's ``n_samples`` (NaN for an empty share)."""
+
+    step: int
+    epoch: int
+    iteration: int
+    generation: int
+    rank: int
+    world_size: int
+    batch_size: int
+    n_samples: int
+    loss: float | None
+    share_loss: float
+    lr: float | None
+
+    @property
+    def best_loss(self) -> float:
+        """The global loss when known, else this learner's share loss."""
+        return self.share_loss if self.loss is None else self.loss
+
+
+@dataclass(frozen=True)
+class EpochResult:
+    """End-of-epoch evaluation: mean training loss over the epoch's iterations this learner
+    took part in, mean test loss (NaN without a test set), and the metrics hook's values."""
+
+    epoch: int
+    step: int
+    train_loss: float
+    test_loss: float
+    metrics: Mapping[str, float]
+    seconds: float
+
+    def summary(self, epochs: int | None = None) -> str:
+        total = f"/{epochs}" if epochs is not None else ""
+        parts = [
+            f"epoch {self.epoch + 1}{total}",
+            f"train loss {self.train_loss:.4f}",
+            f"test loss {self.test_loss:.4f}",
+        ]
+        parts += [f"{name} {value:.4f}" for name, value in self.metrics.items()]
+        return ", ".join(parts) + f" ({self.seconds:.1f} s)"
+
+
+@dataclass
+class TrainResult:
+    """What :meth:`ElasticTrainer.train` returns.
+
+    ``params`` is the final ``state_dict`` (CPU copies). ``history`` has one record per
+    iteration this learner completed; ``epochs`` one result per epoch it evaluated (on the
+    cluster only the learner of rank 0 at an epoch's end evaluates). ``retired`` is true when
+    the coordinator retired this learner before the job ended; ``completed`` when the job ran
+    all its iterations.
+    """
+
+    plan: TrainingPlan
+    params: dict[str, torch.Tensor]
+    history: list[IterationRecord] = field(default_factory=list)
+    epochs: list[EpochResult] = field(default_factory=list)
+    retired: bool = False
+    completed: bool = False
+
+    @property
+    def losses(self) -> list[float]:
+        """Mean training loss of each iteration in :attr:`history`: the global one where the
+        backend reports it (always standalone), else this learner's share's."""
+        return [r.best_loss for r in self.history]
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks (also used by tests and by backends that simulate learners)
+# --------------------------------------------------------------------------------------------
+
+
+def fetch_batch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
+    """The samples ``indices`` of ``dataset`` as one collated batch. ``TensorDataset`` (and a
+    ``Subset`` of one) is indexed in one vectorized operation; other datasets go through
+    ``__getitems__`` when they have it, else item by item, then ``default_collate``."""
+    if isinstance(dataset, Subset) and isinstance(dataset.dataset, TensorDataset):
+        mapped = torch.tensor([dataset.indices[i] for i in indices.tolist()], dtype=torch.int64)
+        return tuple(t[mapped] for t in dataset.dataset.tensors)
+    if isinstance(dataset, TensorDataset):
+        return tuple(t[indices] for t in dataset.tensors)
+    positions = indices.tolist()
+    getitems = getattr(dataset, "__getitems__", None)
+    items = getitems(positions) if getitems is not None else [dataset[i] for i in positions]
+    return default_collate(items)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _split(batch: Any) -> tuple[Any, Any]:
+    if not isinstance(batch, (list, tuple)) or len(batch) != 2:
+        raise ValueError("dataset items must be (input, target) pairs")
+    return batch[0], batch[1]
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers that travel with the gradients: the persistent ones (those in the model's
+    ``state_dict``, e.g. BatchNorm running statistics), in ``named_buffers`` order."""
+    keys = set(model.state_dict(keep_vars=True))
+    return [(name, b) for name, b in model.named_buffers() if name in keys]
+
+
+def compute_contribution(
+    model: nn.Module,
+    loss_fn: LossFn,
+    dataset: Dataset[Any],
+    indices: torch.Tensor,
+    *,
+    max_per_device: int | None = None,
+    device: torch.device | str | None = None,
+) -> Contribution:
+    """Run forward and backward over the share ``indices`` of ``dataset`` and return this
+    learner's :class:`Contribution`: the mean gradient over the share, its size, the sum of
+    the per-sample losses, and the buffers.
+
+    ``loss_fn`` must return the mean over its batch (e.g. ``nn.CrossEntropyLoss()``). When the
+    share exceeds ``max_per_device`` it is split by :func:`partition.micro_batches` and each
+    micro-batch of ``m`` of the share's ``n`` samples backpropagates ``loss * m / n``, so the
+    accumulated gradient is the mean over the whole share. (With BatchNorm, micro-batches see
+    their own batch statistics, as on any device that cannot hold the whole share.)
+    """
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    params = [p for _, p in model.named_parameters()]
+    model.zero_grad(set_to_none=True)
+    n = int(indices.numel())
+    if n == 0:
+        return Contribution([None] * len(params), 0, 0.0, [b for _, b in persistent_buffers(model)])
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for chunk in partition.micro_batches(indices, max_per_device):
+        inputs, targets = _split(_to_device(fetch_batch(dataset, chunk), device))
+        loss = loss_fn(model(inputs), targets)
+        m = int(chunk.numel())
+        (loss if m == n else loss * (m / n)).backward()
+        loss_sum += loss.detach().to(torch.float64) * m
+    buffers = [b for _, b in persistent_buffers(model)]
+    return Contribution([p.grad for p in params], n, float(loss_sum), buffers)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    loss_fn: LossFn,
+    dataset: Dataset[Any],
+    *,
+    batch_size: int = 1024,
+    device: torch.device | str | None = None,
+    metrics: MetricsFn | None = classification_metrics,
+) -> tuple[float, dict[str, float]]:
+    """Mean loss and metrics of ``model`` (in eval mode) over the whole of ``dataset``."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    n = len(dataset)  # type: ignore[arg-type]
+    was_training = model.training
+    model.eval()
+    try:
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        outputs: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        for start in range(0, n, batch_size):
+            idx = torch.arange(start, min(start + batch_size, n))
+            inputs, target = _split(_to_device(fetch_batch(dataset, idx), device))
+            output = model(inputs)
+            loss_sum += loss_fn(output, target).to(torch.float64) * idx.numel()
+            if metrics is not None:
+                outputs.append(output.detach().cpu())
+                targets.append(target.detach().cpu())
+    finally:
+        model.train(was_training)
+    loss = float(loss_sum) / n if n else math.nan
+    values: dict[str, float] = {}
+    if metrics is not None and outputs:
+        values = {k: float(v) for k, v in metrics(torch.cat(outputs), torch.cat(targets)).items()}
+    return loss, values
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------
+
+
+class ElasticTrainer:
+    """Elastic data-parallel training of ``model``.
+
+    Args:
+        model: the ``nn.Module`` to train, built as for one machine (moved to ``device``).
+        get_datasets: ``() -> (train, test)`` torch Datasets of ``(input, target)`` items;
+            called in each learner process; ``test`` may be None. A ``TensorDataset`` is
+            batched fastest (one indexing operation per micro-batch).
+        loss_fn: ``(outputs, targets) -> scalar`` mean over the batch, e.g.
+            ``nn.CrossEntropyLoss()``.
+        optimizer: re-creatable optimizer: ``("SGD", {"lr": 0.1, "momentum": 0.9})``,
+            ``(torch.optim.AdamW, {"lr": 1e-3})``, ``"Adam"``, ``torch.optim.Adam``, an
+            :class:`OptimizerSpec`, or ``("pkg.module:Class", {...})`` for another importable
+            ``torch.optim.Optimizer`` subclass. Hyperparameters are plain values.
+        metrics: evaluation hook ``(outputs, targets) -> {name: value}`` over the whole test
+            set; default: accuracy for classification (arg-max of logits). None to disable.
+        lr_schedule: ``step -> lr`` applied before every iteration's optimizer step, where
+            ``step`` is the global iteration index (with ``lr_schedule_unit="epoch"``, the
+            epoch index). It overrides the optimizer's ``lr`` and must be deterministic: every
+            learner evaluates it.
+        seed: data-order seed (SHOAL_SEED overrides it).
+        backend: a :class:`SyncBackend`, a registered backend name, or None for the one the
+            environment names (SHOAL_SYNC_BACKEND; ``local`` standalone). A backend passed as
+            an object is not closed by the trainer.
+        device: where to train (default: CUDA when available, else CPU).
+        max_batch_per_device: most samples per forward/backward (SHOAL_MAX_BATCH_PER_DEVICE
+            overrides it); None for no limit.
+        eval_batch_size: batch size of evaluation (default: max_batch_per_device or 1024).
+        on_epoch_end: called with each :class:`EpochResult` this learner evaluates.
+        env: the environment contract (default: read from ``os.environ`` at ``train``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        get_datasets: DatasetsFn,
+        loss_fn: LossFn,
+        optimizer: OptimizerLike,
+        *,
+        metrics: MetricsFn | None = classification_metrics,
+        lr_schedule: LRSchedule | None = None,
+        lr_schedule_unit: Literal["iteration", "epoch"] = "iteration",
+        seed: int = 0,
+        backend: SyncBackend | str | None = None,
+        device: torch.device | str | None = None,
+        max_batch_per_device: int | None = None,
+        eval_batch_size: int | None = None,
+        on_epoch_end: Callable[[EpochResult], None] | None = None,
+        env: LearnerEnv | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model ({type(model).__name__}) must be a torch.nn.Module")
+        if not callable(get_datasets):
+            raise ValueError(f"get_datasets ({get_datasets!r}) must be callable")
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn ({loss_fn!r}) must be callable")
+        if lr_schedule_unit not in ("iteration", "epoch"):
+            raise ValueError(
+                f"lr_schedule_unit ({lr_schedule_unit!r}) must be 'iteration' or 'epoch'"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed ({seed!r}) must be an int >= 0")
+        for name, value in (
+            ("max_batch_per_device", max_batch_per_device),
+            ("eval_batch_size", eval_batch_size),
+        ):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} ({value!r}) must be None or an int >= 1")
+        self.model = model
+        self.get_datasets = get_datasets
+        self.loss_fn = loss_fn
+        self.optimizer_spec = OptimizerSpec.parse(optimizer)
+        self.metrics = metrics
+        self.lr_schedule = lr_schedule
+        self.lr_schedule_unit = lr_schedule_unit
+        self.seed = seed
+        self.backend = backend
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.max_batch_per_device = max_batch_per_device
+        self.eval_batch_size = eval_batch_size
+        self.on_epoch_end = on_epoch_end
+        self.env = env
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def train(
+        self,
+        epochs: int = 1,
+        batch_size: int = 32,
+        *,
+        max_workers: int | None = None,
+        checkpoint_every: int | None = None,
+    ) -> TrainResult:
+        """Train for ``epochs`` epochs of global batch ``batch_size`` (the job's SHOAL_EPOCHS,
+        SHOAL_BATCH_SIZE and SHOAL_SEED win when set). ``max_workers`` caps the learners of
+        the job on the cluster (ignored standalone); ``checkpoint_every`` is in epochs (the
+        backend also checkpoints at the end when it has storage)."""
+        env = self.env if self.env is not None else LearnerEnv.from_environ()
+        train_set, test_set = self.get_datasets()
+        num_samples = len(train_set)  # type: ignore[arg-type]
+        if num_samples < 1:
+            raise ValueError("the training dataset is empty")
+        plan = TrainingPlan(
+            epochs=env.epochs if env.epochs is not None else epochs,
+            batch_size=env.batch_size if env.batch_size is not None else batch_size,
+            num_samples=num_samples,
+            seed=env.seed if env.seed is not None else self.seed,
+            checkpoint_every=checkpoint_every,
+            max_workers=max_workers,
+        )
+        max_per_device = (
+            env.max_batch_per_device
+            if env.max_batch_per_device is not None
+            else self.max_batch_per_device
+        )
+        eval_batch_size = self.eval_batch_size or max_per_device or 1024
+
+        model = self.model.to(self.device)
+        model.train()
+        named_params = list(model.named_parameters())
+        named_buffers = persistent_buffers(model)
+        setup = TrainingSetup(
+            plan=plan,
+            optimizer=self.optimizer_spec,
+            param_specs=tuple(TensorSpec.of(n, p) for n, p in named_params),
+            buffer_specs=tuple(TensorSpec.of(n, b) for n, b in named_buffers),
+            params=[p.detach() for _, p in named_params],
+            buffers=[b for _, b in named_buffers],
+        )
+
+        owns_backend = not isinstance(self.backend, SyncBackend)
+        backend = (
+            self.backend
+            if isinstance(self.backend, SyncBackend)
+            else create_backend(self.backend, env)
+        )
+        try:
+            state = backend.initialize(setup)
+            if state.plan.num_samples != num_samples:
+                raise ValueError(
+                    f"num_samples ({num_samples}) of this learner's training set differs from "
+                    f"the job's ({state.plan.num_samples})"
+                )
+            plan = state.plan
+            have_state = state.params is not None and state.buffers is not None
+            if state.params is not None and state.buffers is not None:
+                self._load(state.params, state.buffers)
+            synced_buffers = [b.detach().clone() for _, b in persistent_buffers(model)]
+            result = TrainResult(plan=plan, params={})
+            logger.info(
+                "training %d samples, %d epochs of batch %d (%d iterations each), from step %d",
+                plan.num_samples,
+                plan.epochs,
+                plan.batch_size,
+                plan.iterations_per_epoch,
+                state.step,
+            )
+            order_epoch, order = -1, torch.empty(0, dtype=torch.int64)
+            epoch_start = time.monotonic()
+            while (a := backend.next_assignment()) is not None:
+                if a.retire:
+                    logger.info("retired at step %d (generation %d)", a.step, a.generation)
+                    result.retired = True
+                    break
+                self._check_assignment(a, plan)
+                if a.pull_parameters or not have_state:
+                    pulled = backend.pull_parameters()
+                    self._load(pulled.params, pulled.buffers)
+                    self._snapshot_buffers(synced_buffers)
+                    have_state = True
+                if a.epoch != order_epoch:
+                    order_epoch = a.epoch
+                    order = partition.epoch_order(plan.num_samples, plan.seed, a.epoch)
+                start, stop = a.share
+                contribution = compute_contribution(
+                    model,
+                    self.loss_fn,
+                    train_set,
+                    order[start:stop],
+                    max_per_device=max_per_device,
+                    device=self.device,
+                )
+                lr = self._lr(a)
+                try:
+                    synced = backend.sync(a, contribution, lr=lr)
+                except IterationAborted:
+                    logger.warning("iteration %d aborted; waiting for it to be re-issued", a.step)
+                    self._restore_buffers(synced_buffers)
+                    continue
+                finally:
+                    model.zero_grad(set_to_none=True)
+                self._load(synced.params, synced.buffers)
+                self._snapshot_buffers(synced_buffers)
+                result.history.append(
+                    IterationRecord(
+                        step=a.step,
+                        epoch=a.epoch,
+                        iteration=a.iteration,
+                        generation=a.generation,
+                        rank=a.rank,
+                        world_size=a.world_size,
+                        batch_size=a.batch_size,
+                        n_samples=contribution.n_samples,
+                        loss=synced.loss,
+                        share_loss=(
+                            contribution.loss_sum / contribution.n_samples
+                            if contribution.n_samples
+                            else math.nan
+                        ),
+                        lr=lr,
+                    )
+                )
+                if plan.is_last_of_epoch(a.iteration):
+                    if a.rank == 0:
+                        epoch_result = self._end_epoch(
+                            a, result, test_set, eval_batch_size, time.monotonic() - epoch_start
+                        )
+                        result.epochs.append(epoch_result)
+                        backend.report_epoch(
+                            EpochReport(
+                                epoch=a.epoch,
+                                step=a.step,
+                                loss=epoch_result.test_loss,
+                                metrics=dict(epoch_result.metrics),
+                                num_samples=0 if test_set is None else len(test_set),  # type: ignore[arg-type]
+                            )
+                        )
+                    epoch_start = time.monotonic()
+            else:
+                result.completed = True
+        finally:
+            if owns_backend:
+                backend.close()
+        result.params = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        return result
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _lr(self, a: Assignment) -> float | None:
+        if self.lr_schedule is None:
+            return None
+        return float(self.lr_schedule(a.epoch if self.lr_schedule_unit == "epoch" else a.step))
+
+    @staticmethod
+    def _check_assignment(a: Assignment, plan: TrainingPlan) -> None:
+        expected = partition.batch_range(a.iteration, plan.batch_size, plan.num_samples)
+        if (a.batch_start, a.batch_stop) != expected or a.epoch >= plan.epochs:
+            raise RuntimeError(
+                f"assignment (epoch {a.epoch}, iteration {a.iteration}, batch "
+                f"[{a.batch_start}, {a.batch_stop})) does not match the plan "
+                f"(epochs {plan.epochs}, batch {list(expected)})"
+            )
+
+    @torch.no_grad()
+    def _load(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
+        model_params = [p for _, p in self.model.named_parameters()]
+        model_buffers = [b for _, b in persistent_buffers(self.model)]
+        if len(params) != len(model_params) or len(buffers) != len(model_buffers):
+            raise RuntimeError(
+                f"backend sent {len(params)} parameters and {len(buffers)} buffers, the model "
+                f"has {len(model_params)} and {len(model_buffers)}"
+            )
+        for dst, src in zip([*model_params, *model_buffers], [*params, *buffers], strict=True):
+            if dst is not src:
+                # Blocking: a backend may reuse (e.g. pinned receive) buffers on its next call.
+                dst.copy_(src)
+
+    @torch.no_grad()
+    def _snapshot_buffers(self, saved: Sequence[torch.Tensor]) -> None:
+        for dst, (_, src) in zip(saved, persistent_buffers(self.model), strict=True):
+            dst.copy_(src)
+
+    @torch.no_grad()
+    def _restore_buffers(self, saved: Sequence[torch.Tensor]) -> None:
+        for (_, dst), src in zip(persistent_buffers(self.model), saved, strict=True):
+            dst.copy_(src)
+
+    def _end_epoch(
+        self,
+        a: Assignment,
+        result: TrainResult,
+        test_set: Dataset[Any] | None,
+        eval_batch_size: int,
+        seconds: float,
+    ) -> EpochResult:
+        records = [r for r in result.history if r.epoch == a.epoch]
+        if all(r.loss is not None for r in records):
+            pairs = [(r.best_loss, r.batch_size) for r in records]
+        else:  # only this learner's shares are known
+            pairs = [(r.share_loss, r.n_samples) for r in records if r.n_samples]
+        weight = sum(w for _, w in pairs)
+        train_loss = sum(v * w for v, w in pairs) / weight if weight else math.nan
+        values: dict[str, float] = {}
+        if test_set is None:
+            test_loss = math.nan
+        else:
+            test_loss, values = evaluate(
+                self.model,
+                self.loss_fn,
+                test_set,
+                batch_size=eval_batch_size,
+                device=self.device,
+                metrics=self.metrics,
+            )
+        epoch_result = EpochResult(a.epoch, a.step, train_loss, test_loss, values, seconds)
+        logger.info("%s", epoch_result.summary(result.plan.epochs))
+        if self.on_epoch_end is not None:
+            self.on_epoch_end(epoch_result)
+        return epoch_result
