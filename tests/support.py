@@ -6,9 +6,9 @@ import asyncio
 import inspect
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from shoal.runtime.auth import Role, new_token, write_tokens_file
 
@@ -30,19 +30,20 @@ def wait_until(
 
 
 async def async_wait_until(
-    condition: Callable[[], T | Awaitable[T]],
+    condition: Callable[[], Any],
     *,
     timeout: float = 10.0,
     interval: float = 0.02,
     what: str = "",
-) -> T:
+) -> Any:
+    """Like :func:`wait_until`; ``condition`` may be sync or async."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if inspect.isawaitable(value):
             value = await value
         if value:
-            return value  # type: ignore[return-value]
+            return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
         await asyncio.sleep(interval)

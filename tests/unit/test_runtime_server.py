@@ -211,3 +211,13 @@ async def test_messages_over_the_size_limit_are_refused(tmp_path):
 async def _drain(call) -> None:
     async for _ in call:
         pass
+
+
+def test_store_errors_map_to_status_codes_with_their_reasons():
+    from shoal.runtime import store
+
+    fenced = DEFAULT_TABLE.lookup(store.FencedOut(store.Fence("/k", 3), 5))
+    assert fenced.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert ("shoal-error-reason", "ERROR_REASON_FENCED_OUT") in fenced.metadata
+    down = DEFAULT_TABLE.lookup(store.StoreUnavailable("etcd down"))
+    assert down.code == grpc.StatusCode.UNAVAILABLE

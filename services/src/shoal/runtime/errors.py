@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from shoal.runtime import store
 from shoal.v1 import errors_pb2
 
 REASON_METADATA_KEY = "shoal-error-reason"
@@ -117,6 +118,18 @@ BASE_TABLE: dict[type[BaseException], grpc.StatusCode] = {
     Aborted: grpc.StatusCode.ABORTED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    # The state store's errors, raised through from etcd: a deposed leader's write, an
+    # unreachable store (retry), a lease that expired under a leader.
+    store.FencedOut: grpc.StatusCode.FAILED_PRECONDITION,
+    store.StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
+    store.LeaseExpired: grpc.StatusCode.UNAVAILABLE,
+}
+
+# Reasons of errors that are not ShoalErrors.
+FOREIGN_REASONS: dict[type[BaseException], str] = {
+    store.FencedOut: "ERROR_REASON_FENCED_OUT",
+    store.StoreUnavailable: "ERROR_REASON_STORE_UNAVAILABLE",
+    store.LeaseExpired: "ERROR_REASON_STORE_UNAVAILABLE",
 }
 
 
@@ -152,6 +165,8 @@ class ErrorTable:
                 message = exc.message
             else:
                 message = str(exc) or type(exc).__name__
+                if klass in FOREIGN_REASONS:
+                    metadata.append((REASON_METADATA_KEY, FOREIGN_REASONS[klass]))
             if isinstance(exc, NotLeader) and exc.leader:
                 metadata.append((LEADER_METADATA_KEY, exc.leader))
             return MappedError(code, message, tuple(metadata))
