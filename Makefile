@@ -56,7 +56,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(PY) -m shoal.cluster.demo
+	$(PY) -m shoal.cluster.demo $(DEMO_ARGS)
 
 # Each bench prints a table; the recorded results are in bench/RESULTS-*.md.
 bench: $(STAMP)

@@ -19,25 +19,25 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+from shoal.runtime.procs import die_with_parent
 
 __all__ = ["EtcdCluster", "EtcdError", "EtcdMember", "EtcdServer", "EtcdTLS", "find_etcd_binary"]
 
@@ -109,26 +109,6 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGKILL the child when its creator dies.
-
-    Only from the main thread: the signal fires when the creating *thread* exits."""
-    if not sys.platform.startswith("linux"):
-        return None
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-
-    return preexec
 
 
 class EtcdMember:
@@ -233,12 +213,11 @@ class EtcdMember:
             log.write(f"\n=== {time.strftime('%H:%M:%S')} starting {self.name}\n".encode())
             log.flush()
             proc = subprocess.Popen(
-                self.args(),
+                die_with_parent(self.args()),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent(),
             )
         with _LIVE_LOCK:
             _LIVE.add(proc)

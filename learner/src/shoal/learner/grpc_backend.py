@@ -1,0 +1,566 @@
+"""The ``"grpc"`` sync backend: a learner of a job on shoal's parameter-sync shards.
+
+Per learner (see docs/data-plane.md for the protocol):
+
+* :meth:`GrpcBackend.initialize` joins the job at the coordinator with the model's tensor
+  layout and the optimizer. The first learner of a new job uploads the initial parameters to
+  every shard (``InitializeParameters``); any other learner defers its state to its first
+  assignment, which says ``pull_parameters`` (:meth:`GrpcBackend.pull_parameters` streams the
+  current values from every shard, ``PullParameters``).
+* :meth:`GrpcBackend.next_assignment` is the ``Boundary`` call: it reports the loss of the
+  iteration just completed and returns the next assignment (or retire, or None when done).
+* :meth:`GrpcBackend.sync` opens one ``SyncStep`` stream per shard, concurrently: the header,
+  then this learner's gradients and buffers for that shard's tensors as raw little-endian
+  chunks; each shard answers with its new parameters once every member has contributed and
+  every shard is ready. ABORTED (a member was evicted) or a stale generation raise
+  :class:`~shoal.learner.backend.IterationAborted`: the next boundary re-issues the iteration.
+
+gRPC runs on an asyncio loop in a background thread; the trainer calls in from its own thread.
+The environment contract (``shoal.learner.env``): SHOAL_JOB_ID, SHOAL_LEARNER_ID,
+SHOAL_COORDINATOR (default: the first of SHOAL_SYNC_ENDPOINTS), SHOAL_TOKEN.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import torch
+from grpc import aio
+
+from shoal.learner.backend import (
+    Assignment,
+    Contribution,
+    EpochReport,
+    InitialState,
+    IterationAborted,
+    ModelState,
+    SyncBackend,
+    SyncResult,
+    TrainingPlan,
+    TrainingSetup,
+    register_backend,
+    registered_backends,
+)
+from shoal.learner.env import LearnerEnv
+from shoal.learner.transport import (
+    DEFAULT_CHUNK_BYTES,
+    BundleReceiver,
+    Frame,
+    TensorMeta,
+    byte_view,
+    encode_chunks,
+    encode_header,
+    frame_decoder,
+    header_of,
+    pack_layout,
+    serialize,
+)
+from shoal.v1 import (
+    parameter_sync_service_pb2 as ps_pb2,
+    parameter_sync_service_pb2_grpc as ps_grpc,
+)
+
+__all__ = ["BACKEND_NAME", "GrpcBackend", "LearnerEvicted", "stream_methods"]
+
+log = logging.getLogger("shoal.learner.grpc")
+T = TypeVar("T")
+
+BACKEND_NAME = "grpc"
+SERVICE_PATH = "/shoal.v1.ParameterSyncService/"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class LearnerEvicted(RuntimeError):
+    """The coordinator no longer knows this learner (it was evicted, or the job's data plane
+    was restarted without it): the learner must exit."""
+
+
+def stream_methods(channel: aio.Channel) -> dict[str, Any]:
+    """Multi-callables of the three tensor streams with shoal's hand codec
+    (``shoal.learner.transport``): requests pass pre-encoded bytes through, responses are
+    decoded into zero-copy :class:`~shoal.learner.transport.Frame` objects."""
+    return {
+        "InitializeParameters": channel.stream_unary(
+            SERVICE_PATH + "InitializeParameters",
+            request_serializer=serialize,
+            response_deserializer=ps_pb2.InitializeParametersResponse.FromString,
+        ),
+        "SyncStep": channel.stream_stream(
+            SERVICE_PATH + "SyncStep",
+            request_serializer=serialize,
+            response_deserializer=frame_decoder(ps_pb2.SyncStepResponse),
+        ),
+        "PullParameters": channel.unary_stream(
+            SERVICE_PATH + "PullParameters",
+            request_serializer=ps_pb2.PullParametersRequest.SerializeToString,
+            response_deserializer=frame_decoder(ps_pb2.PullParametersResponse),
+        ),
+    }
+
+
+@dataclass
+class _Shard:
+    index: int
+    address: str
+    tensors: list[int]  # indices into the job layout (params first, then buffers)
+    stub: ps_grpc.ParameterSyncServiceStub | None = None
+    streams: dict[str, Any] | None = None
+
+
+class GrpcBackend(SyncBackend):
+    """The parameter-server client of one learner (see the module docstring).
+
+    ``channel_options`` are extra gRPC channel options. ``retry_s`` bounds how long the
+    control calls (Join, Boundary) retry while the coordinator is unreachable.
+    """
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        learner_id: str,
+        coordinator: str,
+        token: str | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        retry_s: float = 30.0,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        for name, value in (
+            ("job_id", job_id),
+            ("learner_id", learner_id),
+            ("coordinator", coordinator),
+        ):
+            if not value:
+                raise ValueError(f"{name} ({value!r}) must be set for the grpc backend")
+        self.job_id = job_id
+        self.learner_id = learner_id
+        self.coordinator = coordinator
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._chunk_bytes = chunk_bytes
+        self._retry_s = retry_s
+        self._options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            *channel_options,
+        ]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="shoal-grpc-backend", daemon=True
+        )
+        self._thread.start()
+        self._channels: dict[str, aio.Channel] = {}
+        self._setup: TrainingSetup | None = None
+        self._plan: TrainingPlan | None = None
+        self._layout: list[TensorMeta] = []
+        self._shards: list[_Shard] = []
+        self._recv: list[torch.Tensor] = []
+        self._recv_bytes: list[np.ndarray] = []
+        self._generation = 0  # of the last assignment (pulls are checked against it)
+        self._report = (0, -1, 0.0, 0)  # generation, completed iteration, loss_sum, samples
+        self._closed = False
+
+    @classmethod
+    def from_env(cls, env: LearnerEnv) -> GrpcBackend:
+        if env.job_id is None or env.learner_id is None or env.coordinator is None:
+            raise ValueError(
+                "the grpc backend needs SHOAL_JOB_ID, SHOAL_LEARNER_ID and SHOAL_COORDINATOR "
+                f"(or SHOAL_SYNC_ENDPOINTS); got job {env.job_id!r}, learner "
+                f"{env.learner_id!r}, coordinator {env.coordinator!r}"
+            )
+        return cls(
+            job_id=env.job_id,
+            learner_id=env.learner_id,
+            coordinator=env.coordinator,
+            token=env.token,
+        )
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the grpc backend is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _channel(self, address: str) -> aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = aio.insecure_channel(address, options=self._options)
+            self._channels[address] = channel
+        return channel
+
+    def _coordinator_stub(self) -> ps_grpc.ParameterSyncServiceStub:
+        return ps_grpc.ParameterSyncServiceStub(self._channel(self.coordinator))
+
+    async def _control(self, call: Any, request: Any) -> Any:
+        """A unary control call, retried while the coordinator is unreachable."""
+        deadline = time.monotonic() + self._retry_s
+        delay = 0.1
+        while True:
+            try:
+                return await call(request, metadata=self._metadata)
+            except aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE or time.monotonic() > deadline:
+                    raise _translate(exc) from exc
+                log.warning("%s; retrying in %.1f s", exc.details(), delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    # -- initialize ---------------------------------------------------------------------------
+
+    def initialize(self, setup: TrainingSetup) -> InitialState:
+        if self._setup is not None:
+            raise RuntimeError("initialize() was already called on this backend")
+        self._setup = setup
+        metas = [
+            TensorMeta(s.name, s.dtype, tuple(s.shape), 0, s.nbytes, False)
+            for s in setup.param_specs
+        ] + [
+            TensorMeta(s.name, s.dtype, tuple(s.shape), 0, s.nbytes, True)
+            for s in setup.buffer_specs
+        ]
+        self._layout, _ = pack_layout(metas)
+        self._recv = [torch.empty(m.shape, dtype=m.torch_dtype) for m in self._layout]
+        self._recv_bytes = [_bytes_of(t) for t in self._recv]
+        reply = self._run(self._join(setup))
+        plan = setup.plan
+        self._plan = TrainingPlan(
+            epochs=reply.epochs,
+            batch_size=reply.batch_size,
+            num_samples=plan.num_samples,
+            seed=int(reply.seed),
+            checkpoint_every=plan.checkpoint_every,
+            max_workers=plan.max_workers,
+        )
+        if reply.initialize:
+            log.info("initializing job %s", self.job_id)
+            self._run(self._upload(setup))
+            return InitialState(self._plan, setup.params, setup.buffers, 0)
+        # The state comes with the first assignment (the job keeps training meanwhile).
+        return InitialState(self._plan, None, None, self._run(self._completed()))
+
+    async def _completed(self) -> int:
+        request = ps_pb2.GetJobProgressRequest(job_id=self.job_id)
+        try:
+            reply = await self._control(self._coordinator_stub().GetJobProgress, request)
+        except Exception:  # informational only
+            return 0
+        return int(reply.progress.completed_iterations)
+
+    async def _join(self, setup: TrainingSetup) -> ps_pb2.JoinResponse:
+        request = ps_pb2.JoinRequest(
+            job_id=self.job_id,
+            learner_id=self.learner_id,
+            layout=[m.to_proto() for m in self._layout],
+            optimizer=ps_pb2.OptimizerSpec(
+                name=setup.optimizer.name,
+                hyperparameters_json=json.dumps(dict(setup.optimizer.kwargs), sort_keys=True),
+            ),
+            dataset_size=setup.plan.num_samples,
+        )
+        reply = await self._control(self._coordinator_stub().Join, request)
+        index = {m.name: j for j, m in enumerate(self._layout)}
+        self._shards = []
+        for s in reply.shards:
+            if not s.tensor_names:
+                continue
+            channel = self._channel(s.address)
+            self._shards.append(
+                _Shard(
+                    s.shard_index,
+                    s.address,
+                    sorted(index[n] for n in s.tensor_names),
+                    ps_grpc.ParameterSyncServiceStub(channel),
+                    stream_methods(channel),
+                )
+            )
+        return reply
+
+    async def _upload(self, setup: TrainingSetup) -> None:
+        tensors = [*setup.params, *setup.buffers]
+
+        async def one(shard: _Shard) -> None:
+            assert shard.streams is not None
+            sources = [_cpu(tensors[j]) for j in shard.tensors]
+            metas, total = pack_layout([self._layout[j] for j in shard.tensors])
+            header = header_of(
+                job_id=self.job_id, sender_id=self.learner_id, metas=metas, total_bytes=total
+            )
+
+            async def messages() -> AsyncIterator[bytes]:
+                yield encode_header(ps_pb2.InitializeParametersRequest, header)
+                views = [byte_view(t) for t in sources]
+                for chunk in encode_chunks(metas, views, total, self._chunk_bytes):
+                    yield chunk
+
+            try:
+                await shard.streams["InitializeParameters"](messages(), metadata=self._metadata)
+            except aio.AioRpcError as exc:
+                raise _translate(exc) from exc
+
+        await asyncio.gather(*(one(s) for s in self._shards))
+
+    # -- boundaries ---------------------------------------------------------------------------
+
+    async def _boundary(self) -> ps_pb2.BoundaryResponse:
+        generation, completed, loss_sum, n = self._report
+        request = ps_pb2.BoundaryRequest(
+            job_id=self.job_id,
+            learner_id=self.learner_id,
+            generation=generation,
+            completed_iteration=completed,
+            loss_sum=loss_sum,
+            num_samples=n,
+        )
+        return await self._control(self._coordinator_stub().Boundary, request)
+
+    def next_assignment(self) -> Assignment | None:
+        plan = self._require_plan()
+        reply = self._run(self._boundary())
+        if reply.action == ps_pb2.BOUNDARY_ACTION_DONE:
+            return None
+        if reply.action == ps_pb2.BOUNDARY_ACTION_RETIRE:
+            return Assignment.retirement(self._report[0], self._report[1] + 1)
+        if reply.action != ps_pb2.BOUNDARY_ACTION_RUN:
+            raise RuntimeError(f"unknown boundary action {reply.action}")
+        a = reply.assignment
+        self._generation = int(a.generation)
+        start = a.iteration * plan.batch_size
+        assignment = Assignment(
+            generation=int(a.generation),
+            epoch=a.epoch,
+            iteration=a.iteration,
+            step=int(a.global_iteration),
+            rank=a.rank,
+            world_size=a.world_size,
+            batch_start=start,
+            batch_stop=start + a.batch_samples,
+            pull_parameters=reply.pull_parameters,
+        )
+        if assignment.share != (a.sample_start, a.sample_end):
+            raise RuntimeError(
+                f"coordinator's sample range [{a.sample_start}, {a.sample_end}) differs from "
+                f"the partition's {assignment.share} (rank {a.rank} of {a.world_size})"
+            )
+        return assignment
+
+    # -- parameters ---------------------------------------------------------------------------
+
+    def pull_parameters(self) -> ModelState:
+        """The job's current parameters and buffers from every shard (for a learner new in
+        the generation of its last assignment). The tensors are reused by later calls."""
+        setup = self._setup
+        if setup is None:
+            raise RuntimeError("initialize() must be called first")
+        self._run(self._pull(self._generation))
+        n = len(setup.param_specs)
+        return ModelState(self._recv[:n], self._recv[n:])
+
+    async def _pull(self, generation: int) -> None:
+        request = ps_pb2.PullParametersRequest(
+            job_id=self.job_id, learner_id=self.learner_id, generation=generation
+        )
+
+        async def one(shard: _Shard) -> None:
+            assert shard.streams is not None
+            call = shard.streams["PullParameters"](request, metadata=self._metadata)
+            await self._receive(shard, call)
+
+        try:
+            await asyncio.gather(*(one(s) for s in self._shards))
+        except aio.AioRpcError as exc:
+            raise _translate(exc) from exc
+
+    async def _receive(
+        self, shard: _Shard, frames: AsyncIterator[Frame]
+    ) -> ps_pb2.TensorBundleHeader:
+        """Read a parameter bundle from ``frames`` into the receive tensors."""
+        index = {self._layout[j].name: j for j in shard.tensors}
+        header: ps_pb2.TensorBundleHeader | None = None
+        receiver: BundleReceiver | None = None
+        targets: list[int] = []
+        async for frame in frames:
+            if header is None:
+                if frame.header is None:
+                    raise RuntimeError(f"shard {shard.address} sent a chunk before the header")
+                header = frame.header
+                metas = [TensorMeta.from_proto(t) for t in header.tensors]
+                for m in metas:
+                    j = index.get(m.name)
+                    if j is None or not self._layout[j].same_tensor(m):
+                        raise RuntimeError(f"shard {shard.address} sent unexpected {m.name!r}")
+                    targets.append(j)
+                receiver = BundleReceiver(
+                    metas, header.total_bytes, _copy_sink(self._recv_bytes, targets)
+                )
+            elif frame.chunk is not None:
+                assert receiver is not None
+                receiver.feed(frame.chunk)
+        if header is None or receiver is None:
+            raise RuntimeError(f"shard {shard.address} closed the stream without a header")
+        receiver.finish()
+        return header
+
+    # -- sync ---------------------------------------------------------------------------------
+
+    def sync(
+        self, assignment: Assignment, contribution: Contribution, *, lr: float | None = None
+    ) -> SyncResult:
+        setup = self._setup
+        if setup is None:
+            raise RuntimeError("initialize() must be called first")
+        n_params = len(setup.param_specs)
+        if len(contribution.grads) != n_params:
+            raise ValueError(
+                f"contribution has {len(contribution.grads)} gradients, expected {n_params}"
+            )
+        tensors: list[torch.Tensor | None] = [None] * len(self._layout)
+        if contribution.n_samples > 0:
+            for j, g in enumerate(contribution.grads):
+                tensors[j] = None if g is None else _cpu(g)
+            for j, b in enumerate(contribution.buffers):
+                tensors[n_params + j] = _cpu(b)
+        headers = self._run(self._sync(assignment, contribution, tensors, lr))
+        total = headers[0].num_samples if headers else 0
+        loss_sum = headers[0].loss_sum if headers else contribution.loss_sum
+        self._report = (
+            assignment.generation,
+            assignment.step,
+            contribution.loss_sum,
+            contribution.n_samples,
+        )
+        loss = loss_sum / total if total else float("nan")
+        return SyncResult(
+            self._recv[:n_params], self._recv[n_params:], assignment.step, float(loss)
+        )
+
+    async def _sync(
+        self,
+        a: Assignment,
+        contribution: Contribution,
+        tensors: Sequence[torch.Tensor | None],
+        lr: float | None,
+    ) -> list[ps_pb2.TensorBundleHeader]:
+        async def one(shard: _Shard) -> ps_pb2.TensorBundleHeader:
+            assert shard.streams is not None
+            present = [j for j in shard.tensors if tensors[j] is not None]
+            metas, total = pack_layout([self._layout[j] for j in present])
+            header = header_of(
+                job_id=self.job_id,
+                sender_id=self.learner_id,
+                metas=metas,
+                total_bytes=total,
+                generation=a.generation,
+                iteration=a.step,
+                num_samples=contribution.n_samples,
+                loss_sum=contribution.loss_sum,
+                learning_rate=lr or 0.0,
+            )
+
+            async def messages() -> AsyncIterator[bytes]:
+                yield encode_header(ps_pb2.SyncStepRequest, header)
+                views = [byte_view(tensors[j]) for j in present]  # type: ignore[arg-type]
+                for chunk in encode_chunks(metas, views, total, self._chunk_bytes):
+                    yield chunk
+
+            call = shard.streams["SyncStep"](messages(), metadata=self._metadata)
+            return await self._receive(shard, call)
+
+        tasks = [asyncio.ensure_future(one(s)) for s in self._shards]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except aio.AioRpcError as exc:
+            for t in tasks:
+                t.cancel()
+            error = _translate(exc)
+            if isinstance(error, IterationAborted | LearnerEvicted) or exc.code() in _RETRYABLE:
+                raise IterationAborted(exc.details() or str(exc.code())) from exc
+            raise error from exc
+        finally:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- the rest -----------------------------------------------------------------------------
+
+    def report_epoch(self, report: EpochReport) -> None:
+        values = {"test_loss": float(report.loss)}
+        values.update({k: float(v) for k, v in report.metrics.items()})
+        request = ps_pb2.ReportEpochMetricsRequest(
+            job_id=self.job_id, learner_id=self.learner_id, epoch=report.epoch, values=values
+        )
+        try:
+            self._run(self._control(self._coordinator_stub().ReportEpochMetrics, request))
+        except Exception as exc:  # metrics are best effort: never stop training for them
+            log.warning("epoch %d metrics not recorded: %s", report.epoch, exc)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+
+        async def shutdown() -> None:
+            for channel in self._channels.values():
+                await channel.close()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=5)
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def _require_plan(self) -> TrainingPlan:
+        if self._plan is None:
+            raise RuntimeError("initialize() must be called first")
+        return self._plan
+
+
+def _copy_sink(views: Sequence[np.ndarray], targets: Sequence[int]) -> Any:
+    def sink(i: int, off: int, seg: memoryview) -> None:
+        views[targets[i]][off : off + seg.nbytes] = np.frombuffer(seg, dtype=np.uint8)
+
+    return sink
+
+
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu").contiguous()
+
+
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
+    if tensor.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return byte_view(tensor)
+
+
+def _translate(exc: aio.AioRpcError) -> Exception:
+    """Map a failed call to the learner's exceptions."""
+    code = exc.code()
+    reason = dict(exc.trailing_metadata() or ()).get("shoal-error-reason", "")
+    text = exc.details() or str(code)
+    if code == grpc.StatusCode.ABORTED:
+        return IterationAborted(text)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and reason == "ERROR_REASON_STALE_GENERATION":
+        return LearnerEvicted(text)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+        return ValueError(text)
+    return RuntimeError(f"{code.name}: {text}")
+
+
+def _register() -> None:
+    names = set(registered_backends())
+    for name in (BACKEND_NAME, "parameter_server"):
+        if name not in names:
+            register_backend(name, GrpcBackend.from_env)
+
+
+_register()

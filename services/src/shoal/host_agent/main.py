@@ -1,0 +1,164 @@
+"""``shoal-service host-agent [flags]``: run the host agent of this host.
+
+Flags (each also an environment variable; flags win), besides the server flags of
+:mod:`shoal.runtime.config`:
+
+=================================  =============================  ===============================
+flag                               variable                       default
+=================================  =============================  ===============================
+``--host-id ID``                   SHOAL_HOST_ID                  the hostname
+``--resource-managers ADDR[,...]`` SHOAL_RESOURCE_MANAGERS        none (the agent does not
+                                                                  register)
+``--schedulers ADDR[,...]``        SHOAL_SCHEDULERS               none (no artifact download)
+``--artifact-dir DIR|URI``         SHOAL_ARTIFACT_DIR             none
+``--simulate-gpus N``              SHOAL_SIMULATE_GPUS            unset: real GPUs through NVML
+``--work-dir DIR``                 SHOAL_AGENT_WORK_DIR           <tmp>/shoal-host-agent-<host>
+``--stop-grace SECONDS``           SHOAL_AGENT_STOP_GRACE_S       10
+``--retain-exited SECONDS``        SHOAL_AGENT_RETAIN_EXITED_S    3600
+``--label KEY=VALUE`` (repeat)     SHOAL_HOST_LABELS (k=v,k=v)    none
+``--resource-group NAME``          SHOAL_RESOURCE_GROUP           default
+=================================  =============================  ===============================
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from shoal.host_agent.devices import make_device_source
+from shoal.host_agent.service import ERRORS, HostAgent, HostAgentConfig, bindings
+from shoal.runtime import telemetry
+from shoal.runtime.config import add_server_flags, server_config_from_args
+from shoal.runtime.errors import InvalidField
+from shoal.runtime.server import create_server, run_until_signalled
+
+log = logging.getLogger(__name__)
+
+NAME = "host-agent"
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"shoal-service {NAME}",
+        description="The shoal host agent: devices, learner processes, logs.",
+    )
+    add_server_flags(parser, env)
+    g = parser.add_argument_group(NAME)
+    g.add_argument("--host-id", default=env.get("SHOAL_HOST_ID", socket.gethostname()))
+    g.add_argument(
+        "--resource-managers",
+        "--resource-manager",
+        dest="resource_managers",
+        default=env.get("SHOAL_RESOURCE_MANAGERS", ""),
+        help="comma-separated addresses of the resource-manager replicas",
+    )
+    g.add_argument(
+        "--schedulers",
+        "--scheduler",
+        dest="schedulers",
+        default=env.get("SHOAL_SCHEDULERS", ""),
+        help="comma-separated job-scheduler addresses to download artifacts from",
+    )
+    g.add_argument(
+        "--artifact-dir",
+        default=env.get("SHOAL_ARTIFACT_DIR"),
+        help="directory or fsspec URI holding artifacts as <sha256>.tar.gz",
+    )
+    g.add_argument(
+        "--simulate-gpus",
+        default=env.get("SHOAL_SIMULATE_GPUS"),
+        help="expose N simulated GPUs instead of the real ones (learners run on CPU)",
+    )
+    g.add_argument("--work-dir", default=env.get("SHOAL_AGENT_WORK_DIR"))
+    g.add_argument(
+        "--stop-grace",
+        default=env.get("SHOAL_AGENT_STOP_GRACE_S", "10"),
+        help="seconds between SIGTERM and SIGKILL when a learner is stopped",
+    )
+    g.add_argument(
+        "--retain-exited",
+        default=env.get("SHOAL_AGENT_RETAIN_EXITED_S", "3600"),
+        help="seconds an exited learner (and its directory) is kept after it was reported",
+    )
+    g.add_argument(
+        "--label",
+        action="append",
+        default=[x for x in env.get("SHOAL_HOST_LABELS", "").split(",") if x],
+        help="KEY=VALUE label of this host (repeatable)",
+    )
+    g.add_argument("--resource-group", default=env.get("SHOAL_RESOURCE_GROUP", ""))
+    return parser
+
+
+def _number(field_name: str, text: str, kind: type[int] | type[float]) -> float:
+    try:
+        return kind(text)
+    except (TypeError, ValueError):
+        raise InvalidField(field_name, text, f"must be {kind.__name__}") from None
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> HostAgentConfig:
+    env = os.environ if env is None else env
+    ns = build_parser(env).parse_args(argv)
+    labels: dict[str, str] = {}
+    for item in ns.label:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidField("label", item, "must be KEY=VALUE")
+        labels[key] = value
+    simulate = None
+    if ns.simulate_gpus not in (None, ""):
+        simulate = int(_number("simulate_gpus", ns.simulate_gpus, int))
+    work_dir = ns.work_dir or str(Path(tempfile.gettempdir()) / f"shoal-host-agent-{ns.host_id}")
+    return HostAgentConfig(
+        server=server_config_from_args(NAME, ns),
+        host_id=ns.host_id,
+        work_dir=Path(work_dir),
+        resource_managers=_addresses(ns.resource_managers),
+        schedulers=_addresses(ns.schedulers),
+        artifact_dir=ns.artifact_dir or None,
+        simulate_gpus=simulate,
+        stop_grace_s=_number("stop_grace", ns.stop_grace, float),
+        retain_exited_s=_number("retain_exited", ns.retain_exited, float),
+        labels=labels,
+        resource_group=ns.resource_group,
+    )
+
+
+async def serve(config: HostAgentConfig) -> None:
+    telemetry.setup_tracing(NAME)
+    agent = HostAgent(config, make_device_source(config.host_id, config.simulate_gpus))
+    running = await create_server(config.server, bindings(agent), errors=ERRORS)
+    address = config.server.advertise or running.address
+    agent.start(address)
+    log.info(
+        "host agent %r serving on %s with %d device(s)", config.host_id, address, len(agent.devices)
+    )
+    try:
+        await run_until_signalled(running, on_stop=agent.close)
+    finally:
+        await agent.close()
+        telemetry.shutdown_tracing()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except InvalidField as exc:
+        print(f"{NAME}: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,157 @@
+"""Where a job's data plane keeps its files, and how checkpoints are made crash-safe.
+
+Storage layout under the storage URI (any fsspec URI; ``file://`` by default)::
+
+    jobs/<job_id>/
+        checkpoints/
+            iter-<k>/                 the state after k completed iterations
+                shard-<i>.safetensors one per active shard (written by the shard)
+                manifest.json         written LAST by the coordinator
+            latest                    the name of the newest complete checkpoint directory
+        metrics/iterations.jsonl      one line per iteration (IterationMetric fields)
+        metrics/epochs.jsonl          one line per epoch evaluation (EpochMetric fields)
+        model.safetensors             the whole final model (parameters and buffers by name)
+
+Crash safety: every file is written to a temporary name and renamed into place (on object
+stores, where rename is not atomic, one ``put`` of the whole object is). The manifest names
+every shard file with its size and sha256 and is written only after all of them; ``latest`` is
+updated only after the manifest. A directory without a manifest is never pointed at, so an
+interrupted checkpoint is ignored (and overwritten if the same iteration is checkpointed
+again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+__all__ = [
+    "LATEST",
+    "MANIFEST",
+    "StorageError",
+    "atomic_write",
+    "checkpoint_name",
+    "job_uri",
+    "join_uri",
+    "latest_checkpoint",
+    "read_bytes",
+    "read_manifest",
+    "sha256_hex",
+    "write_manifest_and_latest",
+]
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+FORMAT = 1
+
+
+class StorageError(RuntimeError):
+    """Storage could not be read or written, or a file is not what the manifest says."""
+
+
+def join_uri(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def job_uri(storage_uri: str, job_id: str, *parts: str) -> str:
+    return join_uri(storage_uri, "jobs", job_id, *parts)
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter-{iteration}"
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def atomic_write(uri: str, data: bytes) -> None:
+    """Write ``data`` at ``uri`` so that readers see the old file or the new one, never a
+    partial one (temp file + rename locally; a single put elsewhere)."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    parent = path.rsplit("/", 1)[0]
+    try:
+        fs.makedirs(parent, exist_ok=True)
+        if isinstance(fs, LocalFileSystem):
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:
+            fs.pipe_file(path, data)
+    except OSError as exc:
+        raise StorageError(f"cannot write {uri}: {exc}") from exc
+
+
+def append_line(uri: str, line: str) -> None:
+    """Append one line to a text file (read-modify-write where the store cannot append)."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    parent = path.rsplit("/", 1)[0]
+    try:
+        fs.makedirs(parent, exist_ok=True)
+        if isinstance(fs, LocalFileSystem):
+            with open(path, "a") as f:
+                f.write(line + "\n")
+            return
+        old = fs.cat_file(path) if fs.exists(path) else b""
+        fs.pipe_file(path, old + (line + "\n").encode())
+    except OSError as exc:
+        raise StorageError(f"cannot append to {uri}: {exc}") from exc
+
+
+def read_bytes(uri: str) -> bytes | None:
+    """The file's bytes, or None when it does not exist."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    try:
+        if not fs.exists(path):
+            return None
+        return bytes(fs.cat_file(path))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StorageError(f"cannot read {uri}: {exc}") from exc
+
+
+def read_manifest(directory: str) -> dict[str, Any] | None:
+    data = read_bytes(join_uri(directory, MANIFEST))
+    if data is None:
+        return None
+    try:
+        manifest = json.loads(data)
+    except ValueError as exc:
+        raise StorageError(f"{join_uri(directory, MANIFEST)} is not JSON: {exc}") from exc
+    if manifest.get("format") != FORMAT:
+        raise StorageError(f"checkpoint format ({manifest.get('format')!r}) is not {FORMAT}")
+    return manifest
+
+
+def latest_checkpoint(storage_uri: str, job_id: str) -> tuple[str, dict[str, Any]] | None:
+    """(directory URI, manifest) of the checkpoint ``latest`` names, or None. ``latest`` only
+    ever names a directory whose manifest was written, but it is checked anyway."""
+    root = job_uri(storage_uri, job_id, "checkpoints")
+    name = read_bytes(join_uri(root, LATEST))
+    if name is None:
+        return None
+    directory = join_uri(root, name.decode().strip())
+    manifest = read_manifest(directory)
+    if manifest is None:
+        raise StorageError(f"{join_uri(root, LATEST)} names {directory}, which has no manifest")
+    return directory, manifest
+
+
+def write_manifest_and_latest(directory: str, manifest: Mapping[str, Any]) -> None:
+    """The commit point of a checkpoint: the manifest (after every shard file), then
+    ``latest``."""
+    body = json.dumps({"format": FORMAT, **manifest}, indent=1, sort_keys=True).encode()
+    atomic_write(join_uri(directory, MANIFEST), body)
+    root, name = directory.rstrip("/").rsplit("/", 1)
+    atomic_write(join_uri(root, LATEST), name.encode())

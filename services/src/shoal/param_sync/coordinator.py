@@ -1,0 +1,670 @@
+"""The coordinator of one job: membership generations, iteration boundaries, admission,
+retirement, eviction, the two-phase commit of each iteration, progress and the loss of each
+iteration. Pure: no I/O, no gRPC, an injected clock. ``service.py`` drives it and performs the
+side effects it asks for (:class:`ResolveTask`, :class:`CheckpointTask`).
+
+The protocol (DESIGN.md, "The iteration protocol"):
+
+* A learner ``join``\\ s (it becomes *ready*) and asks ``decide`` at every boundary.
+* When no iteration is running, the first ``decide`` freezes the next generation: the previous
+  members minus those retiring or evicted, plus the ready joiners (survivors keep their
+  relative order, joiners are appended; rank = position). The generation number changes only
+  when the member list does. Everyone then gets the same generation and iteration; a learner
+  that is not a member waits (``WAIT``) until a freeze admits it.
+* Shards report ``shard_ready(g, k)`` when they hold every member's gradients; when all active
+  shards are ready the coordinator commits: a :class:`ResolveTask` (commit) for every shard.
+* ``evict`` of a member while iteration ``k`` runs aborts it (:class:`ResolveTask` abort, no
+  shard has stepped) and re-freezes the survivors for the same ``k`` with new ranks.
+* While a side effect that must finish first is outstanding (a commit or abort being
+  delivered, a checkpoint being written) every ``decide`` answers ``WAIT``: no learner starts
+  an iteration before every shard is at the same state.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.learner.transport import TensorMeta, validate_layout
+from shoal.param_sync.sharding import Sharding, assign_shards
+from shoal.runtime.errors import FailedPrecondition, InvalidField, StaleGeneration
+
+__all__ = [
+    "Action",
+    "Assignment",
+    "CheckpointTask",
+    "Coordinator",
+    "Decision",
+    "JobSettings",
+    "JoinOutcome",
+    "OptimizerConfig",
+    "ResolveTask",
+]
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """A job's data-plane settings (from ``OpenJob``)."""
+
+    job_id: str
+    batch_size: int
+    epochs: int
+    seed: int = 0
+    checkpoint_every: int = 0  # epochs; 0: only at the end
+    storage_uri: str = ""
+    shard_addresses: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.job_id:
+            raise InvalidField("job_id", self.job_id, "must not be empty")
+        if self.batch_size < 1:
+            raise InvalidField("spec.batch_size", self.batch_size, "must be >= 1")
+        if self.epochs < 1:
+            raise InvalidField("spec.epochs", self.epochs, "must be >= 1")
+        if self.seed < 0:
+            raise InvalidField("spec.seed", self.seed, "must be >= 0")
+        if self.checkpoint_every < 0:
+            raise InvalidField("spec.checkpoint_every", self.checkpoint_every, "must be >= 0")
+        if not self.shard_addresses:
+            raise InvalidField("shard_addresses", [], "must name at least one shard")
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_addresses)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str
+    hyperparameters_json: str = "{}"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    generation: int
+    epoch: int
+    iteration: int
+    global_iteration: int
+    rank: int
+    world_size: int
+    sample_start: int
+    sample_end: int
+    batch_samples: int
+
+
+class Action(enum.Enum):
+    RUN = "run"
+    RETIRE = "retire"
+    DONE = "done"
+    WAIT = "wait"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    assignment: Assignment | None = None
+    pull: bool = False
+
+
+WAIT = Decision(Action.WAIT)
+
+
+@dataclass(frozen=True)
+class JoinOutcome:
+    initialize: bool
+    sharding: Sharding
+
+
+@dataclass(frozen=True)
+class ResolveTask:
+    """Tell every shard to commit (step) or abort (drop) iteration ``iteration`` of
+    ``generation``."""
+
+    generation: int
+    iteration: int
+    commit: bool
+
+
+@dataclass(frozen=True)
+class CheckpointTask:
+    """Write a checkpoint holding ``iteration`` completed iterations (``final``: the last one,
+    followed by the whole model)."""
+
+    iteration: int
+    epoch: int
+    final: bool = False
+
+
+Task = ResolveTask | CheckpointTask
+
+
+@dataclass
+class _IterationInfo:
+    """A committed iteration whose loss is being collected from its members' reports."""
+
+    global_iteration: int
+    epoch: int
+    iteration: int
+    generation: int
+    world_size: int
+    samples: int
+    seconds: float
+    time: float
+    expected: set[str]
+    reports: dict[str, tuple[float, int]] = field(default_factory=dict)
+
+
+class Coordinator:
+    """One job's coordinator state (see the module docstring)."""
+
+    def __init__(self, settings: JobSettings, *, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self._clock = clock
+        # The job's shape, fixed by the first Join (or the checkpoint it resumed from).
+        self.layout: tuple[TensorMeta, ...] | None = None
+        self.optimizer: OptimizerConfig | None = None
+        self.dataset_size: int | None = None
+        self.sharding: Sharding | None = None
+        self.initialized = False
+        self.initializer: str | None = None
+        self.resumed = False
+        # Membership.
+        self.generation = 0
+        self.members: list[str] = []
+        self.ready: list[str] = []
+        self.known: set[str] = set()
+        self.retiring: set[str] = set()
+        self.retired: set[str] = set()
+        self.evicted: set[str] = set()
+        self.synced: set[str] = set()  # members holding the current parameters
+        # Iterations.
+        self.completed = 0
+        self.samples_processed = 0
+        self.running = False  # iteration `completed` is issued to `members`
+        self.ready_shards: set[int] = set()
+        self.done = False
+        self.last_checkpoint = -1
+        self._holds: list[Task] = []
+        self._deferred_commit = False
+        self._iteration_started = 0.0
+        self._last_commit_time: float | None = None
+        self._paused = False
+        # Loss and throughput.
+        self._collecting: dict[int, _IterationInfo] = {}
+        self._finished: list[dict[str, Any]] = []
+        self.last_loss = math.nan
+        self._recent: deque[tuple[int, float]] = deque(maxlen=20)
+        self.update_time = clock()
+
+    # -- shape --------------------------------------------------------------------------------
+
+    @property
+    def iterations_per_epoch(self) -> int:
+        if self.dataset_size is None:
+            return 0
+        return -(-self.dataset_size // self.settings.batch_size)
+
+    @property
+    def total_iterations(self) -> int:
+        return self.iterations_per_epoch * self.settings.epochs
+
+    def plan_sharding(
+        self, layout: Sequence[TensorMeta], optimizer: OptimizerConfig, dataset_size: int
+    ) -> Sharding:
+        """Check a Join's job description against the job's (or, for the first, on its own)
+        and return the sharding it implies. Changes nothing."""
+        if self.layout is not None:
+            self._check_same(layout, optimizer, dataset_size)
+            assert self.sharding is not None
+            return self.sharding
+        if not layout:
+            raise InvalidField("layout", [], "must hold at least one tensor")
+        if not any(not m.buffer for m in layout):
+            raise InvalidField("layout", len(layout), "must hold at least one parameter")
+        try:
+            validate_layout(layout, max(m.end for m in layout), what="layout")
+        except ValueError as exc:
+            raise InvalidField("layout", "...", str(exc)) from None
+        if dataset_size < 1:
+            raise InvalidField("dataset_size", dataset_size, "must be >= 1")
+        if not optimizer.name:
+            raise InvalidField("optimizer.name", optimizer.name, "must name a torch.optim class")
+        return assign_shards(layout, self.settings.num_shards)
+
+    def _check_same(
+        self, layout: Sequence[TensorMeta], optimizer: OptimizerConfig, dataset_size: int
+    ) -> None:
+        assert self.layout is not None
+        if tuple(layout) != self.layout:
+            if len(layout) != len(self.layout):
+                raise InvalidField(
+                    "layout",
+                    f"{len(layout)} tensors",
+                    f"differs from the job's layout ({len(self.layout)} tensors)",
+                )
+            for i, (mine, theirs) in enumerate(zip(self.layout, layout, strict=True)):
+                if mine != theirs:
+                    raise InvalidField(
+                        f"layout[{i}]",
+                        f"{theirs.name} {theirs.dtype} {list(theirs.shape)} @{theirs.offset}",
+                        f"differs from the job's ({mine.name} {mine.dtype} {list(mine.shape)} "
+                        f"@{mine.offset})",
+                    )
+        if optimizer != self.optimizer:
+            assert self.optimizer is not None
+            raise InvalidField(
+                "optimizer",
+                f"{optimizer.name} {optimizer.hyperparameters_json}",
+                f"differs from the job's ({self.optimizer.name} "
+                f"{self.optimizer.hyperparameters_json})",
+            )
+        if dataset_size != self.dataset_size:
+            raise InvalidField(
+                "dataset_size", dataset_size, f"differs from the job's ({self.dataset_size})"
+            )
+
+    def fix_layout(
+        self,
+        layout: Sequence[TensorMeta],
+        optimizer: OptimizerConfig,
+        dataset_size: int,
+        sharding: Sharding,
+    ) -> None:
+        """Make ``layout`` the job's (after the shards were configured with ``sharding``)."""
+        if self.layout is not None:
+            self._check_same(layout, optimizer, dataset_size)
+            return
+        self.layout = tuple(layout)
+        self.optimizer = optimizer
+        self.dataset_size = dataset_size
+        self.sharding = sharding
+
+    def join(self, learner: str) -> bool:
+        """Admit ``learner`` to the ready set (after :meth:`fix_layout`). Returns whether it
+        must upload the initial parameters. Joining again is harmless (it pulls again)."""
+        if not learner:
+            raise InvalidField("learner_id", learner, "must not be empty")
+        if learner in self.evicted:
+            raise StaleGeneration(f"learner {learner!r} was evicted from job {self.job_id!r}")
+        if self.layout is None:
+            raise FailedPrecondition(f"job {self.job_id!r} has no layout yet")
+        self.known.add(learner)
+        self.synced.discard(learner)
+        if (
+            learner not in self.members
+            and learner not in self.retired
+            and learner not in self.ready
+        ):
+            self.ready.append(learner)
+        self._touch()
+        if self.initialized or self.resumed:
+            return False
+        if self.initializer is None:
+            self.initializer = learner
+        return self.initializer == learner
+
+    @property
+    def job_id(self) -> str:
+        return self.settings.job_id
+
+    # -- boundaries ---------------------------------------------------------------------------
+
+    def report(
+        self, learner: str, generation: int, completed_iteration: int, loss_sum: float, n: int
+    ) -> None:
+        """Record a learner's loss of ``completed_iteration`` (sent with its next Boundary).
+        Reports for iterations not being collected, from non-members or twice are ignored."""
+        info = self._collecting.get(completed_iteration)
+        if info is None or info.generation != generation or learner not in info.expected:
+            return
+        if learner in info.reports:
+            return
+        info.reports[learner] = (float(loss_sum), int(n))
+        self._maybe_finish(info)
+
+    def decide(self, learner: str) -> Decision:
+        """The learner's answer at its boundary: RUN, RETIRE, DONE or WAIT (ask again after
+        the next state change). The first call while no iteration runs freezes the next
+        generation."""
+        if learner in self.evicted:
+            raise StaleGeneration(f"learner {learner!r} was evicted from job {self.job_id!r}")
+        if learner not in self.known:
+            raise StaleGeneration(
+                f"learner {learner!r} has not joined job {self.job_id!r}: join first"
+            )
+        if learner == self.initializer and not self.initialized:
+            # It asks for its first boundary only after uploading the initial parameters,
+            # which it holds already.
+            self.initialized = True
+            self.synced.add(learner)
+        if learner in self.retired:
+            return Decision(Action.RETIRE)
+        if self.done:
+            return Decision(Action.DONE)
+        if self._holds or not self.initialized:
+            return WAIT
+        if not self.running:
+            if self.completed >= self.total_iterations:
+                self._hold(CheckpointTask(self.completed, self.settings.epochs, final=True))
+                return WAIT
+            self._freeze()
+            if learner in self.retired:
+                return Decision(Action.RETIRE)
+            if self._holds or not self.running:
+                return WAIT
+        if learner in self.members:
+            pull = learner not in self.synced
+            self.synced.add(learner)  # it loads the current parameters before it runs
+            return Decision(Action.RUN, self._assignment(learner), pull=pull)
+        return WAIT
+
+    def _freeze(self) -> None:
+        """Freeze the generation of iteration ``completed``."""
+        survivors = []
+        for m in self.members:
+            if m in self.retiring:
+                self.retiring.discard(m)
+                self.retired.add(m)
+            elif m not in self.evicted:
+                survivors.append(m)
+        self._admit(survivors)
+        c, ipe = self.completed, self.iterations_per_epoch
+        every = self.settings.checkpoint_every
+        if (
+            c > 0
+            and c % ipe == 0
+            and every > 0
+            and (c // ipe) % every == 0
+            and self.last_checkpoint != c
+        ):
+            self._hold(CheckpointTask(c, c // ipe))
+
+    def _admit(self, survivors: list[str]) -> None:
+        members = survivors + [j for j in self.ready if j not in self.evicted]
+        self.ready = []
+        if members != self.members:
+            self.generation += 1
+            self.members = members
+        self.running = bool(self.members)
+        if not self.running:
+            self._paused = True
+        self.ready_shards = set()
+        self._deferred_commit = False
+        self._iteration_started = self._clock()
+        self._touch()
+
+    def _assignment(self, learner: str) -> Assignment:
+        rank, world = self.members.index(learner), len(self.members)
+        epoch, iteration = divmod(self.completed, self.iterations_per_epoch)
+        assert self.dataset_size is not None
+        start = iteration * self.settings.batch_size
+        b = min(self.settings.batch_size, self.dataset_size - start)
+        return Assignment(
+            generation=self.generation,
+            epoch=epoch,
+            iteration=iteration,
+            global_iteration=self.completed,
+            rank=rank,
+            world_size=world,
+            sample_start=start + rank * b // world,
+            sample_end=start + (rank + 1) * b // world,
+            batch_samples=b,
+        )
+
+    def batch_samples(self, global_iteration: int) -> int:
+        assert self.dataset_size is not None
+        iteration = global_iteration % self.iterations_per_epoch
+        start = iteration * self.settings.batch_size
+        return min(self.settings.batch_size, self.dataset_size - start)
+
+    # -- membership changes -------------------------------------------------------------------
+
+    def retire(self, learners: Sequence[str]) -> int:
+        """Retire ``learners`` at their next boundary (members finish their iteration first;
+        ready joiners and learners not seen yet are never admitted). Returns the generation
+        from which they are no longer members."""
+        for learner in learners:
+            if not learner:
+                raise InvalidField("learner_ids", learner, "must not be empty")
+        for learner in learners:
+            if learner in self.evicted or learner in self.retired:
+                continue
+            if learner in self.members:
+                self.retiring.add(learner)
+            else:
+                if learner in self.ready:
+                    self.ready.remove(learner)
+                self.retired.add(learner)
+        self._touch()
+        return self.generation + 1
+
+    def evict(self, learner: str) -> tuple[int, ResolveTask | None]:
+        """Remove a dead learner at once. If it is a member of the running iteration, abort
+        that iteration and re-freeze the survivors (plus ready joiners) for the same
+        iteration. Returns (aborted iteration or -1, the abort to deliver)."""
+        if not learner:
+            raise InvalidField("learner_id", learner, "must not be empty")
+        self.evicted.add(learner)
+        self.known.discard(learner)
+        self.retiring.discard(learner)
+        if learner in self.ready:
+            self.ready.remove(learner)
+        if learner == self.initializer and not self.initialized:
+            self.initializer = None
+        for info in list(self._collecting.values()):
+            if learner in info.expected and learner not in info.reports:
+                info.expected.discard(learner)
+                self._maybe_finish(info)
+        self._touch()
+        if not (self.running and learner in self.members):
+            return -1, None
+        k, g = self.completed, self.generation
+        survivors = [m for m in self.members if m not in self.evicted]
+        self._admit(survivors)
+        task = ResolveTask(g, k, commit=False)
+        self._hold(task)
+        return k, task
+
+    def membership(self, generation: int) -> tuple[tuple[str, ...], int]:
+        """Members and iteration of ``generation`` (for shards validating contributions)."""
+        if generation < self.generation:
+            raise StaleGeneration(
+                f"generation ({generation}) of job {self.job_id!r} was superseded by "
+                f"{self.generation}"
+            )
+        if generation > self.generation or not self.members:
+            raise FailedPrecondition(
+                f"generation ({generation}) of job {self.job_id!r} is not frozen yet "
+                f"(current {self.generation})"
+            )
+        return tuple(self.members), self.completed
+
+    # -- the two-phase commit -----------------------------------------------------------------
+
+    def shard_ready(self, shard_index: int, generation: int, iteration: int) -> ResolveTask | None:
+        """A shard holds every member's gradients of (generation, iteration). Returns the
+        commit to deliver to every shard once all active shards are ready."""
+        if self.sharding is None or not 0 <= shard_index < self.sharding.num_shards:
+            raise InvalidField("shard_index", shard_index, "is not a shard of the job")
+        if not self.sharding.tensors[shard_index]:
+            raise InvalidField("shard_index", shard_index, "holds none of the job's tensors")
+        if not self.running or generation != self.generation or iteration != self.completed:
+            raise StaleGeneration(
+                f"iteration {iteration} of generation {generation} is not running in job "
+                f"{self.job_id!r} (generation {self.generation}, iteration {self.completed}, "
+                f"{'running' if self.running else 'between iterations'})"
+            )
+        self.ready_shards.add(shard_index)
+        if len(self.ready_shards) < self.sharding.active_shards:
+            return None
+        if any(isinstance(t, CheckpointTask) for t in self._holds):
+            self._deferred_commit = True  # committed when the checkpoint is written
+            return None
+        return self._commit()
+
+    def _commit(self) -> ResolveTask:
+        g, k = self.generation, self.completed
+        now = self._clock()
+        # Throughput counts from the previous commit (boundary time included), or from the
+        # freeze when the job had no iteration just before (start, resume, no members).
+        if self._last_commit_time is None or self._paused:
+            start = self._iteration_started
+        else:
+            start = self._last_commit_time
+        seconds = now - start
+        self._paused = False
+        samples = self.batch_samples(k)
+        epoch, iteration = divmod(k, self.iterations_per_epoch)
+        self._collecting[k] = _IterationInfo(
+            global_iteration=k,
+            epoch=epoch,
+            iteration=iteration,
+            generation=g,
+            world_size=len(self.members),
+            samples=samples,
+            seconds=max(seconds, 1e-9),
+            time=now,
+            expected=set(self.members),
+        )
+        self._recent.append((samples, max(seconds, 1e-9)))
+        self._last_commit_time = now
+        self.completed += 1
+        self.samples_processed += samples
+        self.running = False
+        self.synced.update(self.members)
+        self._deferred_commit = False
+        self._touch()
+        task = ResolveTask(g, k, commit=True)
+        self._hold(task)
+        return task
+
+    # -- side effects -------------------------------------------------------------------------
+
+    def _hold(self, task: Task) -> None:
+        if task not in self._holds:
+            self._holds.append(task)
+
+    @property
+    def holds(self) -> tuple[Task, ...]:
+        return tuple(self._holds)
+
+    @property
+    def commit_in_flight(self) -> bool:
+        return any(isinstance(t, ResolveTask) and t.commit for t in self._holds)
+
+    def begin_checkpoint(self) -> CheckpointTask | None:
+        """A checkpoint now (CreateCheckpoint): held like a boundary checkpoint, so no shard
+        steps while it is written. None when one is already being written. The caller waits
+        for :attr:`commit_in_flight` to clear first."""
+        if any(isinstance(t, CheckpointTask) for t in self._holds):
+            return None
+        epoch = self.completed // self.iterations_per_epoch if self.iterations_per_epoch else 0
+        task = CheckpointTask(self.completed, epoch)
+        self._hold(task)
+        return task
+
+    def task_done(self, task: Task, *, ok: bool = True) -> ResolveTask | None:
+        """A side effect finished (``ok=False``: it failed and was logged). Returns a commit
+        that was deferred behind a checkpoint, if any."""
+        if task in self._holds:
+            self._holds.remove(task)
+        follow: ResolveTask | None = None
+        if isinstance(task, CheckpointTask):
+            self.last_checkpoint = task.iteration
+            if task.final:
+                self.done = True
+            if self._deferred_commit and self.running:
+                follow = self._commit()
+        self._touch()
+        return follow
+
+    # -- loss and progress --------------------------------------------------------------------
+
+    def _maybe_finish(self, info: _IterationInfo) -> None:
+        if not set(info.expected) <= set(info.reports):
+            return
+        del self._collecting[info.global_iteration]
+        loss_sum = sum(s for s, _ in info.reports.values())
+        n = sum(c for _, c in info.reports.values())
+        loss = loss_sum / n if n else math.nan
+        if info.global_iteration >= max(
+            (r["global_iteration"] for r in self._finished[-1:]), default=-1
+        ):
+            self.last_loss = loss
+        self._finished.append(
+            {
+                "epoch": info.epoch,
+                "iteration": info.iteration,
+                "global_iteration": info.global_iteration,
+                "generation": info.generation,
+                "world_size": info.world_size,
+                "loss": loss,
+                "samples": info.samples,
+                "samples_per_second": info.samples / info.seconds,
+                "time": info.time,
+            }
+        )
+
+    def take_metrics(self) -> list[dict[str, Any]]:
+        """Iteration records finished since the last call (for metrics/iterations.jsonl)."""
+        out, self._finished = self._finished, []
+        return out
+
+    @property
+    def samples_per_second(self) -> float:
+        samples = sum(s for s, _ in self._recent)
+        seconds = sum(t for _, t in self._recent)
+        return samples / seconds if seconds > 0 else 0.0
+
+    def progress(self) -> dict[str, Any]:
+        ipe = self.iterations_per_epoch
+        epoch, iteration = divmod(self.completed, ipe) if ipe else (0, 0)
+        if ipe and epoch >= self.settings.epochs:
+            epoch, iteration = self.settings.epochs - 1, ipe - 1
+        return {
+            "epoch": epoch,
+            "iteration": iteration,
+            "iterations_per_epoch": ipe,
+            "completed_iterations": self.completed,
+            "samples_processed": self.samples_processed,
+            "world_size": len(self.members),
+            "generation": self.generation,
+            "samples_per_second": self.samples_per_second,
+            "last_loss": self.last_loss,
+            "update_time": self.update_time,
+        }
+
+    def _touch(self) -> None:
+        self.update_time = self._clock()
+
+    # -- resume -------------------------------------------------------------------------------
+
+    def restore(
+        self,
+        *,
+        layout: Sequence[TensorMeta],
+        optimizer: OptimizerConfig,
+        dataset_size: int,
+        completed: int,
+        samples_processed: int,
+        generation: int,
+        last_loss: float = math.nan,
+    ) -> None:
+        """Continue from a checkpoint: the layout is fixed, the shards hold the parameters
+        after ``completed`` iterations, every learner pulls them; generations continue after
+        the checkpoint's so that no learner of the previous life is taken for a member."""
+        sharding = self.plan_sharding(layout, optimizer, dataset_size)
+        self.fix_layout(layout, optimizer, dataset_size, sharding)
+        self.completed = completed
+        self.samples_processed = samples_processed
+        self.generation = generation + 1
+        self.last_checkpoint = completed
+        self.initialized = True
+        self.resumed = True
+        self.last_loss = last_loss
+        self._touch()

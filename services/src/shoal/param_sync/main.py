@@ -1,0 +1,220 @@
+"""``shoal-service parameter-sync``: one parameter-sync shard process.
+
+Flags (each also an environment variable; flags win), beside the server flags of
+:mod:`shoal.runtime.config`:
+
+=========================  ==========================  =========================================
+variable                   flag                        meaning
+=========================  ==========================  =========================================
+SHOAL_SHARD_INDEX          --shard-index               this shard's index (0-based)
+SHOAL_STORAGE_URI          --storage-uri               fsspec URI of checkpoints and metrics
+                                                       (default: OpenJob's storage_uri only)
+SHOAL_SYNC_CHUNK_MB        --chunk-mb                  chunk size of parameter streams (1-4)
+SHOAL_REGISTRATION_TTL_S   --registration-ttl          lease TTL of the etcd registration
+=========================  ==========================  =========================================
+
+With ``--etcd`` the shard registers ``/shoal/v1/parameter-sync/shards/<I>`` = its address
+(UTF-8) under a lease it keeps alive, so the key disappears a few seconds after the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from shoal.learner.transport import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from shoal.param_sync.service import (
+    ERRORS,
+    ROLES,
+    SERVICE_NAME,
+    ParameterSyncServicer,
+    ShardOptions,
+    add_servicer,
+)
+from shoal.param_sync.shard import warm_up
+from shoal.runtime import telemetry
+from shoal.runtime.config import (
+    MiB,
+    ServerConfig,
+    add_server_flags,
+    parse_host_port,
+    server_config_from_args,
+)
+from shoal.runtime.errors import InvalidField
+from shoal.runtime.server import RunningServer, ServiceBinding, create_server, run_until_signalled
+
+__all__ = ["REGISTRY_PREFIX", "ParamSyncConfig", "main", "parse_config", "registry_key", "serve"]
+
+log = logging.getLogger(__name__)
+
+REGISTRY_PREFIX = "/shoal/v1/parameter-sync/shards/"
+
+
+def registry_key(shard_index: int) -> str:
+    return f"{REGISTRY_PREFIX}{shard_index}"
+
+
+@dataclass(frozen=True)
+class ParamSyncConfig:
+    """Everything a shard process needs, built once from flags and environment."""
+
+    server: ServerConfig
+    shard_index: int = 0
+    storage_uri: str = ""
+    chunk_bytes: int = 1 * MiB
+    registration_ttl_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.shard_index < 0:
+            raise InvalidField("shard_index", self.shard_index, "must be >= 0")
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidField("chunk_bytes", self.chunk_bytes, "must be 1..4 MiB")
+        if self.chunk_bytes + 64 * 1024 > self.server.max_message_bytes:
+            raise InvalidField(
+                "max_message_bytes", self.server.max_message_bytes, "must exceed the chunk size"
+            )
+        if not 1 <= self.registration_ttl_s <= 300:
+            raise InvalidField("registration_ttl_s", self.registration_ttl_s, "must be 1..300")
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> ParamSyncConfig:
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog="shoal-service parameter-sync")
+    g = parser.add_argument_group("parameter-sync")
+    g.add_argument(
+        "--shard-index",
+        default=env.get("SHOAL_SHARD_INDEX", "0"),
+        help="this shard's index, 0-based (SHOAL_SHARD_INDEX)",
+    )
+    g.add_argument(
+        "--storage-uri",
+        default=env.get("SHOAL_STORAGE_URI", ""),
+        help="fsspec URI of checkpoints and metrics when OpenJob gives none (SHOAL_STORAGE_URI)",
+    )
+    g.add_argument(
+        "--chunk-mb",
+        default=env.get("SHOAL_SYNC_CHUNK_MB", "1"),
+        help="chunk size of parameter streams in MiB, 1-4 (SHOAL_SYNC_CHUNK_MB)",
+    )
+    g.add_argument(
+        "--registration-ttl",
+        default=env.get("SHOAL_REGISTRATION_TTL_S", "5"),
+        help="seconds: lease TTL of the etcd registration (SHOAL_REGISTRATION_TTL_S)",
+    )
+    add_server_flags(parser, env)
+    ns = parser.parse_args(argv)
+    server = server_config_from_args("parameter-sync", ns)
+    try:
+        index = int(ns.shard_index)
+    except ValueError:
+        raise InvalidField("shard_index", ns.shard_index, "must be an integer") from None
+    try:
+        chunk = int(float(ns.chunk_mb) * MiB)
+        ttl = float(ns.registration_ttl)
+    except ValueError as exc:
+        raise InvalidField("chunk_mb/registration_ttl", ns.chunk_mb, f"{exc}") from None
+    return ParamSyncConfig(
+        server=server,
+        shard_index=index,
+        storage_uri=ns.storage_uri,
+        chunk_bytes=chunk,
+        registration_ttl_s=ttl,
+    )
+
+
+def _advertised(config: ParamSyncConfig, running: RunningServer) -> str:
+    if config.server.advertise:
+        return config.server.advertise
+    host, _ = parse_host_port("listen", config.server.listen)
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"{host}:{running.port}"
+
+
+async def _register(config: ParamSyncConfig, address: str, stop: asyncio.Event) -> None:
+    """Keep ``/shoal/v1/parameter-sync/shards/<I>`` = address alive under a lease."""
+    from shoal.runtime.store import EtcdStore, LeaseExpired, StoreError
+
+    key = registry_key(config.shard_index)
+    ttl = config.registration_ttl_s
+    async with EtcdStore(list(config.server.etcd_endpoints), timeout=3.0) as store:
+        lease = 0
+        while not stop.is_set():
+            try:
+                if not lease:
+                    lease = await store.grant_lease(ttl)
+                    await store.put(key, address.encode(), lease=lease)
+                    log.info("registered %s = %s", key, address)
+                else:
+                    await store.refresh_lease(lease)
+            except LeaseExpired:
+                lease = 0
+                continue
+            except StoreError as exc:
+                log.warning("etcd registration: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=ttl / 3)
+        if lease:
+            with contextlib.suppress(StoreError):
+                await store.revoke_lease(lease)
+
+
+async def serve(config: ParamSyncConfig) -> None:
+    warm_up()
+    servicer = ParameterSyncServicer(
+        ShardOptions(
+            shard_index=config.shard_index,
+            storage_uri=config.storage_uri,
+            service_token=config.server.service_token,
+            chunk_bytes=config.chunk_bytes,
+            peer_message_bytes=config.server.max_message_bytes,
+        )
+    )
+    running = await create_server(
+        config.server,
+        [ServiceBinding(SERVICE_NAME, add_servicer, servicer, ROLES)],
+        errors=ERRORS,
+    )
+    address = _advertised(config, running)
+    log.info("parameter-sync shard %d at %s", config.shard_index, address)
+    print(f"LISTENING {running.port}", flush=True)
+    stop = asyncio.Event()
+    registration = None
+    if config.server.etcd_endpoints:
+        registration = asyncio.create_task(_register(config, address, stop))
+
+    async def on_stop() -> None:
+        stop.set()
+        if registration is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(registration, timeout=5)
+
+    try:
+        await run_until_signalled(running, on_stop=on_stop)
+    finally:
+        stop.set()
+        await servicer.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except InvalidField as exc:
+        print(f"shoal-service parameter-sync: {exc}", flush=True)
+        return 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=os.environ.get("SHOAL_LOG_LEVEL", "INFO").upper())
+    telemetry.setup_tracing(f"parameter-sync-{config.shard_index}")
+    try:
+        asyncio.run(serve(config))
+    finally:
+        telemetry.shutdown_tracing()
+    return 0

@@ -1,0 +1,1121 @@
+"""The ParameterSyncService servicer: thin handlers over the coordinator (``coordinator.py``)
+and the shard slices (``shard.py``).
+
+One process is one shard. For the jobs it coordinates (those opened on it with ``OpenJob``) it
+also holds their :class:`~shoal.param_sync.coordinator.Coordinator`. Calls between the
+coordinator and the shards (ConfigureShard, ShardReady, ResolveIteration, SaveShard,
+LoadShard, GetMembership, CloseJob) go over gRPC with the service token, or straight to the
+local implementation when the other end is this process.
+
+Tensor math (summing contributions, the optimizer step, encoding, checkpoint files) runs on
+one compute thread, one call at a time, so the event loop keeps receiving other learners'
+streams meanwhile (numpy and torch release the GIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+import safetensors.torch
+from google.protobuf import timestamp_pb2
+from grpc import aio
+
+from shoal.learner.transport import (
+    DEFAULT_CHUNK_BYTES,
+    Frame,
+    TensorMeta,
+    encode_header,
+    frame_decoder,
+    serialize,
+)
+from shoal.param_sync import checkpoint as ckpt
+from shoal.param_sync.coordinator import (
+    Action,
+    CheckpointTask,
+    Coordinator,
+    JobSettings,
+    OptimizerConfig,
+    ResolveTask,
+)
+from shoal.param_sync.shard import (
+    Contribution,
+    Encoded,
+    ShardJob,
+    build_optimizer,
+    model_from_shard_files,
+    shard_file_name,
+)
+from shoal.param_sync.sharding import Sharding
+from shoal.runtime.auth import SERVICES, USERS_AND_SERVICES, MethodRoles
+from shoal.runtime.channels import connect
+from shoal.runtime.errors import (
+    DEFAULT_TABLE,
+    Aborted,
+    ErrorTable,
+    FailedPrecondition,
+    FencedOut,
+    InvalidField,
+    JobNotFound,
+    NotFound,
+    ShoalError,
+    StaleGeneration,
+    Unavailable,
+)
+from shoal.v1 import (
+    job_pb2,
+    parameter_sync_service_pb2 as ps_pb2,
+    parameter_sync_service_pb2_grpc as ps_grpc,
+    resources_pb2,
+)
+
+__all__ = [
+    "ERRORS",
+    "ROLES",
+    "SERVICE_NAME",
+    "ParameterSyncServicer",
+    "ShardOptions",
+    "add_servicer",
+    "sync_stub_methods",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SERVICE_NAME = "shoal.v1.ParameterSyncService"
+
+#: Learners (user or service tokens) call the data-plane methods; the scheduler and the shards
+#: (service tokens) call the rest.
+ROLES = MethodRoles(
+    SERVICE_NAME,
+    SERVICES,
+    {
+        name: USERS_AND_SERVICES
+        for name in (
+            "Join",
+            "InitializeParameters",
+            "Boundary",
+            "SyncStep",
+            "PullParameters",
+            "CreateCheckpoint",
+            "ReportEpochMetrics",
+            "GetJobProgress",
+            "GetMembership",
+        )
+    },
+)
+
+
+#: The service's error table: storage failures (a checkpoint that cannot be written or read)
+#: are UNAVAILABLE (retry later); everything else is the runtime's base table.
+ERRORS: ErrorTable = DEFAULT_TABLE.extend({ckpt.StorageError: grpc.StatusCode.UNAVAILABLE})
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """What the servicer needs beyond the server config."""
+
+    shard_index: int
+    storage_uri: str
+    service_token: str | None = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    max_bundle_bytes: int = 16 * 1024 * 1024 * 1024
+    peer_message_bytes: int = 64 * 1024 * 1024
+
+
+# ------------------------------------------------------------------------------------------
+# wire
+# ------------------------------------------------------------------------------------------
+
+
+def add_servicer(servicer: object, server: aio.Server) -> None:
+    """Like the generated ``add_ParameterSyncServiceServicer_to_server``, but the tensor
+    streams use the hand codec of ``shoal.learner.transport`` (pre-encoded chunk messages are
+    sent as they are; received ones are decoded to zero-copy frames)."""
+    unary: dict[str, tuple[Any, Any]] = {
+        "OpenJob": (ps_pb2.OpenJobRequest, ps_pb2.OpenJobResponse),
+        "CloseJob": (ps_pb2.CloseJobRequest, ps_pb2.CloseJobResponse),
+        "Join": (ps_pb2.JoinRequest, ps_pb2.JoinResponse),
+        "Boundary": (ps_pb2.BoundaryRequest, ps_pb2.BoundaryResponse),
+        "RetireLearners": (ps_pb2.RetireLearnersRequest, ps_pb2.RetireLearnersResponse),
+        "EvictLearner": (ps_pb2.EvictLearnerRequest, ps_pb2.EvictLearnerResponse),
+        "CreateCheckpoint": (ps_pb2.CreateCheckpointRequest, ps_pb2.CreateCheckpointResponse),
+        "ReportEpochMetrics": (
+            ps_pb2.ReportEpochMetricsRequest,
+            ps_pb2.ReportEpochMetricsResponse,
+        ),
+        "GetJobProgress": (ps_pb2.GetJobProgressRequest, ps_pb2.GetJobProgressResponse),
+        "GetMembership": (ps_pb2.GetMembershipRequest, ps_pb2.GetMembershipResponse),
+        "ConfigureShard": (ps_pb2.ConfigureShardRequest, ps_pb2.ConfigureShardResponse),
+        "ShardReady": (ps_pb2.ShardReadyRequest, ps_pb2.ShardReadyResponse),
+        "ResolveIteration": (ps_pb2.ResolveIterationRequest, ps_pb2.ResolveIterationResponse),
+        "SaveShard": (ps_pb2.SaveShardRequest, ps_pb2.SaveShardResponse),
+        "LoadShard": (ps_pb2.LoadShardRequest, ps_pb2.LoadShardResponse),
+    }
+    handlers: dict[str, grpc.RpcMethodHandler] = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=req.FromString,
+            response_serializer=resp.SerializeToString,
+        )
+        for name, (req, resp) in unary.items()
+    }
+    handlers["InitializeParameters"] = grpc.stream_unary_rpc_method_handler(
+        servicer.InitializeParameters,  # type: ignore[attr-defined]
+        request_deserializer=frame_decoder(ps_pb2.InitializeParametersRequest),
+        response_serializer=ps_pb2.InitializeParametersResponse.SerializeToString,
+    )
+    handlers["SyncStep"] = grpc.stream_stream_rpc_method_handler(
+        servicer.SyncStep,  # type: ignore[attr-defined]
+        request_deserializer=frame_decoder(ps_pb2.SyncStepRequest),
+        response_serializer=serialize,
+    )
+    handlers["PullParameters"] = grpc.unary_stream_rpc_method_handler(
+        servicer.PullParameters,  # type: ignore[attr-defined]
+        request_deserializer=ps_pb2.PullParametersRequest.FromString,
+        response_serializer=serialize,
+    )
+    generic = grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+    server.add_generic_rpc_handlers((generic,))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def sync_stub_methods(channel: aio.Channel) -> dict[str, Any]:
+    """Client-side multi-callables of the tensor streams with the hand codec."""
+    path = f"/{SERVICE_NAME}/"
+    return {
+        "InitializeParameters": channel.stream_unary(
+            path + "InitializeParameters",
+            request_serializer=serialize,
+            response_deserializer=ps_pb2.InitializeParametersResponse.FromString,
+        ),
+        "SyncStep": channel.stream_stream(
+            path + "SyncStep",
+            request_serializer=serialize,
+            response_deserializer=frame_decoder(ps_pb2.SyncStepResponse),
+        ),
+        "PullParameters": channel.unary_stream(
+            path + "PullParameters",
+            request_serializer=ps_pb2.PullParametersRequest.SerializeToString,
+            response_deserializer=frame_decoder(ps_pb2.PullParametersResponse),
+        ),
+    }
+
+
+def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def _progress_proto(progress: dict[str, Any]) -> job_pb2.JobProgress:
+    fields = dict(progress)
+    update = fields.pop("update_time")
+    return job_pb2.JobProgress(**fields, update_time=_timestamp(update))
+
+
+def _json_number(value: float) -> float | str:
+    return value if math.isfinite(value) else "NaN"
+
+
+# ------------------------------------------------------------------------------------------
+# per-job state
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _CoordinatedJob:
+    coord: Coordinator
+    cond: asyncio.Condition = field(default_factory=asyncio.Condition)
+    configure_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    metrics_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    started: set[Any] = field(default_factory=set)
+    task_results: dict[Any, asyncio.Future[Any]] = field(default_factory=dict)
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+    tensorboard: Any = None
+
+
+@dataclass
+class _ShardSlice:
+    job: ShardJob
+    futures: dict[tuple[int, int], asyncio.Future[Encoded]] = field(default_factory=dict)
+    memberships: dict[int, frozenset[str]] = field(default_factory=dict)
+
+
+def _silence(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class ParameterSyncServicer:
+    """All RPCs of one shard process (see the module docstring). Not a subclass of the
+    generated servicer: the tensor streams take and give the hand codec's frames and bytes
+    (:func:`add_servicer` registers them so)."""
+
+    def __init__(self, options: ShardOptions, *, clock: Callable[[], float] = time.time) -> None:
+        self.options = options
+        self._clock = clock
+        self._coordinated: dict[str, _CoordinatedJob] = {}
+        self._slices: dict[str, _ShardSlice] = {}
+        self._fences: dict[tuple[str, str], int] = {}
+        self._open_lock = asyncio.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-sync")
+        self._channels: dict[str, tuple[aio.Channel, ps_grpc.ParameterSyncServiceStub]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def close(self) -> None:
+        for channel, _ in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for job in self._coordinated.values():
+            if job.tensorboard is not None:
+                with contextlib.suppress(Exception):
+                    job.tensorboard.close()
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    async def _compute(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, *args)
+
+    def _stub(self, address: str) -> ps_grpc.ParameterSyncServiceStub:
+        entry = self._channels.get(address)
+        if entry is None:
+            channel = connect(
+                address,
+                token=self.options.service_token,
+                max_message_bytes=self.options.peer_message_bytes,
+            )
+            entry = (channel, ps_grpc.ParameterSyncServiceStub(channel))
+            self._channels[address] = entry
+        return entry[1]
+
+    async def _peer_call(self, address: str, method: str, request: Any, timeout: float) -> Any:
+        try:
+            return await getattr(self._stub(address), method)(request, timeout=timeout)
+        except aio.AioRpcError as exc:
+            code = exc.code()
+            text = f"{method} on shard {address}: {exc.details()}"
+            if code == grpc.StatusCode.NOT_FOUND:
+                raise NotFound("job state on shard", address) from exc
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                reason = dict(exc.trailing_metadata() or ()).get("shoal-error-reason", "")
+                if reason == "ERROR_REASON_STALE_GENERATION":
+                    raise StaleGeneration(text) from exc
+                raise FailedPrecondition(text) from exc
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidField(method, address, f"refused: {exc.details()}") from exc
+            raise Unavailable(text) from exc
+
+    def _job(self, job_id: str) -> _CoordinatedJob:
+        job = self._coordinated.get(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
+
+    def _slice(self, job_id: str) -> _ShardSlice:
+        part = self._slices.get(job_id)
+        if part is None:
+            raise JobNotFound(job_id)
+        return part
+
+    def _check_fence(self, job_id: str, token: resources_pb2.FencingToken) -> None:
+        if not token.election:
+            return
+        key = (job_id, token.election)
+        seen = self._fences.get(key, 0)
+        if token.revision < seen:
+            raise FencedOut(
+                f"fencing_token.revision ({token.revision}) of {token.election!r} is older "
+                f"than the current leader's ({seen})"
+            )
+        self._fences[key] = token.revision
+
+    # -- OpenJob / CloseJob -------------------------------------------------------------------
+
+    async def OpenJob(self, request: ps_pb2.OpenJobRequest, context: Any) -> Any:
+        spec = request.spec
+        storage = request.storage_uri or self.options.storage_uri
+        if not storage:
+            raise InvalidField("storage_uri", "", "must be given (or the shard's --storage-uri)")
+        settings = JobSettings(
+            job_id=request.job_id,
+            batch_size=spec.batch_size,
+            epochs=spec.epochs,
+            seed=spec.seed,
+            checkpoint_every=spec.checkpoint_every,
+            storage_uri=storage,
+            shard_addresses=tuple(request.shard_addresses),
+        )
+        if len(settings.shard_addresses) <= self.options.shard_index:
+            raise InvalidField(
+                "shard_addresses",
+                list(settings.shard_addresses),
+                f"must include this shard (index {self.options.shard_index})",
+            )
+        async with self._open_lock:
+            self._check_fence(request.job_id, request.fencing_token)
+            existing = self._coordinated.get(request.job_id)
+            if existing is not None:
+                coord = existing.coord
+                return ps_pb2.OpenJobResponse(
+                    progress=_progress_proto(coord.progress()), resumed=coord.resumed
+                )
+            job = _CoordinatedJob(Coordinator(settings, clock=self._clock))
+            found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
+            if found is not None:
+                await self._resume(job, *found)
+            self._coordinated[request.job_id] = job
+            log.info(
+                "job %s opened (%s), %d shards",
+                request.job_id,
+                f"resumed at iteration {job.coord.completed}" if found else "new",
+                settings.num_shards,
+            )
+            return ps_pb2.OpenJobResponse(
+                progress=_progress_proto(job.coord.progress()), resumed=job.coord.resumed
+            )
+
+    async def _resume(self, job: _CoordinatedJob, directory: str, manifest: dict[str, Any]) -> None:
+        coord = job.coord
+        s = coord.settings
+        for name, mine in (("batch_size", s.batch_size), ("seed", s.seed)):
+            if int(manifest.get(name, mine)) != mine:
+                raise InvalidField(
+                    f"spec.{name}", mine, f"differs from the checkpoint's ({manifest[name]})"
+                )
+        layout = [
+            TensorMeta(
+                d["name"], d["dtype"], tuple(d["shape"]), d["offset"], d["nbytes"], d["buffer"]
+            )
+            for d in manifest["layout"]
+        ]
+        optimizer = OptimizerConfig(**manifest["optimizer"])
+        progress = manifest.get("progress", {})
+        coord.restore(
+            layout=layout,
+            optimizer=optimizer,
+            dataset_size=int(manifest["dataset_size"]),
+            completed=int(manifest["iteration"]),
+            samples_processed=int(progress.get("samples_processed", 0)),
+            generation=int(manifest.get("generation", 0)),
+            last_loss=float(progress.get("last_loss", math.nan)),
+        )
+        assert coord.layout is not None and coord.sharding is not None
+        await self._configure_all(s, coord.layout, optimizer, coord.sharding)
+        load = ps_pb2.LoadShardRequest(job_id=s.job_id, directory=directory)
+        await asyncio.gather(
+            *(self._call_shard(s, i, "LoadShard", load) for i in self._active(coord))
+        )
+        await asyncio.to_thread(
+            self._truncate_metrics,
+            s,
+            coord.completed,
+            coord.completed // coord.iterations_per_epoch,
+        )
+
+    @staticmethod
+    def _truncate_metrics(settings: JobSettings, completed: int, epochs_done: int) -> None:
+        """After a resume, drop the records of the iterations (and epoch evaluations) that
+        will be run again, so that each is recorded once."""
+        for name, field_name, limit in (
+            ("iterations.jsonl", "global_iteration", completed),
+            ("epochs.jsonl", "epoch", epochs_done),
+        ):
+            uri = ckpt.job_uri(settings.storage_uri, settings.job_id, "metrics", name)
+            data = ckpt.read_bytes(uri)
+            if data is None:
+                continue
+            kept = []
+            for line in data.decode().splitlines():
+                try:
+                    if int(json.loads(line).get(field_name, -1)) < limit:
+                        kept.append(line)
+                except (ValueError, AttributeError):
+                    continue
+            ckpt.atomic_write(uri, "".join(k + "\n" for k in kept).encode())
+
+    async def CloseJob(self, request: ps_pb2.CloseJobRequest, context: Any) -> Any:
+        self._check_fence(request.job_id, request.fencing_token)
+        job = self._coordinated.pop(request.job_id, None)
+        part = self._slices.pop(request.job_id, None)
+        if job is None and part is None:
+            raise JobNotFound(request.job_id)
+        if part is not None:
+            self._fail_waiters(part, Aborted(f"job {request.job_id!r} was closed"))
+        if job is not None:
+            async with job.cond:
+                job.coord.done = True
+                job.cond.notify_all()
+            for i, address in enumerate(job.coord.settings.shard_addresses):
+                if i == self.options.shard_index:
+                    continue
+                with contextlib.suppress(ShoalError):
+                    await self._peer_call(
+                        address, "CloseJob", ps_pb2.CloseJobRequest(job_id=request.job_id), 10.0
+                    )
+            if job.tensorboard is not None:
+                with contextlib.suppress(Exception):
+                    job.tensorboard.close()
+        return ps_pb2.CloseJobResponse()
+
+    # -- shards of a coordinated job ----------------------------------------------------------
+
+    def _active(self, coord: Coordinator) -> list[int]:
+        assert coord.sharding is not None
+        return [i for i, names in enumerate(coord.sharding.tensors) if names]
+
+    async def _call_shard(
+        self, settings: JobSettings, index: int, method: str, request: Any
+    ) -> Any:
+        if index == self.options.shard_index:
+            local = getattr(self, f"_local_{method}")
+            return await local(request)
+        timeout = 600.0 if method in ("SaveShard", "LoadShard") else 60.0
+        return await self._peer_call(settings.shard_addresses[index], method, request, timeout)
+
+    async def _configure_all(
+        self,
+        settings: JobSettings,
+        layout: Sequence[TensorMeta],
+        optimizer: OptimizerConfig,
+        sharding: Sharding,
+    ) -> None:
+        by_name = {m.name: m for m in layout}
+        me = settings.shard_addresses[self.options.shard_index]
+        requests = [
+            ps_pb2.ConfigureShardRequest(
+                job_id=settings.job_id,
+                shard_index=i,
+                tensors=[by_name[n].to_proto() for n in names],
+                optimizer=ps_pb2.OptimizerSpec(
+                    name=optimizer.name, hyperparameters_json=optimizer.hyperparameters_json
+                ),
+                coordinator_address=me,
+                active_shards=sharding.active_shards,
+            )
+            for i, names in enumerate(sharding.tensors)
+        ]
+        await asyncio.gather(
+            *(self._call_shard(settings, i, "ConfigureShard", r) for i, r in enumerate(requests))
+        )
+
+    # -- Join / InitializeParameters ----------------------------------------------------------
+
+    async def Join(self, request: ps_pb2.JoinRequest, context: Any) -> Any:
+        job = self._job(request.job_id)
+        coord = job.coord
+        if not request.learner_id:
+            raise InvalidField("learner_id", "", "must not be empty")
+        layout = [TensorMeta.from_proto(t) for t in request.layout]
+        optimizer = OptimizerConfig(
+            request.optimizer.name, request.optimizer.hyperparameters_json or "{}"
+        )
+        async with job.configure_lock:
+            sharding = coord.plan_sharding(layout, optimizer, request.dataset_size)
+            if coord.layout is None:
+                build_optimizer(optimizer, [])  # refuse a bad optimizer before any state
+                await self._configure_all(coord.settings, layout, optimizer, sharding)
+                coord.fix_layout(layout, optimizer, request.dataset_size, sharding)
+            async with job.cond:
+                initialize = coord.join(request.learner_id)
+                job.cond.notify_all()
+        s = coord.settings
+        assert coord.sharding is not None
+        return ps_pb2.JoinResponse(
+            initialize=initialize,
+            shards=[
+                ps_pb2.ShardSlice(shard_index=i, address=address, tensor_names=names)
+                for i, (address, names) in enumerate(
+                    zip(s.shard_addresses, coord.sharding.tensors, strict=True)
+                )
+            ],
+            batch_size=s.batch_size,
+            epochs=s.epochs,
+            seed=s.seed,
+        )
+
+    async def InitializeParameters(
+        self, request_iterator: AsyncIterator[Frame], context: Any
+    ) -> Any:
+        frames = aiter(request_iterator)
+        async with _draining(frames):
+            header = await _first_header(frames)
+            part = self._slice(header.job_id)
+            sj = part.job
+            matched = sj.check_stream(
+                header, everything=True, max_bytes=self.options.max_bundle_bytes
+            )
+            upload = Contribution(
+                learner=header.sender_id,
+                generation=header.generation,
+                iteration=header.iteration,
+                num_samples=0,
+                loss_sum=0.0,
+                learning_rate=0.0,
+                metas=matched,
+                total_bytes=header.total_bytes,
+            )
+            await _collect(frames, sj, upload)
+        accepted = await self._compute(sj.initialize, upload)
+        return ps_pb2.InitializeParametersResponse(accepted=accepted)
+
+    # -- Boundary -----------------------------------------------------------------------------
+
+    async def Boundary(self, request: ps_pb2.BoundaryRequest, context: Any) -> Any:
+        job = self._job(request.job_id)
+        coord = job.coord
+        async with job.cond:
+            if request.completed_iteration >= 0:
+                coord.report(
+                    request.learner_id,
+                    request.generation,
+                    request.completed_iteration,
+                    request.loss_sum,
+                    request.num_samples,
+                )
+            while True:
+                decision = coord.decide(request.learner_id)
+                self._kick(job)
+                # A decision may have frozen a generation or marked the job initialized:
+                # let every waiting learner look again.
+                job.cond.notify_all()
+                if decision.action is not Action.WAIT:
+                    break
+                await job.cond.wait()
+        await self._flush_metrics(job)
+        response = ps_pb2.BoundaryResponse(pull_parameters=decision.pull)
+        if decision.action is Action.RUN:
+            a = decision.assignment
+            assert a is not None
+            response.action = ps_pb2.BOUNDARY_ACTION_RUN
+            response.assignment.CopyFrom(
+                ps_pb2.Assignment(
+                    generation=a.generation,
+                    epoch=a.epoch,
+                    iteration=a.iteration,
+                    global_iteration=a.global_iteration,
+                    rank=a.rank,
+                    world_size=a.world_size,
+                    sample_start=a.sample_start,
+                    sample_end=a.sample_end,
+                    batch_samples=a.batch_samples,
+                )
+            )
+        elif decision.action is Action.RETIRE:
+            response.action = ps_pb2.BOUNDARY_ACTION_RETIRE
+        else:
+            response.action = ps_pb2.BOUNDARY_ACTION_DONE
+        return response
+
+    # -- side effects of the coordinator ------------------------------------------------------
+
+    def _kick(self, job: _CoordinatedJob) -> None:
+        """Start the side effects the coordinator asked for (called with ``job.cond`` held)."""
+        for task in job.coord.holds:
+            if task in job.started:
+                continue
+            job.started.add(task)
+            future = job.task_results.setdefault(task, asyncio.get_running_loop().create_future())
+            future.add_done_callback(_silence)
+            runner = asyncio.create_task(self._run_task(job, task, future))
+            job.background.add(runner)
+            runner.add_done_callback(job.background.discard)
+
+    async def _run_task(
+        self, job: _CoordinatedJob, task: ResolveTask | CheckpointTask, future: asyncio.Future[Any]
+    ) -> None:
+        ok, result = True, None
+        try:
+            if isinstance(task, ResolveTask):
+                await self._resolve_everywhere(job.coord, task)
+            else:
+                result = await self._checkpoint(job.coord, task)
+        except Exception as exc:
+            ok = False
+            log.error("job %s: %s failed: %s", job.coord.job_id, task, exc, exc_info=exc)
+            if not future.done():
+                future.set_exception(exc)
+        else:
+            if not future.done():
+                future.set_result(result)
+        async with job.cond:
+            job.started.discard(task)
+            job.task_results.pop(task, None)
+            follow = job.coord.task_done(task, ok=ok)
+            del follow  # a deferred commit is one of the coordinator's holds now
+            self._kick(job)
+            job.cond.notify_all()
+
+    async def _resolve_everywhere(self, coord: Coordinator, task: ResolveTask) -> None:
+        request = ps_pb2.ResolveIterationRequest(
+            job_id=coord.job_id,
+            generation=task.generation,
+            iteration=task.iteration,
+            commit=task.commit,
+        )
+        results = await asyncio.gather(
+            *(
+                self._call_shard(coord.settings, i, "ResolveIteration", request)
+                for i in self._active(coord)
+            ),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    async def _checkpoint(self, coord: Coordinator, task: CheckpointTask) -> tuple[str, int]:
+        s = coord.settings
+        directory = ckpt.job_uri(
+            s.storage_uri, s.job_id, "checkpoints", ckpt.checkpoint_name(task.iteration)
+        )
+        manifest = await asyncio.to_thread(ckpt.read_manifest, directory)
+        if manifest is None:
+            active = self._active(coord)
+            request = ps_pb2.SaveShardRequest(
+                job_id=s.job_id, directory=directory, global_iteration=task.iteration
+            )
+            saved = await asyncio.gather(
+                *(self._call_shard(s, i, "SaveShard", request) for i in active)
+            )
+            assert coord.sharding is not None and coord.layout is not None
+            assert coord.optimizer is not None
+            progress = coord.progress()
+            progress.pop("update_time")
+            manifest = {
+                "job_id": s.job_id,
+                "iteration": task.iteration,
+                "epoch": task.epoch,
+                "generation": coord.generation,
+                "batch_size": s.batch_size,
+                "epochs": s.epochs,
+                "seed": s.seed,
+                "checkpoint_every": s.checkpoint_every,
+                "dataset_size": coord.dataset_size,
+                "optimizer": {
+                    "name": coord.optimizer.name,
+                    "hyperparameters_json": coord.optimizer.hyperparameters_json,
+                },
+                "layout": [
+                    {
+                        "name": m.name,
+                        "dtype": m.dtype,
+                        "shape": list(m.shape),
+                        "offset": m.offset,
+                        "nbytes": m.nbytes,
+                        "buffer": m.buffer,
+                    }
+                    for m in coord.layout
+                ],
+                "progress": {
+                    **progress,
+                    "completed_iterations": task.iteration,
+                    "last_loss": _json_number(progress["last_loss"]),
+                },
+                "shards": [
+                    {
+                        "index": i,
+                        "file": shard_file_name(i),
+                        "size": r.size_bytes,
+                        "sha256": r.sha256,
+                        "tensors": list(coord.sharding.tensors[i]),
+                    }
+                    for i, r in zip(active, saved, strict=True)
+                ],
+                "time": self._clock(),
+            }
+            await asyncio.to_thread(ckpt.write_manifest_and_latest, directory, manifest)
+            log.info("job %s: checkpoint %s written", s.job_id, directory)
+        if task.final:
+            await asyncio.to_thread(self._write_model, s, directory, manifest)
+        return directory, task.iteration
+
+    @staticmethod
+    def _write_model(settings: JobSettings, directory: str, manifest: dict[str, Any]) -> None:
+        model = model_from_shard_files(directory, manifest)
+        uri = ckpt.job_uri(settings.storage_uri, settings.job_id, "model.safetensors")
+        ckpt.atomic_write(uri, safetensors.torch.save(model))
+
+    async def _flush_metrics(self, job: _CoordinatedJob) -> None:
+        async with job.metrics_lock:
+            records = job.coord.take_metrics()
+            if not records:
+                return
+            s = job.coord.settings
+            uri = ckpt.job_uri(s.storage_uri, s.job_id, "metrics", "iterations.jsonl")
+            lines = [
+                json.dumps(
+                    {
+                        **r,
+                        "loss": _json_number(r["loss"]),
+                        "samples_per_second": _json_number(r["samples_per_second"]),
+                    }
+                )
+                for r in records
+            ]
+            try:
+                await asyncio.to_thread(ckpt.append_line, uri, "\n".join(lines))
+            except ckpt.StorageError as exc:
+                log.error("job %s: metrics not written: %s", s.job_id, exc)
+            self._tensorboard(job, records)
+
+    def _tensorboard(self, job: _CoordinatedJob, records: list[dict[str, Any]]) -> None:
+        """Optional: TensorBoard event files when torch.utils.tensorboard imports and the
+        storage is local."""
+        s = job.coord.settings
+        if job.tensorboard is False or not s.storage_uri.startswith(("file://", "/")):
+            return
+        if job.tensorboard is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except Exception:  # tensorboard is an optional dependency
+                job.tensorboard = False
+                return
+            path = ckpt.job_uri(s.storage_uri, s.job_id, "tensorboard").removeprefix("file://")
+            job.tensorboard = SummaryWriter(log_dir=path)
+        for r in records:
+            job.tensorboard.add_scalar("train/loss", r["loss"], r["global_iteration"])
+            job.tensorboard.add_scalar(
+                "train/samples_per_second", r["samples_per_second"], r["global_iteration"]
+            )
+        job.tensorboard.flush()
+
+    # -- SyncStep / PullParameters ------------------------------------------------------------
+
+    async def SyncStep(
+        self, request_iterator: AsyncIterator[Frame], context: Any
+    ) -> AsyncIterator[bytes]:
+        frames = aiter(request_iterator)
+        async with _draining(frames):
+            header = await _first_header(frames)
+            part = self._slice(header.job_id)
+            sj = part.job
+            matched = sj.check_stream(
+                header, everything=False, max_bytes=self.options.max_bundle_bytes
+            )
+            g, k, learner = header.generation, header.iteration, header.sender_id
+            if header.num_samples < 0:
+                raise InvalidField("header.num_samples", header.num_samples, "must be >= 0")
+            sj.check_iteration(g, k)
+            members = await self._members(part, g)
+            if learner not in members:
+                raise StaleGeneration(
+                    f"learner {learner!r} is not a member of generation {g} of job "
+                    f"{header.job_id!r}"
+                )
+            contribution = Contribution(
+                learner=learner,
+                generation=g,
+                iteration=k,
+                num_samples=header.num_samples,
+                loss_sum=header.loss_sum,
+                learning_rate=header.learning_rate,
+                metas=matched,
+                total_bytes=header.total_bytes,
+            )
+            await _collect(frames, sj, contribution)
+        future = part.futures.get((g, k))
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            future.add_done_callback(_silence)
+            part.futures[(g, k)] = future
+        ready = await self._compute(sj.accumulate, contribution, members)
+        self._fail_superseded(part)
+        if ready:
+            notify = asyncio.create_task(self._shard_ready(sj, g, k))
+            self._background.add(notify)
+            notify.add_done_callback(self._background.discard)
+        encoded = await asyncio.shield(future)
+        yield encode_header(ps_pb2.SyncStepResponse, encoded.header)
+        for i in range(encoded.count):
+            yield encoded.chunk(i)
+
+    async def _members(self, part: _ShardSlice, generation: int) -> frozenset[str]:
+        """The members of ``generation`` (asked from the coordinator once: a generation's
+        member list never changes; a superseded generation is refused there)."""
+        members = part.memberships.get(generation)
+        if members is None:
+            sj = part.job
+            request = ps_pb2.GetMembershipRequest(job_id=sj.job_id, generation=generation)
+            if sj.job_id in self._coordinated:
+                reply = await self.GetMembership(request, None)
+            else:
+                reply = await self._peer_call(
+                    sj.coordinator_address, "GetMembership", request, 30.0
+                )
+            members = frozenset(reply.member_learner_ids)
+            part.memberships = {
+                gen: value for gen, value in part.memberships.items() if gen >= generation
+            }
+            part.memberships[generation] = members
+        return members
+
+    async def _shard_ready(self, sj: ShardJob, generation: int, iteration: int) -> None:
+        request = ps_pb2.ShardReadyRequest(
+            job_id=sj.job_id, shard_index=sj.shard_index, generation=generation, iteration=iteration
+        )
+        try:
+            if sj.job_id in self._coordinated:
+                await self._local_ShardReady(request)
+            else:
+                await self._peer_call(sj.coordinator_address, "ShardReady", request, 30.0)
+        except StaleGeneration as exc:
+            log.info("shard ready for a superseded iteration: %s", exc)
+        except Exception as exc:
+            log.error("ShardReady for job %s failed: %s", sj.job_id, exc)
+
+    def _fail_superseded(self, part: _ShardSlice) -> None:
+        floor = part.job.min_generation
+        for key in [key for key in part.futures if key[0] < floor]:
+            future = part.futures.pop(key)
+            if not future.done():
+                future.set_exception(_aborted(part.job.job_id, *key))
+
+    def _fail_waiters(self, part: _ShardSlice, exc: Exception) -> None:
+        for future in part.futures.values():
+            if not future.done():
+                future.set_exception(exc)
+        part.futures.clear()
+
+    async def PullParameters(
+        self, request: ps_pb2.PullParametersRequest, context: Any
+    ) -> AsyncIterator[bytes]:
+        part = self._slice(request.job_id)
+        sj = part.job
+        if not sj.initialized:
+            raise FailedPrecondition(
+                f"shard {sj.shard_index} of job {request.job_id!r} has no parameters yet"
+            )
+        if request.generation > 0:
+            members = await self._members(part, request.generation)
+            if request.learner_id not in members:
+                raise StaleGeneration(
+                    f"learner {request.learner_id!r} is not a member of generation "
+                    f"{request.generation} of job {request.job_id!r}"
+                )
+        encoded = await self._compute(sj.current)
+        yield encode_header(ps_pb2.PullParametersResponse, encoded.header)
+        for chunk in encoded.chunks:
+            yield chunk
+
+    # -- membership changes -------------------------------------------------------------------
+
+    async def RetireLearners(self, request: ps_pb2.RetireLearnersRequest, context: Any) -> Any:
+        job = self._job(request.job_id)
+        self._check_fence(request.job_id, request.fencing_token)
+        async with job.cond:
+            effective = job.coord.retire(list(request.learner_ids))
+            job.cond.notify_all()
+        log.info("job %s: retiring %s", request.job_id, list(request.learner_ids))
+        return ps_pb2.RetireLearnersResponse(effective_generation=effective)
+
+    async def EvictLearner(self, request: ps_pb2.EvictLearnerRequest, context: Any) -> Any:
+        job = self._job(request.job_id)
+        self._check_fence(request.job_id, request.fencing_token)
+        async with job.cond:
+            aborted, _ = job.coord.evict(request.learner_id)
+            self._kick(job)
+            job.cond.notify_all()
+        await self._flush_metrics(job)
+        log.warning(
+            "job %s: learner %s evicted (%s); aborted iteration %d",
+            request.job_id,
+            request.learner_id,
+            request.reason or "no reason given",
+            aborted,
+        )
+        return ps_pb2.EvictLearnerResponse(aborted_iteration=aborted)
+
+    # -- checkpoints, metrics, progress -------------------------------------------------------
+
+    async def CreateCheckpoint(self, request: ps_pb2.CreateCheckpointRequest, context: Any) -> Any:
+        job = self._job(request.job_id)
+        coord = job.coord
+        async with job.cond:
+            if not coord.initialized or coord.layout is None:
+                raise FailedPrecondition(f"job {request.job_id!r} has no parameters yet")
+            while True:
+                await job.cond.wait_for(lambda: not coord.commit_in_flight)
+                task = coord.begin_checkpoint()
+                if task is not None:
+                    break
+                await job.cond.wait()
+            self._kick(job)
+            future = job.task_results[task]
+        directory, iteration = await asyncio.shield(future)
+        return ps_pb2.CreateCheckpointResponse(uri=directory, global_iteration=iteration)
+
+    async def ReportEpochMetrics(
+        self, request: ps_pb2.ReportEpochMetricsRequest, context: Any
+    ) -> Any:
+        job = self._job(request.job_id)
+        if request.learner_id in job.coord.evicted:
+            raise StaleGeneration(f"learner {request.learner_id!r} was evicted")
+        s = job.coord.settings
+        line = json.dumps(
+            {
+                "epoch": request.epoch,
+                "values": {k: _json_number(v) for k, v in request.values.items()},
+                "time": self._clock(),
+            }
+        )
+        uri = ckpt.job_uri(s.storage_uri, s.job_id, "metrics", "epochs.jsonl")
+        await asyncio.to_thread(ckpt.append_line, uri, line)
+        if job.tensorboard not in (None, False):
+            for name, value in request.values.items():
+                job.tensorboard.add_scalar(f"epoch/{name}", value, request.epoch)
+        return ps_pb2.ReportEpochMetricsResponse()
+
+    async def GetJobProgress(self, request: ps_pb2.GetJobProgressRequest, context: Any) -> Any:
+        coord = self._job(request.job_id).coord
+        return ps_pb2.GetJobProgressResponse(
+            progress=_progress_proto(coord.progress()),
+            member_learner_ids=list(coord.members),
+            done=coord.done,
+        )
+
+    async def GetMembership(self, request: ps_pb2.GetMembershipRequest, context: Any) -> Any:
+        coord = self._job(request.job_id).coord
+        members, iteration = coord.membership(request.generation)
+        return ps_pb2.GetMembershipResponse(
+            generation=request.generation, iteration=iteration, member_learner_ids=members
+        )
+
+    # -- coordinator -> shard -----------------------------------------------------------------
+
+    async def ConfigureShard(self, request: ps_pb2.ConfigureShardRequest, context: Any) -> Any:
+        return await self._local_ConfigureShard(request)
+
+    async def _local_ConfigureShard(self, request: ps_pb2.ConfigureShardRequest) -> Any:
+        if request.shard_index != self.options.shard_index:
+            raise InvalidField(
+                "shard_index",
+                request.shard_index,
+                f"is not this shard's ({self.options.shard_index})",
+            )
+        tensors = [TensorMeta.from_proto(t) for t in request.tensors]
+        optimizer = OptimizerConfig(
+            request.optimizer.name, request.optimizer.hyperparameters_json or "{}"
+        )
+        existing = self._slices.get(request.job_id)
+        if existing is not None:
+            if existing.job.same_configuration(tensors, optimizer):
+                return ps_pb2.ConfigureShardResponse()
+            if existing.job.initialized:
+                raise FailedPrecondition(
+                    f"shard {self.options.shard_index} already holds parameters of job "
+                    f"{request.job_id!r} with another layout or optimizer"
+                )
+        job = await self._compute(
+            lambda: ShardJob(
+                request.job_id,
+                request.shard_index,
+                tensors,
+                optimizer,
+                coordinator_address=request.coordinator_address,
+                active_shards=request.active_shards,
+                chunk_bytes=self.options.chunk_bytes,
+            )
+        )
+        self._slices[request.job_id] = _ShardSlice(job)
+        return ps_pb2.ConfigureShardResponse()
+
+    async def ShardReady(self, request: ps_pb2.ShardReadyRequest, context: Any) -> Any:
+        return await self._local_ShardReady(request)
+
+    async def _local_ShardReady(self, request: ps_pb2.ShardReadyRequest) -> Any:
+        job = self._job(request.job_id)
+        async with job.cond:
+            job.coord.shard_ready(request.shard_index, request.generation, request.iteration)
+            self._kick(job)
+            job.cond.notify_all()
+        return ps_pb2.ShardReadyResponse()
+
+    async def ResolveIteration(self, request: ps_pb2.ResolveIterationRequest, context: Any) -> Any:
+        return await self._local_ResolveIteration(request)
+
+    async def _local_ResolveIteration(self, request: ps_pb2.ResolveIterationRequest) -> Any:
+        part = self._slice(request.job_id)
+        sj = part.job
+        key = (request.generation, request.iteration)
+        if request.commit:
+            encoded = await self._compute(sj.commit, *key)
+            future = part.futures.pop(key, None)
+            if encoded is not None and future is not None and not future.done():
+                future.set_result(encoded)
+        else:
+            await self._compute(sj.abort, *key)
+            part.memberships.pop(request.generation, None)
+            self._fail_superseded(part)
+        return ps_pb2.ResolveIterationResponse()
+
+    async def SaveShard(self, request: ps_pb2.SaveShardRequest, context: Any) -> Any:
+        return await self._local_SaveShard(request)
+
+    async def _local_SaveShard(self, request: ps_pb2.SaveShardRequest) -> Any:
+        sj = self._slice(request.job_id).job
+        uri, size, digest = await self._compute(
+            sj.save, request.directory, request.global_iteration
+        )
+        return ps_pb2.SaveShardResponse(uri=uri, size_bytes=size, sha256=digest)
+
+    async def LoadShard(self, request: ps_pb2.LoadShardRequest, context: Any) -> Any:
+        return await self._local_LoadShard(request)
+
+    async def _local_LoadShard(self, request: ps_pb2.LoadShardRequest) -> Any:
+        part = self._slice(request.job_id)
+        iteration = await self._compute(part.job.load, request.directory)
+        self._fail_waiters(part, _aborted(request.job_id, -1, iteration))
+        part.memberships.clear()
+        return ps_pb2.LoadShardResponse(global_iteration=iteration)
+
+
+def _aborted(job_id: str, generation: int, iteration: int) -> Aborted:
+    return Aborted(
+        f"iteration {iteration} of generation {generation} of job {job_id!r} was aborted "
+        "(a member was evicted or the job was restored): ask Boundary again"
+    )
+
+
+@contextlib.asynccontextmanager
+async def _draining(frames: AsyncIterator[Frame], limit_s: float = 10.0) -> AsyncIterator[None]:
+    """On an error, read (and drop) the rest of the request stream before the handler fails:
+    a gRPC client still writing when the server ends the call gets INTERNAL instead of the
+    server's status. Bounded in time, so a client that never stops cannot hold the handler."""
+    try:
+        yield
+    except Exception:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(limit_s):
+                async for _ in frames:
+                    pass
+        raise
+
+
+async def _first_header(frames: AsyncIterator[Frame]) -> ps_pb2.TensorBundleHeader:
+    try:
+        first = await anext(frames)
+    except StopAsyncIteration:
+        raise InvalidField("header", None, "must be the first message of the stream") from None
+    if first.header is None:
+        raise InvalidField("header", "chunk", "must be the first message of the stream")
+    return first.header
+
+
+async def _collect(frames: AsyncIterator[Frame], sj: ShardJob, contribution: Contribution) -> None:
+    async for frame in frames:
+        if frame.chunk is None:
+            raise InvalidField("chunk", "header", "only the first message may be a header")
+        sj.take_chunk(contribution, frame.chunk)
+    sj.check_complete(contribution)

@@ -1,0 +1,665 @@
+"""One shard's slice of one job: the tensors it holds, the weighted gradient sums of the running
+iteration, the optimizer, and its checkpoint file.
+
+The shard's parameters and buffers live in one flat byte buffer (each tensor 64-byte aligned),
+so the new parameters are sent straight from it, and are encoded once per iteration for all
+learners. Gradients are summed into preallocated accumulators as ``sum_i n_i * g_i``; the commit
+divides by the total sample count, sets ``p.grad`` and runs the optimizer. A contribution is
+applied only once its whole stream has arrived and checked out, so a bad or broken stream
+leaves the job's state as it was.
+
+Everything here is synchronous and runs on the service's single compute thread, one call at a
+time; ``service.py`` does the waiting and the networking.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from shoal.learner.transport import (
+    DEFAULT_CHUNK_BYTES,
+    BundleError,
+    BundleReceiver,
+    BundleTooLarge,
+    TensorMeta,
+    byte_view,
+    chunk_ranges,
+    encode_chunks,
+    header_of,
+    pack_layout,
+    validate_layout,
+)
+from shoal.param_sync.checkpoint import (
+    StorageError,
+    atomic_write,
+    join_uri,
+    read_bytes,
+    read_manifest,
+    sha256_hex,
+)
+from shoal.param_sync.coordinator import OptimizerConfig
+from shoal.runtime.errors import (
+    FailedPrecondition,
+    InvalidField,
+    NotFound,
+    StaleGeneration,
+    TooLarge,
+)
+from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+
+__all__ = [
+    "Contribution",
+    "Encoded",
+    "ShardJob",
+    "build_optimizer",
+    "shard_file_name",
+    "warm_up",
+]
+
+ALIGN = 64
+
+
+def shard_file_name(shard_index: int) -> str:
+    return f"shard-{shard_index}.safetensors"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def build_optimizer(
+    config: OptimizerConfig, params: Sequence[torch.Tensor]
+) -> torch.optim.Optimizer:
+    """``getattr(torch.optim, name)(params, **json.loads(hyperparameters_json))``; anything
+    wrong raises :class:`InvalidField` naming the optimizer and the arguments."""
+    klass = getattr(torch.optim, config.name, None) if config.name else None
+    if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)):
+        raise InvalidField(
+            "optimizer.name", config.name, "is not an optimizer class in torch.optim"
+        )
+    try:
+        kwargs = json.loads(config.hyperparameters_json or "{}")
+    except ValueError as exc:
+        raise InvalidField(
+            "optimizer.hyperparameters_json", config.hyperparameters_json, f"is not JSON: {exc}"
+        ) from None
+    if not isinstance(kwargs, dict):
+        raise InvalidField(
+            "optimizer.hyperparameters_json", config.hyperparameters_json, "must be an object"
+        )
+    kwargs = {k: _plain(v) for k, v in kwargs.items()}
+    if not params:
+        params = [torch.zeros(1, requires_grad=True)]
+    try:
+        return klass(list(params), **kwargs)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise InvalidField(
+            "optimizer.hyperparameters_json",
+            config.hyperparameters_json,
+            f"is rejected by torch.optim.{config.name}: {exc}",
+        ) from None
+
+
+def warm_up() -> None:
+    """Build and step an optimizer once: the first one in a process imports torch's compiler
+    stack (about 2 s), which must not land on a learner's first Join."""
+    param = torch.zeros(1, requires_grad=True)
+    param.grad = torch.ones(1)
+    build_optimizer(OptimizerConfig("SGD", '{"lr": 0.1, "momentum": 0.9}'), [param]).step()
+
+
+class Encoded:
+    """A bundle ready to stream: its header and its chunk messages, encoded on first use and
+    shared by every learner that streams it (so the first chunk leaves while the next ones are
+    still being copied, and W learners cost one copy).
+
+    It reads the shard's parameters as they are when a chunk is first asked for. That is safe
+    for the members of an iteration: the next commit needs every member's next contribution,
+    which each sends only after receiving all of these chunks. Pulls materialize a copy first
+    (:meth:`materialized`), on the compute thread.
+    """
+
+    def __init__(
+        self,
+        header: ps_pb2.TensorBundleHeader,
+        metas: Sequence[TensorMeta],
+        views: Sequence[np.ndarray],
+        total_bytes: int,
+        chunk_bytes: int,
+    ) -> None:
+        self.header = header
+        self.count = len(chunk_ranges(metas, total_bytes, chunk_bytes)) if total_bytes else 0
+        self._source = encode_chunks(metas, views, total_bytes, chunk_bytes)
+        self._chunks: list[bytes] = []
+
+    def chunk(self, index: int) -> bytes:
+        while len(self._chunks) <= index:
+            self._chunks.append(next(self._source))
+        return self._chunks[index]
+
+    @property
+    def chunks(self) -> list[bytes]:
+        return [self.chunk(i) for i in range(self.count)]
+
+    def materialized(self) -> Encoded:
+        self.chunks  # noqa: B018 - encodes every chunk now
+        return self
+
+
+@dataclass
+class Contribution:
+    """A learner's checked gradient stream, not applied yet."""
+
+    learner: str
+    generation: int
+    iteration: int
+    num_samples: int
+    loss_sum: float
+    learning_rate: float
+    metas: list[tuple[int, TensorMeta]]  # (local index, meta in the stream)
+    total_bytes: int
+    chunks: list[memoryview] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    generation: int
+    iteration: int
+    contributed: set[str] = field(default_factory=set)
+    total_samples: int = 0
+    loss_sum: float = 0.0
+    learning_rate: float = 0.0
+    got_grad: list[bool] = field(default_factory=list)
+    buffer_weight: list[float] = field(default_factory=list)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    if dtype == torch.bool:
+        return torch.uint8
+    return dtype
+
+
+class ShardJob:
+    """Shard ``shard_index``'s part of job ``job_id``: ``tensors`` are the job-layout metas
+    of the tensors it holds (in layout order)."""
+
+    def __init__(
+        self,
+        job_id: str,
+        shard_index: int,
+        tensors: Sequence[TensorMeta],
+        optimizer: OptimizerConfig,
+        *,
+        coordinator_address: str = "",
+        active_shards: int = 1,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        try:
+            validate_layout(
+                sorted(tensors, key=lambda m: m.offset),
+                max((m.end for m in tensors), default=0),
+                what="tensors",
+            )
+        except BundleError as exc:
+            raise InvalidField("tensors", len(tensors), str(exc)) from None
+        self.job_id = job_id
+        self.shard_index = shard_index
+        self.job_metas = tuple(tensors)
+        self.optimizer_config = optimizer
+        self.coordinator_address = coordinator_address
+        self.active_shards = active_shards
+        self.chunk_bytes = chunk_bytes
+        self.metas, self.total_bytes = pack_layout(self.job_metas, align=ALIGN)
+        self.index = {m.name: j for j, m in enumerate(self.metas)}
+        self.flat = torch.zeros(max(self.total_bytes, 1), dtype=torch.uint8)
+        self.tensors = [self._view(m) for m in self.metas]
+        self.param_indices = [j for j, m in enumerate(self.metas) if not m.buffer]
+        self.params = [self.tensors[j] for j in self.param_indices]
+        self.optimizer = build_optimizer(optimizer, self.params)
+        self.acc = [torch.empty(m.numel, dtype=_acc_dtype(m.torch_dtype)) for m in self.metas]
+        self._acc_np = [a.numpy() for a in self.acc]
+        self._scratch = np.empty(0, dtype=np.float64)
+        self.initialized = False
+        self.completed = 0
+        self.min_generation = 0
+        self.pending: _Pending | None = None
+        self.encoded: Encoded | None = None
+
+    def _view(self, m: TensorMeta) -> torch.Tensor:
+        if m.numel == 0:
+            return torch.empty(m.shape, dtype=m.torch_dtype)
+        return self.flat[m.offset : m.end].view(m.torch_dtype).view(m.shape)
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.metas]
+
+    def same_configuration(self, tensors: Sequence[TensorMeta], optimizer: OptimizerConfig) -> bool:
+        return tuple(tensors) == self.job_metas and optimizer == self.optimizer_config
+
+    # -- checking streams -------------------------------------------------------------------
+
+    def check_stream(
+        self, header: ps_pb2.TensorBundleHeader, *, everything: bool, max_bytes: int
+    ) -> list[tuple[int, TensorMeta]]:
+        """Match a stream header's tensors with this shard's. ``everything``: all tensors must
+        be present (uploads); otherwise parameters without a gradient may be left out."""
+        metas = [TensorMeta.from_proto(t) for t in header.tensors]
+        try:
+            validate_layout(metas, header.total_bytes, what="header.tensors")
+        except BundleError as exc:
+            raise InvalidField("header.tensors", len(metas), str(exc)) from None
+        matched: list[tuple[int, TensorMeta]] = []
+        for i, m in enumerate(metas):
+            j = self.index.get(m.name)
+            if j is None:
+                raise InvalidField(
+                    f"header.tensors[{i}].name",
+                    m.name,
+                    f"is not held by shard {self.shard_index} of job {self.job_id!r}",
+                )
+            mine = self.metas[j]
+            if not mine.same_tensor(m):
+                raise InvalidField(
+                    f"header.tensors[{i}]",
+                    f"{m.name} {m.dtype} {list(m.shape)} {m.nbytes} bytes"
+                    f"{' buffer' if m.buffer else ''}",
+                    f"does not match the job's layout ({mine.dtype} {list(mine.shape)} "
+                    f"{mine.nbytes} bytes{' buffer' if mine.buffer else ''})",
+                )
+            matched.append((j, m))
+        present = {j for j, _ in matched}
+        missing = [
+            self.metas[j].name
+            for j in range(len(self.metas))
+            if j not in present and (everything or self.metas[j].buffer)
+        ]
+        if missing and (everything or header.num_samples > 0):
+            raise InvalidField(
+                "header.tensors", f"{len(metas)} tensors", f"lacks {', '.join(missing[:5])}"
+            )
+        limit = min(max_bytes, self.total_bytes + ALIGN * (len(self.metas) + 1))
+        if header.total_bytes > limit:
+            raise TooLarge(
+                f"header.total_bytes ({header.total_bytes}) exceeds the limit ({limit}) of "
+                f"shard {self.shard_index} for job {self.job_id!r}"
+            )
+        return matched
+
+    @staticmethod
+    def take_chunk(contribution: Contribution, chunk: memoryview) -> None:
+        """Keep a received chunk (no copy) after checking it does not overflow the stream."""
+        received = sum(c.nbytes for c in contribution.chunks)
+        if received + chunk.nbytes > contribution.total_bytes:
+            raise TooLarge(
+                f"stream sends more than its header.total_bytes ({contribution.total_bytes}): "
+                f"{received + chunk.nbytes} bytes"
+            )
+        contribution.chunks.append(chunk)
+
+    @staticmethod
+    def check_complete(contribution: Contribution) -> None:
+        received = sum(c.nbytes for c in contribution.chunks)
+        if received != contribution.total_bytes:
+            raise InvalidField(
+                "header.total_bytes",
+                contribution.total_bytes,
+                f"was not reached: the stream ended after {received} bytes",
+            )
+
+    def _feed(self, contribution: Contribution, sink: Any) -> None:
+        metas = [m for _, m in contribution.metas]
+        local = [j for j, _ in contribution.metas]
+        receiver = BundleReceiver(
+            metas, contribution.total_bytes, lambda i, off, seg: sink(local[i], off, seg)
+        )
+        try:
+            for chunk in contribution.chunks:
+                receiver.feed(chunk)
+            receiver.finish()
+        except BundleTooLarge as exc:
+            raise TooLarge(str(exc)) from None
+        except BundleError as exc:
+            raise InvalidField("chunk", "...", str(exc)) from None
+
+    # -- initial upload -----------------------------------------------------------------------
+
+    def initialize(self, contribution: Contribution) -> bool:
+        """Apply a checked initial upload; False (and nothing changes) when already
+        initialized."""
+        if self.initialized:
+            return False
+        views = [byte_view(t) if t.numel() else np.empty(0, np.uint8) for t in self.tensors]
+
+        def copy(j: int, off: int, seg: memoryview) -> None:
+            views[j][off : off + seg.nbytes] = np.frombuffer(seg, dtype=np.uint8)
+
+        self._feed(contribution, copy)
+        self.initialized = True
+        self._encode()
+        return True
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def check_iteration(self, generation: int, iteration: int) -> None:
+        """Refuse a contribution of a superseded generation or of another iteration."""
+        if not self.initialized:
+            raise FailedPrecondition(
+                f"shard {self.shard_index} of job {self.job_id!r} has no parameters yet"
+            )
+        if generation < self.min_generation:
+            raise StaleGeneration(
+                f"generation ({generation}) is stale: shard {self.shard_index} of job "
+                f"{self.job_id!r} is at generation {self.min_generation}"
+            )
+        if iteration != self.completed:
+            raise StaleGeneration(
+                f"iteration ({iteration}) is not the one shard {self.shard_index} of job "
+                f"{self.job_id!r} runs ({self.completed})"
+            )
+
+    def pending_for(self, generation: int, iteration: int) -> _Pending:
+        """The running iteration's sums for (generation, iteration); a newer generation drops
+        an older one's (it was superseded, which the caller learned from the coordinator)."""
+        pending = self.pending
+        if pending is not None and (pending.generation, pending.iteration) == (
+            generation,
+            iteration,
+        ):
+            return pending
+        if pending is not None:
+            self.abort(pending.generation, pending.iteration)
+        self.min_generation = max(self.min_generation, generation)
+        self.pending = _Pending(
+            generation,
+            iteration,
+            got_grad=[False] * len(self.metas),
+            buffer_weight=[0.0] * len(self.metas),
+        )
+        return self.pending
+
+    def accumulate(self, contribution: Contribution, members: frozenset[str]) -> bool:
+        """Add a checked, complete contribution to the running iteration's sums (a repeated
+        one from the same learner is ignored). Returns True exactly once per iteration: when
+        this contribution completes the set of ``members``."""
+        self.check_iteration(contribution.generation, contribution.iteration)
+        pending = self.pending_for(contribution.generation, contribution.iteration)
+        if contribution.learner in pending.contributed:
+            return False
+        n = contribution.num_samples
+        if n > 0:
+            self._feed(contribution, lambda j, off, seg: self._add(j, off, seg, n))
+            for j, m in contribution.metas:
+                if m.buffer:
+                    pending.buffer_weight[j] += n
+                else:
+                    pending.got_grad[j] = True
+        pending.contributed.add(contribution.learner)
+        pending.total_samples += n
+        pending.loss_sum += contribution.loss_sum
+        if contribution.learning_rate > 0 and pending.learning_rate <= 0:
+            pending.learning_rate = contribution.learning_rate
+        return members <= pending.contributed
+
+    def _add(self, j: int, off: int, seg: memoryview, n: int) -> None:
+        m = self.metas[j]
+        acc = self._acc_np[j]
+        e0 = off // m.itemsize
+        if m.dtype == "bfloat16":
+            src = (np.frombuffer(seg, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif m.dtype == "bool":
+            src = np.frombuffer(seg, dtype=np.uint8)
+        else:
+            src = np.frombuffer(seg, dtype=acc.dtype if m.dtype not in ("float16",) else np.float16)
+        dst = acc[e0 : e0 + src.size]
+        pending = self.pending
+        assert pending is not None
+        # The first contribution to a tensor writes it (no accumulator needs zeroing); later
+        # ones add (integer buffers: take the maximum). Contributions are applied one at a
+        # time, each whole, so "first" is known per tensor.
+        first = pending.buffer_weight[j] == 0 if m.buffer else not pending.got_grad[j]
+        if m.buffer and not np.issubdtype(acc.dtype, np.inexact):
+            if first:
+                np.copyto(dst, src, casting="unsafe")
+            else:
+                np.maximum(dst, src, out=dst, casting="unsafe")
+            return
+        if first:
+            np.multiply(src, n, out=dst, casting="unsafe")
+            return
+        if n == 1:
+            np.add(dst, src, out=dst, casting="unsafe")
+            return
+        if self._scratch.dtype != acc.dtype or self._scratch.size < src.size:
+            self._scratch = np.empty(max(src.size, 1 << 20), dtype=acc.dtype)
+        tmp = self._scratch[: src.size]
+        np.multiply(src, n, out=tmp, casting="unsafe")
+        np.add(dst, tmp, out=dst)
+
+    # -- resolving ----------------------------------------------------------------------------
+
+    def commit(self, generation: int, iteration: int) -> Encoded | None:
+        """Apply (generation, iteration): mean gradient, learning rate, optimizer step,
+        averaged buffers; returns the new parameters' encoding. A commit of an iteration
+        already applied returns None."""
+        pending = self.pending
+        if pending is None or (pending.generation, pending.iteration) != (generation, iteration):
+            if iteration < self.completed:
+                return None
+            raise FailedPrecondition(
+                f"shard {self.shard_index} of job {self.job_id!r} holds no sums for "
+                f"iteration {iteration} of generation {generation}"
+            )
+        total = pending.total_samples
+        with torch.no_grad():
+            for j, p in zip(self.param_indices, self.params, strict=True):
+                if pending.got_grad[j] and total > 0:
+                    grad = self.acc[j].div_(total)
+                    p.grad = (grad if grad.dtype == p.dtype else grad.to(p.dtype)).view(p.shape)
+                else:
+                    p.grad = None
+            if pending.learning_rate > 0:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = pending.learning_rate
+            if any(p.grad is not None for p in self.params):
+                self.optimizer.step()
+            for p in self.params:
+                p.grad = None
+            for j, m in enumerate(self.metas):
+                weight = pending.buffer_weight[j]
+                if not m.buffer or weight <= 0:
+                    continue
+                acc = self.acc[j]
+                value = acc.div_(weight) if acc.is_floating_point() or acc.is_complex() else acc
+                self.tensors[j].copy_(value.view(m.shape))
+        self.pending = None
+        self.completed = iteration + 1
+        return self._encode(
+            generation=generation,
+            iteration=iteration,
+            num_samples=total,
+            loss_sum=pending.loss_sum,
+        )
+
+    def abort(self, generation: int, iteration: int) -> bool:
+        """Drop (generation, iteration)'s sums; later contributions of that generation are
+        refused. Returns whether there were sums to drop."""
+        self.min_generation = max(self.min_generation, generation + 1)
+        pending = self.pending
+        if pending is None or (pending.generation, pending.iteration) != (generation, iteration):
+            return False
+        self.pending = None  # the sums are garbage now; the next contribution overwrites them
+        return True
+
+    # -- the parameters on the wire -----------------------------------------------------------
+
+    def _encode(self, **fields: Any) -> Encoded:
+        """Encode the current parameters and buffers once, for every learner that asks."""
+        views = [byte_view(t) if t.numel() else np.empty(0, dtype=np.uint8) for t in self.tensors]
+        header = header_of(
+            job_id=self.job_id,
+            sender_id=f"shard-{self.shard_index}",
+            metas=self.metas,
+            total_bytes=self.total_bytes,
+            **fields,
+        )
+        self.encoded = Encoded(header, self.metas, views, self.total_bytes, self.chunk_bytes)
+        return self.encoded
+
+    def current(self) -> Encoded:
+        """The current parameters, fully encoded (call on the compute thread)."""
+        if not self.initialized:
+            raise FailedPrecondition(
+                f"shard {self.shard_index} of job {self.job_id!r} has no parameters yet"
+            )
+        return self._encode(iteration=self.completed).materialized()
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return {m.name: t for m, t in zip(self.metas, self.tensors, strict=True)}
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save(self, directory: str, global_iteration: int) -> tuple[str, int, str]:
+        """Write ``shard-<i>.safetensors`` into ``directory``: ``param/<name>``,
+        ``buffer/<name>``, ``optim/<name>/<key>`` tensors; non-tensor optimizer state and the
+        param groups as JSON metadata. Returns (uri, size, sha256)."""
+        if not self.initialized:
+            raise FailedPrecondition(
+                f"shard {self.shard_index} of job {self.job_id!r} has no parameters yet"
+            )
+        if global_iteration != self.completed:
+            raise FailedPrecondition(
+                f"global_iteration ({global_iteration}) is not shard {self.shard_index}'s "
+                f"({self.completed}) for job {self.job_id!r}"
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        for m, t in zip(self.metas, self.tensors, strict=True):
+            tensors[f"{'buffer' if m.buffer else 'param'}/{m.name}"] = t.detach().clone()
+        state = self.optimizer.state_dict()
+        plain: dict[str, dict[str, Any]] = {}
+        for index, entry in state["state"].items():
+            name = self.metas[self.param_indices[int(index)]].name
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim/{name}/{key}"] = value.detach().clone().contiguous()
+                else:
+                    plain.setdefault(name, {})[key] = value
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+        metadata = {
+            "format": "1",
+            "job_id": self.job_id,
+            "shard_index": str(self.shard_index),
+            "global_iteration": str(self.completed),
+            "optimizer": json.dumps(
+                {
+                    "name": self.optimizer_config.name,
+                    "hyperparameters_json": self.optimizer_config.hyperparameters_json,
+                }
+            ),
+            "param_groups": json.dumps(groups),
+            "optimizer_plain_state": json.dumps(plain),
+        }
+        data = safetensors.torch.save(tensors, metadata=metadata)
+        uri = join_uri(directory, shard_file_name(self.shard_index))
+        atomic_write(uri, data)
+        return uri, len(data), sha256_hex(data)
+
+    def load(self, directory: str) -> int:
+        """Restore this shard's tensors and optimizer state from the checkpoint in
+        ``directory`` (its manifest says which files hold which tensors, so a checkpoint
+        written with another number of shards loads too). Returns the iteration."""
+        manifest = read_manifest(directory)
+        if manifest is None:
+            raise NotFound("checkpoint", directory)
+        wanted = set(self.index)
+        loaded: dict[str, torch.Tensor] = {}
+        groups: list[dict[str, Any]] | None = None
+        plain: dict[str, dict[str, Any]] = {}
+        for entry in manifest.get("shards", []):
+            if not wanted & set(entry.get("tensors", [])):
+                continue
+            uri = join_uri(directory, entry["file"])
+            data = read_bytes(uri)
+            if data is None:
+                raise StorageError(f"{uri} is missing from checkpoint {directory}")
+            if len(data) != entry["size"] or sha256_hex(data) != entry["sha256"]:
+                raise StorageError(f"{uri} does not match its manifest (size or sha256)")
+            tensors = safetensors.torch.load(data)
+            meta = _safetensors_metadata(data)
+            if int(meta.get("global_iteration", -1)) != int(manifest["iteration"]):
+                raise StorageError(f"{uri} holds another iteration than the manifest")
+            loaded.update(tensors)
+            if groups is None:
+                groups = json.loads(meta.get("param_groups", "[]"))
+            plain.update(json.loads(meta.get("optimizer_plain_state", "{}")))
+        missing = []
+        with torch.no_grad():
+            for m, t in zip(self.metas, self.tensors, strict=True):
+                key = f"{'buffer' if m.buffer else 'param'}/{m.name}"
+                src = loaded.get(key)
+                if src is None:
+                    missing.append(m.name)
+                    continue
+                if tuple(src.shape) != m.shape or src.dtype != m.torch_dtype:
+                    raise InvalidField(
+                        "directory", directory, f"holds {key} as {src.dtype} {list(src.shape)}"
+                    )
+                t.copy_(src)
+        if missing:
+            raise InvalidField("directory", directory, f"lacks tensors {missing[:5]}")
+        state: dict[int, dict[str, Any]] = {}
+        for local, j in enumerate(self.param_indices):
+            name = self.metas[j].name
+            entry = dict(plain.get(name, {}))
+            prefix = f"optim/{name}/"
+            for key, value in loaded.items():
+                if key.startswith(prefix):
+                    entry[key[len(prefix) :]] = value
+            if entry:
+                state[local] = entry
+        if self.params:
+            saved = (groups or [{}])[0]
+            group = {**saved, "params": list(range(len(self.params)))}
+            self.optimizer.load_state_dict({"state": state, "param_groups": [group]})
+        self.completed = int(manifest["iteration"])
+        self.initialized = True
+        self.pending = None
+        self._encode(iteration=self.completed)
+        return self.completed
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    return dict(header.get("__metadata__", {}))
+
+
+def model_from_shard_files(directory: str, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The whole model (parameters and buffers by name) from a checkpoint's shard files."""
+    model: dict[str, torch.Tensor] = {}
+    for entry in manifest.get("shards", []):
+        data = read_bytes(join_uri(directory, entry["file"]))
+        if data is None:
+            raise StorageError(f"{entry['file']} is missing from {directory}")
+        for key, value in safetensors.torch.load(data).items():
+            kind, _, name = key.partition("/")
+            if kind in ("param", "buffer"):
+                model[name] = value
+    order = [m["name"] for m in manifest.get("layout", [])]
+    return {name: model[name] for name in order if name in model}
+
+
+def finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None

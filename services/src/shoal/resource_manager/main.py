@@ -1,0 +1,130 @@
+"""``shoal-service resource-manager [flags]``: run one resource-manager replica.
+
+Run two or more on the same etcd for leader + standby. Flags (each also an environment
+variable; flags win), besides the server flags of :mod:`shoal.runtime.config`:
+
+=================================  =====================================  =================
+flag                               variable                               default
+=================================  =====================================  =================
+``--heartbeat-interval SECONDS``   SHOAL_RM_HEARTBEAT_INTERVAL_S          1.0
+``--host-grace SECONDS`` (alias    SHOAL_RM_HOST_GRACE_S                  3.0
+``--host-lost-after``)
+``--election-ttl SECONDS``         SHOAL_RM_ELECTION_TTL_S                5.0
+``--scheduler-election NAME``      SHOAL_RM_SCHEDULER_ELECTION            job-scheduler
+=================================  =====================================  =================
+
+Without ``--etcd`` the replica keeps its state in memory (a single-replica test bed: nothing
+survives a restart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from shoal.resource_manager.service import (
+    ERRORS,
+    ResourceManager,
+    ResourceManagerConfig,
+    bindings,
+)
+from shoal.runtime import telemetry
+from shoal.runtime.config import add_server_flags, server_config_from_args
+from shoal.runtime.errors import InvalidField
+from shoal.runtime.server import create_server, run_until_signalled
+from shoal.runtime.store import EtcdStore, MemoryStore, Store
+
+log = logging.getLogger(__name__)
+
+NAME = "resource-manager"
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"shoal-service {NAME}",
+        description="The shoal resource manager: inventory, host liveness, allocation ledger.",
+    )
+    add_server_flags(parser, env)
+    g = parser.add_argument_group(NAME)
+    g.add_argument(
+        "--heartbeat-interval",
+        default=env.get("SHOAL_RM_HEARTBEAT_INTERVAL_S", "1.0"),
+        help="seconds between the heartbeats agents send (told to them at registration)",
+    )
+    g.add_argument(
+        "--host-grace",
+        "--host-lost-after",
+        dest="host_grace",
+        default=env.get("SHOAL_RM_HOST_GRACE_S", "3.0"),
+        help="seconds without a heartbeat after which a host is declared lost",
+    )
+    g.add_argument(
+        "--election-ttl",
+        default=env.get("SHOAL_RM_ELECTION_TTL_S", "5.0"),
+        help="lease TTL of the leader election (a standby takes over within about this)",
+    )
+    g.add_argument(
+        "--scheduler-election",
+        default=env.get("SHOAL_RM_SCHEDULER_ELECTION", "job-scheduler"),
+        help="election whose leader's fencing token AcquireDevices/ReleaseDevices must carry",
+    )
+    return parser
+
+
+def _seconds(field_name: str, text: str) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        raise InvalidField(field_name, text, "must be a number of seconds") from None
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> ResourceManagerConfig:
+    env = os.environ if env is None else env
+    ns = build_parser(env).parse_args(argv)
+    return ResourceManagerConfig(
+        server=server_config_from_args(NAME, ns),
+        heartbeat_interval_s=_seconds("heartbeat_interval", ns.heartbeat_interval),
+        host_grace_s=_seconds("host_grace", ns.host_grace),
+        election_ttl_s=_seconds("election_ttl", ns.election_ttl),
+        scheduler_election=ns.scheduler_election,
+    )
+
+
+def make_store(config: ResourceManagerConfig) -> Store:
+    endpoints = config.server.etcd_endpoints
+    if endpoints:
+        return EtcdStore(endpoints)
+    log.warning("no --etcd given: state is kept in memory and lost when this process ends")
+    return MemoryStore()
+
+
+async def serve(config: ResourceManagerConfig) -> None:
+    telemetry.setup_tracing(NAME)
+    store = make_store(config)
+    rm = ResourceManager(config, store)
+    running = await create_server(config.server, bindings(rm), errors=ERRORS)
+    address = config.server.advertise or running.address
+    rm.start(address)
+    log.info("%s replica %s campaigning for leadership", NAME, address)
+    try:
+        await run_until_signalled(running, on_stop=rm.close)
+    finally:
+        await rm.close()
+        await store.close()
+        telemetry.shutdown_tracing()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except InvalidField as exc:
+        print(f"{NAME}: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,698 @@
+"""The resource-manager replica: leader election, durable state in etcd, the liveness loop, the
+inventory watch fan-out, and the thin gRPC handlers over :mod:`shoal.resource_manager.core`.
+
+State in the store (serialized protobufs, see docs/resource-manager.md)::
+
+    /shoal/v1/resource-manager/hosts/<host_id>                  shoal.v1.Host
+    /shoal/v1/resource-manager/allocations/<host_id>/<device_id> shoal.v1.Allocation
+    /shoal/v1/resource-manager/requests/<quoted request_id>     shoal.v1.AcquireDevicesResponse
+
+Allocations are keyed by device, and every write is one etcd transaction that (1) is fenced by
+this replica's leader key, (2) expects every key it touches at the revision this replica last
+saw (an allocation key must not exist yet), and (3) for AcquireDevices / ReleaseDevices, expects
+the job-scheduler's leader key at the revision it was verified at. So even a replica whose
+memory were stale could never give a device out twice: etcd refuses the write, the replica
+reloads its state and recomputes once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import urllib.parse
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from shoal.resource_manager import core
+from shoal.resource_manager.core import Change, Event, EventKind, Inventory
+from shoal.runtime.auth import ADMINS, SERVICES, USERS_AND_SERVICES, MethodRoles
+from shoal.runtime.config import ServerConfig
+from shoal.runtime.election import DEFAULT_PREFIX, LeaderElection, Leadership, LeadershipLost
+from shoal.runtime.errors import (
+    DEFAULT_TABLE,
+    ErrorTable,
+    FencedOut,
+    InvalidField,
+    NotLeader,
+    Unavailable,
+)
+from shoal.runtime.store import (
+    DeleteOp,
+    Expect,
+    FencedOut as StoreFencedOut,
+    KeyValue,
+    PutOp,
+    Store,
+    StoreError,
+    StoreUnavailable,
+)
+from shoal.v1 import (
+    resource_manager_service_pb2 as rm_pb2,
+    resource_manager_service_pb2_grpc as rm_grpc,
+    resources_pb2,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "shoal.v1.ResourceManagerService"
+ELECTION_NAME = "resource-manager"
+PREFIX = "/shoal/v1/resource-manager/"
+HOSTS = PREFIX + "hosts/"
+ALLOCATIONS = PREFIX + "allocations/"
+REQUESTS = PREFIX + "requests/"
+
+ROLES = MethodRoles(
+    service=SERVICE_NAME,
+    default=USERS_AND_SERVICES,
+    methods={
+        "RegisterHost": SERVICES,
+        "Heartbeat": SERVICES,
+        "AcquireDevices": SERVICES,
+        "ReleaseDevices": SERVICES,
+        "CordonHost": ADMINS,
+        "DrainHost": ADMINS,
+    },
+)
+
+# Every core error derives from a runtime domain error already in the base table.
+ERRORS: ErrorTable = DEFAULT_TABLE.extend({})
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ResourceManagerConfig:
+    """The resource manager's settings (built once in ``main``)."""
+
+    server: ServerConfig
+    heartbeat_interval_s: float = 1.0
+    host_grace_s: float = 3.0
+    election_ttl_s: float = 5.0
+    scheduler_election: str = "job-scheduler"
+    watch_queue_size: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 0.01 <= self.heartbeat_interval_s <= 60:
+            raise InvalidField(
+                "heartbeat_interval_s", self.heartbeat_interval_s, "must be in 0.01..60"
+            )
+        if not self.heartbeat_interval_s < self.host_grace_s <= 3600:
+            raise InvalidField(
+                "host_grace_s",
+                self.host_grace_s,
+                f"must be > heartbeat_interval_s ({self.heartbeat_interval_s}) and <= 3600",
+            )
+        if not 1 <= self.election_ttl_s <= 600:
+            raise InvalidField("election_ttl_s", self.election_ttl_s, "must be in 1..600")
+        if not self.scheduler_election or "/" in self.scheduler_election:
+            raise InvalidField(
+                "scheduler_election", self.scheduler_election, "must be a name without '/'"
+            )
+        if self.watch_queue_size < 1:
+            raise InvalidField("watch_queue_size", self.watch_queue_size, "must be >= 1")
+
+
+# --------------------------------------------------------------------------------------------
+# Store keys and values
+# --------------------------------------------------------------------------------------------
+
+
+def host_key(host_id: str) -> str:
+    return HOSTS + host_id
+
+
+def allocation_key(host_id: str, device_id: str) -> str:
+    return f"{ALLOCATIONS}{host_id}/{device_id}"
+
+
+def request_key(request_id: str) -> str:
+    return REQUESTS + urllib.parse.quote(request_id, safe="")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    hosts: list[core.HostRecord]
+    allocations: list[core.AllocationRecord]
+    requests: list[core.AcquireRecord]
+    revisions: dict[str, int]
+
+
+def parse_state(kvs: Iterable[KeyValue]) -> Loaded:
+    """The durable state from a listing of the resource manager's prefix (bad values are
+    logged and skipped)."""
+    hosts: list[core.HostRecord] = []
+    allocations: list[core.AllocationRecord] = []
+    requests: list[core.AcquireRecord] = []
+    revisions: dict[str, int] = {}
+    for kv in kvs:
+        try:
+            if kv.key.startswith(HOSTS):
+                hosts.append(core.host_from_proto(resources_pb2.Host.FromString(kv.value)))
+            elif kv.key.startswith(ALLOCATIONS):
+                pb = resources_pb2.Allocation.FromString(kv.value)
+                allocations.append(core.allocation_from_proto(pb))
+            elif kv.key.startswith(REQUESTS):
+                request_id = urllib.parse.unquote(kv.key[len(REQUESTS) :])
+                pb_req = rm_pb2.AcquireDevicesResponse.FromString(kv.value)
+                requests.append(core.request_from_proto(request_id, pb_req))
+            else:
+                continue
+        except Exception:  # a value we cannot read must not stop the whole service
+            log.exception("skipping unreadable key %r", kv.key)
+            continue
+        revisions[kv.key] = kv.mod_revision
+    return Loaded(hosts, allocations, requests, revisions)
+
+
+def change_ops(change: Change, revisions: dict[str, int]) -> tuple[list[Any], list[Expect]]:
+    """The transaction of a change: its ops, and what every touched key must look like."""
+    ops: list[Any] = []
+    expects: list[Expect] = []
+    for host in change.put_hosts:
+        key = host_key(host.host_id)
+        ops.append(PutOp(key, core.host_to_proto(host).SerializeToString()))
+        expects.append(Expect(key, revisions.get(key, 0)))
+    for alloc in change.delete_allocations:
+        key = allocation_key(alloc.host_id, alloc.device_id)
+        ops.append(DeleteOp(key))
+        expects.append(Expect(key, revisions.get(key, 0)))
+    for alloc in change.put_allocations:
+        key = allocation_key(alloc.host_id, alloc.device_id)
+        ops.append(PutOp(key, core.allocation_to_proto(alloc).SerializeToString()))
+        expects.append(Expect(key, 0))
+    for request_id in change.delete_requests:
+        key = request_key(request_id)
+        ops.append(DeleteOp(key))
+        expects.append(Expect(key, revisions.get(key, 0)))
+    for record in change.put_requests:
+        key = request_key(record.request_id)
+        ops.append(PutOp(key, core.request_to_proto(record).SerializeToString()))
+        expects.append(Expect(key, 0))
+    return ops, expects
+
+
+# --------------------------------------------------------------------------------------------
+# The inventory watch fan-out
+# --------------------------------------------------------------------------------------------
+
+
+class _Resync:
+    """Queue marker: the watcher fell behind; send a fresh snapshot."""
+
+
+class _Deposed:
+    """Queue marker: this replica stopped leading; end the stream with NotLeader."""
+
+
+_RESYNC = _Resync()
+_DEPOSED = _Deposed()
+_Item = rm_pb2.WatchInventoryResponse | _Resync | _Deposed
+
+
+class _Watcher:
+    def __init__(self, size: int) -> None:
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=size)
+
+    def offer(self, item: _Item) -> None:
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            # Too slow: drop what is queued and resynchronize with a snapshot.
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.queue.put_nowait(_RESYNC)
+
+
+# --------------------------------------------------------------------------------------------
+# The replica
+# --------------------------------------------------------------------------------------------
+
+
+class ResourceManager:
+    """One resource-manager replica: campaigns for leadership, and while leading holds the
+    inventory (rebuilt from the store), detects lost hosts and serves the API."""
+
+    def __init__(
+        self,
+        config: ResourceManagerConfig,
+        store: Store,
+        *,
+        inventory: Inventory | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.inventory = inventory or Inventory(grace_s=config.host_grace_s)
+        self.leader_address: str | None = None
+        self.address = ""
+        self._election: LeaderElection | None = None
+        self._leadership: Leadership | None = None
+        self._lock = asyncio.Lock()
+        self._revisions: dict[str, int] = {}
+        self._stale = False  # a write's outcome is unknown: reload before the next one
+        self._watchers: set[_Watcher] = set()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._closing = False
+        self.became_leader = asyncio.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, address: str) -> None:
+        """Campaign for leadership as ``address`` (the advertised gRPC address)."""
+        self.address = address
+        self._election = LeaderElection(
+            self.store, ELECTION_NAME, candidate_id=address, ttl=self.config.election_ttl_s
+        )
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._lead_forever(), name="rm-lead"),
+            loop.create_task(self._observe_leader(), name="rm-observe"),
+        ]
+
+    async def close(self) -> None:
+        """Stop acting; resign leadership so that a standby takes over at once."""
+        self._closing = True
+        leadership = self._leadership
+        self._step_down("shutting down")
+        if leadership is not None:
+            with contextlib.suppress(Exception):
+                await leadership.resign()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leadership is not None and self._leadership.is_leader
+
+    async def _observe_leader(self) -> None:
+        assert self._election is not None
+        while True:
+            try:
+                async with contextlib.aclosing(self._election.observe()) as leaders:  # type: ignore[type-var]
+                    async for leader in leaders:
+                        self.leader_address = leader
+            except StoreError as exc:
+                log.warning("observing the leader failed (retrying): %s", exc)
+                await asyncio.sleep(0.5)
+
+    async def _lead_forever(self) -> None:
+        while not self._closing:
+            try:
+                await self._lead_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never stop campaigning
+                log.exception("leadership term failed; campaigning again")
+                self._step_down("error")
+                await asyncio.sleep(0.5)
+
+    async def _lead_once(self) -> None:
+        """One term: campaign, take over, lead until leadership is lost. However the term ends,
+        the lease is given up so that another replica can lead."""
+        assert self._election is not None
+        leadership = await self._election.campaign()
+        checker: asyncio.Task[None] | None = None
+        try:
+            await self._take_over(leadership)
+            checker = asyncio.get_running_loop().create_task(
+                self._check_liveness(leadership), name="rm-liveness"
+            )
+            await leadership.lost.wait()
+        except (StoreError, LeadershipLost) as exc:
+            log.warning("leadership term ended: %s", exc)
+        finally:
+            if checker is not None:
+                checker.cancel()
+                await asyncio.gather(checker, return_exceptions=True)
+            self._step_down(leadership.reason or "leadership lost")
+            if not leadership.lost.is_set():
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(leadership.resign())
+
+    async def _take_over(self, leadership: Leadership) -> None:
+        """Rebuild the inventory from the store; every READY host gets a fresh grace."""
+        async with self._lock:
+            loaded = await self._read_state()
+            leadership.check()
+            self.inventory.load(loaded.hosts, loaded.allocations, loaded.requests)
+            self._revisions = loaded.revisions
+            self._stale = False
+            self._leadership = leadership
+            self.leader_address = self.address
+        log.info(
+            "leading %s: %d hosts, %d allocations rebuilt from the store",
+            ELECTION_NAME,
+            len(loaded.hosts),
+            len(loaded.allocations),
+        )
+        self._broadcast(_RESYNC)
+        self.became_leader.set()
+
+    def _step_down(self, reason: str) -> None:
+        if self._leadership is None:
+            return
+        log.warning("no longer leading %s: %s", ELECTION_NAME, reason)
+        self._leadership = None
+        self.became_leader.clear()
+        if self.leader_address == self.address:
+            self.leader_address = None
+        self._broadcast(_DEPOSED)
+
+    async def _read_state(self) -> Loaded:
+        kvs, _ = await self.store.list(PREFIX)
+        return parse_state(kvs)
+
+    # -- leadership checks ---------------------------------------------------------------------
+
+    def require_leader(self) -> Leadership:
+        leadership = self._leadership
+        if leadership is None or not leadership.is_leader:
+            if leadership is not None:
+                self._step_down(leadership.reason or "lease not renewed in time")
+            leader = self.leader_address if self.leader_address != self.address else None
+            raise NotLeader(ELECTION_NAME, leader)
+        return leadership
+
+    # -- writes --------------------------------------------------------------------------------
+
+    async def mutate(
+        self,
+        compute: Callable[[], tuple[Change, T]],
+        *,
+        token: resources_pb2.FencingToken | None = None,
+    ) -> T:
+        """Compute a change against the current state, write it (fenced, compare-and-set) and
+        apply it; on a conflict reload the state from the store and recompute once."""
+        async with self._lock:
+            for attempt in range(2):
+                leadership = self.require_leader()
+                if self._stale:
+                    await self._resync()
+                scheduler_expect = [await self._verify_token(token)] if token is not None else []
+                change, result = compute()
+                if not change.writes:
+                    self._apply(change)
+                    return result
+                ops, expects = change_ops(change, self._revisions)
+                try:
+                    leadership.check()
+                    revision = await self.store.transaction(
+                        ops, expect=[*expects, *scheduler_expect], fence=leadership.fence
+                    )
+                except (StoreFencedOut, LeadershipLost) as exc:
+                    self._step_down(str(exc))
+                    raise NotLeader(ELECTION_NAME, None) from exc
+                except StoreUnavailable as exc:
+                    self._stale = True
+                    raise Unavailable(f"the store is unavailable: {exc}") from exc
+                if revision is None:
+                    log.info("write conflict (attempt %d): reloading the state", attempt + 1)
+                    self._stale = True
+                    continue
+                for op in ops:
+                    if isinstance(op, PutOp):
+                        self._revisions[op.key] = revision
+                    else:
+                        self._revisions.pop(op.key, None)
+                self._apply(change)
+                return result
+        raise Unavailable("the state changed under a concurrent write twice; retry")
+
+    def _apply(self, change: Change) -> None:
+        self.inventory.apply(change)
+        self.publish(change.events)
+
+    async def _resync(self) -> None:
+        try:
+            loaded = await self._read_state()
+        except StoreUnavailable as exc:
+            raise Unavailable(f"the store is unavailable: {exc}") from exc
+        self.inventory.load(loaded.hosts, loaded.allocations, loaded.requests, keep_memory=True)
+        self._revisions = loaded.revisions
+        self._stale = False
+        self._broadcast(_RESYNC)
+
+    async def _verify_token(self, token: resources_pb2.FencingToken) -> Expect:
+        """Check the caller's fencing token against the scheduler's election in the store:
+        its leader key (the oldest key under the election prefix) must have the token's create
+        revision. Returns the expectation that keeps the check true in the write."""
+        election = self.config.scheduler_election
+        if token.election != election:
+            raise InvalidField("fencing_token.election", token.election, f"must be {election!r}")
+        if token.revision <= 0:
+            raise InvalidField("fencing_token.revision", token.revision, "must be > 0")
+        try:
+            kvs, _ = await self.store.list(f"{DEFAULT_PREFIX}{election}/")
+        except StoreUnavailable as exc:
+            raise Unavailable(f"the store is unavailable: {exc}") from exc
+        leader = min(kvs, key=lambda kv: kv.create_revision) if kvs else None
+        if leader is None:
+            raise FencedOut(
+                f"fencing_token (revision {token.revision}) is stale: no {election} leader "
+                "is elected"
+            )
+        holder = leader.value.decode(errors="replace")
+        if leader.create_revision != token.revision or (token.holder and token.holder != holder):
+            raise FencedOut(
+                f"fencing_token (revision {token.revision}, holder {token.holder!r}) is stale: "
+                f"the {election} leader is {holder!r} with revision {leader.create_revision}"
+            )
+        return Expect(leader.key, leader.mod_revision)
+
+    # -- liveness ------------------------------------------------------------------------------
+
+    async def _check_liveness(self, leadership: Leadership) -> None:
+        tick = min(0.1, self.config.host_grace_s / 10)
+        delay = tick
+        while not leadership.lost.is_set():
+            await asyncio.sleep(delay)
+            delay = tick
+            for host_id in self.inventory.expired_hosts():
+                silence = self.inventory.silence(host_id)
+                try:
+                    await self.mutate(functools.partial(self._declare_lost, host_id))
+                except (NotLeader, Unavailable) as exc:
+                    log.warning("could not declare host %r lost (will retry): %s", host_id, exc)
+                    delay = min(1.0, tick * 10)
+                    break
+                else:
+                    log.warning(
+                        "host %r declared lost after %.2f s without a heartbeat", host_id, silence
+                    )
+
+    def _declare_lost(self, host_id: str) -> tuple[Change, None]:
+        if host_id not in self.inventory.expired_hosts():
+            return Change(), None  # it came back while we waited for the lock
+        return self.inventory.declare_lost(host_id), None
+
+    # -- events --------------------------------------------------------------------------------
+
+    def publish(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self._broadcast(self.render(event))
+
+    def _broadcast(self, item: _Item) -> None:
+        for watcher in list(self._watchers):
+            watcher.offer(item)
+
+    def render(self, event: Event) -> rm_pb2.WatchInventoryResponse:
+        out = rm_pb2.WatchInventoryResponse(kind=event.kind.value)
+        for host_id in event.hosts:
+            with contextlib.suppress(core.HostNotFound):
+                out.hosts.append(core.host_to_proto(self.inventory.host(host_id), self.inventory))
+        out.allocations.extend(core.allocation_to_proto(a) for a in event.allocations)
+        if event.learner is not None:
+            out.learner.CopyFrom(core.learner_to_proto(event.learner))
+        return out
+
+    def snapshot(self) -> rm_pb2.WatchInventoryResponse:
+        return rm_pb2.WatchInventoryResponse(
+            kind=EventKind.SNAPSHOT.value,
+            hosts=[core.host_to_proto(h, self.inventory) for h in self.inventory.hosts()],
+            allocations=[core.allocation_to_proto(a) for a in self.inventory.allocations()],
+        )
+
+    async def watch(self) -> AsyncIterator[rm_pb2.WatchInventoryResponse]:
+        self.require_leader()
+        watcher = _Watcher(self.config.watch_queue_size)
+        # Snapshot and subscription in one step (no await between): no gap, no duplicate.
+        first = self.snapshot()
+        self._watchers.add(watcher)
+        try:
+            yield first
+            while True:
+                item = await watcher.queue.get()
+                if isinstance(item, _Deposed):
+                    raise NotLeader(ELECTION_NAME, self._other_leader())
+                if isinstance(item, _Resync):
+                    self.require_leader()
+                    yield self.snapshot()
+                    continue
+                yield item
+        finally:
+            self._watchers.discard(watcher)
+
+    def _other_leader(self) -> str | None:
+        return self.leader_address if self.leader_address != self.address else None
+
+
+# --------------------------------------------------------------------------------------------
+# gRPC handlers
+# --------------------------------------------------------------------------------------------
+
+
+class ResourceManagerServicer(rm_grpc.ResourceManagerServiceServicer):
+    """Thin handlers: validate, call the replica / core, render."""
+
+    def __init__(self, rm: ResourceManager) -> None:
+        self.rm = rm
+
+    @property
+    def _inv(self) -> Inventory:
+        return self.rm.inventory
+
+    async def RegisterHost(
+        self, request: rm_pb2.RegisterHostRequest, context: Any
+    ) -> rm_pb2.RegisterHostResponse:
+        reg = core.registration_from_proto(request)
+        record = await self.rm.mutate(lambda: self._inv.register(reg))
+        self._inv.mark_seen(reg.host_id)
+        self.rm.publish(self._inv.observe_registration_learners(reg))
+        log.info(
+            "host %r registered from %s: incarnation %d, %d devices",
+            record.host_id,
+            record.agent_address,
+            record.incarnation,
+            len(record.devices),
+        )
+        return rm_pb2.RegisterHostResponse(
+            incarnation=record.incarnation,
+            heartbeat_interval_ms=int(self.rm.config.heartbeat_interval_s * 1000),
+            lost_after_ms=int(self.rm.config.host_grace_s * 1000),
+        )
+
+    async def Heartbeat(
+        self, request_iterator: AsyncIterator[rm_pb2.HeartbeatRequest], context: Any
+    ) -> AsyncIterator[rm_pb2.HeartbeatResponse]:
+        async for beat in request_iterator:
+            self.rm.require_leader()
+            outcome = self._inv.heartbeat(
+                beat.host_id,
+                beat.incarnation,
+                [core.learner_from_proto(learner) for learner in beat.learners],
+                [core.device_stats_from_proto(d) for d in beat.devices],
+            )
+            self.rm.publish(outcome.events)
+            if outcome.health_changes:
+                await self._persist_health(beat.host_id, outcome.health_changes)
+            yield rm_pb2.HeartbeatResponse(
+                sequence=beat.sequence, stop_learner_ids=outcome.stop_learner_ids
+            )
+
+    async def _persist_health(
+        self, host_id: str, changes: Sequence[tuple[str, core.DeviceHealth]]
+    ) -> None:
+        await self.rm.mutate(lambda: (self._inv.set_device_health(host_id, changes), None))
+
+    async def ListHosts(
+        self, request: rm_pb2.ListHostsRequest, context: Any
+    ) -> rm_pb2.ListHostsResponse:
+        self.rm.require_leader()
+        page, token = self._inv.list_hosts(
+            request.page_size, request.page_token, include_lost=request.include_lost
+        )
+        return rm_pb2.ListHostsResponse(
+            hosts=[core.host_to_proto(h, self._inv) for h in page], next_page_token=token
+        )
+
+    async def GetHost(self, request: rm_pb2.GetHostRequest, context: Any) -> rm_pb2.GetHostResponse:
+        self.rm.require_leader()
+        _require("host_id", request.host_id)
+        host = self._inv.host(request.host_id)
+        return rm_pb2.GetHostResponse(host=core.host_to_proto(host, self._inv))
+
+    async def CordonHost(
+        self, request: rm_pb2.CordonHostRequest, context: Any
+    ) -> rm_pb2.CordonHostResponse:
+        _require("host_id", request.host_id)
+        await self.rm.mutate(lambda: (self._inv.cordon(request.host_id, request.cordon), None))
+        host = self._inv.host(request.host_id)
+        return rm_pb2.CordonHostResponse(host=core.host_to_proto(host, self._inv))
+
+    async def DrainHost(
+        self, request: rm_pb2.DrainHostRequest, context: Any
+    ) -> rm_pb2.DrainHostResponse:
+        _require("host_id", request.host_id)
+        await self.rm.mutate(lambda: (self._inv.drain(request.host_id), None))
+        host = self._inv.host(request.host_id)
+        return rm_pb2.DrainHostResponse(host=core.host_to_proto(host, self._inv))
+
+    async def AcquireDevices(
+        self, request: rm_pb2.AcquireDevicesRequest, context: Any
+    ) -> rm_pb2.AcquireDevicesResponse:
+        _require_token(request)
+        claims = [core.claim_from_proto(c) for c in request.claims]
+
+        def compute() -> tuple[Change, tuple[core.AllocationRecord, ...]]:
+            outcome = self._inv.acquire(claims, request.request_id)
+            return outcome.change, outcome.allocations
+
+        allocations = await self.rm.mutate(compute, token=request.fencing_token)
+        return rm_pb2.AcquireDevicesResponse(
+            allocations=[core.allocation_to_proto(a) for a in allocations]
+        )
+
+    async def ReleaseDevices(
+        self, request: rm_pb2.ReleaseDevicesRequest, context: Any
+    ) -> rm_pb2.ReleaseDevicesResponse:
+        _require_token(request)
+        ids = list(request.allocation_ids)
+
+        def compute() -> tuple[Change, list[str]]:
+            change = self._inv.release(ids)
+            return change, [a.allocation_id for a in change.delete_allocations]
+
+        released = await self.rm.mutate(compute, token=request.fencing_token)
+        return rm_pb2.ReleaseDevicesResponse(released_allocation_ids=released)
+
+    async def ListAllocations(
+        self, request: rm_pb2.ListAllocationsRequest, context: Any
+    ) -> rm_pb2.ListAllocationsResponse:
+        self.rm.require_leader()
+        return rm_pb2.ListAllocationsResponse(
+            allocations=[core.allocation_to_proto(a) for a in self._inv.allocations(request.job_id)]
+        )
+
+    async def WatchInventory(
+        self, request: rm_pb2.WatchInventoryRequest, context: Any
+    ) -> AsyncIterator[rm_pb2.WatchInventoryResponse]:
+        async for item in self.rm.watch():
+            yield item
+
+
+def _require(field_name: str, value: str) -> None:
+    if not value:
+        raise InvalidField(field_name, value, "must not be empty")
+
+
+def _require_token(
+    request: rm_pb2.AcquireDevicesRequest | rm_pb2.ReleaseDevicesRequest,
+) -> None:
+    if not request.HasField("fencing_token"):
+        raise InvalidField("fencing_token", None, "is required (the scheduler's leadership)")
+
+
+def bindings(rm: ResourceManager) -> Sequence[Any]:
+    from shoal.runtime.server import ServiceBinding
+
+    return [
+        ServiceBinding(
+            SERVICE_NAME,
+            rm_grpc.add_ResourceManagerServiceServicer_to_server,  # type: ignore[arg-type]
+            ResourceManagerServicer(rm),
+            ROLES,
+        )
+    ]

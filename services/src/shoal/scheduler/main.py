@@ -1,0 +1,325 @@
+"""``shoal-service job-scheduler`` / ``python -m shoal.scheduler``: the job-scheduler process.
+
+Flags (each also an environment variable; flags win), beside the server flags of
+``shoal.runtime.config``:
+
+==========================  =========================  ===========================================
+flag                        variable                   meaning (default)
+==========================  =========================  ===========================================
+--resource-managers         SHOAL_RESOURCE_MANAGERS    resource-manager replicas, host:port,...
+--sync-shards               SHOAL_SYNC_SHARDS          parameter-sync shards in shard order
+                                                       (default: the registry the shards keep
+                                                       in etcd)
+--storage-uri               SHOAL_STORAGE_URI          fsspec URI of artifacts, models, metrics
+                                                       (file://<cwd>/.shoal/storage)
+--policy                    SHOAL_POLICY               FIFO, FAIRSHARE or PRIORITY (PRIORITY)
+--hold-time                 SHOAL_HOLD_TIME_S          anti-thrash hold after a shrink, s (30)
+--resync-interval           SHOAL_RESYNC_INTERVAL_S    periodic reconcile and progress poll, s (1)
+--election-ttl              SHOAL_ELECTION_TTL_S       leader lease TTL, s (5)
+--max-artifact-mb           SHOAL_MAX_ARTIFACT_MB      artifact size limit, MiB (1024)
+--max-user-priority         SHOAL_MAX_USER_PRIORITY    highest priority a user may set (1000000)
+--history-limit             SHOAL_HISTORY_LIMIT        allocation events kept per job (1000)
+--max-learner-failures      SHOAL_MAX_LEARNER_FAILURES failures without progress before FAILED (5)
+--stop-grace                SHOAL_STOP_GRACE_S         SIGTERM-to-SIGKILL grace of StopLearner (10)
+--retire-timeout            SHOAL_RETIRE_TIMEOUT_S     retiring learner is stopped after, s (600)
+--finish-grace              SHOAL_FINISH_GRACE_S       learners of a finished job stopped after (30)
+--call-timeout              SHOAL_CALL_TIMEOUT_S       deadline of calls to other services (10)
+--learner-token             SHOAL_LEARNER_TOKEN        token given to learners (@file; default:
+                                                       the service token)
+==========================  =========================  ===========================================
+
+Without ``--etcd`` the state is kept in memory (one replica, nothing survives a restart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from shoal.runtime import telemetry
+from shoal.runtime.config import (
+    MiB,
+    ServerConfig,
+    add_server_flags,
+    parse_host_port,
+    server_config_from_args,
+)
+from shoal.runtime.election import LeaderElection
+from shoal.runtime.errors import InvalidField
+from shoal.runtime.server import create_server, run_until_signalled
+from shoal.runtime.store import EtcdStore, MemoryStore, Store
+from shoal.scheduler.artifacts import ArtifactStore, Storage
+from shoal.scheduler.jobs import MAX_PRIORITY
+from shoal.scheduler.placement import PlacementConfig
+from shoal.scheduler.policy import Policy
+from shoal.scheduler.reconcile import ELECTION, Peers, ReconcileConfig, Reconciler
+from shoal.scheduler.service import ERRORS, ApiConfig, JobApi, binding
+from shoal.scheduler.store import JobTable
+
+__all__ = ["SchedulerConfig", "build_parser", "config_from_args", "main", "serve"]
+
+log = logging.getLogger(__name__)
+
+SERVICE = "job-scheduler"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Everything the job-scheduler process needs; validated on construction."""
+
+    server: ServerConfig
+    resource_managers: tuple[str, ...]
+    sync_shards: tuple[str, ...]
+    storage_uri: str
+    policy: Policy = Policy.PRIORITY
+    hold_time_s: float = 30.0
+    resync_interval_s: float = 1.0
+    election_ttl_s: float = 5.0
+    max_artifact_bytes: int = 1024 * MiB
+    max_user_priority: int = MAX_PRIORITY
+    history_limit: int = 1000
+    max_learner_failures: int = 5
+    stop_grace_s: float = 10.0
+    retire_timeout_s: float = 600.0
+    finish_grace_s: float = 30.0
+    call_timeout_s: float = 10.0
+    learner_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.resource_managers:
+            raise InvalidField("resource_managers", "", "must name at least one host:port")
+        for address in self.resource_managers:
+            parse_host_port("resource_managers", address)
+        if not self.sync_shards and not self.server.etcd_endpoints:
+            raise InvalidField(
+                "sync_shards", "", "must name at least one host:port (or use --etcd: registry)"
+            )
+        for address in self.sync_shards:
+            parse_host_port("sync_shards", address)
+        if len(set(self.sync_shards)) != len(self.sync_shards):
+            raise InvalidField("sync_shards", ",".join(self.sync_shards), "has duplicates")
+        if not self.storage_uri:
+            raise InvalidField("storage_uri", self.storage_uri, "must not be empty")
+        for name, low, high in (
+            ("hold_time_s", 0.0, 86400.0),
+            ("resync_interval_s", 0.01, 3600.0),
+            ("election_ttl_s", 1.0, 600.0),
+            ("stop_grace_s", 0.0, 3600.0),
+            ("retire_timeout_s", 1.0, 86400.0),
+            ("finish_grace_s", 0.0, 86400.0),
+            ("call_timeout_s", 0.1, 600.0),
+        ):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise InvalidField(name, value, f"must be in {low:g}..{high:g}")
+        for name, low, high in (
+            ("max_artifact_bytes", 1, 1 << 40),
+            ("max_user_priority", 1, MAX_PRIORITY),
+            ("history_limit", 1, 1_000_000),
+            ("max_learner_failures", 1, 1_000_000),
+        ):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise InvalidField(name, value, f"must be in {low}..{high}")
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in (text or "").split(",") if a.strip())
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shoal-service job-scheduler",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_server_flags(parser, env)
+    g = parser.add_argument_group("job-scheduler")
+    default_storage = (Path.cwd() / ".shoal" / "storage").as_uri()
+
+    def flag(name: str, var: str, default: str, help_text: str) -> None:
+        g.add_argument(name, default=env.get(var, default), help=f"{help_text} (${var})")
+
+    flag("--resource-managers", "SHOAL_RESOURCE_MANAGERS", "", "resource-manager addresses")
+    flag("--sync-shards", "SHOAL_SYNC_SHARDS", "", "parameter-sync shard addresses, in order")
+    flag("--storage-uri", "SHOAL_STORAGE_URI", default_storage, "fsspec storage URI")
+    flag("--policy", "SHOAL_POLICY", "PRIORITY", "FIFO, FAIRSHARE or PRIORITY")
+    flag("--hold-time", "SHOAL_HOLD_TIME_S", "30", "anti-thrash hold time, seconds")
+    flag("--resync-interval", "SHOAL_RESYNC_INTERVAL_S", "1", "resync interval, seconds")
+    flag("--election-ttl", "SHOAL_ELECTION_TTL_S", "5", "leader lease TTL, seconds")
+    flag("--max-artifact-mb", "SHOAL_MAX_ARTIFACT_MB", "1024", "artifact size limit, MiB")
+    flag("--max-user-priority", "SHOAL_MAX_USER_PRIORITY", str(MAX_PRIORITY), "user limit")
+    flag("--history-limit", "SHOAL_HISTORY_LIMIT", "1000", "allocation events kept per job")
+    flag("--max-learner-failures", "SHOAL_MAX_LEARNER_FAILURES", "5", "failures before FAILED")
+    flag("--stop-grace", "SHOAL_STOP_GRACE_S", "10", "StopLearner grace, seconds")
+    flag("--retire-timeout", "SHOAL_RETIRE_TIMEOUT_S", "600", "retire timeout, seconds")
+    flag("--finish-grace", "SHOAL_FINISH_GRACE_S", "30", "finished job's learners, seconds")
+    flag("--call-timeout", "SHOAL_CALL_TIMEOUT_S", "10", "deadline of outgoing calls, seconds")
+    flag("--learner-token", "SHOAL_LEARNER_TOKEN", "", "token for learners (@file)")
+    return parser
+
+
+def _number(name: str, text: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        return kind(text)
+    except (TypeError, ValueError):
+        raise InvalidField(
+            name, text, f"must be {'an integer' if kind is int else 'a number'}"
+        ) from None
+
+
+def _policy(text: str) -> Policy:
+    try:
+        return Policy(text.strip().lower())
+    except ValueError:
+        raise InvalidField("policy", text, "must be FIFO, FAIRSHARE or PRIORITY") from None
+
+
+def _secret(text: str) -> str | None:
+    text = (text or "").strip()
+    if text.startswith("@"):
+        path = Path(text[1:])
+        try:
+            return path.read_text().strip() or None
+        except OSError as exc:
+            raise InvalidField("learner_token", text, f"cannot be read: {exc.strerror}") from exc
+    return text or None
+
+
+def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
+    server = server_config_from_args(SERVICE, ns)
+    return SchedulerConfig(
+        server=server,
+        resource_managers=_addresses(ns.resource_managers),
+        sync_shards=_addresses(ns.sync_shards),
+        storage_uri=ns.storage_uri,
+        policy=_policy(ns.policy),
+        hold_time_s=float(_number("hold_time_s", ns.hold_time, float)),
+        resync_interval_s=float(_number("resync_interval_s", ns.resync_interval, float)),
+        election_ttl_s=float(_number("election_ttl_s", ns.election_ttl, float)),
+        max_artifact_bytes=int(_number("max_artifact_mb", ns.max_artifact_mb, float) * MiB),
+        max_user_priority=int(_number("max_user_priority", ns.max_user_priority, int)),
+        history_limit=int(_number("history_limit", ns.history_limit, int)),
+        max_learner_failures=int(_number("max_learner_failures", ns.max_learner_failures, int)),
+        stop_grace_s=float(_number("stop_grace_s", ns.stop_grace, float)),
+        retire_timeout_s=float(_number("retire_timeout_s", ns.retire_timeout, float)),
+        finish_grace_s=float(_number("finish_grace_s", ns.finish_grace, float)),
+        call_timeout_s=float(_number("call_timeout_s", ns.call_timeout, float)),
+        learner_token=_secret(ns.learner_token) or server.service_token,
+    )
+
+
+async def _lead_forever(election: LeaderElection, table: JobTable, reconciler: Reconciler) -> None:
+    """Campaign; lead until the leadership is lost; step down; campaign again."""
+    while True:
+        leadership = await election.campaign()
+        try:
+            await table.become_leader(leadership.fence)
+            reconciler.trigger("became leader")
+            await reconciler.lead(leadership)
+        except Exception:
+            log.exception("leader term ended with an error")
+        finally:
+            table.step_down()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(leadership.resign())
+        log.info("no longer the leader; campaigning again")
+        await asyncio.sleep(0.2)
+
+
+async def _observe_leader(election: LeaderElection, table: JobTable) -> None:
+    async with contextlib.aclosing(election.observe()) as leaders:
+        async for leader in leaders:
+            table.leader_address = leader
+
+
+async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
+    """Run the job-scheduler until SIGTERM/SIGINT."""
+    telemetry.setup_tracing(SERVICE)
+    server = config.server
+    own_store = store is None
+    if store is None:
+        if server.etcd_endpoints:
+            store = EtcdStore(server.etcd_endpoints)
+        else:
+            log.warning("no --etcd: job state is kept in memory only (single replica)")
+            store = MemoryStore()
+    storage = Storage(config.storage_uri)
+    artifacts = ArtifactStore(storage, max_bytes=config.max_artifact_bytes)
+    table = JobTable(store, history_limit=config.history_limit)
+    peers = Peers(config.resource_managers, config.sync_shards, token=server.service_token)
+    reconciler = Reconciler(
+        table,
+        peers,
+        storage,
+        ReconcileConfig(
+            sync_shards=config.sync_shards,
+            placement=PlacementConfig(policy=config.policy, hold_time=config.hold_time_s),
+            resync_interval_s=config.resync_interval_s,
+            call_timeout_s=config.call_timeout_s,
+            stop_grace_s=config.stop_grace_s,
+            retire_timeout_s=config.retire_timeout_s,
+            finish_grace_s=config.finish_grace_s,
+            max_learner_failures=config.max_learner_failures,
+            learner_token=config.learner_token,
+        ),
+    )
+    api = JobApi(
+        table,
+        artifacts,
+        trigger=reconciler.trigger,
+        peers=peers,
+        config=ApiConfig(
+            user_priority_limit=config.max_user_priority, call_timeout_s=config.call_timeout_s
+        ),
+    )
+    running = await create_server(server, [binding(api)], errors=ERRORS)
+    candidate = server.advertise or running.address
+    election = LeaderElection(store, ELECTION, candidate_id=candidate, ttl=config.election_ttl_s)
+    tasks = [
+        asyncio.create_task(_lead_forever(election, table, reconciler), name="scheduler-lead"),
+        asyncio.create_task(_observe_leader(election, table), name="scheduler-observe"),
+    ]
+    print(f"LISTENING {running.port}", flush=True)
+
+    async def on_stop() -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        await run_until_signalled(running, on_stop=on_stop)
+    finally:
+        await on_stop()
+        await peers.close()
+        if own_store:
+            await store.close()
+        telemetry.shutdown_tracing()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    env = os.environ
+    parser = build_parser(env)
+    ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        config = config_from_args(ns)
+    except InvalidField as exc:
+        print(f"shoal-service {SERVICE}: {exc}", file=sys.stderr)
+        return 2
+    if not logging.getLogger().handlers:
+        from shoal.runtime.main import configure_logging
+
+        configure_logging(SERVICE)
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

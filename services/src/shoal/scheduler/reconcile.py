@@ -1,0 +1,1526 @@
+"""The scheduler's control loop: turn (jobs, inventory, policy) into learners, level-triggered.
+
+Only the leader runs it (:meth:`Reconciler.lead`, for as long as its leadership holds). It is
+triggered by events (submit, cancel, update, and the resource-manager's WatchInventory:
+HOST_UP, HOST_LOST, HOST_CHANGED, RELEASED, LEARNER_EXITED, a new SNAPSHOT) and by a periodic
+resync; every cycle recomputes the decisions from what it observes, so a missed event costs at
+most one resync interval.
+
+A cycle (:meth:`Reconciler.cycle`, synchronous, no I/O):
+
+1. builds the observed state: the inventory (hosts, devices, the ledger) and every learner the
+   jobs hold; learners on lost hosts (or on an older incarnation of their host) are lost;
+2. runs the pure policy + placement (``shoal.scheduler.placement.plan``);
+3. turns the plan and the housekeeping each job needs (exits to process, learners to stop,
+   a cancel to finish, a data plane to close, a job to requeue) into one :class:`JobWork` per
+   job, and hands each to a worker task, at most one per job (a job is never reconciled twice
+   at once). A busy job is skipped (and looked at again when its worker ends); a job whose last
+   attempt failed with a transient error waits out an exponential backoff.
+
+A worker does the I/O of its job, in this order: process learner exits (ReleaseDevices only
+after the agent reported the exit; a non-zero exit of a learner that was not leaving is a
+failure: EvictLearner), evict lost learners and release their devices, check completion
+(GetJobProgress.done), retire (RetireLearners on the coordinator), stop (StopLearner), grow
+(OpenJob before the first learner, AcquireDevices fenced, StartLearner), and finish jobs
+(CANCELLING -> CANCELLED, CloseJob). Every change is written to etcd (fenced) before the next
+step relies on it; learners are written as PENDING before their devices are acquired, so a new
+leader can tell its predecessor's allocations from orphans. When a worker ends, the loop runs
+again at once, so a device freed by an exit goes to the waiting job without waiting for the
+resync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.duration_pb2 import Duration
+from grpc import aio
+from opentelemetry import trace
+
+from shoal.runtime import telemetry
+from shoal.runtime.channels import connect
+from shoal.runtime.election import Leadership, LeadershipLost
+from shoal.runtime.errors import (
+    LEADER_METADATA_KEY,
+    REASON_METADATA_KEY,
+    NotLeader,
+    ShoalError,
+    Unavailable,
+)
+from shoal.runtime.store import Store, StoreError
+from shoal.scheduler.artifacts import Storage
+from shoal.scheduler.jobs import (
+    HOLDING,
+    LEAVING,
+    JobRecord,
+    LearnerPhase,
+    LearnerRecord,
+    state_name,
+)
+from shoal.scheduler.placement import (
+    DeviceView,
+    HostState,
+    HostView,
+    LearnerView,
+    PlacementConfig,
+    Start,
+    plan,
+)
+from shoal.scheduler.policy import JobDemand
+from shoal.scheduler.store import JobTable, StoreConflict
+from shoal.v1 import (
+    host_agent_service_pb2 as ha_pb2,
+    host_agent_service_pb2_grpc,
+    job_pb2,
+    parameter_sync_service_pb2 as ps_pb2,
+    parameter_sync_service_pb2_grpc,
+    resource_manager_service_pb2 as rm_pb2,
+    resource_manager_service_pb2_grpc,
+    resources_pb2,
+)
+
+__all__ = [
+    "ELECTION",
+    "Inventory",
+    "JobWork",
+    "Peers",
+    "ReconcileConfig",
+    "Reconciler",
+    "ShardRegistry",
+    "coordinator_index",
+    "learner_env",
+    "resolve_sync_mode",
+]
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer(__name__)
+
+T = TypeVar("T")
+
+ELECTION = "job-scheduler"
+
+#: Status codes after which the same call may succeed later.
+TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.FAILED_PRECONDITION,  # device busy, host cordoned: plan again
+    }
+)
+
+S = job_pb2
+
+# Learner environment: the backend names of the learner's registry.
+SYNC_BACKENDS = {
+    job_pb2.SYNC_MODE_PARAMETER_SERVER: "parameter_server",
+    job_pb2.SYNC_MODE_COLLECTIVE: "collective",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReconcileConfig:
+    """What the control loop needs; built once in ``main`` (validated there)."""
+
+    sync_shards: tuple[str, ...]
+    """The shards in shard order; empty: read the registry the shards keep in etcd."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    resync_interval_s: float = 1.0
+    call_timeout_s: float = 10.0
+    start_timeout_s: float = 60.0
+    stop_grace_s: float = 10.0
+    retire_timeout_s: float = 600.0
+    finish_grace_s: float = 30.0
+    max_learner_failures: int = 5
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 10.0
+    progress_persist_s: float = 5.0
+    agent_sweep_s: float = 10.0
+    learner_token: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Pure helpers
+# --------------------------------------------------------------------------------------------
+
+
+def coordinator_index(job_id: str, shards: int) -> int:
+    """The job's coordinator shard: a stable hash of the job id modulo the shard count."""
+    digest = hashlib.sha256(job_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % shards
+
+
+def resolve_sync_mode(requested: int, devices: Sequence[tuple[str, bool]]) -> int:
+    """The sync mode in effect. AUTO (or unset): COLLECTIVE when every placed device is a real
+    GPU on one host, else PARAMETER_SERVER. ``devices``: (host id, simulated) per learner."""
+    if requested in (job_pb2.SYNC_MODE_PARAMETER_SERVER, job_pb2.SYNC_MODE_COLLECTIVE):
+        return requested
+    hosts = {host for host, _ in devices}
+    if devices and len(hosts) == 1 and not any(sim for _, sim in devices):
+        return job_pb2.SYNC_MODE_COLLECTIVE
+    return job_pb2.SYNC_MODE_PARAMETER_SERVER
+
+
+def learner_env(
+    record: JobRecord,
+    learner_id: str,
+    *,
+    shards: Sequence[str],
+    storage_uri: str,
+    token: str | None,
+) -> dict[str, str]:
+    """The environment contract of one learner (see docs/scheduler.md and
+    ``shoal.learner.env``); the job's own ``env`` first, so the contract wins."""
+    spec = record.job.spec
+    env = dict(spec.env)
+    env.update(
+        {
+            "SHOAL_JOB_ID": record.job_id,
+            "SHOAL_LEARNER_ID": learner_id,
+            "SHOAL_SYNC_ENDPOINTS": ",".join(shards),
+            "SHOAL_COORDINATOR": record.coordinator_address,
+            "SHOAL_STORAGE_URI": storage_uri,
+            "SHOAL_BATCH_SIZE": str(spec.batch_size),
+            "SHOAL_EPOCHS": str(spec.epochs),
+            "SHOAL_SEED": str(spec.seed),
+            "SHOAL_SYNC_BACKEND": SYNC_BACKENDS.get(
+                record.job.effective_sync_mode, SYNC_BACKENDS[job_pb2.SYNC_MODE_PARAMETER_SERVER]
+            ),
+        }
+    )
+    if spec.max_batch_per_device > 0:
+        env["SHOAL_MAX_BATCH_PER_DEVICE"] = str(spec.max_batch_per_device)
+    if spec.dataset_uris:
+        env["SHOAL_DATASET_URIS"] = ",".join(spec.dataset_uris)
+    if token:
+        env["SHOAL_TOKEN"] = token
+    telemetry.inject_env(env)
+    return env
+
+
+# --------------------------------------------------------------------------------------------
+# Peers: the services the scheduler calls
+# --------------------------------------------------------------------------------------------
+
+
+class Peers:
+    """Channels to the resource-manager (following its leader), the host agents and the
+    parameter-sync shards, with the service token."""
+
+    def __init__(
+        self,
+        resource_managers: Sequence[str],
+        sync_shards: Sequence[str],
+        *,
+        token: str | None,
+        channel_factory: Callable[[str], aio.Channel] | None = None,
+    ) -> None:
+        if not resource_managers:
+            raise ValueError("resource_managers ([]) must name at least one address")
+        self._rm_addresses = list(resource_managers)
+        self._rm_index = 0
+        self._rm_override: str | None = None
+        self.sync_shards = tuple(sync_shards)
+        self._token = token
+        self._factory = channel_factory or (lambda address: connect(address, token=token))
+        self._channels: dict[str, aio.Channel] = {}
+
+    def channel(self, address: str) -> aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = self._factory(address)
+        return ch
+
+    # -- resource-manager (leader-following) ----------------------------------------------------
+
+    @property
+    def rm_address(self) -> str:
+        return self._rm_override or self._rm_addresses[self._rm_index % len(self._rm_addresses)]
+
+    def rm(self) -> resource_manager_service_pb2_grpc.ResourceManagerServiceStub:
+        return resource_manager_service_pb2_grpc.ResourceManagerServiceStub(
+            self.channel(self.rm_address)
+        )
+
+    def rm_failed(self, exc: grpc.aio.AioRpcError) -> bool:
+        """Point at the leader named in a standby's answer, or at the next address. Returns
+        whether retrying at once makes sense (a leader was named)."""
+        leader = _trailer(exc, LEADER_METADATA_KEY)
+        if leader and leader != self.rm_address:
+            self._rm_override = leader
+            return True
+        self._rm_override = None
+        self._rm_index += 1
+        return False
+
+    async def rm_call(self, method: str, request: Any, timeout: float) -> Any:
+        attempts = len(self._rm_addresses) + 1
+        for attempt in range(attempts):
+            try:
+                return await getattr(self.rm(), method)(request, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == attempts - 1:
+                    raise
+                self.rm_failed(exc)
+        raise AssertionError("unreachable")
+
+    # -- agents and shards ------------------------------------------------------------------------
+
+    def agent(self, address: str) -> host_agent_service_pb2_grpc.HostAgentServiceStub:
+        return host_agent_service_pb2_grpc.HostAgentServiceStub(self.channel(address))
+
+    def shard(self, address: str) -> parameter_sync_service_pb2_grpc.ParameterSyncServiceStub:
+        return parameter_sync_service_pb2_grpc.ParameterSyncServiceStub(self.channel(address))
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            with contextlib.suppress(Exception):
+                await ch.close()
+
+
+def _trailer(exc: grpc.aio.AioRpcError, key: str) -> str | None:
+    for k, v in exc.trailing_metadata() or ():
+        if k == key:
+            return v.decode() if isinstance(v, bytes) else str(v)
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class FencedOutByPeer(Exception):
+    """A peer refused our fencing token: a newer scheduler leads."""
+
+
+class PermanentFailure(Exception):
+    """A call failed in a way retrying will not fix; the job fails with this reason."""
+
+
+def _check_fenced(exc: grpc.aio.AioRpcError) -> None:
+    if _trailer(exc, REASON_METADATA_KEY) == "ERROR_REASON_FENCED_OUT":
+        raise FencedOutByPeer(_describe(exc)) from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Inventory: the resource-manager's view, kept from WatchInventory
+# --------------------------------------------------------------------------------------------
+
+
+class Inventory:
+    """Hosts and the allocation ledger, as the resource-manager last told them."""
+
+    def __init__(self) -> None:
+        self.hosts: dict[str, resources_pb2.Host] = {}
+        self.ledger: dict[str, resources_pb2.Allocation] = {}
+        self.synced = False
+
+    def reset(
+        self, hosts: Iterable[resources_pb2.Host], allocations: Iterable[resources_pb2.Allocation]
+    ) -> None:
+        self.hosts = {h.host_id: h for h in hosts}
+        self.ledger = {a.allocation_id: a for a in allocations}
+        # Allocations listed on the devices count too (a snapshot may carry them either way).
+        for host in self.hosts.values():
+            for device in host.devices:
+                if device.HasField("allocation") and device.allocation.allocation_id:
+                    self.ledger.setdefault(device.allocation.allocation_id, device.allocation)
+        self.synced = True
+
+    def put_host(self, host: resources_pb2.Host) -> None:
+        self.hosts[host.host_id] = host
+
+    def lose_host(self, host: resources_pb2.Host) -> None:
+        known = self.hosts.get(host.host_id)
+        lost = resources_pb2.Host()
+        lost.CopyFrom(known if known is not None else host)
+        lost.state = resources_pb2.HOST_STATE_LOST
+        self.hosts[host.host_id] = lost
+
+    def allocated(self, allocations: Iterable[resources_pb2.Allocation]) -> None:
+        for a in allocations:
+            self.ledger[a.allocation_id] = a
+
+    def released(self, allocation_ids: Iterable[str]) -> None:
+        for a in allocation_ids:
+            self.ledger.pop(a, None)
+
+    def device(self, host_id: str, device_id: str) -> resources_pb2.Device | None:
+        host = self.hosts.get(host_id)
+        if host is None:
+            return None
+        return next((d for d in host.devices if d.device_id == device_id), None)
+
+    def host_views(self) -> list[HostView]:
+        by_device = {(a.host_id, a.device_id): a.learner_id for a in self.ledger.values()}
+        views = []
+        for host in self.hosts.values():
+            if host.state == resources_pb2.HOST_STATE_LOST:
+                state = HostState.LOST
+            elif host.cordoned or host.draining:
+                state = HostState.CORDONED
+            else:
+                state = HostState.READY
+            devices = []
+            for d in host.devices:
+                owner = by_device.get((host.host_id, d.device_id))
+                if owner is None and d.health == resources_pb2.DEVICE_HEALTH_UNHEALTHY:
+                    owner = "<unhealthy>"  # never free, not capacity
+                devices.append(DeviceView(d.device_id, owner))
+            views.append(HostView(host.host_id, tuple(devices), state))
+        return views
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter-sync shard registry
+# --------------------------------------------------------------------------------------------
+
+SHARD_REGISTRY = "/shoal/v1/parameter-sync/shards/"
+
+
+class ShardRegistry:
+    """The shard list from the registry the shards keep in etcd (``<prefix><index>`` = address
+    under a lease). The last known address of every index is kept (a shard that restarts keeps
+    its place in the order); the list is usable once the indices 0..S-1 are all known."""
+
+    def __init__(self, store: Store, prefix: str = SHARD_REGISTRY) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.addresses: dict[int, str] = {}
+
+    def shards(self) -> tuple[str, ...]:
+        count = len(self.addresses)
+        if sorted(self.addresses) != list(range(count)):
+            return ()
+        return tuple(self.addresses[i] for i in range(count))
+
+    def _put(self, key: str, value: bytes) -> None:
+        try:
+            index = int(key.removeprefix(self.prefix))
+        except ValueError:
+            return
+        if index >= 0 and value:
+            self.addresses[index] = value.decode()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                kvs, revision = await self.store.list(self.prefix)
+                for kv in kvs:
+                    self._put(kv.key, kv.value)
+                async with contextlib.aclosing(
+                    self.store.watch(self.prefix, revision + 1)
+                ) as events:
+                    async for event in events:
+                        if event.kind == "put":
+                            self._put(event.key, event.value)
+                        elif event.kind == "resync":
+                            for kv in event.kvs:
+                                self._put(kv.key, kv.value)
+            except StoreError as exc:
+                log.info("shard registry: %s", exc)
+            await asyncio.sleep(1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Work of one job
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class JobWork:
+    """What one worker run does for one job (computed by the cycle)."""
+
+    exits: list[resources_pb2.Learner] = field(default_factory=list)
+    lost: list[tuple[str, str]] = field(default_factory=list)  # (learner id, why)
+    drop_pending: list[str] = field(default_factory=list)
+    retires: list[str] = field(default_factory=list)
+    stops: list[str] = field(default_factory=list)
+    starts: list[LearnerRecord] = field(default_factory=list)
+    restarts: list[str] = field(default_factory=list)  # STARTING learners to (re)start
+    finish: bool = False  # final / cancelling job without learners: close, CANCELLED
+    requeue: bool = False
+    save: bool = False  # only fields changed in memory (target, queue position)
+
+    def empty(self) -> bool:
+        return not (
+            self.exits
+            or self.lost
+            or self.drop_pending
+            or self.retires
+            or self.stops
+            or self.starts
+            or self.restarts
+            or self.finish
+            or self.requeue
+            or self.save
+        )
+
+
+@dataclass
+class _Backoff:
+    until: float
+    delay: float
+
+
+# --------------------------------------------------------------------------------------------
+# The reconciler
+# --------------------------------------------------------------------------------------------
+
+
+class Reconciler:
+    """The control loop of one leader term (see the module docstring)."""
+
+    def __init__(
+        self,
+        table: JobTable,
+        peers: Peers,
+        storage: Storage,
+        config: ReconcileConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.table = table
+        self.peers = peers
+        self.storage = storage
+        self.config = config
+        self.clock = clock
+        self.registry = None if config.sync_shards else ShardRegistry(table.store)
+        self.inventory = Inventory()
+        self.exits: dict[str, resources_pb2.Learner] = {}
+        self.members: dict[str, tuple[str, ...]] = {}
+        self._wake = asyncio.Event()
+        self._causes: list[str] = []
+        self._busy: dict[str, asyncio.Task[None]] = {}
+        self._backoff: dict[str, _Backoff] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._leadership: Leadership | None = None
+        self._token = resources_pb2.FencingToken()
+        self._deposed = asyncio.Event()
+        self._progress_saved: dict[str, float] = {}
+        self._last_sweep = 0.0
+        self._orphans_busy = False
+        self.cycles = 0
+
+    def _reset(self) -> None:
+        self.inventory = Inventory()
+        self.exits = {}
+        self.members = {}
+        self._wake = asyncio.Event()
+        self._causes = []
+        self._busy = {}
+        self._backoff = {}
+        self._tasks = set()
+        self._deposed = asyncio.Event()
+        self._progress_saved = {}
+        self._last_sweep = 0.0
+        self._orphans_busy = False
+
+    # -- triggers -------------------------------------------------------------------------------
+
+    def trigger(self, cause: str = "") -> None:
+        """Ask for a cycle soon (events: submit, cancel, update, inventory changes)."""
+        if cause and cause not in self._causes:
+            self._causes.append(cause)
+            del self._causes[:-8]
+        self._wake.set()
+
+    @property
+    def fencing_token(self) -> resources_pb2.FencingToken:
+        return self._token
+
+    def shards(self) -> tuple[str, ...]:
+        """The parameter-sync shards in shard order (the flag, else the etcd registry)."""
+        if self.config.sync_shards:
+            return self.config.sync_shards
+        return self.registry.shards() if self.registry is not None else ()
+
+    # -- leadership term ------------------------------------------------------------------------
+
+    async def lead(self, leadership: Leadership | None) -> None:
+        """Run the loop until leadership is lost (or the task is cancelled).
+
+        ``leadership`` None runs without an election (single replica, tests). Everything
+        but the jobs (which ``JobTable.become_leader`` loaded) is observed afresh."""
+        self._reset()
+        self._leadership = leadership
+        if leadership is not None:
+            self._token = resources_pb2.FencingToken(
+                election=ELECTION,
+                holder=leadership.candidate_id,
+                revision=leadership.fence.create_revision,
+            )
+        loop_tasks = [
+            asyncio.create_task(self._watch_inventory(), name="scheduler-inventory"),
+            asyncio.create_task(self._loop(), name="scheduler-loop"),
+            asyncio.create_task(self._progress_loop(), name="scheduler-progress"),
+        ]
+        if self.registry is not None:
+            loop_tasks.append(asyncio.create_task(self.registry.run(), name="scheduler-shards"))
+        waiters = [asyncio.create_task(self._deposed.wait())]
+        if leadership is not None:
+            waiters.append(asyncio.create_task(leadership.lost.wait()))
+        try:
+            done, _ = await asyncio.wait(
+                [*loop_tasks, *waiters], return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                if task in loop_tasks and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            everything = [*loop_tasks, *waiters, *self._busy.values(), *self._tasks]
+            for task in everything:
+                task.cancel()
+            await asyncio.gather(*everything, return_exceptions=True)
+            self._busy.clear()
+            self._tasks.clear()
+            log.info("reconcile loop stopped")
+
+    def _check_leader(self) -> None:
+        if self._deposed.is_set():
+            raise LeadershipLost("deposed")
+        if self._leadership is not None:
+            self._leadership.check()
+
+    def _depose(self, why: str) -> None:
+        if not self._deposed.is_set():
+            log.warning("stepping down: %s", why)
+            self.table.leading = False
+            self._deposed.set()
+
+    def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.resync_interval_s):
+                    await self._wake.wait()
+            self._wake.clear()
+            if not self.inventory.synced:
+                continue
+            try:
+                self._check_leader()
+            except LeadershipLost as exc:
+                self._depose(str(exc))
+                return
+            try:
+                self.cycle()
+            except Exception:
+                log.exception("reconcile cycle failed")
+            now = self.clock()
+            if now - self._last_sweep >= self.config.agent_sweep_s:
+                self._last_sweep = now
+                self._spawn(self._sweep_agents(), "scheduler-agent-sweep")
+
+    # -- the cycle (pure decisions + dispatch) -------------------------------------------------
+
+    def cycle(self) -> None:
+        """One reconcile cycle: observe, plan, dispatch (no I/O; see the module docstring)."""
+        self.cycles += 1
+        now = self.clock()
+        causes, self._causes = self._causes, []
+        records = self.table.records
+        hosts = self.inventory.hosts
+        work: dict[str, JobWork] = {}
+
+        def w(job_id: str) -> JobWork:
+            return work.setdefault(job_id, JobWork())
+
+        # 1. Observe every learner.
+        current: list[LearnerView] = []
+        for record in records.values():
+            busy = record.job_id in self._busy
+            for lr in record.learners.values():
+                exit_ = self.exits.get(lr.learner_id)
+                host = hosts.get(lr.host_id)
+                if lr.phase is LearnerPhase.PENDING:
+                    if not busy:
+                        w(record.job_id).drop_pending.append(lr.learner_id)
+                        continue
+                    current.append(
+                        LearnerView(lr.learner_id, record.job_id, lr.host_id, lr.device_id)
+                    )
+                    continue
+                if exit_ is not None:
+                    w(record.job_id).exits.append(exit_)
+                    current.append(self._view(record, lr, retiring=True))
+                    continue
+                lost = self._lost_reason(lr, host)
+                if lost:
+                    w(record.job_id).lost.append((lr.learner_id, lost))
+                    continue
+                current.append(self._view(record, lr, retiring=lr.phase in LEAVING))
+
+        # 2. Policy + placement over the active jobs.
+        demands = [
+            JobDemand(
+                job_id=r.job_id,
+                priority=r.job.spec.priority,
+                submit_seq=r.submit_seq,
+                min_workers=r.job.spec.min_workers,
+                max_workers=r.job.spec.max_workers,
+                last_shrunk_at=r.last_shrunk_at,
+            )
+            for r in records.values()
+            if r.active
+        ]
+        # Placement must not see a device twice; lost learners were left out above.
+        decided = plan(
+            demands, self.inventory.host_views(), current, self.config.placement, now=now
+        )
+        for learner_id in decided.lost:
+            job_id = self._job_of(learner_id)
+            if job_id is not None:
+                w(job_id).lost.append((learner_id, "its device is no longer in the inventory"))
+        queue_pos = {job_id: i + 1 for i, job_id in enumerate(decided.queue)}
+        for record in records.values():
+            if not record.active:
+                continue
+            target = decided.shares.get(record.job_id, 0)
+            position = queue_pos.get(record.job_id, 0) if record.state == S.JOB_STATE_QUEUED else 0
+            if record.job.target_workers != target or record.job.queue_position != position:
+                record.job.target_workers = target
+                record.job.queue_position = position
+                w(record.job_id).save = True
+        for retire in decided.retires:
+            # Learners of jobs that are not active are stopped below, not retired.
+            owner = records.get(retire.job_id)
+            chosen = owner.learners.get(retire.learner_id) if owner is not None else None
+            if (
+                owner is not None
+                and owner.active
+                and chosen is not None
+                and (chosen.phase in HOLDING)
+            ):
+                w(retire.job_id).retires.append(retire.learner_id)
+        starts_by_job: dict[str, list[Start]] = {}
+        for start in decided.starts:
+            starts_by_job.setdefault(start.job_id, []).append(start)
+
+        # 3. Housekeeping of each job.
+        for record in records.values():
+            job_id = record.job_id
+            jw = work.get(job_id)
+            gone = {lid for lid, _ in jw.lost} | {e.learner_id for e in jw.exits} if jw else set()
+            remaining = [lr for lr in record.learners.values() if lr.learner_id not in gone]
+            stopping_now = record.state in (
+                S.JOB_STATE_CANCELLING,
+                S.JOB_STATE_CANCELLED,
+                S.JOB_STATE_FAILED,
+            )
+            for lr in remaining:
+                if lr.phase is LearnerPhase.PENDING:
+                    continue
+                if stopping_now and lr.phase is not LearnerPhase.STOPPING:
+                    w(job_id).stops.append(lr.learner_id)
+                elif record.state == S.JOB_STATE_COMPLETED and lr.phase is not (
+                    LearnerPhase.STOPPING
+                ):
+                    if now - lr.phase_since >= self.config.finish_grace_s:
+                        w(job_id).stops.append(lr.learner_id)
+                elif lr.phase is LearnerPhase.RETIRING:
+                    if now - lr.phase_since >= self.config.retire_timeout_s:
+                        w(job_id).stops.append(lr.learner_id)
+                elif lr.phase is LearnerPhase.STOPPING:
+                    if now - lr.phase_since >= 2 * self.config.stop_grace_s + (
+                        self.config.call_timeout_s
+                    ):
+                        w(job_id).stops.append(lr.learner_id)
+                elif lr.phase is LearnerPhase.STARTING and record.active:
+                    w(job_id).restarts.append(lr.learner_id)
+                elif lr.phase in HOLDING and record.active:
+                    host = hosts.get(lr.host_id)
+                    retiring = work.get(job_id, JobWork()).retires
+                    if host is not None and host.draining and lr.learner_id not in retiring:
+                        w(job_id).retires.append(lr.learner_id)
+            live = [lr for lr in remaining if lr.phase is not LearnerPhase.PENDING]
+            pending = [lr for lr in remaining if lr.phase is LearnerPhase.PENDING]
+            if not record.active and not live and not pending:
+                if record.state == S.JOB_STATE_CANCELLING or (record.opened and not record.closed):
+                    w(job_id).finish = True
+            if (
+                record.state == S.JOB_STATE_RUNNING
+                and not live
+                and not pending
+                and not starts_by_job.get(job_id)
+            ):
+                w(job_id).requeue = True
+
+        # 4. Dispatch: one worker per job at a time; backoff after transient errors.
+        for job_id in [*work, *(j for j in starts_by_job if j not in work)]:
+            target_record = records.get(job_id)
+            if target_record is None or job_id in self._busy:
+                continue
+            record = target_record
+            jw = work.get(job_id) or JobWork()
+            starts = starts_by_job.get(job_id, []) if record.active else []
+            if jw.empty() and not starts:
+                continue
+            backoff = self._backoff.get(job_id)
+            if backoff is not None and backoff.until > now:
+                self._wake_at(backoff.until)
+                continue
+            jw.starts = self._pending_learners(record, starts, now)
+            self._busy[job_id] = self._spawn(
+                self._run_worker(record, jw, causes), f"scheduler-job-{job_id}"
+            )
+
+        # Exits of learners no job knows are of no use; orphans are freed by the sweep.
+        known = {lid for r in records.values() for lid in r.learners}
+        for learner_id in [lid for lid in self.exits if lid not in known]:
+            del self.exits[learner_id]
+        self._release_orphans(known)
+
+    def _view(self, record: JobRecord, lr: LearnerRecord, *, retiring: bool) -> LearnerView:
+        return LearnerView(lr.learner_id, record.job_id, lr.host_id, lr.device_id, retiring)
+
+    def _lost_reason(self, lr: LearnerRecord, host: resources_pb2.Host | None) -> str:
+        if host is None:
+            return f"host {lr.host_id} is not in the inventory"
+        if host.state == resources_pb2.HOST_STATE_LOST:
+            return f"host {lr.host_id} lost"
+        if lr.host_incarnation and host.incarnation > lr.host_incarnation:
+            return (
+                f"host {lr.host_id} restarted (incarnation {lr.host_incarnation} -> "
+                f"{host.incarnation})"
+            )
+        return ""
+
+    def _job_of(self, learner_id: str) -> str | None:
+        for record in self.table.records.values():
+            if learner_id in record.learners:
+                return record.job_id
+        return None
+
+    def _pending_learners(
+        self, record: JobRecord, starts: Sequence[Start], now: float
+    ) -> list[LearnerRecord]:
+        """Record the decided starts as PENDING learners (synchronously: the next cycle sees
+        their devices as taken)."""
+        out = []
+        for start in starts:
+            host = self.inventory.hosts.get(start.host_id)
+            device = self.inventory.device(start.host_id, start.device_id)
+            lr = LearnerRecord(
+                learner_id=record.next_learner_id(),
+                host_id=start.host_id,
+                device_id=start.device_id,
+                agent_address=host.agent_address if host is not None else "",
+                host_incarnation=host.incarnation if host is not None else 0,
+                simulated=bool(device.simulated) if device is not None else True,
+                created_at=now,
+                phase_since=now,
+            )
+            record.learners[lr.learner_id] = lr
+            out.append(lr)
+        return out
+
+    def _wake_at(self, when: float) -> None:
+        delay = max(0.0, when - self.clock())
+        asyncio.get_running_loop().call_later(delay, self.trigger)
+
+    # -- the worker of one job --------------------------------------------------------------------
+
+    async def _run_worker(self, record: JobRecord, work: JobWork, causes: list[str]) -> None:
+        job_id = record.job_id
+        before = record.workers()
+        try:
+            self._check_leader()
+            # One trace per worker run: it reaches the peers through the gRPC interceptors
+            # and the learners through TRACEPARENT.
+            with _tracer.start_as_current_span(
+                "reconcile job", attributes={"shoal.job_id": job_id}
+            ):
+                await self._work(record, work, causes)
+            self._backoff.pop(job_id, None)
+        except (LeadershipLost, NotLeader, FencedOutByPeer) as exc:
+            self._depose(f"job {job_id}: {exc}")
+        except StoreConflict as exc:
+            log.error("job %s: %s; reloading it from the store", job_id, exc)
+            with contextlib.suppress(ShoalError):
+                await self.table.reload(job_id)
+            self._note_backoff(job_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            transient = isinstance(exc, Unavailable | TimeoutError) or (
+                isinstance(exc, grpc.aio.AioRpcError) and exc.code() in TRANSIENT_CODES
+            )
+            if not transient:
+                log.exception("job %s: reconcile failed", job_id)
+            else:
+                log.info("job %s: transient failure, backing off: %s", job_id, _describe(exc))
+            self._note_backoff(job_id)
+        finally:
+            self._busy.pop(job_id, None)
+            with contextlib.suppress(Exception):
+                await self._note_allocation(record, before, work, causes)
+            self.trigger()
+
+    def _note_backoff(self, job_id: str) -> None:
+        prev = self._backoff.get(job_id)
+        delay = (
+            self.config.backoff_initial_s
+            if prev is None
+            else min(prev.delay * 2, self.config.backoff_max_s)
+        )
+        self._backoff[job_id] = _Backoff(self.clock() + delay, delay)
+        self._wake_at(self.clock() + delay)
+
+    async def _note_allocation(
+        self, record: JobRecord, before: int, work: JobWork, causes: list[str]
+    ) -> None:
+        """Record an allocation event when the job's worker count changed."""
+        if not self.table.leading or self.table.records.get(record.job_id) is not record:
+            return
+        history = self.table.histories.get(record.job_id)
+        last = history[-1].workers if history else 0
+        workers = record.workers()
+        if workers == last:
+            return
+        parts = []
+        if workers > before:
+            parts.append(f"{workers - before} learner(s) started")
+        if work.retires:
+            parts.append(f"{len(work.retires)} learner(s) retiring")
+        if work.lost:
+            parts.append(f"{len(work.lost)} learner(s) lost ({work.lost[0][1]})")
+        if work.exits:
+            parts.append(f"{len(work.exits)} learner(s) exited")
+        if work.stops:
+            parts.append(f"{len(work.stops)} learner(s) stopped")
+        if not record.active:
+            parts.append(f"job {state_name(record.state)}")
+        reason = "; ".join(parts) or "allocation changed"
+        if causes:
+            reason += f" (after: {', '.join(causes)})"
+        await self.table.add_allocation_event(record, workers, record.job.target_workers, reason)
+        record.sync_counts()
+
+    async def _work(self, record: JobRecord, work: JobWork, causes: list[str]) -> None:
+        dirty = work.save
+        if work.drop_pending:
+            for lid in work.drop_pending:
+                record.learners.pop(lid, None)
+            dirty = True
+        if work.exits:
+            await self._process_exits(record, work.exits)
+            dirty = False
+        if work.lost:
+            await self._process_lost(record, work.lost)
+            dirty = False
+        if work.retires and record.active:
+            await self._retire(record, work.retires)
+            dirty = False
+        if work.stops:
+            await self._stop(record, work.stops)
+            dirty = False
+        if work.restarts and record.active:
+            await self._start_learners(
+                record, [record.learners[lid] for lid in work.restarts if lid in record.learners]
+            )
+        if work.starts:
+            await self._grow(record, work.starts)
+            dirty = False
+        if work.finish:
+            await self._finish(record)
+            dirty = False
+        if work.requeue and record.state == S.JOB_STATE_RUNNING and not record.learners:
+            await self._transition(
+                record,
+                S.JOB_STATE_QUEUED,
+                "all its learners were preempted or lost; waiting "
+                "for devices (it resumes from its latest state)",
+            )
+            dirty = False
+        if dirty:
+            await self.table.save(record)
+
+    # -- exits, losses --------------------------------------------------------------------------
+
+    async def _release(self, allocation_ids: Sequence[str]) -> None:
+        ids = [a for a in allocation_ids if a]
+        if not ids:
+            return
+        request = rm_pb2.ReleaseDevicesRequest(fencing_token=self._token, allocation_ids=ids)
+        try:
+            await self.peers.rm_call("ReleaseDevices", request, self.config.call_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            _check_fenced(exc)
+            raise
+        self.inventory.released(ids)
+
+    async def _evict(self, record: JobRecord, learner_id: str, reason: str) -> None:
+        if not record.opened or not record.coordinator_address:
+            return
+        request = ps_pb2.EvictLearnerRequest(
+            job_id=record.job_id, learner_id=learner_id, reason=reason, fencing_token=self._token
+        )
+        try:
+            await self.peers.shard(record.coordinator_address).EvictLearner(
+                request, timeout=self.config.call_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            _check_fenced(exc)
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+
+    async def _process_exits(
+        self, record: JobRecord, exits: Sequence[resources_pb2.Learner]
+    ) -> None:
+        """Exits the agents reported: evict a learner that died while its job runs (its
+        iteration must be re-run), release its device (only now), forget it. A clean exit of
+        a learner that was not leaving means the job may be done; a failure of one counts
+        (once per batch: a whole generation dying at once is one failure)."""
+        now = self.clock()
+        check_done = False
+        failures: list[str] = []
+        for learner in exits:
+            lr = record.learners.get(learner.learner_id)
+            if lr is None:
+                self.exits.pop(learner.learner_id, None)
+                continue
+            leaving = lr.phase in LEAVING or not record.active
+            why = learner.exit_reason or f"exit code {learner.exit_code}"
+            if learner.exit_code != 0 and record.active:
+                await self._evict(record, lr.learner_id, f"exited: {why}")
+            if not leaving:
+                if learner.exit_code == 0:
+                    check_done = True
+                else:
+                    failures.append(f"learner {lr.learner_id} on host {lr.host_id} failed: {why}")
+            await self._release([lr.allocation_id])
+            record.forget_learner(lr.learner_id, exit_code=learner.exit_code, reason=why, now=now)
+            self.exits.pop(learner.learner_id, None)
+        if failures:
+            record.failures += 1
+            record.last_failure = failures[-1]
+            if len(failures) > 1:
+                record.last_failure += f" (and {len(failures) - 1} more)"
+        await self.table.save(record)
+        if check_done and record.state == S.JOB_STATE_RUNNING:
+            await self._poll_progress(record)
+        if (
+            record.active
+            and record.failures >= self.config.max_learner_failures
+            and record.state != S.JOB_STATE_COMPLETED
+        ):
+            await self._fail(
+                record,
+                f"{record.failures} learner failures without progress; last: {record.last_failure}",
+            )
+
+    async def _process_lost(self, record: JobRecord, lost: Sequence[tuple[str, str]]) -> None:
+        now = self.clock()
+        for learner_id, why in lost:
+            lr = record.learners.get(learner_id)
+            if lr is None:
+                continue
+            if record.active and lr.phase is not LearnerPhase.PENDING:
+                await self._evict(record, learner_id, why)
+            await self._release([lr.allocation_id])
+            record.forget_learner(learner_id, exit_code=None, reason=why, now=now)
+            self.exits.pop(learner_id, None)
+        await self.table.save(record)
+
+    # -- retire, stop -----------------------------------------------------------------------------
+
+    async def _retire(self, record: JobRecord, learner_ids: Sequence[str]) -> None:
+        ids = [lid for lid in learner_ids if lid in record.learners]
+        if not ids:
+            return
+        now = self.clock()
+        if not record.opened:
+            await self._stop(record, ids)
+            return
+        request = ps_pb2.RetireLearnersRequest(
+            job_id=record.job_id, learner_ids=ids, fencing_token=self._token
+        )
+        try:
+            await self.peers.shard(record.coordinator_address).RetireLearners(
+                request, timeout=self.config.call_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            _check_fenced(exc)
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            # Not members (yet): no iteration of theirs can be lost; stop them directly.
+            await self._stop(record, ids)
+            return
+        for lid in ids:
+            lr = record.learners.get(lid)
+            if lr is not None and lr.phase in HOLDING:
+                lr.set_phase(LearnerPhase.RETIRING, now)
+        record.last_shrunk_at = now
+        await self.table.save(record)
+
+    async def _stop(self, record: JobRecord, learner_ids: Sequence[str]) -> None:
+        now = self.clock()
+        grace = Duration()
+        grace.FromMilliseconds(int(self.config.stop_grace_s * 1000))
+        targets = [record.learners[lid] for lid in learner_ids if lid in record.learners]
+        for lr in targets:
+            if record.active and lr.phase in HOLDING:
+                record.last_shrunk_at = now
+            lr.set_phase(LearnerPhase.STOPPING, now)
+        await self.table.save(record)
+
+        async def stop(lr: LearnerRecord) -> resources_pb2.Learner | None:
+            request = ha_pb2.StopLearnerRequest(learner_id=lr.learner_id, grace=grace)
+            try:
+                response = await self.peers.agent(lr.agent_address).StopLearner(
+                    request, timeout=self.config.stop_grace_s + self.config.call_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    # The agent never started it (or forgot it): it runs nowhere.
+                    return resources_pb2.Learner(
+                        learner_id=lr.learner_id,
+                        state=resources_pb2.LEARNER_STATE_FAILED,
+                        exit_code=-1,
+                        exit_reason="not running on its agent",
+                    )
+                log.info("StopLearner %s: %s", lr.learner_id, _describe(exc))
+                return None
+            learner = response.learner
+            if learner.state in (
+                resources_pb2.LEARNER_STATE_SUCCEEDED,
+                resources_pb2.LEARNER_STATE_FAILED,
+            ):
+                return learner
+            return None
+
+        results = await asyncio.gather(*(stop(lr) for lr in targets))
+        exited = [r for r in results if r is not None]
+        for learner in exited:
+            self.exits.setdefault(learner.learner_id, learner)
+        if exited:
+            await self._process_exits(record, exited)
+
+    # -- grow ---------------------------------------------------------------------------------
+
+    async def _ensure_open(self, record: JobRecord, placed: Sequence[LearnerRecord]) -> None:
+        shards = self.shards()
+        if not shards:
+            raise Unavailable("no parameter-sync shard is known yet (registry incomplete)")
+        if record.coordinator_index < 0 or not record.coordinator_address:
+            record.coordinator_index = coordinator_index(record.job_id, len(shards))
+            record.coordinator_address = shards[record.coordinator_index]
+        if record.job.effective_sync_mode == job_pb2.SYNC_MODE_UNSPECIFIED:
+            record.job.effective_sync_mode = resolve_sync_mode(  # type: ignore[assignment]
+                record.job.spec.sync_mode, [(lr.host_id, lr.simulated) for lr in placed]
+            )
+        if record.opened:
+            return
+        request = ps_pb2.OpenJobRequest(
+            job_id=record.job_id,
+            spec=record.job.spec,
+            storage_uri=self.storage.uri,  # the root: shards write jobs/<job_id>/ under it
+            shard_addresses=list(shards),
+            fencing_token=self._token,
+        )
+        try:
+            response = await self.peers.shard(record.coordinator_address).OpenJob(
+                request, timeout=self.config.call_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            _check_fenced(exc)
+            if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
+                raise PermanentFailure(
+                    f"OpenJob on {record.coordinator_address} failed: {_describe(exc)}"
+                ) from exc
+            raise
+        record.opened = True
+        record.closed = False
+        if response.HasField("progress"):
+            record.job.progress.CopyFrom(response.progress)
+
+    async def _grow(self, record: JobRecord, pending: list[LearnerRecord]) -> None:
+        job_id = record.job_id
+
+        def drop_pending() -> None:
+            for lr in pending:
+                if record.learners.get(lr.learner_id) is lr and lr.phase is LearnerPhase.PENDING:
+                    del record.learners[lr.learner_id]
+
+        try:
+            await self._ensure_open(record, pending)
+            await self.table.save(record)  # the PENDING learners, before acquiring
+            claims = [
+                rm_pb2.DeviceClaim(
+                    job_id=job_id,
+                    learner_id=lr.learner_id,
+                    host_id=lr.host_id,
+                    device_id=lr.device_id,
+                )
+                for lr in pending
+            ]
+            request_id = hashlib.sha256(
+                ",".join(lr.learner_id for lr in pending).encode()
+            ).hexdigest()[:32]
+            request = rm_pb2.AcquireDevicesRequest(
+                fencing_token=self._token, claims=claims, request_id=request_id
+            )
+            try:
+                response = await self.peers.rm_call(
+                    "AcquireDevices", request, self.config.call_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                _check_fenced(exc)
+                raise
+        except PermanentFailure as exc:
+            drop_pending()
+            await self._fail(record, str(exc))
+            return
+        except BaseException:
+            drop_pending()
+            with contextlib.suppress(Exception):
+                await self.table.save(record)
+            raise
+        now = self.clock()
+        self.inventory.allocated(response.allocations)
+        by_learner = {a.learner_id: a for a in response.allocations}
+        for lr in pending:
+            allocation = by_learner.get(lr.learner_id)
+            if allocation is None:
+                continue
+            lr.allocation_id = allocation.allocation_id
+            if allocation.host_incarnation:
+                lr.host_incarnation = allocation.host_incarnation
+            if lr.phase is LearnerPhase.PENDING:
+                lr.set_phase(LearnerPhase.STARTING, now)
+        drop_pending()  # any claim the response did not answer
+        await self.table.save(record)
+        if record.active:
+            await self._start_learners(
+                record, [lr for lr in pending if lr.phase is LearnerPhase.STARTING]
+            )
+
+    async def _start_learners(self, record: JobRecord, learners: Sequence[LearnerRecord]) -> None:
+        if not learners:
+            return
+        if not record.opened:
+            await self._ensure_open(record, learners)
+        spec = record.job.spec
+        storage_uri = self.storage.uri
+        token = self.config.learner_token
+
+        async def start(lr: LearnerRecord) -> BaseException | None:
+            request = ha_pb2.StartLearnerRequest(
+                learner_id=lr.learner_id,
+                job_id=record.job_id,
+                device_id=lr.device_id,
+                artifact_id=spec.artifact_id,
+                entry_point=spec.entry_point,
+                args=list(spec.args),
+                env=learner_env(
+                    record,
+                    lr.learner_id,
+                    shards=self.shards(),
+                    storage_uri=storage_uri,
+                    token=token,
+                ),
+                allocation_id=lr.allocation_id,
+                fencing_token=self._token,
+            )
+            try:
+                await self.peers.agent(lr.agent_address).StartLearner(
+                    request, timeout=self.config.start_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                _check_fenced(exc)
+                return exc
+            if lr.phase is LearnerPhase.STARTING:
+                lr.set_phase(LearnerPhase.RUNNING, self.clock())
+            return None
+
+        results = await asyncio.gather(*(start(lr) for lr in learners))
+        started = sum(1 for r in results if r is None)
+        if started and record.state == S.JOB_STATE_QUEUED:
+            record.transition(
+                S.JOB_STATE_RUNNING, f"running on {record.workers()} learner(s)", self.clock()
+            )
+            await self.table.save(record)
+            self.table.publish(record, S.JOB_EVENT_KIND_STATE)
+        else:
+            await self.table.save(record)
+        for lr, result in zip(learners, results, strict=True):
+            if isinstance(result, grpc.aio.AioRpcError) and result.code() in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.NOT_FOUND,
+                grpc.StatusCode.PERMISSION_DENIED,
+            ):
+                await self._fail(
+                    record,
+                    f"StartLearner {lr.learner_id} on host {lr.host_id} failed: "
+                    f"{_describe(result)}",
+                )
+                return
+        errors = [r for r in results if r is not None]
+        if errors:
+            raise errors[0]
+
+    # -- completion, failure, finish ------------------------------------------------------------
+
+    async def _transition(self, record: JobRecord, target: int, reason: str) -> None:
+        record.transition(target, reason, self.clock())
+        await self.table.save(record)
+        self.table.publish(record, S.JOB_EVENT_KIND_STATE)
+        self.trigger(f"job {record.job_id} {state_name(target)}")
+
+    async def _poll_progress(self, record: JobRecord) -> ps_pb2.GetJobProgressResponse | None:
+        if not record.opened or not record.coordinator_address:
+            return None
+        try:
+            response = await self.peers.shard(record.coordinator_address).GetJobProgress(
+                ps_pb2.GetJobProgressRequest(job_id=record.job_id),
+                timeout=self.config.call_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND and record.active:
+                # The coordinator lost the job (a restarted shard): open it again, which
+                # resumes it from its latest checkpoint, before the next learner starts.
+                log.warning("job %s: unknown to its coordinator; re-opening it", record.job_id)
+                record.opened = False
+                await self.table.save(record)
+                self.trigger(f"job {record.job_id} data plane lost")
+                return None
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+        self.members[record.job_id] = tuple(response.member_learner_ids)
+        if response.HasField("progress") and response.progress != record.job.progress:
+            if response.progress.completed_iterations > record.job.progress.completed_iterations:
+                record.failures = 0
+            record.job.progress.CopyFrom(response.progress)
+            self.table.publish(record, S.JOB_EVENT_KIND_PROGRESS)
+            now = self.clock()
+            if now - self._progress_saved.get(record.job_id, 0.0) >= (
+                self.config.progress_persist_s
+            ):
+                self._progress_saved[record.job_id] = now
+                await self.table.save(record)
+        if response.done and record.state == S.JOB_STATE_RUNNING:
+            await self._complete(record)
+        return response
+
+    async def _complete(self, record: JobRecord) -> None:
+        now = self.clock()
+        for lr in record.learners.values():
+            if lr.phase in HOLDING:
+                lr.set_phase(LearnerPhase.RETIRING, now)  # they get DONE at their boundary
+        await self._transition(record, S.JOB_STATE_COMPLETED, "all epochs ran")
+
+    async def _fail(self, record: JobRecord, reason: str) -> None:
+        if record.active:
+            log.warning("job %s failed: %s", record.job_id, reason)
+            await self._transition(record, S.JOB_STATE_FAILED, reason)
+
+    async def _finish(self, record: JobRecord) -> None:
+        if record.learners:
+            return
+        if record.opened and not record.closed:
+            try:
+                await self.peers.shard(record.coordinator_address).CloseJob(
+                    ps_pb2.CloseJobRequest(job_id=record.job_id, fencing_token=self._token),
+                    timeout=self.config.call_timeout_s,
+                )
+            except grpc.aio.AioRpcError as exc:
+                _check_fenced(exc)
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            record.closed = True
+            await self.table.save(record)
+        if record.state == S.JOB_STATE_CANCELLING:
+            await self._transition(record, S.JOB_STATE_CANCELLED, "cancelled")
+
+    # -- progress -------------------------------------------------------------------------------
+
+    async def _progress_loop(self) -> None:
+        """Poll the coordinators of running jobs every resync interval (PROGRESS events;
+        completion)."""
+        limit = asyncio.Semaphore(32)
+
+        async def poll(record: JobRecord) -> None:
+            async with limit:
+                try:
+                    await self._poll_progress(record)
+                except (grpc.aio.AioRpcError, Unavailable, TimeoutError) as exc:
+                    log.debug("progress of %s: %s", record.job_id, _describe(exc))
+                except (NotLeader, FencedOutByPeer) as exc:
+                    self._depose(str(exc))
+
+        while True:
+            running = [
+                r
+                for r in self.table.records.values()
+                if r.state == S.JOB_STATE_RUNNING and r.opened
+            ]
+            if running:
+                await asyncio.gather(*(poll(r) for r in running))
+            await asyncio.sleep(self.config.resync_interval_s)
+
+    # -- inventory watch ------------------------------------------------------------------------
+
+    async def _watch_inventory(self) -> None:
+        delay = self.config.backoff_initial_s
+        while True:
+            call = self.peers.rm().WatchInventory(rm_pb2.WatchInventoryRequest())
+            try:
+                async for event in call:
+                    self.on_inventory(event)
+                    delay = self.config.backoff_initial_s
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and self.peers.rm_failed(exc):
+                    log.info("inventory watch: following the resource-manager leader")
+                    self.inventory.synced = False
+                    continue
+                log.info("inventory watch interrupted: %s", _describe(exc))
+            finally:
+                call.cancel()
+            self.inventory.synced = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.config.backoff_max_s)
+
+    def on_inventory(self, event: rm_pb2.WatchInventoryResponse) -> None:
+        """Apply one WatchInventory event and trigger a cycle."""
+        kind = event.kind
+        K = rm_pb2
+        if kind == K.INVENTORY_EVENT_KIND_SNAPSHOT:
+            self.inventory.reset(event.hosts, event.allocations)
+            self._adopt_after_snapshot()
+            self._last_sweep = 0.0  # look for exits missed while not watching
+            self.trigger("inventory snapshot")
+        elif kind == K.INVENTORY_EVENT_KIND_HOST_UP:
+            for host in event.hosts:
+                self.inventory.put_host(host)
+            self.trigger(", ".join(f"host {h.host_id} up" for h in event.hosts))
+        elif kind == K.INVENTORY_EVENT_KIND_HOST_LOST:
+            for host in event.hosts:
+                self.inventory.lose_host(host)
+            # The resource-manager drops a lost host's allocations from its ledger.
+            self.inventory.released(a.allocation_id for a in event.allocations)
+            self.trigger(", ".join(f"host {h.host_id} lost" for h in event.hosts))
+        elif kind == K.INVENTORY_EVENT_KIND_HOST_CHANGED:
+            for host in event.hosts:
+                self.inventory.put_host(host)
+            self.trigger(", ".join(f"host {h.host_id} changed" for h in event.hosts))
+        elif kind == K.INVENTORY_EVENT_KIND_ALLOCATED:
+            self.inventory.allocated(event.allocations)
+        elif kind == K.INVENTORY_EVENT_KIND_RELEASED:
+            self.inventory.released(a.allocation_id for a in event.allocations)
+            self.trigger("devices released")
+        elif kind == K.INVENTORY_EVENT_KIND_LEARNER_EXITED:
+            learner = event.learner
+            self.exits[learner.learner_id] = learner
+            self.trigger(f"learner {learner.learner_id} exited ({learner.exit_code})")
+
+    def _adopt_after_snapshot(self) -> None:
+        """After a (new) snapshot: PENDING learners of idle jobs whose allocation exists were
+        acquired by a predecessor that died before writing it down: adopt them."""
+        by_learner = {a.learner_id: a for a in self.inventory.ledger.values()}
+        for record in self.table.records.values():
+            if record.job_id in self._busy:
+                continue
+            for lr in record.learners.values():
+                allocation = by_learner.get(lr.learner_id)
+                if lr.phase is LearnerPhase.PENDING and allocation is not None:
+                    lr.allocation_id = allocation.allocation_id
+                    lr.host_incarnation = allocation.host_incarnation or lr.host_incarnation
+                    lr.set_phase(LearnerPhase.STARTING, self.clock())
+
+    def _release_orphans(self, known: set[str]) -> None:
+        """Free ledger allocations that no job's learner holds (a predecessor's leftovers)."""
+        if self._orphans_busy:
+            return
+        orphans = [
+            a.allocation_id for a in self.inventory.ledger.values() if a.learner_id not in known
+        ]
+        if not orphans:
+            return
+
+        async def release() -> None:
+            self._orphans_busy = True
+            try:
+                log.info("releasing %d orphan allocation(s): %s", len(orphans), orphans)
+                await self._release(orphans)
+            except FencedOutByPeer as exc:
+                self._depose(str(exc))
+            except Exception as exc:
+                log.info("releasing orphans failed: %s", _describe(exc))
+            finally:
+                self._orphans_busy = False
+
+        self._spawn(release(), "scheduler-orphans")
+
+    async def _sweep_agents(self) -> None:
+        """Ask the agents about the learners we think are running: exits we missed (a watch
+        gap, a fail-over) are found here."""
+        by_agent: dict[str, list[LearnerRecord]] = {}
+        for record in self.table.records.values():
+            for lr in record.learners.values():
+                if lr.phase in (LearnerPhase.RUNNING, *LEAVING) and lr.agent_address:
+                    host = self.inventory.hosts.get(lr.host_id)
+                    if host is not None and host.state != resources_pb2.HOST_STATE_LOST:
+                        by_agent.setdefault(lr.agent_address, []).append(lr)
+
+        async def sweep(address: str, learners: list[LearnerRecord]) -> None:
+            try:
+                response = await self.peers.agent(address).ListLearners(
+                    ha_pb2.ListLearnersRequest(), timeout=self.config.call_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.debug("sweep of agent %s: %s", address, _describe(exc))
+                return
+            seen = {learner.learner_id: learner for learner in response.learners}
+            now = self.clock()
+            found = False
+            for lr in learners:
+                learner = seen.get(lr.learner_id)
+                if learner is None:
+                    if now - lr.phase_since > self.config.start_timeout_s:
+                        self.exits.setdefault(
+                            lr.learner_id,
+                            resources_pb2.Learner(
+                                learner_id=lr.learner_id,
+                                state=resources_pb2.LEARNER_STATE_FAILED,
+                                exit_code=-1,
+                                exit_reason="unknown to its agent",
+                            ),
+                        )
+                        found = True
+                elif learner.state in (
+                    resources_pb2.LEARNER_STATE_SUCCEEDED,
+                    resources_pb2.LEARNER_STATE_FAILED,
+                ):
+                    self.exits.setdefault(lr.learner_id, learner)
+                    found = True
+            if found:
+                self.trigger(f"agent {address} reported exits")
+
+        await asyncio.gather(*(sweep(a, ls) for a, ls in by_agent.items()))

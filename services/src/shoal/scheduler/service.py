@@ -1,0 +1,550 @@
+"""JobSchedulerService: thin gRPC handlers over :class:`JobApi`, the scheduler's API core.
+
+:class:`JobApi` never touches grpc: it validates (``shoal.scheduler.jobs``), reads and writes
+jobs through :class:`~shoal.scheduler.store.JobTable`, and asks the reconcile loop for a cycle
+after every change. Each handler reads the caller (``current_principal``), calls the core and
+wraps the answer; domain errors are raised and mapped to status codes by :data:`ERRORS`.
+
+Who may do what: every method is open to the user and service roles (admins always). A job is
+visible to the principal that submitted it, to admins and to services; anyone else gets
+NOT_FOUND, exactly as for a job that does not exist. Mutating calls (SubmitJob, CancelJob,
+UpdateJob, UploadArtifact) and WatchJob need the leader; a standby answers UNAVAILABLE with
+the leader's address in ``shoal-leader``. Reads (GetJob, ListJobs, GetAllocationHistory,
+GetJobMetrics, DownloadArtifact, DownloadModel, StreamJobLogs) are answered by any replica,
+from etcd and storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from shoal.runtime.auth import USERS_AND_SERVICES, MethodRoles, Principal, current_principal
+from shoal.runtime.errors import (
+    DEFAULT_TABLE,
+    ErrorTable,
+    InvalidField,
+    JobNotFound,
+    NotFound,
+    NotLeader,
+)
+from shoal.runtime.server import ServiceBinding
+from shoal.scheduler.artifacts import ArtifactStore, Storage, read_jsonl_metrics
+from shoal.scheduler.jobs import (
+    FINAL_STATES,
+    MAX_PRIORITY,
+    ArtifactNotFound,
+    JobRecord,
+    can_see,
+    new_job_record,
+    page_jobs,
+    timestamp,
+    validate_spec,
+    validate_update,
+)
+from shoal.scheduler.reconcile import Peers
+from shoal.scheduler.store import SERVICE, JobTable, StoreConflict
+from shoal.v1 import (
+    host_agent_service_pb2 as ha_pb2,
+    job_pb2,
+    job_scheduler_service_pb2 as js_pb2,
+    job_scheduler_service_pb2_grpc,
+    resources_pb2,
+)
+
+__all__ = [
+    "ERRORS",
+    "ROLES",
+    "SERVICE_NAME",
+    "ApiConfig",
+    "JobApi",
+    "SchedulerServicer",
+    "binding",
+]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "shoal.v1.JobSchedulerService"
+ROLES = MethodRoles(SERVICE_NAME, USERS_AND_SERVICES)
+ERRORS: ErrorTable = DEFAULT_TABLE.extend({StoreConflict: grpc.StatusCode.UNAVAILABLE})
+
+REQUEST_ID_MAX = 128
+LOG_BATCH = 500
+S = job_pb2
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """Settings of the API core."""
+
+    user_priority_limit: int = MAX_PRIORITY
+    log_poll_s: float = 1.0
+    call_timeout_s: float = 10.0
+
+
+class JobApi:
+    """The API core: what each RPC does, without grpc."""
+
+    def __init__(
+        self,
+        table: JobTable,
+        artifacts: ArtifactStore,
+        *,
+        trigger: Callable[[str], None],
+        peers: Peers | None = None,
+        config: ApiConfig | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.table = table
+        self.artifacts = artifacts
+        self.storage: Storage = artifacts.storage
+        self.trigger = trigger
+        self.peers = peers
+        self.config = config or ApiConfig()
+        self.clock = clock
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    async def visible(self, principal: Principal, job_id: str) -> JobRecord:
+        """The job if the caller may see it; NOT_FOUND otherwise (whether it exists or not)."""
+        record = await self.table.get(job_id) if job_id else None
+        if record is None or not can_see(principal, record.owner):
+            raise JobNotFound(job_id)
+        return record
+
+    @staticmethod
+    def _check_request_id(request_id: str) -> None:
+        if len(request_id) > REQUEST_ID_MAX:
+            raise InvalidField(
+                "request_id", request_id[:40] + "...", f"must be at most {REQUEST_ID_MAX} chars"
+            )
+
+    # -- jobs ---------------------------------------------------------------------------------
+
+    async def submit(
+        self, principal: Principal, request_id: str, spec: job_pb2.JobSpec
+    ) -> job_pb2.Job:
+        self.table.require_leader()
+        self._check_request_id(request_id)
+        clean = validate_spec(
+            spec, principal=principal, user_priority_limit=self.config.user_priority_limit
+        )
+        owner = principal.name
+        if request_id:
+            async with self.table.request_lock(owner, request_id):
+                existing = await self.table.find_request(owner, request_id)
+                if existing is not None:
+                    return existing.public()
+                record = await self._create(principal, request_id, clean)
+                if record is None:  # raced with a submit that has just stored it
+                    existing = await self.table.find_request(owner, request_id)
+                    if existing is None:
+                        raise StoreConflict(f"request_id {request_id!r} is taken but unreadable")
+                    return existing.public()
+        else:
+            record = await self._create(principal, "", clean)
+            if record is None:
+                raise StoreConflict("a new job id collided; retry")
+        self.table.publish(record, S.JOB_EVENT_KIND_STATE)
+        self.trigger(f"job {record.job_id} submitted")
+        return record.public()
+
+    async def _create(
+        self, principal: Principal, request_id: str, spec: job_pb2.JobSpec
+    ) -> JobRecord | None:
+        # Checked after validation, so that a bad spec is reported first.
+        if not await self.artifacts.exists(spec.artifact_id):
+            raise ArtifactNotFound(spec.artifact_id)
+        record = new_job_record(
+            spec,
+            job_id=self.table.new_job_id(),
+            owner=principal.name,
+            submit_seq=self.table.next_seq(),
+            request_id=request_id,
+            now=self.clock(),
+        )
+        created = await self.table.create(record)
+        return record if created else None
+
+    async def get(self, principal: Principal, job_id: str) -> job_pb2.Job:
+        return (await self.visible(principal, job_id)).public()
+
+    async def list_jobs(
+        self, principal: Principal, *, page_size: int, page_token: str, states: Sequence[int]
+    ) -> tuple[list[job_pb2.Job], str]:
+        records = [r for r in await self.table.all() if can_see(principal, r.owner)]
+        seqs = {r.job_id: r.submit_seq for r in records}
+        return page_jobs(
+            [r.public() for r in records],
+            seqs,
+            states=list(states),
+            page_size=page_size,
+            page_token=page_token,
+        )
+
+    async def cancel(self, principal: Principal, job_id: str, request_id: str) -> job_pb2.Job:
+        self.table.require_leader()
+        self._check_request_id(request_id)
+        record = await self.visible(principal, job_id)
+        if record.final or record.state == S.JOB_STATE_CANCELLING:
+            return record.public()  # cancelling again (or a finished job) is a no-op
+        now = self.clock()
+        target = (
+            S.JOB_STATE_CANCELLED
+            if record.state == S.JOB_STATE_QUEUED
+            else (S.JOB_STATE_CANCELLING)
+        )
+        reason = f"cancelled by {principal.name}"
+
+        def mutate(r: JobRecord) -> None:
+            r.transition(target, reason, now)
+
+        await self.table.update(record, mutate)
+        self.table.publish(record, S.JOB_EVENT_KIND_STATE)
+        self.trigger(f"job {job_id} cancelled")
+        return record.public()
+
+    async def update(
+        self,
+        principal: Principal,
+        job_id: str,
+        *,
+        priority: int | None,
+        max_workers: int | None,
+        request_id: str,
+    ) -> job_pb2.Job:
+        self.table.require_leader()
+        self._check_request_id(request_id)
+        record = await self.visible(principal, job_id)
+        if priority is None and max_workers is None:
+            raise InvalidField("priority", None, "or max_workers must be set")
+        limit = self.config.user_priority_limit
+
+        def mutate(r: JobRecord) -> None:
+            validate_update(
+                r.job,
+                priority=priority,
+                max_workers=max_workers,
+                principal=principal,
+                user_priority_limit=limit,
+            )
+            if priority is not None:
+                r.job.spec.priority = priority
+            if max_workers is not None:
+                r.job.spec.max_workers = max_workers
+
+        await self.table.update(record, mutate)
+        changes = []
+        if priority is not None:
+            changes.append(f"priority of {job_id} changed to {priority}")
+        if max_workers is not None:
+            changes.append(f"max_workers of {job_id} changed to {max_workers}")
+        self.trigger("; ".join(changes))
+        return record.public()
+
+    async def watch(self, principal: Principal, job_id: str) -> AsyncIterator[job_pb2.JobEvent]:
+        self.table.require_leader()
+        record = await self.visible(principal, job_id)
+        async with self.table.subscribe(job_id) as sub:
+            yield job_pb2.JobEvent(
+                kind=S.JOB_EVENT_KIND_STATE, job=record.public(), time=timestamp(self.clock())
+            )
+            if record.final:
+                return
+            while True:
+                event = await sub.queue.get()
+                if event.kind == S.JOB_EVENT_KIND_UNSPECIFIED:
+                    raise NotLeader(SERVICE, self.table.leader_address)
+                yield event
+                if event.kind == S.JOB_EVENT_KIND_STATE and event.job.state in FINAL_STATES:
+                    return
+
+    async def allocation_history(
+        self, principal: Principal, job_id: str
+    ) -> list[job_pb2.AllocationEvent]:
+        if job_id:
+            await self.visible(principal, job_id)
+            return await self.table.history(job_id)
+        events: list[job_pb2.AllocationEvent] = []
+        for record in await self.table.all():
+            if can_see(principal, record.owner):
+                events.extend(await self.table.history(record.job_id))
+        events.sort(key=lambda e: (e.time.seconds, e.time.nanos, e.job_id))
+        return events
+
+    # -- artifacts, model, metrics ------------------------------------------------------------
+
+    async def upload(
+        self, header: js_pb2.ArtifactHeader, chunks: AsyncIterator[bytes]
+    ) -> js_pb2.UploadArtifactResponse:
+        self.table.require_leader()
+        info = await self.artifacts.upload(
+            name=header.name,
+            declared_size=header.size_bytes,
+            declared_sha256=header.sha256,
+            chunks=chunks,
+        )
+        return js_pb2.UploadArtifactResponse(
+            artifact_id=info.artifact_id, size_bytes=info.size_bytes
+        )
+
+    async def download_artifact(
+        self, artifact_id: str
+    ) -> tuple[js_pb2.ArtifactHeader, AsyncIterator[bytes]]:
+        info, chunks = await self.artifacts.download(artifact_id)
+        header = js_pb2.ArtifactHeader(
+            name=info.name, size_bytes=info.size_bytes, sha256=info.artifact_id
+        )
+        return header, chunks
+
+    async def download_model(
+        self, principal: Principal, job_id: str
+    ) -> tuple[js_pb2.ArtifactHeader, AsyncIterator[bytes]]:
+        await self.visible(principal, job_id)
+        path = self.storage.model_path(job_id)
+        if not await self.storage.exists(path):
+            raise NotFound("model of job", job_id)
+        size = await self.storage.size(path)
+        header = js_pb2.ArtifactHeader(name="model.safetensors", size_bytes=size)
+        return header, self.storage.read_chunks(path)
+
+    async def metrics(
+        self, principal: Principal, job_id: str, after_iteration: int
+    ) -> js_pb2.GetJobMetricsResponse:
+        await self.visible(principal, job_id)
+        if after_iteration < 0:
+            raise InvalidField("after_iteration", after_iteration, "must be >= 0")
+        iterations, epochs = await asyncio.gather(
+            self.storage.read_text(self.storage.metrics_path(job_id, "iterations.jsonl")),
+            self.storage.read_text(self.storage.metrics_path(job_id, "epochs.jsonl")),
+        )
+        return js_pb2.GetJobMetricsResponse(
+            iterations=read_jsonl_metrics(iterations, job_pb2.IterationMetric)[after_iteration:],
+            epochs=read_jsonl_metrics(epochs, job_pb2.EpochMetric),
+        )
+
+    # -- logs ---------------------------------------------------------------------------------
+
+    async def logs(
+        self, principal: Principal, request: js_pb2.StreamJobLogsRequest
+    ) -> AsyncIterator[list[resources_pb2.LogLine]]:
+        """Batches of log lines: the backlog of every learner merged by time (the last
+        ``tail_lines`` of it), then, with ``follow``, new lines as they come, from learners
+        that start later too, until the job has ended and its learners' streams are done."""
+        record = await self.visible(principal, request.job_id)
+        if request.tail_lines < 0:
+            raise InvalidField("tail_lines", request.tail_lines, "must be >= 0 (0: all)")
+        if self.peers is None:
+            return
+        wanted = request.learner_id
+        sources = _log_sources(record)
+        if wanted and wanted not in sources:
+            raise NotFound("learner", wanted, reason="ERROR_REASON_LEARNER_NOT_FOUND")
+        if wanted:
+            sources = {wanted: sources[wanted]}
+
+        last: dict[str, int] = {}
+        backlog_parts = await asyncio.gather(
+            *(self._read_log(lid, addr, None, follow=False) for lid, addr in sources.items())
+        )
+        backlog = [line for part in backlog_parts for line in part]
+        for line in backlog:
+            last[line.learner_id] = max(last.get(line.learner_id, -1), line.offset)
+        backlog.sort(key=lambda ln: (ln.time.seconds, ln.time.nanos, ln.learner_id, ln.offset))
+        if request.tail_lines:
+            backlog = backlog[-request.tail_lines :]
+        for i in range(0, len(backlog), LOG_BATCH):
+            yield backlog[i : i + LOG_BATCH]
+        if not request.follow:
+            return
+
+        queue: asyncio.Queue[resources_pb2.LogLine] = asyncio.Queue(10_000)
+        followers: dict[str, asyncio.Task[None]] = {}
+
+        async def follow(learner_id: str, address: str) -> None:
+            await self._read_log(learner_id, address, last.get(learner_id), follow=True, sink=queue)
+
+        def start_followers(current: dict[str, str]) -> None:
+            for lid, addr in current.items():
+                if lid not in followers and (not wanted or lid == wanted):
+                    followers[lid] = asyncio.create_task(follow(lid, addr))
+
+        try:
+            start_followers(sources)
+            while True:
+                batch = await _drain(queue, self.config.log_poll_s)
+                if batch:
+                    yield batch
+                    continue
+                current = await self.table.get(record.job_id)
+                if current is None:
+                    return
+                start_followers(_log_sources(current))
+                if current.final and all(t.done() for t in followers.values()):
+                    rest = await _drain(queue, 0)
+                    if rest:
+                        yield rest
+                    return
+        finally:
+            for task in followers.values():
+                task.cancel()
+            await asyncio.gather(*followers.values(), return_exceptions=True)
+
+    async def _read_log(
+        self,
+        learner_id: str,
+        address: str,
+        after: int | None,
+        *,
+        follow: bool,
+        sink: asyncio.Queue[resources_pb2.LogLine] | None = None,
+    ) -> list[resources_pb2.LogLine]:
+        """A learner's lines from its agent (after byte offset ``after``); into ``sink``
+        when following. Errors (the host is gone) end the stream quietly."""
+        assert self.peers is not None
+        out: list[resources_pb2.LogLine] = []
+        request = ha_pb2.StreamLearnerLogsRequest(
+            learner_id=learner_id, offset=max(after or 0, 0), follow=follow
+        )
+        timeout = None if follow else self.config.call_timeout_s
+        try:
+            async for response in self.peers.agent(address).StreamLearnerLogs(
+                request, timeout=timeout
+            ):
+                for line in response.lines:
+                    if after is not None and line.offset <= after:
+                        continue  # resumed at the last line seen: already sent
+                    if not line.learner_id:
+                        line.learner_id = learner_id
+                    if sink is not None:
+                        await sink.put(line)
+                    else:
+                        out.append(line)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("logs of %s at %s: %s", learner_id, address, exc.code().name)
+        return out
+
+
+def _log_sources(record: JobRecord) -> dict[str, str]:
+    """Learner id -> agent address of every learner of the job that ever ran."""
+    sources = {p.learner_id: p.agent_address for p in record.past_learners if p.agent_address}
+    for lr in record.learners.values():
+        if lr.agent_address and lr.allocation_id:
+            sources[lr.learner_id] = lr.agent_address
+    return sources
+
+
+async def _drain(
+    queue: asyncio.Queue[resources_pb2.LogLine], wait: float
+) -> list[resources_pb2.LogLine]:
+    out: list[resources_pb2.LogLine] = []
+    if queue.empty() and wait > 0:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                out.append(await queue.get())
+    while not queue.empty() and len(out) < LOG_BATCH:
+        out.append(queue.get_nowait())
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# gRPC handlers
+# --------------------------------------------------------------------------------------------
+
+
+class SchedulerServicer(job_scheduler_service_pb2_grpc.JobSchedulerServiceServicer):
+    """Thin handlers: read the caller, call :class:`JobApi`, wrap the answer."""
+
+    def __init__(self, api: JobApi) -> None:
+        self.api = api
+
+    async def SubmitJob(self, request, context):  # type: ignore[no-untyped-def]
+        job = await self.api.submit(current_principal(), request.request_id, request.spec)
+        return js_pb2.SubmitJobResponse(job=job)
+
+    async def GetJob(self, request, context):  # type: ignore[no-untyped-def]
+        return js_pb2.GetJobResponse(job=await self.api.get(current_principal(), request.job_id))
+
+    async def ListJobs(self, request, context):  # type: ignore[no-untyped-def]
+        jobs, token = await self.api.list_jobs(
+            current_principal(),
+            page_size=request.page_size,
+            page_token=request.page_token,
+            states=list(request.states),
+        )
+        return js_pb2.ListJobsResponse(jobs=jobs, next_page_token=token)
+
+    async def WatchJob(self, request, context):  # type: ignore[no-untyped-def]
+        async for event in self.api.watch(current_principal(), request.job_id):
+            yield js_pb2.WatchJobResponse(event=event)
+
+    async def CancelJob(self, request, context):  # type: ignore[no-untyped-def]
+        job = await self.api.cancel(current_principal(), request.job_id, request.request_id)
+        return js_pb2.CancelJobResponse(job=job)
+
+    async def UpdateJob(self, request, context):  # type: ignore[no-untyped-def]
+        job = await self.api.update(
+            current_principal(),
+            request.job_id,
+            priority=request.priority if request.HasField("priority") else None,
+            max_workers=request.max_workers if request.HasField("max_workers") else None,
+            request_id=request.request_id,
+        )
+        return js_pb2.UpdateJobResponse(job=job)
+
+    async def UploadArtifact(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        self.api.table.require_leader()  # before reading: a standby consumes nothing
+        messages = request_iterator.__aiter__()
+        try:
+            first = await messages.__anext__()
+        except StopAsyncIteration:
+            first = None
+        if first is None or first.WhichOneof("content") != "header":
+            raise InvalidField("header", None, "must be sent in the first message")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            async for message in messages:
+                if message.WhichOneof("content") != "chunk":
+                    raise InvalidField("header", message.header.name, "may only be sent first")
+                yield message.chunk
+
+        return await self.api.upload(first.header, chunks())
+
+    async def DownloadArtifact(self, request, context):  # type: ignore[no-untyped-def]
+        header, chunks = await self.api.download_artifact(request.artifact_id)
+        yield js_pb2.DownloadArtifactResponse(header=header)
+        async for chunk in chunks:
+            yield js_pb2.DownloadArtifactResponse(chunk=chunk)
+
+    async def DownloadModel(self, request, context):  # type: ignore[no-untyped-def]
+        header, chunks = await self.api.download_model(current_principal(), request.job_id)
+        yield js_pb2.DownloadModelResponse(header=header)
+        async for chunk in chunks:
+            yield js_pb2.DownloadModelResponse(chunk=chunk)
+
+    async def StreamJobLogs(self, request, context):  # type: ignore[no-untyped-def]
+        async for lines in self.api.logs(current_principal(), request):
+            yield js_pb2.StreamJobLogsResponse(lines=lines)
+
+    async def GetJobMetrics(self, request, context):  # type: ignore[no-untyped-def]
+        return await self.api.metrics(current_principal(), request.job_id, request.after_iteration)
+
+    async def GetAllocationHistory(self, request, context):  # type: ignore[no-untyped-def]
+        events = await self.api.allocation_history(current_principal(), request.job_id)
+        return js_pb2.GetAllocationHistoryResponse(events=events)
+
+
+def binding(api: JobApi) -> ServiceBinding:
+    """The service binding for ``create_server``."""
+    return ServiceBinding(
+        SERVICE_NAME,
+        job_scheduler_service_pb2_grpc.add_JobSchedulerServiceServicer_to_server,  # type: ignore[arg-type]
+        SchedulerServicer(api),
+        ROLES,
+    )

@@ -1,0 +1,363 @@
+"""Job persistence of the scheduler in the state store (etcd), with fenced writes.
+
+etcd layout (all values written by the leader, fenced by its election key)::
+
+    /shoal/v1/job-scheduler/jobs/<job_id>          JobRecord (JSON: the Job in the protobuf
+                                                   JSON mapping + learners, coordinator,
+                                                   state history)
+    /shoal/v1/job-scheduler/requests/<sha256>      job_id (UTF-8); the key is
+                                                   sha256(owner + "\\0" + request_id)
+    /shoal/v1/job-scheduler/allocations/<job_id>   GetAllocationHistoryResponse (protobuf
+                                                   bytes): the job's allocation changes,
+                                                   oldest first, bounded
+
+:class:`JobTable` is what the service and the reconcile loop use. On the leader it is a
+write-through cache of every job (loaded once when leadership is won); on a standby it reads
+the store on every call. It also carries the in-process event bus of ``WatchJob``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from shoal.runtime.errors import NotLeader, ShoalError, Unavailable
+from shoal.runtime.store import (
+    DeleteOp,
+    Expect,
+    Fence,
+    FencedOut,
+    PutOp,
+    Store,
+    StoreError,
+    StoreUnavailable,
+)
+from shoal.scheduler.jobs import JobRecord, append_allocation_event, timestamp
+from shoal.v1 import job_pb2, job_scheduler_service_pb2 as js_pb2
+
+__all__ = [
+    "ALLOCATIONS",
+    "JOBS",
+    "PREFIX",
+    "REQUESTS",
+    "JobTable",
+    "StoreConflict",
+    "Subscription",
+    "request_key",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PREFIX = "/shoal/v1/job-scheduler/"
+JOBS = PREFIX + "jobs/"
+REQUESTS = PREFIX + "requests/"
+ALLOCATIONS = PREFIX + "allocations/"
+
+SERVICE = "job-scheduler"
+
+
+class StoreConflict(ShoalError):
+    """A record changed in the store behind the leader's back (a bug, or a second writer)."""
+
+    reason = "ERROR_REASON_STORE_UNAVAILABLE"
+
+
+def request_key(owner: str, request_id: str) -> str:
+    digest = hashlib.sha256(f"{owner}\0{request_id}".encode()).hexdigest()
+    return REQUESTS + digest
+
+
+@dataclass(eq=False)
+class Subscription:
+    """One WatchJob's queue of events (bounded: a slow reader loses old progress events,
+    never state or allocation events)."""
+
+    job_id: str
+    queue: asyncio.Queue[job_pb2.JobEvent] = field(default_factory=lambda: asyncio.Queue(1000))
+
+    def put(self, event: job_pb2.JobEvent) -> None:
+        if self.queue.full():
+            dropped = self._drop_one_progress()
+            if not dropped:
+                return
+        self.queue.put_nowait(event)
+
+    def _drop_one_progress(self) -> bool:
+        items: list[job_pb2.JobEvent] = []
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        dropped = False
+        for item in items:
+            if not dropped and item.kind == job_pb2.JOB_EVENT_KIND_PROGRESS:
+                dropped = True
+                continue
+            self.queue.put_nowait(item)
+        return dropped
+
+
+class JobTable:
+    """The jobs, persisted in ``store`` (see the module docstring).
+
+    ``fence``: the leadership fence of every write; ``leader_address``: who leads (for the
+    NotLeader answer of a standby). ``clock`` gives unix seconds.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        history_limit: int = 1000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if history_limit < 1:
+            raise ValueError(f"history_limit ({history_limit}) must be >= 1")
+        self.store = store
+        self.history_limit = history_limit
+        self.clock = clock
+        self.fence: Fence | None = None
+        self.leading = False
+        self.leader_address: str | None = None
+        self.records: dict[str, JobRecord] = {}
+        self.histories: dict[str, list[job_pb2.AllocationEvent]] = {}
+        self._history_revs: dict[str, int] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._request_locks: dict[str, asyncio.Lock] = {}
+        self._subscribers: dict[str, set[Subscription]] = {}
+        self._last_seq = 0
+
+    # -- leadership ---------------------------------------------------------------------------
+
+    def require_leader(self) -> None:
+        """Raise :class:`NotLeader` (UNAVAILABLE with the leader's address) on a standby."""
+        if not self.leading:
+            raise NotLeader(SERVICE, self.leader_address)
+
+    async def become_leader(self, fence: Fence | None) -> None:
+        """Load every job and allocation history from the store; start acting on them."""
+        self.fence = fence
+        self.records, self.histories, self._history_revs = {}, {}, {}
+        with self._translate("load jobs"):
+            kvs, _ = await self.store.list(JOBS)
+            hist, _ = await self.store.list(ALLOCATIONS)
+        for kv in kvs:
+            try:
+                record = JobRecord.from_bytes(kv.value, revision=kv.mod_revision)
+            except (ValueError, KeyError) as exc:
+                log.error("skipping unreadable job record %s: %s", kv.key, exc)
+                continue
+            self.records[record.job_id] = record
+            self._last_seq = max(self._last_seq, record.submit_seq)
+        for kv in hist:
+            job_id = kv.key.removeprefix(ALLOCATIONS)
+            response = js_pb2.GetAllocationHistoryResponse.FromString(kv.value)
+            self.histories[job_id] = list(response.events)
+            self._history_revs[job_id] = kv.mod_revision
+        self.leading = True
+        log.info("loaded %d jobs from the store", len(self.records))
+
+    def step_down(self) -> None:
+        self.leading = False
+        self.fence = None
+        self.records = {}
+        self.histories = {}
+        self._history_revs = {}
+        for subs in self._subscribers.values():
+            for sub in subs:
+                sub.put(_closing_event(sub.job_id))
+
+    # -- errors -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _translate(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except FencedOut as exc:
+            self.leading = False
+            raise NotLeader(SERVICE, None) from exc
+        except StoreUnavailable as exc:
+            raise Unavailable(f"{what}: the state store is unavailable ({exc})") from exc
+        except StoreError as exc:
+            raise Unavailable(f"{what}: the state store failed ({exc})") from exc
+
+    # -- reads --------------------------------------------------------------------------------
+
+    async def get(self, job_id: str) -> JobRecord | None:
+        """The job (leader: the live record; standby: read from the store)."""
+        if self.leading:
+            return self.records.get(job_id)
+        if not job_id or "/" in job_id:
+            return None
+        with self._translate(f"read job {job_id}"):
+            kv = await self.store.get(JOBS + job_id)
+        return None if kv is None else JobRecord.from_bytes(kv.value, revision=kv.mod_revision)
+
+    async def all(self) -> list[JobRecord]:
+        if self.leading:
+            return list(self.records.values())
+        with self._translate("list jobs"):
+            kvs, _ = await self.store.list(JOBS)
+        out = []
+        for kv in kvs:
+            with contextlib.suppress(ValueError, KeyError):
+                out.append(JobRecord.from_bytes(kv.value, revision=kv.mod_revision))
+        return out
+
+    async def history(self, job_id: str) -> list[job_pb2.AllocationEvent]:
+        if self.leading:
+            return list(self.histories.get(job_id, ()))
+        with self._translate(f"read allocation history of {job_id}"):
+            kv = await self.store.get(ALLOCATIONS + job_id)
+        if kv is None:
+            return []
+        return list(js_pb2.GetAllocationHistoryResponse.FromString(kv.value).events)
+
+    async def find_request(self, owner: str, request_id: str) -> JobRecord | None:
+        with self._translate("read request index"):
+            kv = await self.store.get(request_key(owner, request_id))
+        if kv is None:
+            return None
+        return await self.get(kv.value.decode())
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def lock(self, job_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(job_id, asyncio.Lock())
+
+    def request_lock(self, owner: str, request_id: str) -> asyncio.Lock:
+        return self._request_locks.setdefault(request_key(owner, request_id), asyncio.Lock())
+
+    def new_job_id(self) -> str:
+        return f"job-{uuid.uuid4().hex[:12]}"
+
+    def next_seq(self) -> int:
+        """A submit sequence: increasing, and about the submit time in nanoseconds."""
+        self._last_seq = max(self._last_seq + 1, time.time_ns())
+        return self._last_seq
+
+    async def create(self, record: JobRecord) -> bool:
+        """Store a new job (and its request index) atomically. False if the request id (or
+        the job id) is already taken: nothing was written."""
+        self.require_leader()
+        ops: list[PutOp | DeleteOp] = [PutOp(JOBS + record.job_id, record.to_bytes())]
+        expect = [Expect(JOBS + record.job_id, 0)]
+        if record.request_id:
+            key = request_key(record.owner, record.request_id)
+            ops.append(PutOp(key, record.job_id.encode()))
+            expect.append(Expect(key, 0))
+        with self._translate(f"create job {record.job_id}"):
+            revision = await self.store.transaction(ops, expect=expect, fence=self.fence)
+        if revision is None:
+            return False
+        record.revision = revision
+        self.records[record.job_id] = record
+        return True
+
+    async def save(self, record: JobRecord) -> None:
+        """Write the live record as it is now (compare-and-set on its revision, fenced)."""
+        self.require_leader()
+        async with self.lock(record.job_id):
+            await self._write(record, record.to_bytes())
+
+    async def update(self, record: JobRecord, mutate: Callable[[JobRecord], T]) -> T:
+        """Apply ``mutate`` to the job only if the change can be stored.
+
+        ``mutate`` runs first on a copy (it may raise: nothing changes), the copy is written,
+        then ``mutate`` runs again on the live record. ``mutate`` must be deterministic.
+        """
+        self.require_leader()
+        async with self.lock(record.job_id):
+            copy = JobRecord.from_bytes(record.to_bytes(), revision=record.revision)
+            mutate(copy)
+            await self._write(record, copy.to_bytes())
+            return mutate(record)
+
+    async def _write(self, record: JobRecord, data: bytes) -> None:
+        key = JOBS + record.job_id
+        with self._translate(f"write job {record.job_id}"):
+            revision = await self.store.transaction(
+                [PutOp(key, data)], expect=[Expect(key, record.revision)], fence=self.fence
+            )
+        if revision is None:
+            raise StoreConflict(
+                f"job {record.job_id} changed in the store since revision {record.revision}"
+            )
+        record.revision = revision
+
+    async def reload(self, job_id: str) -> JobRecord | None:
+        """Replace the live record with the stored one (after a :class:`StoreConflict`)."""
+        with self._translate(f"reload job {job_id}"):
+            kv = await self.store.get(JOBS + job_id)
+        if kv is None:
+            self.records.pop(job_id, None)
+            return None
+        record = JobRecord.from_bytes(kv.value, revision=kv.mod_revision)
+        self.records[job_id] = record
+        return record
+
+    async def add_allocation_event(
+        self, record: JobRecord, workers: int, target: int, reason: str
+    ) -> job_pb2.AllocationEvent:
+        """Record an allocation change of the job (bounded history, persisted) and publish it."""
+        self.require_leader()
+        event = job_pb2.AllocationEvent(
+            time=timestamp(self.clock()),
+            job_id=record.job_id,
+            workers=workers,
+            target_workers=target,
+            reason=reason,
+        )
+        async with self.lock("allocations/" + record.job_id):
+            events = list(self.histories.get(record.job_id, ()))
+            append_allocation_event(events, event, self.history_limit)
+            key = ALLOCATIONS + record.job_id
+            data = js_pb2.GetAllocationHistoryResponse(events=events).SerializeToString()
+            with self._translate(f"write allocation history of {record.job_id}"):
+                await self.store.put(key, data, fence=self.fence)
+            self.histories[record.job_id] = events
+        self.publish(record, job_pb2.JOB_EVENT_KIND_ALLOCATION, allocation=event)
+        return event
+
+    # -- WatchJob event bus -------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, job_id: str) -> AsyncIterator[Subscription]:
+        sub = Subscription(job_id)
+        self._subscribers.setdefault(job_id, set()).add(sub)
+        try:
+            yield sub
+        finally:
+            subs = self._subscribers.get(job_id)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subscribers[job_id]
+
+    def publish(
+        self,
+        record: JobRecord,
+        kind: int,
+        *,
+        allocation: job_pb2.AllocationEvent | None = None,
+    ) -> None:
+        subs = self._subscribers.get(record.job_id)
+        if not subs:
+            return
+        event = job_pb2.JobEvent(kind=kind, job=record.public(), time=timestamp(self.clock()))  # type: ignore[arg-type]
+        if allocation is not None:
+            event.allocation.CopyFrom(allocation)
+        for sub in subs:
+            sub.put(event)
+
+
+def _closing_event(job_id: str) -> job_pb2.JobEvent:
+    """Tells a watcher that this replica stopped leading (its stream ends with NotLeader)."""
+    return job_pb2.JobEvent(kind=job_pb2.JOB_EVENT_KIND_UNSPECIFIED, job=job_pb2.Job(job_id=job_id))

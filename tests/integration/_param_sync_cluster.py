@@ -1,0 +1,272 @@
+"""Real data-plane processes for the integration tests: parameter-sync shard processes
+(``python -m shoal.param_sync``), learner processes (``_sync_learner.py``), the scheduler's
+calls (with the service token), and the single-process reference training they are compared
+with."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import safetensors.torch
+import torch
+
+from shoal.v1 import (
+    job_pb2,
+    parameter_sync_service_pb2 as ps_pb2,
+    parameter_sync_service_pb2_grpc as ps_grpc,
+)
+from tests.support import free_port, wait_until
+
+HERE = Path(__file__).resolve().parent
+LEARNER = HERE / "_sync_learner.py"
+REPO = HERE.parents[1]
+
+
+class Proc:
+    """A child process whose output goes to a log file."""
+
+    def __init__(self, args: Sequence[str], log: Path, env: dict[str, str]) -> None:
+        self.log = log
+        self._out = open(log, "w")
+        self.popen = subprocess.Popen(
+            list(args), stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=REPO
+        )
+
+    def text(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def wait_for(self, needle: str, timeout: float = 30) -> None:
+        def seen() -> bool:
+            if self.popen.poll() is not None and needle not in self.text():
+                raise AssertionError(
+                    f"{self.log.name} exited ({self.popen.returncode}):\n" + self.text()[-3000:]
+                )
+            return needle in self.text()
+
+        wait_until(seen, timeout=timeout, interval=0.05, what=f"{needle!r} in {self.log.name}")
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            code = self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.log.name} still running:\n{self.text()[-3000:]}") from None
+        self._out.close()
+        return code
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait(timeout=10)
+        self._out.close()
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "SHOAL_LOG_LEVEL": "INFO",
+    }
+    env.update(extra)
+    return env
+
+
+class DataPlane:
+    """S shard processes, learner processes, and a scheduler's client of them."""
+
+    def __init__(self, tmp: Path, tokens_file: Path, tokens: dict[str, str], shards: int = 2):
+        self.tmp = tmp
+        self.tokens_file = tokens_file
+        self.tokens = tokens
+        self.num_shards = shards
+        self.storage = tmp / "storage"
+        self.storage_uri = self.storage.as_uri()
+        self.shards: list[Proc] = []
+        self.addresses: list[str] = []
+        self.learners: list[Proc] = []
+        self._channel: grpc.Channel | None = None
+        self._generation = 0
+
+    # -- shards -------------------------------------------------------------------------------
+
+    def start_shards(self, extra_args: Sequence[str] = ()) -> list[str]:
+        self._generation += 1
+        self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.num_shards)]
+        self.shards = []
+        for i, address in enumerate(self.addresses):
+            args = [
+                sys.executable,
+                "-m",
+                "shoal.param_sync",
+                "--shard-index",
+                str(i),
+                "--listen",
+                address,
+                "--storage-uri",
+                self.storage_uri,
+                "--tokens-file",
+                str(self.tokens_file),
+                "--service-token",
+                self.tokens["service"],
+                *extra_args,
+            ]
+            log = self.tmp / f"shard-{i}-{self._generation}.log"
+            self.shards.append(Proc(args, log, child_env()))
+        for shard in self.shards:
+            shard.wait_for("LISTENING", timeout=60)
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = grpc.insecure_channel(self.addresses[0])
+        return self.addresses
+
+    def kill_all(self) -> None:
+        for p in [*self.learners, *self.shards]:
+            p.kill()
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    # -- the scheduler's calls ----------------------------------------------------------------
+
+    @property
+    def stub(self) -> ps_grpc.ParameterSyncServiceStub:
+        assert self._channel is not None
+        return ps_grpc.ParameterSyncServiceStub(self._channel)
+
+    def call(self, method: str, request: Any, role: str = "service") -> Any:
+        metadata = (("authorization", f"Bearer {self.tokens[role]}"),)
+        return getattr(self.stub, method)(request, metadata=metadata, timeout=30)
+
+    def open_job(
+        self, job_id: str, *, batch: int, epochs: int, seed: int = 0, checkpoint_every: int = 0
+    ) -> ps_pb2.OpenJobResponse:
+        spec = job_pb2.JobSpec(
+            batch_size=batch, epochs=epochs, seed=seed, checkpoint_every=checkpoint_every
+        )
+        return self.call(
+            "OpenJob",
+            ps_pb2.OpenJobRequest(
+                job_id=job_id,
+                spec=spec,
+                storage_uri=self.storage_uri,
+                shard_addresses=self.addresses,
+            ),
+        )
+
+    def progress(self, job_id: str) -> ps_pb2.GetJobProgressResponse:
+        return self.call("GetJobProgress", ps_pb2.GetJobProgressRequest(job_id=job_id))
+
+    def retire(self, job_id: str, *learners: str) -> None:
+        self.call(
+            "RetireLearners", ps_pb2.RetireLearnersRequest(job_id=job_id, learner_ids=learners)
+        )
+
+    def evict(self, job_id: str, learner: str) -> int:
+        reply = self.call(
+            "EvictLearner",
+            ps_pb2.EvictLearnerRequest(job_id=job_id, learner_id=learner, reason="killed"),
+        )
+        return int(reply.aborted_iteration)
+
+    # -- learners -----------------------------------------------------------------------------
+
+    def start_learner(
+        self, job_id: str, learner_id: str, *, epochs: int, batch: int, **hooks: Any
+    ) -> Proc:
+        args = [
+            sys.executable,
+            str(LEARNER),
+            "--epochs",
+            str(epochs),
+            "--batch-size",
+            str(batch),
+            "--history",
+            str(self.history_path(learner_id)),
+        ]
+        for name, value in hooks.items():
+            args += [f"--{name.replace('_', '-')}", str(value)]
+        env = child_env(
+            SHOAL_JOB_ID=job_id,
+            SHOAL_LEARNER_ID=learner_id,
+            SHOAL_SYNC_ENDPOINTS=",".join(self.addresses),
+            SHOAL_COORDINATOR=self.addresses[0],
+            SHOAL_TOKEN=self.tokens["user"],
+            SHOAL_SYNC_BACKEND="grpc",
+        )
+        proc = Proc(args, self.tmp / f"{learner_id}.log", env)
+        self.learners.append(proc)
+        return proc
+
+    def history_path(self, learner_id: str) -> Path:
+        return self.tmp / f"{learner_id}.history.json"
+
+    def history(self, learner_id: str) -> dict[str, Any]:
+        return json.loads(self.history_path(learner_id).read_text())
+
+    # -- storage ------------------------------------------------------------------------------
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.storage / "jobs" / job_id
+
+    def iterations(self, job_id: str) -> list[dict[str, Any]]:
+        path = self.job_dir(job_id) / "metrics" / "iterations.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def final_model(self, job_id: str) -> dict[str, torch.Tensor]:
+        return safetensors.torch.load_file(self.job_dir(job_id) / "model.safetensors")
+
+
+@functools.cache
+def digits_data() -> tuple[torch.Tensor, torch.Tensor]:
+    sys.path.insert(0, str(HERE))
+    try:
+        from _sync_learner import load_digits_example
+    finally:
+        sys.path.remove(str(HERE))
+    digits = load_digits_example()
+    train, _ = digits.get_datasets()
+    return train.tensors[0], train.tensors[1]
+
+
+@functools.cache
+def reference_training(
+    epochs: int, batch: int, lr: float = 0.05, momentum: float = 0.9, seed: int = 0
+) -> tuple[dict[str, torch.Tensor], tuple[float, ...]]:
+    """Plain single-process PyTorch training of the digits MLP: the same seed (model and data
+    order), the same global batch, a mean-reduced loss. Returns the final state dict and the
+    loss of every iteration."""
+    sys.path.insert(0, str(HERE))
+    try:
+        from _sync_learner import load_digits_example
+    finally:
+        sys.path.remove(str(HERE))
+    digits = load_digits_example()
+    x, y = digits_data()
+    n = len(y)
+    torch.manual_seed(seed)
+    model = digits.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    losses = []
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        for start in range(0, n, batch):
+            idx = order[start : start + batch]
+            optimizer.zero_grad()
+            loss = loss_fn(model(x[idx]), y[idx])
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, tuple(losses)

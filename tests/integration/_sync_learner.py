@@ -1,0 +1,124 @@
+"""A learner process for the data-plane tests: the digits MLP of examples/digits/train.py,
+trained with SGD by ElasticTrainer through the "grpc" backend (configured by the SHOAL_*
+environment, as a host-agent would start it).
+
+Test hooks (flags): ``--gate FILE`` waits for FILE before joining (so the process is warm when
+the test lets it join); ``--delay S`` sleeps S seconds before each sync (paces the job so the
+test can act mid-epoch); ``--hang-at-step K`` stops forever before sending step K's gradients
+(the test then SIGKILLs it mid-iteration); ``--pause-at K1,K2 --pause-dir D`` waits before
+sending step K's gradients until ``D/release-K`` exists (the job is then frozen
+mid-iteration). ``--history FILE`` receives the iterations this learner completed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_digits_example():
+    spec = importlib.util.spec_from_file_location(
+        "digits_train", REPO / "examples" / "digits" / "train.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--history", required=True)
+    parser.add_argument("--gate")
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--hang-at-step", type=int, default=-1)
+    parser.add_argument("--pause-at", default="")
+    parser.add_argument("--pause-dir", default=".")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+
+    from shoal.learner import (
+        ElasticTrainer,
+        create_backend,
+        grpc_backend,  # noqa: F401 - registers the "grpc" backend
+    )
+
+    digits = load_digits_example()
+    torch.manual_seed(args.seed)
+    model = digits.build_model()
+    backend = create_backend("grpc")
+    sync = backend.sync
+    pauses = {int(k) for k in args.pause_at.split(",") if k}
+
+    def paced_sync(assignment, contribution, *, lr=None):
+        if assignment.step == args.hang_at_step:
+            print(f"HANGING at step {assignment.step}", flush=True)
+            while True:
+                time.sleep(60)
+        if assignment.step in pauses:
+            pauses.discard(assignment.step)
+            print(f"PAUSED at step {assignment.step}", flush=True)
+            release = Path(args.pause_dir) / f"release-{assignment.step}"
+            while not release.exists():
+                time.sleep(0.01)
+        if args.delay:
+            time.sleep(args.delay)
+        return sync(assignment, contribution, lr=lr)
+
+    backend.sync = paced_sync  # type: ignore[method-assign]
+    trainer = ElasticTrainer(
+        model,
+        digits.get_datasets,
+        nn.CrossEntropyLoss(),
+        ("SGD", {"lr": args.lr, "momentum": args.momentum}),
+        seed=args.seed,
+        backend=backend,
+        device="cpu",
+    )
+    if args.gate:  # everything is imported and built: joining is all that is left
+        print("READY", flush=True)
+        while not Path(args.gate).exists():
+            time.sleep(0.01)
+    try:
+        result = trainer.train(epochs=args.epochs, batch_size=args.batch_size)
+    finally:
+        backend.close()
+    history = [
+        {
+            "step": r.step,
+            "epoch": r.epoch,
+            "iteration": r.iteration,
+            "generation": r.generation,
+            "rank": r.rank,
+            "world_size": r.world_size,
+            "batch_size": r.batch_size,
+            "n_samples": r.n_samples,
+            "loss": r.loss,
+        }
+        for r in result.history
+    ]
+    Path(args.history).write_text(
+        json.dumps({"retired": result.retired, "completed": result.completed, "history": history})
+    )
+    print("LEARNER DONE", "retired" if result.retired else "completed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
