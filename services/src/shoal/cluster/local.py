@@ -1,0 +1,362 @@
+"""The embedded local cluster: etcd, resource-manager and job-scheduler (leader + standby each),
+S parameter-sync shards and N host agents with simulated GPUs, all as real processes on
+loopback, for development, demos and end-to-end tests.
+
+    with LocalCluster(ClusterSpec(state_dir=Path(".shoal"))) as cluster:
+        client = Client(cluster.client_config())
+
+Every process logs to ``<state_dir>/logs/<name>.log``. Credentials are generated into
+``<state_dir>/tokens`` (mode 0600): a user token for you, a service token for the services, an
+admin token. ``<state_dir>/cluster.json`` is the client config file the CLI picks up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shoal.runtime.auth import Role, new_token, write_tokens_file
+from shoal.runtime.errors import InvalidField
+from shoal.runtime.etcd_server import EtcdServer
+from shoal.runtime.procs import die_with_parent
+
+SERVICE_NAMES = {
+    "resource-manager": "shoal.v1.ResourceManagerService",
+    "job-scheduler": "shoal.v1.JobSchedulerService",
+    "parameter-sync": "shoal.v1.ParameterSyncService",
+    "host-agent": "shoal.v1.HostAgentService",
+}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to start. Validated: bad values raise InvalidField naming the field."""
+
+    state_dir: Path
+    hosts: int = 2
+    gpus_per_host: int = 4
+    shards: int = 2
+    replicas: int = 2  # of resource-manager and job-scheduler (leader + standby)
+    heartbeat_interval_s: float = 0.5
+    host_lost_after_s: float = 3.0
+    election_ttl_s: float = 3.0
+    policy: str = "PRIORITY"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, low, high in (
+            ("hosts", 1, 64),
+            ("gpus_per_host", 1, 16),
+            ("shards", 1, 16),
+            ("replicas", 1, 3),
+        ):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise InvalidField(name, value, f"must be in {low}..{high}")
+        if self.policy not in ("FIFO", "FAIRSHARE", "PRIORITY"):
+            raise InvalidField("policy", self.policy, "must be FIFO, FAIRSHARE or PRIORITY")
+
+    @property
+    def capacity(self) -> int:
+        return self.hosts * self.gpus_per_host
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    kind: str
+    address: str
+    args: list[str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.state_dir = spec.state_dir.resolve()
+        self.logs = self.state_dir / "logs"
+        self.storage = self.state_dir / "storage"
+        self.etcd: EtcdServer | None = None
+        self.services: dict[str, ServiceProcess] = {}
+        self.tokens: dict[str, str] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 90.0) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.storage.mkdir(parents=True, exist_ok=True)
+        self.tokens = {"user": new_token(), "service": new_token(), "admin": new_token()}
+        write_tokens_file(
+            self.state_dir / "tokens",
+            [
+                (self.tokens["user"], os.environ.get("USER", "you") or "you", Role.USER),
+                (self.tokens["service"], "shoal-services", Role.SERVICE),
+                (self.tokens["admin"], "admin", Role.ADMIN),
+            ],
+        )
+        (self.state_dir / "service-token").write_text(self.tokens["service"])
+        (self.state_dir / "service-token").chmod(0o600)
+        try:
+            self.etcd = EtcdServer(
+                data_dir=self.state_dir / "etcd", log_dir=self.logs, unsafe_no_fsync=True
+            )
+            self.etcd.start()
+            self._plan()
+            order = ("resource-manager", "parameter-sync", "job-scheduler", "host-agent")
+            for kind in order:
+                for svc in self.services.values():
+                    if svc.kind == kind:
+                        self._spawn(svc)
+                for svc in self.services.values():
+                    if svc.kind == kind:
+                        self.wait_healthy(svc, timeout=timeout)
+            self.write_client_config(self.state_dir / "cluster.json")
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every service (agents first, so learners stop), then etcd; nothing is left."""
+        order = ("host-agent", "job-scheduler", "parameter-sync", "resource-manager")
+        for kind in order:
+            procs = [s for s in self.services.values() if s.kind == kind and s.alive()]
+            for svc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    svc.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            deadline = time.monotonic() + grace
+            for svc in procs:
+                try:
+                    svc.proc.wait(timeout=max(0.1, deadline - time.monotonic()))  # type: ignore[union-attr]
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(svc.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+                    svc.proc.wait(timeout=10)  # type: ignore[union-attr]
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def _common(self, svc_name: str, address: str) -> list[str]:
+        assert self.etcd is not None
+        return [
+            "--listen",
+            address,
+            "--advertise",
+            address,
+            "--etcd",
+            ",".join(self.etcd.endpoints),
+            "--tokens-file",
+            str(self.state_dir / "tokens"),
+            "--service-token",
+            "@" + str(self.state_dir / "service-token"),
+        ]
+
+    def addresses(self, kind: str) -> list[str]:
+        return [s.address for s in self.services.values() if s.kind == kind]
+
+    def _plan(self) -> None:
+        spec = self.spec
+
+        def add(name: str, kind: str, extra: list[str]) -> None:
+            address = f"127.0.0.1:{free_port()}"
+            self.services[name] = ServiceProcess(
+                name,
+                kind,
+                address,
+                [kind, *self._common(name, address), *extra],
+                self.logs / f"{name}.log",
+            )
+
+        for i in range(spec.replicas):
+            add(f"resource-manager-{i}", "resource-manager", [])
+        for i in range(spec.shards):
+            add(f"parameter-sync-{i}", "parameter-sync", [])
+        for i in range(spec.replicas):
+            add(f"job-scheduler-{i}", "job-scheduler", [])
+        for i in range(spec.hosts):
+            add(f"host-{i + 1}", "host-agent", [])
+        rms = ",".join(self.addresses("resource-manager"))
+        shards = ",".join(self.addresses("parameter-sync"))
+        schedulers = ",".join(self.addresses("job-scheduler"))
+        storage = self.storage.as_uri()
+        for svc in self.services.values():
+            svc.args += service_flags(
+                svc,
+                spec,
+                rms=rms,
+                shards=shards,
+                schedulers=schedulers,
+                storage=storage,
+                work_dir=self.state_dir / "hosts",
+            )
+
+    def _spawn(self, svc: ServiceProcess) -> None:
+        env = {
+            **os.environ,
+            **self.spec.extra_env,
+            "PYTHONUNBUFFERED": "1",
+            "SHOAL_LOG_LEVEL": os.environ.get("SHOAL_LOG_LEVEL", "INFO"),
+        }
+        log = svc.log.open("ab")
+        svc.proc = subprocess.Popen(
+            die_with_parent([sys.executable, "-m", "shoal.runtime.main", *svc.args]),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        log.close()
+
+    def wait_healthy(self, svc: ServiceProcess, timeout: float = 60.0) -> None:
+        """Wait until the process answers health checks (a standby answers too)."""
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(svc.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if not svc.alive():
+                    raise RuntimeError(f"{svc.name} exited: see {svc.log}\n{tail(svc.log)}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{svc.name} not healthy after {timeout} s: see {svc.log}")
+                time.sleep(0.1)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Chaos: signal one service process (its learners, for an agent, die with it)."""
+        svc = self.services[name]
+        if svc.alive():
+            os.kill(svc.pid, sig)  # type: ignore[arg-type]
+            if sig == signal.SIGKILL:
+                svc.proc.wait(timeout=10)  # type: ignore[union-attr]
+
+    def restart(self, name: str, timeout: float = 60.0) -> None:
+        svc = self.services[name]
+        if svc.alive():
+            self.kill(name)
+        self._spawn(svc)
+        self.wait_healthy(svc, timeout=timeout)
+
+    # -- client side -------------------------------------------------------------------------
+
+    def client_config_dict(self, role: str = "user") -> dict[str, object]:
+        return {
+            "scheduler": self.addresses("job-scheduler"),
+            "resource_manager": self.addresses("resource-manager"),
+            "token": self.tokens[role],
+            "state_dir": str(self.state_dir),
+            "pids": {n: s.pid for n, s in self.services.items()},
+            "etcd": self.etcd.endpoints if self.etcd else [],
+        }
+
+    def client_config(self, role: str = "user"):  # type: ignore[no-untyped-def]
+        from shoal.client import ClientConfig
+
+        return ClientConfig(
+            scheduler=tuple(self.addresses("job-scheduler")),
+            resource_manager=tuple(self.addresses("resource-manager")),
+            token=self.tokens[role],
+            source=str(self.state_dir / "cluster.json"),
+        )
+
+    def write_client_config(self, path: Path) -> None:
+        path.touch(mode=0o600, exist_ok=True)
+        path.chmod(0o600)
+        path.write_text(json.dumps(self.client_config_dict(), indent=2) + "\n")
+
+
+def service_flags(
+    svc: ServiceProcess,
+    spec: ClusterSpec,
+    *,
+    rms: str,
+    shards: str,
+    schedulers: str,
+    storage: str,
+    work_dir: Path,
+) -> list[str]:
+    """The service-specific flags of each process of the local cluster."""
+    if svc.kind == "resource-manager":
+        return [
+            "--heartbeat-interval",
+            str(spec.heartbeat_interval_s),
+            "--host-lost-after",
+            str(spec.host_lost_after_s),
+            "--election-ttl",
+            str(spec.election_ttl_s),
+        ]
+    if svc.kind == "parameter-sync":
+        index = svc.name.rsplit("-", 1)[1]
+        return ["--shard-index", index, "--storage-uri", storage]
+    if svc.kind == "job-scheduler":
+        return [
+            "--resource-managers",
+            rms,
+            "--sync-shards",
+            shards,
+            "--storage-uri",
+            storage,
+            "--policy",
+            spec.policy,
+            "--election-ttl",
+            str(spec.election_ttl_s),
+        ]
+    if svc.kind == "host-agent":
+        return [
+            "--host-id",
+            svc.name,
+            "--resource-managers",
+            rms,
+            "--schedulers",
+            schedulers,
+            "--simulate-gpus",
+            str(spec.gpus_per_host),
+            "--work-dir",
+            str(work_dir / svc.name),
+        ]
+    raise ValueError(svc.kind)
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

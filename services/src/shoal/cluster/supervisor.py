@@ -1,0 +1,61 @@
+"""The process behind ``shoal cluster up``: starts a LocalCluster, records it in
+``<state_dir>/cluster.json``, and keeps it until SIGTERM/SIGINT (``shoal cluster down``), then
+stops every process it started. If the supervisor itself is killed, its children die with it
+(PR_SET_PDEATHSIG), so a local cluster never leaves processes behind."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from shoal.cluster.local import ClusterSpec, LocalCluster
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shoal-cluster-supervisor")
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--gpus-per-host", type=int, default=4)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--policy", default="PRIORITY")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    spec = ClusterSpec(
+        state_dir=ns.state_dir,
+        hosts=ns.hosts,
+        gpus_per_host=ns.gpus_per_host,
+        shards=ns.shards,
+        replicas=ns.replicas,
+        policy=ns.policy,
+    )
+    cluster = LocalCluster(spec)
+    state_file = cluster.state_dir / "cluster.json"
+    try:
+        cluster.start()
+        data = cluster.client_config_dict()
+        data["supervisor_pid"] = os.getpid()
+        state_file.write_text(json.dumps(data, indent=2) + "\n")
+        logging.info("cluster up: %s", json.dumps(data["pids"]))
+        while not stop.wait(1.0):
+            dead = [n for n, s in cluster.services.items() if not s.alive()]
+            if dead:
+                logging.warning("processes exited: %s (see their logs)", ", ".join(dead))
+    finally:
+        cluster.stop()
+        state_file.unlink(missing_ok=True)
+        logging.info("cluster down")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
