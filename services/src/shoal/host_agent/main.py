@@ -35,7 +35,7 @@ from pathlib import Path
 from shoal.host_agent.devices import make_device_source
 from shoal.host_agent.service import ERRORS, HostAgent, HostAgentConfig, bindings
 from shoal.runtime import telemetry
-from shoal.runtime.config import add_server_flags, server_config_from_args
+from shoal.runtime.config import add_server_flags, parse_number, server_config_from_args
 from shoal.runtime.errors import InvalidField
 from shoal.runtime.server import create_server, run_until_signalled
 
@@ -97,13 +97,6 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
-def _number(field_name: str, text: str, kind: type[int] | type[float]) -> float:
-    try:
-        return kind(text)
-    except (TypeError, ValueError):
-        raise InvalidField(field_name, text, f"must be {kind.__name__}") from None
-
-
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in text.split(",") if a.strip())
 
@@ -121,7 +114,7 @@ def parse_config(
         labels[key] = value
     simulate = None
     if ns.simulate_gpus not in (None, ""):
-        simulate = int(_number("simulate_gpus", ns.simulate_gpus, int))
+        simulate = int(parse_number("simulate_gpus", ns.simulate_gpus, int))
     work_dir = ns.work_dir or str(Path(tempfile.gettempdir()) / f"shoal-host-agent-{ns.host_id}")
     return HostAgentConfig(
         server=server_config_from_args(NAME, ns),
@@ -131,8 +124,8 @@ def parse_config(
         schedulers=_addresses(ns.schedulers),
         artifact_dir=ns.artifact_dir or None,
         simulate_gpus=simulate,
-        stop_grace_s=_number("stop_grace", ns.stop_grace, float),
-        retain_exited_s=_number("retain_exited", ns.retain_exited, float),
+        stop_grace_s=parse_number("stop_grace", ns.stop_grace, float),
+        retain_exited_s=parse_number("retain_exited", ns.retain_exited, float),
         labels=labels,
         resource_group=ns.resource_group,
     )

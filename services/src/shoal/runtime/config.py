@@ -113,7 +113,8 @@ def add_server_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
     g.add_argument("--tls-ca", default=env.get("SHOAL_TLS_CA"))
 
 
-def _number(field_name: str, text: str, kind: type[int] | type[float]) -> int | float:
+def parse_number(field_name: str, text: str, kind: type[int] | type[float]) -> int | float:
+    """``kind(text)``, or InvalidField naming the field and the value."""
     try:
         return kind(text)
     except (TypeError, ValueError):
@@ -138,8 +139,8 @@ def server_config_from_args(service_name: str, ns: argparse.Namespace) -> Server
         service_token=service_token,
         allow_no_auth=ns.insecure_no_auth,
         etcd_endpoints=tuple(e.strip() for e in ns.etcd.split(",") if e.strip()),
-        max_message_bytes=int(_number("max_message_mb", ns.max_message_mb, float) * MiB),
-        shutdown_grace_s=float(_number("shutdown_grace_s", ns.shutdown_grace, float)),
+        max_message_bytes=int(parse_number("max_message_mb", ns.max_message_mb, float) * MiB),
+        shutdown_grace_s=float(parse_number("shutdown_grace_s", ns.shutdown_grace, float)),
         tls=tls,
     )
 

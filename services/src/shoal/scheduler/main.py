@@ -49,6 +49,7 @@ from shoal.runtime.config import (
     ServerConfig,
     add_server_flags,
     parse_host_port,
+    parse_number,
     server_config_from_args,
 )
 from shoal.runtime.election import LeaderElection
@@ -166,15 +167,6 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
-def _number(name: str, text: str, kind: type[int] | type[float]) -> int | float:
-    try:
-        return kind(text)
-    except (TypeError, ValueError):
-        raise InvalidField(
-            name, text, f"must be {'an integer' if kind is int else 'a number'}"
-        ) from None
-
-
 def _policy(text: str) -> Policy:
     try:
         return Policy(text.strip().lower())
@@ -201,17 +193,19 @@ def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         sync_shards=_addresses(ns.sync_shards),
         storage_uri=ns.storage_uri,
         policy=_policy(ns.policy),
-        hold_time_s=float(_number("hold_time_s", ns.hold_time, float)),
-        resync_interval_s=float(_number("resync_interval_s", ns.resync_interval, float)),
-        election_ttl_s=float(_number("election_ttl_s", ns.election_ttl, float)),
-        max_artifact_bytes=int(_number("max_artifact_mb", ns.max_artifact_mb, float) * MiB),
-        max_user_priority=int(_number("max_user_priority", ns.max_user_priority, int)),
-        history_limit=int(_number("history_limit", ns.history_limit, int)),
-        max_learner_failures=int(_number("max_learner_failures", ns.max_learner_failures, int)),
-        stop_grace_s=float(_number("stop_grace_s", ns.stop_grace, float)),
-        retire_timeout_s=float(_number("retire_timeout_s", ns.retire_timeout, float)),
-        finish_grace_s=float(_number("finish_grace_s", ns.finish_grace, float)),
-        call_timeout_s=float(_number("call_timeout_s", ns.call_timeout, float)),
+        hold_time_s=float(parse_number("hold_time_s", ns.hold_time, float)),
+        resync_interval_s=float(parse_number("resync_interval_s", ns.resync_interval, float)),
+        election_ttl_s=float(parse_number("election_ttl_s", ns.election_ttl, float)),
+        max_artifact_bytes=int(parse_number("max_artifact_mb", ns.max_artifact_mb, float) * MiB),
+        max_user_priority=int(parse_number("max_user_priority", ns.max_user_priority, int)),
+        history_limit=int(parse_number("history_limit", ns.history_limit, int)),
+        max_learner_failures=int(
+            parse_number("max_learner_failures", ns.max_learner_failures, int)
+        ),
+        stop_grace_s=float(parse_number("stop_grace_s", ns.stop_grace, float)),
+        retire_timeout_s=float(parse_number("retire_timeout_s", ns.retire_timeout, float)),
+        finish_grace_s=float(parse_number("finish_grace_s", ns.finish_grace, float)),
+        call_timeout_s=float(parse_number("call_timeout_s", ns.call_timeout, float)),
         learner_token=_secret(ns.learner_token) or server.service_token,
     )
 
