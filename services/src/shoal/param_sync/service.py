@@ -85,7 +85,6 @@ __all__ = [
     "ParameterSyncServicer",
     "ShardOptions",
     "add_servicer",
-    "sync_stub_methods",
 ]
 
 log = logging.getLogger(__name__)
@@ -187,28 +186,6 @@ def add_servicer(servicer: object, server: aio.Server) -> None:
     generic = grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
     server.add_generic_rpc_handlers((generic,))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
-
-
-def sync_stub_methods(channel: aio.Channel) -> dict[str, Any]:
-    """Client-side multi-callables of the tensor streams with the hand codec."""
-    path = f"/{SERVICE_NAME}/"
-    return {
-        "InitializeParameters": channel.stream_unary(
-            path + "InitializeParameters",
-            request_serializer=serialize,
-            response_deserializer=ps_pb2.InitializeParametersResponse.FromString,
-        ),
-        "SyncStep": channel.stream_stream(
-            path + "SyncStep",
-            request_serializer=serialize,
-            response_deserializer=frame_decoder(ps_pb2.SyncStepResponse),
-        ),
-        "PullParameters": channel.unary_stream(
-            path + "PullParameters",
-            request_serializer=ps_pb2.PullParametersRequest.SerializeToString,
-            response_deserializer=frame_decoder(ps_pb2.PullParametersResponse),
-        ),
-    }
 
 
 def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
