@@ -353,3 +353,159 @@ def test_no_sample_is_skipped_or_repeated_whatever_the_membership_changes():
         start_, stop = i * batch, min((i + 1) * batch, n)
         positions = sorted(p for a, b in ranges for p in range(a, b))
         assert positions == list(range(start_, stop)), (k, ranges)
+
+
+# --------------------------------------------------------------------------------------------
+# Collective mode: the learners vote, hold the state and write the checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def collective(*learners: str, **kwargs) -> Coordinator:
+    coord = make(**kwargs)
+    coord.set_mode(True)
+    for learner in learners:
+        coord.join(learner)
+    return coord
+
+
+def run_all(coord: Coordinator, *learners: str) -> dict[str, object]:
+    """Every learner asks its boundary (the rendezvous barrier lets them all through once
+    the last has asked); returns their decisions."""
+    out = {learner: coord.decide(learner) for learner in learners}
+    return {learner: coord.decide(learner) for learner in learners} | {
+        k: v for k, v in out.items() if v.action is not Action.WAIT
+    }
+
+
+def vote(coord: Coordinator, *learners: str) -> None:
+    g, k = coord.generation, coord.completed
+    for learner in learners:
+        coord.report(learner, g, k, 1.0, 2)
+
+
+def test_collective_mode_is_fixed_by_the_first_join():
+    coord = collective("a")
+    with pytest.raises(InvalidField, match="sync_mode"):
+        coord.set_mode(False)
+    coord.set_mode(True)  # the same mode again is fine
+
+
+def test_collective_barrier_then_votes_commit_without_any_shard_task():
+    coord = collective("a", "b")
+    first = coord.decide("a")
+    assert first.action is Action.WAIT  # b has not reached the boundary of generation 1
+    decisions = run_all(coord, "a", "b")
+    assert {d.action for d in decisions.values()} == {Action.RUN}
+    assert decisions["b"].pull and not decisions["a"].pull
+    vote(coord, "a")
+    assert coord.completed == 0 and coord.decide("a").action is Action.WAIT  # voted: waits
+    vote(coord, "b")
+    assert coord.completed == 1 and coord.holds == ()  # no shard to tell
+    assert coord.synced == {"a", "b"}
+    assert coord.decide("a").assignment.global_iteration == 1
+
+
+def test_collective_failure_aborts_and_re_forms_the_same_members():
+    coord = collective("a", "b")
+    run_all(coord, "a", "b")
+    g = coord.generation
+    vote(coord, "a")
+    assert coord.fail("b", g)
+    assert coord.generation == g + 1 and coord.members == ["a", "b"] and coord.completed == 0
+    assert not coord.fail("b", g)  # a stale report changes nothing
+    assert coord.decide("a").action is Action.WAIT  # the new group's barrier
+    d = coord.decide("b")
+    assert d.action is Action.RUN and d.assignment.global_iteration == 0
+    assert d.assignment.generation == g + 1
+
+
+def test_collective_eviction_mid_iteration_re_freezes_the_survivors():
+    coord = collective("a", "b", "c")
+    run_all(coord, "a", "b", "c")
+    aborted, task = coord.evict("c")
+    assert (aborted, task) == (0, None) and coord.members == ["a", "b"]
+    decisions = run_all(coord, "a", "b")
+    assert decisions["a"].assignment.world_size == 2
+
+
+def test_collective_checkpoints_are_written_by_a_learner_holding_the_state():
+    coord = collective("a", "b", n=8, batch=4, epochs=2, every=1)
+    run_all(coord, "a", "b")
+    vote(coord, "a", "b")
+    run_all(coord, "a", "b")
+    vote(coord, "a", "b")  # epoch 0 done: a checkpoint at the next freeze
+    d = coord.decide("b")
+    assert d.action is Action.CHECKPOINT and d.checkpoint == CheckpointTask(2, 1)
+    assert coord.decide("a").action is Action.WAIT  # one writer
+    assert not coord.checkpoint_file_written("a", 2)  # not the writer
+    assert coord.checkpoint_file_written("b", 2)
+    assert coord.decide("b").action is Action.WAIT  # written: waits for the manifest
+    coord.task_done(d.checkpoint)
+    assert coord.last_checkpoint == 2
+    decisions = run_all(coord, "a", "b")
+    assert decisions["a"].assignment.global_iteration == 2
+
+
+def test_collective_writer_that_dies_is_replaced():
+    coord = collective("a", "b", n=8, batch=4, epochs=1)
+    for _ in range(2):
+        run_all(coord, "a", "b")
+        vote(coord, "a", "b")
+    d = coord.decide("a")  # the job is done: the final checkpoint
+    assert d.action is Action.CHECKPOINT and d.checkpoint.final
+    coord.evict("a")
+    d = coord.decide("b")
+    assert d.action is Action.CHECKPOINT and d.checkpoint.final
+    assert coord.checkpoint_file_written("b", 2)
+    coord.task_done(d.checkpoint)
+    assert coord.decide("b").action is Action.DONE
+
+
+def test_collective_last_holders_retiring_are_checkpointed_first():
+    coord = collective("a", n=40, batch=4, epochs=1)
+    run_all(coord, "a")
+    vote(coord, "a")  # one iteration done, no checkpoint yet
+    coord.retire(["a"])
+    coord.join("b")  # a joiner holds nothing
+    d = coord.decide("a")
+    assert d.action is Action.CHECKPOINT and d.checkpoint == CheckpointTask(1, 0)
+    assert coord.checkpoint_file_written("a", 1)
+    coord.task_done(d.checkpoint)
+    assert coord.decide("a").action is Action.RETIRE
+    d = coord.decide("b")
+    assert d.action is Action.RUN and d.restore == 1  # b restores from that checkpoint
+
+
+def test_collective_failed_checkpoint_is_not_taken_for_written():
+    coord = collective("a", n=40, batch=4, epochs=1)
+    run_all(coord, "a")
+    vote(coord, "a")
+    coord.retire(["a"])
+    d = coord.decide("a")
+    coord.task_done(d.checkpoint, ok=False)
+    assert coord.last_checkpoint == -1
+    assert coord.decide("a").action is Action.CHECKPOINT  # tried again, never lost
+
+
+def test_collective_rewinds_to_the_checkpoint_when_every_holder_died():
+    coord = collective("a", "b", n=8, batch=4, epochs=2, every=1)
+    for _ in range(2):
+        run_all(coord, "a", "b")
+        vote(coord, "a", "b")
+    d = coord.decide("a")
+    coord.checkpoint_file_written("a", 2)
+    coord.task_done(d.checkpoint)
+    run_all(coord, "a", "b")
+    vote(coord, "a", "b")  # 3 iterations done, the checkpoint holds 2
+    run_all(coord, "a", "b")
+    coord.join("c")
+    coord.evict("a")
+    assert coord.completed == 3 and coord.holds == ()  # b still holds the state
+    coord.evict("b")  # c, admitted in its place, holds nothing: back to the checkpoint
+    d = coord.decide("c")
+    assert d.action is Action.WAIT  # the rewind (records of iteration 2 dropped) first
+    (rewind,) = coord.holds
+    assert rewind.iteration == 2 and coord.completed == 2
+    coord.task_done(rewind)
+    d = coord.decide("c")
+    assert d.action is Action.RUN and d.restore == 2 and d.assignment.global_iteration == 2

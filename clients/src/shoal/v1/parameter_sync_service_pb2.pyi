@@ -35,6 +35,10 @@ class _BoundaryActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Bounda
     """Exit cleanly: the learner was retired."""
     BOUNDARY_ACTION_DONE: _BoundaryAction.ValueType  # 3
     """Exit cleanly: the job has finished all its epochs."""
+    BOUNDARY_ACTION_CHECKPOINT: _BoundaryAction.ValueType  # 4
+    """COLLECTIVE only: write this learner's state (after `completed_iterations` iterations)
+    as one shard file into `checkpoint_directory`, then report it with the next Boundary.
+    """
 
 class BoundaryAction(_BoundaryAction, metaclass=_BoundaryActionEnumTypeWrapper):
     """BoundaryAction tells a learner what to do next."""
@@ -47,6 +51,10 @@ BOUNDARY_ACTION_RETIRE: BoundaryAction.ValueType  # 2
 """Exit cleanly: the learner was retired."""
 BOUNDARY_ACTION_DONE: BoundaryAction.ValueType  # 3
 """Exit cleanly: the job has finished all its epochs."""
+BOUNDARY_ACTION_CHECKPOINT: BoundaryAction.ValueType  # 4
+"""COLLECTIVE only: write this learner's state (after `completed_iterations` iterations)
+as one shard file into `checkpoint_directory`, then report it with the next Boundary.
+"""
 Global___BoundaryAction: _TypeAlias = BoundaryAction  # noqa: Y015
 
 @_typing.final
@@ -339,12 +347,17 @@ class JoinRequest(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     OPTIMIZER_FIELD_NUMBER: _builtins.int
     DATASET_SIZE_FIELD_NUMBER: _builtins.int
+    SYNC_MODE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     learner_id: _builtins.str
     """The learner."""
     dataset_size: _builtins.int
     """The number of samples N of the training set."""
+    sync_mode: _job_pb2.SyncMode.ValueType
+    """How the learner synchronizes: PARAMETER_SERVER (also when unset) or COLLECTIVE. The
+    first Join fixes the job's mode; a Join in another mode is refused.
+    """
     @_builtins.property
     def layout(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]:
         """The model's parameters and buffers (offsets and nbytes describe one flat layout)."""
@@ -361,10 +374,11 @@ class JoinRequest(_message.Message):
         layout: _abc.Iterable[Global___TensorInfo] | None = ...,
         optimizer: Global___OptimizerSpec | None = ...,
         dataset_size: _builtins.int = ...,
+        sync_mode: _job_pb2.SyncMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset_size", b"dataset_size", "job_id", b"job_id", "layout", b"layout", "learner_id", b"learner_id", "optimizer", b"optimizer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset_size", b"dataset_size", "job_id", b"job_id", "layout", b"layout", "learner_id", b"learner_id", "optimizer", b"optimizer", "sync_mode", b"sync_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -381,6 +395,7 @@ class JoinResponse(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     EPOCHS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    RENDEZVOUS_ADDRESS_FIELD_NUMBER: _builtins.int
     initialize: _builtins.bool
     """True when this learner must upload the initial parameters (the job has none yet)."""
     batch_size: _builtins.int
@@ -389,6 +404,10 @@ class JoinResponse(_message.Message):
     """The job's number of epochs."""
     seed: _builtins.int
     """The seed of the data order."""
+    rendezvous_address: _builtins.str
+    """COLLECTIVE only: host:port of the coordinator-hosted torch.distributed TCPStore through
+    which each generation's process group rendezvouses.
+    """
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardSlice]:
         """Which tensors each shard holds."""
@@ -401,10 +420,11 @@ class JoinResponse(_message.Message):
         batch_size: _builtins.int = ...,
         epochs: _builtins.int = ...,
         seed: _builtins.int = ...,
+        rendezvous_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "epochs", b"epochs", "initialize", b"initialize", "seed", b"seed", "shards", b"shards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "epochs", b"epochs", "initialize", b"initialize", "rendezvous_address", b"rendezvous_address", "seed", b"seed", "shards", b"shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -517,6 +537,44 @@ class Assignment(_message.Message):
 Global___Assignment: _TypeAlias = Assignment  # noqa: Y015
 
 @_typing.final
+class CheckpointFile(_message.Message):
+    """CheckpointFile reports a shard file a learner wrote for a checkpoint (COLLECTIVE mode)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIRECTORY_FIELD_NUMBER: _builtins.int
+    FILE_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    directory: _builtins.str
+    """The checkpoint directory (as given in BoundaryResponse.checkpoint_directory)."""
+    file: _builtins.str
+    """The file's name inside the directory."""
+    size_bytes: _builtins.int
+    """The file's size in bytes."""
+    sha256: _builtins.str
+    """The file's sha256, hex."""
+    global_iteration: _builtins.int
+    """The iterations whose updates the file holds."""
+    def __init__(
+        self,
+        *,
+        directory: _builtins.str = ...,
+        file: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+        global_iteration: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["directory", b"directory", "file", b"file", "global_iteration", b"global_iteration", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointFile: _TypeAlias = CheckpointFile  # noqa: Y015
+
+@_typing.final
 class BoundaryRequest(_message.Message):
     """BoundaryRequest asks for the next assignment and reports the learner's last iteration."""
 
@@ -528,6 +586,8 @@ class BoundaryRequest(_message.Message):
     COMPLETED_ITERATION_FIELD_NUMBER: _builtins.int
     LOSS_SUM_FIELD_NUMBER: _builtins.int
     NUM_SAMPLES_FIELD_NUMBER: _builtins.int
+    ITERATION_FAILED_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FILE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     learner_id: _builtins.str
@@ -540,6 +600,14 @@ class BoundaryRequest(_message.Message):
     """The sum of the per-sample losses of the learner's share of that iteration."""
     num_samples: _builtins.int
     """The number of samples in the learner's share of that iteration."""
+    iteration_failed: _builtins.bool
+    """COLLECTIVE only: the collective of the learner's iteration in `generation` failed (a
+    peer died or timed out); the coordinator aborts the iteration and re-forms the group.
+    """
+    @_builtins.property
+    def checkpoint_file(self) -> Global___CheckpointFile:
+        """COLLECTIVE only: the shard file this learner wrote after a CHECKPOINT action."""
+
     def __init__(
         self,
         *,
@@ -549,10 +617,12 @@ class BoundaryRequest(_message.Message):
         completed_iteration: _builtins.int = ...,
         loss_sum: _builtins.float = ...,
         num_samples: _builtins.int = ...,
+        iteration_failed: _builtins.bool = ...,
+        checkpoint_file: Global___CheckpointFile | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_file", b"checkpoint_file"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iteration", b"completed_iteration", "generation", b"generation", "job_id", b"job_id", "learner_id", b"learner_id", "loss_sum", b"loss_sum", "num_samples", b"num_samples"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_file", b"checkpoint_file", "completed_iteration", b"completed_iteration", "generation", b"generation", "iteration_failed", b"iteration_failed", "job_id", b"job_id", "learner_id", b"learner_id", "loss_sum", b"loss_sum", "num_samples", b"num_samples"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -567,11 +637,21 @@ class BoundaryResponse(_message.Message):
     ACTION_FIELD_NUMBER: _builtins.int
     ASSIGNMENT_FIELD_NUMBER: _builtins.int
     PULL_PARAMETERS_FIELD_NUMBER: _builtins.int
+    COMPLETED_ITERATIONS_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_DIRECTORY_FIELD_NUMBER: _builtins.int
     action: Global___BoundaryAction.ValueType
     """What to do."""
     pull_parameters: _builtins.bool
     """True when the learner must pull parameters before running (it is new in the job, or
     the parameters were restored from a checkpoint).
+    """
+    completed_iterations: _builtins.int
+    """The iterations the job has committed so far (COLLECTIVE learners apply their pending
+    update only when their iteration is among them).
+    """
+    checkpoint_directory: _builtins.str
+    """COLLECTIVE only: for CHECKPOINT, where to write; for RUN with pull_parameters when no
+    member holds the job's state any more, the checkpoint to restore it from.
     """
     @_builtins.property
     def assignment(self) -> Global___Assignment:
@@ -583,10 +663,12 @@ class BoundaryResponse(_message.Message):
         action: Global___BoundaryAction.ValueType = ...,
         assignment: Global___Assignment | None = ...,
         pull_parameters: _builtins.bool = ...,
+        completed_iterations: _builtins.int = ...,
+        checkpoint_directory: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "assignment", b"assignment", "pull_parameters", b"pull_parameters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "assignment", b"assignment", "checkpoint_directory", b"checkpoint_directory", "completed_iterations", b"completed_iterations", "pull_parameters", b"pull_parameters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -18,6 +18,19 @@ The protocol (DESIGN.md, "The iteration protocol"):
 * While a side effect that must finish first is outstanding (a commit or abort being
   delivered, a checkpoint being written) every ``decide`` answers ``WAIT``: no learner starts
   an iteration before every shard is at the same state.
+
+Collective mode (the first ``Join`` fixes the mode, :meth:`Coordinator.set_mode`): the
+learners hold the state and all-reduce among themselves, so the commit votes come from them.
+
+* A member reports ``(g, k)`` with its next Boundary once its all-reduce of iteration ``k``
+  succeeded; when every member has, ``k`` commits (no shard is involved) and the learners apply
+  the update they kept pending. A member whose collective failed calls :meth:`fail`: ``k`` is
+  aborted and the survivors are re-frozen in a new generation (a new process group).
+* A new generation runs only once every member has reached its boundary in it
+  (the rendezvous barrier), so a group is never formed with a member that is not there.
+* Checkpoints are written by a learner that holds the state (``CHECKPOINT`` decisions); when
+  the last holders retire, the state is checkpointed first; when no member holds it any more
+  (every holder died), the job rewinds to its latest checkpoint (:class:`RewindTask`).
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ __all__ = [
     "JoinOutcome",
     "OptimizerConfig",
     "ResolveTask",
+    "RewindTask",
 ]
 
 
@@ -102,6 +116,7 @@ class Action(enum.Enum):
     RETIRE = "retire"
     DONE = "done"
     WAIT = "wait"
+    CHECKPOINT = "checkpoint"  # collective mode: write the checkpoint ``Decision.checkpoint``
 
 
 @dataclass(frozen=True)
@@ -109,6 +124,8 @@ class Decision:
     action: Action
     assignment: Assignment | None = None
     pull: bool = False
+    checkpoint: CheckpointTask | None = None  # for CHECKPOINT
+    restore: int | None = None  # collective RUN: no member holds the state; load this one
 
 
 WAIT = Decision(Action.WAIT)
@@ -140,7 +157,16 @@ class CheckpointTask:
     final: bool = False
 
 
-Task = ResolveTask | CheckpointTask
+@dataclass(frozen=True)
+class RewindTask:
+    """Collective mode: every learner holding the job's state is gone, so the job continues
+    from the checkpoint after ``iteration`` iterations; the records of later iterations are
+    dropped before anyone runs again."""
+
+    iteration: int
+
+
+Task = ResolveTask | CheckpointTask | RewindTask
 
 
 @dataclass
@@ -194,6 +220,14 @@ class Coordinator:
         self._iteration_started = 0.0
         self._last_commit_time: float | None = None
         self._paused = False
+        # Collective mode (None until the first Join says).
+        self.collective: bool | None = None
+        self._arrived: set[str] = set()  # members at the boundary of an unformed generation
+        self._formed = 0  # the last generation whose members all reached the boundary
+        self._votes: dict[str, tuple[float, int]] = {}  # members done with the iteration
+        self.checkpoint_writer: str | None = None
+        self._checkpoint_written = -1
+        self.restore_from: int | None = None
         # Loss and throughput.
         self._collecting: dict[int, _IterationInfo] = {}
         self._finished: list[dict[str, Any]] = []
@@ -312,13 +346,39 @@ class Coordinator:
     def job_id(self) -> str:
         return self.settings.job_id
 
+    def set_mode(self, collective: bool) -> None:
+        """Fix the job's mode at the first Join; a Join in the other mode is refused."""
+        if self.collective is None:
+            self.collective = collective
+            return
+        if self.collective != collective:
+            mine = "COLLECTIVE" if self.collective else "PARAMETER_SERVER"
+            theirs = "COLLECTIVE" if collective else "PARAMETER_SERVER"
+            raise InvalidField("sync_mode", theirs, f"differs from the job's ({mine})")
+
     # -- boundaries ---------------------------------------------------------------------------
 
     def report(
         self, learner: str, generation: int, completed_iteration: int, loss_sum: float, n: int
     ) -> None:
         """Record a learner's loss of ``completed_iteration`` (sent with its next Boundary).
-        Reports for iterations not being collected, from non-members or twice are ignored."""
+        Reports for iterations not being collected, from non-members or twice are ignored.
+
+        In collective mode a member's report of the running iteration is its commit vote."""
+        if (
+            self.collective
+            and self.running
+            and generation == self.generation
+            and completed_iteration == self.completed
+            and learner in self.members
+        ):
+            self._votes[learner] = (float(loss_sum), int(n))
+            if set(self.members) <= set(self._votes):
+                if any(isinstance(t, CheckpointTask) for t in self._holds):
+                    self._deferred_commit = True  # committed when the checkpoint is written
+                else:
+                    self._commit()
+            return
         info = self._collecting.get(completed_iteration)
         if info is None or info.generation != generation or learner not in info.expected:
             return
@@ -347,32 +407,79 @@ class Coordinator:
         if self.done:
             return Decision(Action.DONE)
         if self._holds or not self.initialized:
-            return WAIT
+            return self._writer_or_wait(learner)
         if not self.running:
             if self.completed >= self.total_iterations:
                 self._hold(CheckpointTask(self.completed, self.settings.epochs, final=True))
-                return WAIT
+                return self._writer_or_wait(learner)
             self._freeze()
             if learner in self.retired:
                 return Decision(Action.RETIRE)
             if self._holds or not self.running:
-                return WAIT
+                return self._writer_or_wait(learner)
         if learner in self.members:
+            if self.collective and learner in self._votes:
+                return WAIT  # it did its part of the running iteration: wait for the commit
+            if self.collective and self._formed != self.generation:
+                # The rendezvous barrier: the group forms once every member is here.
+                self._arrived.add(learner)
+                if not set(self.members) <= self._arrived:
+                    return WAIT
+                self._formed = self.generation
             pull = learner not in self.synced
-            self.synced.add(learner)  # it loads the current parameters before it runs
-            return Decision(Action.RUN, self._assignment(learner), pull=pull)
+            if not self.collective:
+                self.synced.add(learner)  # it loads the current parameters before it runs
+            # (Collective: it holds the state once an iteration of its group commits.)
+            return Decision(
+                Action.RUN,
+                self._assignment(learner),
+                pull=pull,
+                restore=self.restore_from if self.collective else None,
+            )
         return WAIT
+
+    def _writer_or_wait(self, learner: str) -> Decision:
+        """Collective mode: a checkpoint being held is written by the first learner holding
+        the state that asks (until it reports the file, or dies and another takes over)."""
+        if not self.collective or learner not in self.synced:
+            return WAIT
+        task = next((t for t in self._holds if isinstance(t, CheckpointTask)), None)
+        if task is None or self._checkpoint_written == task.iteration:
+            return WAIT
+        if self.checkpoint_writer not in (None, learner):
+            return WAIT
+        self.checkpoint_writer = learner
+        return Decision(Action.CHECKPOINT, checkpoint=task)
+
+    def checkpoint_file_written(self, learner: str, iteration: int) -> bool:
+        """Collective mode: ``learner`` wrote its file of the checkpoint after ``iteration``
+        iterations. Returns whether it is the file the held checkpoint waits for."""
+        task = next((t for t in self._holds if isinstance(t, CheckpointTask)), None)
+        if task is None or task.iteration != iteration or self.checkpoint_writer != learner:
+            return False
+        self._checkpoint_written = iteration
+        return True
 
     def _freeze(self) -> None:
         """Freeze the generation of iteration ``completed``."""
-        survivors = []
-        for m in self.members:
-            if m in self.retiring:
-                self.retiring.discard(m)
-                self.retired.add(m)
-            elif m not in self.evicted:
-                survivors.append(m)
+        survivors = [m for m in self.members if m not in self.retiring and m not in self.evicted]
+        leaving = [m for m in self.members if m in self.retiring]
+        if (
+            self.collective
+            and leaving
+            and not set(survivors) & self.synced
+            and self.completed > max(self.last_checkpoint, 0)
+        ):
+            # The leaving learners hold the only copy of the state: checkpoint it first.
+            ipe = self.iterations_per_epoch
+            self._hold(CheckpointTask(self.completed, self.completed // ipe if ipe else 0))
+            return
+        for m in leaving:
+            self.retiring.discard(m)
+            self.retired.add(m)
         self._admit(survivors)
+        if self.collective and self.members and not set(self.members) & self.synced:
+            self._rewind()
         c, ipe = self.completed, self.iterations_per_epoch
         every = self.settings.checkpoint_every
         if (
@@ -384,12 +491,26 @@ class Coordinator:
         ):
             self._hold(CheckpointTask(c, c // ipe))
 
-    def _admit(self, survivors: list[str]) -> None:
+    def _rewind(self) -> None:
+        """Collective mode: no member holds the state (its holders died). Continue from the
+        latest checkpoint (or from the start, with rank 0's fresh model, when there is
+        none)."""
+        target = max(self.last_checkpoint, 0)
+        self.restore_from = self.last_checkpoint if self.last_checkpoint >= 0 else None
+        if target != self.completed:
+            self._hold(RewindTask(target))
+            self._collecting = {k: v for k, v in self._collecting.items() if k < target}
+            self.completed = target
+            self.samples_processed = sum(self.batch_samples(k) for k in range(target))
+
+    def _admit(self, survivors: list[str], *, new_generation: bool = False) -> None:
         members = survivors + [j for j in self.ready if j not in self.evicted]
         self.ready = []
-        if members != self.members:
+        if members != self.members or new_generation:
             self.generation += 1
             self.members = members
+        self._arrived = set()
+        self._votes = {}
         self.running = bool(self.members)
         if not self.running:
             self._paused = True
@@ -456,6 +577,9 @@ class Coordinator:
             self.ready.remove(learner)
         if learner == self.initializer and not self.initialized:
             self.initializer = None
+        if learner == self.checkpoint_writer:
+            self.checkpoint_writer = None  # another holder of the state writes it
+        self.synced.discard(learner)
         for info in list(self._collecting.values()):
             if learner in info.expected and learner not in info.reports:
                 info.expected.discard(learner)
@@ -466,9 +590,28 @@ class Coordinator:
         k, g = self.completed, self.generation
         survivors = [m for m in self.members if m not in self.evicted]
         self._admit(survivors)
+        if self.collective:
+            if self.members and not set(self.members) & self.synced:
+                self._rewind()
+            return k, None  # no shard holds anything of the iteration
         task = ResolveTask(g, k, commit=False)
         self._hold(task)
         return k, task
+
+    def fail(self, learner: str, generation: int) -> bool:
+        """Collective mode: ``learner``'s collective in ``generation`` failed (a peer died or
+        timed out). Abort the running iteration and re-freeze the members in a new
+        generation, so that a new process group forms. Returns whether it aborted."""
+        if not (
+            self.collective
+            and self.running
+            and generation == self.generation
+            and learner in self.members
+        ):
+            return False
+        self._admit([m for m in self.members if m not in self.evicted], new_generation=True)
+        self._touch()
+        return True
 
     def membership(self, generation: int) -> tuple[tuple[str, ...], int]:
         """Members and iteration of ``generation`` (for shards validating contributions)."""
@@ -540,7 +683,13 @@ class Coordinator:
         self._deferred_commit = False
         self._touch()
         task = ResolveTask(g, k, commit=True)
-        self._hold(task)
+        if self.collective:
+            votes, self._votes = self._votes, {}
+            self.restore_from = None  # the members hold the state again
+            for member, (loss_sum, n) in votes.items():
+                self.report(member, g, k, loss_sum, n)
+        else:
+            self._hold(task)
         return task
 
     # -- side effects -------------------------------------------------------------------------
@@ -575,8 +724,10 @@ class Coordinator:
             self._holds.remove(task)
         follow: ResolveTask | None = None
         if isinstance(task, CheckpointTask):
-            self.last_checkpoint = task.iteration
-            if task.final:
+            self.checkpoint_writer = None
+            if ok or not self.collective:
+                self.last_checkpoint = task.iteration
+            if task.final and (ok or not self.collective):
                 self.done = True
             if self._deferred_commit and self.running:
                 follow = self._commit()

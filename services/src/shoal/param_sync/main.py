@@ -69,6 +69,7 @@ class ParamSyncConfig:
     storage_uri: str = ""
     chunk_bytes: int = 1 * MiB
     registration_ttl_s: float = 5.0
+    rendezvous_port: int = 0
 
     def __post_init__(self) -> None:
         if self.shard_index < 0:
@@ -109,6 +110,12 @@ def parse_config(
         default=env.get("SHOAL_REGISTRATION_TTL_S", "5"),
         help="seconds: lease TTL of the etcd registration (SHOAL_REGISTRATION_TTL_S)",
     )
+    g.add_argument(
+        "--rendezvous-port",
+        default=env.get("SHOAL_RENDEZVOUS_PORT", "0"),
+        help="TCP port of the torch.distributed store that collective-mode jobs coordinated "
+        "here rendezvous through; 0 picks a free port (SHOAL_RENDEZVOUS_PORT)",
+    )
     add_server_flags(parser, env)
     ns = parser.parse_args(argv)
     server = server_config_from_args("parameter-sync", ns)
@@ -116,6 +123,12 @@ def parse_config(
         index = int(ns.shard_index)
     except ValueError:
         raise InvalidField("shard_index", ns.shard_index, "must be an integer") from None
+    try:
+        rendezvous_port = int(ns.rendezvous_port)
+    except ValueError:
+        raise InvalidField("rendezvous_port", ns.rendezvous_port, "must be an integer") from None
+    if not 0 <= rendezvous_port <= 65535:
+        raise InvalidField("rendezvous_port", rendezvous_port, "must be in [0, 65535]")
     try:
         chunk = int(float(ns.chunk_mb) * MiB)
         ttl = float(ns.registration_ttl)
@@ -127,6 +140,7 @@ def parse_config(
         storage_uri=ns.storage_uri,
         chunk_bytes=chunk,
         registration_ttl_s=ttl,
+        rendezvous_port=rendezvous_port,
     )
 
 
@@ -176,6 +190,7 @@ async def serve(config: ParamSyncConfig) -> None:
             service_token=config.server.service_token,
             chunk_bytes=config.chunk_bytes,
             peer_message_bytes=config.server.max_message_bytes,
+            rendezvous_port=config.rendezvous_port,
         )
     )
     running = await create_server(

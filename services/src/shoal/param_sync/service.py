@@ -46,6 +46,7 @@ from shoal.param_sync.coordinator import (
     JobSettings,
     OptimizerConfig,
     ResolveTask,
+    RewindTask,
 )
 from shoal.param_sync.shard import (
     Contribution,
@@ -129,6 +130,7 @@ class ShardOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_bundle_bytes: int = 16 * 1024 * 1024 * 1024
     peer_message_bytes: int = 64 * 1024 * 1024
+    rendezvous_port: int = 0  # of the collective-mode store (0: a free port)
 
 
 # ------------------------------------------------------------------------------------------
@@ -219,6 +221,8 @@ class _CoordinatedJob:
     task_results: dict[Any, asyncio.Future[Any]] = field(default_factory=dict)
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     tensorboard: Any = None
+    # Collective mode: checkpoint files reported by learners, by iteration.
+    checkpoint_files: dict[int, asyncio.Future[ps_pb2.CheckpointFile]] = field(default_factory=dict)
 
 
 @dataclass
@@ -248,6 +252,29 @@ class ParameterSyncServicer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-sync")
         self._channels: dict[str, tuple[aio.Channel, ps_grpc.ParameterSyncServiceStub]] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._rendezvous_store: Any = None  # torch.distributed.TCPStore, on first use
+
+    def _rendezvous(self, settings: JobSettings) -> str:
+        """host:port of the torch.distributed TCPStore this process hosts for the process
+        groups of its collective-mode jobs (started on first use; keys are prefixed by job
+        and generation, so jobs and generations never meet)."""
+        if self._rendezvous_store is None:
+            import datetime
+
+            import torch.distributed as dist
+
+            self._rendezvous_store = dist.TCPStore(
+                "0.0.0.0",
+                self.options.rendezvous_port,
+                is_master=True,
+                wait_for_workers=False,
+                multi_tenant=True,
+                timeout=datetime.timedelta(seconds=60),
+            )
+            log.info("collective rendezvous store on port %d", self._rendezvous_store.port)
+        me = settings.shard_addresses[self.options.shard_index]
+        host = me.rsplit(":", 1)[0]
+        return f"{host}:{self._rendezvous_store.port}"
 
     async def close(self) -> None:
         for channel, _ in self._channels.values():
@@ -498,11 +525,22 @@ class ParameterSyncServicer:
         optimizer = OptimizerConfig(
             request.optimizer.name, request.optimizer.hyperparameters_json or "{}"
         )
+        if request.sync_mode not in (
+            job_pb2.SYNC_MODE_UNSPECIFIED,
+            job_pb2.SYNC_MODE_PARAMETER_SERVER,
+            job_pb2.SYNC_MODE_COLLECTIVE,
+        ):
+            raise InvalidField(
+                "sync_mode", request.sync_mode, "must be PARAMETER_SERVER or COLLECTIVE"
+            )
+        collective = request.sync_mode == job_pb2.SYNC_MODE_COLLECTIVE
         async with job.configure_lock:
             sharding = coord.plan_sharding(layout, optimizer, request.dataset_size)
+            coord.set_mode(collective)
             if coord.layout is None:
                 build_optimizer(optimizer, [])  # refuse a bad optimizer before any state
-                await self._configure_all(coord.settings, layout, optimizer, sharding)
+                if not collective:  # in collective mode the learners hold the state
+                    await self._configure_all(coord.settings, layout, optimizer, sharding)
                 coord.fix_layout(layout, optimizer, request.dataset_size, sharding)
             async with job.cond:
                 initialize = coord.join(request.learner_id)
@@ -520,6 +558,7 @@ class ParameterSyncServicer:
             batch_size=s.batch_size,
             epochs=s.epochs,
             seed=s.seed,
+            rendezvous_address=self._rendezvous(s) if collective else "",
         )
 
     async def InitializeParameters(
@@ -553,7 +592,17 @@ class ParameterSyncServicer:
         job = self._job(request.job_id)
         coord = job.coord
         async with job.cond:
-            if request.completed_iteration >= 0:
+            if request.iteration_failed:
+                if coord.fail(request.learner_id, request.generation):
+                    log.warning(
+                        "job %s: learner %s's collective failed in generation %d; iteration "
+                        "%d aborted, the group re-forms",
+                        coord.job_id,
+                        request.learner_id,
+                        request.generation,
+                        coord.completed,
+                    )
+            elif request.completed_iteration >= 0:
                 coord.report(
                     request.learner_id,
                     request.generation,
@@ -561,6 +610,8 @@ class ParameterSyncServicer:
                     request.loss_sum,
                     request.num_samples,
                 )
+            if request.HasField("checkpoint_file"):
+                self._checkpoint_file(job, request.learner_id, request.checkpoint_file)
             while True:
                 decision = coord.decide(request.learner_id)
                 self._kick(job)
@@ -571,7 +622,20 @@ class ParameterSyncServicer:
                     break
                 await job.cond.wait()
         await self._flush_metrics(job)
-        response = ps_pb2.BoundaryResponse(pull_parameters=decision.pull)
+        response = ps_pb2.BoundaryResponse(
+            pull_parameters=decision.pull, completed_iterations=coord.completed
+        )
+        s = coord.settings
+        if decision.action is Action.CHECKPOINT:
+            assert decision.checkpoint is not None
+            response.action = ps_pb2.BOUNDARY_ACTION_CHECKPOINT
+            response.completed_iterations = decision.checkpoint.iteration
+            response.checkpoint_directory = self._checkpoint_directory(
+                s, decision.checkpoint.iteration
+            )
+            return response
+        if decision.restore is not None:
+            response.checkpoint_directory = self._checkpoint_directory(s, decision.restore)
         if decision.action is Action.RUN:
             a = decision.assignment
             assert a is not None
@@ -595,6 +659,38 @@ class ParameterSyncServicer:
             response.action = ps_pb2.BOUNDARY_ACTION_DONE
         return response
 
+    @staticmethod
+    def _checkpoint_directory(settings: JobSettings, iteration: int) -> str:
+        return ckpt.job_uri(
+            settings.storage_uri, settings.job_id, "checkpoints", ckpt.checkpoint_name(iteration)
+        )
+
+    def _checkpoint_file(
+        self, job: _CoordinatedJob, learner: str, report: ps_pb2.CheckpointFile
+    ) -> None:
+        """Collective mode: a learner wrote the shard file of the held checkpoint."""
+        coord = job.coord
+        expected = self._checkpoint_directory(coord.settings, report.global_iteration)
+        if report.directory != expected or report.file != shard_file_name(0) or not report.sha256:
+            raise InvalidField(
+                "checkpoint_file",
+                f"{report.directory}/{report.file}",
+                f"must be {shard_file_name(0)} in {expected}, with its sha256",
+            )
+        if not coord.checkpoint_file_written(learner, report.global_iteration):
+            log.warning(
+                "job %s: ignoring checkpoint file %s from %s (not the writer of a held checkpoint)",
+                coord.job_id,
+                report.file,
+                learner,
+            )
+            return
+        future = job.checkpoint_files.setdefault(
+            report.global_iteration, asyncio.get_running_loop().create_future()
+        )
+        if not future.done():
+            future.set_result(report)
+
     # -- side effects of the coordinator ------------------------------------------------------
 
     def _kick(self, job: _CoordinatedJob) -> None:
@@ -610,14 +706,27 @@ class ParameterSyncServicer:
             runner.add_done_callback(job.background.discard)
 
     async def _run_task(
-        self, job: _CoordinatedJob, task: ResolveTask | CheckpointTask, future: asyncio.Future[Any]
+        self,
+        job: _CoordinatedJob,
+        task: ResolveTask | CheckpointTask | RewindTask,
+        future: asyncio.Future[Any],
     ) -> None:
         ok, result = True, None
         try:
             if isinstance(task, ResolveTask):
                 await self._resolve_everywhere(job.coord, task)
+            elif isinstance(task, RewindTask):
+                s, ipe = job.coord.settings, job.coord.iterations_per_epoch
+                log.warning(
+                    "job %s: no learner holds the state any more; continuing from iteration %d",
+                    s.job_id,
+                    task.iteration,
+                )
+                await asyncio.to_thread(
+                    self._truncate_metrics, s, task.iteration, task.iteration // ipe
+                )
             else:
-                result = await self._checkpoint(job.coord, task)
+                result = await self._checkpoint(job, task)
         except Exception as exc:
             ok = False
             log.error("job %s: %s failed: %s", job.coord.job_id, task, exc, exc_info=exc)
@@ -652,21 +761,37 @@ class ParameterSyncServicer:
         if errors:
             raise errors[0]
 
-    async def _checkpoint(self, coord: Coordinator, task: CheckpointTask) -> tuple[str, int]:
+    async def _checkpoint(self, job: _CoordinatedJob, task: CheckpointTask) -> tuple[str, int]:
+        coord = job.coord
         s = coord.settings
-        directory = ckpt.job_uri(
-            s.storage_uri, s.job_id, "checkpoints", ckpt.checkpoint_name(task.iteration)
-        )
+        directory = self._checkpoint_directory(s, task.iteration)
         manifest = await asyncio.to_thread(ckpt.read_manifest, directory)
         if manifest is None:
-            active = self._active(coord)
-            request = ps_pb2.SaveShardRequest(
-                job_id=s.job_id, directory=directory, global_iteration=task.iteration
-            )
-            saved = await asyncio.gather(
-                *(self._call_shard(s, i, "SaveShard", request) for i in active)
-            )
             assert coord.sharding is not None and coord.layout is not None
+            active = self._active(coord)
+            files: list[tuple[int, Any, list[str]]]
+            if coord.collective:
+                # A learner holding the state writes it as one shard file (the writer is
+                # chosen at the boundaries; it reports the file with its next Boundary).
+                waiting = job.checkpoint_files.setdefault(
+                    task.iteration, asyncio.get_running_loop().create_future()
+                )
+                try:
+                    report = await waiting
+                finally:
+                    job.checkpoint_files.pop(task.iteration, None)
+                files = [(0, report, [m.name for m in coord.layout])]
+            else:
+                request = ps_pb2.SaveShardRequest(
+                    job_id=s.job_id, directory=directory, global_iteration=task.iteration
+                )
+                saved = await asyncio.gather(
+                    *(self._call_shard(s, i, "SaveShard", request) for i in active)
+                )
+                files = [
+                    (i, r, list(coord.sharding.tensors[i]))
+                    for i, r in zip(active, saved, strict=True)
+                ]
             assert coord.optimizer is not None
             progress = coord.progress()
             progress.pop("update_time")
@@ -706,9 +831,9 @@ class ParameterSyncServicer:
                         "file": shard_file_name(i),
                         "size": r.size_bytes,
                         "sha256": r.sha256,
-                        "tensors": list(coord.sharding.tensors[i]),
+                        "tensors": names,
                     }
-                    for i, r in zip(active, saved, strict=True)
+                    for i, r, names in files
                 ],
                 "time": self._clock(),
             }
