@@ -181,7 +181,15 @@ class DataPlane:
     # -- learners -----------------------------------------------------------------------------
 
     def start_learner(
-        self, job_id: str, learner_id: str, *, epochs: int, batch: int, **hooks: Any
+        self,
+        job_id: str,
+        learner_id: str,
+        *,
+        epochs: int,
+        batch: int,
+        backend: str = "grpc",
+        env: dict[str, str] | None = None,
+        **hooks: Any,
     ) -> Proc:
         args = [
             sys.executable,
@@ -192,18 +200,21 @@ class DataPlane:
             str(batch),
             "--history",
             str(self.history_path(learner_id)),
+            "--backend",
+            backend,
         ]
         for name, value in hooks.items():
             args += [f"--{name.replace('_', '-')}", str(value)]
-        env = child_env(
+        child = child_env(
             SHOAL_JOB_ID=job_id,
             SHOAL_LEARNER_ID=learner_id,
             SHOAL_SYNC_ENDPOINTS=",".join(self.addresses),
             SHOAL_COORDINATOR=self.addresses[0],
             SHOAL_TOKEN=self.tokens["user"],
-            SHOAL_SYNC_BACKEND="grpc",
+            SHOAL_SYNC_BACKEND=backend,
+            **(env or {}),
         )
-        proc = Proc(args, self.tmp / f"{learner_id}.log", env)
+        proc = Proc(args, self.tmp / f"{learner_id}.log", child)
         self.learners.append(proc)
         return proc
 

@@ -1,13 +1,15 @@
 """A learner process for the data-plane tests: the digits MLP of examples/digits/train.py,
-trained with SGD by ElasticTrainer through the "grpc" backend (configured by the SHOAL_*
-environment, as a host-agent would start it).
+trained with SGD by ElasticTrainer through the "grpc" backend, or the "collective" one with
+``--backend collective`` (configured by the SHOAL_* environment, as a host-agent would start
+it).
 
 Test hooks (flags): ``--gate FILE`` waits for FILE before joining (so the process is warm when
 the test lets it join); ``--delay S`` sleeps S seconds before each sync (paces the job so the
 test can act mid-epoch); ``--hang-at-step K`` stops forever before sending step K's gradients
 (the test then SIGKILLs it mid-iteration); ``--pause-at K1,K2 --pause-dir D`` waits before
 sending step K's gradients until ``D/release-K`` exists (the job is then frozen
-mid-iteration). ``--history FILE`` receives the iterations this learner completed.
+mid-iteration). ``--history FILE`` receives the iterations this learner completed, its process
+id and (collective) the process groups it formed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,12 +52,15 @@ def main() -> int:
     parser.add_argument("--hang-at-step", type=int, default=-1)
     parser.add_argument("--pause-at", default="")
     parser.add_argument("--pause-dir", default=".")
+    parser.add_argument("--backend", default="grpc")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
 
     from shoal.learner import (
         ElasticTrainer,
+        collective,  # noqa: F401 - registers the "collective" backend
         create_backend,
         grpc_backend,  # noqa: F401 - registers the "grpc" backend
     )
@@ -62,7 +68,7 @@ def main() -> int:
     digits = load_digits_example()
     torch.manual_seed(args.seed)
     model = digits.build_model()
-    backend = create_backend("grpc")
+    backend = create_backend(args.backend)
     sync = backend.sync
     pauses = {int(k) for k in args.pause_at.split(",") if k}
 
@@ -89,7 +95,7 @@ def main() -> int:
         ("SGD", {"lr": args.lr, "momentum": args.momentum}),
         seed=args.seed,
         backend=backend,
-        device="cpu",
+        device=args.device,
     )
     if args.gate:  # everything is imported and built: joining is all that is left
         print("READY", flush=True)
@@ -114,7 +120,15 @@ def main() -> int:
         for r in result.history
     ]
     Path(args.history).write_text(
-        json.dumps({"retired": result.retired, "completed": result.completed, "history": history})
+        json.dumps(
+            {
+                "retired": result.retired,
+                "completed": result.completed,
+                "history": history,
+                "pid": os.getpid(),
+                "formations": getattr(backend, "formations", []),
+            }
+        )
     )
     print("LEARNER DONE", "retired" if result.retired else "completed", flush=True)
     return 0

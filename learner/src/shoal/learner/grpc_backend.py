@@ -66,6 +66,7 @@ from shoal.learner.transport import (
     serialize,
 )
 from shoal.v1 import (
+    job_pb2,
     parameter_sync_service_pb2 as ps_pb2,
     parameter_sync_service_pb2_grpc as ps_grpc,
 )
@@ -124,6 +125,9 @@ class GrpcBackend(SyncBackend):
     ``channel_options`` are extra gRPC channel options. ``retry_s`` bounds how long the
     control calls (Join, Boundary) retry while the coordinator is unreachable.
     """
+
+    #: The mode this backend joins a job in (the first Join fixes the job's).
+    SYNC_MODE: int = job_pb2.SYNC_MODE_PARAMETER_SERVER
 
     def __init__(
         self,
@@ -268,6 +272,7 @@ class GrpcBackend(SyncBackend):
                 hyperparameters_json=json.dumps(dict(setup.optimizer.kwargs), sort_keys=True),
             ),
             dataset_size=setup.plan.num_samples,
+            sync_mode=self.SYNC_MODE,  # type: ignore[arg-type]
         )
         reply = await self._control(self._coordinator_stub().Join, request)
         index = {m.name: j for j, m in enumerate(self._layout)}
@@ -326,8 +331,11 @@ class GrpcBackend(SyncBackend):
         return await self._control(self._coordinator_stub().Boundary, request)
 
     def next_assignment(self) -> Assignment | None:
+        return self._to_assignment(self._run(self._boundary()))
+
+    def _to_assignment(self, reply: ps_pb2.BoundaryResponse) -> Assignment | None:
+        """A RUN, RETIRE or DONE answer as the trainer's :class:`Assignment` (None: done)."""
         plan = self._require_plan()
-        reply = self._run(self._boundary())
         if reply.action == ps_pb2.BOUNDARY_ACTION_DONE:
             return None
         if reply.action == ps_pb2.BOUNDARY_ACTION_RETIRE:

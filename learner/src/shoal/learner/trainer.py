@@ -177,6 +177,12 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, b) for name, b in model.named_buffers() if name in keys]
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of the same memory (a backend may hand back the
+    model's own tensors, as the collective one does)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
 def compute_contribution(
     model: nn.Module,
     loss_fn: LossFn,
@@ -521,7 +527,7 @@ class ElasticTrainer:
                 f"has {len(model_params)} and {len(model_buffers)}"
             )
         for dst, src in zip([*model_params, *model_buffers], [*params, *buffers], strict=True):
-            if dst is not src:
+            if dst is not src and not _same_memory(dst, src):
                 # Blocking: a backend may reuse (e.g. pinned receive) buffers on its next call.
                 dst.copy_(src)
 

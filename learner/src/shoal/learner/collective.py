@@ -1,0 +1,678 @@
+"""The ``"collective"`` sync backend: learners all-reduce their gradients in a torch.distributed
+process group (NCCL when every member has a CUDA device, gloo otherwise) and each steps its own
+optimizer; the coordinator (on parameter-sync shard 0) still runs every boundary.
+
+Per learner (docs/data-plane.md, "Collective mode"):
+
+* :meth:`CollectiveBackend.initialize` joins the job in COLLECTIVE mode. The learner keeps the
+  model's own parameter tensors and an optimizer over them: there is no copy of the state
+  anywhere else, except in checkpoints.
+* :meth:`CollectiveBackend.next_assignment` asks the coordinator for the next iteration. When
+  the generation changed, the old group is torn down and a new one formed *in this process*:
+  rendezvous through the coordinator-hosted TCPStore under ``<job>/g<generation>/``, then the
+  members that do not hold the state (joiners) receive the parameters, buffers and optimizer
+  state by broadcast from the lowest rank that does. When no member holds it (every holder
+  died), rank 0 loads the checkpoint the coordinator names and broadcasts it.
+* :meth:`CollectiveBackend.sync` all-reduces ``n_i * g_i`` in buckets with the sample counts,
+  loss sums and buffers (so the result is exactly the parameter-server weighting,
+  :func:`~shoal.learner.backend.reduce_contributions`), then votes at the coordinator. The
+  update is applied only once the coordinator says the iteration committed (every member's
+  all-reduce succeeded); until then it is pending, so an abort needs no rollback of the
+  parameters or optimizer (the trainer restores the buffers the forward passes touched).
+* A collective that fails (a peer died: gloo sees the socket close at once; a peer hangs: the
+  explicit timeout, ``SHOAL_COLLECTIVE_TIMEOUT_S``, default 30 s) is reported; the coordinator
+  aborts the iteration and re-freezes the survivors in a new generation, which re-forms.
+* Checkpoints: a learner holding the state is asked (``CHECKPOINT``) to write it as one shard
+  file in the parameter-server checkpoint format; the coordinator writes the manifest, so
+  checkpoints of either mode restore in either mode.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import io
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from shoal.learner.backend import (
+    Assignment,
+    Contribution,
+    InitialState,
+    IterationAborted,
+    ModelState,
+    SyncResult,
+    TrainingPlan,
+    TrainingSetup,
+    register_backend,
+    registered_backends,
+)
+from shoal.learner.grpc_backend import GrpcBackend
+from shoal.learner.transport import TensorMeta, pack_layout
+from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
+
+__all__ = ["BACKEND_NAME", "CollectiveBackend"]
+
+log = logging.getLogger("shoal.learner.collective")
+
+BACKEND_NAME = "collective"
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # as DistributedDataParallel's default bucket_cap_mb
+CHECKPOINT_FILE = "shard-0.safetensors"  # the parameter-sync shard file name of index 0
+
+
+@dataclass
+class _Pending:
+    """The all-reduced update of iteration ``step``, applied once the iteration commits."""
+
+    step: int
+    grads: list[torch.Tensor | None]
+    buffers: list[torch.Tensor]
+    lr: float | None
+
+
+class CollectiveBackend(GrpcBackend):
+    """A learner of a job in collective mode (see the module docstring).
+
+    ``timeout_s`` bounds every collective and the rendezvous; ``bucket_bytes`` is the size of
+    the gradient buckets all-reduced concurrently.
+    """
+
+    SYNC_MODE = job_pb2.SYNC_MODE_COLLECTIVE
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if timeout_s is None:
+            raw = os.environ.get("SHOAL_COLLECTIVE_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
+            try:
+                timeout_s = float(raw)
+            except ValueError:
+                raise ValueError(f"SHOAL_COLLECTIVE_TIMEOUT_S ({raw!r}) is not a number") from None
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s ({timeout_s!r}) must be > 0")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes ({bucket_bytes!r}) must be >= 1")
+        self.timeout_s = timeout_s
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._bucket_bytes = bucket_bytes
+        self._rendezvous = ""
+        self._store: Any = None
+        self._pg: Any = None
+        self._pg_generation = 0
+        self.backend_name = ""  # "gloo" or "nccl" of the current group
+        self._params: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._device = torch.device("cpu")
+        self._state_step = -1  # the iterations whose updates the state holds (-1: none)
+        self._pending: _Pending | None = None
+        self._reply: ps_pb2.BoundaryResponse | None = None
+        self.formations: list[tuple[int, int, float]] = []  # (generation, world, seconds)
+
+    # -- initialize ---------------------------------------------------------------------------
+
+    def initialize(self, setup: TrainingSetup) -> InitialState:
+        if self._setup is not None:
+            raise RuntimeError("initialize() was already called on this backend")
+        self._setup = setup
+        metas = [
+            TensorMeta(s.name, s.dtype, tuple(s.shape), 0, s.nbytes, False)
+            for s in setup.param_specs
+        ] + [
+            TensorMeta(s.name, s.dtype, tuple(s.shape), 0, s.nbytes, True)
+            for s in setup.buffer_specs
+        ]
+        self._layout, _ = pack_layout(metas)
+        # The model's own tensors: the optimizer steps them in place.
+        self._params = [p.detach() for p in setup.params]
+        self._buffers = list(setup.buffers)
+        self._optimizer = setup.optimizer.create(self._params)
+        if self._params:
+            self._device = self._params[0].device
+        reply = self._run(self._join(setup))
+        if not reply.rendezvous_address:
+            raise RuntimeError(
+                f"coordinator {self.coordinator} gave no rendezvous address for job "
+                f"{self.job_id}: the job is not in collective mode"
+            )
+        self._rendezvous = reply.rendezvous_address
+        plan = setup.plan
+        self._plan = TrainingPlan(
+            epochs=reply.epochs,
+            batch_size=reply.batch_size,
+            num_samples=plan.num_samples,
+            seed=int(reply.seed),
+            checkpoint_every=plan.checkpoint_every,
+            max_workers=plan.max_workers,
+        )
+        if reply.initialize:
+            log.info("initializing job %s (collective)", self.job_id)
+            self._state_step = 0
+            return InitialState(self._plan, self._params, self._buffers, 0)
+        return InitialState(self._plan, None, None, self._run(self._completed()))
+
+    # -- boundaries ---------------------------------------------------------------------------
+
+    async def _exchange(
+        self,
+        *,
+        generation: int = 0,
+        completed: int = -1,
+        loss_sum: float = 0.0,
+        n: int = 0,
+        failed: bool = False,
+    ) -> ps_pb2.BoundaryResponse:
+        """One Boundary, then any CHECKPOINT it asks for (written, reported), until the
+        coordinator answers RUN, RETIRE or DONE."""
+        request = ps_pb2.BoundaryRequest(
+            job_id=self.job_id,
+            learner_id=self.learner_id,
+            generation=generation,
+            completed_iteration=completed,
+            loss_sum=loss_sum,
+            num_samples=n,
+            iteration_failed=failed,
+        )
+        while True:
+            reply = await self._control(self._coordinator_stub().Boundary, request)
+            if reply.action != ps_pb2.BOUNDARY_ACTION_CHECKPOINT:
+                return reply
+            report = await self._loop.run_in_executor(None, self._write_checkpoint, reply)
+            request = ps_pb2.BoundaryRequest(
+                job_id=self.job_id,
+                learner_id=self.learner_id,
+                generation=self._pg_generation,
+                completed_iteration=-1,
+                checkpoint_file=report,
+            )
+
+    def next_assignment(self) -> Assignment | None:
+        self._require_plan()
+        while True:
+            reply = self._reply if self._reply is not None else self._run(self._exchange())
+            self._reply = None
+            self._settle(reply.completed_iterations, final=True)
+            assignment = self._to_assignment(reply)
+            if assignment is None or assignment.retire:
+                return assignment
+            if assignment.generation == self._pg_generation and self._pg is not None:
+                return assignment
+            try:
+                self._form(assignment, reply.checkpoint_directory)
+            except RuntimeError as exc:  # a member vanished during the rendezvous
+                log.warning("generation %d did not form: %s", assignment.generation, exc)
+                self._drop_group(failed=True)
+                self._reply = self._run(
+                    self._exchange(generation=assignment.generation, failed=True)
+                )
+                continue
+            return assignment
+
+    def _settle(self, completed: int, *, final: bool) -> None:
+        """Apply the pending update if its iteration is among the ``completed`` ones; drop it
+        when the answer is final and it is not (the iteration was aborted)."""
+        p = self._pending
+        if p is None:
+            return
+        if completed > p.step:
+            self._apply(p)
+            self._state_step = p.step + 1
+            self._pending = None
+        elif final:
+            log.info("iteration %d was aborted: its update is dropped", p.step)
+            self._pending = None
+
+    @torch.no_grad()
+    def _apply(self, p: _Pending) -> None:
+        optimizer = self._optimizer
+        assert optimizer is not None
+        if p.lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = p.lr
+        for param, grad in zip(self._params, p.grads, strict=True):
+            param.grad = grad
+        optimizer.step()
+        for param in self._params:
+            param.grad = None
+        for dst, src in zip(self._buffers, p.buffers, strict=True):
+            dst.copy_(src)
+
+    # -- the process group --------------------------------------------------------------------
+
+    def _local_host(self, host: str, port: int) -> str:
+        """This machine's address on the route to the rendezvous host (for gloo's sockets)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect((host, port))
+                return str(s.getsockname()[0])
+            except OSError:
+                return "127.0.0.1"
+
+    def _store_client(self) -> Any:
+        if self._store is None:
+            host, _, port = self._rendezvous.rpartition(":")
+            self._store = dist.TCPStore(
+                host, int(port), is_master=False, timeout=self._timeout, use_libuv=True
+            )
+        return self._store
+
+    def _form(self, a: Assignment, restore_directory: str) -> None:
+        """Tear down the old group, form generation ``a.generation``'s, and bring every
+        member to the job's state (broadcast from a holder, or a checkpoint)."""
+        self._drop_group()
+        started = time.monotonic()
+        store = dist.PrefixStore(f"{self.job_id}/g{a.generation}/", self._store_client())
+        store.set(f"device/{a.rank}", self._device.type)
+        kinds = {store.get(f"device/{r}").decode() for r in range(a.world_size)}
+        use_nccl = kinds == {"cuda"} and dist.is_nccl_available()
+        if use_nccl:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self._timeout
+            pg: Any = dist.ProcessGroupNCCL(store, a.rank, a.world_size, options)
+            self.backend_name = "nccl"
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = self._timeout
+            interface = os.environ.get("GLOO_SOCKET_IFNAME")
+            if interface:
+                device = dist.ProcessGroupGloo.create_device(interface=interface)
+            else:
+                host, _, port = self._rendezvous.rpartition(":")
+                device = dist.ProcessGroupGloo.create_device(
+                    hostname=self._local_host(host, int(port))
+                )
+            options._devices = [device]
+            pg = dist.ProcessGroupGloo(store, a.rank, a.world_size, options)
+            self.backend_name = "gloo"
+        self._pg, self._pg_generation = pg, a.generation
+        self._sync_state(a, restore_directory)
+        seconds = time.monotonic() - started
+        self.formations.append((a.generation, a.world_size, seconds))
+        log.info(
+            "generation %d: %s group of %d formed in %.3f s (rank %d, step %d)",
+            a.generation,
+            self.backend_name,
+            a.world_size,
+            seconds,
+            a.rank,
+            a.step,
+        )
+
+    def _drop_group(self, *, failed: bool = False) -> None:
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        try:
+            if failed and self.backend_name == "nccl":
+                pg.abort()  # NCCL: a collective may still be stuck on the device
+            else:
+                pg.shutdown()
+        except Exception as exc:  # tearing down a broken group may fail; it is dropped anyway
+            log.debug("tearing down generation %d: %s", self._pg_generation, exc)
+
+    def _comm_device(self) -> torch.device:
+        return self._device if self.backend_name == "nccl" else torch.device("cpu")
+
+    def _allreduce(self, tensors: Sequence[torch.Tensor], op: Any = None) -> list[Any]:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM if op is None else op
+        opts.timeout = self._timeout
+        return [self._pg.allreduce([t], opts) for t in tensors]
+
+    def _broadcast(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.timeout = self._timeout
+        works = [self._pg.broadcast([t], opts) for t in tensors]
+        for w in works:
+            w.wait()
+
+    @torch.no_grad()
+    def _sync_state(self, a: Assignment, restore_directory: str) -> None:
+        steps = torch.full((a.world_size,), -1, dtype=torch.int64, device=self._comm_device())
+        steps[a.rank] = self._state_step
+        for w in self._allreduce([steps], dist.ReduceOp.MAX):
+            w.wait()
+        holders = [r for r, s in enumerate(steps.tolist()) if s == a.step]
+        if len(holders) == a.world_size:
+            return  # everyone holds it already (a shrink, or an aborted iteration)
+        if holders:
+            src = holders[0]
+        elif restore_directory:
+            src = 0
+            if a.rank == 0:
+                self._load_checkpoint(restore_directory, a.step)
+        elif a.step == 0:
+            src = 0  # a restart from scratch: rank 0's freshly built model
+        else:
+            raise RuntimeError(
+                f"no member of generation {a.generation} holds the state after {a.step} "
+                "iterations and the coordinator named no checkpoint"
+            )
+        self._broadcast_tensors([*self._params, *self._buffers], src)
+        self._broadcast_optimizer(src, a.rank)
+        self._state_step = a.step
+
+    def _broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = _flatten_dense_tensors([t.to(self._comm_device()) for t in group])
+            self._broadcast([flat], src)
+            for dst, src_t in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                dst.copy_(src_t)
+
+    def _broadcast_optimizer(self, src: int, rank: int) -> None:
+        optimizer = self._optimizer
+        assert optimizer is not None
+        device = self._comm_device()
+        if rank == src:
+            buffer = io.BytesIO()
+            torch.save(_to_cpu(optimizer.state_dict()), buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        else:
+            size = torch.zeros(1, dtype=torch.int64, device=device)
+        self._broadcast([size], src)
+        data = (
+            payload.to(device)
+            if rank == src
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        )
+        self._broadcast([data], src)
+        if rank != src:
+            state = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
+            optimizer.load_state_dict(state)
+
+    # -- sync ---------------------------------------------------------------------------------
+
+    def sync(
+        self, assignment: Assignment, contribution: Contribution, *, lr: float | None = None
+    ) -> SyncResult:
+        setup = self._setup
+        if setup is None:
+            raise RuntimeError("initialize() must be called first")
+        if len(contribution.grads) != len(self._params):
+            raise ValueError(
+                f"contribution has {len(contribution.grads)} gradients, "
+                f"expected {len(self._params)}"
+            )
+        if self._pg is None or assignment.generation != self._pg_generation:
+            raise RuntimeError(
+                f"assignment of generation {assignment.generation} without its group "
+                f"(formed: {self._pg_generation}); call next_assignment() first"
+            )
+        try:
+            grads, buffers, total, loss_sum = self._reduce(contribution)
+        except RuntimeError as exc:
+            log.warning(
+                "all-reduce of iteration %d (generation %d) failed: %s",
+                assignment.step,
+                assignment.generation,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            )
+            self._drop_group(failed=True)
+            self._reply = self._run(self._exchange(generation=assignment.generation, failed=True))
+            raise IterationAborted(f"collective failed: {exc}") from exc
+        self._pending = _Pending(assignment.step, grads, buffers, lr)
+        reply = self._run(
+            self._exchange(
+                generation=assignment.generation,
+                completed=assignment.step,
+                loss_sum=contribution.loss_sum,
+                n=contribution.n_samples,
+            )
+        )
+        self._settle(reply.completed_iterations, final=True)
+        self._reply = reply
+        self._report = (
+            assignment.generation,
+            assignment.step,
+            contribution.loss_sum,
+            contribution.n_samples,
+        )
+        if self._state_step != assignment.step + 1:
+            raise IterationAborted(
+                f"iteration {assignment.step} was aborted by the coordinator (a member failed)"
+            )
+        return SyncResult(self._params, self._buffers, assignment.step, loss_sum / total)
+
+    @torch.no_grad()
+    def _reduce(
+        self, contribution: Contribution
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], float, float]:
+        """All-reduce ``n * grad`` (in buckets), ``n``, the loss sum, which parameters got a
+        gradient, ``n * buffer`` (float buffers) and the buffers' maximum (integer ones), as
+        :func:`~shoal.learner.backend.reduce_contributions` weighs them."""
+        n = contribution.n_samples
+        device = self._comm_device()
+        meta = torch.zeros(2 + len(self._params), dtype=torch.float64, device=device)
+        meta[0], meta[1] = float(n), float(contribution.loss_sum)
+        grads: list[torch.Tensor] = []
+        for j, (param, g) in enumerate(zip(self._params, contribution.grads, strict=True)):
+            if g is not None and n > 0:
+                meta[2 + j] = 1.0
+                grads.append(g.detach())
+            else:
+                grads.append(torch.zeros_like(param))
+        works = self._allreduce([meta])
+        buckets = _buckets(grads, self._bucket_bytes)
+        flats = []
+        for bucket in buckets:
+            flat = _flatten_dense_tensors([grads[j] for j in bucket]).to(device)
+            flat.mul_(n)
+            flats.append(flat)
+        works += self._allreduce(flats)
+        floats = [j for j, b in enumerate(contribution.buffers) if b.is_floating_point()]
+        ints = [j for j, b in enumerate(contribution.buffers) if not b.is_floating_point()]
+        flat_f = flat_i = None
+        if floats:
+            flat_f = _flatten_dense_tensors(
+                [contribution.buffers[j].detach().to(device) for j in floats]
+            ).mul_(n)
+            works += self._allreduce([flat_f])
+        if ints:
+            flat_i = _flatten_dense_tensors(
+                [contribution.buffers[j].detach().to(device) for j in ints]
+            )
+            if n == 0:
+                flat_i.fill_(torch.iinfo(flat_i.dtype).min)
+            works += self._allreduce([flat_i], dist.ReduceOp.MAX)
+        for w in works:
+            w.wait()
+        total = float(meta[0])
+        if total <= 0:
+            raise RuntimeError("no member of the iteration had a sample")
+        reduced: list[torch.Tensor | None] = [None] * len(self._params)
+        for bucket, flat in zip(buckets, flats, strict=True):
+            flat.div_(total)
+            views = _unflatten_dense_tensors(flat, [grads[j] for j in bucket])
+            for j, view in zip(bucket, views, strict=True):
+                if meta[2 + j] > 0:
+                    reduced[j] = view.to(self._params[j].device)
+        buffers = [b.detach().clone() for b in contribution.buffers]
+        for indices, flat_b in ((floats, flat_f), (ints, flat_i)):
+            if flat_b is None:
+                continue
+            if flat_b.is_floating_point():
+                flat_b.div_(total)
+            views = _unflatten_dense_tensors(flat_b, [buffers[j] for j in indices])
+            for j, view in zip(indices, views, strict=True):
+                buffers[j].copy_(view)
+        return reduced, buffers, total, float(meta[1])
+
+    def pull_parameters(self) -> ModelState:
+        """The job's state, which the group formation brought into this learner's own
+        tensors (they are the model's: nothing is copied)."""
+        if self._setup is None:
+            raise RuntimeError("initialize() must be called first")
+        if self._state_step < 0:
+            raise RuntimeError("this learner holds no state yet: next_assignment() forms it")
+        return ModelState(self._params, self._buffers)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _write_checkpoint(self, reply: ps_pb2.BoundaryResponse) -> ps_pb2.CheckpointFile:
+        """Write this learner's state after ``reply.completed_iterations`` iterations as the
+        parameter-sync shard file of index 0 (holding every tensor) in the directory given."""
+        self._settle(reply.completed_iterations, final=False)
+        iteration = int(reply.completed_iterations)
+        if self._state_step != iteration:
+            raise RuntimeError(
+                f"asked to checkpoint iteration {iteration} but this learner holds "
+                f"{self._state_step}"
+            )
+        setup, optimizer = self._setup, self._optimizer
+        assert setup is not None and optimizer is not None
+        tensors: dict[str, torch.Tensor] = {}
+        for spec, t in zip(setup.param_specs, self._params, strict=True):
+            tensors[f"param/{spec.name}"] = t.detach().cpu().clone().contiguous()
+        for spec, t in zip(setup.buffer_specs, self._buffers, strict=True):
+            tensors[f"buffer/{spec.name}"] = t.detach().cpu().clone().contiguous()
+        state = optimizer.state_dict()
+        plain: dict[str, dict[str, Any]] = {}
+        for index, entry in state["state"].items():
+            name = setup.param_specs[int(index)].name
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim/{name}/{key}"] = value.detach().cpu().clone().contiguous()
+                else:
+                    plain.setdefault(name, {})[key] = value
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+        metadata = {
+            "format": "1",
+            "job_id": self.job_id,
+            "shard_index": "0",
+            "global_iteration": str(iteration),
+            "optimizer": json.dumps(
+                {
+                    "name": setup.optimizer.name,
+                    "hyperparameters_json": json.dumps(
+                        dict(setup.optimizer.kwargs), sort_keys=True
+                    ),
+                }
+            ),
+            "param_groups": json.dumps(groups),
+            "optimizer_plain_state": json.dumps(plain),
+        }
+        data = safetensors.torch.save(tensors, metadata=metadata)
+        directory = reply.checkpoint_directory
+        fs, path = fsspec.core.url_to_fs(directory.rstrip("/") + "/" + CHECKPOINT_FILE)
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(path, data)  # the manifest, written after, is the commit point
+        log.info("checkpoint after %d iterations written to %s", iteration, directory)
+        return ps_pb2.CheckpointFile(
+            directory=directory,
+            file=CHECKPOINT_FILE,
+            size_bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+            global_iteration=iteration,
+        )
+
+    @torch.no_grad()
+    def _load_checkpoint(self, directory: str, step: int) -> None:
+        """Load the state from a checkpoint of either mode (its manifest lists the files)."""
+        setup, optimizer = self._setup, self._optimizer
+        assert setup is not None and optimizer is not None
+        fs, root = fsspec.core.url_to_fs(directory)
+        manifest = json.loads(fs.cat_file(root.rstrip("/") + "/manifest.json"))
+        if int(manifest["iteration"]) != step:
+            raise RuntimeError(
+                f"checkpoint {directory} holds {manifest['iteration']} iterations, not {step}"
+            )
+        loaded: dict[str, torch.Tensor] = {}
+        groups: list[dict[str, Any]] = []
+        plain: dict[str, dict[str, Any]] = {}
+        for entry in manifest.get("shards", []):
+            data = fs.cat_file(root.rstrip("/") + "/" + entry["file"])
+            if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+                raise RuntimeError(f"{entry['file']} in {directory} does not match its manifest")
+            loaded.update(safetensors.torch.load(data))
+            meta = _safetensors_metadata(data)
+            groups = groups or json.loads(meta.get("param_groups", "[]"))
+            plain.update(json.loads(meta.get("optimizer_plain_state", "{}")))
+        for kind, specs, dsts in (
+            ("param", setup.param_specs, self._params),
+            ("buffer", setup.buffer_specs, self._buffers),
+        ):
+            for spec, dst in zip(specs, dsts, strict=True):
+                src = loaded.get(f"{kind}/{spec.name}")
+                if src is None or tuple(src.shape) != tuple(dst.shape):
+                    raise RuntimeError(f"checkpoint {directory} lacks {kind} {spec.name!r}")
+                dst.copy_(src)
+        state: dict[int, dict[str, Any]] = {}
+        for i, spec in enumerate(setup.param_specs):
+            entry = dict(plain.get(spec.name, {}))
+            prefix = f"optim/{spec.name}/"
+            entry.update({k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)})
+            if entry:
+                state[i] = entry
+        group = {**(groups or [{}])[0], "params": list(range(len(self._params)))}
+        optimizer.load_state_dict({"state": state, "param_groups": [group]})
+        self._state_step = step
+        log.info("state restored from checkpoint %s (%d iterations)", directory, step)
+
+    # -- the rest -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._drop_group()
+        self._store = None
+        super().close()
+
+
+def _buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
+    """Indices of ``tensors`` in buckets of one dtype and at most ``limit`` bytes (a larger
+    tensor is a bucket of its own), in order."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    dtype: torch.dtype | None = None
+    for j, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if current and (t.dtype != dtype or size + nbytes > limit):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(j)
+        size += nbytes
+        dtype = t.dtype
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    size = int.from_bytes(data[:8], "little")
+    return dict(json.loads(data[8 : 8 + size]).get("__metadata__", {}))
+
+
+if BACKEND_NAME not in registered_backends():  # also an entry point of the package
+    register_backend(BACKEND_NAME, CollectiveBackend.from_env)

@@ -1,0 +1,266 @@
+"""Collective mode end to end on real processes: two parameter-sync shard processes (shard 0
+coordinates the job and hosts the rendezvous store), learner processes running the digits MLP
+through the "collective" backend (a gloo process group per generation, re-formed inside the
+running processes), and this test acting as the scheduler (OpenJob, RetireLearners,
+EvictLearner).
+
+Every run is compared with plain single-process PyTorch training with the same seed and global
+batch (``reference_training``), with the tolerance of the parameter-server tests (the
+all-reduce sums ``n_i * g_i`` in another order than one mean over the batch: float summation
+order only). Rescales and failures must not restart the survivors: each writes its process id
+and the groups it formed to its history, and the test checks them against the process it
+started.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.integration._param_sync_cluster import DataPlane, Proc, reference_training
+from tests.integration.test_elastic_training import (
+    BATCH,
+    assert_each_iteration_recorded_once,
+    assert_matches_reference,
+    assert_shares_tile_every_batch,
+    iterations_per_epoch,
+)
+from tests.support import make_tokens, wait_until
+
+COLLECTIVE = "collective"
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("collective")
+    tokens = make_tokens(tmp / "tokens")
+    dp = DataPlane(tmp, tmp / "tokens", tokens)
+    dp.start_shards()
+    yield dp
+    dp.kill_all()
+
+
+def start(plane: DataPlane, job: str, name: str, epochs: int, **hooks) -> Proc:
+    return plane.start_learner(job, name, epochs=epochs, batch=BATCH, backend=COLLECTIVE, **hooks)
+
+
+def assert_not_restarted(plane: DataPlane, name: str, proc: Proc, generations: int) -> dict:
+    """The learner ran in one process (the one the test started) through at least
+    ``generations`` process groups, each formed in place."""
+    history = plane.history(name)
+    assert history["pid"] == proc.popen.pid
+    formed = [g for g, _, _ in history["formations"]]
+    assert len(formed) >= generations and formed == sorted(set(formed)), formed
+    return history
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("learners", [1, 3])
+def test_collective_learners_match_single_process_training(plane: DataPlane, learners: int):
+    job, epochs = f"c-equal-{learners}", 2
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    names = [f"{job}-l{i}" for i in range(learners)]
+    procs = [start(plane, job, name, epochs) for name in names]
+    for proc in procs:
+        assert proc.wait() == 0, proc.text()[-3000:]
+    assert "gloo group of" in procs[0].text()
+    assert_matches_reference(plane.final_model(job), epochs)
+    records = assert_each_iteration_recorded_once(plane, job, total)
+    _, reference_losses = reference_training(epochs, BATCH)
+    assert [r["loss"] for r in records] == pytest.approx(list(reference_losses), abs=1e-4)
+    assert records[-1]["world_size"] == learners
+    assert_shares_tile_every_batch(plane, names, range(total))
+    progress = plane.progress(job)
+    assert progress.done and progress.progress.completed_iterations == total
+    # The final checkpoint was written by a learner, in the parameter-server format.
+    latest = (plane.job_dir(job) / "checkpoints" / "latest").read_text()
+    manifest = json.loads(
+        (plane.job_dir(job) / "checkpoints" / latest / "manifest.json").read_text()
+    )
+    assert manifest["iteration"] == total and [s["file"] for s in manifest["shards"]] == [
+        "shard-0.safetensors"
+    ]
+    epochs_file = plane.job_dir(job) / "metrics" / "epochs.jsonl"
+    reports = [json.loads(line) for line in epochs_file.read_text().splitlines()]
+    assert [r["epoch"] for r in reports] == list(range(epochs))
+    assert all(0 < r["values"]["accuracy"] <= 1 for r in reports)
+
+
+def rescale(plane: DataPlane, job: str, first: list[str], later: list[str], at: int):
+    """Start ``first`` (pausing before step ``at``'s all-reduce) and ``later`` (warm, gated)."""
+    pauses = plane.tmp / f"{job}-pauses"
+    pauses.mkdir()
+    gate_first, gate_later = plane.tmp / f"{job}-first.gate", plane.tmp / f"{job}-later.gate"
+    procs = {
+        n: start(plane, job, n, 2, gate=gate_first, pause_at=at, pause_dir=pauses) for n in first
+    }
+    procs.update({n: start(plane, job, n, 2, gate=gate_later) for n in later})
+    for proc in procs.values():
+        proc.wait_for("READY", timeout=90)
+    gate_first.touch()
+    for n in first:
+        procs[n].wait_for(f"PAUSED at step {at}", timeout=90)
+    return procs, pauses / f"release-{at}", gate_later
+
+
+@pytest.mark.slow
+def test_collective_grows_from_two_to_four_without_restarting_the_survivors(plane: DataPlane):
+    job, epochs, at = "c-grow", 2, 6
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    first, later = ["g0", "g1"], ["g2", "g3"]
+    procs, release, gate_later = rescale(plane, job, first, later, at)
+    assert plane.progress(job).progress.world_size == 2
+    gate_later.touch()
+    for n in later:
+        procs[n].wait_for("training", timeout=60)  # joined: admitted at the next boundary
+    release.touch()
+    for name, proc in procs.items():
+        assert proc.wait() == 0, (name, proc.text()[-3000:])
+
+    assert_matches_reference(plane.final_model(job), epochs)
+    records = assert_each_iteration_recorded_once(plane, job, total)
+    sizes = [r["world_size"] for r in records]
+    assert sizes[: at + 1] == [2] * (at + 1) and sizes[-1] == 4 and set(sizes) == {2, 4}, sizes
+    grown = sizes.index(4)
+    for name in first:
+        history = assert_not_restarted(plane, name, procs[name], generations=2)
+        steps = [r["step"] for r in history["history"]]
+        assert steps == list(range(total))  # every step once, in one process
+        assert {r["world_size"] for r in history["history"]} == {2, 4}
+    for name in later:  # the joiners got the state by broadcast and ran the rest
+        steps = [r["step"] for r in plane.history(name)["history"]]
+        assert steps == list(range(grown, total))
+    assert_shares_tile_every_batch(plane, first + later, range(total))
+
+
+@pytest.mark.slow
+def test_collective_shrinks_from_four_to_two_without_restarting_the_survivors(plane: DataPlane):
+    job, epochs, at = "c-shrink", 2, 6
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    names = ["s0", "s1", "s2", "s3"]
+    procs, release, _ = rescale(plane, job, names, [], at)
+    assert plane.progress(job).progress.world_size == 4
+    plane.retire(job, "s2", "s3")  # they finish iteration 6, then leave at the boundary
+    release.touch()
+    for name, proc in procs.items():
+        assert proc.wait() == 0, (name, proc.text()[-3000:])
+    for name in ("s2", "s3"):
+        assert plane.history(name)["retired"]
+
+    assert_matches_reference(plane.final_model(job), epochs)
+    records = assert_each_iteration_recorded_once(plane, job, total)
+    sizes = [r["world_size"] for r in records]
+    assert sizes == [4] * (at + 1) + [2] * (total - at - 1), sizes
+    for name in ("s0", "s1"):
+        history = assert_not_restarted(plane, name, procs[name], generations=2)
+        assert [r["step"] for r in history["history"]] == list(range(total))
+    assert_shares_tile_every_batch(plane, names, range(total))
+
+
+@pytest.mark.slow
+def test_collective_learner_sigkilled_mid_all_reduce_costs_only_that_iteration(
+    plane: DataPlane,
+):
+    job, epochs, victim_step = "c-sigkill", 2, 10
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    survivors = ["k0", "k1"]
+    gate = plane.tmp / "c-sigkill.gate"
+    procs = {n: start(plane, job, n, epochs, gate=gate, delay=0.02) for n in survivors}
+    victim = start(plane, job, "k2", epochs, gate=gate, delay=0.02, hang_at_step=victim_step)
+    for proc in [*procs.values(), victim]:
+        proc.wait_for("READY", timeout=90)
+    gate.touch()
+    victim.wait_for("HANGING", timeout=90)  # k0 and k1 are blocked in step 10's all-reduce
+    assert plane.progress(job).progress.completed_iterations == victim_step
+    victim.kill()  # SIGKILL: its gloo sockets close under the survivors' all-reduce
+    for name in survivors:
+        procs[name].wait_for(f"all-reduce of iteration {victim_step}", timeout=60)
+    assert plane.evict(job, "k2") in (victim_step, -1)  # what the scheduler does on the exit
+    for name in survivors:
+        assert procs[name].wait() == 0, procs[name].text()[-3000:]
+
+    assert_matches_reference(plane.final_model(job), epochs)
+    records = assert_each_iteration_recorded_once(plane, job, total)
+    assert records[victim_step - 1]["world_size"] == 3
+    assert records[victim_step]["world_size"] == 2
+    for name in survivors:
+        history = assert_not_restarted(plane, name, procs[name], generations=2)
+        steps = [r["step"] for r in history["history"]]
+        assert steps == list(range(total))  # each step completed once; step 10 ran twice
+        assert f"iteration {victim_step} aborted" in procs[name].text()
+    assert_shares_tile_every_batch(plane, survivors, range(victim_step, total))
+
+
+@pytest.mark.slow
+def test_collective_job_resumes_from_a_learner_written_checkpoint(tmp_path: Path):
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
+    job, epochs = "c-resume", 3
+    ipe = iterations_per_epoch()
+    total = epochs * ipe
+    try:
+        plane.start_shards()
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        stop = ipe + 4
+        learners = [start(plane, job, n, epochs, pause_at=stop) for n in ("a0", "a1")]
+        checkpoints = plane.job_dir(job) / "checkpoints"
+        wait_until(
+            lambda: any(f"PAUSED at step {stop}" in proc.text() for proc in learners),
+            timeout=120,
+            what=f"a learner paused at step {stop}",
+        )
+        assert (checkpoints / "latest").read_text() == f"iter-{ipe}"
+        plane.kill_all()  # the shards and every learner, holders of the state included
+        before = {r["global_iteration"]: r for r in plane.iterations(job)}
+        assert max(before) == stop - 1
+
+        plane.start_shards()
+        reply = plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        assert reply.resumed and reply.progress.completed_iterations == ipe
+        procs = [start(plane, job, n, epochs) for n in ("b0", "b1")]
+        for proc in procs:
+            assert proc.wait(timeout=180) == 0, proc.text()[-3000:]
+        assert "state restored from checkpoint" in procs[0].text() + procs[1].text()
+    finally:
+        plane.kill_all()
+
+    records = assert_each_iteration_recorded_once(plane, job, total)
+    for k in range(ipe, max(before) + 1):
+        assert records[k]["loss"] == pytest.approx(before[k]["loss"], abs=1e-5), k
+    assert_matches_reference(plane.final_model(job), epochs)
+    assert (checkpoints / "latest").read_text() == f"iter-{total}"
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and dist.is_nccl_available()),
+    reason="needs CUDA and NCCL (CI has neither)",
+)
+def test_nccl_group_on_gpus_matches_single_process_training(plane: DataPlane):
+    """One learner per GPU (NCCL refuses two ranks on one device): with one GPU the group is
+    a world of one, still formed, torn down and checkpointed through NCCL."""
+    learners = min(torch.cuda.device_count(), 2)
+    job, epochs = "c-nccl", 2
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    procs = [
+        start(plane, job, f"n{i}", epochs, device="cuda", env={"CUDA_VISIBLE_DEVICES": str(i)})
+        for i in range(learners)
+    ]
+    for proc in procs:
+        assert proc.wait() == 0, proc.text()[-3000:]
+    assert "nccl group of" in procs[0].text()
+    reference, _ = reference_training(epochs, BATCH)
+    model = plane.final_model(job)
+    for name, value in reference.items():  # cuBLAS sums in another order than the CPU
+        torch.testing.assert_close(model[name], value, atol=1e-4, rtol=0, msg=name)
+    assert_each_iteration_recorded_once(plane, job, total)
