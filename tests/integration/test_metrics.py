@@ -173,15 +173,15 @@ def test_metrics_follow_the_cluster_state_through_a_job_that_grows(cluster):
             what="the job counted RUNNING",
         )
         shard = scrape(cluster, "parameter-sync-0")
-        committed = shard.value("shoal_sync_iterations_committed_total", job=job_id) or 0
+        committed = shard.value("shoal_sync_iterations_committed_total", job_id=job_id) or 0
         assert committed > 0
-        rounds = shard.value("shoal_sync_round_duration_seconds_count", job=job_id) or 0
+        rounds = shard.value("shoal_sync_round_duration_seconds_count", job_id=job_id) or 0
         assert rounds > 0
-        assert (shard.value("shoal_sync_round_duration_seconds_sum", job=job_id) or 0) > 0
+        assert (shard.value("shoal_sync_round_duration_seconds_sum", job_id=job_id) or 0) > 0
 
         def committed_now() -> float:
             s = scrape(cluster, "parameter-sync-0")
-            return s.value("shoal_sync_iterations_committed_total", job=job_id) or 0
+            return s.value("shoal_sync_iterations_committed_total", job_id=job_id) or 0
 
         wait_until(lambda: committed_now() > committed, timeout=30, what="more iterations")
 

@@ -167,10 +167,10 @@ def test_a_sync_round_is_timed_from_its_first_stream_to_its_commit_and_aborts_ar
     points = collect(reader)
     (hist,) = points["shoal_sync_round_duration"]
     assert isinstance(hist, HistogramDataPoint)
-    assert hist.attributes == {"job": "j1"}
+    assert hist.attributes == {"job_id": "j1"}
     assert hist.count == 2 and hist.sum == pytest.approx(0.75)
     (counter,) = points["shoal_sync_iterations_committed"]
-    assert counter.value == 2 and counter.attributes == {"job": "j1"}
+    assert counter.value == 2 and counter.attributes == {"job_id": "j1"}
     provider.shutdown()
 
 

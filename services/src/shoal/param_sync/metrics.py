@@ -3,12 +3,12 @@
 ==========================================  ======  ======================================
 metric                                      labels  meaning
 ==========================================  ======  ======================================
-``shoal_sync_iterations_committed_total``   job     iterations of the job committed on
+``shoal_sync_iterations_committed_total``   job_id  iterations of the job committed on
                                                     every shard; counted by the job's
                                                     coordinator shard only, so the sum
                                                     over shards is the job's count and
                                                     ``rate()`` of it the iteration rate
-``shoal_sync_round_duration_seconds``       job     histogram, per shard: from the first
+``shoal_sync_round_duration_seconds``       job_id  histogram, per shard: from the first
                                                     gradient stream of an iteration
                                                     reaching this shard to the iteration's
                                                     new parameters being ready on it
@@ -19,7 +19,8 @@ metric                                      labels  meaning
 ==========================================  ======  ======================================
 
 A shard has no leadership: every shard reports the rounds it served; only a job's
-coordinator counts its commits.
+coordinator counts its commits. The label is ``job_id``, not ``job``: Prometheus sets ``job``
+on every scraped series (the scrape job) and would rename ours to ``exported_job``.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class SyncMetrics:
         """(generation, iteration)'s new parameters are ready on this shard."""
         started = self._started.pop((job_id, generation, iteration), None)
         if started is not None:
-            self._round.record(max(0.0, self._clock() - started), {"job": job_id})
+            self._round.record(max(0.0, self._clock() - started), {"job_id": job_id})
         self._drop(job_id, lambda g, k: k <= iteration)
 
     def round_aborted(self, job_id: str, generation: int) -> None:
@@ -75,7 +76,7 @@ class SyncMetrics:
 
     def iteration_committed(self, job_id: str) -> None:
         """The coordinator delivered an iteration's commit to every shard of the job."""
-        self._committed.add(1, {"job": job_id})
+        self._committed.add(1, {"job_id": job_id})
 
     def forget(self, job_id: str) -> None:
         """The job was closed or reloaded on this shard."""
