@@ -1,12 +1,12 @@
 """Every service's Prometheus endpoint on the embedded local cluster (real etcd, every service
 a real process: resource-manager and job-scheduler as leader + standby, one parameter-sync
 shard, one host agent with two simulated GPUs), scraped over HTTP while real state changes:
-a digits job starts on one GPU, grows to two, and is cancelled.
+a digits job trains on two GPUs, shrinks to one, and is cancelled.
 
 Asserted from the scrapes (parsed with prometheus_client's parser): the GPU gauges of the
 resource-manager leader equal the allocations ListHosts shows, the heartbeat lag of the host is
 there and below the grace, the job is counted in the right state, its iterations are counted
-and its sync rounds timed by the shard, the grow is timed by the scheduler leader, the host
+and its sync rounds timed by the shard, the shrink is timed by the scheduler leader, the host
 agent counts its learners, exactly one replica of each elected service reports
 ``shoal_leader 1`` with at least one gain, and a standby reports no cluster-wide gauge.
 """
@@ -127,7 +127,7 @@ def test_the_local_cluster_gives_every_process_a_metrics_url_in_its_state_file(c
         assert any(x.name == "process_cpu_seconds_total" for x in s.samples), name
 
 
-def test_metrics_follow_the_cluster_state_through_a_job_that_grows(cluster):
+def test_metrics_follow_the_cluster_state_through_a_job_that_shrinks(cluster):
     rm = leader(cluster, "resource-manager")
     scheduler = leader(cluster, "job-scheduler")
     for name in (rm, scheduler):
@@ -150,28 +150,34 @@ def test_metrics_follow_the_cluster_state_through_a_job_that_grows(cluster):
     with Client(cluster.client_config()) as client:
         artifact = client.upload_directory(ROOT / "examples" / "digits")
         job = client.submit_job(
-            job_spec("metrics", artifact, epochs=500, batch_size=64, max_workers=1)
+            job_spec("metrics", artifact, epochs=500, batch_size=64, max_workers=2)
         )
         job_id = job.job_id
 
-        def trained() -> bool:
+        def training_at(size: int) -> bool:
             j = client.get_job(job_id)
             assert j.state not in (job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_CANCELLED), j
-            return j.state == job_pb2.JOB_STATE_RUNNING and j.progress.completed_iterations > 0
+            return (
+                j.state == job_pb2.JOB_STATE_RUNNING
+                and j.progress.completed_iterations > 0
+                and j.progress.world_size == size
+            )
 
-        wait_until(trained, timeout=90, interval=0.2, what="the job to train")
+        wait_until(lambda: training_at(2), timeout=120, interval=0.2, what="training on 2")
 
-        # One learner: one GPU allocated, as ListHosts shows it.
+        # Two learners: both GPUs allocated, as ListHosts shows them.
         wait_until(
-            lambda: gpus(cluster, rm) == (2, 1, 1) and listed_allocations(client) == 1,
+            lambda: gpus(cluster, rm) == (2, 2, 0) and listed_allocations(client) == 2,
             timeout=30,
-            what="1 allocated + 1 idle GPU",
+            what="2 allocated GPUs",
         )
         wait_until(
             lambda: scrape(cluster, scheduler).value("shoal_jobs", state="RUNNING") == 1,
             timeout=30,
             what="the job counted RUNNING",
         )
+        agent = scrape(cluster, HOST)
+        assert agent.value("shoal_host_learners", host=HOST, state="RUNNING") == 2
         shard = scrape(cluster, "parameter-sync-0")
         committed = shard.value("shoal_sync_iterations_committed_total", job_id=job_id) or 0
         assert committed > 0
@@ -185,25 +191,24 @@ def test_metrics_follow_the_cluster_state_through_a_job_that_grows(cluster):
 
         wait_until(lambda: committed_now() > committed, timeout=30, what="more iterations")
 
-        # Grow to two learners: the rescale is timed once the job runs at 2.
-        def grows() -> float:
+        # Shrink to one learner: the rescale is timed once the job runs at 1.
+        def shrinks() -> float:
             s = scrape(cluster, scheduler)
-            return s.value("shoal_rescale_duration_seconds_count", direction="grow") or 0
+            return s.value("shoal_rescale_duration_seconds_count", direction="shrink") or 0
 
-        assert grows() == 0
-        client.update_job(job_id, max_workers=2)
-        wait_until(lambda: grows() >= 1, timeout=90, interval=0.3, what="a timed grow")
+        assert shrinks() == 0  # starting the job at 2 was no rescale
+        client.update_job(job_id, max_workers=1)
+        wait_until(lambda: shrinks() >= 1, timeout=60, interval=0.3, what="a timed shrink")
         s = scrape(cluster, scheduler)
-        took = s.value("shoal_rescale_duration_seconds_sum", direction="grow")
-        assert took is not None and 0 < took < 90
-        assert client.get_job(job_id).progress.world_size == 2
+        took = s.value("shoal_rescale_duration_seconds_sum", direction="shrink")
+        assert took is not None and 0 < took < 60
+        assert s.value("shoal_rescale_duration_seconds_count", direction="grow") is None
+        assert client.get_job(job_id).progress.world_size == 1
         wait_until(
-            lambda: gpus(cluster, rm) == (2, 2, 0) and listed_allocations(client) == 2,
+            lambda: gpus(cluster, rm) == (2, 1, 1) and listed_allocations(client) == 1,
             timeout=30,
-            what="2 allocated GPUs",
+            what="1 allocated + 1 idle GPU",
         )
-        agent = scrape(cluster, HOST)
-        assert agent.value("shoal_host_learners", host=HOST, state="RUNNING") == 2
 
         # Cancelled: the state moves, the GPUs come back.
         client.cancel_job(job_id)
