@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,12 @@ def test_cluster_up_serves_the_cli_and_grpcurl_and_down_leaves_nothing(tmp_path)
         assert sorted(len(h["devices"]) for h in hosts) == [2, 2]
         status = shoal("cluster", "status", "--state-dir", str(state_dir), env=env).stdout
         assert "job-scheduler-0" in status and "False" not in status
+        # Every process serves Prometheus metrics; status shows where.
+        assert set(state["metrics"]) == set(state["pids"])
+        for url in state["metrics"].values():
+            assert url in status
+        with urllib.request.urlopen(state["metrics"]["resource-manager-0"], timeout=10) as reply:
+            assert 'shoal_leader{election="resource-manager"}' in reply.read().decode()
 
         # grpcurl, a real external client, against the scheduler leader.
         with Client(load_config(env=env)) as client:

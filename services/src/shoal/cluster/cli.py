@@ -102,17 +102,18 @@ def up(
 
 @cluster_app.command()
 def status(state_dir: StateDir = Path(".shoal")) -> None:
-    """Show the local cluster's processes and whether they are alive."""
+    """Show the local cluster's processes, whether they are alive, and their metrics URLs."""
     state = _read_state(state_dir)
     if state is None:
         console.print(f"no cluster running in {state_dir}")
         raise typer.Exit(1)
-    table = Table("PROCESS", "PID", "ALIVE")
+    metrics = dict(state.get("metrics") or {})  # type: ignore[call-overload]
+    table = Table("PROCESS", "PID", "ALIVE", "METRICS")
     table.add_row(
-        "supervisor", str(state["supervisor_pid"]), str(_alive(int(state["supervisor_pid"])))
+        "supervisor", str(state["supervisor_pid"]), str(_alive(int(state["supervisor_pid"]))), ""
     )
     for name, pid in dict(state["pids"]).items():  # type: ignore[arg-type]
-        table.add_row(name, str(pid), str(_alive(int(pid))))
+        table.add_row(name, str(pid), str(_alive(int(pid))), str(metrics.get(name, "")))
     console.print(table)
     console.print(f"scheduler: {', '.join(state['scheduler'])}")  # type: ignore[arg-type]
 

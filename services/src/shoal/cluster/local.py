@@ -5,7 +5,9 @@ loopback, for development, demos and end-to-end tests.
     with LocalCluster(ClusterSpec(state_dir=Path(".shoal"))) as cluster:
         client = Client(cluster.client_config())
 
-Every process logs to ``<state_dir>/logs/<name>.log``. Credentials are generated into
+Every process logs to ``<state_dir>/logs/<name>.log`` and serves Prometheus metrics on a port of
+its own (``--metrics-port``; the URLs are in ``metrics_urls()`` and under ``"metrics"`` in
+``cluster.json``, and ``shoal cluster status`` shows them). Credentials are generated into
 ``<state_dir>/tokens`` (mode 0600): a user token for you, a service token for the services, an
 admin token. ``<state_dir>/cluster.json`` is the client config file the CLI picks up.
 """
@@ -87,6 +89,7 @@ class ServiceProcess:
     args: list[str]
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    metrics_url: str = ""  # http://127.0.0.1:PORT/metrics
 
     @property
     def pid(self) -> int | None:
@@ -188,17 +191,23 @@ class LocalCluster:
     def addresses(self, kind: str) -> list[str]:
         return [s.address for s in self.services.values() if s.kind == kind]
 
+    def metrics_urls(self) -> dict[str, str]:
+        """Process name -> its Prometheus endpoint."""
+        return {n: s.metrics_url for n, s in self.services.items() if s.metrics_url}
+
     def _plan(self) -> None:
         spec = self.spec
 
         def add(name: str, kind: str, extra: list[str]) -> None:
             address = f"127.0.0.1:{free_port()}"
+            metrics_port = free_port()
             self.services[name] = ServiceProcess(
                 name,
                 kind,
                 address,
-                [kind, *self._common(name, address), *extra],
+                [kind, *self._common(name, address), "--metrics-port", str(metrics_port), *extra],
                 self.logs / f"{name}.log",
+                metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
             )
 
         for i in range(spec.replicas):
@@ -284,6 +293,7 @@ class LocalCluster:
             "token": self.tokens[role],
             "state_dir": str(self.state_dir),
             "pids": {n: s.pid for n, s in self.services.items()},
+            "metrics": self.metrics_urls(),
             "etcd": self.etcd.endpoints if self.etcd else [],
         }
 

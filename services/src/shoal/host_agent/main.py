@@ -33,8 +33,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from shoal.host_agent.devices import make_device_source
+from shoal.host_agent.metrics import register_metrics
 from shoal.host_agent.service import ERRORS, HostAgent, HostAgentConfig, bindings
-from shoal.runtime import telemetry
+from shoal.runtime import metrics, telemetry
 from shoal.runtime.config import add_server_flags, parse_number, server_config_from_args
 from shoal.runtime.errors import InvalidField
 from shoal.runtime.server import create_server, run_until_signalled
@@ -133,7 +134,10 @@ def parse_config(
 
 async def serve(config: HostAgentConfig) -> None:
     telemetry.setup_tracing(NAME)
+    endpoint = metrics.setup_metrics(NAME, config.server)
     agent = HostAgent(config, make_device_source(config.host_id, config.simulate_gpus))
+    if endpoint is not None:
+        register_metrics(agent)
     running = await create_server(config.server, bindings(agent), errors=ERRORS)
     address = config.server.advertise or running.address
     agent.start(address)
@@ -144,6 +148,7 @@ async def serve(config: HostAgentConfig) -> None:
         await run_until_signalled(running, on_stop=agent.close)
     finally:
         await agent.close()
+        metrics.shutdown_metrics()
         telemetry.shutdown_tracing()
 
 

@@ -38,7 +38,7 @@ from shoal.param_sync.service import (
     add_servicer,
 )
 from shoal.param_sync.shard import warm_up
-from shoal.runtime import telemetry
+from shoal.runtime import metrics, telemetry
 from shoal.runtime.config import (
     MiB,
     ServerConfig,
@@ -183,6 +183,7 @@ async def _register(config: ParamSyncConfig, address: str, stop: asyncio.Event) 
 
 async def serve(config: ParamSyncConfig) -> None:
     warm_up()
+    metrics.setup_metrics(f"parameter-sync-{config.shard_index}", config.server)
     servicer = ParameterSyncServicer(
         ShardOptions(
             shard_index=config.shard_index,
@@ -217,6 +218,7 @@ async def serve(config: ParamSyncConfig) -> None:
     finally:
         stop.set()
         await servicer.close()
+        metrics.shutdown_metrics()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

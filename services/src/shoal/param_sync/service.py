@@ -48,6 +48,7 @@ from shoal.param_sync.coordinator import (
     ResolveTask,
     RewindTask,
 )
+from shoal.param_sync.metrics import SyncMetrics
 from shoal.param_sync.shard import (
     Contribution,
     Encoded,
@@ -242,9 +243,16 @@ class ParameterSyncServicer:
     generated servicer: the tensor streams take and give the hand codec's frames and bytes
     (:func:`add_servicer` registers them so)."""
 
-    def __init__(self, options: ShardOptions, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        options: ShardOptions,
+        *,
+        clock: Callable[[], float] = time.time,
+        metrics: SyncMetrics | None = None,
+    ) -> None:
         self.options = options
         self._clock = clock
+        self.metrics = metrics if metrics is not None else SyncMetrics()
         self._coordinated: dict[str, _CoordinatedJob] = {}
         self._slices: dict[str, _ShardSlice] = {}
         self._fences: dict[tuple[str, str], int] = {}
@@ -457,6 +465,7 @@ class ParameterSyncServicer:
             raise JobNotFound(request.job_id)
         if part is not None:
             self._fail_waiters(part, Aborted(f"job {request.job_id!r} was closed"))
+        self.metrics.forget(request.job_id)
         if job is not None:
             async with job.cond:
                 job.coord.done = True
@@ -603,6 +612,11 @@ class ParameterSyncServicer:
                         coord.completed,
                     )
             elif request.completed_iteration >= 0:
+                committed = coord.completed
+                if coord.collective:  # the round runs from the first vote to the commit
+                    self.metrics.round_started(
+                        coord.job_id, request.generation, request.completed_iteration
+                    )
                 coord.report(
                     request.learner_id,
                     request.generation,
@@ -610,6 +624,11 @@ class ParameterSyncServicer:
                     request.loss_sum,
                     request.num_samples,
                 )
+                if coord.completed > committed:  # a collective commit: the last vote
+                    self.metrics.round_committed(
+                        coord.job_id, request.generation, request.completed_iteration
+                    )
+                    self.metrics.iteration_committed(coord.job_id)
             if request.HasField("checkpoint_file"):
                 self._checkpoint_file(job, request.learner_id, request.checkpoint_file)
             while True:
@@ -715,6 +734,8 @@ class ParameterSyncServicer:
         try:
             if isinstance(task, ResolveTask):
                 await self._resolve_everywhere(job.coord, task)
+                if task.commit:
+                    self.metrics.iteration_committed(job.coord.job_id)
             elif isinstance(task, RewindTask):
                 s, ipe = job.coord.settings, job.coord.iterations_per_epoch
                 log.warning(
@@ -910,6 +931,7 @@ class ParameterSyncServicer:
             if header.num_samples < 0:
                 raise InvalidField("header.num_samples", header.num_samples, "must be >= 0")
             sj.check_iteration(g, k)
+            self.metrics.round_started(header.job_id, g, k)
             members = await self._members(part, g)
             if learner not in members:
                 raise StaleGeneration(
@@ -1156,8 +1178,10 @@ class ParameterSyncServicer:
             future = part.futures.pop(key, None)
             if encoded is not None and future is not None and not future.done():
                 future.set_result(encoded)
+            self.metrics.round_committed(request.job_id, *key)
         else:
             await self._compute(sj.abort, *key)
+            self.metrics.round_aborted(request.job_id, request.generation)
             part.memberships.pop(request.generation, None)
             self._fail_superseded(part)
         return ps_pb2.ResolveIterationResponse()
@@ -1180,6 +1204,7 @@ class ParameterSyncServicer:
         iteration = await self._compute(part.job.load, request.directory)
         self._fail_waiters(part, _aborted(request.job_id, -1, iteration))
         part.memberships.clear()
+        self.metrics.forget(request.job_id)
         return ps_pb2.LoadShardResponse(global_iteration=iteration)
 
 

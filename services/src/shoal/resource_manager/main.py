@@ -26,13 +26,14 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from shoal.resource_manager.metrics import register_metrics
 from shoal.resource_manager.service import (
     ERRORS,
     ResourceManager,
     ResourceManagerConfig,
     bindings,
 )
-from shoal.runtime import telemetry
+from shoal.runtime import metrics, telemetry
 from shoal.runtime.config import add_server_flags, server_config_from_args
 from shoal.runtime.errors import InvalidField
 from shoal.runtime.server import create_server, run_until_signalled
@@ -106,8 +107,11 @@ def make_store(config: ResourceManagerConfig) -> Store:
 
 async def serve(config: ResourceManagerConfig) -> None:
     telemetry.setup_tracing(NAME)
+    endpoint = metrics.setup_metrics(NAME, config.server)
     store = make_store(config)
     rm = ResourceManager(config, store)
+    if endpoint is not None:
+        register_metrics(rm)
     running = await create_server(config.server, bindings(rm), errors=ERRORS)
     address = config.server.advertise or running.address
     rm.start(address)
@@ -117,6 +121,7 @@ async def serve(config: ResourceManagerConfig) -> None:
     finally:
         await rm.close()
         await store.close()
+        metrics.shutdown_metrics()
         telemetry.shutdown_tracing()
 
 

@@ -14,6 +14,9 @@ SHOAL_ETCD_ENDPOINTS       --etcd                      comma-separated etcd host
 SHOAL_MAX_MESSAGE_MB       --max-message-mb            gRPC message size limit in MiB
 SHOAL_SHUTDOWN_GRACE_S     --shutdown-grace            seconds to finish calls on SIGTERM
 SHOAL_TLS_CERT/KEY/CA      --tls-cert/--tls-key/--tls-ca  server certificate, key, client CA (mTLS)
+SHOAL_METRICS_PORT         --metrics-port              Prometheus /metrics port on the --listen
+                                                       host (0: any free port, logged; unset or
+                                                       empty: no metrics endpoint)
 =========================  ==========================  =========================================
 """
 
@@ -70,6 +73,7 @@ class ServerConfig:
     max_message_bytes: int = 64 * MiB
     shutdown_grace_s: float = 5.0
     tls: TLSConfig | None = None
+    metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -95,6 +99,12 @@ class ServerConfig:
             raise InvalidField("tokens_file", self.tokens_file, "is not a readable file")
         if self.tls is not None:
             self.tls.validate()
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise InvalidField(
+                "metrics_port",
+                self.metrics_port,
+                "must be in 0..65535 (0: any free port; leave it unset for no metrics endpoint)",
+            )
 
 
 def add_server_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
@@ -111,6 +121,12 @@ def add_server_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
     g.add_argument("--tls-cert", default=env.get("SHOAL_TLS_CERT"))
     g.add_argument("--tls-key", default=env.get("SHOAL_TLS_KEY"))
     g.add_argument("--tls-ca", default=env.get("SHOAL_TLS_CA"))
+    g.add_argument(
+        "--metrics-port",
+        default=env.get("SHOAL_METRICS_PORT"),
+        help="serve Prometheus metrics on http://LISTEN_HOST:PORT/metrics (0: any free port; "
+        "unset or empty: no metrics endpoint)",
+    )
 
 
 def parse_number(field_name: str, text: str, kind: type[int] | type[float]) -> int | float:
@@ -142,7 +158,15 @@ def server_config_from_args(service_name: str, ns: argparse.Namespace) -> Server
         max_message_bytes=int(parse_number("max_message_mb", ns.max_message_mb, float) * MiB),
         shutdown_grace_s=float(parse_number("shutdown_grace_s", ns.shutdown_grace, float)),
         tls=tls,
+        metrics_port=_optional_port("metrics_port", getattr(ns, "metrics_port", None)),
     )
+
+
+def _optional_port(field_name: str, text: str | None) -> int | None:
+    """None for an unset or empty flag, else the port (range checked by ServerConfig)."""
+    if text is None or not str(text).strip():
+        return None
+    return int(parse_number(field_name, str(text).strip(), int))
 
 
 def parse_server_config(

@@ -30,6 +30,11 @@ process was frozen (SIGSTOP, a long GC pause, a suspended VM): after it resumes,
 
 ``lost`` is also set when the leader's key disappears (deleted by hand, lease revoked) and when
 the lease turns out to be expired. A lost leadership is final: campaign again for a new one.
+
+Metrics (:mod:`shoal.runtime.metrics`; no-ops unless the process serves metrics), labelled by
+``election`` (the election name, which is the service's name): ``shoal_leader`` is 1 while this
+process leads and 0 otherwise, ``shoal_leader_changes_total{change="gained"|"lost"}`` counts
+this process winning and losing leadership.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from collections.abc import AsyncGenerator, Callable, Coroutine
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+from shoal.runtime.metrics import meter
 from shoal.runtime.store import (
     Fence,
     KeyValue,
@@ -65,6 +71,21 @@ DEFAULT_PREFIX = "/shoal/v1/election/"
 _TICK = 0.05
 # Bound on releasing a lease after leadership ends (best effort: it expires anyway).
 _RELEASE_TIMEOUT = 2.0
+
+_meter = meter(__name__)
+_LEADING = _meter.create_up_down_counter(
+    "shoal_leader", description="1 while this process leads the election, 0 while it does not"
+)
+_CHANGES = _meter.create_counter(
+    "shoal_leader_changes",
+    description="Times this process gained (change=gained) or lost (change=lost) leadership",
+)
+
+
+def _note_leadership(election: str, *, gained: bool) -> None:
+    labels = {"election": election}
+    _LEADING.add(1 if gained else -1, labels)
+    _CHANGES.add(1, {**labels, "change": "gained" if gained else "lost"})
 
 
 class LeadershipLost(Exception):
@@ -99,6 +120,7 @@ class _LeaseKeeper:
         self._label = label
         self.lost = asyncio.Event()
         self.reason = ""
+        self.on_lost: Callable[[], None] | None = None  # set once the lease is a leadership
         self._tasks: set[asyncio.Task[Any]] = set()
         self._release: asyncio.Task[None] | None = None
 
@@ -134,6 +156,8 @@ class _LeaseKeeper:
             return
         self.reason = reason
         self.lost.set()
+        if self.on_lost is not None:
+            self.on_lost()
         log.info("%s: %s", self._label, reason)
         try:
             loop = asyncio.get_running_loop()
@@ -199,6 +223,7 @@ class Leadership:
         self._election = election
         self._keeper = keeper
         self._revision = revision
+        keeper.on_lost = lambda: _note_leadership(election.name, gained=False)
 
     def __repr__(self) -> str:
         state = f"lost: {self.reason}" if self.lost.is_set() else "leading"
@@ -351,6 +376,7 @@ class LeaderElection:
         self.margin = margin
         self._clock = clock
         self.prefix = f"{prefix.rstrip('/')}/{name}/"
+        _LEADING.add(0, {"election": name})  # standbys export 0, not nothing
 
     def __repr__(self) -> str:
         return f"LeaderElection({self.name!r}, {self.candidate_id!r}, ttl={self.ttl})"
@@ -390,6 +416,7 @@ class LeaderElection:
             if not keeper.alive():
                 raise _Retry(keeper.reason)
             leadership = Leadership(self, keeper, key, create_revision, revision)
+            _note_leadership(self.name, gained=True)
             leadership._start_monitor()
             log.info("%r leads with key %s (create_revision %d)", self, key, create_revision)
             return leadership

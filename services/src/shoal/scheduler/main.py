@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal.runtime import telemetry
+from shoal.runtime import metrics, telemetry
 from shoal.runtime.config import (
     MiB,
     ServerConfig,
@@ -58,6 +58,7 @@ from shoal.runtime.server import create_server, run_until_signalled
 from shoal.runtime.store import EtcdStore, MemoryStore, Store
 from shoal.scheduler.artifacts import ArtifactStore, Storage
 from shoal.scheduler.jobs import MAX_PRIORITY
+from shoal.scheduler.metrics import SchedulerMetrics
 from shoal.scheduler.placement import PlacementConfig
 from shoal.scheduler.policy import Policy
 from shoal.scheduler.reconcile import ELECTION, Peers, ReconcileConfig, Reconciler
@@ -238,6 +239,7 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
     """Run the job-scheduler until SIGTERM/SIGINT."""
     telemetry.setup_tracing(SERVICE)
     server = config.server
+    endpoint = metrics.setup_metrics(SERVICE, server)
     own_store = store is None
     if store is None:
         if server.etcd_endpoints:
@@ -248,6 +250,7 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
     storage = Storage(config.storage_uri)
     artifacts = ArtifactStore(storage, max_bytes=config.max_artifact_bytes)
     table = JobTable(store, history_limit=config.history_limit)
+    scheduler_metrics = SchedulerMetrics(table) if endpoint is not None else None
     peers = Peers(config.resource_managers, config.sync_shards, token=server.service_token)
     reconciler = Reconciler(
         table,
@@ -264,6 +267,7 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
             max_learner_failures=config.max_learner_failures,
             learner_token=config.learner_token,
         ),
+        metrics=scheduler_metrics,
     )
     api = JobApi(
         table,
@@ -295,6 +299,7 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
         await peers.close()
         if own_store:
             await store.close()
+        metrics.shutdown_metrics()
         telemetry.shutdown_tracing()
 
 

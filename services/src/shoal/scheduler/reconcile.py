@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
@@ -86,6 +86,9 @@ from shoal.v1 import (
     resource_manager_service_pb2_grpc,
     resources_pb2,
 )
+
+if TYPE_CHECKING:
+    from shoal.scheduler.metrics import SchedulerMetrics
 
 __all__ = [
     "ELECTION",
@@ -499,12 +502,14 @@ class Reconciler:
         config: ReconcileConfig,
         *,
         clock: Callable[[], float] = time.time,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.table = table
         self.peers = peers
         self.storage = storage
         self.config = config
         self.clock = clock
+        self.metrics = metrics
         self.registry = None if config.sync_shards else ShardRegistry(table.store)
         self.inventory = Inventory()
         self.exits: dict[str, resources_pb2.Learner] = {}
@@ -703,6 +708,8 @@ class Reconciler:
                 continue
             target = decided.shares.get(record.job_id, 0)
             position = queue_pos.get(record.job_id, 0) if record.state == S.JOB_STATE_QUEUED else 0
+            if self.metrics is not None:
+                self.metrics.target_changed(record.job_id, record.job.target_workers, target, now)
             if record.job.target_workers != target or record.job.queue_position != position:
                 record.job.target_workers = target
                 record.job.queue_position = position
@@ -1314,6 +1321,8 @@ class Reconciler:
                 return None
             raise
         self.members[record.job_id] = tuple(response.member_learner_ids)
+        if self.metrics is not None and response.HasField("progress"):
+            self.metrics.world_size(record.job_id, response.progress.world_size, self.clock())
         if response.HasField("progress") and response.progress != record.job.progress:
             if response.progress.completed_iterations > record.job.progress.completed_iterations:
                 record.failures = 0

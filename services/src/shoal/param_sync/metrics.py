@@ -1,0 +1,87 @@
+"""The parameter-sync shard's metrics (see docs/operations.md, "Reading metrics").
+
+==========================================  ======  ======================================
+metric                                      labels  meaning
+==========================================  ======  ======================================
+``shoal_sync_iterations_committed_total``   job_id  iterations of the job committed on
+                                                    every shard; counted by the job's
+                                                    coordinator shard only, so the sum
+                                                    over shards is the job's count and
+                                                    ``rate()`` of it the iteration rate
+``shoal_sync_round_duration_seconds``       job_id  histogram, per shard: from the first
+                                                    gradient stream of an iteration
+                                                    reaching this shard to the iteration's
+                                                    new parameters being ready on it
+                                                    (waiting for the slowest learner and
+                                                    the other shards, the commit and the
+                                                    optimizer step included); aborted
+                                                    rounds are not recorded
+==========================================  ======  ======================================
+
+A shard has no leadership: every shard reports the rounds it served; only a job's
+coordinator counts its commits. The label is ``job_id``, not ``job``: Prometheus sets ``job``
+on every scraped series (the scrape job) and would rename ours to ``exported_job``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from opentelemetry.metrics import Meter
+
+from shoal.runtime.metrics import LATENCY_BUCKETS_S, meter
+
+__all__ = ["SyncMetrics"]
+
+
+class SyncMetrics:
+    """Instruments and round timing of one shard process. No-ops (but the few dict updates)
+    when the process serves no metrics."""
+
+    def __init__(
+        self, *, clock: Callable[[], float] = time.monotonic, otel_meter: Meter | None = None
+    ) -> None:
+        m = otel_meter if otel_meter is not None else meter(__name__)
+        self._clock = clock
+        self._committed = m.create_counter(
+            "shoal_sync_iterations_committed",
+            description="Iterations committed on every shard of the job (counted by the "
+            "job's coordinator shard)",
+        )
+        self._round = m.create_histogram(
+            "shoal_sync_round_duration",
+            unit="s",
+            description="Seconds from an iteration's first gradient stream reaching this "
+            "shard to its new parameters being ready here",
+            explicit_bucket_boundaries_advisory=list(LATENCY_BUCKETS_S),
+        )
+        # (job, generation, iteration) -> when its first contribution arrived on this shard
+        self._started: dict[tuple[str, int, int], float] = {}
+
+    def round_started(self, job_id: str, generation: int, iteration: int) -> None:
+        """A gradient stream of (generation, iteration) reached this shard."""
+        self._started.setdefault((job_id, generation, iteration), self._clock())
+
+    def round_committed(self, job_id: str, generation: int, iteration: int) -> None:
+        """(generation, iteration)'s new parameters are ready on this shard."""
+        started = self._started.pop((job_id, generation, iteration), None)
+        if started is not None:
+            self._round.record(max(0.0, self._clock() - started), {"job_id": job_id})
+        self._drop(job_id, lambda g, k: k <= iteration)
+
+    def round_aborted(self, job_id: str, generation: int) -> None:
+        """Every round of ``generation`` and older of the job is dropped."""
+        self._drop(job_id, lambda g, k: g <= generation)
+
+    def iteration_committed(self, job_id: str) -> None:
+        """The coordinator delivered an iteration's commit to every shard of the job."""
+        self._committed.add(1, {"job_id": job_id})
+
+    def forget(self, job_id: str) -> None:
+        """The job was closed or reloaded on this shard."""
+        self._drop(job_id, lambda g, k: True)
+
+    def _drop(self, job_id: str, which: Callable[[int, int], bool]) -> None:
+        for key in [key for key in self._started if key[0] == job_id and which(key[1], key[2])]:
+            del self._started[key]
