@@ -62,6 +62,9 @@ def grpcurl_leader(addresses: list[str], *args: str) -> str:
     raise AssertionError(last)
 
 
+FINAL = {"JOB_STATE_COMPLETED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED"}
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0] != "Z"
@@ -143,6 +146,29 @@ def test_cluster_up_serves_the_cli_and_grpcurl_and_down_leaves_nothing(tmp_path)
             got = json.loads(shoal("-o", "json", "jobs", "get", job_id, env=env).stdout)
             assert got["spec"]["name"] == "from-grpcurl"
             shoal("jobs", "cancel", job_id, env=env)
+
+        # Collective mode through the whole stack: the scheduler starts the learners with
+        # SHOAL_SYNC_BACKEND=collective and they train in a gloo group across both hosts.
+        submitted = json.loads(
+            shoal(
+                "-o", "json", "jobs", "submit", str(ROOT / "examples" / "digits"),
+                "--name", "collective", "--sync-mode", "collective", "--epochs", "1",
+                "--min-workers", "2", "--max-workers", "2", "--batch-size", "128",
+                env=env,
+            ).stdout
+        )  # fmt: skip
+        job_id = submitted["job_id"]
+        done = wait_until(
+            lambda: (lambda j: j if j["state"] in FINAL else None)(
+                json.loads(shoal("-o", "json", "jobs", "get", job_id, env=env).stdout)
+            ),
+            timeout=240,
+            what="the collective job finished",
+        )
+        logs = shoal("jobs", "logs", job_id, env=env).stdout
+        assert done["state"] == "JOB_STATE_COMPLETED", logs[-3000:]
+        assert done["effective_sync_mode"] == "SYNC_MODE_COLLECTIVE"
+        assert "gloo group of 2 formed" in logs
     finally:
         shoal("cluster", "down", "--state-dir", str(state_dir), env=env, check=False)
     wait_until(lambda: not any(alive(p) for p in pids), timeout=30, what="no process left")

@@ -63,7 +63,7 @@ from shoal.learner.grpc_backend import GrpcBackend
 from shoal.learner.transport import TensorMeta, pack_layout
 from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
 
-__all__ = ["BACKEND_NAME", "CollectiveBackend"]
+__all__ = ["BACKEND_NAME", "CollectiveBackend", "CollectiveError"]
 
 log = logging.getLogger("shoal.learner.collective")
 
@@ -71,6 +71,10 @@ BACKEND_NAME = "collective"
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # as DistributedDataParallel's default bucket_cap_mb
 CHECKPOINT_FILE = "shard-0.safetensors"  # the parameter-sync shard file name of index 0
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the current group failed (a peer died, or the timeout passed)."""
 
 
 @dataclass
@@ -218,13 +222,12 @@ class CollectiveBackend(GrpcBackend):
             try:
                 self._form(assignment, reply.checkpoint_directory)
             except RuntimeError as exc:  # a member vanished during the rendezvous
-                log.warning("generation %d did not form: %s", assignment.generation, exc)
-                self._drop_group(failed=True)
-                self._reply = self._run(
-                    self._exchange(generation=assignment.generation, failed=True)
-                )
-                continue
-            return assignment
+                failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            else:
+                return assignment
+            log.warning("generation %d did not form: %s", assignment.generation, failure)
+            self._drop_group()
+            self._reply = self._run(self._exchange(generation=assignment.generation, failed=True))
 
     def _settle(self, completed: int, *, final: bool) -> None:
         """Apply the pending update if its iteration is among the ``completed`` ones; drop it
@@ -283,10 +286,12 @@ class CollectiveBackend(GrpcBackend):
         store.set(f"device/{a.rank}", self._device.type)
         kinds = {store.get(f"device/{r}").decode() for r in range(a.world_size)}
         use_nccl = kinds == {"cuda"} and dist.is_nccl_available()
+        # No local variable keeps the group: a failure's traceback must not keep it alive
+        # (gloo closes its sockets, which is how the peers learn, only when it is destroyed).
         if use_nccl:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self._timeout
-            pg: Any = dist.ProcessGroupNCCL(store, a.rank, a.world_size, options)
+            self._pg = dist.ProcessGroupNCCL(store, a.rank, a.world_size, options)
             self.backend_name = "nccl"
         else:
             options = dist.ProcessGroupGloo._Options()
@@ -300,9 +305,9 @@ class CollectiveBackend(GrpcBackend):
                     hostname=self._local_host(host, int(port))
                 )
             options._devices = [device]
-            pg = dist.ProcessGroupGloo(store, a.rank, a.world_size, options)
+            self._pg = dist.ProcessGroupGloo(store, a.rank, a.world_size, options)
             self.backend_name = "gloo"
-        self._pg, self._pg_generation = pg, a.generation
+        self._pg_generation = a.generation
         self._sync_state(a, restore_directory)
         seconds = time.monotonic() - started
         self.formations.append((a.generation, a.world_size, seconds))
@@ -316,17 +321,17 @@ class CollectiveBackend(GrpcBackend):
             a.step,
         )
 
-    def _drop_group(self, *, failed: bool = False) -> None:
+    def _drop_group(self) -> None:
+        """Destroy the group. For gloo that closes its sockets, so peers blocked on this
+        learner fail at once instead of at their timeout; NCCL is aborted first (a kernel may
+        still wait on the device)."""
         pg, self._pg = self._pg, None
-        if pg is None:
-            return
-        try:
-            if failed and self.backend_name == "nccl":
-                pg.abort()  # NCCL: a collective may still be stuck on the device
-            else:
-                pg.shutdown()
-        except Exception as exc:  # tearing down a broken group may fail; it is dropped anyway
-            log.debug("tearing down generation %d: %s", self._pg_generation, exc)
+        if pg is not None and self.backend_name == "nccl":
+            try:
+                pg.abort()
+            except Exception as exc:  # a broken communicator may refuse; it is dropped anyway
+                log.debug("aborting generation %d: %s", self._pg_generation, exc)
+        del pg  # the last reference (see _wait)
 
     def _comm_device(self) -> torch.device:
         return self._device if self.backend_name == "nccl" else torch.device("cpu")
@@ -337,20 +342,32 @@ class CollectiveBackend(GrpcBackend):
         opts.timeout = self._timeout
         return [self._pg.allreduce([t], opts) for t in tensors]
 
+    @staticmethod
+    def _wait(works: list[Any]) -> None:
+        """Wait for every pending collective. On failure the works (which hold the group)
+        are released before the error propagates, so that dropping the group destroys it."""
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as exc:
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        else:
+            return
+        finally:
+            works.clear()
+        raise CollectiveError(message)
+
     def _broadcast(self, tensors: Sequence[torch.Tensor], src: int) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.timeout = self._timeout
-        works = [self._pg.broadcast([t], opts) for t in tensors]
-        for w in works:
-            w.wait()
+        self._wait([self._pg.broadcast([t], opts) for t in tensors])
 
     @torch.no_grad()
     def _sync_state(self, a: Assignment, restore_directory: str) -> None:
         steps = torch.full((a.world_size,), -1, dtype=torch.int64, device=self._comm_device())
         steps[a.rank] = self._state_step
-        for w in self._allreduce([steps], dist.ReduceOp.MAX):
-            w.wait()
+        self._wait(self._allreduce([steps], dist.ReduceOp.MAX))
         holders = [r for r, s in enumerate(steps.tolist()) if s == a.step]
         if len(holders) == a.world_size:
             return  # everyone holds it already (a shrink, or an aborted iteration)
@@ -423,16 +440,20 @@ class CollectiveBackend(GrpcBackend):
             )
         try:
             grads, buffers, total, loss_sum = self._reduce(contribution)
-        except RuntimeError as exc:
+        except CollectiveError as exc:
+            failure: str | None = str(exc)
+        else:
+            failure = None
+        if failure is not None:
             log.warning(
                 "all-reduce of iteration %d (generation %d) failed: %s",
                 assignment.step,
                 assignment.generation,
-                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                failure,
             )
-            self._drop_group(failed=True)
+            self._drop_group()  # the peers still blocked on this learner fail at once
             self._reply = self._run(self._exchange(generation=assignment.generation, failed=True))
-            raise IterationAborted(f"collective failed: {exc}") from exc
+            raise IterationAborted(f"collective failed: {failure}")
         self._pending = _Pending(assignment.step, grads, buffers, lr)
         reply = self._run(
             self._exchange(
@@ -497,8 +518,7 @@ class CollectiveBackend(GrpcBackend):
             if n == 0:
                 flat_i.fill_(torch.iinfo(flat_i.dtype).min)
             works += self._allreduce([flat_i], dist.ReduceOp.MAX)
-        for w in works:
-            w.wait()
+        self._wait(works)
         total = float(meta[0])
         if total <= 0:
             raise RuntimeError("no member of the iteration had a sample")
