@@ -151,7 +151,7 @@ def test_cluster_up_serves_the_cli_and_grpcurl_and_down_leaves_nothing(tmp_path)
         # SHOAL_SYNC_BACKEND=collective and they train in a gloo group across both hosts.
         submitted = json.loads(
             shoal(
-                "-o", "json", "jobs", "submit", str(ROOT / "examples" / "digits"),
+                "-o", "json", "submit", str(ROOT / "examples" / "digits"),
                 "--name", "collective", "--sync-mode", "collective", "--epochs", "1",
                 "--min-workers", "2", "--max-workers", "2", "--batch-size", "128",
                 env=env,

@@ -126,8 +126,8 @@ def test_collective_grows_from_two_to_four_without_restarting_the_survivors(plan
     assert_matches_reference(plane.final_model(job), epochs)
     records = assert_each_iteration_recorded_once(plane, job, total)
     sizes = [r["world_size"] for r in records]
-    assert sizes[: at + 1] == [2] * (at + 1) and sizes[-1] == 4 and set(sizes) == {2, 4}, sizes
-    grown = sizes.index(4)
+    grown = sizes.index(4)  # at a boundary after the paused iteration, then 4 to the end
+    assert sizes[at] == 2 and grown > at and sizes[grown:] == [4] * (total - grown), sizes
     for name in first:
         history = assert_not_restarted(plane, name, procs[name], generations=2)
         steps = [r["step"] for r in history["history"]]
@@ -157,7 +157,8 @@ def test_collective_shrinks_from_four_to_two_without_restarting_the_survivors(pl
     assert_matches_reference(plane.final_model(job), epochs)
     records = assert_each_iteration_recorded_once(plane, job, total)
     sizes = [r["world_size"] for r in records]
-    assert sizes == [4] * (at + 1) + [2] * (total - at - 1), sizes
+    # 4 through the paused iteration (no iteration lost to the retirement), then 2.
+    assert sizes[at] == 4 and sizes[at + 1 :] == [2] * (total - at - 1), sizes
     for name in ("s0", "s1"):
         history = assert_not_restarted(plane, name, procs[name], generations=2)
         steps = [r["step"] for r in history["history"]]

@@ -1,0 +1,364 @@
+"""Collective mode against plain DistributedDataParallel, and the cost of a rescale.
+
+* **Time per iteration**, side by side on the same model (an MLP on scikit-learn's digits,
+  64 -> W -> W -> W -> 10, float32), the same global batch, world size and SGD with momentum:
+  - **shoal collective**: one parameter-sync shard process (the coordinator, hosting the
+    rendezvous store) and N learner processes running ``ElasticTrainer`` with the
+    ``"collective"`` backend (gloo). Per iteration = the median gap between consecutive
+    commits in the job's ``metrics/iterations.jsonl`` (boundary RPC included).
+  - **DDP**: N processes, ``torch.nn.parallel.DistributedDataParallel`` over a gloo group,
+    each on its share of the same global batch; per iteration = the median wall time of
+    forward, backward (with DDP's bucketed all-reduce overlapping it) and ``step`` on rank 0.
+* **Re-forming the group** in one running collective job: 2 learners, then 2 warm learners
+  join (grow 2 -> 4), then 2 are retired (shrink 4 -> 2). Reported: the time the job paused
+  (the gap between the last commit of the old generation and the first of the new one, minus
+  one normal iteration) and the group formation itself as the learners timed it (tear down,
+  rendezvous, state broadcast). torchrun restarts every worker instead; see RESULTS.
+
+    .venv/bin/python bench/bench_collective.py [--world 2 4] [--width 1024] [--iters 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+BATCH = 256
+WARMUP = 5
+ENV = {
+    **os.environ,
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "SHOAL_LOG_LEVEL": "INFO",
+}
+
+
+def build_model(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, 10),
+    )
+
+
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    return x, y
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- a shoal learner (a subprocess) ----------------------------------------------------------
+
+
+def run_learner(args: argparse.Namespace) -> int:
+    import logging
+
+    from torch.utils.data import TensorDataset
+
+    from shoal.learner import ElasticTrainer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    x, y = digits()
+    trainer = ElasticTrainer(
+        build_model(args.width),
+        lambda: (TensorDataset(x, y), None),
+        nn.CrossEntropyLoss(),
+        ("SGD", {"lr": 0.05, "momentum": 0.9}),
+        backend="collective",
+        device="cpu",
+    )
+    if args.gate:
+        print("READY", flush=True)
+        while not Path(args.gate).exists():
+            time.sleep(0.01)
+    result = trainer.train(epochs=args.epochs, batch_size=BATCH)
+    Path(args.history).write_text(
+        json.dumps({"steps": [r.step for r in result.history], "retired": result.retired})
+    )
+    return 0
+
+
+class Cluster:
+    """One shard process (insecure, loopback) and the job's learners."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.address = f"127.0.0.1:{free_port()}"
+        self.storage = tmp / "storage"
+        self.log = open(tmp / "shard.log", "w")
+        self.shard = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "shoal.param_sync",
+                "--listen",
+                self.address,
+                "--insecure-no-auth",
+                "--storage-uri",
+                self.storage.as_uri(),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=ENV,
+        )
+        assert self.shard.stdout is not None
+        for line in self.shard.stdout:
+            if line.startswith("LISTENING"):
+                break
+        else:
+            raise RuntimeError((tmp / "shard.log").read_text()[-2000:])
+        self.learners: list[subprocess.Popen] = []
+
+    def call(self, method: str, request: Any) -> Any:
+        import grpc
+
+        from shoal.v1 import parameter_sync_service_pb2_grpc as ps_grpc
+
+        with grpc.insecure_channel(self.address) as channel:
+            return getattr(ps_grpc.ParameterSyncServiceStub(channel), method)(request, timeout=30)
+
+    def open_job(self, job: str, epochs: int) -> None:
+        from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
+
+        self.call(
+            "OpenJob",
+            ps_pb2.OpenJobRequest(
+                job_id=job,
+                spec=job_pb2.JobSpec(batch_size=BATCH, epochs=epochs, seed=0),
+                storage_uri=self.storage.as_uri(),
+                shard_addresses=[self.address],
+            ),
+        )
+
+    def learner(self, job: str, name: str, epochs: int, width: int, gate: Path | None = None):
+        args = [sys.executable, __file__, "--learner", "--epochs", str(epochs)]
+        args += ["--width", str(width), "--history", str(self.tmp / f"{name}.json")]
+        if gate is not None:
+            args += ["--gate", str(gate)]
+        env = {
+            **ENV,
+            "SHOAL_JOB_ID": job,
+            "SHOAL_LEARNER_ID": name,
+            "SHOAL_COORDINATOR": self.address,
+            "SHOAL_SYNC_ENDPOINTS": self.address,
+            "SHOAL_SYNC_BACKEND": "collective",
+        }
+        out = open(self.tmp / f"{name}.log", "w")
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
+        self.learners.append(proc)
+        return proc
+
+    def records(self, job: str) -> list[dict[str, Any]]:
+        path = self.storage / "jobs" / job / "metrics" / "iterations.jsonl"
+        if not path.exists():
+            return []
+        lines = path.read_text().splitlines()
+        return sorted((json.loads(x) for x in lines if x), key=lambda r: r["global_iteration"])
+
+    def wait_records(self, job: str, count: int, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.records(job)) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{job}: fewer than {count} iterations after {timeout} s")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for p in [*self.learners, self.shard]:
+            p.kill()
+            p.wait()
+        self.log.close()
+
+
+def gaps(records: list[dict[str, Any]]) -> list[float]:
+    return [b["time"] - a["time"] for a, b in itertools.pairwise(records)]
+
+
+def bench_shoal(world: int, width: int, iters: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = Cluster(Path(tmp))
+        try:
+            job, epochs = f"per-iter-{world}", -(-(iters + WARMUP) // 6)
+            cluster.open_job(job, epochs)
+            gate = Path(tmp) / "gate"
+            procs = [cluster.learner(job, f"l{i}", epochs, width, gate) for i in range(world)]
+            for i in range(world):
+                log = Path(tmp) / f"l{i}.log"
+                while "READY" not in log.read_text():
+                    time.sleep(0.05)
+            gate.touch()
+            for p in procs:
+                if p.wait(timeout=900) != 0:
+                    raise RuntimeError((Path(tmp) / "l0.log").read_text()[-3000:])
+            records = [r for r in cluster.records(job) if r["world_size"] == world]
+            return statistics.median(gaps(records[WARMUP:]))
+        finally:
+            cluster.close()
+
+
+# -- DDP --------------------------------------------------------------------------------------
+
+
+def ddp_worker(rank: int, world: int, port: int, width: int, iters: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    model = nn.parallel.DistributedDataParallel(build_model(width))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = digits()
+    n = len(y)
+    times = []
+    for step in range(iters + WARMUP):
+        start = (step * BATCH) % (n - BATCH)
+        lo, hi = start + rank * BATCH // world, start + (rank + 1) * BATCH // world
+        began = time.perf_counter()
+        optimizer.zero_grad()
+        loss_fn(model(x[lo:hi]), y[lo:hi]).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - began)
+    if rank == 0:
+        out.put(statistics.median(times[WARMUP:]))
+    dist.destroy_process_group()
+
+
+def bench_ddp(world: int, width: int, iters: int) -> float:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=ddp_worker, args=(r, world, port, width, iters, out))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    value = out.get(timeout=600)
+    for p in procs:
+        p.join(timeout=60)
+    return float(value)
+
+
+# -- re-forming ------------------------------------------------------------------------------
+
+
+def bench_rescale(width: int) -> dict[str, Any]:
+    from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = Cluster(Path(tmp))
+        try:
+            job, epochs = "rescale", 20  # 6 iterations per epoch
+            cluster.open_job(job, epochs)
+            first = [cluster.learner(job, f"f{i}", epochs, width) for i in range(2)]
+            gate = Path(tmp) / "later.gate"
+            later = [cluster.learner(job, f"j{i}", epochs, width, gate) for i in range(2)]
+            for i in range(2):
+                log = Path(tmp) / f"j{i}.log"
+                while "READY" not in log.read_text():  # warm: imports done, model built
+                    time.sleep(0.05)
+            cluster.wait_records(job, 20)
+            gate.touch()  # grow 2 -> 4
+            cluster.wait_records(job, 45)
+            cluster.call(
+                "RetireLearners", ps_pb2.RetireLearnersRequest(job_id=job, learner_ids=["j0", "j1"])
+            )  # shrink 4 -> 2
+            for p in [*first, *later]:
+                if p.wait(timeout=900) != 0:
+                    raise RuntimeError("a learner failed; see its log")
+            records = cluster.records(job)
+            formations = {}
+            for name in ("f0", "f1", "j0", "j1"):
+                text = (Path(tmp) / f"{name}.log").read_text()
+                formations[name] = [
+                    float(line.split(" formed in ")[1].split(" s")[0])
+                    for line in text.splitlines()
+                    if " formed in " in line
+                ]
+        finally:
+            cluster.close()
+    normal = statistics.median(gaps(records))
+    out: dict[str, Any] = {"iteration_s": normal, "formations_s": formations}
+    for a, b in itertools.pairwise(records):
+        if a["world_size"] != b["world_size"]:
+            kind = "grow" if b["world_size"] > a["world_size"] else "shrink"
+            out[f"{kind}_pause_s"] = b["time"] - a["time"] - normal
+    return out
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--learner", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gate", help=argparse.SUPPRESS)
+    parser.add_argument("--history", help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--iters", type=int, default=60)
+    args = parser.parse_args()
+    if args.learner:
+        return run_learner(args)
+    params = sum(p.numel() for p in build_model(args.width).parameters())
+    print(
+        f"# {time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}; MLP 64-{args.width}x3-10 ({params:,} params, "
+        f"{params * 4 / 2**20:.1f} MiB), global batch {BATCH}"
+    )
+    print("| world | shoal collective (ms/iter) | DDP gloo (ms/iter) | ratio |")
+    print("|---|---|---|---|")
+    for world in args.world:
+        shoal = bench_shoal(world, args.width, args.iters)
+        ddp = bench_ddp(world, args.width, args.iters)
+        print(f"| {world} | {shoal * 1e3:.1f} | {ddp * 1e3:.1f} | {shoal / ddp:.2f} |", flush=True)
+    r = bench_rescale(args.width)
+    print()
+    print(f"normal iteration during the rescale run: {r['iteration_s'] * 1e3:.1f} ms")
+    print(f"grow 2 -> 4: the job paused {r.get('grow_pause_s', float('nan')):.3f} s")
+    print(f"shrink 4 -> 2: the job paused {r.get('shrink_pause_s', float('nan')):.3f} s")
+    print(f"group formations as timed by the learners (s): {json.dumps(r['formations_s'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
