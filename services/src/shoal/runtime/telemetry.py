@@ -6,12 +6,19 @@ all-in-one); otherwise spans are still created (so trace ids appear in logs and 
 not exported. Context crosses gRPC hops through the OpenTelemetry gRPC interceptors (W3C
 ``traceparent`` metadata) and into child processes through the ``TRACEPARENT`` environment
 variable (:func:`inject_env`, :func:`extract_env`).
+
+Calls that run every iteration or every poll (``Boundary``, ``SyncStep``, ``GetJobProgress``,
+heartbeats, ...) are traced only inside a trace that is already sampled (a learner's sampled
+iteration, a reconcile of a job): on their own they would start one trace each, many per
+second, and bury the traces that tell a job's story (:data:`QUIET_METHODS`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from opentelemetry import context as otel_context, trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -31,28 +38,49 @@ def setup_tracing(service_name: str, *, endpoint: str | None = None) -> object |
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service_name}), sampler=quiet_roots_sampler()
+    )
     endpoint = endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         insecure = os.environ.get("OTEL_EXPORTER_OTLP_INSECURE", "true").lower() == "true"
-        provider.add_span_processor(
-            BatchSpanProcessor(
-                OTLPSpanExporter(endpoint=endpoint, insecure=insecure),
-                schedule_delay_millis=500,
-            )
+        processor = BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=endpoint, insecure=insecure),
+            schedule_delay_millis=_schedule_delay_ms(),
         )
+        provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
     _configured["provider"] = provider
     return provider
 
 
-def shutdown_tracing() -> None:
-    """Flush and stop the exporter (call at process exit)."""
+def shutdown_tracing(timeout_s: float = 5.0) -> None:
+    """Flush and stop the exporter (call at process exit). Spans still queued are sent for at
+    most ``timeout_s`` seconds, so an unreachable collector cannot hold the exit up long."""
     provider = _configured.pop("provider", None)
     if provider is not None:
-        provider.shutdown()  # type: ignore[attr-defined]
+        _bounded(provider.shutdown, timeout_s)  # type: ignore[attr-defined]
+
+
+def _bounded(call: Callable[[], object], timeout_s: float) -> None:
+    """Run ``call`` (an exporter's flush or shutdown, which retries an unreachable collector
+    for up to OTEL_EXPORTER_OTLP_TIMEOUT) for at most ``timeout_s`` seconds."""
+    worker = threading.Thread(target=call, name="otel-shutdown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+
+
+def _schedule_delay_ms() -> float:
+    """How long finished spans wait before they are sent: ``OTEL_BSP_SCHEDULE_DELAY`` (ms),
+    else 500 ms (the SDK's default of 5 s makes traces slow to appear)."""
+    raw = os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "").strip()
+    try:
+        value = float(raw) if raw else 500.0
+    except ValueError:
+        value = 500.0
+    return value if value > 0 else 500.0
 
 
 def server_interceptors() -> list[object]:
@@ -98,3 +126,73 @@ def attach_env_context(environ: Mapping[str, str] | None = None) -> object:
 def current_trace_id() -> str:
     span = trace.get_current_span().get_span_context()
     return f"{span.trace_id:032x}" if span.is_valid else ""
+
+
+#: gRPC methods (the last part of the span name ``/package.Service/Method``) that start no
+#: trace of their own: they run every iteration or every poll. Inside a sampled trace they are
+#: traced like any other call.
+QUIET_METHODS = frozenset(
+    {
+        "Boundary",
+        "SyncStep",
+        "PullParameters",
+        "ShardReady",
+        "ResolveIteration",
+        "GetMembership",
+        "GetJobProgress",
+        "ListLearners",
+        "Heartbeat",
+        "Check",  # grpc.health.v1.Health
+        "Watch",  # grpc.health.v1.Health
+    }
+)
+
+
+def quiet_roots_sampler() -> Any:
+    """ParentBased: a span follows its parent's decision; a root span is sampled unless it is
+    a call of :data:`QUIET_METHODS`."""
+    from opentelemetry.sdk.trace.sampling import (
+        ALWAYS_OFF,
+        ALWAYS_ON,
+        ParentBased,
+        Sampler,
+        SamplingResult,
+    )
+
+    class _QuietRoots(Sampler):
+        def should_sample(  # type: ignore[no-untyped-def]
+            self,
+            parent_context,
+            trace_id,
+            name,
+            kind=None,
+            attributes=None,
+            links=None,
+            trace_state=None,
+        ) -> SamplingResult:
+            quiet = name.startswith("/") and name.rpartition("/")[2] in QUIET_METHODS
+            chosen = ALWAYS_OFF if quiet else ALWAYS_ON
+            return chosen.should_sample(
+                parent_context, trace_id, name, kind, attributes, links, trace_state
+            )
+
+        def get_description(self) -> str:
+            return "QuietRoots"
+
+    return ParentBased(root=_QuietRoots())
+
+
+def current_traceparent() -> str:
+    """The W3C traceparent of the current span ("" when there is none), to store with work
+    that continues later (a job's record keeps its submit's)."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+def context_from_traceparent(traceparent: str) -> otel_context.Context:
+    """A context whose parent is the span ``traceparent`` names; an empty context (a new
+    trace) for "" or a malformed value."""
+    if not traceparent:
+        return otel_context.Context()
+    return _PROPAGATOR.extract({"traceparent": traceparent}, context=otel_context.Context())
