@@ -31,6 +31,10 @@ SHOAL_STORAGE_URI           unset (no storage)      fsspec URI for checkpoints, 
 SHOAL_TOKEN                 unset                   Bearer token for the shoal services.
 TRACEPARENT                 unset                   W3C trace context of the span that started
                                                     this learner (OpenTelemetry).
+SHOAL_TRACE_EVERY           100                     Iterations traced: the learner's first, then
+                                                    every N-th global iteration (0: only the
+                                                    first). See ``shoal.learner.tracing``.
+OTEL_EXPORTER_OTLP_ENDPOINT unset (no tracing)      OTLP/gRPC collector for the learner's spans.
 SHOAL_EPOCHS                unset                   Job settings; when set they win over the
 SHOAL_BATCH_SIZE            unset                   script's arguments (on the cluster the job,
 SHOAL_SEED                  unset                   not the script, decides them).
@@ -45,6 +49,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "CLUSTER_DEFAULT_BACKEND",
+    "DEFAULT_TRACE_EVERY",
     "LOCAL_BACKEND",
     "LearnerEnv",
     "batch_size",
@@ -54,11 +59,13 @@ __all__ = [
     "job_id",
     "learner_id",
     "max_batch_per_device",
+    "otlp_endpoint",
     "seed",
     "storage_uri",
     "sync_backend",
     "sync_endpoints",
     "token",
+    "trace_every",
     "traceparent",
 ]
 
@@ -66,6 +73,8 @@ __all__ = [
 LOCAL_BACKEND = "local"
 #: Backend used by default on the cluster (a job id is set).
 CLUSTER_DEFAULT_BACKEND = "parameter_server"
+#: Default of SHOAL_TRACE_EVERY.
+DEFAULT_TRACE_EVERY = 100
 
 
 def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -165,6 +174,19 @@ def traceparent(environ: Mapping[str, str] | None = None) -> str | None:
     return _str("TRACEPARENT", environ)
 
 
+def trace_every(environ: Mapping[str, str] | None = None) -> int:
+    """SHOAL_TRACE_EVERY: trace the learner's first iteration and every N-th global iteration
+    (default 100; 0 traces only the first)."""
+    value = _int("SHOAL_TRACE_EVERY", environ, 0)
+    return DEFAULT_TRACE_EVERY if value is None else value
+
+
+def otlp_endpoint(environ: Mapping[str, str] | None = None) -> str | None:
+    """OTEL_EXPORTER_OTLP_ENDPOINT: where the learner sends its spans (default: nowhere, and
+    no span is made)."""
+    return _str("OTEL_EXPORTER_OTLP_ENDPOINT", environ)
+
+
 def epochs(environ: Mapping[str, str] | None = None) -> int | None:
     """SHOAL_EPOCHS: the job's number of epochs; overrides the script's (default: unset)."""
     return _int("SHOAL_EPOCHS", environ, 1)
@@ -195,6 +217,8 @@ class LearnerEnv:
     storage_uri: str | None = None
     token: str | None = None
     traceparent: str | None = None
+    trace_every: int = DEFAULT_TRACE_EVERY
+    otlp_endpoint: str | None = None
     epochs: int | None = None
     batch_size: int | None = None
     seed: int | None = None
@@ -218,6 +242,8 @@ class LearnerEnv:
             storage_uri=storage_uri(environ),
             token=token(environ),
             traceparent=traceparent(environ),
+            trace_every=trace_every(environ),
+            otlp_endpoint=otlp_endpoint(environ),
             epochs=epochs(environ),
             batch_size=batch_size(environ),
             seed=seed(environ),

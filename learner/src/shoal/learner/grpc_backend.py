@@ -52,6 +52,7 @@ from shoal.learner.backend import (
     registered_backends,
 )
 from shoal.learner.env import LearnerEnv
+from shoal.learner.tracing import trace_metadata
 from shoal.learner.transport import (
     DEFAULT_CHUNK_BYTES,
     BundleReceiver,
@@ -207,13 +208,18 @@ class GrpcBackend(SyncBackend):
     def _coordinator_stub(self) -> ps_grpc.ParameterSyncServiceStub:
         return ps_grpc.ParameterSyncServiceStub(self._channel(self.coordinator))
 
-    async def _control(self, call: Any, request: Any) -> Any:
+    def _md(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata: the token, plus the trace context when the calling thread has a span
+        recording (the join, a sampled iteration: ``shoal.learner.tracing``)."""
+        return self._metadata + trace_metadata()
+
+    async def _control(self, call: Any, request: Any, metadata: Any = None) -> Any:
         """A unary control call, retried while the coordinator is unreachable."""
         deadline = time.monotonic() + self._retry_s
         delay = 0.1
         while True:
             try:
-                return await call(request, metadata=self._metadata)
+                return await call(request, metadata=metadata or self._metadata)
             except aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE or time.monotonic() > deadline:
                     raise _translate(exc) from exc
@@ -237,7 +243,8 @@ class GrpcBackend(SyncBackend):
         self._layout, _ = pack_layout(metas)
         self._recv = [torch.empty(m.shape, dtype=m.torch_dtype) for m in self._layout]
         self._recv_bytes = [_bytes_of(t) for t in self._recv]
-        reply = self._run(self._join(setup))
+        md = self._md()
+        reply = self._run(self._join(setup, md))
         plan = setup.plan
         self._plan = TrainingPlan(
             epochs=reply.epochs,
@@ -249,20 +256,20 @@ class GrpcBackend(SyncBackend):
         )
         if reply.initialize:
             log.info("initializing job %s", self.job_id)
-            self._run(self._upload(setup))
+            self._run(self._upload(setup, md))
             return InitialState(self._plan, setup.params, setup.buffers, 0)
         # The state comes with the first assignment (the job keeps training meanwhile).
-        return InitialState(self._plan, None, None, self._run(self._completed()))
+        return InitialState(self._plan, None, None, self._run(self._completed(md)))
 
-    async def _completed(self) -> int:
+    async def _completed(self, md: Any = None) -> int:
         request = ps_pb2.GetJobProgressRequest(job_id=self.job_id)
         try:
-            reply = await self._control(self._coordinator_stub().GetJobProgress, request)
+            reply = await self._control(self._coordinator_stub().GetJobProgress, request, md)
         except Exception:  # informational only
             return 0
         return int(reply.progress.completed_iterations)
 
-    async def _join(self, setup: TrainingSetup) -> ps_pb2.JoinResponse:
+    async def _join(self, setup: TrainingSetup, md: Any = None) -> ps_pb2.JoinResponse:
         request = ps_pb2.JoinRequest(
             job_id=self.job_id,
             learner_id=self.learner_id,
@@ -274,7 +281,7 @@ class GrpcBackend(SyncBackend):
             dataset_size=setup.plan.num_samples,
             sync_mode=self.SYNC_MODE,  # type: ignore[arg-type]
         )
-        reply = await self._control(self._coordinator_stub().Join, request)
+        reply = await self._control(self._coordinator_stub().Join, request, md)
         index = {m.name: j for j, m in enumerate(self._layout)}
         self._shards = []
         for s in reply.shards:
@@ -292,7 +299,7 @@ class GrpcBackend(SyncBackend):
             )
         return reply
 
-    async def _upload(self, setup: TrainingSetup) -> None:
+    async def _upload(self, setup: TrainingSetup, md: Any = None) -> None:
         tensors = [*setup.params, *setup.buffers]
 
         async def one(shard: _Shard) -> None:
@@ -310,7 +317,9 @@ class GrpcBackend(SyncBackend):
                     yield chunk
 
             try:
-                await shard.streams["InitializeParameters"](messages(), metadata=self._metadata)
+                await shard.streams["InitializeParameters"](
+                    messages(), metadata=md or self._metadata
+                )
             except aio.AioRpcError as exc:
                 raise _translate(exc) from exc
 
@@ -318,7 +327,7 @@ class GrpcBackend(SyncBackend):
 
     # -- boundaries ---------------------------------------------------------------------------
 
-    async def _boundary(self) -> ps_pb2.BoundaryResponse:
+    async def _boundary(self, md: Any = None) -> ps_pb2.BoundaryResponse:
         generation, completed, loss_sum, n = self._report
         request = ps_pb2.BoundaryRequest(
             job_id=self.job_id,
@@ -328,10 +337,10 @@ class GrpcBackend(SyncBackend):
             loss_sum=loss_sum,
             num_samples=n,
         )
-        return await self._control(self._coordinator_stub().Boundary, request)
+        return await self._control(self._coordinator_stub().Boundary, request, md)
 
     def next_assignment(self) -> Assignment | None:
-        return self._to_assignment(self._run(self._boundary()))
+        return self._to_assignment(self._run(self._boundary(self._md())))
 
     def _to_assignment(self, reply: ps_pb2.BoundaryResponse) -> Assignment | None:
         """A RUN, RETIRE or DONE answer as the trainer's :class:`Assignment` (None: done)."""
@@ -371,18 +380,18 @@ class GrpcBackend(SyncBackend):
         setup = self._setup
         if setup is None:
             raise RuntimeError("initialize() must be called first")
-        self._run(self._pull(self._generation))
+        self._run(self._pull(self._generation, self._md()))
         n = len(setup.param_specs)
         return ModelState(self._recv[:n], self._recv[n:])
 
-    async def _pull(self, generation: int) -> None:
+    async def _pull(self, generation: int, md: Any = None) -> None:
         request = ps_pb2.PullParametersRequest(
             job_id=self.job_id, learner_id=self.learner_id, generation=generation
         )
 
         async def one(shard: _Shard) -> None:
             assert shard.streams is not None
-            call = shard.streams["PullParameters"](request, metadata=self._metadata)
+            call = shard.streams["PullParameters"](request, metadata=md or self._metadata)
             await self._receive(shard, call)
 
         try:
@@ -439,7 +448,7 @@ class GrpcBackend(SyncBackend):
                 tensors[j] = None if g is None else _cpu(g)
             for j, b in enumerate(contribution.buffers):
                 tensors[n_params + j] = _cpu(b)
-        headers = self._run(self._sync(assignment, contribution, tensors, lr))
+        headers = self._run(self._sync(assignment, contribution, tensors, lr, self._md()))
         total = headers[0].num_samples if headers else 0
         loss_sum = headers[0].loss_sum if headers else contribution.loss_sum
         self._report = (
@@ -459,6 +468,7 @@ class GrpcBackend(SyncBackend):
         contribution: Contribution,
         tensors: Sequence[torch.Tensor | None],
         lr: float | None,
+        md: Any = None,
     ) -> list[ps_pb2.TensorBundleHeader]:
         async def one(shard: _Shard) -> ps_pb2.TensorBundleHeader:
             assert shard.streams is not None
@@ -482,7 +492,7 @@ class GrpcBackend(SyncBackend):
                 for chunk in encode_chunks(metas, views, total, self._chunk_bytes):
                     yield chunk
 
-            call = shard.streams["SyncStep"](messages(), metadata=self._metadata)
+            call = shard.streams["SyncStep"](messages(), metadata=md or self._metadata)
             return await self._receive(shard, call)
 
         tasks = [asyncio.ensure_future(one(s)) for s in self._shards]

@@ -39,6 +39,7 @@ from shoal.learner.backend import (
 )
 from shoal.learner.env import LearnerEnv
 from shoal.learner.metrics import MetricsFn, classification_metrics
+from shoal.learner.tracing import LearnerTracing
 
 __all__ = [
     "DatasetsFn",
@@ -362,6 +363,7 @@ class ElasticTrainer:
         the job on the cluster (ignored standalone); ``checkpoint_every`` is in epochs (the
         backend also checkpoints at the end when it has storage)."""
         env = self.env if self.env is not None else LearnerEnv.from_environ()
+        tracing = LearnerTracing.from_env(env)  # disabled without an OTLP endpoint
         train_set, test_set = self.get_datasets()
         num_samples = len(train_set)  # type: ignore[arg-type]
         if num_samples < 1:
@@ -401,6 +403,7 @@ class ElasticTrainer:
             else create_backend(self.backend, env)
         )
         try:
+            tracing.begin_join()
             state = backend.initialize(setup)
             if state.plan.num_samples != num_samples:
                 raise ValueError(
@@ -423,33 +426,37 @@ class ElasticTrainer:
             )
             order_epoch, order = -1, torch.empty(0, dtype=torch.int64)
             epoch_start = time.monotonic()
-            while (a := backend.next_assignment()) is not None:
+            while (a := tracing.next_assignment(backend)) is not None:
                 if a.retire:
                     logger.info("retired at step %d (generation %d)", a.step, a.generation)
                     result.retired = True
                     break
                 self._check_assignment(a, plan)
                 if a.pull_parameters or not have_state:
-                    pulled = backend.pull_parameters()
-                    self._load(pulled.params, pulled.buffers)
+                    with tracing.phase("pull parameters"):
+                        pulled = backend.pull_parameters()
+                        self._load(pulled.params, pulled.buffers)
                     self._snapshot_buffers(synced_buffers)
                     have_state = True
                 if a.epoch != order_epoch:
                     order_epoch = a.epoch
                     order = partition.epoch_order(plan.num_samples, plan.seed, a.epoch)
                 start, stop = a.share
-                contribution = compute_contribution(
-                    model,
-                    self.loss_fn,
-                    train_set,
-                    order[start:stop],
-                    max_per_device=max_per_device,
-                    device=self.device,
-                )
+                with tracing.phase("compute"):
+                    contribution = compute_contribution(
+                        model,
+                        self.loss_fn,
+                        train_set,
+                        order[start:stop],
+                        max_per_device=max_per_device,
+                        device=self.device,
+                    )
                 lr = self._lr(a)
                 try:
-                    synced = backend.sync(a, contribution, lr=lr)
+                    with tracing.phase("sync"):
+                        synced = backend.sync(a, contribution, lr=lr)
                 except IterationAborted:
+                    tracing.end_iteration(aborted=True)
                     logger.warning("iteration %d aborted; waiting for it to be re-issued", a.step)
                     self._restore_buffers(synced_buffers)
                     continue
@@ -457,6 +464,7 @@ class ElasticTrainer:
                     model.zero_grad(set_to_none=True)
                 self._load(synced.params, synced.buffers)
                 self._snapshot_buffers(synced_buffers)
+                tracing.end_iteration()
                 result.history.append(
                     IterationRecord(
                         step=a.step,
@@ -495,6 +503,7 @@ class ElasticTrainer:
             else:
                 result.completed = True
         finally:
+            tracing.close()
             if owns_backend:
                 backend.close()
         result.params = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
