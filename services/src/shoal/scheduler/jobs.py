@@ -406,6 +406,8 @@ class JobRecord:
     last_shrunk_at: float | None = None
     failures: int = 0
     last_failure: str = ""
+    traceparent: str = ""
+    """W3C traceparent of the job's submit: the job's trace (``shoal.scheduler.tracing``)."""
     # Not serialized: the store revision the record was read or last written at.
     revision: int = 0
 
@@ -515,6 +517,7 @@ class JobRecord:
             "last_shrunk_at": self.last_shrunk_at,
             "failures": self.failures,
             "last_failure": self.last_failure,
+            "traceparent": self.traceparent,
         }
         return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
@@ -543,6 +546,7 @@ class JobRecord:
             last_shrunk_at=doc.get("last_shrunk_at"),
             failures=int(doc.get("failures", 0)),
             last_failure=doc.get("last_failure", ""),
+            traceparent=doc.get("traceparent", ""),
             revision=revision,
         )
 

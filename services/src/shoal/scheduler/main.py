@@ -26,6 +26,9 @@ flag                        variable                   meaning (default)
 --call-timeout              SHOAL_CALL_TIMEOUT_S       deadline of calls to other services (10)
 --learner-token             SHOAL_LEARNER_TOKEN        token given to learners (@file; default:
                                                        the service token)
+--trace-every               SHOAL_TRACE_EVERY          learners trace their first iteration and
+                                                       every N-th (0: only the first; default:
+                                                       the learners' own, 100)
 ==========================  =========================  ===========================================
 
 Without ``--etcd`` the state is kept in memory (one replica, nothing survives a restart).
@@ -93,6 +96,7 @@ class SchedulerConfig:
     finish_grace_s: float = 30.0
     call_timeout_s: float = 10.0
     learner_token: str | None = None
+    trace_every: int | None = None
 
     def __post_init__(self) -> None:
         if not self.resource_managers:
@@ -126,9 +130,10 @@ class SchedulerConfig:
             ("max_user_priority", 1, MAX_PRIORITY),
             ("history_limit", 1, 1_000_000),
             ("max_learner_failures", 1, 1_000_000),
+            ("trace_every", 0, 1 << 40),
         ):
             value = getattr(self, name)
-            if not low <= value <= high:
+            if value is not None and not low <= value <= high:
                 raise InvalidField(name, value, f"must be in {low}..{high}")
 
 
@@ -165,6 +170,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     flag("--finish-grace", "SHOAL_FINISH_GRACE_S", "30", "finished job's learners, seconds")
     flag("--call-timeout", "SHOAL_CALL_TIMEOUT_S", "10", "deadline of outgoing calls, seconds")
     flag("--learner-token", "SHOAL_LEARNER_TOKEN", "", "token for learners (@file)")
+    flag("--trace-every", "SHOAL_TRACE_EVERY", "", "learners trace every N-th iteration")
     return parser
 
 
@@ -208,6 +214,11 @@ def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         finish_grace_s=float(parse_number("finish_grace_s", ns.finish_grace, float)),
         call_timeout_s=float(parse_number("call_timeout_s", ns.call_timeout, float)),
         learner_token=_secret(ns.learner_token) or server.service_token,
+        trace_every=(
+            int(parse_number("trace_every", ns.trace_every, int))
+            if (ns.trace_every or "").strip()
+            else None
+        ),
     )
 
 
@@ -266,6 +277,7 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
             finish_grace_s=config.finish_grace_s,
             max_learner_failures=config.max_learner_failures,
             learner_token=config.learner_token,
+            trace_every=config.trace_every,
         ),
         metrics=scheduler_metrics,
     )

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 from google.protobuf.duration_pb2 import Duration
 from grpc import aio
-from opentelemetry import trace
+from opentelemetry import context as otel_context, trace
 
 from shoal.runtime import telemetry
 from shoal.runtime.channels import connect
@@ -76,6 +76,7 @@ from shoal.scheduler.placement import (
 )
 from shoal.scheduler.policy import JobDemand
 from shoal.scheduler.store import JobTable, StoreConflict
+from shoal.scheduler.tracing import RescaleTracker, job_context
 from shoal.v1 import (
     host_agent_service_pb2 as ha_pb2,
     host_agent_service_pb2_grpc,
@@ -157,6 +158,11 @@ class ReconcileConfig:
     progress_persist_s: float = 5.0
     agent_sweep_s: float = 10.0
     learner_token: str | None = None
+    rescale_poll_s: float = 0.1
+    """While a rescale waits on a coordinator (drain, join, first step), how often the job's
+    progress is polled: the precision of those phases' ends in the traces."""
+    trace_every: int | None = None
+    """SHOAL_TRACE_EVERY for the learners (None: their default)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,6 +194,7 @@ def learner_env(
     shards: Sequence[str],
     storage_uri: str,
     token: str | None,
+    trace_every: int | None = None,
 ) -> dict[str, str]:
     """The environment contract of one learner (see docs/scheduler.md and
     ``shoal.learner.env``); the job's own ``env`` first, so the contract wins."""
@@ -214,6 +221,8 @@ def learner_env(
         env["SHOAL_DATASET_URIS"] = ",".join(spec.dataset_uris)
     if token:
         env["SHOAL_TOKEN"] = token
+    if trace_every is not None:
+        env["SHOAL_TRACE_EVERY"] = str(trace_every)
     telemetry.inject_env(env)
     return env
 
@@ -526,6 +535,8 @@ class Reconciler:
         self._last_sweep = 0.0
         self._orphans_busy = False
         self.cycles = 0
+        self.rescales = RescaleTracker(clock=clock)
+        self._triggered_at: float | None = None
 
     def _reset(self) -> None:
         self.inventory = Inventory()
@@ -548,6 +559,8 @@ class Reconciler:
         if cause and cause not in self._causes:
             self._causes.append(cause)
             del self._causes[:-8]
+        if self._triggered_at is None:
+            self._triggered_at = self.clock()  # where the next decision's span begins
         self._wake.set()
 
     @property
@@ -579,6 +592,7 @@ class Reconciler:
             asyncio.create_task(self._watch_inventory(), name="scheduler-inventory"),
             asyncio.create_task(self._loop(), name="scheduler-loop"),
             asyncio.create_task(self._progress_loop(), name="scheduler-progress"),
+            asyncio.create_task(self._watch_rescales(), name="scheduler-rescales"),
         ]
         if self.registry is not None:
             loop_tasks.append(asyncio.create_task(self.registry.run(), name="scheduler-shards"))
@@ -599,6 +613,7 @@ class Reconciler:
             await asyncio.gather(*everything, return_exceptions=True)
             self._busy.clear()
             self._tasks.clear()
+            self.rescales.close_all("leadership ended")
             log.info("reconcile loop stopped")
 
     def _check_leader(self) -> None:
@@ -634,7 +649,11 @@ class Reconciler:
                 self._depose(str(exc))
                 return
             try:
-                self.cycle()
+                # A trace of its own: a cycle looks at every job (workers and rescales link it).
+                with _tracer.start_as_current_span(
+                    "scheduling cycle", context=otel_context.Context()
+                ):
+                    self.cycle()
             except Exception:
                 log.exception("reconcile cycle failed")
             now = self.clock()
@@ -649,6 +668,7 @@ class Reconciler:
         self.cycles += 1
         now = self.clock()
         causes, self._causes = self._causes, []
+        decided_from, self._triggered_at = self._triggered_at or now, None
         records = self.table.records
         hosts = self.inventory.hosts
         work: dict[str, JobWork] = {}
@@ -695,6 +715,7 @@ class Reconciler:
             if r.active
         ]
         # Placement must not see a device twice; lost learners were left out above.
+        targets_before = {r.job_id: r.job.target_workers for r in records.values()}
         decided = plan(
             demands, self.inventory.host_views(), current, self.config.placement, now=now
         )
@@ -778,7 +799,26 @@ class Reconciler:
             ):
                 w(job_id).requeue = True
 
+        # Rescales (traces only): jobs whose target changed or whose learners change.
+        self.rescales.decided(
+            [
+                (
+                    r,
+                    targets_before.get(r.job_id, 0),
+                    r.job.target_workers,
+                    bool(starts_by_job.get(r.job_id))
+                    or bool(r.job_id in work and (work[r.job_id].retires or work[r.job_id].lost)),
+                )
+                for r in records.values()
+                if r.active
+            ],
+            causes=causes,
+            decided_from=min(decided_from, now),
+            cycle=trace.get_current_span().get_span_context(),
+        )
+
         # 4. Dispatch: one worker per job at a time; backoff after transient errors.
+        dispatched = 0
         for job_id in [*work, *(j for j in starts_by_job if j not in work)]:
             target_record = records.get(job_id)
             if target_record is None or job_id in self._busy:
@@ -796,12 +836,30 @@ class Reconciler:
             self._busy[job_id] = self._spawn(
                 self._run_worker(record, jw, causes), f"scheduler-job-{job_id}"
             )
+            dispatched += 1
 
         # Exits of learners no job knows are of no use; orphans are freed by the sweep.
         known = {lid for r in records.values() for lid in r.learners}
         for learner_id in [lid for lid in self.exits if lid not in known]:
             del self.exits[learner_id]
         self._release_orphans(known)
+        self.rescales.check_all(records)
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "shoal.cycle": self.cycles,
+                    "shoal.cycle.causes": causes,
+                    "shoal.cycle.jobs": len(records),
+                    "shoal.cycle.jobs_active": len(demands),
+                    "shoal.cycle.jobs_queued": len(decided.queue),
+                    "shoal.cycle.starts": len(decided.starts),
+                    "shoal.cycle.retires": len(decided.retires),
+                    "shoal.cycle.jobs_with_work": len(work),
+                    "shoal.cycle.workers_dispatched": dispatched,
+                    "shoal.cycle.rescales_open": len(self.rescales.open),
+                }
+            )
 
     def _view(self, record: JobRecord, lr: LearnerRecord, *, retiring: bool) -> LearnerView:
         return LearnerView(lr.learner_id, record.job_id, lr.host_id, lr.device_id, retiring)
@@ -858,10 +916,15 @@ class Reconciler:
         before = record.workers()
         try:
             self._check_leader()
-            # One trace per worker run: it reaches the peers through the gRPC interceptors
-            # and the learners through TRACEPARENT.
+            # In the job's trace (its submit), linked to the cycle that dispatched it: it
+            # reaches the peers through the gRPC interceptors and the learners through
+            # TRACEPARENT.
+            cycle = trace.get_current_span().get_span_context()
             with _tracer.start_as_current_span(
-                "reconcile job", attributes={"shoal.job_id": job_id}
+                "reconcile job",
+                context=job_context(record),
+                attributes={"shoal.job_id": job_id},
+                links=[trace.Link(cycle)] if cycle.is_valid else None,
             ):
                 await self._work(record, work, causes)
             self._backoff.pop(job_id, None)
@@ -942,17 +1005,21 @@ class Reconciler:
             await self._process_lost(record, work.lost)
             dirty = False
         if work.retires and record.active:
-            await self._retire(record, work.retires)
+            with self.rescales.phase(record.job_id, "drain", work.retires):
+                await self._retire(record, work.retires)
             dirty = False
         if work.stops:
             await self._stop(record, work.stops)
             dirty = False
         if work.restarts and record.active:
-            await self._start_learners(
-                record, [record.learners[lid] for lid in work.restarts if lid in record.learners]
-            )
+            with self.rescales.phase(record.job_id, "start", work.restarts):
+                await self._start_learners(
+                    record,
+                    [record.learners[lid] for lid in work.restarts if lid in record.learners],
+                )
         if work.starts:
-            await self._grow(record, work.starts)
+            with self.rescales.phase(record.job_id, "start", [lr.learner_id for lr in work.starts]):
+                await self._grow(record, work.starts)
             dirty = False
         if work.finish:
             await self._finish(record)
@@ -1014,6 +1081,8 @@ class Reconciler:
                 continue
             leaving = lr.phase in LEAVING or not record.active
             why = learner.exit_reason or f"exit code {learner.exit_code}"
+            ended = learner.end_time.seconds + learner.end_time.nanos / 1e9
+            self.rescales.exited(record.job_id, lr.learner_id, ended or None)
             if learner.exit_code != 0 and record.active:
                 await self._evict(record, lr.learner_id, f"exited: {why}")
             if not leaving:
@@ -1021,7 +1090,8 @@ class Reconciler:
                     check_done = True
                 else:
                     failures.append(f"learner {lr.learner_id} on host {lr.host_id} failed: {why}")
-            await self._release([lr.allocation_id])
+            with self.rescales.phase(record.job_id, "device free", [lr.learner_id]):
+                await self._release([lr.allocation_id])
             record.forget_learner(lr.learner_id, exit_code=learner.exit_code, reason=why, now=now)
             self.exits.pop(learner.learner_id, None)
         if failures:
@@ -1050,7 +1120,9 @@ class Reconciler:
                 continue
             if record.active and lr.phase is not LearnerPhase.PENDING:
                 await self._evict(record, learner_id, why)
-            await self._release([lr.allocation_id])
+            self.rescales.lost(record.job_id, learner_id)
+            with self.rescales.phase(record.job_id, "device free", [learner_id]):
+                await self._release([lr.allocation_id])
             record.forget_learner(learner_id, exit_code=None, reason=why, now=now)
             self.exits.pop(learner_id, None)
         await self.table.save(record)
@@ -1251,6 +1323,7 @@ class Reconciler:
                     shards=self.shards(),
                     storage_uri=storage_uri,
                     token=token,
+                    trace_every=self.config.trace_every,
                 ),
                 allocation_id=lr.allocation_id,
                 fencing_token=self._token,
@@ -1323,6 +1396,9 @@ class Reconciler:
         self.members[record.job_id] = tuple(response.member_learner_ids)
         if self.metrics is not None and response.HasField("progress"):
             self.metrics.world_size(record.job_id, response.progress.world_size, self.clock())
+        self.rescales.observe(
+            record, response.member_learner_ids, response.progress.completed_iterations
+        )
         if response.HasField("progress") and response.progress != record.job.progress:
             if response.progress.completed_iterations > record.job.progress.completed_iterations:
                 record.failures = 0
@@ -1393,6 +1469,25 @@ class Reconciler:
             if running:
                 await asyncio.gather(*(poll(r) for r in running))
             await asyncio.sleep(self.config.resync_interval_s)
+
+    async def _watch_rescales(self) -> None:
+        """While a rescale waits on a coordinator (a drain, a join, a first step), poll its
+        job's progress every ``rescale_poll_s``: the phases end within that of the event."""
+
+        async def poll(record: JobRecord) -> None:
+            try:
+                await self._poll_progress(record)
+            except (grpc.aio.AioRpcError, Unavailable, TimeoutError) as exc:
+                log.debug("progress of %s: %s", record.job_id, _describe(exc))
+            except (NotLeader, FencedOutByPeer) as exc:
+                self._depose(str(exc))
+
+        while True:
+            await asyncio.sleep(self.config.rescale_poll_s)
+            waiting = [self.table.records.get(job_id) for job_id in self.rescales.awaiting()]
+            records = [r for r in waiting if r is not None and r.opened]
+            if records:
+                await asyncio.gather(*(poll(r) for r in records))
 
     # -- inventory watch ------------------------------------------------------------------------
 

@@ -24,7 +24,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
+from shoal.runtime import telemetry
 from shoal.runtime.auth import USERS_AND_SERVICES, MethodRoles, Principal, current_principal
 from shoal.runtime.errors import (
     DEFAULT_TABLE,
@@ -169,6 +171,9 @@ class JobApi:
             request_id=request_id,
             now=self.clock(),
         )
+        # The job's trace is its submit's: the scheduler's later work for it continues it.
+        record.traceparent = telemetry.current_traceparent()
+        trace.get_current_span().set_attribute("shoal.job_id", record.job_id)
         created = await self.table.create(record)
         return record if created else None
 
