@@ -21,10 +21,10 @@ services has them). The spans belong to service ``learner`` and continue the tra
 ``learner retire`` / ``learner finish``
     the last boundary, which answered RETIRE or DONE.
 
-Without an endpoint nothing is installed and :class:`LearnerTracing` is disabled: each
-iteration costs one attribute check. Spans are sent every 500 ms and flushed at exit (for at most
-3 s); a learner killed with SIGKILL, or with SIGTERM while the script keeps Python's default
-handler, loses the spans it had not sent.
+Without an endpoint nothing is installed and :class:`LearnerTracing` is disabled: an iteration
+costs a few function calls (about 1.5 us), no clock read and no span. Spans are sent every
+500 ms and flushed at exit (for at most 3 s); a learner killed with SIGKILL, or with SIGTERM
+while the script keeps Python's default handler, loses the spans it had not sent.
 """
 
 from __future__ import annotations
@@ -60,12 +60,15 @@ FLUSH_TIMEOUT_MS = 3000
 _PROPAGATOR = TraceContextTextMapPropagator()
 _IMPORTED_NS = time.time_ns()
 _installed: dict[str, Any] = {}
+_active: dict[str, bool] = {}  # set once a LearnerTracing that traces exists in this process
+_NOTHING = contextlib.nullcontext()
 
 
 def trace_metadata() -> tuple[tuple[str, str], ...]:
     """gRPC metadata carrying the current span (``traceparent``), or nothing when no span is
-    recording in this thread (the common, unsampled case: one context lookup)."""
-    if not trace.get_current_span().is_recording():
+    recording in this thread (the common, unsampled case: one context lookup; none when the
+    learner does not trace)."""
+    if not _active or not trace.get_current_span().is_recording():
         return ()
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier)
@@ -154,6 +157,8 @@ class LearnerTracing:
     ) -> None:
         self.tracer = tracer
         self.enabled = tracer is not None
+        if self.enabled:
+            _active["yes"] = True
         self.parent = parent if parent is not None else otel_context.Context()
         self.every = every
         self.started_ns = started_ns if started_ns is not None else time.time_ns()
@@ -265,7 +270,7 @@ class LearnerTracing:
         """A child span of the sampled iteration, current while the block runs (so a
         backend's calls carry it); nothing when the iteration is not sampled."""
         if self._iteration is None or self.tracer is None:
-            return contextlib.nullcontext()
+            return _NOTHING
         return self.tracer.start_as_current_span(
             name, context=trace.set_span_in_context(self._iteration)
         )
