@@ -247,3 +247,24 @@ def test_the_job_context_continues_the_submit_and_a_record_without_one_starts_a_
     job.traceparent = ""
     assert not trace.get_current_span(job_context(job)).get_span_context().is_valid
     assert not trace.get_current_span(telemetry.context_from_traceparent("junk")).is_recording()
+
+
+def test_the_scheduler_passes_its_iteration_sampling_on_to_the_learners() -> None:
+    from shoal.runtime.errors import InvalidField
+    from shoal.scheduler.main import build_parser, config_from_args
+    from shoal.scheduler.reconcile import learner_env
+
+    args = ["--insecure-no-auth", "--resource-managers", "a:1", "--sync-shards", "b:2"]
+    assert config_from_args(build_parser({}).parse_args(args)).trace_every is None
+    ns = build_parser({"SHOAL_TRACE_EVERY": "7"}).parse_args(args)
+    assert config_from_args(ns).trace_every == 7
+    ns = build_parser({}).parse_args([*args, "--trace-every", "-1"])
+    with pytest.raises(InvalidField, match=r"trace_every \(-1\) must be in 0\.\."):
+        config_from_args(ns)
+    job = record("job-1", {}, 1)
+    env = learner_env(job, "job-1-l1", shards=["s:1"], storage_uri="file:///s", token=None)
+    assert "SHOAL_TRACE_EVERY" not in env
+    env = learner_env(
+        job, "job-1-l1", shards=["s:1"], storage_uri="file:///s", token=None, trace_every=7
+    )
+    assert env["SHOAL_TRACE_EVERY"] == "7"
