@@ -268,3 +268,26 @@ def test_the_scheduler_passes_its_iteration_sampling_on_to_the_learners() -> Non
         job, "job-1-l1", shards=["s:1"], storage_uri="file:///s", token=None, trace_every=7
     )
     assert env["SHOAL_TRACE_EVERY"] == "7"
+
+
+def test_a_failing_tracer_never_breaks_the_work_it_traces(
+    exporter: InMemorySpanExporter, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Broken:
+        def start_span(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("exporter bug")
+
+    tracker = RescaleTracker(Broken(), clock=clock)  # type: ignore[arg-type]
+    job = record("job-1", {"l1": LearnerPhase.RUNNING}, target=2)
+    tracker.decided([(job, 1, 2, True)], causes=[], decided_from=clock.now)  # logged only
+    assert "rescale tracing failed in decided" in caplog.text
+    ran = []
+    with tracker.phase("job-1", "start", ["l2"]):
+        ran.append(True)
+    assert ran == [True]
+
+    good = RescaleTracker(TracerProvider().get_tracer("t"), clock=clock)
+    good.decided([(job, 1, 2, True)], causes=[], decided_from=clock.now)
+    with pytest.raises(ValueError, match="the call failed"):
+        with good.phase("job-1", "start", ["l2"]):
+            raise ValueError("the call failed")  # what the block raises goes through

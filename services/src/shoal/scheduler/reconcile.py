@@ -1471,21 +1471,27 @@ class Reconciler:
             await asyncio.sleep(self.config.resync_interval_s)
 
     async def _watch_rescales(self) -> None:
-        """While a rescale waits on a coordinator (a drain, a join, a first step), poll its
-        job's progress every ``rescale_poll_s``: the phases end within that of the event."""
+        """While a rescale waits on a coordinator (a drain, a join, a first step), ask it for
+        the job's membership every ``rescale_poll_s``: the phases end within that of the
+        event. For the traces only: nothing here changes a job (``_poll_progress`` does)."""
 
         async def poll(record: JobRecord) -> None:
             try:
-                await self._poll_progress(record)
-            except (grpc.aio.AioRpcError, Unavailable, TimeoutError) as exc:
-                log.debug("progress of %s: %s", record.job_id, _describe(exc))
-            except (NotLeader, FencedOutByPeer) as exc:
-                self._depose(str(exc))
+                response = await self.peers.shard(record.coordinator_address).GetJobProgress(
+                    ps_pb2.GetJobProgressRequest(job_id=record.job_id),
+                    timeout=self.config.call_timeout_s,
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.debug("membership of %s: %s", record.job_id, _describe(exc))
+                return
+            self.rescales.observe(
+                record, response.member_learner_ids, response.progress.completed_iterations
+            )
 
         while True:
             await asyncio.sleep(self.config.rescale_poll_s)
             waiting = [self.table.records.get(job_id) for job_id in self.rescales.awaiting()]
-            records = [r for r in waiting if r is not None and r.opened]
+            records = [r for r in waiting if r is not None and r.opened and r.coordinator_address]
             if records:
                 await asyncio.gather(*(poll(r) for r in records))
 

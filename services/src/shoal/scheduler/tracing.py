@@ -44,10 +44,12 @@ Pure bookkeeping over an OpenTelemetry tracer: no gRPC, no I/O, an injected cloc
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from opentelemetry import context as otel_context, trace
 from opentelemetry.trace import Link, Span, Status, StatusCode
@@ -62,15 +64,34 @@ __all__ = [
     "job_context",
 ]
 
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
 #: The phases of a rescale, in the order they happen.
 PHASES = ("decision", "drain", "retire", "device free", "start", "join", "first step")
 
 _SETTLED = frozenset({LearnerPhase.RUNNING})
+_NOTHING = contextlib.nullcontext()
 
 
 def job_context(record: JobRecord) -> otel_context.Context:
     """The context of the job's trace (its submit); a new trace for a record without one."""
     return context_from_traceparent(record.traceparent)
+
+
+def _guarded(method: F) -> F:
+    """Tracing never breaks scheduling: a failure of the tracker is logged and swallowed."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception:
+            log.exception("rescale tracing failed in %s", method.__name__)
+            return None
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _ns(seconds: float) -> int:
@@ -154,6 +175,7 @@ class RescaleTracker:
 
     # -- decisions ------------------------------------------------------------------------------
 
+    @_guarded
     def decided(
         self,
         changes: Iterable[tuple[JobRecord, int, int, bool]],
@@ -225,21 +247,48 @@ class RescaleTracker:
         self, job_id: str, name: str, learner_ids: Sequence[str]
     ) -> contextlib.AbstractContextManager[Any]:
         """Run the calls of phase ``name`` ("drain", "device free" or "start") for
-        ``learner_ids`` inside its span; nothing when the job has no rescale in progress."""
-        rescale = self.open.get(job_id)
-        if rescale is None or not learner_ids:
-            return contextlib.nullcontext()
-        if name == "drain":
-            return self._drain(rescale, learner_ids)
-        if name == "device free":
-            ids = [lid for lid in learner_ids if lid in rescale.leaving]
-            return self._device_free(rescale, ids) if ids else contextlib.nullcontext()
-        if name == "start":
-            return self._start(rescale, learner_ids)
-        raise ValueError(f"phase ({name!r}) must be drain, device free or start")
+        ``learner_ids`` inside its span; nothing when the job has no rescale in progress.
+        What the block raises goes through (recorded on the span); the tracker's own failures
+        never do."""
+        if name not in ("drain", "device free", "start"):
+            raise ValueError(f"phase ({name!r}) must be drain, device free or start")
+        try:
+            rescale = self.open.get(job_id)
+            if rescale is None or not learner_ids:
+                return _NOTHING
+            if name == "drain":
+                span, done = self._begin_drain(rescale, learner_ids), None
+            elif name == "device free":
+                ids = [lid for lid in learner_ids if lid in rescale.leaving]
+                if not ids:
+                    return _NOTHING
+                span, done = self._begin_device_free(rescale, ids), self._end_device_free
+            else:
+                span, done = self._begin_start(rescale, learner_ids), self._end_start
+        except Exception:
+            log.exception("rescale tracing of job %s failed (%s)", job_id, name)
+            return _NOTHING
+        return self._scope(span, rescale, learner_ids, done)
 
     @contextlib.contextmanager
-    def _drain(self, rescale: Rescale, learner_ids: Sequence[str]) -> Iterator[None]:
+    def _scope(
+        self,
+        span: Span,
+        rescale: Rescale,
+        learner_ids: Sequence[str],
+        done: Callable[[Span, Rescale, Sequence[str]], None] | None,
+    ) -> Iterator[None]:
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                yield
+        finally:
+            if done is not None:
+                try:
+                    done(span, rescale, learner_ids)
+                except Exception:
+                    log.exception("rescale tracing of job %s failed", rescale.job_id)
+
+    def _begin_drain(self, rescale: Rescale, learner_ids: Sequence[str]) -> Span:
         now = self.clock()
         for lid in learner_ids:
             leaving = rescale.leaving.setdefault(lid, _Leaving())
@@ -254,11 +303,9 @@ class RescaleTracker:
             )
             rescale.retire_emitted = False
         rescale.drain.set_attribute("shoal.learner_ids", sorted(rescale.leaving))
-        with trace.use_span(rescale.drain, end_on_exit=False):
-            yield
+        return rescale.drain  # it ends when the coordinator no longer lists them
 
-    @contextlib.contextmanager
-    def _device_free(self, rescale: Rescale, learner_ids: Sequence[str]) -> Iterator[None]:
+    def _begin_device_free(self, rescale: Rescale, learner_ids: Sequence[str]) -> Span:
         now = self.clock()
         if rescale.device_free is None:
             # From the exit the scheduler is now told about: the report's way is part of it.
@@ -270,47 +317,45 @@ class RescaleTracker:
                 start_time=_ns(min(begin, now)),
                 attributes={"shoal.job_id": rescale.job_id},
             )
-        span = rescale.device_free
-        try:
-            with trace.use_span(span, end_on_exit=False):
-                yield
-        finally:
-            end = self.clock()
-            for lid in learner_ids:
-                rescale.leaving[lid].released = end
-            span.set_attribute(
-                "shoal.learner_ids",
-                sorted(lid for lid, lv in rescale.leaving.items() if lv.released is not None),
-            )
-            if all(lv.released is not None for lv in rescale.leaving.values()):
-                span.end(end_time=_ns(end))
-                rescale.device_free = None
-                rescale.last_end = max(rescale.last_end, end)
+        return rescale.device_free
 
-    @contextlib.contextmanager
-    def _start(self, rescale: Rescale, learner_ids: Sequence[str]) -> Iterator[None]:
-        begin = self.clock()
+    def _end_device_free(self, span: Span, rescale: Rescale, learner_ids: Sequence[str]) -> None:
+        end = self.clock()
+        for lid in learner_ids:
+            rescale.leaving[lid].released = end
+        span.set_attribute(
+            "shoal.learner_ids",
+            sorted(lid for lid, lv in rescale.leaving.items() if lv.released is not None),
+        )
+        if rescale.device_free is span and all(
+            lv.released is not None for lv in rescale.leaving.values()
+        ):
+            span.end(end_time=_ns(end))
+            rescale.device_free = None
+            rescale.last_end = max(rescale.last_end, end)
+
+    def _begin_start(self, rescale: Rescale, learner_ids: Sequence[str]) -> Span:
         for lid in learner_ids:
             rescale.joining.setdefault(lid, _Joining())
         rescale.join_emitted = rescale.step_emitted = False
-        span = self.tracer.start_span(
+        return self.tracer.start_span(
             "start",
             context=rescale.context,
-            start_time=_ns(begin),
+            start_time=_ns(self.clock()),
             attributes={"shoal.job_id": rescale.job_id, "shoal.learner_ids": list(learner_ids)},
         )
-        try:
-            with trace.use_span(span, end_on_exit=False, record_exception=True):
-                yield
-        finally:
-            end = self.clock()
-            for lid in learner_ids:
+
+    def _end_start(self, span: Span, rescale: Rescale, learner_ids: Sequence[str]) -> None:
+        end = self.clock()
+        for lid in learner_ids:
+            if lid in rescale.joining:
                 rescale.joining[lid].started = end
-            span.end(end_time=_ns(end))
-            rescale.last_end = max(rescale.last_end, end)
+        span.end(end_time=_ns(end))
+        rescale.last_end = max(rescale.last_end, end)
 
     # -- observations ---------------------------------------------------------------------------
 
+    @_guarded
     def exited(self, job_id: str, learner_id: str, end_time: float | None) -> None:
         """The agent reported the learner's exit (``end_time``: when the process ended)."""
         rescale = self.open.get(job_id)
@@ -332,6 +377,7 @@ class RescaleTracker:
             leaving.drained = exited
         self._progress(rescale)
 
+    @_guarded
     def lost(self, job_id: str, learner_id: str) -> None:
         """The learner is gone without an exit (its host was lost): it leaves at once."""
         rescale = self.open.get(job_id)
@@ -345,6 +391,7 @@ class RescaleTracker:
         leaving.exited = leaving.exited or now
         self._progress(rescale)
 
+    @_guarded
     def observe(self, record: JobRecord, members: Sequence[str], completed: int) -> None:
         """What the coordinator said: the members of the job's current generation and its
         completed iterations."""
@@ -437,6 +484,7 @@ class RescaleTracker:
 
     # -- completion -----------------------------------------------------------------------------
 
+    @_guarded
     def check(self, record: JobRecord) -> None:
         """End the job's rescale if it has settled (or the job is no longer active, or the
         rescale timed out)."""
@@ -463,6 +511,7 @@ class RescaleTracker:
         if leaving_done and joining_done and settled and rescale.drain is None:
             self._close(rescale, "completed", end=max(rescale.last_end, rescale.opened_at))
 
+    @_guarded
     def check_all(self, records: dict[str, JobRecord]) -> None:
         """:meth:`check` every open rescale; a job that is gone ends its rescale."""
         for job_id in list(self.open):
@@ -472,6 +521,7 @@ class RescaleTracker:
             else:
                 self.check(record)
 
+    @_guarded
     def close_all(self, outcome: str) -> None:
         """End every open rescale (leadership ended)."""
         for rescale in list(self.open.values()):
