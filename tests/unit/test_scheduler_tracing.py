@@ -291,3 +291,25 @@ def test_a_failing_tracer_never_breaks_the_work_it_traces(
     with pytest.raises(ValueError, match="the call failed"):
         with good.phase("job-1", "start", ["l2"]):
             raise ValueError("the call failed")  # what the block raises goes through
+
+
+def test_the_scheduler_passes_the_collective_timeout_on_to_the_learners() -> None:
+    from shoal.runtime.errors import InvalidField
+    from shoal.scheduler.main import build_parser, config_from_args
+    from shoal.scheduler.reconcile import learner_env
+
+    args = ["--insecure-no-auth", "--resource-managers", "a:1", "--sync-shards", "b:2"]
+    assert config_from_args(build_parser({}).parse_args(args)).collective_timeout_s is None
+    ns = build_parser({"SHOAL_COLLECTIVE_TIMEOUT_S": "12.5"}).parse_args(args)
+    assert config_from_args(ns).collective_timeout_s == 12.5
+    ns = build_parser({}).parse_args([*args, "--collective-timeout", "0"])
+    with pytest.raises(InvalidField, match=r"collective_timeout_s \(0\.0\) must be in 1\.\."):
+        config_from_args(ns)
+    job = record("job-1", {}, 1)
+    env = learner_env(job, "job-1-l1", shards=["s:1"], storage_uri="file:///s", token=None)
+    assert "SHOAL_COLLECTIVE_TIMEOUT_S" not in env
+    env = learner_env(
+        job, "job-1-l1", shards=["s:1"], storage_uri="file:///s", token=None,
+        collective_timeout_s=12.5,
+    )  # fmt: skip
+    assert env["SHOAL_COLLECTIVE_TIMEOUT_S"] == "12.5"

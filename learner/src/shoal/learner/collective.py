@@ -151,7 +151,8 @@ class CollectiveBackend(GrpcBackend):
         self._optimizer = setup.optimizer.create(self._params)
         if self._params:
             self._device = self._params[0].device
-        reply = self._run(self._join(setup))
+        md = self._md()  # the trace context of the join span, when tracing
+        reply = self._run(self._join(setup, md))
         if not reply.rendezvous_address:
             raise RuntimeError(
                 f"coordinator {self.coordinator} gave no rendezvous address for job "
@@ -171,7 +172,7 @@ class CollectiveBackend(GrpcBackend):
             log.info("initializing job %s (collective)", self.job_id)
             self._state_step = 0
             return InitialState(self._plan, self._params, self._buffers, 0)
-        return InitialState(self._plan, None, None, self._run(self._completed()))
+        return InitialState(self._plan, None, None, self._run(self._completed(md)))
 
     # -- boundaries ---------------------------------------------------------------------------
 
@@ -183,6 +184,7 @@ class CollectiveBackend(GrpcBackend):
         loss_sum: float = 0.0,
         n: int = 0,
         failed: bool = False,
+        md: Any = None,
     ) -> ps_pb2.BoundaryResponse:
         """One Boundary, then any CHECKPOINT it asks for (written, reported), until the
         coordinator answers RUN, RETIRE or DONE."""
@@ -196,7 +198,7 @@ class CollectiveBackend(GrpcBackend):
             iteration_failed=failed,
         )
         while True:
-            reply = await self._control(self._coordinator_stub().Boundary, request)
+            reply = await self._control(self._coordinator_stub().Boundary, request, md)
             if reply.action != ps_pb2.BOUNDARY_ACTION_CHECKPOINT:
                 return reply
             report = await self._loop.run_in_executor(None, self._write_checkpoint, reply)
@@ -211,7 +213,9 @@ class CollectiveBackend(GrpcBackend):
     def next_assignment(self) -> Assignment | None:
         self._require_plan()
         while True:
-            reply = self._reply if self._reply is not None else self._run(self._exchange())
+            reply = (
+                self._reply if self._reply is not None else self._run(self._exchange(md=self._md()))
+            )
             self._reply = None
             self._settle(reply.completed_iterations, final=True)
             assignment = self._to_assignment(reply)
@@ -222,12 +226,14 @@ class CollectiveBackend(GrpcBackend):
             try:
                 self._form(assignment, reply.checkpoint_directory)
             except RuntimeError as exc:  # a member vanished during the rendezvous
-                failure = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                failure = _first_line(exc)
             else:
                 return assignment
             log.warning("generation %d did not form: %s", assignment.generation, failure)
             self._drop_group()
-            self._reply = self._run(self._exchange(generation=assignment.generation, failed=True))
+            self._reply = self._run(
+                self._exchange(generation=assignment.generation, failed=True, md=self._md())
+            )
 
     def _settle(self, completed: int, *, final: bool) -> None:
         """Apply the pending update if its iteration is among the ``completed`` ones; drop it
@@ -350,7 +356,7 @@ class CollectiveBackend(GrpcBackend):
             for w in works:
                 w.wait()
         except RuntimeError as exc:
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            message = _first_line(exc)
         else:
             return
         finally:
@@ -452,7 +458,9 @@ class CollectiveBackend(GrpcBackend):
                 failure,
             )
             self._drop_group()  # the peers still blocked on this learner fail at once
-            self._reply = self._run(self._exchange(generation=assignment.generation, failed=True))
+            self._reply = self._run(
+                self._exchange(generation=assignment.generation, failed=True, md=self._md())
+            )
             raise IterationAborted(f"collective failed: {failure}")
         self._pending = _Pending(assignment.step, grads, buffers, lr)
         reply = self._run(
@@ -461,6 +469,7 @@ class CollectiveBackend(GrpcBackend):
                 completed=assignment.step,
                 loss_sum=contribution.loss_sum,
                 n=contribution.n_samples,
+                md=self._md(),
             )
         )
         self._settle(reply.completed_iterations, final=True)
@@ -657,6 +666,11 @@ class CollectiveBackend(GrpcBackend):
         self._drop_group()
         self._store = None
         super().close()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[int]]:

@@ -29,6 +29,8 @@ flag                        variable                   meaning (default)
 --trace-every               SHOAL_TRACE_EVERY          learners trace their first iteration and
                                                        every N-th (0: only the first; default:
                                                        the learners' own, 100)
+--collective-timeout        SHOAL_COLLECTIVE_TIMEOUT_S collective-mode learners abort a collective
+                                                       after, s (default: the learners' own, 30)
 ==========================  =========================  ===========================================
 
 Without ``--etcd`` the state is kept in memory (one replica, nothing survives a restart).
@@ -97,6 +99,7 @@ class SchedulerConfig:
     call_timeout_s: float = 10.0
     learner_token: str | None = None
     trace_every: int | None = None
+    collective_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.resource_managers:
@@ -121,9 +124,10 @@ class SchedulerConfig:
             ("retire_timeout_s", 1.0, 86400.0),
             ("finish_grace_s", 0.0, 86400.0),
             ("call_timeout_s", 0.1, 600.0),
+            ("collective_timeout_s", 1.0, 3600.0),
         ):
             value = getattr(self, name)
-            if not low <= value <= high:
+            if value is not None and not low <= value <= high:
                 raise InvalidField(name, value, f"must be in {low:g}..{high:g}")
         for name, low, high in (
             ("max_artifact_bytes", 1, 1 << 40),
@@ -171,6 +175,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     flag("--call-timeout", "SHOAL_CALL_TIMEOUT_S", "10", "deadline of outgoing calls, seconds")
     flag("--learner-token", "SHOAL_LEARNER_TOKEN", "", "token for learners (@file)")
     flag("--trace-every", "SHOAL_TRACE_EVERY", "", "learners trace every N-th iteration")
+    flag(
+        "--collective-timeout",
+        "SHOAL_COLLECTIVE_TIMEOUT_S",
+        "",
+        "collective-mode learners abort a collective after, seconds",
+    )
     return parser
 
 
@@ -217,6 +227,11 @@ def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         trace_every=(
             int(parse_number("trace_every", ns.trace_every, int))
             if (ns.trace_every or "").strip()
+            else None
+        ),
+        collective_timeout_s=(
+            float(parse_number("collective_timeout_s", ns.collective_timeout, float))
+            if (ns.collective_timeout or "").strip()
             else None
         ),
     )
@@ -278,6 +293,7 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
             max_learner_failures=config.max_learner_failures,
             learner_token=config.learner_token,
             trace_every=config.trace_every,
+            collective_timeout_s=config.collective_timeout_s,
         ),
         metrics=scheduler_metrics,
     )

@@ -163,6 +163,8 @@ class ReconcileConfig:
     progress is polled: the precision of those phases' ends in the traces."""
     trace_every: int | None = None
     """SHOAL_TRACE_EVERY for the learners (None: their default)."""
+    collective_timeout_s: float | None = None
+    """SHOAL_COLLECTIVE_TIMEOUT_S for the learners (None: their default)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,6 +197,7 @@ def learner_env(
     storage_uri: str,
     token: str | None,
     trace_every: int | None = None,
+    collective_timeout_s: float | None = None,
 ) -> dict[str, str]:
     """The environment contract of one learner (see docs/scheduler.md and
     ``shoal.learner.env``); the job's own ``env`` first, so the contract wins."""
@@ -223,6 +226,8 @@ def learner_env(
         env["SHOAL_TOKEN"] = token
     if trace_every is not None:
         env["SHOAL_TRACE_EVERY"] = str(trace_every)
+    if collective_timeout_s is not None:
+        env["SHOAL_COLLECTIVE_TIMEOUT_S"] = f"{collective_timeout_s:g}"
     telemetry.inject_env(env)
     return env
 
@@ -1324,6 +1329,7 @@ class Reconciler:
                     storage_uri=storage_uri,
                     token=token,
                     trace_every=self.config.trace_every,
+                    collective_timeout_s=self.config.collective_timeout_s,
                 ),
                 allocation_id=lr.allocation_id,
                 fencing_token=self._token,
