@@ -167,6 +167,31 @@ def test_collective_shrinks_from_four_to_two_without_restarting_the_survivors(pl
 
 
 @pytest.mark.slow
+def test_collective_job_retired_to_zero_is_checkpointed_first_and_goes_on(plane: DataPlane):
+    """A preemption to zero learners: the leaving learners hold the only copy of the state,
+    so the coordinator has one of them checkpoint it before they go; the next learners
+    restore it. Nothing is lost."""
+    job, epochs, at = "c-zero", 2, 8
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    procs, release, _ = rescale(plane, job, ["z0", "z1"], [], at)
+    plane.retire(job, "z0", "z1")
+    release.touch()
+    for name, proc in procs.items():
+        assert proc.wait() == 0, (name, proc.text()[-3000:])
+        assert plane.history(name)["retired"]
+    checkpoints = plane.job_dir(job) / "checkpoints"
+    assert (checkpoints / "latest").read_text() == f"iter-{at + 1}"
+    assert plane.progress(job).progress.completed_iterations == at + 1
+    later = [start(plane, job, n, epochs) for n in ("z2", "z3")]
+    for proc in later:
+        assert proc.wait() == 0, proc.text()[-3000:]
+    assert "state restored from checkpoint" in later[0].text() + later[1].text()
+    assert_matches_reference(plane.final_model(job), epochs)
+    assert_each_iteration_recorded_once(plane, job, total)
+
+
+@pytest.mark.slow
 def test_collective_learner_sigkilled_mid_all_reduce_costs_only_that_iteration(
     plane: DataPlane,
 ):

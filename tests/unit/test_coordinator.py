@@ -482,9 +482,23 @@ def test_collective_failed_checkpoint_is_not_taken_for_written():
     vote(coord, "a")
     coord.retire(["a"])
     d = coord.decide("a")
-    coord.task_done(d.checkpoint, ok=False)
+    assert coord.checkpoint_file_written("a", 1)
+    coord.task_done(d.checkpoint, ok=False)  # e.g. the manifest could not be written
     assert coord.last_checkpoint == -1
     assert coord.decide("a").action is Action.CHECKPOINT  # tried again, never lost
+
+
+def test_collective_checkpoint_nobody_can_write_any_more_is_dropped():
+    coord = collective("a", n=8, batch=4, epochs=2, every=1)
+    for _ in range(2):
+        run_all(coord, "a")
+        vote(coord, "a")
+    d = coord.decide("a")
+    assert d.action is Action.CHECKPOINT
+    coord.join("b")
+    coord.evict("a")  # the only holder dies before writing: b restarts from scratch
+    assert not any(isinstance(t, CheckpointTask) for t in coord.holds)
+    assert coord.completed == 0 and coord.checkpoint_writer is None
 
 
 def test_collective_rewinds_to_the_checkpoint_when_every_holder_died():

@@ -497,6 +497,9 @@ class Coordinator:
         none)."""
         target = max(self.last_checkpoint, 0)
         self.restore_from = self.last_checkpoint if self.last_checkpoint >= 0 else None
+        # A checkpoint waiting for a writer will never get one: no member holds the state.
+        self._holds = [t for t in self._holds if not isinstance(t, CheckpointTask)]
+        self.checkpoint_writer = None
         if target != self.completed:
             self._hold(RewindTask(target))
             self._collecting = {k: v for k, v in self._collecting.items() if k < target}
@@ -725,6 +728,7 @@ class Coordinator:
         follow: ResolveTask | None = None
         if isinstance(task, CheckpointTask):
             self.checkpoint_writer = None
+            self._checkpoint_written = -1  # a failed one is written again, by any holder
             if ok or not self.collective:
                 self.last_checkpoint = task.iteration
             if task.final and (ok or not self.collective):

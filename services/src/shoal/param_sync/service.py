@@ -798,7 +798,16 @@ class ParameterSyncServicer:
                     task.iteration, asyncio.get_running_loop().create_future()
                 )
                 try:
-                    report = await waiting
+                    while True:
+                        done, _ = await asyncio.wait({waiting}, timeout=1.0)
+                        if done:
+                            report = waiting.result()
+                            break
+                        if task not in coord.holds:  # abandoned: every holder died
+                            raise FailedPrecondition(
+                                f"checkpoint after {task.iteration} iterations of job "
+                                f"{s.job_id!r}: no learner holding the state is left"
+                            )
                 finally:
                     job.checkpoint_files.pop(task.iteration, None)
                 files = [(0, report, [m.name for m in coord.layout])]
