@@ -495,7 +495,7 @@ class CollectiveBackend(GrpcBackend):
         :func:`~shoal.learner.backend.reduce_contributions` weighs them."""
         n = contribution.n_samples
         device = self._comm_device()
-        meta = torch.zeros(2 + len(self._params), dtype=torch.float64, device=device)
+        meta = torch.zeros(2 + len(self._params), dtype=torch.float64)  # built on the host
         meta[0], meta[1] = float(n), float(contribution.loss_sum)
         grads: list[torch.Tensor] = []
         for j, (param, g) in enumerate(zip(self._params, contribution.grads, strict=True)):
@@ -504,6 +504,7 @@ class CollectiveBackend(GrpcBackend):
                 grads.append(g.detach())
             else:
                 grads.append(torch.zeros_like(param))
+        meta = meta.to(device)
         works = self._allreduce([meta])
         buckets = _buckets(grads, self._bucket_bytes)
         flats = []
@@ -528,6 +529,7 @@ class CollectiveBackend(GrpcBackend):
                 flat_i.fill_(torch.iinfo(flat_i.dtype).min)
             works += self._allreduce([flat_i], dist.ReduceOp.MAX)
         self._wait(works)
+        meta = meta.cpu()  # one copy back, not one per parameter
         total = float(meta[0])
         if total <= 0:
             raise RuntimeError("no member of the iteration had a sample")
