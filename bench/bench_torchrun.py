@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_collective import BATCH, build_model, cpu_model, digits
 
 CHECKPOINT_EVERY = 10
-TOTAL = 400
+TOTAL = 3000
 
 
 def worker(args: argparse.Namespace) -> int:
