@@ -54,13 +54,11 @@ from shoal.learner.backend import (
     IterationAborted,
     ModelState,
     SyncResult,
-    TrainingPlan,
     TrainingSetup,
     register_backend,
     registered_backends,
 )
 from shoal.learner.grpc_backend import GrpcBackend
-from shoal.learner.transport import TensorMeta, pack_layout
 from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
 
 __all__ = ["BACKEND_NAME", "CollectiveBackend", "CollectiveError"]
@@ -134,17 +132,7 @@ class CollectiveBackend(GrpcBackend):
     # -- initialize ---------------------------------------------------------------------------
 
     def initialize(self, setup: TrainingSetup) -> InitialState:
-        if self._setup is not None:
-            raise RuntimeError("initialize() was already called on this backend")
-        self._setup = setup
-        metas = [
-            TensorMeta(s.name, s.dtype, tuple(s.shape), 0, s.nbytes, False)
-            for s in setup.param_specs
-        ] + [
-            TensorMeta(s.name, s.dtype, tuple(s.shape), 0, s.nbytes, True)
-            for s in setup.buffer_specs
-        ]
-        self._layout, _ = pack_layout(metas)
+        self._begin(setup)
         # The model's own tensors: the optimizer steps them in place.
         self._params = [p.detach() for p in setup.params]
         self._buffers = list(setup.buffers)
@@ -159,20 +147,12 @@ class CollectiveBackend(GrpcBackend):
                 f"{self.job_id}: the job is not in collective mode"
             )
         self._rendezvous = reply.rendezvous_address
-        plan = setup.plan
-        self._plan = TrainingPlan(
-            epochs=reply.epochs,
-            batch_size=reply.batch_size,
-            num_samples=plan.num_samples,
-            seed=int(reply.seed),
-            checkpoint_every=plan.checkpoint_every,
-            max_workers=plan.max_workers,
-        )
+        plan = self._adopt_plan(reply, setup.plan)
         if reply.initialize:
             log.info("initializing job %s (collective)", self.job_id)
             self._state_step = 0
-            return InitialState(self._plan, self._params, self._buffers, 0)
-        return InitialState(self._plan, None, None, self._run(self._completed(md)))
+            return InitialState(plan, self._params, self._buffers, 0)
+        return InitialState(plan, None, None, self._run(self._completed(md)))
 
     # -- boundaries ---------------------------------------------------------------------------
 

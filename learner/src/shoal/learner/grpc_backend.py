@@ -229,7 +229,8 @@ class GrpcBackend(SyncBackend):
 
     # -- initialize ---------------------------------------------------------------------------
 
-    def initialize(self, setup: TrainingSetup) -> InitialState:
+    def _begin(self, setup: TrainingSetup) -> None:
+        """Take the learner's setup (once) and lay its tensors out as the job's."""
         if self._setup is not None:
             raise RuntimeError("initialize() was already called on this backend")
         self._setup = setup
@@ -241,11 +242,9 @@ class GrpcBackend(SyncBackend):
             for s in setup.buffer_specs
         ]
         self._layout, _ = pack_layout(metas)
-        self._recv = [torch.empty(m.shape, dtype=m.torch_dtype) for m in self._layout]
-        self._recv_bytes = [_bytes_of(t) for t in self._recv]
-        md = self._md()
-        reply = self._run(self._join(setup, md))
-        plan = setup.plan
+
+    def _adopt_plan(self, reply: ps_pb2.JoinResponse, plan: TrainingPlan) -> TrainingPlan:
+        """The plan in force: the job's settings (from the Join reply) win over the script's."""
         self._plan = TrainingPlan(
             epochs=reply.epochs,
             batch_size=reply.batch_size,
@@ -254,12 +253,21 @@ class GrpcBackend(SyncBackend):
             checkpoint_every=plan.checkpoint_every,
             max_workers=plan.max_workers,
         )
+        return self._plan
+
+    def initialize(self, setup: TrainingSetup) -> InitialState:
+        self._begin(setup)
+        self._recv = [torch.empty(m.shape, dtype=m.torch_dtype) for m in self._layout]
+        self._recv_bytes = [_bytes_of(t) for t in self._recv]
+        md = self._md()
+        reply = self._run(self._join(setup, md))
+        plan = self._adopt_plan(reply, setup.plan)
         if reply.initialize:
             log.info("initializing job %s", self.job_id)
             self._run(self._upload(setup, md))
-            return InitialState(self._plan, setup.params, setup.buffers, 0)
+            return InitialState(plan, setup.params, setup.buffers, 0)
         # The state comes with the first assignment (the job keeps training meanwhile).
-        return InitialState(self._plan, None, None, self._run(self._completed(md)))
+        return InitialState(plan, None, None, self._run(self._completed(md)))
 
     async def _completed(self, md: Any = None) -> int:
         request = ps_pb2.GetJobProgressRequest(job_id=self.job_id)
