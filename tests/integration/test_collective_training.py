@@ -65,7 +65,11 @@ def test_collective_learners_match_single_process_training(plane: DataPlane, lea
     total = epochs * iterations_per_epoch()
     plane.open_job(job, batch=BATCH, epochs=epochs)
     names = [f"{job}-l{i}" for i in range(learners)]
-    procs = [start(plane, job, name, epochs) for name in names]
+    gate = plane.tmp / f"{job}.gate"  # all warm before any joins: all are in the job's end
+    procs = [start(plane, job, name, epochs, gate=gate) for name in names]
+    for proc in procs:
+        proc.wait_for("READY", timeout=90)
+    gate.touch()
     for proc in procs:
         assert proc.wait() == 0, proc.text()[-3000:]
     assert "gloo group of" in procs[0].text()
