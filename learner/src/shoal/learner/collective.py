@@ -168,27 +168,15 @@ class CollectiveBackend(GrpcBackend):
     ) -> ps_pb2.BoundaryResponse:
         """One Boundary, then any CHECKPOINT it asks for (written, reported), until the
         coordinator answers RUN, RETIRE or DONE."""
-        request = ps_pb2.BoundaryRequest(
-            job_id=self.job_id,
-            learner_id=self.learner_id,
-            generation=generation,
-            completed_iteration=completed,
-            loss_sum=loss_sum,
-            num_samples=n,
-            iteration_failed=failed,
+        request = self._boundary_request(
+            generation, completed, loss_sum, n, iteration_failed=failed
         )
         while True:
             reply = await self._control(self._coordinator_stub().Boundary, request, md)
             if reply.action != ps_pb2.BOUNDARY_ACTION_CHECKPOINT:
                 return reply
             report = await self._loop.run_in_executor(None, self._write_checkpoint, reply)
-            request = ps_pb2.BoundaryRequest(
-                job_id=self.job_id,
-                learner_id=self.learner_id,
-                generation=self._pg_generation,
-                completed_iteration=-1,
-                checkpoint_file=report,
-            )
+            request = self._boundary_request(self._pg_generation, checkpoint_file=report)
 
     def next_assignment(self) -> Assignment | None:
         self._require_plan()
@@ -520,7 +508,8 @@ class CollectiveBackend(GrpcBackend):
             for j, view in zip(bucket, views, strict=True):
                 if meta[2 + j] > 0:
                     reduced[j] = view.to(self._params[j].device)
-        buffers = [b.detach().clone() for b in contribution.buffers]
+        # Every buffer is in one of the two fresh flat tensors: keep views of them.
+        buffers = list(contribution.buffers)
         for indices, flat_b in ((floats, flat_f), (ints, flat_i)):
             if flat_b is None:
                 continue
@@ -528,7 +517,7 @@ class CollectiveBackend(GrpcBackend):
                 flat_b.div_(total)
             views = _unflatten_dense_tensors(flat_b, [buffers[j] for j in indices])
             for j, view in zip(indices, views, strict=True):
-                buffers[j].copy_(view)
+                buffers[j] = view
         return reduced, buffers, total, float(meta[1])
 
     def pull_parameters(self) -> ModelState:

@@ -335,16 +335,27 @@ class GrpcBackend(SyncBackend):
 
     # -- boundaries ---------------------------------------------------------------------------
 
-    async def _boundary(self, md: Any = None) -> ps_pb2.BoundaryResponse:
-        generation, completed, loss_sum, n = self._report
-        request = ps_pb2.BoundaryRequest(
+    def _boundary_request(
+        self,
+        generation: int,
+        completed: int = -1,
+        loss_sum: float = 0.0,
+        n: int = 0,
+        **extra: Any,
+    ) -> ps_pb2.BoundaryRequest:
+        """This learner's Boundary, reporting ``completed`` (-1: none) of ``generation``."""
+        return ps_pb2.BoundaryRequest(
             job_id=self.job_id,
             learner_id=self.learner_id,
             generation=generation,
             completed_iteration=completed,
             loss_sum=loss_sum,
             num_samples=n,
+            **extra,
         )
+
+    async def _boundary(self, md: Any = None) -> ps_pb2.BoundaryResponse:
+        request = self._boundary_request(*self._report)
         return await self._control(self._coordinator_stub().Boundary, request, md)
 
     def next_assignment(self) -> Assignment | None:
