@@ -540,6 +540,8 @@ def create_app(
 
     async def drain(request: Request) -> Response:
         session = await acting(request)
+        if not session.is_admin:  # the resource manager refuses it too; say why at once
+            raise HTTPException(403, "draining a host needs the admin role")
         host_id = request.path_params["host_id"]
         host = await dash.call(session, lambda c: c.drain_host(host_id))
         return JSONResponse({"host_id": host.host_id, "state": views.host_state(host)})
