@@ -42,7 +42,7 @@ protos: $(STAMP)
 protos-check: $(STAMP)
 	$(PY) tools/gen_protos.py --check
 
-MYPY_PATHS  ?= clients/src/shoal/client services/src/shoal/runtime
+MYPY_PATHS  ?= clients/src/shoal/client clients/src/shoal/dashboard services/src/shoal/runtime
 
 lint: $(STAMP) $(BUF)
 	$(VENV)/bin/ruff check .

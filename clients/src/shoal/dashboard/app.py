@@ -616,7 +616,7 @@ def create_app(
 def role_name(role: int) -> str:
     """PrincipalRole -> "user" | "service" | "admin" ("" when the API names none)."""
     try:
-        name = str(js_pb2.PrincipalRole.Name(role))
+        name = str(js_pb2.PrincipalRole.Name(role))  # type: ignore[arg-type]
     except ValueError:
         return ""
     return "" if role == 0 else name.removeprefix("PRINCIPAL_ROLE_").lower()

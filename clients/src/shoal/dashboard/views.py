@@ -12,13 +12,17 @@ without a change here.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
-
+from shoal.client.metrics import (
+    EPOCH_COORDINATES,
+    ITERATION_COORDINATES,
+    finite as _finite,
+    global_iteration as _global_iteration,
+    metric_values as _numbers,
+    seconds,
+)
 from shoal.v1 import job_pb2, resources_pb2
 
 __all__ = [
@@ -32,29 +36,6 @@ __all__ = [
     "rescale_markers",
     "seconds",
 ]
-
-# Fields of IterationMetric that say where an iteration is, not how it went.
-ITERATION_COORDINATES = frozenset({"epoch", "iteration", "generation", "world_size", "samples"})
-_NUMERIC = {
-    FieldDescriptor.TYPE_DOUBLE,
-    FieldDescriptor.TYPE_FLOAT,
-    FieldDescriptor.TYPE_INT32,
-    FieldDescriptor.TYPE_INT64,
-    FieldDescriptor.TYPE_UINT32,
-    FieldDescriptor.TYPE_UINT64,
-    FieldDescriptor.TYPE_SINT32,
-    FieldDescriptor.TYPE_SINT64,
-}
-
-
-def seconds(ts: Any) -> float:
-    """A protobuf Timestamp as unix seconds (0.0 when unset)."""
-    return float(ts.seconds) + ts.nanos / 1e9
-
-
-def _finite(value: float) -> float | None:
-    """JSON has no NaN or infinity: those become null (a gap in the chart)."""
-    return float(value) if math.isfinite(value) else None
 
 
 def _name(enum: Any, value: int, prefix: str) -> str:
@@ -235,36 +216,6 @@ def learners_of(job_id: str, hosts: Iterable[resources_pb2.Host]) -> list[dict[s
 # -- a job's metrics ----------------------------------------------------------------------------
 
 
-def _numbers(message: Message, skip: frozenset[str] = frozenset()) -> dict[str, float | None]:
-    """Every numeric scalar field and every string->number map entry of ``message``."""
-    out: dict[str, float | None] = {}
-    for field in message.DESCRIPTOR.fields:
-        if field.name in skip:
-            continue
-        value = getattr(message, field.name)
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            value_field = field.message_type.fields_by_name["value"]
-            if value_field.type in _NUMERIC:
-                for key in sorted(value):
-                    out[str(key)] = _finite(float(value[key]))
-        elif field.type in _NUMERIC and not _is_repeated(field):
-            out[field.name] = _finite(float(value))
-    return out
-
-
-def _is_repeated(field: FieldDescriptor) -> bool:
-    # protobuf >= 5.28 has is_repeated; older versions only the label.
-    flag = getattr(field, "is_repeated", None)
-    if flag is not None:
-        return bool(flag)
-    return bool(field.label == FieldDescriptor.LABEL_REPEATED)
-
-
-def _global_iteration(m: job_pb2.IterationMetric, per_epoch: int, position: int) -> int:
-    """1-based index of the iteration over the whole job."""
-    return m.epoch * per_epoch + m.iteration + 1 if per_epoch else position + 1
-
-
 def iteration_series(
     metrics: Sequence[job_pb2.IterationMetric], per_epoch: int, *, offset: int = 0
 ) -> dict[str, Any]:
@@ -293,7 +244,7 @@ def epoch_series(metrics: Sequence[job_pb2.EpochMetric]) -> dict[str, Any]:
     series: dict[str, list[float | None]] = {}
     for i, m in enumerate(metrics):
         xs.append(m.epoch + 1)
-        values = _numbers(m, frozenset({"epoch"}))
+        values = _numbers(m, EPOCH_COORDINATES)
         for name in series.keys() - values.keys():
             series[name].append(None)
         for name, value in values.items():
