@@ -349,6 +349,8 @@ async def test_every_answer_carries_a_strict_content_security_policy(site: Site)
         assert "default-src 'self'" in csp and "script-src 'self'" in csp, path
         assert reply.headers["x-content-type-options"] == "nosniff"
     assert (await browser.get("/api/me")).headers["cache-control"] == "no-store"
+    # Pages too: one shown from the cache after logout would run without a session.
+    assert (await browser.get("/login")).headers["cache-control"] == "no-store"
 
 
 async def test_the_chart_library_is_served_from_the_package_with_its_licence(site: Site) -> None:

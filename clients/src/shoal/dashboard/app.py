@@ -296,7 +296,10 @@ def create_app(
     poll = config.poll_interval_s
 
     def page(name: str) -> FileResponse:
-        return FileResponse(str(static / name), media_type="text/html")
+        # Never from a cache: a page shown after logout would run without a session.
+        return FileResponse(
+            str(static / name), media_type="text/html", headers={"cache-control": "no-store"}
+        )
 
     # -- pages ------------------------------------------------------------------------------
 
