@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from playwright.sync_api import sync_playwright
 
 from shoal.client import Client
 from shoal.cluster.local import ClusterSpec, LocalCluster
-from shoal.cluster.scenario import ScenarioResult, run_scenario
+from shoal.cluster.scenario import job_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = [
@@ -50,17 +49,18 @@ def main() -> None:
     )  # fmt: skip
     with LocalCluster(spec) as cluster, Client(cluster.client_config()) as client:
         base = cluster.dashboard_url
-        result = ScenarioResult()
-        done = threading.Event()
 
-        def scenario() -> None:
-            try:
-                found = run_scenario(
-                    client, ROOT / "examples" / "digits", job1_epochs=6, job2_epochs=12
-                )
-                result.job1, result.job2 = found.job1, found.job2
-            finally:
-                done.set()
+        def wait(what: str, check, timeout: float = 600.0):  # type: ignore[no-untyped-def]
+            deadline = time.monotonic() + timeout
+            while not (value := check()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"timed out waiting for {what}")
+                time.sleep(0.5)
+            print(f"[{time.strftime('%X')}] {what}", flush=True)
+            return value
+
+        def held(*job_ids: str) -> tuple[int, ...]:
+            return tuple(client.get_job(j).allocated_workers for j in job_ids)
 
         with sync_playwright() as p:
             context = p.chromium.launch_persistent_context(
@@ -78,27 +78,29 @@ def main() -> None:
             page.fill("#token", cluster.tokens["user"])
             page.click("#login")
             page.wait_for_url(base)
-            threading.Thread(target=scenario, daemon=True).start()
-            # Step 3 (5/3): the cluster page with both jobs on the devices.
+            # The reference scenario (shoal.cluster.scenario), its steps seen by allocation.
+            artifact = client.upload_directory(ROOT / "examples" / "digits")
+            job1 = client.submit_job(job_spec("job-1", artifact, epochs=6, batch_size=64,
+                                              max_workers=8)).job_id  # fmt: skip
+            wait("1. job 1 on 8 GPUs", lambda: held(job1) == (8,))
+            job2 = client.submit_job(job_spec("job-2", artifact, epochs=12, batch_size=64,
+                                              max_workers=8)).job_id  # fmt: skip
+            wait("2. fairshare 4/4", lambda: held(job1, job2) == (4, 4))
+            client.update_job(job2, priority=10000)
+            wait("3. priority: 3/5", lambda: held(job1, job2) == (3, 5))
             cluster_page = context.new_page()
             cluster_page.goto(base + "cluster")
-            while not done.is_set():
-                shares = sorted(
-                    j.allocated_workers
-                    for j in client.list_jobs()
-                    if j.state == 2  # RUNNING
-                )
-                if shares == [3, 5]:
-                    time.sleep(3)
-                    cluster_page.screenshot(
-                        path=str(ns.out / "dashboard-cluster.png"), full_page=True
-                    )
-                    break
-                time.sleep(0.5)
-            done.wait()
+            cluster_page.wait_for_selector(".device[data-job]")
             time.sleep(3)
+            cluster_page.screenshot(path=str(ns.out / "dashboard-cluster.png"), full_page=True)
+            final = {4, 5, 6}
+            wait("job 1 done", lambda: client.get_job(job1).state in final)
+            wait("4. job 2 on 8 GPUs", lambda: held(job2) == (8,) or
+                 client.get_job(job2).state in final)  # fmt: skip
+            wait("job 2 done", lambda: client.get_job(job2).state in final)
+            time.sleep(4)
             page.screenshot(path=str(ns.out / "dashboard-jobs.png"), full_page=True)
-            page.goto(f"{base}jobs/{result.job2}")
+            page.goto(f"{base}jobs/{job2}")
             page.wait_for_selector('#epoch-charts [data-metric="accuracy"] canvas')
             time.sleep(3)
             page.screenshot(path=str(ns.out / "dashboard-job.png"), full_page=True)

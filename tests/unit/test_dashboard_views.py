@@ -278,3 +278,14 @@ def test_endpoints_come_from_the_flags_or_from_the_clis_config_without_its_token
     assert "T" not in repr(from_file)  # the dashboard holds no credential
     with pytest.raises(ConfigError):
         parse_args([], env={"SHOAL_CONFIG": str(tmp_path / "missing.json")})
+
+
+def test_a_finished_job_holds_no_gpu_in_the_chart_even_before_its_release_is_recorded():
+    done = job("job-1", state=job_pb2.JOB_STATE_COMPLETED)
+    done.end_time.CopyFrom(ts(30))
+    chart = views.allocation_chart(
+        [alloc(10, "job-1", 4), alloc(20, "job-2", 4)], {"job-1": done, "job-2": job("job-2")}
+    )
+    assert chart["t"] == [10, 20, 30]
+    rows = {s["job_id"]: s["values"] for s in chart["jobs"]}
+    assert rows == {"job-1": [4, 4, 0], "job-2": [0, 4, 4]}

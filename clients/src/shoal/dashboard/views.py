@@ -45,6 +45,9 @@ def _name(enum: Any, value: int, prefix: str) -> str:
         return str(value)
 
 
+_FINAL = (job_pb2.JOB_STATE_COMPLETED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_CANCELLED)
+
+
 def job_state(value: int) -> str:
     return _name(job_pb2.JobState, value, "JOB_STATE_")
 
@@ -101,16 +104,22 @@ def allocation_chart(
 
     ``jobs`` names the jobs (job id -> job); events of jobs not in it are left out, so a user
     sees only the jobs the API showed them."""
-    ordered = sorted(
-        (e for e in events if e.job_id in jobs), key=lambda e: (seconds(e.time), e.job_id)
-    )
-    times: list[float] = []
-    for e in ordered:
-        t = seconds(e.time)
-        if not times or t > times[-1]:
-            times.append(t)
-    if not times:
+    ordered = [e for e in events if e.job_id in jobs]
+    if not ordered:
         return {"t": [], "jobs": [], "capacity": capacity}
+    # A job in a final state holds no GPU, even when its history has not recorded the last
+    # release yet: it drops to 0 when it ended (or at its last change, when that is later).
+    last: dict[str, job_pb2.AllocationEvent] = {}
+    for e in sorted(ordered, key=lambda e: seconds(e.time)):
+        last[e.job_id] = e
+    for job_id, e in last.items():
+        job = jobs[job_id]
+        if e.workers and job.state in _FINAL:
+            end = job_pb2.AllocationEvent(job_id=job_id, workers=0)
+            end.time.CopyFrom(job.end_time if seconds(job.end_time) > seconds(e.time) else e.time)
+            ordered.append(end)
+    ordered.sort(key=lambda e: (seconds(e.time), e.job_id))
+    times = sorted({seconds(e.time) for e in ordered})
     if now is not None and now > times[-1]:
         times.append(now)
     index = {t: i for i, t in enumerate(times)}
