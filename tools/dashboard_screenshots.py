@@ -24,6 +24,7 @@ from shoal.cluster.local import ClusterSpec, LocalCluster
 from shoal.cluster.scenario import job_spec
 
 ROOT = Path(__file__).resolve().parents[1]
+PAUSE_S = 20.0
 FLAGS = [
     "--headless",
     "--no-sandbox",
@@ -80,12 +81,14 @@ def main() -> None:
             page.wait_for_url(base)
             # The reference scenario (shoal.cluster.scenario), its steps seen by allocation.
             artifact = client.upload_directory(ROOT / "examples" / "digits")
-            job1 = client.submit_job(job_spec("job-1", artifact, epochs=6, batch_size=64,
+            job1 = client.submit_job(job_spec("job-1", artifact, epochs=8, batch_size=64,
                                               max_workers=8)).job_id  # fmt: skip
             wait("1. job 1 on 8 GPUs", lambda: held(job1) == (8,))
+            time.sleep(PAUSE_S)  # each step a visible plateau on the chart
             job2 = client.submit_job(job_spec("job-2", artifact, epochs=12, batch_size=64,
                                               max_workers=8)).job_id  # fmt: skip
             wait("2. fairshare 4/4", lambda: held(job1, job2) == (4, 4))
+            time.sleep(PAUSE_S)
             client.update_job(job2, priority=10000)
             wait("3. priority: 3/5", lambda: held(job1, job2) == (3, 5))
             cluster_page = context.new_page()

@@ -20,6 +20,7 @@ never holds a point twice.
 from __future__ import annotations
 
 import bisect
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,20 @@ _COORDINATES = ("global_iteration", "epoch", "iteration", "generation", "samples
 
 
 def _summary_writer() -> Any:
+    # tensorboardX imports torch whenever it is installed (seconds of start-up) to accept its
+    # tensors; scalars need none of it, so it is hidden from that import.
+    hide_torch = "torch" not in sys.modules
+    if hide_torch:
+        sys.modules["torch"] = None  # type: ignore[assignment]
     try:
         from tensorboardX import SummaryWriter
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError(
             "TensorBoard event files need tensorboardX: pip install 'shoal-client[tensorboard]'"
         ) from exc
+    finally:
+        if hide_torch:
+            del sys.modules["torch"]
     return SummaryWriter
 
 
