@@ -143,16 +143,18 @@ def gpus_shown(page: Any, expected: dict[str, int], client: Client) -> None:
 
 
 def _wait_gpus(page: Any, expected: dict[str, int]) -> None:
+    # Compared as sorted (job, GPUs) pairs: the legend lists jobs in the chart's order.
     page.wait_for_function(
         """(expected) => {
-            const shown = {};
+            const shown = [];
             for (const li of document.querySelectorAll('#alloc-now li')) {
                 const n = Number(li.dataset.gpus);
-                if (n) shown[li.dataset.job] = n;
+                if (n) shown.push([li.dataset.job, n]);
             }
+            shown.sort((a, b) => (a[0] < b[0] ? -1 : a[0] > b[0] ? 1 : 0));
             return JSON.stringify(shown) === JSON.stringify(expected);
         }""",
-        arg=dict(sorted(expected.items())),
+        arg=sorted([job_id, gpus] for job_id, gpus in expected.items()),
         timeout=STEP_TIMEOUT_MS,
     )
 
@@ -185,6 +187,7 @@ def test_the_dashboard_shows_the_reference_scenario_live_and_acts_for_its_user(
 ) -> None:
     base = cluster.dashboard_url
     page = browser.new_page()
+    page.set_default_timeout(STEP_TIMEOUT_MS)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.on("dialog", lambda dialog: dialog.accept())
