@@ -9,12 +9,12 @@ import asyncio
 import csv
 import io
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from shoal.client.metrics import metric_values
 from tests.unit.test_scheduler_service import Bed, bed, submit, upload
@@ -23,6 +23,36 @@ __all__ = ["bed"]
 
 SHOAL = str(Path(sys.executable).parent / "shoal")
 PER_EPOCH = 4
+# TensorBoard's own reader, installed by the Makefile beside the venv's site-packages (where
+# it would switch on the parameter-sync shards' TensorBoard writer) and run in a subprocess.
+TB_READER = Path(sys.prefix) / "tensorboard-reader"
+READ_EVENTS = """
+import json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+acc = EventAccumulator(sys.argv[1], size_guidance={"scalars": 0, "tensors": 0})
+acc.Reload()
+tags = acc.Tags()
+print(json.dumps({
+    "scalars": {t: [[e.step, e.value, e.wall_time] for e in acc.Scalars(t)]
+                for t in tags["scalars"]},
+    "texts": {t: [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(t)]
+              for t in tags["tensors"]},
+}))
+"""
+
+
+async def read_events(run: Path) -> dict:
+    """The run's scalars and texts, as TensorBoard's event_accumulator reads them."""
+    if not (TB_READER / "tensorboard").is_dir():
+        pytest.fail(f"TensorBoard's reader is not installed in {TB_READER} (make install)")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", READ_EVENTS, str(run),
+        env={**os.environ, "PYTHONPATH": str(TB_READER)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()
+    return json.loads(out)
 
 
 async def shoal(bed: Bed, *args: str, who: str = "user") -> tuple[int, str, str]:
@@ -135,29 +165,26 @@ async def test_tensorboard_reads_back_the_jobs_metrics_and_rescales(
         code, out, err = await shoal(bed, "jobs", "tensorboard", job_id, "--logdir", str(logdir))
         assert code == 0, err
     assert f"wrote 8 iterations of {job_id}" in out
-    acc = EventAccumulator(str(logdir / job_id), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    scalars = set(acc.Tags()["scalars"])
+    events = await read_events(logdir / job_id)
+    scalars = events["scalars"]
     assert {
         "train/loss",
         "train/samples_per_second",
         "epoch/accuracy",
         "epoch/grad_norm",
         "allocation/workers",
-    } <= scalars
-    loss = acc.Scalars("train/loss")
-    assert [e.step for e in loss] == list(range(1, 9))
-    assert [e.value for e in loss] == pytest.approx([2.0 / k for k in range(1, 9)])
-    assert loss[0].wall_time == pytest.approx(t0 + 1, abs=1e-3)
-    world = [e.value for e in acc.Scalars("train/world_size")]
-    assert world == [4, 4, 4, 4, 4, 2, 2, 2]
-    assert [(e.step, e.value) for e in acc.Scalars("epoch/accuracy")] == [(1, 0.5), (2, 0.75)]
-    workers = [(e.step, e.value) for e in acc.Scalars("allocation/workers")]
+    } <= set(scalars)
+    loss = scalars["train/loss"]
+    assert [step for step, _, _ in loss] == list(range(1, 9))
+    assert [value for _, value, _ in loss] == pytest.approx([2.0 / k for k in range(1, 9)])
+    assert loss[0][2] == pytest.approx(t0 + 1, abs=1e-3)  # the iteration's wall time
+    assert [value for _, value, _ in scalars["train/world_size"]] == [4, 4, 4, 4, 4, 2, 2, 2]
+    assert [(s, v) for s, v, _ in scalars["epoch/accuracy"]] == [(1, 0.5), (2, 0.75)]
+    workers = [(s, v) for s, v, _ in scalars["allocation/workers"]]
     assert workers[-1] == (5, 2)  # after iteration 5 completed: where the rescale shows
-    texts = [t for t in acc.Tags()["tensors"] if t.startswith("allocation/reason")]
-    assert texts, acc.Tags()
-    reasons = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(texts[0])]
-    assert any("priority of job-x changed to 10000" in r for r in reasons)
+    reasons = [r for tag, texts in events["texts"].items() if tag.startswith("allocation/reason")
+               for r in texts]  # fmt: skip
+    assert any("priority of job-x changed to 10000" in r for r in reasons), events["texts"]
 
 
 async def test_tensorboard_of_an_unknown_job_writes_nothing(bed: Bed, tmp_path: Path) -> None:
