@@ -1,6 +1,7 @@
 # One image for every shoal service: `docker run IMAGE NAME [flags]` runs `shoal-service NAME`
-# (resource-manager, job-scheduler, parameter-sync, host-agent); `shoal` (the CLI) and
-# `shoal-healthcheck` are in it too. compose/compose.yaml builds and runs it.
+# (resource-manager, job-scheduler, parameter-sync, host-agent); `shoal` (the CLI),
+# `shoal-dashboard` (the web dashboard) and `shoal-healthcheck` are in it too.
+# compose/compose.yaml builds and runs it.
 #
 # PyTorch is installed first, from TORCH_INDEX_URL, so that pip never resolves a multi-GB CUDA
 # build by accident. The default is the CPU build; for NVIDIA hosts build a CUDA variant:

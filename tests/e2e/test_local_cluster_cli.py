@@ -76,7 +76,7 @@ def test_cluster_up_serves_the_cli_and_grpcurl_and_down_leaves_nothing(tmp_path)
     state_dir = tmp_path / "state"
     env = {**os.environ, "SHOAL_CONFIG": str(state_dir / "cluster.json")}
     env.pop("SHOAL_ENDPOINTS", None)
-    shoal(
+    up = shoal(
         "cluster",
         "up",
         "--state-dir",
@@ -90,6 +90,10 @@ def test_cluster_up_serves_the_cli_and_grpcurl_and_down_leaves_nothing(tmp_path)
         env=env,
     )
     state = json.loads((state_dir / "cluster.json").read_text())
+    # The web dashboard is served too: its URL is printed, recorded and its process listed.
+    assert state["dashboard"].startswith("http://127.0.0.1:")
+    assert f"dashboard: {state['dashboard']}" in up.stdout.replace("\n", "")
+    assert "dashboard" in state["pids"]
     pids = [int(p) for p in state["pids"].values()] + [int(state["supervisor_pid"])]
     try:
         hosts = wait_until(
@@ -102,8 +106,12 @@ def test_cluster_up_serves_the_cli_and_grpcurl_and_down_leaves_nothing(tmp_path)
         assert sorted(len(h["devices"]) for h in hosts) == [2, 2]
         status = shoal("cluster", "status", "--state-dir", str(state_dir), env=env).stdout
         assert "job-scheduler-0" in status and "False" not in status
-        # Every process serves Prometheus metrics; status shows where.
-        assert set(state["metrics"]) == set(state["pids"])
+        assert state["dashboard"] in status.replace("\n", "")
+        with urllib.request.urlopen(state["dashboard"] + "healthz", timeout=10) as reply:
+            assert reply.read() == b"ok"
+        # Every service process serves Prometheus metrics; status shows where. (The dashboard
+        # is a client of the API, not a service: it serves none.)
+        assert set(state["metrics"]) == set(state["pids"]) - {"dashboard"}
         for url in state["metrics"].values():
             assert url in status
         with urllib.request.urlopen(state["metrics"]["resource-manager-0"], timeout=10) as reply:

@@ -51,7 +51,9 @@ SCHEDULERS = ("job-scheduler-0", "job-scheduler-1")
 SHARDS = ("parameter-sync-0", "parameter-sync-1")
 AGENTS = ("host-agent-1", "host-agent-2")
 SHOAL = (*RMS, *SCHEDULERS, *SHARDS, *AGENTS)
-LONG_RUNNING = (*ETCD, *SHOAL, "jaeger")
+# The web dashboard and the metrics stack (checked in test_observability_files.py).
+OBSERVABILITY = ("dashboard", "prometheus", "grafana")
+LONG_RUNNING = (*ETCD, *SHOAL, "jaeger", *OBSERVABILITY)
 
 STORAGE_PATH = "/var/lib/shoal/storage"
 IMAGE_UID = 10001  # the Dockerfile's USER; init-secrets.sh gives it the secrets
@@ -132,6 +134,8 @@ def normalized(service: Mapping[str, Any], ignored: tuple[str, ...] = ()) -> dic
     """The service without ``ignored`` keys; secrets as a set (their order is not kept)."""
     result = {k: v for k, v in service.items() if k not in ignored and k != "secrets"}
     result["secrets"] = secrets_of(service)
+    if "volumes" in result:  # merged files do not keep their order
+        result["volumes"] = sorted(map(str, result["volumes"]))
     return result
 
 

@@ -37,6 +37,7 @@ app.add_typer(hosts_app, name="hosts")
 class Output(StrEnum):
     table = "table"
     json = "json"
+    csv = "csv"  # `shoal jobs metrics` only
 
 
 class SyncModeOption(StrEnum):
@@ -99,6 +100,9 @@ def run(body: Callable[[AsyncClient], Any]) -> Any:
 
 
 def emit(message: Any, render: Callable[[], None]) -> None:
+    if state.output is Output.csv:
+        err_console.print("[red]error:[/red] --output csv is for `shoal jobs metrics` only")
+        raise typer.Exit(2)
     if state.output is Output.json:
         if isinstance(message, list):
             data = [MessageToDict(m, preserving_proto_field_name=True) for m in message]
@@ -378,6 +382,141 @@ def jobs_chart(
 
     chart, loss = run(body)
     console.print(f"wrote {chart} and {loss}")
+
+
+class Per(StrEnum):
+    iteration = "iteration"
+    epoch = "epoch"
+
+
+@jobs_app.command("metrics")
+def jobs_metrics(
+    job_id: str,
+    per: Annotated[
+        Per, typer.Option(help="With --output csv: one row per iteration or per epoch.")
+    ] = Per.iteration,
+    tail: Annotated[int, typer.Option(help="Table: the last N iterations (0: all).")] = 20,
+) -> None:
+    """Print a job's metrics: per epoch (evaluation) and per iteration (loss, throughput and
+    every other metric the job reports). `-o json` both; `-o csv --per iteration|epoch` one."""
+    import csv
+    import datetime as dt
+
+    from shoal.client.metrics import epoch_rows, iteration_rows
+
+    async def body(client: AsyncClient) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        job, metrics = await asyncio.gather(client.get_job(job_id), client.get_metrics(job_id))
+        per_epoch = job.progress.iterations_per_epoch
+        return iteration_rows(metrics.iterations, per_epoch), epoch_rows(metrics.epochs)
+
+    iterations, epochs = run(body)
+
+    def iso(t: float) -> str:
+        return dt.datetime.fromtimestamp(t, dt.UTC).isoformat() if t else ""
+
+    for row in [*iterations, *epochs]:
+        row["time"] = iso(row["time"])
+    if state.output is Output.json:
+        print(json.dumps({"job_id": job_id, "iterations": iterations, "epochs": epochs}, indent=2))
+        return
+    if state.output is Output.csv:
+        rows = iterations if per is Per.iteration else epochs
+        columns: dict[str, None] = {}
+        for row in rows:
+            columns.update(dict.fromkeys(row))
+        writer = csv.DictWriter(sys.stdout, fieldnames=list(columns), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        return
+
+    def table(rows: list[dict[str, Any]], title: str, skip: tuple[str, ...] = ()) -> Table:
+        names = [n for n in dict.fromkeys(k for r in rows for k in r) if n not in skip]
+        out = Table(*[n.upper() for n in names], title=title, title_justify="left")
+        for row in rows:
+            out.add_row(
+                *[
+                    ""
+                    if row.get(n) is None
+                    else f"{row[n]:.4g}"
+                    if isinstance(row[n], float)
+                    else str(row[n])
+                    for n in names
+                ]
+            )
+        return out
+
+    if epochs:
+        console.print(table(epochs, "per epoch", skip=("time",)))
+    shown = iterations[-tail:] if tail > 0 else iterations
+    if shown:
+        console.print(
+            table(shown, f"per iteration (last {len(shown)} of {len(iterations)})", ("time",))
+        )
+    if not iterations and not epochs:
+        console.print(f"{job_id}: no metrics yet")
+
+
+@jobs_app.command("tensorboard")
+def jobs_tensorboard(
+    job_id: str,
+    logdir: Annotated[
+        Path, typer.Option("--logdir", help="TensorBoard log directory (the run is LOGDIR/JOB).")
+    ],
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep adding new metrics until the job ends.")
+    ] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between reads with --follow.")] = 5.0,
+) -> None:
+    """Write a job's metrics and rescale events as TensorBoard event files."""
+    from shoal.client.tensorboard import EventWriter
+
+    final = {job_pb2.JOB_STATE_COMPLETED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_CANCELLED}
+
+    async def body(client: AsyncClient) -> tuple[Path, int]:
+        await client.get_job(job_id)  # NOT_FOUND before anything is written
+        writer = EventWriter(logdir, job_id)
+        try:
+            while True:
+                job = await client.get_job(job_id)
+                done = job.state in final
+                metrics = await client.get_metrics(job_id, after_iteration=writer.iterations)
+                writer.add_iterations(metrics.iterations, job.progress.iterations_per_epoch)
+                writer.add_epochs(metrics.epochs)
+                events = await client.allocation_history(job_id)
+                writer.add_allocations(events, until=None if done else writer.last_time)
+                writer.flush()
+                if not follow or done:
+                    return writer.path, writer.iterations
+                await asyncio.sleep(interval)
+        finally:
+            writer.close()
+
+    try:
+        path, count = run(body)
+    except RuntimeError as exc:  # tensorboardX missing
+        err_console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    console.print(f"wrote {count} iterations of {job_id} to {path} (tensorboard --logdir {logdir})")
+
+
+@jobs_app.command("checkpoints")
+def jobs_checkpoints(job_id: str) -> None:
+    """List a job's complete checkpoints and their files."""
+    checkpoints = run(lambda c: c.list_checkpoints(job_id))
+
+    def render() -> None:
+        table = Table("CHECKPOINT", "ITERATION", "EPOCH", "SIZE", "FILES")
+        for c in checkpoints:
+            table.add_row(
+                c.name + (" (latest)" if c.latest else ""),
+                str(c.iteration),
+                str(c.epoch),
+                f"{c.size_bytes / 2**20:.1f} MiB",
+                " ".join(f.name for f in c.files),
+            )
+        console.print(table)
+
+    emit(checkpoints, render)
 
 
 @hosts_app.command("list")

@@ -341,3 +341,42 @@ class AsyncClient:
 
     async def drain_host(self, host_id: str) -> resources_pb2.Host:
         return (await self._rmcall("DrainHost", rm.DrainHostRequest(host_id=host_id))).host
+
+    # -- identity, checkpoints and downloads as streams (the dashboard serves these) --------
+
+    async def whoami(self) -> js.GetCallerIdentityResponse:
+        """The principal and role this client's credentials map to."""
+        return await self._sched("GetCallerIdentity", js.GetCallerIdentityRequest())
+
+    async def list_checkpoints(self, job_id: str) -> list[js.JobCheckpoint]:
+        """A job's complete checkpoints, oldest first."""
+        out: list[js.JobCheckpoint] = []
+        token = ""
+        while True:
+            reply = await self._sched(
+                "ListCheckpoints", js.ListCheckpointsRequest(job_id=job_id, page_token=token)
+            )
+            out.extend(reply.checkpoints)
+            token = reply.next_page_token
+            if not token:
+                return out
+
+    async def stream_model(self, job_id: str) -> AsyncIterator[js.DownloadModelResponse]:
+        """The raw DownloadModel stream: the header, then chunks."""
+        async for reply in self._stream("DownloadModel", js.DownloadModelRequest(job_id=job_id)):
+            yield reply
+
+    async def stream_checkpoint_file(
+        self, job_id: str, checkpoint: str, file: str
+    ) -> AsyncIterator[js.DownloadCheckpointResponse]:
+        """The raw DownloadCheckpoint stream of one file: the header, then chunks."""
+        request = js.DownloadCheckpointRequest(job_id=job_id, checkpoint=checkpoint, file=file)
+        async for reply in self._stream("DownloadCheckpoint", request):
+            yield reply
+
+    async def download_checkpoint_file(
+        self, job_id: str, checkpoint: str, file: str, dest: str | Path
+    ) -> int:
+        """Write one file of a checkpoint to ``dest`` (checked against its sha256)."""
+        request = js.DownloadCheckpointRequest(job_id=job_id, checkpoint=checkpoint, file=file)
+        return await self._download("DownloadCheckpoint", request, Path(dest), None)

@@ -6,7 +6,9 @@ isort:skip_file
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from shoal.v1 import job_pb2 as _job_pb2
 from shoal.v1 import resources_pb2 as _resources_pb2
 import builtins as _builtins
@@ -19,6 +21,34 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _PrincipalRole:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PrincipalRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PrincipalRole.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PRINCIPAL_ROLE_UNSPECIFIED: _PrincipalRole.ValueType  # 0
+    """Not set, or a role this version of the API does not name."""
+    PRINCIPAL_ROLE_USER: _PrincipalRole.ValueType  # 1
+    """A user: the job API for the user's own jobs."""
+    PRINCIPAL_ROLE_SERVICE: _PrincipalRole.ValueType  # 2
+    """A shoal service calling another one."""
+    PRINCIPAL_ROLE_ADMIN: _PrincipalRole.ValueType  # 3
+    """An administrator: every job, and host operations (cordon, drain)."""
+
+class PrincipalRole(_PrincipalRole, metaclass=_PrincipalRoleEnumTypeWrapper):
+    """PrincipalRole is what a principal may do (see docs/operations.md for each role's rights)."""
+
+PRINCIPAL_ROLE_UNSPECIFIED: PrincipalRole.ValueType  # 0
+"""Not set, or a role this version of the API does not name."""
+PRINCIPAL_ROLE_USER: PrincipalRole.ValueType  # 1
+"""A user: the job API for the user's own jobs."""
+PRINCIPAL_ROLE_SERVICE: PrincipalRole.ValueType  # 2
+"""A shoal service calling another one."""
+PRINCIPAL_ROLE_ADMIN: PrincipalRole.ValueType  # 3
+"""An administrator: every job, and host operations (cordon, drain)."""
+Global___PrincipalRole: _TypeAlias = PrincipalRole  # noqa: Y015
 
 @_typing.final
 class SubmitJobRequest(_message.Message):
@@ -690,3 +720,252 @@ class GetAllocationHistoryResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetAllocationHistoryResponse: _TypeAlias = GetAllocationHistoryResponse  # noqa: Y015
+
+@_typing.final
+class GetCallerIdentityRequest(_message.Message):
+    """GetCallerIdentityRequest has no fields: the caller is named by its credentials."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCallerIdentityRequest: _TypeAlias = GetCallerIdentityRequest  # noqa: Y015
+
+@_typing.final
+class GetCallerIdentityResponse(_message.Message):
+    """GetCallerIdentityResponse names the caller."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PRINCIPAL_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    principal: _builtins.str
+    """The principal the credentials map to, for example "alice"; it owns the jobs it submits."""
+    role: Global___PrincipalRole.ValueType
+    """The principal's role."""
+    def __init__(
+        self,
+        *,
+        principal: _builtins.str = ...,
+        role: Global___PrincipalRole.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["principal", b"principal", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCallerIdentityResponse: _TypeAlias = GetCallerIdentityResponse  # noqa: Y015
+
+@_typing.final
+class ListCheckpointsRequest(_message.Message):
+    """ListCheckpointsRequest names the job whose checkpoints to list."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job's id."""
+    page_size: _builtins.int
+    """The largest number of checkpoints to return (1 to 1000; 0 means 100)."""
+    page_token: _builtins.str
+    """The next_page_token of the previous page; empty for the first page."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCheckpointsRequest: _TypeAlias = ListCheckpointsRequest  # noqa: Y015
+
+@_typing.final
+class ListCheckpointsResponse(_message.Message):
+    """ListCheckpointsResponse returns a page of checkpoints."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """The token of the next page; empty on the last page."""
+    @_builtins.property
+    def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobCheckpoint]:
+        """The checkpoints, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        checkpoints: _abc.Iterable[Global___JobCheckpoint] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCheckpointsResponse: _TypeAlias = ListCheckpointsResponse  # noqa: Y015
+
+@_typing.final
+class JobCheckpoint(_message.Message):
+    """JobCheckpoint is one complete checkpoint of a job: the state after `iteration` iterations."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ITERATION_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    FILES_FIELD_NUMBER: _builtins.int
+    LATEST_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The checkpoint's name, for example "iter-120"; pass it to DownloadCheckpoint."""
+    iteration: _builtins.int
+    """The number of iterations completed when it was taken."""
+    epoch: _builtins.int
+    """The epoch the coordinator recorded with it."""
+    generation: _builtins.int
+    """The membership generation it was taken in."""
+    size_bytes: _builtins.int
+    """The total size of its files in bytes."""
+    latest: _builtins.bool
+    """True for the checkpoint a resumed job would start from."""
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When its manifest was written."""
+
+    @_builtins.property
+    def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobCheckpointFile]:
+        """Its files (the manifest first), each downloadable with DownloadCheckpoint."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        iteration: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+        generation: _builtins.int = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+        size_bytes: _builtins.int = ...,
+        files: _abc.Iterable[Global___JobCheckpointFile] | None = ...,
+        latest: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "epoch", b"epoch", "files", b"files", "generation", b"generation", "iteration", b"iteration", "latest", b"latest", "name", b"name", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobCheckpoint: _TypeAlias = JobCheckpoint  # noqa: Y015
+
+@_typing.final
+class JobCheckpointFile(_message.Message):
+    """JobCheckpointFile is one file of a job's checkpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The file's name inside the checkpoint, for example "shard-0.safetensors"."""
+    size_bytes: _builtins.int
+    """The size in bytes."""
+    sha256: _builtins.str
+    """The sha256 of the bytes in lowercase hex, as the manifest records it (empty for the
+    manifest itself).
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobCheckpointFile: _TypeAlias = JobCheckpointFile  # noqa: Y015
+
+@_typing.final
+class DownloadCheckpointRequest(_message.Message):
+    """DownloadCheckpointRequest names one file of one checkpoint of a job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    FILE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job's id."""
+    checkpoint: _builtins.str
+    """The checkpoint's name, as ListCheckpoints returns it."""
+    file: _builtins.str
+    """The file's name, as the checkpoint lists it."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        checkpoint: _builtins.str = ...,
+        file: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "file", b"file", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DownloadCheckpointRequest: _TypeAlias = DownloadCheckpointRequest  # noqa: Y015
+
+@_typing.final
+class DownloadCheckpointResponse(_message.Message):
+    """DownloadCheckpointResponse is one message of a checkpoint file download: the header, then
+    chunks.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    chunk: _builtins.bytes
+    """The next bytes."""
+    @_builtins.property
+    def header(self) -> Global___ArtifactHeader:
+        """The header (first message only)."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___ArtifactHeader | None = ...,
+        chunk: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "content", b"content", "header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "content", b"content", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_content: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_content: _TypeAlias = _typing.Literal["content", b"content"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_content) -> _WhichOneofReturnType_content | None: ...
+
+Global___DownloadCheckpointResponse: _TypeAlias = DownloadCheckpointResponse  # noqa: Y015

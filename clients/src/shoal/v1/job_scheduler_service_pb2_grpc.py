@@ -99,6 +99,21 @@ class JobSchedulerServiceStub:
                 request_serializer=shoal_dot_v1_dot_job__scheduler__service__pb2.GetAllocationHistoryRequest.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_job__scheduler__service__pb2.GetAllocationHistoryResponse.FromString,
                 _registered_method=True)
+        self.GetCallerIdentity = channel.unary_unary(
+                '/shoal.v1.JobSchedulerService/GetCallerIdentity',
+                request_serializer=shoal_dot_v1_dot_job__scheduler__service__pb2.GetCallerIdentityRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_job__scheduler__service__pb2.GetCallerIdentityResponse.FromString,
+                _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/shoal.v1.JobSchedulerService/ListCheckpoints',
+                request_serializer=shoal_dot_v1_dot_job__scheduler__service__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_job__scheduler__service__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.DownloadCheckpoint = channel.unary_stream(
+                '/shoal.v1.JobSchedulerService/DownloadCheckpoint',
+                request_serializer=shoal_dot_v1_dot_job__scheduler__service__pb2.DownloadCheckpointRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_job__scheduler__service__pb2.DownloadCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class JobSchedulerServiceServicer:
@@ -212,6 +227,33 @@ class JobSchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCallerIdentity(self, request, context):
+        """GetCallerIdentity returns the principal and the role that the caller's credentials map to,
+        as every method of this service sees them (a dashboard shows them and offers the actions
+        the role allows). Any replica answers. Returns UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCheckpoints(self, request, context):
+        """ListCheckpoints lists a job's complete checkpoints (those whose manifest was written),
+        oldest first, paginated. Returns INVALID_ARGUMENT for a bad page_token or page_size,
+        NOT_FOUND, UNAUTHENTICATED, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadCheckpoint(self, request, context):
+        """DownloadCheckpoint streams one file of a complete checkpoint (a file its manifest names,
+        or the manifest itself): a header, then chunks. Returns INVALID_ARGUMENT (a malformed
+        checkpoint name), NOT_FOUND (job, checkpoint or file), UNAUTHENTICATED, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobSchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -274,6 +316,21 @@ def add_JobSchedulerServiceServicer_to_server(servicer, server):
                     servicer.GetAllocationHistory,
                     request_deserializer=shoal_dot_v1_dot_job__scheduler__service__pb2.GetAllocationHistoryRequest.FromString,
                     response_serializer=shoal_dot_v1_dot_job__scheduler__service__pb2.GetAllocationHistoryResponse.SerializeToString,
+            ),
+            'GetCallerIdentity': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCallerIdentity,
+                    request_deserializer=shoal_dot_v1_dot_job__scheduler__service__pb2.GetCallerIdentityRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_job__scheduler__service__pb2.GetCallerIdentityResponse.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=shoal_dot_v1_dot_job__scheduler__service__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_job__scheduler__service__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'DownloadCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadCheckpoint,
+                    request_deserializer=shoal_dot_v1_dot_job__scheduler__service__pb2.DownloadCheckpointRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_job__scheduler__service__pb2.DownloadCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -605,6 +662,87 @@ class JobSchedulerService:
             '/shoal.v1.JobSchedulerService/GetAllocationHistory',
             shoal_dot_v1_dot_job__scheduler__service__pb2.GetAllocationHistoryRequest.SerializeToString,
             shoal_dot_v1_dot_job__scheduler__service__pb2.GetAllocationHistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCallerIdentity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.JobSchedulerService/GetCallerIdentity',
+            shoal_dot_v1_dot_job__scheduler__service__pb2.GetCallerIdentityRequest.SerializeToString,
+            shoal_dot_v1_dot_job__scheduler__service__pb2.GetCallerIdentityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.JobSchedulerService/ListCheckpoints',
+            shoal_dot_v1_dot_job__scheduler__service__pb2.ListCheckpointsRequest.SerializeToString,
+            shoal_dot_v1_dot_job__scheduler__service__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shoal.v1.JobSchedulerService/DownloadCheckpoint',
+            shoal_dot_v1_dot_job__scheduler__service__pb2.DownloadCheckpointRequest.SerializeToString,
+            shoal_dot_v1_dot_job__scheduler__service__pb2.DownloadCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -92,6 +92,21 @@ class JobSchedulerServiceStub:
     to the caller when job_id is empty, oldest first. Returns NOT_FOUND, UNAUTHENTICATED,
     UNAVAILABLE.
     """
+    GetCallerIdentity: _grpc.UnaryUnaryMultiCallable[_job_scheduler_service_pb2.GetCallerIdentityRequest, _job_scheduler_service_pb2.GetCallerIdentityResponse]
+    """GetCallerIdentity returns the principal and the role that the caller's credentials map to,
+    as every method of this service sees them (a dashboard shows them and offers the actions
+    the role allows). Any replica answers. Returns UNAUTHENTICATED.
+    """
+    ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_job_scheduler_service_pb2.ListCheckpointsRequest, _job_scheduler_service_pb2.ListCheckpointsResponse]
+    """ListCheckpoints lists a job's complete checkpoints (those whose manifest was written),
+    oldest first, paginated. Returns INVALID_ARGUMENT for a bad page_token or page_size,
+    NOT_FOUND, UNAUTHENTICATED, UNAVAILABLE.
+    """
+    DownloadCheckpoint: _grpc.UnaryStreamMultiCallable[_job_scheduler_service_pb2.DownloadCheckpointRequest, _job_scheduler_service_pb2.DownloadCheckpointResponse]
+    """DownloadCheckpoint streams one file of a complete checkpoint (a file its manifest names,
+    or the manifest itself): a header, then chunks. Returns INVALID_ARGUMENT (a malformed
+    checkpoint name), NOT_FOUND (job, checkpoint or file), UNAUTHENTICATED, UNAVAILABLE.
+    """
 
 @_typing.type_check_only
 class JobSchedulerServiceAsyncStub(JobSchedulerServiceStub):
@@ -156,6 +171,21 @@ class JobSchedulerServiceAsyncStub(JobSchedulerServiceStub):
     """GetAllocationHistory returns the allocation changes of one job, or of all jobs visible
     to the caller when job_id is empty, oldest first. Returns NOT_FOUND, UNAUTHENTICATED,
     UNAVAILABLE.
+    """
+    GetCallerIdentity: _aio.UnaryUnaryMultiCallable[_job_scheduler_service_pb2.GetCallerIdentityRequest, _job_scheduler_service_pb2.GetCallerIdentityResponse]  # type: ignore[assignment]
+    """GetCallerIdentity returns the principal and the role that the caller's credentials map to,
+    as every method of this service sees them (a dashboard shows them and offers the actions
+    the role allows). Any replica answers. Returns UNAUTHENTICATED.
+    """
+    ListCheckpoints: _aio.UnaryUnaryMultiCallable[_job_scheduler_service_pb2.ListCheckpointsRequest, _job_scheduler_service_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
+    """ListCheckpoints lists a job's complete checkpoints (those whose manifest was written),
+    oldest first, paginated. Returns INVALID_ARGUMENT for a bad page_token or page_size,
+    NOT_FOUND, UNAUTHENTICATED, UNAVAILABLE.
+    """
+    DownloadCheckpoint: _aio.UnaryStreamMultiCallable[_job_scheduler_service_pb2.DownloadCheckpointRequest, _job_scheduler_service_pb2.DownloadCheckpointResponse]  # type: ignore[assignment]
+    """DownloadCheckpoint streams one file of a complete checkpoint (a file its manifest names,
+    or the manifest itself): a header, then chunks. Returns INVALID_ARGUMENT (a malformed
+    checkpoint name), NOT_FOUND (job, checkpoint or file), UNAUTHENTICATED, UNAVAILABLE.
     """
 
 class JobSchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -290,6 +320,39 @@ class JobSchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
         """GetAllocationHistory returns the allocation changes of one job, or of all jobs visible
         to the caller when job_id is empty, oldest first. Returns NOT_FOUND, UNAUTHENTICATED,
         UNAVAILABLE.
+        """
+
+    @_abc_1.abstractmethod
+    def GetCallerIdentity(
+        self,
+        request: _job_scheduler_service_pb2.GetCallerIdentityRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_job_scheduler_service_pb2.GetCallerIdentityResponse, _abc.Awaitable[_job_scheduler_service_pb2.GetCallerIdentityResponse]]:
+        """GetCallerIdentity returns the principal and the role that the caller's credentials map to,
+        as every method of this service sees them (a dashboard shows them and offers the actions
+        the role allows). Any replica answers. Returns UNAUTHENTICATED.
+        """
+
+    @_abc_1.abstractmethod
+    def ListCheckpoints(
+        self,
+        request: _job_scheduler_service_pb2.ListCheckpointsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_job_scheduler_service_pb2.ListCheckpointsResponse, _abc.Awaitable[_job_scheduler_service_pb2.ListCheckpointsResponse]]:
+        """ListCheckpoints lists a job's complete checkpoints (those whose manifest was written),
+        oldest first, paginated. Returns INVALID_ARGUMENT for a bad page_token or page_size,
+        NOT_FOUND, UNAUTHENTICATED, UNAVAILABLE.
+        """
+
+    @_abc_1.abstractmethod
+    def DownloadCheckpoint(
+        self,
+        request: _job_scheduler_service_pb2.DownloadCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_job_scheduler_service_pb2.DownloadCheckpointResponse], _abc.AsyncIterator[_job_scheduler_service_pb2.DownloadCheckpointResponse]]:
+        """DownloadCheckpoint streams one file of a complete checkpoint (a file its manifest names,
+        or the manifest itself): a header, then chunks. Returns INVALID_ARGUMENT (a malformed
+        checkpoint name), NOT_FOUND (job, checkpoint or file), UNAUTHENTICATED, UNAVAILABLE.
         """
 
 def add_JobSchedulerServiceServicer_to_server(servicer: JobSchedulerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -50,6 +50,7 @@ def up(
     shards: Annotated[int, typer.Option(help="Parameter-sync shards.")] = 2,
     policy: Annotated[str, typer.Option(help="FIFO, FAIRSHARE or PRIORITY.")] = "PRIORITY",
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the cluster.")] = 120.0,
+    dashboard: Annotated[bool, typer.Option(help="Serve the web dashboard too.")] = True,
 ) -> None:
     """Start etcd and every service in the background; the CLI then finds them by itself."""
     state = _read_state(state_dir)
@@ -76,6 +77,7 @@ def up(
             str(shards),
             "--policy",
             policy,
+            *([] if dashboard else ["--no-dashboard"]),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -98,6 +100,16 @@ def up(
         f"cluster up: {hosts} hosts x {gpus_per_host} GPUs, {shards} shards; "
         f"state and logs in {state_dir}/ (shoal cluster status | down)"
     )
+    _print_dashboard(state_dir, _read_state(state_dir) or {})
+
+
+def _print_dashboard(state_dir: Path, state: dict[str, object]) -> None:
+    if state.get("dashboard"):
+        console.print(
+            f"dashboard: {state['dashboard']} (log in with the token in {state_dir}/cluster.json)",
+            soft_wrap=True,
+            highlight=False,
+        )
 
 
 @cluster_app.command()
@@ -116,6 +128,7 @@ def status(state_dir: StateDir = Path(".shoal")) -> None:
         table.add_row(name, str(pid), str(_alive(int(pid))), str(metrics.get(name, "")))
     console.print(table)
     console.print(f"scheduler: {', '.join(state['scheduler'])}")  # type: ignore[arg-type]
+    _print_dashboard(state_dir, state)
 
 
 @cluster_app.command()

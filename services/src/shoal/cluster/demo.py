@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     out: Path = ns.out
     out.mkdir(parents=True, exist_ok=True)
-    spec = ClusterSpec(state_dir=out / "cluster", hosts=2, gpus_per_host=4, shards=2)
+    spec = ClusterSpec(
+        state_dir=out / "cluster", hosts=2, gpus_per_host=4, shards=2, dashboard=True
+    )
     print(
         f"starting a local cluster: {spec.hosts} hosts x {spec.gpus_per_host} simulated GPUs, "
         f"{spec.shards} parameter-sync shards (logs in {out / 'cluster' / 'logs'})"
@@ -39,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with LocalCluster(spec) as cluster:
         print(f"cluster up in {time.monotonic() - started:.1f} s")
+        print(
+            f'watch it live: {cluster.dashboard_url} (log in with the "token" in '
+            f"{cluster.state_dir / 'cluster.json'})"
+        )
         with Client(cluster.client_config()) as client:
             try:
                 result = run_scenario(

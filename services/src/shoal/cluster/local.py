@@ -62,6 +62,7 @@ class ClusterSpec:
     election_ttl_s: float = 3.0
     policy: str = "PRIORITY"
     extra_env: dict[str, str] = field(default_factory=dict)
+    dashboard: bool = False  # also serve the web dashboard (`shoal cluster up` does)
 
     def __post_init__(self) -> None:
         for name, low, high in (
@@ -108,6 +109,8 @@ class LocalCluster:
         self.etcd: EtcdServer | None = None
         self.services: dict[str, ServiceProcess] = {}
         self.tokens: dict[str, str] = {}
+        self.dashboard: subprocess.Popen[bytes] | None = None
+        self.dashboard_url = ""  # http://127.0.0.1:PORT/ when spec.dashboard
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -146,6 +149,8 @@ class LocalCluster:
                 for svc in self.services.values():
                     if svc.kind == kind:
                         self.wait_healthy(svc, timeout=timeout)
+            if self.spec.dashboard:
+                self._start_dashboard(timeout)
             self.write_client_config(self.state_dir / "cluster.json")
         except BaseException:
             self.stop()
@@ -153,6 +158,7 @@ class LocalCluster:
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every service (agents first, so learners stop), then etcd; nothing is left."""
+        self._stop_dashboard(grace)
         order = ("host-agent", "job-scheduler", "parameter-sync", "resource-manager")
         for kind in order:
             procs = [s for s in self.services.values() if s.kind == kind and s.alive()]
@@ -284,6 +290,64 @@ class LocalCluster:
         self._spawn(svc)
         self.wait_healthy(svc, timeout=timeout)
 
+    # -- the web dashboard (shoal.dashboard) ----------------------------------------------------
+
+    def _start_dashboard(self, timeout: float) -> None:
+        """Serve the dashboard on a free loopback port; wait until it answers /healthz. It holds
+        no credential: users log in with their own token (``"token"`` in cluster.json)."""
+        import urllib.request
+
+        address = f"127.0.0.1:{free_port()}"
+        log_path = self.logs / "dashboard.log"
+        with log_path.open("ab") as log:
+            self.dashboard = subprocess.Popen(
+                die_with_parent(
+                    [
+                        sys.executable,
+                        "-m",
+                        "shoal.dashboard",
+                        "--listen",
+                        address,
+                        "--scheduler",
+                        ",".join(self.addresses("job-scheduler")),
+                        "--resource-manager",
+                        ",".join(self.addresses("resource-manager")),
+                    ]
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.spec.extra_env, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )
+        url = f"http://{address}/"
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.dashboard.poll() is not None:
+                raise RuntimeError(f"the dashboard exited: see {log_path}\n{tail(log_path)}")
+            try:
+                with urllib.request.urlopen(url + "healthz", timeout=1.0) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the dashboard did not answer in {timeout} s: see {log_path}")
+            time.sleep(0.1)
+        self.dashboard_url = url
+
+    def _stop_dashboard(self, grace: float) -> None:
+        proc, self.dashboard = self.dashboard, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
     # -- client side -------------------------------------------------------------------------
 
     def client_config_dict(self, role: str = "user") -> dict[str, object]:
@@ -292,8 +356,10 @@ class LocalCluster:
             "resource_manager": self.addresses("resource-manager"),
             "token": self.tokens[role],
             "state_dir": str(self.state_dir),
-            "pids": {n: s.pid for n, s in self.services.items()},
+            "pids": {n: s.pid for n, s in self.services.items()}
+            | ({"dashboard": self.dashboard.pid} if self.dashboard else {}),
             "metrics": self.metrics_urls(),
+            "dashboard": self.dashboard_url,
             "etcd": self.etcd.endpoints if self.etcd else [],
         }
 

@@ -37,6 +37,7 @@ from shoal.runtime.errors import (
     NotLeader,
 )
 from shoal.runtime.server import ServiceBinding
+from shoal.scheduler import checkpoints
 from shoal.scheduler.artifacts import ArtifactStore, Storage, read_jsonl_metrics
 from shoal.scheduler.jobs import (
     FINAL_STATES,
@@ -334,6 +335,29 @@ class JobApi:
             epochs=read_jsonl_metrics(epochs, job_pb2.EpochMetric),
         )
 
+    async def checkpoints(
+        self, principal: Principal, job_id: str, *, page_size: int, page_token: str
+    ) -> js_pb2.ListCheckpointsResponse:
+        await self.visible(principal, job_id)
+        listed = await checkpoints.list_checkpoints(self.storage, job_id)
+        page, token = checkpoints.page_checkpoints(
+            listed, page_size=page_size, page_token=page_token
+        )
+        return js_pb2.ListCheckpointsResponse(checkpoints=page, next_page_token=token)
+
+    async def download_checkpoint(
+        self, principal: Principal, job_id: str, checkpoint: str, file: str
+    ) -> tuple[js_pb2.ArtifactHeader, AsyncIterator[bytes]]:
+        await self.visible(principal, job_id)
+        path, sha256 = await checkpoints.checkpoint_file_path(
+            self.storage, job_id, checkpoint, file
+        )
+        if not await self.storage.exists(path):
+            raise NotFound(f"file of checkpoint {checkpoint!r}", file)
+        size = await self.storage.size(path)
+        header = js_pb2.ArtifactHeader(name=file, size_bytes=size, sha256=sha256)
+        return header, self.storage.read_chunks(path)
+
     # -- logs ---------------------------------------------------------------------------------
 
     async def logs(
@@ -543,6 +567,36 @@ class SchedulerServicer(job_scheduler_service_pb2_grpc.JobSchedulerServiceServic
     async def GetAllocationHistory(self, request, context):  # type: ignore[no-untyped-def]
         events = await self.api.allocation_history(current_principal(), request.job_id)
         return js_pb2.GetAllocationHistoryResponse(events=events)
+
+    async def GetCallerIdentity(self, request, context):  # type: ignore[no-untyped-def]
+        principal = current_principal()
+        return js_pb2.GetCallerIdentityResponse(
+            principal=principal.name, role=_ROLES.get(principal.role.value, 0)
+        )
+
+    async def ListCheckpoints(self, request, context):  # type: ignore[no-untyped-def]
+        return await self.api.checkpoints(
+            current_principal(),
+            request.job_id,
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+
+    async def DownloadCheckpoint(self, request, context):  # type: ignore[no-untyped-def]
+        header, chunks = await self.api.download_checkpoint(
+            current_principal(), request.job_id, request.checkpoint, request.file
+        )
+        yield js_pb2.DownloadCheckpointResponse(header=header)
+        async for chunk in chunks:
+            yield js_pb2.DownloadCheckpointResponse(chunk=chunk)
+
+
+# Role value ("user", ...) -> PrincipalRole; a role the API does not name is UNSPECIFIED.
+_ROLES = {
+    name.removeprefix("PRINCIPAL_ROLE_").lower(): number
+    for name, number in js_pb2.PrincipalRole.items()
+    if number
+}
 
 
 def binding(api: JobApi) -> ServiceBinding:

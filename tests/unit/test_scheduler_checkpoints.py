@@ -1,0 +1,186 @@
+"""JobSchedulerService's GetCallerIdentity, ListCheckpoints and DownloadCheckpoint, in process
+(port 0, MemoryStore, real auth), over checkpoints written by the data plane's own writer
+(shoal.param_sync.checkpoint): complete ones are listed with their files, incomplete ones are
+not, and only the files a manifest names can be downloaded, by the job's owner or an admin."""
+
+from __future__ import annotations
+
+import hashlib
+
+import grpc
+import pytest
+
+from shoal.param_sync import checkpoint as ckpt
+from shoal.v1 import job_scheduler_service_pb2 as js
+from tests.unit.test_scheduler_service import Bed, bed, submit, upload
+
+__all__ = ["bed"]  # the fixture, imported for the tests below
+
+
+def write_checkpoint(b: Bed, job_id: str, iteration: int, *, shards: int = 2) -> dict[str, bytes]:
+    """A complete checkpoint as the coordinator writes it: shard files, manifest, latest."""
+    directory = ckpt.job_uri(b.storage.uri, job_id, "checkpoints", ckpt.checkpoint_name(iteration))
+    files: dict[str, bytes] = {}
+    entries = []
+    for i in range(shards):
+        name = f"shard-{i}.safetensors"
+        data = f"tensors of shard {i} at {iteration}".encode() * (1000 * (i + 1))
+        ckpt.atomic_write(ckpt.join_uri(directory, name), data)
+        files[name] = data
+        entries.append(
+            {
+                "index": i,
+                "file": name,
+                "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        )
+    manifest = {
+        "job_id": job_id,
+        "iteration": iteration,
+        "epoch": iteration // 10,
+        "generation": 3,
+        "shards": entries,
+        "time": 1_735_689_600.0 + iteration,
+    }
+    ckpt.write_manifest_and_latest(directory, manifest)
+    return files
+
+
+async def download(b: Bed, job_id: str, checkpoint: str, file: str, who: str = "user"):
+    request = js.DownloadCheckpointRequest(job_id=job_id, checkpoint=checkpoint, file=file)
+    return [m async for m in b.stub(who).DownloadCheckpoint(request)]
+
+
+async def test_caller_identity_names_the_principal_and_role_of_each_token(bed: Bed) -> None:
+    got = {
+        who: await bed.stub(who).GetCallerIdentity(js.GetCallerIdentityRequest())
+        for who in ("user", "other", "admin", "service")
+    }
+    assert (got["user"].principal, got["user"].role) == ("alice", js.PRINCIPAL_ROLE_USER)
+    assert (got["other"].principal, got["other"].role) == ("bob", js.PRINCIPAL_ROLE_USER)
+    assert (got["admin"].principal, got["admin"].role) == ("root", js.PRINCIPAL_ROLE_ADMIN)
+    assert got["service"].role == js.PRINCIPAL_ROLE_SERVICE
+
+
+async def test_caller_identity_needs_a_valid_token(bed: Bed) -> None:
+    bed.tokens["forged"] = "f" * 64
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await bed.stub("forged").GetCallerIdentity(js.GetCallerIdentityRequest())
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_complete_checkpoints_are_listed_oldest_first_with_their_files(bed: Bed) -> None:
+    job = await submit(bed, await upload(bed))
+    files = write_checkpoint(bed, job.job_id, 20)
+    write_checkpoint(bed, job.job_id, 100)
+    write_checkpoint(bed, job.job_id, 40, shards=1)
+    # An interrupted checkpoint: shard files but no manifest. Never listed.
+    partial = ckpt.job_uri(bed.storage.uri, job.job_id, "checkpoints", "iter-120")
+    ckpt.atomic_write(ckpt.join_uri(partial, "shard-0.safetensors"), b"half")
+
+    got = await bed.stub().ListCheckpoints(js.ListCheckpointsRequest(job_id=job.job_id))
+    assert [c.name for c in got.checkpoints] == ["iter-20", "iter-40", "iter-100"]
+    assert [c.latest for c in got.checkpoints] == [False, True, False]  # written last
+    first = got.checkpoints[0]
+    assert (first.iteration, first.epoch, first.generation) == (20, 2, 3)
+    assert first.create_time.seconds == 1_735_689_620
+    names = [f.name for f in first.files]
+    assert names == ["manifest.json", "shard-0.safetensors", "shard-1.safetensors"]
+    assert first.files[1].sha256 == hashlib.sha256(files["shard-0.safetensors"]).hexdigest()
+    assert first.size_bytes == sum(f.size_bytes for f in first.files)
+    assert got.next_page_token == ""
+
+
+async def test_checkpoints_page_by_name_and_a_bad_token_is_refused(bed: Bed) -> None:
+    job = await submit(bed, await upload(bed))
+    for iteration in (5, 10, 15):
+        write_checkpoint(bed, job.job_id, iteration, shards=1)
+    seen, token = [], ""
+    while True:
+        page = await bed.stub().ListCheckpoints(
+            js.ListCheckpointsRequest(job_id=job.job_id, page_size=2, page_token=token)
+        )
+        seen += [c.name for c in page.checkpoints]
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == ["iter-5", "iter-10", "iter-15"]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await bed.stub().ListCheckpoints(
+            js.ListCheckpointsRequest(job_id=job.job_id, page_token="../../etc")
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "page_token ('../../etc')" in (caught.value.details() or "")
+
+
+async def test_a_checkpoint_file_downloads_with_its_size_and_sha256(bed: Bed) -> None:
+    job = await submit(bed, await upload(bed))
+    files = write_checkpoint(bed, job.job_id, 30)
+    messages = await download(bed, job.job_id, "iter-30", "shard-1.safetensors")
+    data = files["shard-1.safetensors"]
+    assert messages[0].header.name == "shard-1.safetensors"
+    assert messages[0].header.size_bytes == len(data)
+    assert messages[0].header.sha256 == hashlib.sha256(data).hexdigest()
+    assert b"".join(m.chunk for m in messages[1:]) == data
+    manifest = await download(bed, job.job_id, "iter-30", "manifest.json", who="admin")
+    assert b'"iteration": 30' in b"".join(m.chunk for m in manifest[1:])
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "file", "code"),
+    [
+        ("iter-30", "../../../tokens", grpc.StatusCode.NOT_FOUND),
+        ("iter-30", "shard-9.safetensors", grpc.StatusCode.NOT_FOUND),
+        ("iter-30", "", grpc.StatusCode.NOT_FOUND),
+        ("iter-31", "manifest.json", grpc.StatusCode.NOT_FOUND),
+        ("../iter-30", "manifest.json", grpc.StatusCode.INVALID_ARGUMENT),
+        ("iter-30/../iter-30", "manifest.json", grpc.StatusCode.INVALID_ARGUMENT),
+        ("latest", "manifest.json", grpc.StatusCode.INVALID_ARGUMENT),
+        ("iter-30\x00", "manifest.json", grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_only_files_a_manifest_names_can_be_downloaded(
+    bed: Bed, checkpoint: str, file: str, code: grpc.StatusCode
+) -> None:
+    job = await submit(bed, await upload(bed))
+    write_checkpoint(bed, job.job_id, 30)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await download(bed, job.job_id, checkpoint, file)
+    assert caught.value.code() == code
+
+
+async def test_a_manifest_naming_a_path_outside_its_directory_lists_and_serves_nothing_there(
+    bed: Bed,
+) -> None:
+    job = await submit(bed, await upload(bed))
+    directory = ckpt.job_uri(bed.storage.uri, job.job_id, "checkpoints", "iter-7")
+    ckpt.write_manifest_and_latest(
+        directory,
+        {"iteration": 7, "shards": [{"file": "../../../../artifacts/x.json", "size": 1}]},
+    )
+    got = await bed.stub().ListCheckpoints(js.ListCheckpointsRequest(job_id=job.job_id))
+    assert [f.name for f in got.checkpoints[0].files] == ["manifest.json"]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await download(bed, job.job_id, "iter-7", "../../../../artifacts/x.json")
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_another_users_checkpoints_are_not_found(bed: Bed) -> None:
+    job = await submit(bed, await upload(bed))
+    write_checkpoint(bed, job.job_id, 10, shards=1)
+    for call in (
+        bed.stub("other").ListCheckpoints(js.ListCheckpointsRequest(job_id=job.job_id)),
+        download(bed, job.job_id, "iter-10", "manifest.json", who="other"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    listed = await bed.stub("admin").ListCheckpoints(js.ListCheckpointsRequest(job_id=job.job_id))
+    assert [c.name for c in listed.checkpoints] == ["iter-10"]
+
+
+async def test_a_job_without_checkpoints_lists_none(bed: Bed) -> None:
+    job = await submit(bed, await upload(bed))
+    got = await bed.stub().ListCheckpoints(js.ListCheckpointsRequest(job_id=job.job_id))
+    assert list(got.checkpoints) == []
