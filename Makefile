@@ -18,6 +18,7 @@ DEV_TOOLS   := pytest pytest-asyncio pytest-timeout hypothesis ruff mypy grpcio-
 # TensorBoard's own event reader, for the test that reads `shoal jobs tensorboard`'s files back.
 # Kept out of the venv's site-packages: where `tensorboard` imports, torch.utils.tensorboard does
 # too, and the parameter-sync shards' optional TensorBoard writer would switch itself on.
+# absl-py: the reader imports it (tensorboard.compat.tensorflow_stub).
 TB_READER   := $(VENV)/tensorboard-reader
 STAMP       := $(VENV)/.installed
 BUF         := node_modules/.bin/buf
@@ -32,7 +33,7 @@ $(STAMP): clients/pyproject.toml learner/pyproject.toml services/pyproject.toml 
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e clients -e learner -e services $(DEV_TOOLS)
-	$(PIP) install -q --no-deps --upgrade --target $(TB_READER) tensorboard
+	$(PIP) install -q --no-deps --upgrade --target $(TB_READER) tensorboard absl-py
 	touch $(STAMP)
 
 $(BUF): package.json
