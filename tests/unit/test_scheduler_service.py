@@ -79,8 +79,8 @@ def upload_messages(data: bytes, **header: object) -> list[js.UploadArtifactRequ
     ]
 
 
-async def upload(bed: Bed, data: bytes = b"model-bytes" * 100) -> str:
-    response = await bed.stub().UploadArtifact(iter(upload_messages(data)))
+async def upload(bed: Bed, data: bytes = b"model-bytes" * 100, who: str = "user") -> str:
+    response = await bed.stub(who).UploadArtifact(iter(upload_messages(data)))
     return response.artifact_id
 
 
@@ -128,7 +128,7 @@ async def test_an_artifact_is_stored_under_its_sha256_and_downloads_back(bed: Be
     assert stored.read_bytes() == data
     messages = [
         m
-        async for m in bed.stub("other").DownloadArtifact(
+        async for m in bed.stub().DownloadArtifact(
             js.DownloadArtifactRequest(artifact_id=response.artifact_id)
         )
     ]
@@ -238,6 +238,7 @@ async def test_a_retried_submit_with_the_same_request_id_returns_the_same_job(be
     artifact = await upload(bed)
     first = await submit(bed, artifact, request_id="req-1")
     again = await submit(bed, artifact, request_id="req-1")
+    await upload(bed, who="other")  # the same bytes: bob owns them too
     other_user = await submit(bed, artifact, who="other", request_id="req-1")
     assert again.job_id == first.job_id
     assert other_user.job_id != first.job_id
@@ -415,6 +416,7 @@ async def test_allocation_history_is_per_job_bounded_persisted_and_visible_to_ow
     bed: Bed,
 ) -> None:
     artifact = await upload(bed)
+    await upload(bed, who="other")
     mine = await submit(bed, artifact)
     theirs = await submit(bed, artifact, who="other")
     for workers in (1, 4, 8, 4):
