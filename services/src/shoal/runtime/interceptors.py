@@ -13,6 +13,8 @@ every request message (``shoal.runtime.validation``: INVALID_ARGUMENT).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -166,8 +168,7 @@ def _wrap(
         async def stream_behavior(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
             try:
                 set_current_principal(authorize(context))
-                request = _checked(request, handler.request_streaming)
-                result = behavior(request, context)
+                result = behavior(_checked(request, handler.request_streaming), context)
                 if inspect.isawaitable(result):
                     result = await result
                 if result is not None:
@@ -176,6 +177,8 @@ def _wrap(
             except aio.AbortError:
                 raise
             except Exception as exc:
+                if handler.request_streaming:
+                    await _drain(request)
                 await owner.abort_with(context, exc)
 
         factory = (
@@ -194,11 +197,12 @@ def _wrap(
     async def unary_behavior(request: Any, context: aio.ServicerContext) -> Any:
         try:
             set_current_principal(authorize(context))
-            request = _checked(request, handler.request_streaming)
-            return await behavior(request, context)
+            return await behavior(_checked(request, handler.request_streaming), context)
         except aio.AbortError:
             raise
         except Exception as exc:
+            if handler.request_streaming:
+                await _drain(request)
             await owner.abort_with(context, exc)
 
     factory = (
@@ -226,3 +230,13 @@ async def _checked_stream(requests: Any) -> AsyncIterator[Any]:
     async for message in requests:
         check_request_ids(message)
         yield message
+
+
+async def _drain(requests: Any, limit_s: float = 2.0) -> None:
+    """Read (and drop) what is left of a refused request stream before the call ends: a gRPC
+    client still writing when the server ends the call gets INTERNAL instead of the server's
+    status. Bounded in time, so a client that never stops cannot hold the handler."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(limit_s):
+            async for _ in requests:
+                pass

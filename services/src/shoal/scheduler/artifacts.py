@@ -17,7 +17,7 @@ artifact or submit a job that runs it; anyone else gets NOT_FOUND, as for an art
 does not exist. Each principal may own ``quota_bytes`` of artifacts (admins have no quota);
 an upload over it fails with RESOURCE_EXHAUSTED (``ERROR_REASON_QUOTA_EXCEEDED``) saying the
 use, the limit and the size, before anything is stored. Uploading bytes one already owns costs
-nothing.
+nothing (when the header names their sha256, as the client does).
     jobs/<job_id>/model.safetensors the final model (written by the parameter-sync shards)
     jobs/<job_id>/metrics/iterations.jsonl  one IterationMetric per line (protobuf JSON)
     jobs/<job_id>/metrics/epochs.jsonl      one EpochMetric per line (protobuf JSON)

@@ -48,6 +48,7 @@ from shoal.runtime.errors import (
     JobNotFound,
     NotFound,
     NotLeader,
+    PermissionDenied,
 )
 from shoal.runtime.server import ServiceBinding
 from shoal.scheduler.artifacts import ArtifactStore, Storage, read_jsonl_metrics
@@ -312,6 +313,8 @@ class JobApi:
         if job_id:
             await self.visible(principal, job_id)
             return await self.table.history(job_id)
+        if principal.is_learner:
+            raise PermissionDenied(f"{principal.name} may read only its own job: name its job_id")
         events: list[job_pb2.AllocationEvent] = []
         for record in await self.table.all():
             if can_see(principal, record.owner):
