@@ -198,3 +198,27 @@ async def test_credentials_are_bound_to_the_kind_of_certificate_they_come_over(b
     assert await call("learner", "service") == grpc.StatusCode.PERMISSION_DENIED
     assert await call("learner", "user") == grpc.StatusCode.PERMISSION_DENIED
     assert await call("learner", "admin") == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_the_health_probe_speaks_mtls_with_the_services_own_files(bed: Bed) -> None:
+    from shoal.runtime import healthcheck
+
+    srv = bed.certs["service"]
+    tls = ["--tls-ca", str(bed.ca.ca_file), "--tls-cert", str(srv.cert), "--tls-key", str(srv.key)]
+    assert await asyncio.to_thread(healthcheck.main, [bed.tls.address, *tls]) == 0
+    assert await asyncio.to_thread(healthcheck.main, [bed.tls.address, "--timeout", "1"]) == 1
+
+
+def test_no_service_module_opens_a_grpc_channel_but_through_connect() -> None:
+    """Every service channel gets the process's TLS and token from one place
+    (shoal.runtime.channels.connect); only the etcd client makes its own (with --etcd-ca)."""
+    root = Path(__file__).resolve().parents[2] / "services" / "src" / "shoal"
+    allowed = {"runtime/channels.py", "runtime/store.py", "runtime/healthcheck.py"}
+    offenders = [
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if str(path.relative_to(root)) not in allowed
+        and ("insecure_channel(" in path.read_text() or "secure_channel(" in path.read_text())
+    ]
+    # The local cluster's health probe uses the cluster's client certificate.
+    assert offenders == ["cluster/local.py"], offenders

@@ -199,9 +199,7 @@ class LocalCluster:
 
     def _make_certificates(self) -> EtcdTLS:
         """A fresh CA and every certificate this cluster needs; returns etcd's TLS."""
-        ca = CertificateAuthority.create(
-            self.tls_dir, name=f"shoal local cluster CA ({self.state_dir})"
-        )
+        ca = CertificateAuthority.create(self.tls_dir, name="shoal local cluster CA")
         cert, key = self._issue(ca, "etcd", "etcd")
         self._issue(ca, "user", os.environ.get("USER", "you") or "you")
         self._issue(ca, "admin", "admin")

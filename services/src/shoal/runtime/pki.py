@@ -27,6 +27,10 @@ Command line (what compose/init-certs.sh runs)::
 
     python -m shoal.runtime.pki init DIR                       # DIR/ca.pem, DIR/ca-key.pem
     python -m shoal.runtime.pki issue DIR KIND NAME [--host H ...] [--out PREFIX]
+    python -m shoal.runtime.pki batch DIR < LINES              # "KIND NAME PREFIX [HOST ...]"
+
+``batch`` makes the CA if DIR has none, then issues one certificate per line of its input whose
+files do not exist yet (one process for all of them: the shell scripts use it).
 """
 
 from __future__ import annotations
@@ -170,6 +174,8 @@ class CertificateAuthority:
             raise ValueError(f"kind ({kind!r}) must be one of {', '.join(KINDS)}")
         if not name or any(c in name for c in "/\\:\0") or name.startswith("."):
             raise ValueError(f"name ({name!r}) must be a plain name without '/', ':' or NUL")
+        if len(f"{kind}:{name}") > 64:
+            raise ValueError(f"name ({name!r}) is too long: '{kind}:{name}' must fit in 64")
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.UTC)
         ca_key_id = x509.SubjectKeyIdentifier.from_public_key(self._key.public_key())
@@ -229,11 +235,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     issue.add_argument("name")
     issue.add_argument("--host", action="append", default=[], help="DNS name or IP (repeat)")
     issue.add_argument("--out", type=Path, help="file prefix (default DIR/KIND-NAME)")
+    batch = sub.add_parser("batch", help="issue each 'KIND NAME PREFIX [HOST ...]' of stdin")
+    batch.add_argument("dir", type=Path)
     ns = parser.parse_args(argv)
     try:
         if ns.command == "init":
             ca = CertificateAuthority.open_or_create(ns.dir)
             print(f"CA: {ca.ca_file}")
+            return 0
+        if ns.command == "batch":
+            ca = CertificateAuthority.open_or_create(ns.dir)
+            for line in sys.stdin.read().splitlines():
+                if not line.strip():
+                    continue
+                kind, name, prefix, *hosts = line.split()
+                out = Path(prefix)
+                cert = out.with_name(out.name + ".pem")
+                key = out.with_name(out.name + "-key.pem")
+                if cert.is_file() and key.is_file():
+                    continue
+                ca.issue(kind, name, hosts=[*DEFAULT_HOSTS, *hosts], out=out)
+                print(f"{kind}:{name}: {cert}")
             return 0
         ca = CertificateAuthority.load(ns.dir)
         issued = ca.issue(ns.kind, ns.name, hosts=[*DEFAULT_HOSTS, *ns.host], out=ns.out)
