@@ -81,6 +81,18 @@ async def test_a_user_added_or_revoked_in_etcd_is_known_to_every_replica_within_
         assert "carol\tuser\tsha256:" in listed.stdout
         assert token not in listed.stdout  # only the digest is stored
 
+        rotated = auth(etcd, "rotate", "carol")
+        assert rotated.returncode == 0, rotated.stderr
+        new = rotated.stdout.strip()
+        for replica in replicas:
+            await async_wait_until(
+                lambda r=replica: _refused(r.address, token),
+                timeout=WITHIN_S,
+                interval=0.1,
+                what=f"carol's old token refused by {replica.name}",
+            )
+            assert await _authenticated(replica.address, new)
+        token = new
         revoked = auth(etcd, "revoke", "carol")
         assert revoked.returncode == 0, revoked.stderr
         for replica in replicas:

@@ -4,13 +4,15 @@ Every service lists and watches ``/shoal/v1/auth/`` (``shoal.runtime.auth.Creden
 these take effect on every replica within seconds, without a restart::
 
     shoal-service auth --etcd HOST:PORT add-user alice [--role user|admin|service] [--token T]
+    shoal-service auth --etcd HOST:PORT rotate alice         # a new token; the old ones go
     shoal-service auth --etcd HOST:PORT revoke alice         # every token of alice
     shoal-service auth --etcd HOST:PORT list
     shoal-service auth --etcd HOST:PORT learner-keys
     shoal-service auth --etcd HOST:PORT revoke-learner-key KEY_ID
 
-``add-user`` prints the new token once (only its sha256 is stored). With etcd over TLS pass
-``--etcd-ca`` (and ``--etcd-cert``/``--etcd-key`` for mTLS), or SHOAL_ETCD_CA/CERT/KEY.
+``add-user`` and ``rotate`` print the new token once (only its sha256 is stored). With etcd
+over TLS pass ``--etcd-ca`` (and ``--etcd-cert``/``--etcd-key`` for mTLS), or
+SHOAL_ETCD_CA/CERT/KEY.
 Exit status 0 on success, 2 on bad input (one line on stderr), 1 when etcd cannot be reached.
 """
 
@@ -55,6 +57,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add.add_argument("name")
     add.add_argument("--role", choices=("user", "admin", "service"), default="user")
     add.add_argument("--token", help="use this token instead of a new random one")
+    rotate = sub.add_parser("rotate", help="give a principal a new token, delete its old ones")
+    rotate.add_argument("name")
     revoke = sub.add_parser("revoke", help="delete every token of a principal")
     revoke.add_argument("name")
     sub.add_parser("list", help="list the principals with tokens in etcd")
@@ -77,6 +81,25 @@ async def run(ns: argparse.Namespace) -> int:
     etcd_tls = EtcdTLSConfig(ns.etcd_ca, ns.etcd_cert, ns.etcd_key) if ns.etcd_ca else None
     config = ServerConfig("auth", allow_no_auth=True, etcd_endpoints=endpoints, etcd_tls=etcd_tls)
     async with etcd_store(config, timeout=5.0) as store:
+        if ns.command == "rotate":
+            kvs, _ = await store.list(TOKENS_PREFIX)
+            old = [
+                (kv.key, auth_pb2.TokenRecord.FromString(kv.value))
+                for kv in kvs
+                if auth_pb2.TokenRecord.FromString(kv.value).principal == ns.name
+            ]
+            if not old:
+                raise InvalidField("name", ns.name, "has no token in etcd (add-user first)")
+            token = new_token()
+            record = auth_pb2.TokenRecord()
+            record.CopyFrom(old[-1][1])
+            record.create_time.GetCurrentTime()
+            await store.put(TOKENS_PREFIX + token_digest(token), record.SerializeToString())
+            for key, _ in old:
+                await store.delete(key)
+            print(token)
+            print(f"rotated {ns.name}: {len(old)} old token(s) revoked", file=sys.stderr)
+            return 0
         if ns.command == "add-user":
             ids.check(ids.IdKind.PRINCIPAL, ns.name, field_name="name")
             token = ns.token or new_token()
