@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     )
 
     from shoal.runtime.store import Store
+    from shoal.v1 import auth_pb2
 
 log = logging.getLogger(__name__)
 
@@ -451,8 +452,11 @@ _ROLE_FROM_PROTO = {1: Role.USER, 2: Role.SERVICE, 3: Role.ADMIN}
 _ROLE_TO_PROTO = {v: k for k, v in _ROLE_FROM_PROTO.items()}
 
 
-def role_to_proto(role: Role) -> int:
-    return _ROLE_TO_PROTO[role]
+def role_to_proto(role: Role) -> auth_pb2.PrincipalRole.ValueType:
+    """The ``PrincipalRole`` of a (non-learner) role."""
+    from shoal.v1 import auth_pb2
+
+    return auth_pb2.PrincipalRole.ValueType(_ROLE_TO_PROTO[role])
 
 
 @dataclass

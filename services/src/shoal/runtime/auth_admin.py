@@ -137,9 +137,9 @@ async def run(ns: argparse.Namespace) -> int:
         if ns.command == "learner-keys":
             kvs, _ = await store.list(LEARNER_KEYS_PREFIX)
             for kv in kvs:
-                key = auth_pb2.LearnerSigningKey.FromString(kv.value)
+                published = auth_pb2.LearnerSigningKey.FromString(kv.value)
                 kid = kv.key[len(LEARNER_KEYS_PREFIX) :]
-                print(f"{kid}\t{key.publisher}\t{_when(key.create_time)}")
+                print(f"{kid}\t{published.publisher}\t{_when(published.create_time)}")
             return 0
         if ns.command == "revoke-learner-key":
             if not await store.delete(LEARNER_KEYS_PREFIX + ns.key_id):
