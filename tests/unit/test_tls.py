@@ -222,3 +222,40 @@ def test_no_service_module_opens_a_grpc_channel_but_through_connect() -> None:
     ]
     # The local cluster's health probe uses the cluster's client certificate.
     assert offenders == ["cluster/local.py"], offenders
+
+
+def test_a_host_agent_with_mtls_gives_its_learners_a_learner_certificate_never_its_own(
+    tmp_path: Path,
+) -> None:
+    from shoal.host_agent.service import HostAgentConfig
+    from shoal.runtime.errors import InvalidField
+
+    ca = CertificateAuthority.create(tmp_path / "ca")
+    own, learners = ca.issue("service", "host-1"), ca.issue("learner", "host-1")
+    server = ServerConfig(
+        "host-agent",
+        allow_no_auth=True,
+        tls=TLSConfig(str(own.cert), str(own.key), str(ca.ca_file)),
+    )
+    with pytest.raises(InvalidField, match="learner_tls_cert"):
+        HostAgentConfig(server=server, host_id="host-1", work_dir=tmp_path)
+    with pytest.raises(InvalidField, match="service credential"):
+        HostAgentConfig(
+            server=server,
+            host_id="host-1",
+            work_dir=tmp_path,
+            learner_tls_cert=str(own.cert),
+            learner_tls_key=str(own.key),
+        )
+    config = HostAgentConfig(
+        server=server,
+        host_id="host-1",
+        work_dir=tmp_path,
+        learner_tls_cert=str(learners.cert),
+        learner_tls_key=str(learners.key),
+    )
+    assert config.learner_env() == {
+        "SHOAL_TLS_CA": str(ca.ca_file),
+        "SHOAL_TLS_CERT": str(learners.cert),
+        "SHOAL_TLS_KEY": str(learners.key),
+    }

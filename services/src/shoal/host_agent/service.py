@@ -85,10 +85,11 @@ class HostAgentConfig:
         tls = self.server.tls
         if tls is None or tls.ca_file is None:
             return {}
-        env = {"SHOAL_TLS_CA": tls.ca_file}
+        # Absolute: learners run in their own working directory.
+        env = {"SHOAL_TLS_CA": str(Path(tls.ca_file).resolve())}
         if self.learner_tls_cert and self.learner_tls_key:
-            env["SHOAL_TLS_CERT"] = self.learner_tls_cert
-            env["SHOAL_TLS_KEY"] = self.learner_tls_key
+            env["SHOAL_TLS_CERT"] = str(Path(self.learner_tls_cert).resolve())
+            env["SHOAL_TLS_KEY"] = str(Path(self.learner_tls_key).resolve())
         return env
 
     def __post_init__(self) -> None:

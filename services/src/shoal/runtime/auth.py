@@ -43,6 +43,7 @@ import logging
 import os
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,7 +330,11 @@ class LearnerTokenSigner:
 
 
 class LearnerTokenVerifier:
-    """Verifies learner credentials with the public keys it knows (by key id)."""
+    """Verifies learner credentials with the public keys it knows (by key id).
+
+    A verified credential is remembered (up to ``cache_size`` of them) with its validity, so a
+    learner's later calls cost a dict lookup, not a signature check; any change of the keys
+    forgets every credential verified so far."""
 
     def __init__(
         self,
@@ -337,10 +342,13 @@ class LearnerTokenVerifier:
         *,
         clock: Callable[[], float] = time.time,
         leeway_s: float = 30.0,
+        cache_size: int = 4096,
     ) -> None:
         self._keys: dict[str, Ed25519PublicKey] = {}
         self._clock = clock
         self._leeway = leeway_s
+        self._cache: OrderedDict[str, tuple[Principal, float, float]] = OrderedDict()
+        self._cache_size = cache_size
         for raw in (keys or {}).values():
             self.add(raw)
 
@@ -357,22 +365,45 @@ class LearnerTokenVerifier:
 
     def remove(self, kid: str) -> None:
         self._keys.pop(kid, None)
+        self._cache.clear()
 
     def replace(self, raw_keys: Iterable[bytes]) -> None:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-        self._keys = {key_id(raw): Ed25519PublicKey.from_public_bytes(raw) for raw in raw_keys}
+        keys = {key_id(raw): Ed25519PublicKey.from_public_bytes(raw) for raw in raw_keys}
+        if set(keys) != set(self._keys):
+            self._cache.clear()
+        self._keys = keys
 
     def verify(self, token: str) -> Principal | None:
         """The learner the credential names, or None (unknown key, bad signature, expired,
         malformed claims)."""
+        cached = self._cache.get(token)
+        if cached is not None:
+            principal, iat, exp = cached
+            now = self._clock()
+            if now <= exp + self._leeway and now + self._leeway >= iat:
+                self._cache.move_to_end(token)
+                return principal
+            del self._cache[token]
+            return None
+        found, iat, exp = self._verify(token)
+        if found is not None:
+            self._cache[token] = (found, iat, exp)
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return found
+
+    def _verify(self, token: str) -> tuple[Principal | None, float, float]:
         import jwt
+
+        none: tuple[Principal | None, float, float] = (None, 0.0, 0.0)
 
         try:
             kid = jwt.get_unverified_header(token).get("kid")
             key = self._keys.get(kid) if isinstance(kid, str) else None
             if key is None:
-                return None
+                return none
             claims = jwt.decode(
                 token,
                 key,
@@ -382,25 +413,26 @@ class LearnerTokenVerifier:
                 options={"verify_exp": False, "verify_iat": False, "require": ["exp", "iat"]},
             )
         except jwt.PyJWTError:
-            return None
+            return none
         now = self._clock()
         exp, iat = claims.get("exp"), claims.get("iat")
         if not isinstance(exp, int | float) or not isinstance(iat, int | float):
-            return None
+            return none
         if now > exp + self._leeway or now + self._leeway < iat:
-            return None
+            return none
         job, learner, start = claims.get("job"), claims.get("lrn"), claims.get("start", "")
         if not isinstance(job, str) or not isinstance(learner, str):
-            return None
+            return none
         if not ids.is_valid(ids.IdKind.JOB, job) or not ids.is_valid(ids.IdKind.LEARNER, learner):
-            return None
-        return Principal(
+            return none
+        principal = Principal(
             learner_principal_name(job, learner),
             Role.LEARNER,
             job_id=job,
             learner_id=learner,
             start=start if isinstance(start, str) else "",
         )
+        return principal, float(iat), float(exp)
 
 
 def load_public_keys(path: str | Path) -> list[bytes]:

@@ -37,7 +37,9 @@ from shoal.runtime.auth import (
 from shoal.runtime.errors import (
     REASON_METADATA_KEY,
     ErrorTable,
+    InvalidField,
     PermissionDenied,
+    ShoalError,
 )
 from shoal.runtime.validation import check_request_ids
 
@@ -166,8 +168,10 @@ def _wrap(
         behavior = handler.unary_stream or handler.stream_stream
 
         async def stream_behavior(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+            refused = True
             try:
                 set_current_principal(authorize(context))
+                refused = False
                 result = behavior(_checked(request, handler.request_streaming), context)
                 if inspect.isawaitable(result):
                     result = await result
@@ -177,7 +181,7 @@ def _wrap(
             except aio.AbortError:
                 raise
             except Exception as exc:
-                if handler.request_streaming:
+                if handler.request_streaming and (refused or isinstance(exc, _RefusedMessage)):
                     await _drain(request)
                 await owner.abort_with(context, exc)
 
@@ -195,13 +199,15 @@ def _wrap(
     behavior = handler.unary_unary or handler.stream_unary
 
     async def unary_behavior(request: Any, context: aio.ServicerContext) -> Any:
+        refused = True
         try:
             set_current_principal(authorize(context))
+            refused = False
             return await behavior(_checked(request, handler.request_streaming), context)
         except aio.AbortError:
             raise
         except Exception as exc:
-            if handler.request_streaming:
+            if handler.request_streaming and (refused or isinstance(exc, _RefusedMessage)):
                 await _drain(request)
             await owner.abort_with(context, exc)
 
@@ -226,16 +232,30 @@ def _checked(request: Any, streaming: bool) -> Any:
     return _checked_stream(request)
 
 
+class _RefusedMessage(InvalidField):
+    """A message of a request stream with a bad identifier (the interceptor refused it, so it
+    drains the stream before the call ends; the handler's own errors end it as they did)."""
+
+    def __init__(self, original: InvalidField) -> None:
+        ShoalError.__init__(self, original.message)
+        self.field_name = original.field_name
+        self.value = original.value
+
+
 async def _checked_stream(requests: Any) -> AsyncIterator[Any]:
     async for message in requests:
-        check_request_ids(message)
+        try:
+            check_request_ids(message)
+        except InvalidField as exc:
+            raise _RefusedMessage(exc) from None
         yield message
 
 
 async def _drain(requests: Any, limit_s: float = 2.0) -> None:
-    """Read (and drop) what is left of a refused request stream before the call ends: a gRPC
-    client still writing when the server ends the call gets INTERNAL instead of the server's
-    status. Bounded in time, so a client that never stops cannot hold the handler."""
+    """Read (and drop) what is left of a refused request stream (bad credential, role or
+    identifier) before the call ends: a gRPC client still writing when the server ends the call
+    gets INTERNAL instead of the server's status. Bounded in time, so a client that never stops
+    cannot hold the handler."""
     with contextlib.suppress(Exception):
         async with asyncio.timeout(limit_s):
             async for _ in requests:
