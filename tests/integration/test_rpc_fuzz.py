@@ -553,3 +553,75 @@ async def test_random_and_mutated_messages_to_every_rpc_as_every_role(fuzz: Fuzz
     record_property("fuzz_calls", fuzz.calls)
     record_property("fuzz_codes", dict(sorted(fuzz.by_code.items())))
     assert fuzz.calls == methods * len(ROLES) * PER_ROLE
+
+
+HOSTILE_IDS = [
+    "../../../../tmp/pwned",
+    "/etc/passwd",
+    "job\0x",
+    "j\u043eb-1",  # a Cyrillic o
+    "x" * 5_000_000,
+]
+
+
+def id_paths(desc: Descriptor, depth: int = 0) -> list[list[FieldDescriptor]]:
+    """Every path to an identifier field of a message type (through sub-messages)."""
+    from shoal.contract import ids
+
+    paths: list[list[FieldDescriptor]] = []
+    for fd in desc.fields:
+        if fd.type == FieldDescriptor.TYPE_MESSAGE:
+            if depth < 2 and not fd.message_type.GetOptions().map_entry:
+                paths += [[fd, *rest] for rest in id_paths(fd.message_type, depth + 1)]
+        elif fd.type == FieldDescriptor.TYPE_STRING and fd.name in ids.FIELD_KINDS:
+            paths.append([fd])
+    return paths
+
+
+def with_value(cls: type[Message], path: list[FieldDescriptor], value: str) -> Message:
+    message = cls()
+    node = message
+    for fd in path[:-1]:
+        node = getattr(node, fd.name).add() if fd.is_repeated else getattr(node, fd.name)
+    last = path[-1]
+    if last.is_repeated:
+        getattr(node, last.name).append(value)
+    else:
+        setattr(node, last.name, value)
+    return message
+
+
+async def test_every_identifier_field_of_every_method_refuses_hostile_values(
+    fuzz: Fuzz, record_property
+):
+    """Traversal, an absolute path, a NUL byte, a look-alike and a 5 MB name in every field
+    that holds an identifier, of every method of every service, sent by an admin (so nothing
+    but the identifier can be wrong): INVALID_ARGUMENT, and nothing changes."""
+    services = {
+        "scheduler": job_scheduler_service_pb2.DESCRIPTOR.services_by_name["JobSchedulerService"],
+        "rm": resource_manager_service_pb2.DESCRIPTOR.services_by_name["ResourceManagerService"],
+        "agent": host_agent_service_pb2.DESCRIPTOR.services_by_name["HostAgentService"],
+        "sync": parameter_sync_service_pb2.DESCRIPTOR.services_by_name["ParameterSyncService"],
+    }
+    calls = 0
+    covered = set()
+    for service, proto_service in services.items():
+        target = fuzz.targets[service]
+        for method in proto_service.methods:
+            cls = GetMessageClass(method.input_type)
+            for path in id_paths(method.input_type):
+                covered.add(f"{method.name}.{'.'.join(fd.name for fd in path)}")
+                for value in HOSTILE_IDS:
+                    before = await target.snapshot()
+                    code = await invoke(
+                        fuzz, service, method, [with_value(cls, path, value)], "admin"
+                    )
+                    calls += 1
+                    where = (
+                        f"{service} {method.name} {'.'.join(fd.name for fd in path)}={value[:20]!r}"
+                    )
+                    assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{code.name}: {where}"
+                    assert await target.snapshot() == before, where
+    print(f"identifier fields: {len(covered)} fields, {calls} calls")
+    record_property("identifier_calls", calls)
+    assert len(covered) > 40
