@@ -9,16 +9,23 @@ that both jobs converge (the loss of the last epoch is below LOSS_BOUND, a bound
 MLP passes in a few epochs from an initial loss of about 2.3 = ln 10), and, last, that after a
 host agent is SIGKILLed mid-training the affected job continues on the surviving host and
 completes.
+
+The cluster runs with mutual TLS on every hop (``ClusterSpec(tls=True)``, what ``shoal cluster
+up --tls`` starts): client -> services, service -> service, services -> etcd (etcd itself on
+TLS), learners -> parameter-sync, each with its own certificate and the learners with their
+own credentials. It is the one e2e run with TLS; tests/e2e/test_local_cluster_cli.py covers
+the plaintext cluster, so both paths are exercised without a second run of this scenario.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 
-from shoal.client import Client
+from shoal.client import Client, ShoalClientError
 from shoal.cluster.local import ClusterSpec, LocalCluster
 from shoal.cluster.scenario import run_scenario
 from shoal.v1 import job_pb2
@@ -42,6 +49,16 @@ def last_epoch_loss(metrics, job: job_pb2.Job) -> float:
     return sum(last) / len(last)
 
 
+def assert_plaintext_is_refused(cluster: LocalCluster) -> None:
+    """Nothing answers without TLS and the cluster's certificates: a client without them is
+    told so in one line."""
+    plain = dataclasses.replace(cluster.client_config(), tls_ca=None, tls_cert=None, tls_key=None)
+    with Client(plain, timeout=5, retries=0) as client:
+        with pytest.raises(ShoalClientError) as caught:
+            client.get_job("job-1")
+    assert caught.value.message.startswith("TLS: "), caught.value.message
+
+
 def test_reference_scenario_end_to_end(tmp_path):
     spec = ClusterSpec(
         state_dir=tmp_path / "cluster",
@@ -51,8 +68,11 @@ def test_reference_scenario_end_to_end(tmp_path):
         heartbeat_interval_s=0.3,
         host_lost_after_s=2.0,
         election_ttl_s=3.0,
+        tls=True,
     )
     with LocalCluster(spec) as cluster, Client(cluster.client_config()) as client:
+        assert all(u.startswith("https://") for u in cluster.etcd.client_urls)  # etcd on TLS
+        assert_plaintext_is_refused(cluster)
         lines: list[str] = []
         result = run_scenario(
             client,

@@ -19,6 +19,7 @@ import grpc
 import safetensors.torch
 import torch
 
+from shoal.runtime.auth import LearnerTokenSigner, public_key_pem
 from shoal.v1 import (
     job_pb2,
     parameter_sync_service_pb2 as ps_pb2,
@@ -96,6 +97,11 @@ class DataPlane:
         self.learners: list[Proc] = []
         self._channel: grpc.Channel | None = None
         self._generation = 0
+        # The scheduler's part: learners get credentials minted for them, which the shards
+        # verify with the public key (--learner-public-keys).
+        self.signer = LearnerTokenSigner.generate()
+        self.learner_keys = tmp / "learner-keys.pem"
+        self.learner_keys.write_text(public_key_pem(self.signer.public_key_raw))
 
     # -- shards -------------------------------------------------------------------------------
 
@@ -118,6 +124,8 @@ class DataPlane:
                 str(self.tokens_file),
                 "--service-token",
                 self.tokens["service"],
+                "--learner-public-keys",
+                str(self.learner_keys),
                 *extra_args,
             ]
             log = self.tmp / f"shard-{i}-{self._generation}.log"
@@ -210,7 +218,7 @@ class DataPlane:
             SHOAL_LEARNER_ID=learner_id,
             SHOAL_SYNC_ENDPOINTS=",".join(self.addresses),
             SHOAL_COORDINATOR=self.addresses[0],
-            SHOAL_TOKEN=self.tokens["user"],
+            SHOAL_TOKEN=self.signer.mint(job_id=job_id, learner_id=learner_id),
             SHOAL_SYNC_BACKEND=backend,
             **(env or {}),
         )

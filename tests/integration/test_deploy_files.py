@@ -1,5 +1,6 @@
-"""The deployment files: compose/ (both variants), the Dockerfile, .dockerignore and
-compose/init-secrets.sh, checked with the real tools and the services' real flag parsers.
+"""The deployment files: compose/ (the three variants), the Dockerfile, .dockerignore,
+compose/init-secrets.sh and compose/init-certs.sh, checked with the real tools and the
+services' real flag parsers.
 
 ``docker-compose config`` (Compose 1.29, Debian's docker-compose; .ci/run installs it) resolves
 and validates the compose files; the tests then check what the files promise on the resolved
@@ -44,6 +45,8 @@ COMPOSE_DIR = ROOT / "compose"
 BASE = COMPOSE_DIR / "compose.yaml"
 GPU = COMPOSE_DIR / "compose.gpu.yaml"
 INIT_SECRETS = COMPOSE_DIR / "init-secrets.sh"
+TLS = COMPOSE_DIR / "compose.tls.yaml"
+INIT_CERTS = COMPOSE_DIR / "init-certs.sh"
 
 ETCD = ("etcd-1", "etcd-2", "etcd-3")
 RMS = ("resource-manager-0", "resource-manager-1")
@@ -510,3 +513,109 @@ def test_init_secrets_rejects_a_principal_with_spaces(tmp_path):
     assert proc.returncode == 2
     assert "SHOAL_USER (two words)" in proc.stderr
     assert not (tmp_path / "secrets").exists()
+
+
+# -- mutual TLS: compose.tls.yaml and init-certs.sh --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls() -> dict[str, Any]:
+    return compose_config(BASE, TLS)
+
+
+def tls_mounts(config: Mapping[str, Any], service: Mapping[str, Any]) -> dict[str, str]:
+    """Secret target -> the file name it comes from."""
+    files = {name: Path(s["file"]).name for name, s in config["secrets"].items()}
+    out = {}
+    for item in service.get("secrets") or []:
+        if isinstance(item, str):
+            out[item] = files[item]
+        else:
+            out[item.get("target", item["source"])] = files[item["source"]]
+    return out
+
+
+def test_the_tls_variant_gives_each_process_its_own_certificate_and_never_the_ca_key(
+    tls, simulated
+):
+    services = tls["services"]
+    assert "ca-key.pem" not in {Path(s["file"]).name for s in tls["secrets"].values()}
+    files = ("/run/secrets/tls-cert", "/run/secrets/tls-key", "/run/secrets/tls-ca")
+    for name in SHOAL:
+        service = services[name]
+        mounted = tls_mounts(tls, service)
+        assert mounted["tls-cert"] == f"service-{name}.pem", name
+        assert mounted["tls-key"] == f"service-{name}-key.pem", name
+        assert mounted["tls-ca"] == "ca.pem", name
+        # The service's own parser reads them (from the environment), for gRPC and for etcd.
+        _, ns = parse_command(name, service)
+        assert (ns.tls_cert, ns.tls_key, ns.tls_ca) == files, name
+        assert (ns.etcd_cert, ns.etcd_key, ns.etcd_ca) == files, name
+        assert service["command"] == simulated["services"][name]["command"], name
+        assert secrets_of(service) >= {"tokens", "service-token"}, name
+    for n, name in enumerate(AGENTS, start=1):
+        mounted = tls_mounts(tls, services[name])
+        assert mounted["tls-learner-cert"] == f"learner-host-{n}.pem"
+        assert mounted["tls-learner-key"] == f"learner-host-{n}-key.pem"
+        _, ns = parse_command(name, services[name])
+        assert ns.learner_tls_cert == "/run/secrets/tls-learner-cert"
+        assert ns.learner_tls_key == "/run/secrets/tls-learner-key"
+    for name in ETCD:
+        service, env = services[name], env_of(services[name])
+        assert env["ETCD_ADVERTISE_CLIENT_URLS"] == f"https://{name}:2379"
+        assert env["ETCD_INITIAL_ADVERTISE_PEER_URLS"] == f"https://{name}:2380"
+        assert "http://" not in env["ETCD_INITIAL_CLUSTER"]
+        assert env["ETCD_CLIENT_CERT_AUTH"] == env["ETCD_PEER_CLIENT_CERT_AUTH"] == "true"
+        assert tls_mounts(tls, service)["tls-cert"] == f"etcd-{name}.pem"
+        assert "--endpoints=https://127.0.0.1:2379" in service["healthcheck"]["test"]
+    cli = services["cli"]
+    assert tls_mounts(tls, cli)["tls-cert"] == "user.pem"
+    config = load_config(
+        env={**env_of(cli), "SHOAL_CONFIG": str(COMPOSE_DIR / "cli.json"), "SHOAL_TOKEN": "x"}
+    )
+    assert (config.tls_cert, config.tls_key, config.tls_ca) == files
+
+
+def run_init_certs(directory: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(INIT_CERTS), str(directory)],
+        env={**compose_env(), "SHOAL_PYTHON": sys.executable, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_init_certs_writes_every_certificate_the_tls_variant_mounts(tmp_path, tls):
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    certs = tmp_path / "certs"
+    proc = run_init_certs(certs, SHOAL_USER="alice")
+    assert proc.returncode == 0, proc.stderr
+    for name, secret in tls["secrets"].items():
+        if name.startswith("tls-"):
+            assert (certs / Path(secret["file"]).name).is_file(), name
+    ca = x509.load_pem_x509_certificate((certs / "ca.pem").read_bytes())
+
+    def common_name(file: str) -> str:
+        cert = x509.load_pem_x509_certificate((certs / file).read_bytes())
+        cert.verify_directly_issued_by(ca)
+        return str(cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value)
+
+    for name in SHOAL:
+        assert common_name(f"service-{name}.pem") == f"service:{name}"
+    assert common_name("learner-host-1.pem") == "learner:host-1"
+    assert common_name("user.pem") == "user:alice"
+    assert common_name("etcd-etcd-2.pem") == "etcd:etcd-2"
+    for key in certs.glob("*-key.pem"):
+        mode = stat.S_IMODE(key.stat().st_mode)
+        assert not mode & stat.S_IRWXO, f"{key.name} is readable by others: {oct(mode)}"
+        if os.geteuid() == 0:
+            owner = 0 if key.name == "ca-key.pem" else IMAGE_UID
+            assert key.stat().st_uid == owner, key.name
+    before = {p.name: p.read_bytes() for p in certs.iterdir()}
+    assert run_init_certs(certs, SHOAL_USER="alice").returncode == 0
+    assert {p.name: p.read_bytes() for p in certs.iterdir()} == before
+    bad = run_init_certs(tmp_path / "other", SHOAL_USER="two words")
+    assert bad.returncode == 2 and "SHOAL_USER (two words)" in bad.stderr

@@ -154,6 +154,9 @@ async def test_a_learner_runs_its_artifact_with_the_environment_contract_and_its
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # simulated: the learner runs on the CPU
     assert env["SHOAL_SERVICE_TOKEN"] is None  # the agent's secrets are not inherited
     assert stdout[1] == "cwd work ['data', 'main.py']"
+    # No service credential anywhere in the learner's environment or argv.
+    assert stdout[2].startswith("environment ")
+    assert bed.tokens["service"] not in stdout[2] and bed.tokens["admin"] not in stdout[2]
     assert stderr == ["to stderr"]
     offsets = [x.offset for x in lines]
     assert offsets == sorted(offsets) and offsets[0] == 0

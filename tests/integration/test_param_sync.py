@@ -125,10 +125,10 @@ class Cluster:
             self.channels[address] = aio.insecure_channel(address, options=options)
         return self.channels[address]
 
-    def md(self, role: str = "user") -> tuple[tuple[str, str], ...]:
+    def md(self, role: str = "service") -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.tokens[role]}"),) if role else ()
 
-    async def call(self, method: str, request: Any, role: str = "user", shard: int = 0) -> Any:
+    async def call(self, method: str, request: Any, role: str = "service", shard: int = 0) -> Any:
         stub = ps_grpc.ParameterSyncServiceStub(self._channel(self.addresses[shard]))
         return await getattr(stub, method)(request, metadata=self.md(role), timeout=10)
 
@@ -454,7 +454,7 @@ async def test_bad_input_gets_the_right_status_and_leaves_the_job_unchanged(clus
         await stub.GetJobProgress(ps_pb2.GetJobProgressRequest(job_id="j"))
     assert info.value.code() == StatusCode.UNAUTHENTICATED
     code, _ = await code_of(
-        c.call("EvictLearner", ps_pb2.EvictLearnerRequest(job_id="j", learner_id="l1"))
+        c.call("EvictLearner", ps_pb2.EvictLearnerRequest(job_id="j", learner_id="l1"), role="user")
     )
     assert code == StatusCode.PERMISSION_DENIED
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shoal.runtime.auth import Principal, Role
+from shoal.runtime.auth import LearnerTokenSigner, LearnerTokenVerifier, Principal, Role
 from shoal.runtime.channels import connect
 from shoal.runtime.election import LeaderElection
 from shoal.runtime.errors import LEADER_METADATA_KEY
@@ -49,6 +49,13 @@ from tests.integration.fakes import FakeCluster, chunked
 from tests.support import async_wait_until, free_port, make_tokens
 
 ALICE = Principal("alice", Role.USER)
+SIGNER = LearnerTokenSigner.generate()
+
+
+def mint(job_id: str, learner_id: str, start: str) -> str:
+    return SIGNER.mint(job_id=job_id, learner_id=learner_id, start=start)
+
+
 S = job_pb2
 
 
@@ -125,7 +132,7 @@ async def start_loop(
         backoff_initial_s=0.05,
         backoff_max_s=0.5,
         agent_sweep_s=0.5,
-        learner_token="learner-token",
+        learner_credentials=mint,
     )
     reconciler = Reconciler(table, peers, storage, config)
     api = JobApi(
@@ -149,7 +156,11 @@ async def loop(tmp_path: Path) -> AsyncIterator[Loop]:
     storage = Storage((tmp_path / "storage").as_uri())
     table, reconciler, api, task = await start_loop(store, cluster, storage)
     info = await api.artifacts.upload(
-        name="model", declared_size=0, declared_sha256="", chunks=chunked(b"tarball" * 50)
+        name="model",
+        declared_size=0,
+        declared_sha256="",
+        chunks=chunked(b"tarball" * 50),
+        owner=ALICE,
     )
     yield Loop(cluster, store, table, reconciler, api, info.artifact_id, task)
     await stop_task(task)
@@ -178,7 +189,11 @@ async def test_the_reference_scenario_fairshare_priority_completion_and_host_los
     assert env["SHOAL_SYNC_ENDPOINTS"] == ",".join(c.shard_addresses)
     assert env["SHOAL_COORDINATOR"] == c.shard_addresses[shard]
     assert env["SHOAL_STORAGE_URI"] == loop.api.storage.uri
-    assert env["SHOAL_TOKEN"] == "learner-token"
+    # The learner's own credential: for this learner of this job, verifiable without a store.
+    credential = LearnerTokenVerifier({"k": SIGNER.public_key_raw}).verify(env["SHOAL_TOKEN"])
+    assert credential is not None and credential.role is Role.LEARNER
+    assert (credential.job_id, credential.learner_id) == (j1, learner.learner.learner_id)
+    assert credential.start == learner.request.allocation_id
     assert (env["SHOAL_BATCH_SIZE"], env["SHOAL_EPOCHS"], env["SHOAL_SEED"]) == ("64", "3", "7")
     assert env["SHOAL_MAX_BATCH_PER_DEVICE"] == "16"
     assert env["SHOAL_SYNC_BACKEND"] == "parameter_server"
@@ -380,7 +395,7 @@ async def test_without_a_shard_flag_the_shards_come_from_their_etcd_registry(
     _, rec, api, task = await start_loop(store, cluster, storage, registry=True)
     try:
         info = await api.artifacts.upload(
-            name="m", declared_size=0, declared_sha256="", chunks=chunked(b"m")
+            name="m", declared_size=0, declared_sha256="", chunks=chunked(b"m"), owner=ALICE
         )
         job = await api.submit(ALICE, "", spec(info.artifact_id, max_workers=2))
         await store.put(SHARD_REGISTRY + "1", cluster.shard_addresses[1].encode())
@@ -415,7 +430,7 @@ async def test_a_new_leader_resumes_every_job_from_the_store_without_restarting_
     table_a, rec_a, api_a, task_a = await start_loop(store, cluster, storage, leadership=lead_a)
     try:
         info = await api_a.artifacts.upload(
-            name="m", declared_size=0, declared_sha256="", chunks=chunked(b"m" * 10)
+            name="m", declared_size=0, declared_sha256="", chunks=chunked(b"m" * 10), owner=ALICE
         )
         j1 = (await api_a.submit(ALICE, "r1", spec(info.artifact_id))).job_id
         await async_wait_until(lambda: cluster.workers(j1) == 8, what="job 1 on 8")
@@ -477,7 +492,7 @@ async def test_a_new_leader_adopts_acquired_learners_and_frees_orphan_allocation
     await table.become_leader(None)
     api = JobApi(table, ArtifactStore(storage, max_bytes=1 << 20), trigger=lambda _: None)
     info = await api.artifacts.upload(
-        name="m", declared_size=0, declared_sha256="", chunks=chunked(b"m")
+        name="m", declared_size=0, declared_sha256="", chunks=chunked(b"m"), owner=ALICE
     )
     job = await api.submit(ALICE, "", spec(info.artifact_id, max_workers=1))
     record = table.records[job.job_id]

@@ -26,6 +26,7 @@ from shoal.v1 import job_pb2, job_scheduler_service_pb2 as js, job_scheduler_ser
 from tests.support import async_wait_until, make_tokens
 
 MAX_ARTIFACT = 64 * 1024
+QUOTA = 3 * MAX_ARTIFACT
 
 
 @dataclass
@@ -54,7 +55,7 @@ async def bed(tmp_path: Path) -> AsyncIterator[Bed]:
     triggers: list[str] = []
     api = JobApi(
         table,
-        ArtifactStore(storage, max_bytes=MAX_ARTIFACT),
+        ArtifactStore(storage, max_bytes=MAX_ARTIFACT, quota_bytes=QUOTA),
         trigger=triggers.append,
         config=ApiConfig(user_priority_limit=50_000),
     )
@@ -79,8 +80,8 @@ def upload_messages(data: bytes, **header: object) -> list[js.UploadArtifactRequ
     ]
 
 
-async def upload(bed: Bed, data: bytes = b"model-bytes" * 100) -> str:
-    response = await bed.stub().UploadArtifact(iter(upload_messages(data)))
+async def upload(bed: Bed, data: bytes = b"model-bytes" * 100, who: str = "user") -> str:
+    response = await bed.stub(who).UploadArtifact(iter(upload_messages(data)))
     return response.artifact_id
 
 
@@ -128,7 +129,7 @@ async def test_an_artifact_is_stored_under_its_sha256_and_downloads_back(bed: Be
     assert stored.read_bytes() == data
     messages = [
         m
-        async for m in bed.stub("other").DownloadArtifact(
+        async for m in bed.stub().DownloadArtifact(
             js.DownloadArtifactRequest(artifact_id=response.artifact_id)
         )
     ]
@@ -238,6 +239,7 @@ async def test_a_retried_submit_with_the_same_request_id_returns_the_same_job(be
     artifact = await upload(bed)
     first = await submit(bed, artifact, request_id="req-1")
     again = await submit(bed, artifact, request_id="req-1")
+    await upload(bed, who="other")  # the same bytes: bob owns them too
     other_user = await submit(bed, artifact, who="other", request_id="req-1")
     assert again.job_id == first.job_id
     assert other_user.job_id != first.job_id
@@ -415,6 +417,7 @@ async def test_allocation_history_is_per_job_bounded_persisted_and_visible_to_ow
     bed: Bed,
 ) -> None:
     artifact = await upload(bed)
+    await upload(bed, who="other")
     mine = await submit(bed, artifact)
     theirs = await submit(bed, artifact, who="other")
     for workers in (1, 4, 8, 4):
@@ -526,3 +529,123 @@ async def test_a_watcher_is_told_when_its_replica_stops_leading(bed: Bed) -> Non
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await call.read()
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# -- security: request ids, artifact owners and quota, learner credentials -------------------
+
+
+async def test_a_request_id_reused_with_another_spec_is_already_exists_naming_the_job(
+    bed: Bed,
+) -> None:
+    artifact = await upload(bed)
+    first = await submit(bed, artifact, request_id="req-7")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await submit(bed, artifact, request_id="req-7", max_workers=2)
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert first.job_id in (caught.value.details() or "")
+    assert reason(caught.value) == "ERROR_REASON_ALREADY_EXISTS"
+    # The same spec again is the retry it was meant for; an update since does not matter.
+    await bed.stub().UpdateJob(js.UpdateJobRequest(job_id=first.job_id, priority=100))
+    assert (await submit(bed, artifact, request_id="req-7")).job_id == first.job_id
+    assert len(await listed(bed)) == 1
+
+
+async def test_only_its_owners_admins_and_services_download_an_artifact_or_run_it(
+    bed: Bed,
+) -> None:
+    artifact = await upload(bed, b"alice's code" * 10)
+
+    async def download(who: str) -> grpc.StatusCode:
+        try:
+            async for _ in bed.stub(who).DownloadArtifact(
+                js.DownloadArtifactRequest(artifact_id=artifact)
+            ):
+                pass
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+
+    assert await download("user") == grpc.StatusCode.OK
+    assert await download("admin") == grpc.StatusCode.OK
+    assert await download("service") == grpc.StatusCode.OK  # the host agents
+    assert await download("other") == grpc.StatusCode.NOT_FOUND  # as if it did not exist
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await submit(bed, artifact, who="other")
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert await listed(bed) == []
+    # Uploading the same bytes makes bob an owner too.
+    assert await upload(bed, b"alice's code" * 10, who="other") == artifact
+    assert await download("other") == grpc.StatusCode.OK
+
+
+async def test_an_upload_over_the_users_quota_is_resource_exhausted_and_stores_nothing(
+    bed: Bed,
+) -> None:
+    blobs = [bytes([i]) * (MAX_ARTIFACT - 100) for i in range(4)]
+    for blob in blobs[:3]:
+        await upload(bed, blob)
+    before = sorted(p.name for p in Path(bed.storage.path("artifacts")).iterdir())
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await upload(bed, blobs[3])
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert reason(caught.value) == "ERROR_REASON_QUOTA_EXCEEDED"
+    message = caught.value.details() or ""
+    assert "quota of 'alice'" in message and "MiB used of" in message
+    assert sorted(p.name for p in Path(bed.storage.path("artifacts")).iterdir()) == before
+    # Bytes one owns already cost nothing (the header names their sha256, as the client's
+    # does); another user has a quota of their own; admins have none.
+    digest = hashlib.sha256(blobs[0]).hexdigest()
+    await bed.stub().UploadArtifact(iter(upload_messages(blobs[0], sha256=digest)))
+    await upload(bed, blobs[3], who="other")
+    for blob in blobs:
+        await upload(bed, blob, who="admin")
+
+
+async def test_a_learner_reads_only_its_own_job_while_it_is_one_of_its_learners(
+    bed: Bed,
+) -> None:
+    from shoal.runtime.auth import LearnerTokenSigner
+    from shoal.scheduler.jobs import LearnerRecord
+
+    signer = LearnerTokenSigner.generate()
+    assert bed.server.credentials is not None
+    bed.server.credentials.add_learner_key(signer.public_key_raw)
+    artifact = await upload(bed)
+    mine, other = await submit(bed, artifact), await submit(bed, artifact)
+    learner = f"{mine.job_id}-l1"
+
+    async def as_learner(learner_id: str, call):  # type: ignore[no-untyped-def]
+        token = signer.mint(job_id=mine.job_id, learner_id=learner_id)
+        channel = connect(bed.server.address, token=token, trace=False)
+        try:
+            await call(job_scheduler_service_pb2_grpc.JobSchedulerServiceStub(channel))
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        finally:
+            await channel.close()
+
+    def get(job_id: str):  # type: ignore[no-untyped-def]
+        return lambda s: s.GetJob(js.GetJobRequest(job_id=job_id))
+
+    # Not (yet) one of the job's learners: nothing.
+    assert await as_learner(learner, get(mine.job_id)) == grpc.StatusCode.NOT_FOUND
+    record = bed.table.records[mine.job_id]
+    record.learners[learner] = LearnerRecord(learner, "h1", "gpu0")
+    assert await as_learner(learner, get(mine.job_id)) == grpc.StatusCode.OK
+    assert await as_learner(learner, get(other.job_id)) == grpc.StatusCode.NOT_FOUND
+    assert await as_learner(f"{mine.job_id}-l2", get(mine.job_id)) == grpc.StatusCode.NOT_FOUND
+    for call in (
+        lambda s: s.ListJobs(js.ListJobsRequest()),
+        lambda s: s.CancelJob(js.CancelJobRequest(job_id=mine.job_id)),
+        lambda s: s.SubmitJob(js.SubmitJobRequest(spec=spec(artifact))),
+        lambda s: s.GetAllocationHistory(js.GetAllocationHistoryRequest()),
+    ):
+        assert await as_learner(learner, call) == grpc.StatusCode.PERMISSION_DENIED
+    # The credential dies with the job.
+    await bed.stub("admin").CancelJob(js.CancelJobRequest(job_id=mine.job_id))
+    assert await as_learner(learner, get(mine.job_id)) == grpc.StatusCode.NOT_FOUND
+    assert (await bed.stub().GetJob(js.GetJobRequest(job_id=mine.job_id))).job.state in (
+        job_pb2.JOB_STATE_CANCELLED,
+        job_pb2.JOB_STATE_CANCELLING,
+    )

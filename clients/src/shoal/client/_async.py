@@ -16,6 +16,7 @@ from grpc import aio
 
 from shoal.client.config import ClientConfig
 from shoal.client.errors import ShoalClientError
+from shoal.client.tls import channel_credentials
 from shoal.v1 import (
     job_pb2,
     job_scheduler_service_pb2 as js,
@@ -70,8 +71,13 @@ class _Endpoints:
                 ("grpc.max_send_message_length", MAX_MESSAGE),
                 ("grpc.max_receive_message_length", MAX_MESSAGE),
             ]
-            if self._config.tls_ca:
-                creds = grpc.ssl_channel_credentials(Path(self._config.tls_ca).read_bytes())
+            if self._config.tls_ca or self._config.tls_cert:
+                try:
+                    creds = channel_credentials(
+                        self._config.tls_ca, self._config.tls_cert, self._config.tls_key
+                    )
+                except ValueError as exc:
+                    raise ShoalClientError("FAILED_PRECONDITION", str(exc)) from None
                 self._channels[address] = aio.secure_channel(address, creds, options=options)
             else:
                 self._channels[address] = aio.insecure_channel(address, options=options)
@@ -141,7 +147,7 @@ class AsyncClient:
                 # A standby did nothing, so moving to the leader is safe for any call.
                 retry = err.code() in RETRYABLE and (idempotent or not_leader)
                 if not retry or attempt == self.retries:
-                    raise ShoalClientError.from_rpc(err, method) from None
+                    raise ShoalClientError.from_rpc(err, method, config=self.config) from None
                 endpoints.follow(err)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
@@ -170,7 +176,7 @@ class AsyncClient:
                 return
             except aio.AioRpcError as err:
                 if received or err.code() not in RETRYABLE or attempt == self.retries:
-                    raise ShoalClientError.from_rpc(err, method) from None
+                    raise ShoalClientError.from_rpc(err, method, config=self.config) from None
                 self._scheduler.follow(err)
                 await asyncio.sleep(0.2)
 
@@ -268,7 +274,9 @@ class AsyncClient:
                 return str(reply.artifact_id)
             except aio.AioRpcError as err:
                 if err.code() not in RETRYABLE or attempt == self.retries:
-                    raise ShoalClientError.from_rpc(err, "UploadArtifact") from None
+                    raise ShoalClientError.from_rpc(
+                        err, "UploadArtifact", config=self.config
+                    ) from None
                 self._scheduler.follow(err)
                 await asyncio.sleep(0.2)
         raise AssertionError("unreachable")

@@ -4,13 +4,16 @@ In order of precedence:
 
 1. explicit arguments (``Client(endpoints=[...], token=...)``, CLI flags);
 2. environment: ``SHOAL_ENDPOINTS`` (comma-separated scheduler host:port list),
-   ``SHOAL_RM_ENDPOINTS`` (resource-manager list, for ``shoal hosts``), ``SHOAL_TOKEN``;
+   ``SHOAL_RM_ENDPOINTS`` (resource-manager list, for ``shoal hosts``), ``SHOAL_TOKEN``,
+   ``SHOAL_TLS_CA``, ``SHOAL_TLS_CERT``, ``SHOAL_TLS_KEY``;
 3. a config file: ``SHOAL_CONFIG`` or ``~/.config/shoal/config.json``; the embedded local cluster
    writes ``.shoal/cluster.json`` in its state directory and ``shoal cluster up`` points the CLI
    at it, so nothing is set by hand.
 
 The file holds ``{"scheduler": ["h:p", ...], "resource_manager": ["h:p", ...], "token": "..."}``
-(optionally ``"token_file"`` instead of ``"token"``, and ``"tls_ca"`` for TLS).
+(optionally ``"token_file"`` instead of ``"token"``, and for TLS ``"tls_ca"``, the cluster's CA,
+and ``"tls_cert"``/``"tls_key"``, the client certificate a cluster with mutual TLS requires;
+``shoal cluster up --tls`` writes all three).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class ClientConfig:
     token: str | None = None
     tls_ca: str | None = None
     source: str = "arguments"
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 def _split(value: str | None) -> tuple[str, ...]:
@@ -96,11 +101,20 @@ def load_config(
             "no scheduler endpoint: pass --endpoint, set SHOAL_ENDPOINTS, or start a local "
             "cluster with `shoal cluster up`"
         )
-    tls_ca = data.get("tls_ca")
+    tls = {
+        name: env.get(f"SHOAL_{name.upper()}") or data.get(name)
+        for name in ("tls_ca", "tls_cert", "tls_key")
+    }
+    if bool(tls["tls_cert"]) != bool(tls["tls_key"]):
+        raise ConfigError(
+            f"tls_cert ({tls['tls_cert']}) and tls_key ({tls['tls_key']}) must be set together"
+        )
     return ClientConfig(
         scheduler=scheduler,
         resource_manager=rm,
         token=str(tok) if tok else None,
-        tls_ca=str(tls_ca) if tls_ca else None,
+        tls_ca=str(tls["tls_ca"]) if tls["tls_ca"] else None,
         source=source,
+        tls_cert=str(tls["tls_cert"]) if tls["tls_cert"] else None,
+        tls_key=str(tls["tls_key"]) if tls["tls_key"] else None,
     )

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import grpc
 from grpc import aio
+
+_ADDRESS = re.compile(r"(?:ipv4|ipv6|dns):(\[?[^\s\]]*\]?:\d+)")
 
 
 class ShoalClientError(Exception):
@@ -18,12 +23,26 @@ class ShoalClientError(Exception):
         self.method = method
 
     @classmethod
-    def from_rpc(cls, err: aio.AioRpcError | grpc.RpcError, method: str = "") -> ShoalClientError:
+    def from_rpc(
+        cls, err: aio.AioRpcError | grpc.RpcError, method: str = "", *, config: Any = None
+    ) -> ShoalClientError:
+        """The error of a failed call. With the client ``config``, a connection that failed
+        because of TLS is explained in one line (``shoal.client.tls.explain_unavailable``)."""
         code = err.code()  # type: ignore[union-attr]
         trailing = dict(err.trailing_metadata() or ())  # type: ignore[union-attr]
-        return cls(
-            code.name if code else "UNKNOWN",
-            err.details() or "",  # type: ignore[union-attr]
-            str(trailing.get("shoal-error-reason", "")),
-            method,
-        )
+        details = err.details() or ""  # type: ignore[union-attr]
+        reason = str(trailing.get("shoal-error-reason", ""))
+        if code == grpc.StatusCode.UNAVAILABLE and config is not None and not reason:
+            found = _ADDRESS.search(details)
+            if found:
+                from shoal.client.tls import explain_unavailable
+
+                why = explain_unavailable(
+                    found.group(1),
+                    details,
+                    ca=getattr(config, "tls_ca", None),
+                    cert=getattr(config, "tls_cert", None),
+                )
+                if why:
+                    return cls("UNAVAILABLE", why, "", method)
+        return cls(code.name if code else "UNKNOWN", details, reason, method)

@@ -145,6 +145,8 @@ class Dashboard:
                 resource_manager=self.config.resource_manager,
                 token=token,
                 tls_ca=self.config.tls_ca,
+                tls_cert=self.config.client_cert,
+                tls_key=self.config.client_key,
                 source="dashboard",
             ),
             timeout=self.config.call_timeout_s,

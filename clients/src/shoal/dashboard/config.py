@@ -43,6 +43,8 @@ class DashboardConfig:
     tls_ca: str | None = None  # CA of the services' certificates (they serve TLS)
     tls_cert: str | None = None  # serve HTTPS with this certificate ...
     tls_key: str | None = None  # ... and key
+    client_cert: str | None = None  # the certificate shown to services that require one ...
+    client_key: str | None = None  # ... and its key (it carries the users' tokens, not its own)
     poll_interval_s: float = 1.0
     session_idle_s: float = 8 * 3600.0
     session_max_age_s: float = 24 * 3600.0
@@ -64,7 +66,12 @@ class DashboardConfig:
                 f"tls_cert ({self.tls_cert!r}) and tls_key ({self.tls_key!r}) must be given "
                 "together"
             )
-        for name in ("tls_ca", "tls_cert", "tls_key"):
+        if bool(self.client_cert) != bool(self.client_key):
+            raise ConfigError(
+                f"client_cert ({self.client_cert!r}) and client_key ({self.client_key!r}) must "
+                "be given together"
+            )
+        for name in ("tls_ca", "tls_cert", "tls_key", "client_cert", "client_key"):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name} ({path!r}) is not a readable file")
@@ -114,6 +121,12 @@ def parse_args(
     parser.add_argument("--tls-cert", help="Serve HTTPS with this certificate (PEM).")
     parser.add_argument("--tls-key", help="The private key of --tls-cert (PEM).")
     parser.add_argument(
+        "--client-cert",
+        help="Client certificate (PEM) to present to services that require mutual TLS; a user "
+        "certificate: it carries each logged-in user's token, never a credential of its own.",
+    )
+    parser.add_argument("--client-key", help="The private key of --client-cert (PEM).")
+    parser.add_argument(
         "--poll-interval",
         type=float,
         default=1.0,
@@ -130,11 +143,14 @@ def parse_args(
     scheduler = _split(ns.scheduler)
     rm = _split(ns.resource_manager)
     tls_ca = ns.tls_ca
+    client_cert, client_key = ns.client_cert, ns.client_key
     if not scheduler:
         client = load_config(env=env)  # raises ConfigError naming what is missing
         scheduler = client.scheduler
         rm = rm or client.resource_manager
         tls_ca = tls_ca or client.tls_ca
+        if not client_cert:
+            client_cert, client_key = client.tls_cert, client.tls_key
     return DashboardConfig(
         scheduler=scheduler,
         resource_manager=rm,
@@ -142,6 +158,8 @@ def parse_args(
         tls_ca=tls_ca,
         tls_cert=ns.tls_cert,
         tls_key=ns.tls_key,
+        client_cert=client_cert,
+        client_key=client_key,
         poll_interval_s=ns.poll_interval,
         session_idle_s=ns.session_idle,
         access_log=ns.access_log,

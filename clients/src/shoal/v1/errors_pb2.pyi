@@ -62,6 +62,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The iteration was aborted because a member of the generation was evicted; retry the
     boundary to get the new assignment.
     """
+    ERROR_REASON_ALREADY_EXISTS: _ErrorReason.ValueType  # 19
+    """The request_id was used before for a different request; the message names the job it
+    created.
+    """
+    ERROR_REASON_QUOTA_EXCEEDED: _ErrorReason.ValueType  # 20
+    """The caller's quota (for example the bytes of artifacts a user may store) would be exceeded."""
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason is the machine-readable reason of a failed call. Every shoal service sends it
@@ -109,4 +115,10 @@ ERROR_REASON_ITERATION_ABORTED: ErrorReason.ValueType  # 18
 """The iteration was aborted because a member of the generation was evicted; retry the
 boundary to get the new assignment.
 """
+ERROR_REASON_ALREADY_EXISTS: ErrorReason.ValueType  # 19
+"""The request_id was used before for a different request; the message names the job it
+created.
+"""
+ERROR_REASON_QUOTA_EXCEEDED: ErrorReason.ValueType  # 20
+"""The caller's quota (for example the bytes of artifacts a user may store) would be exceeded."""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

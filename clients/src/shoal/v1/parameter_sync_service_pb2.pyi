@@ -230,10 +230,15 @@ class OpenJobRequest(_message.Message):
     STORAGE_URI_FIELD_NUMBER: _builtins.int
     SHARD_ADDRESSES_FIELD_NUMBER: _builtins.int
     FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     storage_uri: _builtins.str
     """The fsspec URI under which the job's checkpoints and metrics are stored."""
+    owner: _builtins.str
+    """The principal that owns the job (who submitted it): with a user token it may read the
+    job's progress and membership, and nothing else. Empty: no user may read it.
+    """
     @_builtins.property
     def spec(self) -> _job_pb2.JobSpec:
         """The job's spec (batch size, epochs, seed, checkpoint frequency are used)."""
@@ -254,10 +259,11 @@ class OpenJobRequest(_message.Message):
         storage_uri: _builtins.str = ...,
         shard_addresses: _abc.Iterable[_builtins.str] | None = ...,
         fencing_token: _resources_pb2.FencingToken | None = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "job_id", b"job_id", "shard_addresses", b"shard_addresses", "spec", b"spec", "storage_uri", b"storage_uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "job_id", b"job_id", "owner", b"owner", "shard_addresses", b"shard_addresses", "spec", b"spec", "storage_uri", b"storage_uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -396,6 +402,7 @@ class JoinResponse(_message.Message):
     EPOCHS_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     RENDEZVOUS_ADDRESS_FIELD_NUMBER: _builtins.int
+    RENDEZVOUS_PREFIX_FIELD_NUMBER: _builtins.int
     initialize: _builtins.bool
     """True when this learner must upload the initial parameters (the job has none yet)."""
     batch_size: _builtins.int
@@ -407,6 +414,11 @@ class JoinResponse(_message.Message):
     rendezvous_address: _builtins.str
     """COLLECTIVE only: host:port of the coordinator-hosted torch.distributed TCPStore through
     which each generation's process group rendezvouses.
+    """
+    rendezvous_prefix: _builtins.str
+    """Collective mode: the key prefix of this job in the rendezvous store, a secret the
+    coordinator derives for the job and gives only to the job's authenticated learners (the
+    store has no access control of its own). Empty: use `<job_id>/`.
     """
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardSlice]:
@@ -421,10 +433,11 @@ class JoinResponse(_message.Message):
         epochs: _builtins.int = ...,
         seed: _builtins.int = ...,
         rendezvous_address: _builtins.str = ...,
+        rendezvous_prefix: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "epochs", b"epochs", "initialize", b"initialize", "rendezvous_address", b"rendezvous_address", "seed", b"seed", "shards", b"shards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "epochs", b"epochs", "initialize", b"initialize", "rendezvous_address", b"rendezvous_address", "rendezvous_prefix", b"rendezvous_prefix", "seed", b"seed", "shards", b"shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

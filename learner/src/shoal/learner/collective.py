@@ -9,7 +9,9 @@ Per learner (docs/data-plane.md, "Collective mode"):
   anywhere else, except in checkpoints.
 * :meth:`CollectiveBackend.next_assignment` asks the coordinator for the next iteration. When
   the generation changed, the old group is torn down and a new one formed *in this process*:
-  rendezvous through the coordinator-hosted TCPStore under ``<job>/g<generation>/``, then the
+  rendezvous through the coordinator-hosted TCPStore under ``<prefix>/g<generation>/`` (the
+  prefix is the job's secret from JoinResponse.rendezvous_prefix: the store has no TLS and
+  no access control, so only the job's learners know where its keys are), then the
   members that do not hold the state (joiners) receive the parameters, buffers and optimizer
   state by broadcast from the lowest rank that does. When no member holds it (every holder
   died), rank 0 loads the checkpoint the coordinator names and broadcasts it.
@@ -116,6 +118,7 @@ class CollectiveBackend(GrpcBackend):
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._bucket_bytes = bucket_bytes
         self._rendezvous = ""
+        self._rendezvous_prefix = ""
         self._store: Any = None
         self._pg: Any = None
         self._pg_generation = 0
@@ -147,6 +150,7 @@ class CollectiveBackend(GrpcBackend):
                 f"{self.job_id}: the job is not in collective mode"
             )
         self._rendezvous = reply.rendezvous_address
+        self._rendezvous_prefix = reply.rendezvous_prefix or self.job_id
         plan = self._adopt_plan(reply, setup.plan)
         if reply.initialize:
             log.info("initializing job %s (collective)", self.job_id)
@@ -256,7 +260,9 @@ class CollectiveBackend(GrpcBackend):
         member to the job's state (broadcast from a holder, or a checkpoint)."""
         self._drop_group()
         started = time.monotonic()
-        store = dist.PrefixStore(f"{self.job_id}/g{a.generation}/", self._store_client())
+        store = dist.PrefixStore(
+            f"{self._rendezvous_prefix}/g{a.generation}/", self._store_client()
+        )
         store.set(f"device/{a.rank}", self._device.type)
         kinds = {store.get(f"device/{r}").decode() for r in range(a.world_size)}
         use_nccl = kinds == {"cuda"} and dist.is_nccl_available()

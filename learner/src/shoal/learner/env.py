@@ -28,7 +28,13 @@ SHOAL_MAX_BATCH_PER_DEVICE  unset (no limit)        Most samples one forward/bac
                                                     micro-batches.
 SHOAL_STORAGE_URI           unset (no storage)      fsspec URI for checkpoints, metrics and
                                                     the final model.
-SHOAL_TOKEN                 unset                   Bearer token for the shoal services.
+SHOAL_TOKEN                 unset                   This learner's credential for the shoal
+                                                    services: minted by the scheduler for this
+                                                    job and learner only (never a service token).
+SHOAL_TLS_CA                unset (plaintext)       CA of the cluster's certificates: with it the
+                                                    learner talks TLS to the parameter-sync shards.
+SHOAL_TLS_CERT              unset                   Client certificate and key the host agent
+SHOAL_TLS_KEY               unset                   gives its learners (mutual TLS).
 TRACEPARENT                 unset                   W3C trace context of the span that started
                                                     this learner (OpenTelemetry).
 SHOAL_TRACE_EVERY           100                     Iterations traced: the learner's first, then
@@ -64,6 +70,9 @@ __all__ = [
     "storage_uri",
     "sync_backend",
     "sync_endpoints",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
     "token",
     "trace_every",
     "traceparent",
@@ -169,6 +178,21 @@ def token(environ: Mapping[str, str] | None = None) -> str | None:
     return _str("SHOAL_TOKEN", environ)
 
 
+def tls_ca(environ: Mapping[str, str] | None = None) -> str | None:
+    """SHOAL_TLS_CA: the cluster CA (PEM file); set: talk TLS to the shards (default: none)."""
+    return _str("SHOAL_TLS_CA", environ)
+
+
+def tls_cert(environ: Mapping[str, str] | None = None) -> str | None:
+    """SHOAL_TLS_CERT: this learner's client certificate (PEM file), for mutual TLS."""
+    return _str("SHOAL_TLS_CERT", environ)
+
+
+def tls_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """SHOAL_TLS_KEY: the key of SHOAL_TLS_CERT (PEM file)."""
+    return _str("SHOAL_TLS_KEY", environ)
+
+
 def traceparent(environ: Mapping[str, str] | None = None) -> str | None:
     """TRACEPARENT: W3C trace context of the span that started this learner (default: none)."""
     return _str("TRACEPARENT", environ)
@@ -216,6 +240,9 @@ class LearnerEnv:
     max_batch_per_device: int | None = None
     storage_uri: str | None = None
     token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     traceparent: str | None = None
     trace_every: int = DEFAULT_TRACE_EVERY
     otlp_endpoint: str | None = None
@@ -241,6 +268,9 @@ class LearnerEnv:
             max_batch_per_device=max_batch_per_device(environ),
             storage_uri=storage_uri(environ),
             token=token(environ),
+            tls_ca=tls_ca(environ),
+            tls_cert=tls_cert(environ),
+            tls_key=tls_key(environ),
             traceparent=traceparent(environ),
             trace_every=trace_every(environ),
             otlp_endpoint=otlp_endpoint(environ),

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from grpc import aio
 
+from shoal.client.tls import TLSFiles, channel_credentials
 from shoal.learner.backend import (
     Assignment,
     Contribution,
@@ -140,6 +141,7 @@ class GrpcBackend(SyncBackend):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         retry_s: float = 30.0,
         channel_options: Sequence[tuple[str, Any]] = (),
+        tls: TLSFiles | None = None,
     ) -> None:
         for name, value in (
             ("job_id", job_id),
@@ -152,6 +154,7 @@ class GrpcBackend(SyncBackend):
         self.learner_id = learner_id
         self.coordinator = coordinator
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._tls = tls
         self._chunk_bytes = chunk_bytes
         self._retry_s = retry_s
         self._options = [
@@ -188,6 +191,7 @@ class GrpcBackend(SyncBackend):
             learner_id=env.learner_id,
             coordinator=env.coordinator,
             token=env.token,
+            tls=TLSFiles(env.tls_ca, env.tls_cert, env.tls_key) if env.tls_ca else None,
         )
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -201,7 +205,11 @@ class GrpcBackend(SyncBackend):
     def _channel(self, address: str) -> aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = aio.insecure_channel(address, options=self._options)
+            if self._tls is not None:
+                creds = channel_credentials(self._tls.ca, self._tls.cert, self._tls.key)
+                channel = aio.secure_channel(address, creds, options=self._options)
+            else:
+                channel = aio.insecure_channel(address, options=self._options)
             self._channels[address] = channel
         return channel
 

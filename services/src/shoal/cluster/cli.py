@@ -51,6 +51,14 @@ def up(
     policy: Annotated[str, typer.Option(help="FIFO, FAIRSHARE or PRIORITY.")] = "PRIORITY",
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the cluster.")] = 120.0,
     dashboard: Annotated[bool, typer.Option(help="Serve the web dashboard too.")] = True,
+    tls: Annotated[
+        bool,
+        typer.Option(
+            "--tls",
+            help="Mutual TLS on every hop: a cluster CA and per-process certificates in "
+            "STATE_DIR/tls; the CLI's certificate is named in STATE_DIR/cluster.json.",
+        ),
+    ] = False,
 ) -> None:
     """Start etcd and every service in the background; the CLI then finds them by itself."""
     state = _read_state(state_dir)
@@ -78,6 +86,7 @@ def up(
             "--policy",
             policy,
             *([] if dashboard else ["--no-dashboard"]),
+            *(["--tls"] if tls else []),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -97,7 +106,8 @@ def up(
                 raise typer.Exit(1)
             time.sleep(0.2)
     console.print(
-        f"cluster up: {hosts} hosts x {gpus_per_host} GPUs, {shards} shards; "
+        f"cluster up: {hosts} hosts x {gpus_per_host} GPUs, {shards} shards"
+        f"{', mutual TLS' if tls else ''}; "
         f"state and logs in {state_dir}/ (shoal cluster status | down)"
     )
     _print_dashboard(state_dir, _read_state(state_dir) or {})

@@ -10,6 +10,13 @@ its own (``--metrics-port``; the URLs are in ``metrics_urls()`` and under ``"met
 ``cluster.json``, and ``shoal cluster status`` shows them). Credentials are generated into
 ``<state_dir>/tokens`` (mode 0600): a user token for you, a service token for the services, an
 admin token. ``<state_dir>/cluster.json`` is the client config file the CLI picks up.
+
+With ``ClusterSpec(tls=True)`` (``shoal cluster up --tls``) every hop is mutual TLS: a cluster
+CA and one certificate per process are made in ``<state_dir>/tls/`` (``shoal.runtime.pki``):
+etcd serves its client API over TLS and requires client certificates; every service serves
+mTLS and presents its own ``service:<name>`` certificate to the services and to etcd; each host
+agent gives its learners a ``learner:<host>`` certificate; ``cluster.json`` names your
+``user:<you>`` certificate (``tls_ca``, ``tls_cert``, ``tls_key``).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shoal.runtime.auth import Role, new_token, write_tokens_file
 from shoal.runtime.errors import InvalidField
-from shoal.runtime.etcd_server import EtcdServer
+from shoal.runtime.etcd_server import EtcdServer, EtcdTLS
+from shoal.runtime.pki import CertificateAuthority
 from shoal.runtime.procs import die_with_parent
 
 SERVICE_NAMES = {
@@ -63,6 +71,7 @@ class ClusterSpec:
     policy: str = "PRIORITY"
     extra_env: dict[str, str] = field(default_factory=dict)
     dashboard: bool = False  # also serve the web dashboard (`shoal cluster up` does)
+    tls: bool = False  # mutual TLS on every hop (a cluster CA in <state_dir>/tls)
 
     def __post_init__(self) -> None:
         for name, low, high in (
@@ -111,6 +120,8 @@ class LocalCluster:
         self.tokens: dict[str, str] = {}
         self.dashboard: subprocess.Popen[bytes] | None = None
         self.dashboard_url = ""  # http://127.0.0.1:PORT/ when spec.dashboard
+        self.tls_dir = self.state_dir / "tls"
+        self.certs: dict[str, tuple[Path, Path]] = {}  # "kind:name" -> (cert, key)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -136,8 +147,12 @@ class LocalCluster:
         (self.state_dir / "service-token").write_text(self.tokens["service"])
         (self.state_dir / "service-token").chmod(0o600)
         try:
+            etcd_tls = self._make_certificates() if self.spec.tls else None
             self.etcd = EtcdServer(
-                data_dir=self.state_dir / "etcd", log_dir=self.logs, unsafe_no_fsync=True
+                data_dir=self.state_dir / "etcd",
+                log_dir=self.logs,
+                unsafe_no_fsync=True,
+                tls=etcd_tls,
             )
             self.etcd.start()
             self._plan()
@@ -176,6 +191,40 @@ class LocalCluster:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+
+    # -- TLS ---------------------------------------------------------------------------------
+
+    @property
+    def ca_file(self) -> Path:
+        return self.tls_dir / "ca.pem"
+
+    def _issue(self, ca: CertificateAuthority, kind: str, name: str) -> tuple[Path, Path]:
+        issued = ca.issue(kind, name)
+        self.certs[f"{kind}:{name}"] = (issued.cert, issued.key)
+        return issued.cert, issued.key
+
+    def _make_certificates(self) -> EtcdTLS:
+        """A fresh CA and every certificate this cluster needs; returns etcd's TLS."""
+        ca = CertificateAuthority.create(self.tls_dir, name="shoal local cluster CA")
+        cert, key = self._issue(ca, "etcd", "etcd")
+        self._issue(ca, "user", os.environ.get("USER", "you") or "you")
+        self._issue(ca, "admin", "admin")
+        return EtcdTLS(cert, key, client_ca_file=ca.ca_file)
+
+    def _tls_flags(self, svc: ServiceProcess) -> list[str]:
+        ca = CertificateAuthority.load(self.tls_dir)
+        cert, key = self._issue(ca, "service", svc.name)
+        flags = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(self.ca_file)]
+        flags += ["--etcd-ca", str(self.ca_file), "--etcd-cert", str(cert), "--etcd-key", str(key)]
+        if svc.kind == "host-agent":
+            lcert, lkey = self._issue(ca, "learner", svc.name)
+            flags += ["--learner-tls-cert", str(lcert), "--learner-tls-key", str(lkey)]
+        return flags
+
+    def user_certificate(self, role: str = "user") -> tuple[Path, Path] | None:
+        """The client certificate of ``role`` ("user" or "admin"), with TLS."""
+        kind = "admin" if role == "admin" else "user"
+        return next((v for k, v in self.certs.items() if k.startswith(kind + ":")), None)
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -229,6 +278,8 @@ class LocalCluster:
         schedulers = ",".join(self.addresses("job-scheduler"))
         storage = self.storage.as_uri()
         for svc in self.services.values():
+            if spec.tls:
+                svc.args += self._tls_flags(svc)
             svc.args += service_flags(
                 svc,
                 spec,
@@ -260,7 +311,7 @@ class LocalCluster:
     def wait_healthy(self, svc: ServiceProcess, timeout: float = 60.0) -> None:
         """Wait until the process answers health checks (a standby answers too)."""
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(svc.address) as channel:
+        with self._health_channel(svc.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 if not svc.alive():
@@ -274,6 +325,15 @@ class LocalCluster:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{svc.name} not healthy after {timeout} s: see {svc.log}")
                 time.sleep(0.1)
+
+    def _health_channel(self, address: str) -> grpc.Channel:
+        pair = self.user_certificate()
+        if not self.spec.tls or pair is None:
+            return grpc.insecure_channel(address)
+        from shoal.client.tls import channel_credentials
+
+        creds = channel_credentials(str(self.ca_file), str(pair[0]), str(pair[1]))
+        return grpc.secure_channel(address, creds)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Chaos: signal one service process (its learners, for an agent, die with it)."""
@@ -312,6 +372,7 @@ class LocalCluster:
                         ",".join(self.addresses("job-scheduler")),
                         "--resource-manager",
                         ",".join(self.addresses("resource-manager")),
+                        *self._dashboard_tls_flags(),
                     ]
                 ),
                 stdout=log,
@@ -336,6 +397,14 @@ class LocalCluster:
             time.sleep(0.1)
         self.dashboard_url = url
 
+    def _dashboard_tls_flags(self) -> list[str]:
+        """With TLS: the cluster's CA, and a user certificate of the dashboard's own to reach the
+        services with (it carries each logged-in user's token, never a credential of its own)."""
+        if not self.spec.tls:
+            return []
+        cert, key = self._issue(CertificateAuthority.load(self.tls_dir), "user", "dashboard")
+        return ["--tls-ca", str(self.ca_file), "--client-cert", str(cert), "--client-key", str(key)]
+
     def _stop_dashboard(self, grace: float) -> None:
         proc, self.dashboard = self.dashboard, None
         if proc is None or proc.poll() is not None:
@@ -351,7 +420,7 @@ class LocalCluster:
     # -- client side -------------------------------------------------------------------------
 
     def client_config_dict(self, role: str = "user") -> dict[str, object]:
-        return {
+        config: dict[str, object] = {
             "scheduler": self.addresses("job-scheduler"),
             "resource_manager": self.addresses("resource-manager"),
             "token": self.tokens[role],
@@ -362,15 +431,23 @@ class LocalCluster:
             "dashboard": self.dashboard_url,
             "etcd": self.etcd.endpoints if self.etcd else [],
         }
+        pair = self.user_certificate(role) if self.spec.tls else None
+        if pair is not None:
+            config.update(tls_ca=str(self.ca_file), tls_cert=str(pair[0]), tls_key=str(pair[1]))
+        return config
 
     def client_config(self, role: str = "user"):  # type: ignore[no-untyped-def]
         from shoal.client import ClientConfig
 
+        pair = self.user_certificate(role) if self.spec.tls else None
         return ClientConfig(
             scheduler=tuple(self.addresses("job-scheduler")),
             resource_manager=tuple(self.addresses("resource-manager")),
             token=self.tokens[role],
             source=str(self.state_dir / "cluster.json"),
+            tls_ca=str(self.ca_file) if pair else None,
+            tls_cert=str(pair[0]) if pair else None,
+            tls_key=str(pair[1]) if pair else None,
         )
 
     def write_client_config(self, path: Path) -> None:

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--policy", default="PRIORITY")
     parser.add_argument("--no-dashboard", action="store_true", help="Do not serve the dashboard.")
+    parser.add_argument("--tls", action="store_true", help="mutual TLS on every hop")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(message)s")
     stop = threading.Event()
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         replicas=ns.replicas,
         policy=ns.policy,
         dashboard=not ns.no_dashboard,
+        tls=ns.tls,
     )
     cluster = LocalCluster(spec)
     state_file = cluster.state_dir / "cluster.json"

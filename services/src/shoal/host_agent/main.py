@@ -17,6 +17,9 @@ flag                               variable                       default
 ``--retain-exited SECONDS``        SHOAL_AGENT_RETAIN_EXITED_S    3600
 ``--label KEY=VALUE`` (repeat)     SHOAL_HOST_LABELS (k=v,k=v)    none
 ``--resource-group NAME``          SHOAL_RESOURCE_GROUP           default
+``--learner-tls-cert FILE``        SHOAL_LEARNER_TLS_CERT         none; required with --tls-ca:
+``--learner-tls-key FILE``         SHOAL_LEARNER_TLS_KEY          the certificate (kind learner)
+                                                                  this host's learners present
 =================================  =============================  ===============================
 """
 
@@ -95,6 +98,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="KEY=VALUE label of this host (repeatable)",
     )
     g.add_argument("--resource-group", default=env.get("SHOAL_RESOURCE_GROUP", ""))
+    g.add_argument(
+        "--learner-tls-cert",
+        default=env.get("SHOAL_LEARNER_TLS_CERT"),
+        help="client certificate of this host's learners (a 'learner' one, never the agent's)",
+    )
+    g.add_argument("--learner-tls-key", default=env.get("SHOAL_LEARNER_TLS_KEY"))
     return parser
 
 
@@ -129,6 +138,8 @@ def parse_config(
         retain_exited_s=parse_number("retain_exited", ns.retain_exited, float),
         labels=labels,
         resource_group=ns.resource_group,
+        learner_tls_cert=ns.learner_tls_cert or None,
+        learner_tls_key=ns.learner_tls_key or None,
     )
 
 

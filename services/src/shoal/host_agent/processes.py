@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -45,6 +44,7 @@ from pathlib import Path
 import fsspec
 from google.protobuf import timestamp_pb2
 
+from shoal.contract import ids
 from shoal.host_agent.devices import DeviceInfo, cuda_env
 from shoal.runtime import telemetry
 from shoal.runtime.errors import FailedPrecondition, FencedOut, InvalidField, NotFound
@@ -69,8 +69,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STDOUT, STDERR = 1, 2
-ARTIFACT_ID_RE = re.compile(r"^[0-9a-f]{64}$")
-MAX_ID_LENGTH = 253
+ARTIFACT_ID_RE = ids.PATTERNS[ids.IdKind.ARTIFACT]  # use with fullmatch
 MAX_RECORD_TEXT = 64 * 1024  # longer lines are split into several records
 
 STARTING = resources_pb2.LEARNER_STATE_STARTING
@@ -164,7 +163,7 @@ class ArtifactCache:
 
     async def get(self, artifact_id: str) -> Path:
         """The local path of the artifact, fetched from the first source that has it."""
-        if not ARTIFACT_ID_RE.match(artifact_id):
+        if not ARTIFACT_ID_RE.fullmatch(artifact_id):
             raise InvalidField("artifact_id", artifact_id, "must be a lowercase hex sha256")
         lock = self._locks.setdefault(artifact_id, asyncio.Lock())
         async with lock:
@@ -459,13 +458,11 @@ class LaunchRequest:
     fencing_revision: int = 0
 
 
-def _validate_id(field_name: str, value: str) -> None:
+def _validate_id(field_name: str, value: str, kind: ids.IdKind) -> None:
     if not value:
         raise InvalidField(field_name, value, "must not be empty")
-    if len(value) > MAX_ID_LENGTH or any(ord(c) < 32 for c in value):
-        raise InvalidField(
-            field_name, value, f"must be at most {MAX_ID_LENGTH} printable characters"
-        )
+    if not ids.is_valid(kind, value):
+        raise InvalidField(field_name, value, ids.describe(kind))
 
 
 def _validate_entry_point(entry_point: str) -> None:
@@ -496,6 +493,7 @@ class ProcessManager:
         stop_grace_s: float = 10.0,
         base_env: Mapping[str, str] | None = None,
         on_exit: Callable[[Learner], None] | None = None,
+        learner_env: Mapping[str, str] | None = None,
     ) -> None:
         self.work_dir = work_dir
         self.learners_dir = work_dir / "learners"
@@ -505,6 +503,7 @@ class ProcessManager:
         self.stop_grace_s = stop_grace_s
         self.incarnation = 0
         self._base_env = dict(os.environ if base_env is None else base_env)
+        self._learner_env = dict(learner_env or {})  # the agent's part of the contract (TLS)
         self._learners: dict[str, Learner] = {}
         self._starting: dict[str, asyncio.Task[Learner]] = {}
         self._reserved: dict[str, str] = {}  # device id -> learner id being started
@@ -570,11 +569,11 @@ class ProcessManager:
 
         Raises InvalidField, DeviceNotFound, DeviceBusy, FencedOut, ArtifactNotFound; on any
         error nothing is left behind."""
-        _validate_id("learner_id", request.learner_id)
-        _validate_id("job_id", request.job_id)
-        _validate_id("device_id", request.device_id)
+        _validate_id("learner_id", request.learner_id, ids.IdKind.LEARNER)
+        _validate_id("job_id", request.job_id, ids.IdKind.JOB)
+        _validate_id("device_id", request.device_id, ids.IdKind.DEVICE)
         _validate_entry_point(request.entry_point)
-        if not ARTIFACT_ID_RE.match(request.artifact_id):
+        if not ARTIFACT_ID_RE.fullmatch(request.artifact_id):
             raise InvalidField("artifact_id", request.artifact_id, "must be a lowercase hex sha256")
         for key in request.env:
             if not key or "=" in key or "\0" in key:
@@ -673,6 +672,7 @@ class ProcessManager:
         env["PYTHONUNBUFFERED"] = "1"
         env.update(request.env)
         env.update(cuda_env(learner.device))
+        env.update(self._learner_env)
         env.update(
             {
                 "SHOAL_JOB_ID": learner.job_id,

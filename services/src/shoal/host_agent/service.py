@@ -25,6 +25,7 @@ import grpc
 from google.protobuf import timestamp_pb2
 from grpc import aio
 
+from shoal.contract import ids
 from shoal.host_agent.devices import DeviceInfo, DeviceSource
 from shoal.host_agent.processes import (
     STDERR,
@@ -38,7 +39,7 @@ from shoal.host_agent.processes import (
 )
 from shoal.runtime.auth import SERVICES, MethodRoles
 from shoal.runtime.channels import connect
-from shoal.runtime.config import ServerConfig
+from shoal.runtime.config import ServerConfig, TLSConfig
 from shoal.runtime.errors import DEFAULT_TABLE, LEADER_METADATA_KEY, ErrorTable, InvalidField
 from shoal.runtime.server import ServiceBinding
 from shoal.v1 import (
@@ -74,14 +75,51 @@ class HostAgentConfig:
     retain_exited_s: float = 3600.0
     labels: Mapping[str, str] = field(default_factory=dict)
     resource_group: str = ""
+    learner_tls_cert: str | None = None
+    """The client certificate (``learner:<host>``) and key given to this host's learners
+    (SHOAL_TLS_CERT/KEY), with the cluster CA (SHOAL_TLS_CA): never the agent's own."""
+    learner_tls_key: str | None = None
+
+    def learner_env(self) -> dict[str, str]:
+        """The variables of the learners' TLS (empty without TLS)."""
+        tls = self.server.tls
+        if tls is None or tls.ca_file is None:
+            return {}
+        # Absolute: learners run in their own working directory.
+        env = {"SHOAL_TLS_CA": str(Path(tls.ca_file).resolve())}
+        if self.learner_tls_cert and self.learner_tls_key:
+            env["SHOAL_TLS_CERT"] = str(Path(self.learner_tls_cert).resolve())
+            env["SHOAL_TLS_KEY"] = str(Path(self.learner_tls_key).resolve())
+        return env
 
     def __post_init__(self) -> None:
-        from shoal.resource_manager.core import HOST_ID_RE
-
-        if not HOST_ID_RE.match(self.host_id):
+        if not ids.is_valid(ids.IdKind.HOST, self.host_id):
+            raise InvalidField("host_id", self.host_id, ids.describe(ids.IdKind.HOST))
+        if (self.learner_tls_cert is None) != (self.learner_tls_key is None):
             raise InvalidField(
-                "host_id", self.host_id, "must be 1 to 253 characters of [A-Za-z0-9._-]"
+                "learner_tls", "cert/key", "needs both --learner-tls-cert and --learner-tls-key"
             )
+        tls = self.server.tls
+        if tls is not None and tls.ca_file is not None and self.learner_tls_cert is None:
+            raise InvalidField(
+                "learner_tls_cert",
+                None,
+                "is required with --tls-ca: learners present it to the parameter-sync shards "
+                "(issue one per host: kind 'learner'; never the agent's own certificate)",
+            )
+        if self.server.tls is not None and self.learner_tls_cert in (
+            self.server.tls.cert_file,
+            self.server.tls.key_file,
+        ):
+            raise InvalidField(
+                "learner_tls_cert",
+                self.learner_tls_cert,
+                "must not be the agent's own certificate (a service credential)",
+            )
+        for name in ("learner_tls_cert", "learner_tls_key"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).is_file():
+                raise InvalidField(name, value, "is not a readable file")
         if self.simulate_gpus is not None and not 0 <= self.simulate_gpus <= 1024:
             raise InvalidField("simulate_gpus", self.simulate_gpus, "must be in 0..1024")
         if not 0 < self.stop_grace_s <= 3600:
@@ -104,14 +142,15 @@ def _leader_hint(exc: aio.AioRpcError) -> str | None:
 class _Channels:
     """One channel per address, with the service token."""
 
-    def __init__(self, token: str | None) -> None:
+    def __init__(self, token: str | None, tls: TLSConfig | None = None) -> None:
         self._token = token
+        self._tls = tls
         self._channels: dict[str, aio.Channel] = {}
 
     def get(self, address: str) -> aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = connect(address, token=self._token)
+            channel = connect(address, token=self._token, tls=self._tls)
             self._channels[address] = channel
         return channel
 
@@ -375,7 +414,7 @@ class HostAgent:
         self.device_source = devices
         self.devices: list[DeviceInfo] = devices.discover()
         self.address = ""
-        self.channels = _Channels(config.server.service_token)
+        self.channels = _Channels(config.server.service_token, config.server.tls)
         sources: list[ArtifactSource] = []
         if config.artifact_dir:
             sources.append(DirectorySource(config.artifact_dir))
@@ -387,6 +426,7 @@ class HostAgent:
             host_id=config.host_id,
             stop_grace_s=config.stop_grace_s,
             on_exit=self._learner_exited,
+            learner_env=config.learner_env(),
         )
         self.link = ResourceManagerLink(self, config.resource_managers, self.channels)
         self._tasks: list[asyncio.Task[Any]] = []

@@ -32,6 +32,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from shoal.contract import ids
+
 __all__ = [
     "LATEST",
     "MANIFEST",
@@ -141,7 +143,12 @@ def latest_checkpoint(storage_uri: str, job_id: str) -> tuple[str, dict[str, Any
     name = read_bytes(join_uri(root, LATEST))
     if name is None:
         return None
-    directory = join_uri(root, name.decode().strip())
+    text = name.decode(errors="replace").strip()
+    if not ids.is_valid(ids.IdKind.CHECKPOINT, text):
+        # ``latest`` is in storage that collective-mode learners write too: never follow a
+        # name out of the job's checkpoints directory.
+        raise StorageError(f"{join_uri(root, LATEST)} names {text!r}, not a checkpoint name")
+    directory = join_uri(root, text)
     manifest = read_manifest(directory)
     if manifest is None:
         raise StorageError(f"{join_uri(root, LATEST)} names {directory}, which has no manifest")

@@ -43,6 +43,7 @@ from shoal.runtime.config import (
     MiB,
     ServerConfig,
     add_server_flags,
+    etcd_store,
     parse_host_port,
     server_config_from_args,
 )
@@ -168,11 +169,11 @@ def _advertised(config: ParamSyncConfig, running: RunningServer) -> str:
 
 async def _register(config: ParamSyncConfig, address: str, stop: asyncio.Event) -> None:
     """Keep ``/shoal/v1/parameter-sync/shards/<I>`` = address alive under a lease."""
-    from shoal.runtime.store import EtcdStore, LeaseExpired, StoreError
+    from shoal.runtime.store import LeaseExpired, StoreError
 
     key = registry_key(config.shard_index)
     ttl = config.registration_ttl_s
-    async with EtcdStore(list(config.server.etcd_endpoints), timeout=3.0) as store:
+    async with etcd_store(config.server, timeout=3.0) as store:
         lease = 0
         while not stop.is_set():
             try:
@@ -202,6 +203,7 @@ async def serve(config: ParamSyncConfig) -> None:
             shard_index=config.shard_index,
             storage_uri=config.storage_uri,
             service_token=config.server.service_token,
+            tls=config.server.tls,
             chunk_bytes=config.chunk_bytes,
             peer_message_bytes=config.server.max_message_bytes,
             rendezvous_port=config.rendezvous_port,

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import math
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +42,11 @@ from shoal.learner.transport import (
     serialize,
 )
 from shoal.param_sync import checkpoint as ckpt
+from shoal.param_sync.authz import (
+    authorize,
+    check_job_directory,
+    check_storage_uri,
+)
 from shoal.param_sync.coordinator import (
     Action,
     CheckpointTask,
@@ -58,8 +66,15 @@ from shoal.param_sync.shard import (
     shard_file_name,
 )
 from shoal.param_sync.sharding import Sharding
-from shoal.runtime.auth import SERVICES, USERS_AND_SERVICES, MethodRoles
+from shoal.runtime.auth import (
+    LEARNERS,
+    SERVICES,
+    USERS_AND_SERVICES,
+    MethodRoles,
+    current_principal,
+)
 from shoal.runtime.channels import connect
+from shoal.runtime.config import TLSConfig
 from shoal.runtime.errors import (
     DEFAULT_TABLE,
     Aborted,
@@ -94,24 +109,27 @@ T = TypeVar("T")
 
 SERVICE_NAME = "shoal.v1.ParameterSyncService"
 
-#: Learners (user or service tokens) call the data-plane methods; the scheduler and the shards
-#: (service tokens) call the rest.
+#: Learners (their own credentials, or service tokens) call the data-plane methods; users may
+#: read their own jobs' progress and membership; the scheduler and the shards (service tokens)
+#: call the rest. Per job, each handler checks ``authz.authorize`` at its top.
 ROLES = MethodRoles(
     SERVICE_NAME,
     SERVICES,
     {
-        name: USERS_AND_SERVICES
-        for name in (
-            "Join",
-            "InitializeParameters",
-            "Boundary",
-            "SyncStep",
-            "PullParameters",
-            "CreateCheckpoint",
-            "ReportEpochMetrics",
-            "GetJobProgress",
-            "GetMembership",
-        )
+        **{
+            name: LEARNERS | SERVICES
+            for name in (
+                "Join",
+                "InitializeParameters",
+                "Boundary",
+                "SyncStep",
+                "PullParameters",
+                "CreateCheckpoint",
+                "ReportEpochMetrics",
+            )
+        },
+        "GetJobProgress": LEARNERS | USERS_AND_SERVICES,
+        "GetMembership": LEARNERS | USERS_AND_SERVICES,
     },
 )
 
@@ -132,6 +150,7 @@ class ShardOptions:
     max_bundle_bytes: int = 16 * 1024 * 1024 * 1024
     peer_message_bytes: int = 64 * 1024 * 1024
     rendezvous_port: int = 0  # of the collective-mode store (0: a free port)
+    tls: TLSConfig | None = None  # of this process: peer channels are mutual TLS with it
 
 
 # ------------------------------------------------------------------------------------------
@@ -215,6 +234,7 @@ def _json_number(value: float) -> float | str:
 @dataclass
 class _CoordinatedJob:
     coord: Coordinator
+    owner: str = ""  # the principal that submitted the job (may read its progress)
     cond: asyncio.Condition = field(default_factory=asyncio.Condition)
     configure_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     metrics_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -261,6 +281,15 @@ class ParameterSyncServicer:
         self._channels: dict[str, tuple[aio.Channel, ps_grpc.ParameterSyncServiceStub]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._rendezvous_store: Any = None  # torch.distributed.TCPStore, on first use
+        self._rendezvous_secret = secrets.token_bytes(32)
+
+    def _rendezvous_prefix(self, job_id: str) -> str:
+        """The job's key prefix in the rendezvous store: a secret only its learners get
+        (JoinResponse.rendezvous_prefix). The TCPStore has no TLS and no access control;
+        with unguessable prefixes, a process that reaches it cannot find or overwrite a
+        job's keys (it can still flood the store: keep it on a trusted network)."""
+        digest = hmac.new(self._rendezvous_secret, job_id.encode(), hashlib.sha256)
+        return f"{job_id}-{digest.hexdigest()[:32]}"
 
     def _rendezvous(self, settings: JobSettings) -> str:
         """host:port of the torch.distributed TCPStore this process hosts for the process
@@ -306,6 +335,7 @@ class ParameterSyncServicer:
             channel = connect(
                 address,
                 token=self.options.service_token,
+                tls=self.options.tls,
                 max_message_bytes=self.options.peer_message_bytes,
             )
             entry = (channel, ps_grpc.ParameterSyncServiceStub(channel))
@@ -328,6 +358,10 @@ class ParameterSyncServicer:
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidField(method, address, f"refused: {exc.details()}") from exc
             raise Unavailable(text) from exc
+
+    def _owner(self, job_id: str) -> str | None:
+        job = self._coordinated.get(job_id)
+        return job.owner if job is not None else None
 
     def _job(self, job_id: str) -> _CoordinatedJob:
         job = self._coordinated.get(job_id)
@@ -356,10 +390,11 @@ class ParameterSyncServicer:
     # -- OpenJob / CloseJob -------------------------------------------------------------------
 
     async def OpenJob(self, request: ps_pb2.OpenJobRequest, context: Any) -> Any:
+        authorize(current_principal(), "OpenJob", job_id=request.job_id)
         spec = request.spec
-        storage = request.storage_uri or self.options.storage_uri
-        if not storage:
-            raise InvalidField("storage_uri", "", "must be given (or the shard's --storage-uri)")
+        if not request.job_id:
+            raise InvalidField("job_id", "", "must not be empty")
+        storage = check_storage_uri(request.storage_uri, self.options.storage_uri)
         settings = JobSettings(
             job_id=request.job_id,
             batch_size=spec.batch_size,
@@ -383,7 +418,7 @@ class ParameterSyncServicer:
                 return ps_pb2.OpenJobResponse(
                     progress=_progress_proto(coord.progress()), resumed=coord.resumed
                 )
-            job = _CoordinatedJob(Coordinator(settings, clock=self._clock))
+            job = _CoordinatedJob(Coordinator(settings, clock=self._clock), owner=request.owner)
             found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
             if found is not None:
                 await self._resume(job, *found)
@@ -458,6 +493,7 @@ class ParameterSyncServicer:
             ckpt.atomic_write(uri, "".join(k + "\n" for k in kept).encode())
 
     async def CloseJob(self, request: ps_pb2.CloseJobRequest, context: Any) -> Any:
+        authorize(current_principal(), "CloseJob", job_id=request.job_id)
         self._check_fence(request.job_id, request.fencing_token)
         job = self._coordinated.pop(request.job_id, None)
         part = self._slices.pop(request.job_id, None)
@@ -526,6 +562,7 @@ class ParameterSyncServicer:
     # -- Join / InitializeParameters ----------------------------------------------------------
 
     async def Join(self, request: ps_pb2.JoinRequest, context: Any) -> Any:
+        authorize(current_principal(), "Join", job_id=request.job_id, learner_id=request.learner_id)
         job = self._job(request.job_id)
         coord = job.coord
         if not request.learner_id:
@@ -568,6 +605,7 @@ class ParameterSyncServicer:
             epochs=s.epochs,
             seed=s.seed,
             rendezvous_address=self._rendezvous(s) if collective else "",
+            rendezvous_prefix=self._rendezvous_prefix(s.job_id) if collective else "",
         )
 
     async def InitializeParameters(
@@ -576,6 +614,12 @@ class ParameterSyncServicer:
         frames = aiter(request_iterator)
         async with _draining(frames):
             header = await _first_header(frames)
+            authorize(
+                current_principal(),
+                "InitializeParameters",
+                job_id=header.job_id,
+                learner_id=header.sender_id,
+            )
             part = self._slice(header.job_id)
             sj = part.job
             matched = sj.check_stream(
@@ -598,6 +642,9 @@ class ParameterSyncServicer:
     # -- Boundary -----------------------------------------------------------------------------
 
     async def Boundary(self, request: ps_pb2.BoundaryRequest, context: Any) -> Any:
+        authorize(
+            current_principal(), "Boundary", job_id=request.job_id, learner_id=request.learner_id
+        )
         job = self._job(request.job_id)
         coord = job.coord
         async with job.cond:
@@ -931,6 +978,9 @@ class ParameterSyncServicer:
         frames = aiter(request_iterator)
         async with _draining(frames):
             header = await _first_header(frames)
+            authorize(
+                current_principal(), "SyncStep", job_id=header.job_id, learner_id=header.sender_id
+            )
             part = self._slice(header.job_id)
             sj = part.job
             matched = sj.check_stream(
@@ -1024,6 +1074,12 @@ class ParameterSyncServicer:
     async def PullParameters(
         self, request: ps_pb2.PullParametersRequest, context: Any
     ) -> AsyncIterator[bytes]:
+        authorize(
+            current_principal(),
+            "PullParameters",
+            job_id=request.job_id,
+            learner_id=request.learner_id or None,
+        )
         part = self._slice(request.job_id)
         sj = part.job
         if not sj.initialized:
@@ -1045,6 +1101,7 @@ class ParameterSyncServicer:
     # -- membership changes -------------------------------------------------------------------
 
     async def RetireLearners(self, request: ps_pb2.RetireLearnersRequest, context: Any) -> Any:
+        authorize(current_principal(), "RetireLearners", job_id=request.job_id)
         job = self._job(request.job_id)
         self._check_fence(request.job_id, request.fencing_token)
         async with job.cond:
@@ -1054,6 +1111,7 @@ class ParameterSyncServicer:
         return ps_pb2.RetireLearnersResponse(effective_generation=effective)
 
     async def EvictLearner(self, request: ps_pb2.EvictLearnerRequest, context: Any) -> Any:
+        authorize(current_principal(), "EvictLearner", job_id=request.job_id)
         job = self._job(request.job_id)
         self._check_fence(request.job_id, request.fencing_token)
         async with job.cond:
@@ -1073,6 +1131,7 @@ class ParameterSyncServicer:
     # -- checkpoints, metrics, progress -------------------------------------------------------
 
     async def CreateCheckpoint(self, request: ps_pb2.CreateCheckpointRequest, context: Any) -> Any:
+        authorize(current_principal(), "CreateCheckpoint", job_id=request.job_id)
         job = self._job(request.job_id)
         coord = job.coord
         async with job.cond:
@@ -1092,6 +1151,12 @@ class ParameterSyncServicer:
     async def ReportEpochMetrics(
         self, request: ps_pb2.ReportEpochMetricsRequest, context: Any
     ) -> Any:
+        authorize(
+            current_principal(),
+            "ReportEpochMetrics",
+            job_id=request.job_id,
+            learner_id=request.learner_id,
+        )
         job = self._job(request.job_id)
         if request.learner_id in job.coord.evicted:
             raise StaleGeneration(f"learner {request.learner_id!r} was evicted")
@@ -1111,6 +1176,12 @@ class ParameterSyncServicer:
         return ps_pb2.ReportEpochMetricsResponse()
 
     async def GetJobProgress(self, request: ps_pb2.GetJobProgressRequest, context: Any) -> Any:
+        authorize(
+            current_principal(),
+            "GetJobProgress",
+            job_id=request.job_id,
+            owner=self._owner(request.job_id),
+        )
         coord = self._job(request.job_id).coord
         return ps_pb2.GetJobProgressResponse(
             progress=_progress_proto(coord.progress()),
@@ -1119,6 +1190,12 @@ class ParameterSyncServicer:
         )
 
     async def GetMembership(self, request: ps_pb2.GetMembershipRequest, context: Any) -> Any:
+        authorize(
+            current_principal(),
+            "GetMembership",
+            job_id=request.job_id,
+            owner=self._owner(request.job_id),
+        )
         coord = self._job(request.job_id).coord
         members, iteration = coord.membership(request.generation)
         return ps_pb2.GetMembershipResponse(
@@ -1128,6 +1205,7 @@ class ParameterSyncServicer:
     # -- coordinator -> shard -----------------------------------------------------------------
 
     async def ConfigureShard(self, request: ps_pb2.ConfigureShardRequest, context: Any) -> Any:
+        authorize(current_principal(), "ConfigureShard", job_id=request.job_id)
         return await self._local_ConfigureShard(request)
 
     async def _local_ConfigureShard(self, request: ps_pb2.ConfigureShardRequest) -> Any:
@@ -1165,6 +1243,7 @@ class ParameterSyncServicer:
         return ps_pb2.ConfigureShardResponse()
 
     async def ShardReady(self, request: ps_pb2.ShardReadyRequest, context: Any) -> Any:
+        authorize(current_principal(), "ShardReady", job_id=request.job_id)
         return await self._local_ShardReady(request)
 
     async def _local_ShardReady(self, request: ps_pb2.ShardReadyRequest) -> Any:
@@ -1176,6 +1255,7 @@ class ParameterSyncServicer:
         return ps_pb2.ShardReadyResponse()
 
     async def ResolveIteration(self, request: ps_pb2.ResolveIterationRequest, context: Any) -> Any:
+        authorize(current_principal(), "ResolveIteration", job_id=request.job_id)
         return await self._local_ResolveIteration(request)
 
     async def _local_ResolveIteration(self, request: ps_pb2.ResolveIterationRequest) -> Any:
@@ -1196,6 +1276,13 @@ class ParameterSyncServicer:
         return ps_pb2.ResolveIterationResponse()
 
     async def SaveShard(self, request: ps_pb2.SaveShardRequest, context: Any) -> Any:
+        authorize(current_principal(), "SaveShard", job_id=request.job_id)
+        check_job_directory(
+            "directory",
+            request.directory,
+            storage_uri=self.options.storage_uri,
+            job_id=request.job_id,
+        )
         return await self._local_SaveShard(request)
 
     async def _local_SaveShard(self, request: ps_pb2.SaveShardRequest) -> Any:
@@ -1206,6 +1293,13 @@ class ParameterSyncServicer:
         return ps_pb2.SaveShardResponse(uri=uri, size_bytes=size, sha256=digest)
 
     async def LoadShard(self, request: ps_pb2.LoadShardRequest, context: Any) -> Any:
+        authorize(current_principal(), "LoadShard", job_id=request.job_id)
+        check_job_directory(
+            "directory",
+            request.directory,
+            storage_uri=self.options.storage_uri,
+            job_id=request.job_id,
+        )
         return await self._local_LoadShard(request)
 
     async def _local_LoadShard(self, request: ps_pb2.LoadShardRequest) -> Any:

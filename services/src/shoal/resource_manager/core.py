@@ -29,7 +29,6 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
-import re
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -39,6 +38,7 @@ from typing import TypeVar
 
 from google.protobuf import timestamp_pb2
 
+from shoal.contract import ids
 from shoal.runtime.errors import FailedPrecondition, InvalidField, NotFound
 from shoal.v1 import resource_manager_service_pb2 as rm_pb2, resources_pb2
 
@@ -71,8 +71,11 @@ __all__ = [
     "Transition",
 ]
 
-HOST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
+#: The pattern of host ids (and, by ``shoal.contract.ids``, of device ids and resource
+#: groups): one shared place for every identifier that becomes a path or a key.
+HOST_ID_RE = ids.PATTERNS[ids.IdKind.HOST]
 DEFAULT_RESOURCE_GROUP = "default"
+
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
 _PAGE_TOKEN_PREFIX = "h1:"
@@ -950,10 +953,8 @@ class Inventory:
 
     @staticmethod
     def _validate_registration(reg: Registration) -> None:
-        if not HOST_ID_RE.match(reg.host_id):
-            raise InvalidField(
-                "host_id", reg.host_id, "must be 1 to 253 characters of [A-Za-z0-9._-]"
-            )
+        if not ids.is_valid(ids.IdKind.HOST, reg.host_id):
+            raise InvalidField("host_id", reg.host_id, ids.describe(ids.IdKind.HOST))
         address = reg.agent_address
         host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
@@ -962,20 +963,18 @@ class Inventory:
         for i, dev in enumerate(reg.devices):
             if not dev.device_id:
                 raise InvalidField(f"devices[{i}].device_id", dev.device_id, "must not be empty")
-            if not HOST_ID_RE.match(dev.device_id):
+            if not ids.is_valid(ids.IdKind.DEVICE, dev.device_id):
                 raise InvalidField(
-                    f"devices[{i}].device_id", dev.device_id, "must be of [A-Za-z0-9._-]"
+                    f"devices[{i}].device_id", dev.device_id, ids.describe(ids.IdKind.DEVICE)
                 )
             if dev.device_id in seen:
                 raise InvalidField(f"devices[{i}].device_id", dev.device_id, "is listed twice")
             if dev.index < 0:
                 raise InvalidField(f"devices[{i}].index", dev.index, "must be >= 0")
             seen.add(dev.device_id)
-        if reg.resource_group and not HOST_ID_RE.match(reg.resource_group):
+        if reg.resource_group and not ids.is_valid(ids.IdKind.RESOURCE_GROUP, reg.resource_group):
             raise InvalidField(
-                "resource_group",
-                reg.resource_group,
-                "must be 1 to 253 characters of [A-Za-z0-9._-]",
+                "resource_group", reg.resource_group, ids.describe(ids.IdKind.RESOURCE_GROUP)
             )
         for key in reg.labels:
             if not key:

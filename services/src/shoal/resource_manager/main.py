@@ -34,10 +34,10 @@ from shoal.resource_manager.service import (
     bindings,
 )
 from shoal.runtime import metrics, telemetry
-from shoal.runtime.config import add_server_flags, server_config_from_args
+from shoal.runtime.config import add_server_flags, etcd_store, server_config_from_args
 from shoal.runtime.errors import InvalidField
 from shoal.runtime.server import create_server, run_until_signalled
-from shoal.runtime.store import EtcdStore, MemoryStore, Store
+from shoal.runtime.store import MemoryStore, Store
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +98,8 @@ def parse_config(
 
 
 def make_store(config: ResourceManagerConfig) -> Store:
-    endpoints = config.server.etcd_endpoints
-    if endpoints:
-        return EtcdStore(endpoints)
+    if config.server.etcd_endpoints:
+        return etcd_store(config.server)
     log.warning("no --etcd given: state is kept in memory and lost when this process ends")
     return MemoryStore()
 

@@ -1,14 +1,26 @@
-"""Client channels between shoal services: bearer token, trace propagation, size limits, TLS."""
+"""Client channels between shoal services: bearer token, trace propagation, size limits, TLS.
+
+Every channel from one shoal service to another (and to a peer of the same service) is made by
+:func:`connect`, with the process's service token and its ``ServerConfig.tls``::
+
+    connect(address, token=config.service_token, tls=config.tls)
+
+With TLS configured the channel verifies the server against the cluster CA (``tls.ca_file``)
+and presents the process's own certificate (``tls.cert_file``/``key_file``), so the hop is
+mutually authenticated; without it the channel is plaintext. Nothing else in the services
+opens a gRPC channel (a test checks that no other module calls ``insecure_channel`` or
+``secure_channel``), except the etcd client (``shoal.runtime.store``, ``--etcd-ca``).
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import grpc
 from grpc import aio
 
+from shoal.client.tls import channel_credentials
 from shoal.runtime import telemetry
+from shoal.runtime.config import TLSConfig
 from shoal.runtime.server import grpc_options
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -57,24 +69,24 @@ def connect(
     address: str,
     *,
     token: str | None = None,
+    tls: TLSConfig | None = None,
     tls_ca: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     trace: bool = True,
 ) -> aio.Channel:
-    """An aio channel to another shoal service (mTLS when cert and key are given)."""
+    """An aio channel to another shoal service: TLS when ``tls`` (the process's
+    ``ServerConfig.tls``) or ``tls_ca`` is given, mutual when there is a certificate too."""
+    if tls is not None:
+        tls_ca, tls_cert, tls_key = tls.ca_file, tls.cert_file, tls.key_file
     interceptors: list[Any] = []
     if trace:
         interceptors.extend(telemetry.client_interceptors())
     if token:
         interceptors.extend(bearer_interceptors(token))
     options = grpc_options(max_message_bytes)
-    if tls_ca:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=Path(tls_ca).read_bytes(),
-            private_key=Path(tls_key).read_bytes() if tls_key else None,
-            certificate_chain=Path(tls_cert).read_bytes() if tls_cert else None,
-        )
+    if tls_ca or tls is not None:
+        creds = channel_credentials(tls_ca, tls_cert, tls_key)
         return aio.secure_channel(address, creds, options=options, interceptors=interceptors)
     return aio.insecure_channel(address, options=options, interceptors=interceptors)

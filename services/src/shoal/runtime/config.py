@@ -13,7 +13,18 @@ SHOAL_SERVICE_TOKEN        --service-token             token this service presen
 SHOAL_ETCD_ENDPOINTS       --etcd                      comma-separated etcd host:port list
 SHOAL_MAX_MESSAGE_MB       --max-message-mb            gRPC message size limit in MiB
 SHOAL_SHUTDOWN_GRACE_S     --shutdown-grace            seconds to finish calls on SIGTERM
-SHOAL_TLS_CERT/KEY/CA      --tls-cert/--tls-key/--tls-ca  server certificate, key, client CA (mTLS)
+SHOAL_TLS_CERT/KEY/CA      --tls-cert/--tls-key/--tls-ca  this process's certificate and key (served
+                                                       and presented to the services it calls)
+                                                       and the cluster CA: with a CA, callers
+                                                       must present a certificate it signed
+                                                       (mTLS) and the services it calls are
+                                                       verified against it
+SHOAL_ETCD_CA/CERT/KEY     --etcd-ca/--etcd-cert/      etcd over TLS: its CA, and a client
+                           --etcd-key                  certificate and key for mTLS
+SHOAL_LEARNER_PUBLIC_KEYS  --learner-public-keys       PEM file of Ed25519 public keys that verify
+                                                       learner credentials (beside the ones the
+                                                       schedulers publish in etcd)
+SHOAL_NO_REFLECTION        --no-reflection             do not serve gRPC server reflection
 SHOAL_METRICS_PORT         --metrics-port              Prometheus /metrics port on the --listen
                                                        host (0: any free port, logged; unset or
                                                        empty: no metrics endpoint)
@@ -27,8 +38,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from shoal.runtime.errors import InvalidField
+
+if TYPE_CHECKING:
+    from shoal.runtime.store import EtcdStore
 
 MiB = 1024 * 1024
 
@@ -60,6 +75,23 @@ class TLSConfig:
 
 
 @dataclass(frozen=True)
+class EtcdTLSConfig:
+    """TLS to etcd: the CA that signed etcd's certificate, and a client certificate (mTLS)."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def validate(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise InvalidField("etcd_tls", "cert/key", "needs both --etcd-cert and --etcd-key")
+        for name in ("ca_file", "cert_file", "key_file"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).is_file():
+                raise InvalidField(f"etcd_tls.{name}", value, "is not a readable file")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """What every shoal server needs. Services embed it in their own config."""
 
@@ -75,6 +107,9 @@ class ServerConfig:
     tls: TLSConfig | None = None
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
     extra: Mapping[str, str] = field(default_factory=dict)
+    etcd_tls: EtcdTLSConfig | None = None
+    learner_public_keys: str | None = None
+    reflection: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,6 +134,12 @@ class ServerConfig:
             raise InvalidField("tokens_file", self.tokens_file, "is not a readable file")
         if self.tls is not None:
             self.tls.validate()
+        if self.etcd_tls is not None:
+            self.etcd_tls.validate()
+        if self.learner_public_keys is not None and not Path(self.learner_public_keys).is_file():
+            raise InvalidField(
+                "learner_public_keys", self.learner_public_keys, "is not a readable file"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise InvalidField(
                 "metrics_port",
@@ -121,6 +162,20 @@ def add_server_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
     g.add_argument("--tls-cert", default=env.get("SHOAL_TLS_CERT"))
     g.add_argument("--tls-key", default=env.get("SHOAL_TLS_KEY"))
     g.add_argument("--tls-ca", default=env.get("SHOAL_TLS_CA"))
+    g.add_argument("--etcd-ca", default=env.get("SHOAL_ETCD_CA"), help="CA of etcd's certificate")
+    g.add_argument("--etcd-cert", default=env.get("SHOAL_ETCD_CERT"), help="client cert for etcd")
+    g.add_argument("--etcd-key", default=env.get("SHOAL_ETCD_KEY"), help="client key for etcd")
+    g.add_argument(
+        "--learner-public-keys",
+        default=env.get("SHOAL_LEARNER_PUBLIC_KEYS"),
+        help="PEM file of Ed25519 public keys that verify learner credentials",
+    )
+    g.add_argument(
+        "--no-reflection",
+        action="store_true",
+        default=env.get("SHOAL_NO_REFLECTION", "") not in ("", "0", "false"),
+        help="do not serve gRPC server reflection",
+    )
     g.add_argument(
         "--metrics-port",
         default=env.get("SHOAL_METRICS_PORT"),
@@ -144,9 +199,19 @@ def server_config_from_args(service_name: str, ns: argparse.Namespace) -> Server
         if not (ns.tls_cert and ns.tls_key):
             raise InvalidField("tls", "cert/key", "needs both --tls-cert and --tls-key")
         tls = TLSConfig(ns.tls_cert, ns.tls_key, ns.tls_ca)
+    etcd_tls = None
+    if getattr(ns, "etcd_ca", None) or getattr(ns, "etcd_cert", None):
+        if not ns.etcd_ca:
+            raise InvalidField("etcd_tls", "cert/key", "needs --etcd-ca beside --etcd-cert")
+        etcd_tls = EtcdTLSConfig(ns.etcd_ca, ns.etcd_cert, ns.etcd_key)
     service_token = ns.service_token
     if service_token and service_token.startswith("@"):
-        service_token = Path(service_token[1:]).read_text().strip()
+        try:
+            service_token = Path(service_token[1:]).read_text().strip()
+        except OSError as exc:
+            raise InvalidField(
+                "service_token", service_token, f"cannot be read: {exc.strerror}"
+            ) from exc
     return ServerConfig(
         service_name=service_name,
         listen=ns.listen,
@@ -159,7 +224,24 @@ def server_config_from_args(service_name: str, ns: argparse.Namespace) -> Server
         shutdown_grace_s=float(parse_number("shutdown_grace_s", ns.shutdown_grace, float)),
         tls=tls,
         metrics_port=_optional_port("metrics_port", getattr(ns, "metrics_port", None)),
+        etcd_tls=etcd_tls,
+        learner_public_keys=getattr(ns, "learner_public_keys", None) or None,
+        reflection=not getattr(ns, "no_reflection", False),
     )
+
+
+def etcd_store(config: ServerConfig, **options: Any) -> EtcdStore:
+    """The etcd store of ``config``'s endpoints, over TLS when ``--etcd-ca`` is set: every
+    service opens its etcd connections with this."""
+    from shoal.runtime.store import EtcdStore
+
+    tls = config.etcd_tls
+    if tls is not None:
+        options.setdefault("ca_cert", tls.ca_file)
+        if tls.cert_file:
+            options.setdefault("cert_cert", tls.cert_file)
+            options.setdefault("cert_key", tls.key_file)
+    return EtcdStore(list(config.etcd_endpoints), **options)
 
 
 def _optional_port(field_name: str, text: str | None) -> int | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from shoal.contract import ids
 from shoal.runtime import store
 from shoal.v1 import errors_pb2
 
@@ -79,6 +80,19 @@ class TooLarge(ShoalError):
     reason = "ERROR_REASON_TOO_LARGE"
 
 
+class AlreadyExists(ShoalError):
+    """The request collides with an existing resource (a request_id reused with another
+    request); the message names it."""
+
+    reason = "ERROR_REASON_ALREADY_EXISTS"
+
+
+class QuotaExceeded(ShoalError):
+    """The caller's quota would be exceeded; the message says which, its use and its limit."""
+
+    reason = "ERROR_REASON_QUOTA_EXCEEDED"
+
+
 class Unavailable(ShoalError):
     """Transient: the caller may retry (the store is unreachable, for example)."""
 
@@ -113,6 +127,8 @@ BASE_TABLE: dict[type[BaseException], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     NotLeader: grpc.StatusCode.UNAVAILABLE,
     Aborted: grpc.StatusCode.ABORTED,
@@ -123,10 +139,13 @@ BASE_TABLE: dict[type[BaseException], grpc.StatusCode] = {
     store.FencedOut: grpc.StatusCode.FAILED_PRECONDITION,
     store.StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
     store.LeaseExpired: grpc.StatusCode.UNAVAILABLE,
+    # An identifier that does not match its pattern (shoal.contract.ids).
+    ids.InvalidIdentifier: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 # Reasons of errors that are not ShoalErrors.
 FOREIGN_REASONS: dict[type[BaseException], str] = {
+    ids.InvalidIdentifier: "ERROR_REASON_INVALID_FIELD",
     store.FencedOut: "ERROR_REASON_FENCED_OUT",
     store.StoreUnavailable: "ERROR_REASON_STORE_UNAVAILABLE",
     store.LeaseExpired: "ERROR_REASON_STORE_UNAVAILABLE",

@@ -3,6 +3,9 @@
 NAME is one of resource-manager, job-scheduler, parameter-sync, host-agent; each lives in its
 package's ``main`` module with a ``main(argv) -> int`` function (also runnable as
 ``python -m shoal.<package>``). ``shoal-service NAME --help`` lists the service's flags.
+
+``shoal-service auth ...`` manages the users and learner keys in etcd
+(``shoal.runtime.auth_admin``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ PACKAGES = {
     "host-agent": "shoal.host_agent",
 }
 SERVICES = tuple(PACKAGES)
+#: Operator commands beside the services: NAME -> module with ``main(argv) -> int``.
+COMMANDS = {"auth": "shoal.runtime.auth_admin"}
 
 
 def configure_logging(service: str) -> None:
@@ -31,6 +36,8 @@ def configure_logging(service: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in COMMANDS:
+        return int(importlib.import_module(COMMANDS[args[0]]).main(args[1:]) or 0)
     if not args or args[0] in ("-h", "--help") or args[0] not in SERVICES:
         print(f"usage: shoal-service {{{','.join(SERVICES)}}} [flags]", file=sys.stderr)
         if args and args[0] not in ("-h", "--help"):

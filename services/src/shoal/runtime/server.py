@@ -16,10 +16,11 @@ NOT_SERVING, lets in-flight calls finish within the grace, and stops.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -28,10 +29,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shoal.runtime import telemetry
-from shoal.runtime.auth import MethodRoles, TokenTable
-from shoal.runtime.config import ServerConfig, parse_host_port
+from shoal.runtime.auth import Authenticator, Credentials, MethodRoles, load_public_keys
+from shoal.runtime.config import ServerConfig, etcd_store, parse_host_port
 from shoal.runtime.errors import DEFAULT_TABLE, ErrorTable
 from shoal.runtime.interceptors import ShoalServerInterceptor
+from shoal.runtime.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,9 @@ class RunningServer:
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
     grace_s: float
+    credentials: Credentials | None = None
+    background: list[asyncio.Task[None]] = field(default_factory=list)
+    owned_stores: list[Store] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -72,6 +77,14 @@ class RunningServer:
     async def stop(self, grace: float | None = None) -> None:
         await self.set_serving(False)
         await self.server.stop(self.grace_s if grace is None else grace)
+        for task in self.background:
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
+        self.background.clear()
+        for store in self.owned_stores:
+            with contextlib.suppress(Exception):
+                await store.close()
+        self.owned_stores.clear()
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -87,14 +100,31 @@ async def create_server(
     bindings: Sequence[ServiceBinding],
     *,
     errors: ErrorTable = DEFAULT_TABLE,
-    tokens: TokenTable | None = None,
+    tokens: Authenticator | None = None,
+    credentials_store: Store | None = None,
 ) -> RunningServer:
-    if tokens is None and config.tokens_file is not None:
-        tokens = TokenTable.load(config.tokens_file)
+    """Build, start and return the server (see the module docstring).
+
+    ``tokens``: authenticate with this instead of the config's credentials (tests).
+    ``credentials_store``: watch the auth records in this store instead of opening an etcd
+    connection of its own (with ``--etcd``)."""
+    credentials: Credentials | None = None
+    if tokens is None and (config.tokens_file is not None or not config.allow_no_auth):
+        credentials = Credentials(
+            tokens_file=config.tokens_file,
+            learner_keys=(
+                load_public_keys(config.learner_public_keys) if config.learner_public_keys else ()
+            ),
+        )
+        tokens = credentials
+    bind = config.tls is not None and config.tls.ca_file is not None
     interceptors = [
         *telemetry.server_interceptors(),
         ShoalServerInterceptor(
-            tokens=tokens, roles={b.name: b.roles for b in bindings}, errors=errors
+            tokens=tokens,
+            roles={b.name: b.roles for b in bindings},
+            errors=errors,
+            bind_certificates=bind,
         ),
     ]
     server = aio.server(
@@ -106,11 +136,12 @@ async def create_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(b.name for b in bindings)
-    reflection.enable_server_reflection(
-        (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    if config.reflection:
+        reflection.enable_server_reflection(
+            (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
     host, port = parse_host_port("listen", config.listen)
-    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if config.tls is not None:
         ca = Path(config.tls.ca_file).read_bytes() if config.tls.ca_file else None
         creds = grpc.ssl_server_credentials(
@@ -118,13 +149,23 @@ async def create_server(
             root_certificates=ca,
             require_client_auth=ca is not None,
         )
-        bound = server.add_secure_port(bind, creds)
+        bound = server.add_secure_port(address, creds)
     else:
-        bound = server.add_insecure_port(bind)
+        bound = server.add_insecure_port(address)
     if bound == 0:
-        raise OSError(f"cannot bind {bind}")
+        raise OSError(f"cannot bind {address}")
     await server.start()
-    running = RunningServer(server, bound, host, health_servicer, names, config.shutdown_grace_s)
+    running = RunningServer(
+        server, bound, host, health_servicer, names, config.shutdown_grace_s, credentials
+    )
+    if credentials is not None and config.etcd_endpoints:
+        store = credentials_store
+        if store is None:
+            store = etcd_store(config)
+            running.owned_stores.append(store)
+        running.background.append(
+            asyncio.create_task(credentials.watch(store), name="auth-records-watch")
+        )
     await running.set_serving(True)
     log.info("%s serving %s on %s", config.service_name, ", ".join(names), running.address)
     return running

@@ -6,8 +6,18 @@ default)::
 
     artifacts/<sha256>.tar.gz       the uploaded bytes (a tar.gz of the model directory); a
                                     host-agent's --artifact-dir can point at artifacts/
-    artifacts/<sha256>.json         {"name", "size_bytes", "sha256", "created"}
+    artifacts/<sha256>.json         {"name", "size_bytes", "sha256", "created", "owners"}
     artifacts/.uploads/<uuid>       uploads in progress (renamed into place when verified)
+    artifacts/.owners/<h>.json      {sha256: size_bytes} of the artifacts one principal
+                                    uploaded (``h``: the sha256 of its name): its quota use
+
+Artifacts are content-addressed, so two users who upload the same bytes share one file; each
+is an owner. Only an owner (or an admin or a service: the host agents) may download an
+artifact or submit a job that runs it; anyone else gets NOT_FOUND, as for an artifact that
+does not exist. Each principal may own ``quota_bytes`` of artifacts (admins have no quota);
+an upload over it fails with RESOURCE_EXHAUSTED (``ERROR_REASON_QUOTA_EXCEEDED``) saying the
+use, the limit and the size, before anything is stored. Uploading bytes one already owns costs
+nothing (when the header names their sha256, as the client does).
     jobs/<job_id>/model.safetensors the final model (written by the parameter-sync shards)
     jobs/<job_id>/metrics/iterations.jsonl  one IterationMetric per line (protobuf JSON)
     jobs/<job_id>/metrics/epochs.jsonl      one EpochMetric per line (protobuf JSON)
@@ -22,7 +32,6 @@ import datetime as dt
 import hashlib
 import json
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,7 +41,9 @@ import fsspec
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from shoal.runtime.errors import InvalidField, TooLarge
+from shoal.contract import ids
+from shoal.runtime.auth import Principal, Role
+from shoal.runtime.errors import InvalidField, QuotaExceeded, TooLarge
 from shoal.scheduler.jobs import ArtifactNotFound
 from shoal.v1 import job_pb2
 
@@ -41,7 +52,7 @@ __all__ = ["ArtifactInfo", "ArtifactStore", "Storage", "read_jsonl_metrics"]
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1024 * 1024
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -108,11 +119,85 @@ class Storage:
 class ArtifactStore:
     """Content-addressed artifacts (sha256) on :class:`Storage`, with a size limit."""
 
-    def __init__(self, storage: Storage, *, max_bytes: int) -> None:
+    def __init__(self, storage: Storage, *, max_bytes: int, quota_bytes: int | None = None) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes ({max_bytes}) must be >= 1")
+        if quota_bytes is not None and quota_bytes < 1:
+            raise ValueError(f"quota_bytes ({quota_bytes}) must be >= 1")
         self.storage = storage
         self.max_bytes = max_bytes
+        self.quota_bytes = quota_bytes
+        # Owner and quota records are read-modified-written; uploads run on the leader only.
+        self._owners_lock = asyncio.Lock()
+
+    # -- owners and quota -----------------------------------------------------------------------
+
+    def _usage_path(self, owner: str) -> str:
+        name = hashlib.sha256(owner.encode()).hexdigest()
+        return self.storage.path("artifacts", ".owners", f"{name}.json")
+
+    async def _read_json(self, path: str) -> dict[str, Any]:
+        text = await self.storage.read_text(path)
+        if not text:
+            return {}
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            log.warning("%s: unreadable, treated as empty", path)
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    async def _write_json(self, path: str, doc: dict[str, Any]) -> None:
+        fs = self.storage.fs
+
+        def write() -> None:
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+            with fs.open(tmp, "w") as f:
+                f.write(json.dumps(doc, sort_keys=True))
+            fs.mv(tmp, path)
+
+        await asyncio.to_thread(write)
+
+    async def usage(self, owner: str) -> dict[str, int]:
+        """The artifacts ``owner`` uploaded: sha256 -> size."""
+        doc = await self._read_json(self._usage_path(owner))
+        return {k: int(v) for k, v in doc.items() if ids.is_valid(ids.IdKind.ARTIFACT, k)}
+
+    async def owners(self, artifact_id: str) -> list[str]:
+        if not ids.is_valid(ids.IdKind.ARTIFACT, artifact_id):
+            return []
+        owners = (await self._read_json(self._meta(artifact_id))).get("owners", [])
+        return [str(o) for o in owners] if isinstance(owners, list) else []
+
+    async def visible_to(self, principal: Principal, artifact_id: str) -> bool:
+        """Whether ``principal`` may download ``artifact_id`` or submit a job running it: its
+        owners, admins and services (whether it exists is another question)."""
+        if principal.role in (Role.ADMIN, Role.SERVICE):
+            return True
+        if principal.role is not Role.USER:
+            return False
+        return principal.name in await self.owners(artifact_id)
+
+    def _check_quota(self, owner: str, used: int, more: int) -> None:
+        if self.quota_bytes is not None and used + more > self.quota_bytes:
+            raise QuotaExceeded(
+                f"artifact quota of {owner!r} exceeded: {used / MiB:.1f} MiB used of "
+                f"{self.quota_bytes / MiB:.1f} MiB, and this artifact needs {more / MiB:.1f} "
+                "MiB more (an admin can raise --artifact-quota-mb)"
+            )
+
+    async def _add_owner(self, owner: str, artifact_id: str, size: int) -> None:
+        async with self._owners_lock:
+            meta = await self._read_json(self._meta(artifact_id))
+            owners = meta.get("owners") if isinstance(meta.get("owners"), list) else []
+            if owner not in owners:
+                meta["owners"] = [*owners, owner]
+                await self._write_json(self._meta(artifact_id), meta)
+            usage = await self._read_json(self._usage_path(owner))
+            if artifact_id not in usage:
+                usage[artifact_id] = size
+                await self._write_json(self._usage_path(owner), usage)
 
     def _data(self, artifact_id: str) -> str:
         return self.storage.path("artifacts", f"{artifact_id}.tar.gz")
@@ -122,11 +207,11 @@ class ArtifactStore:
 
     @staticmethod
     def check_id(artifact_id: str, field_name: str = "artifact_id") -> None:
-        if not _SHA256_HEX.match(artifact_id):
-            raise InvalidField(field_name, artifact_id, "must be a sha256 in lowercase hex")
+        if not ids.is_valid(ids.IdKind.ARTIFACT, artifact_id):
+            raise InvalidField(field_name, artifact_id, ids.describe(ids.IdKind.ARTIFACT))
 
     async def exists(self, artifact_id: str) -> bool:
-        if not _SHA256_HEX.match(artifact_id):
+        if not ids.is_valid(ids.IdKind.ARTIFACT, artifact_id):
             return False
         return await self.storage.exists(self._data(artifact_id))
 
@@ -151,11 +236,14 @@ class ArtifactStore:
         declared_size: int,
         declared_sha256: str,
         chunks: AsyncIterator[bytes],
+        owner: Principal | None = None,
     ) -> ArtifactInfo:
-        """Store the bytes of ``chunks``; verify the declared size and sha256 (when given).
+        """Store the bytes of ``chunks``; verify the declared size and sha256 (when given);
+        record ``owner`` as an owner (its quota counts the bytes unless it owns them already).
 
-        Raises :class:`TooLarge` (RESOURCE_EXHAUSTED) over the limit, :class:`InvalidField`
-        on a mismatch. Nothing is stored unless the upload is complete and verified.
+        Raises :class:`TooLarge` (RESOURCE_EXHAUSTED) over the limit, :class:`QuotaExceeded`
+        (RESOURCE_EXHAUSTED) over the owner's quota, :class:`InvalidField` on a mismatch.
+        Nothing is stored unless the upload is complete, verified and within the quota.
         """
         if declared_size < 0:
             raise InvalidField("header.size_bytes", declared_size, "must be >= 0")
@@ -164,10 +252,17 @@ class ArtifactStore:
                 f"header.size_bytes ({declared_size}) is over the artifact size limit "
                 f"({self.max_bytes} bytes)"
             )
-        if declared_sha256 and not _SHA256_HEX.match(declared_sha256):
+        if declared_sha256 and not ids.is_valid(ids.IdKind.ARTIFACT, declared_sha256):
             raise InvalidField("header.sha256", declared_sha256, "must be a lowercase hex sha256")
         if len(name) > 255:
             raise InvalidField("header.name", name[:40] + "...", "must be at most 255 characters")
+        quota_owner = owner.name if owner is not None and owner.role is not Role.ADMIN else None
+        owned: dict[str, int] = {}
+        if quota_owner is not None and self.quota_bytes is not None:
+            owned = await self.usage(quota_owner)
+            if declared_sha256 not in owned:
+                self._check_quota(quota_owner, sum(owned.values()), declared_size)
+        used = sum(owned.values())
         fs = self.storage.fs
         tmp = self.storage.path("artifacts", ".uploads", uuid.uuid4().hex)
         await asyncio.to_thread(fs.makedirs, self.storage.path("artifacts", ".uploads"), True)
@@ -184,6 +279,8 @@ class ArtifactStore:
                             f"artifact ({size}+ bytes received) is over the artifact size "
                             f"limit ({self.max_bytes} bytes)"
                         )
+                    if quota_owner is not None and declared_sha256 not in owned:
+                        self._check_quota(quota_owner, used, size)
                     digest.update(chunk)
                     await asyncio.to_thread(f.write, chunk)
             finally:
@@ -216,7 +313,11 @@ class ArtifactStore:
                     with fs.open(self._meta(artifact_id), "w") as m:
                         m.write(json.dumps(meta))
 
+            if quota_owner is not None and artifact_id not in owned:
+                self._check_quota(quota_owner, used, size)
             await asyncio.to_thread(publish)
+            if owner is not None:
+                await self._add_owner(owner.name, artifact_id, size)
             done = True
             return ArtifactInfo(artifact_id, name, size)
         finally:

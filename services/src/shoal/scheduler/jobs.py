@@ -22,6 +22,7 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from shoal.contract import ids
 from shoal.runtime.auth import Principal, Role
 from shoal.runtime.errors import FailedPrecondition, InvalidField, NotFound, PermissionDenied
 from shoal.v1 import job_pb2
@@ -46,6 +47,7 @@ __all__ = [
     "encode_page_token",
     "new_job_record",
     "page_jobs",
+    "spec_digest",
     "state_name",
     "timestamp",
     "validate_page_size",
@@ -71,7 +73,6 @@ MAX_PAGE_SIZE = 1000
 STATE_HISTORY_LIMIT = 100
 PAST_LEARNERS_LIMIT = 1000
 
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Variables the scheduler or the host-agent set for every learner; a job may not override them.
 _RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "TRACEPARENT", "TRACESTATE"})
@@ -173,7 +174,7 @@ def validate_spec(
         raise InvalidField(
             "spec.entry_point", spec.entry_point, "must be a relative path inside the artifact"
         )
-    if not _SHA256_HEX.match(spec.artifact_id):
+    if not ids.is_valid(ids.IdKind.ARTIFACT, spec.artifact_id):
         raise InvalidField(
             "spec.artifact_id", spec.artifact_id, "must be a sha256 in lowercase hex (64 chars)"
         )
@@ -275,9 +276,18 @@ def validate_update(
             raise InvalidField("max_workers", max_workers, f"must be <= {MAX_WORKERS_LIMIT}")
 
 
-def can_see(principal: Principal, owner: str) -> bool:
-    """A job is visible to its owner, to admins and to services."""
+def can_see(principal: Principal, owner: str, job_id: str = "") -> bool:
+    """A job is visible to its owner, to admins and to services, and to the learners whose
+    credential was minted for it (``job_id``; never in listings, where it is empty)."""
+    if principal.role is Role.LEARNER:
+        return bool(job_id) and principal.job_id == job_id
     return principal.role in (Role.ADMIN, Role.SERVICE) or principal.name == owner
+
+
+def spec_digest(spec: job_pb2.JobSpec) -> str:
+    """The sha256 of a validated spec's deterministic serialization: what a repeated SubmitJob
+    with the same request_id must match."""
+    return hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,6 +418,9 @@ class JobRecord:
     last_failure: str = ""
     traceparent: str = ""
     """W3C traceparent of the job's submit: the job's trace (``shoal.scheduler.tracing``)."""
+    spec_digest: str = ""
+    """``spec_digest`` of the spec as submitted (later updates do not change it); empty in
+    records written before it existed."""
     # Not serialized: the store revision the record was read or last written at.
     revision: int = 0
 
@@ -518,6 +531,7 @@ class JobRecord:
             "failures": self.failures,
             "last_failure": self.last_failure,
             "traceparent": self.traceparent,
+            "spec_digest": self.spec_digest,
         }
         return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
@@ -547,6 +561,7 @@ class JobRecord:
             failures=int(doc.get("failures", 0)),
             last_failure=doc.get("last_failure", ""),
             traceparent=doc.get("traceparent", ""),
+            spec_digest=doc.get("spec_digest", ""),
             revision=revision,
         )
 
@@ -569,7 +584,9 @@ def new_job_record(
         state_reason="submitted; waiting for devices",
         create_time=timestamp(now),
     )
-    record = JobRecord(job=job, submit_seq=submit_seq, request_id=request_id)
+    record = JobRecord(
+        job=job, submit_seq=submit_seq, request_id=request_id, spec_digest=spec_digest(spec)
+    )
     record.history.append(
         StateChange(now, S.JOB_STATE_UNSPECIFIED, S.JOB_STATE_QUEUED, "submitted")
     )

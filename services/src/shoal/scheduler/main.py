@@ -24,8 +24,13 @@ flag                        variable                   meaning (default)
 --retire-timeout            SHOAL_RETIRE_TIMEOUT_S     retiring learner is stopped after, s (600)
 --finish-grace              SHOAL_FINISH_GRACE_S       learners of a finished job stopped after (30)
 --call-timeout              SHOAL_CALL_TIMEOUT_S       deadline of calls to other services (10)
---learner-token             SHOAL_LEARNER_TOKEN        token given to learners (@file; default:
-                                                       the service token)
+--learner-signing-key       SHOAL_LEARNER_SIGNING_KEY  Ed25519 private key (PEM) that signs each
+                                                       learner's credential (default: a new key
+                                                       per process, published in etcd)
+--learner-token-ttl         SHOAL_LEARNER_TOKEN_TTL_S  longest life of a learner credential, s
+                                                       (2592000: 30 days)
+--artifact-quota-mb         SHOAL_ARTIFACT_QUOTA_MB    bytes of artifacts one user may store, MiB
+                                                       (10240; admins have no quota)
 --trace-every               SHOAL_TRACE_EVERY          learners trace their first iteration and
                                                        every N-th (0: only the first; default:
                                                        the learners' own, 100)
@@ -49,10 +54,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.runtime import metrics, telemetry
+from shoal.runtime.auth import (
+    DEFAULT_LEARNER_TOKEN_TTL_S,
+    LearnerTokenSigner,
+    publish_learner_key,
+)
 from shoal.runtime.config import (
     MiB,
     ServerConfig,
     add_server_flags,
+    etcd_store,
     parse_host_port,
     parse_number,
     server_config_from_args,
@@ -60,7 +71,7 @@ from shoal.runtime.config import (
 from shoal.runtime.election import LeaderElection
 from shoal.runtime.errors import InvalidField
 from shoal.runtime.server import create_server, run_until_signalled
-from shoal.runtime.store import EtcdStore, MemoryStore, Store
+from shoal.runtime.store import MemoryStore, Store
 from shoal.scheduler.artifacts import ArtifactStore, Storage
 from shoal.scheduler.jobs import MAX_PRIORITY
 from shoal.scheduler.metrics import SchedulerMetrics
@@ -97,7 +108,9 @@ class SchedulerConfig:
     retire_timeout_s: float = 600.0
     finish_grace_s: float = 30.0
     call_timeout_s: float = 10.0
-    learner_token: str | None = None
+    learner_signing_key: str | None = None
+    learner_token_ttl_s: float = DEFAULT_LEARNER_TOKEN_TTL_S
+    artifact_quota_bytes: int = 10 * 1024 * MiB
     trace_every: int | None = None
     collective_timeout_s: float | None = None
 
@@ -112,6 +125,10 @@ class SchedulerConfig:
             )
         for address in self.sync_shards:
             parse_host_port("sync_shards", address)
+        if self.learner_signing_key is not None and not Path(self.learner_signing_key).is_file():
+            raise InvalidField(
+                "learner_signing_key", self.learner_signing_key, "is not a readable file"
+            )
         if len(set(self.sync_shards)) != len(self.sync_shards):
             raise InvalidField("sync_shards", ",".join(self.sync_shards), "has duplicates")
         if not self.storage_uri:
@@ -125,12 +142,14 @@ class SchedulerConfig:
             ("finish_grace_s", 0.0, 86400.0),
             ("call_timeout_s", 0.1, 600.0),
             ("collective_timeout_s", 1.0, 3600.0),
+            ("learner_token_ttl_s", 60.0, 366 * 86400.0),
         ):
             value = getattr(self, name)
             if value is not None and not low <= value <= high:
                 raise InvalidField(name, value, f"must be in {low:g}..{high:g}")
         for name, low, high in (
             ("max_artifact_bytes", 1, 1 << 40),
+            ("artifact_quota_bytes", 1, 1 << 50),
             ("max_user_priority", 1, MAX_PRIORITY),
             ("history_limit", 1, 1_000_000),
             ("max_learner_failures", 1, 1_000_000),
@@ -173,7 +192,19 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     flag("--retire-timeout", "SHOAL_RETIRE_TIMEOUT_S", "600", "retire timeout, seconds")
     flag("--finish-grace", "SHOAL_FINISH_GRACE_S", "30", "finished job's learners, seconds")
     flag("--call-timeout", "SHOAL_CALL_TIMEOUT_S", "10", "deadline of outgoing calls, seconds")
-    flag("--learner-token", "SHOAL_LEARNER_TOKEN", "", "token for learners (@file)")
+    flag(
+        "--learner-signing-key",
+        "SHOAL_LEARNER_SIGNING_KEY",
+        "",
+        "Ed25519 private key (PEM) signing learner credentials",
+    )
+    flag(
+        "--learner-token-ttl",
+        "SHOAL_LEARNER_TOKEN_TTL_S",
+        str(int(DEFAULT_LEARNER_TOKEN_TTL_S)),
+        "longest life of a learner credential, seconds",
+    )
+    flag("--artifact-quota-mb", "SHOAL_ARTIFACT_QUOTA_MB", "10240", "artifact bytes per user, MiB")
     flag("--trace-every", "SHOAL_TRACE_EVERY", "", "learners trace every N-th iteration")
     flag(
         "--collective-timeout",
@@ -189,17 +220,6 @@ def _policy(text: str) -> Policy:
         return Policy(text.strip().lower())
     except ValueError:
         raise InvalidField("policy", text, "must be FIFO, FAIRSHARE or PRIORITY") from None
-
-
-def _secret(text: str) -> str | None:
-    text = (text or "").strip()
-    if text.startswith("@"):
-        path = Path(text[1:])
-        try:
-            return path.read_text().strip() or None
-        except OSError as exc:
-            raise InvalidField("learner_token", text, f"cannot be read: {exc.strerror}") from exc
-    return text or None
 
 
 def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
@@ -223,7 +243,11 @@ def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         retire_timeout_s=float(parse_number("retire_timeout_s", ns.retire_timeout, float)),
         finish_grace_s=float(parse_number("finish_grace_s", ns.finish_grace, float)),
         call_timeout_s=float(parse_number("call_timeout_s", ns.call_timeout, float)),
-        learner_token=_secret(ns.learner_token) or server.service_token,
+        learner_signing_key=(ns.learner_signing_key or "").strip() or None,
+        learner_token_ttl_s=float(parse_number("learner_token_ttl_s", ns.learner_token_ttl, float)),
+        artifact_quota_bytes=int(
+            parse_number("artifact_quota_mb", ns.artifact_quota_mb, float) * MiB
+        ),
         trace_every=(
             int(parse_number("trace_every", ns.trace_every, int))
             if (ns.trace_every or "").strip()
@@ -269,15 +293,29 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
     own_store = store is None
     if store is None:
         if server.etcd_endpoints:
-            store = EtcdStore(server.etcd_endpoints)
+            store = etcd_store(server)
         else:
             log.warning("no --etcd: job state is kept in memory only (single replica)")
             store = MemoryStore()
     storage = Storage(config.storage_uri)
-    artifacts = ArtifactStore(storage, max_bytes=config.max_artifact_bytes)
+    artifacts = ArtifactStore(
+        storage, max_bytes=config.max_artifact_bytes, quota_bytes=config.artifact_quota_bytes
+    )
     table = JobTable(store, history_limit=config.history_limit)
     scheduler_metrics = SchedulerMetrics(table) if endpoint is not None else None
-    peers = Peers(config.resource_managers, config.sync_shards, token=server.service_token)
+    peers = Peers(
+        config.resource_managers, config.sync_shards, token=server.service_token, tls=server.tls
+    )
+    if config.learner_signing_key:
+        signer = LearnerTokenSigner.load(config.learner_signing_key)
+    else:
+        signer = LearnerTokenSigner.generate()
+        log.info("learner credentials are signed with a new key (id %s)", signer.kid)
+    ttl = config.learner_token_ttl_s
+
+    def mint(job_id: str, learner_id: str, start: str) -> str:
+        return signer.mint(job_id=job_id, learner_id=learner_id, start=start, ttl_s=ttl)
+
     reconciler = Reconciler(
         table,
         peers,
@@ -291,7 +329,7 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
             retire_timeout_s=config.retire_timeout_s,
             finish_grace_s=config.finish_grace_s,
             max_learner_failures=config.max_learner_failures,
-            learner_token=config.learner_token,
+            learner_credentials=mint,
             trace_every=config.trace_every,
             collective_timeout_s=config.collective_timeout_s,
         ),
@@ -306,10 +344,18 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
             user_priority_limit=config.max_user_priority, call_timeout_s=config.call_timeout_s
         ),
     )
-    running = await create_server(server, [binding(api)], errors=ERRORS)
+    running = await create_server(server, [binding(api)], errors=ERRORS, credentials_store=store)
     candidate = server.advertise or running.address
+    if running.credentials is not None:
+        running.credentials.add_learner_key(signer.public_key_raw)
+
     election = LeaderElection(store, ELECTION, candidate_id=candidate, ttl=config.election_ttl_s)
     tasks = [
+        # Every service verifies learner credentials with the keys published here.
+        asyncio.create_task(
+            publish_learner_key(store, signer.public_key_raw, publisher=candidate),
+            name="publish-learner-key",
+        ),
         asyncio.create_task(_lead_forever(election, table, reconciler), name="scheduler-lead"),
         asyncio.create_task(_observe_leader(election, table), name="scheduler-observe"),
     ]

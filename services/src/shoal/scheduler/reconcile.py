@@ -47,6 +47,7 @@ from opentelemetry import context as otel_context, trace
 
 from shoal.runtime import telemetry
 from shoal.runtime.channels import connect
+from shoal.runtime.config import TLSConfig
 from shoal.runtime.election import Leadership, LeadershipLost
 from shoal.runtime.errors import (
     LEADER_METADATA_KEY,
@@ -157,7 +158,10 @@ class ReconcileConfig:
     backoff_max_s: float = 10.0
     progress_persist_s: float = 5.0
     agent_sweep_s: float = 10.0
-    learner_token: str | None = None
+    learner_credentials: Callable[[str, str, str], str] | None = None
+    """Mints each learner's SHOAL_TOKEN: (job id, learner id, allocation id) -> a credential
+    valid for that learner of that job only (``LearnerTokenSigner.mint``). None: learners get
+    no token (a cluster without auth)."""
     rescale_poll_s: float = 0.1
     """While a rescale waits on a coordinator (drain, join, first step), how often the job's
     progress is polled: the precision of those phases' ends in the traces."""
@@ -247,6 +251,7 @@ class Peers:
         sync_shards: Sequence[str],
         *,
         token: str | None,
+        tls: TLSConfig | None = None,
         channel_factory: Callable[[str], aio.Channel] | None = None,
     ) -> None:
         if not resource_managers:
@@ -256,7 +261,7 @@ class Peers:
         self._rm_override: str | None = None
         self.sync_shards = tuple(sync_shards)
         self._token = token
-        self._factory = channel_factory or (lambda address: connect(address, token=token))
+        self._factory = channel_factory or (lambda address: connect(address, token=token, tls=tls))
         self._channels: dict[str, aio.Channel] = {}
 
     def channel(self, address: str) -> aio.Channel:
@@ -1227,6 +1232,7 @@ class Reconciler:
             storage_uri=self.storage.uri,  # the root: shards write jobs/<job_id>/ under it
             shard_addresses=list(shards),
             fencing_token=self._token,
+            owner=record.owner,
         )
         try:
             response = await self.peers.shard(record.coordinator_address).OpenJob(
@@ -1312,7 +1318,7 @@ class Reconciler:
             await self._ensure_open(record, learners)
         spec = record.job.spec
         storage_uri = self.storage.uri
-        token = self.config.learner_token
+        mint = self.config.learner_credentials
 
         async def start(lr: LearnerRecord) -> BaseException | None:
             request = ha_pb2.StartLearnerRequest(
@@ -1327,7 +1333,7 @@ class Reconciler:
                     lr.learner_id,
                     shards=self.shards(),
                     storage_uri=storage_uri,
-                    token=token,
+                    token=mint(record.job_id, lr.learner_id, lr.allocation_id) if mint else None,
                     trace_every=self.config.trace_every,
                     collective_timeout_s=self.config.collective_timeout_s,
                 ),

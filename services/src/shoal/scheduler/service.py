@@ -5,13 +5,19 @@ jobs through :class:`~shoal.scheduler.store.JobTable`, and asks the reconcile lo
 after every change. Each handler reads the caller (``current_principal``), calls the core and
 wraps the answer; domain errors are raised and mapped to status codes by :data:`ERRORS`.
 
-Who may do what: every method is open to the user and service roles (admins always). A job is
-visible to the principal that submitted it, to admins and to services; anyone else gets
-NOT_FOUND, exactly as for a job that does not exist. Mutating calls (SubmitJob, CancelJob,
-UpdateJob, UploadArtifact) and WatchJob need the leader; a standby answers UNAVAILABLE with
-the leader's address in ``shoal-leader``. Reads (GetJob, ListJobs, GetAllocationHistory,
-GetJobMetrics, DownloadArtifact, DownloadModel, StreamJobLogs) are answered by any replica,
-from etcd and storage.
+Who may do what: every method is open to the user and service roles (admins always); a learner
+(a credential the scheduler minted for one learner of one job) may read its own job (GetJob,
+WatchJob, GetJobMetrics, GetAllocationHistory) while the job runs and the learner is one of
+its learners, and nothing else. A job is visible to the principal that submitted it, to admins
+and to services; anyone else gets NOT_FOUND, exactly as for a job that does not exist. An
+artifact is downloadable by its owners (who uploaded it), admins and services only, and a job
+may run only an artifact its submitter owns. A SubmitJob whose request_id was used before for
+a different spec fails with ALREADY_EXISTS naming the job it created.
+
+Mutating calls (SubmitJob, CancelJob, UpdateJob, UploadArtifact) and WatchJob need the leader;
+a standby answers UNAVAILABLE with the leader's address in ``shoal-leader``. Reads (GetJob,
+ListJobs, GetAllocationHistory, GetJobMetrics, DownloadArtifact, DownloadModel, StreamJobLogs)
+are answered by any replica, from etcd and storage.
 """
 
 from __future__ import annotations
@@ -27,14 +33,22 @@ import grpc
 from opentelemetry import trace
 
 from shoal.runtime import telemetry
-from shoal.runtime.auth import USERS_AND_SERVICES, MethodRoles, Principal, current_principal
+from shoal.runtime.auth import (
+    LEARNERS,
+    USERS_AND_SERVICES,
+    MethodRoles,
+    Principal,
+    current_principal,
+)
 from shoal.runtime.errors import (
     DEFAULT_TABLE,
+    AlreadyExists,
     ErrorTable,
     InvalidField,
     JobNotFound,
     NotFound,
     NotLeader,
+    PermissionDenied,
 )
 from shoal.runtime.server import ServiceBinding
 from shoal.scheduler import checkpoints
@@ -47,6 +61,7 @@ from shoal.scheduler.jobs import (
     can_see,
     new_job_record,
     page_jobs,
+    spec_digest,
     timestamp,
     validate_spec,
     validate_update,
@@ -74,7 +89,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "shoal.v1.JobSchedulerService"
-ROLES = MethodRoles(SERVICE_NAME, USERS_AND_SERVICES)
+ROLES = MethodRoles(
+    SERVICE_NAME,
+    USERS_AND_SERVICES,
+    {
+        name: USERS_AND_SERVICES | LEARNERS
+        for name in ("GetJob", "WatchJob", "GetJobMetrics", "GetAllocationHistory")
+    },
+)
 ERRORS: ErrorTable = DEFAULT_TABLE.extend({StoreConflict: grpc.StatusCode.UNAVAILABLE})
 
 REQUEST_ID_MAX = 128
@@ -117,9 +139,21 @@ class JobApi:
     async def visible(self, principal: Principal, job_id: str) -> JobRecord:
         """The job if the caller may see it; NOT_FOUND otherwise (whether it exists or not)."""
         record = await self.table.get(job_id) if job_id else None
-        if record is None or not can_see(principal, record.owner):
+        if record is None or not can_see(principal, record.owner, record.job_id):
             raise JobNotFound(job_id)
+        if principal.is_learner and (record.final or principal.learner_id not in record.learners):
+            raise JobNotFound(job_id)  # a learner's credential dies with it and with the job
         return record
+
+    @staticmethod
+    def _same_request(existing: JobRecord, request_id: str, spec: job_pb2.JobSpec) -> job_pb2.Job:
+        """The job a repeated SubmitJob names, if it asked for the same spec."""
+        if existing.spec_digest and existing.spec_digest != spec_digest(spec):
+            raise AlreadyExists(
+                f"request_id {request_id!r} was already used to submit job {existing.job_id} "
+                "with a different spec; use a new request_id to submit another job"
+            )
+        return existing.public()
 
     @staticmethod
     def _check_request_id(request_id: str) -> None:
@@ -143,13 +177,13 @@ class JobApi:
             async with self.table.request_lock(owner, request_id):
                 existing = await self.table.find_request(owner, request_id)
                 if existing is not None:
-                    return existing.public()
+                    return self._same_request(existing, request_id, clean)
                 record = await self._create(principal, request_id, clean)
                 if record is None:  # raced with a submit that has just stored it
                     existing = await self.table.find_request(owner, request_id)
                     if existing is None:
                         raise StoreConflict(f"request_id {request_id!r} is taken but unreadable")
-                    return existing.public()
+                    return self._same_request(existing, request_id, clean)
         else:
             record = await self._create(principal, "", clean)
             if record is None:
@@ -161,8 +195,11 @@ class JobApi:
     async def _create(
         self, principal: Principal, request_id: str, spec: job_pb2.JobSpec
     ) -> JobRecord | None:
-        # Checked after validation, so that a bad spec is reported first.
-        if not await self.artifacts.exists(spec.artifact_id):
+        # Checked after validation, so that a bad spec is reported first. Someone else's
+        # artifact is as unknown as one that does not exist.
+        if not await self.artifacts.visible_to(
+            principal, spec.artifact_id
+        ) or not await self.artifacts.exists(spec.artifact_id):
             raise ArtifactNotFound(spec.artifact_id)
         record = new_job_record(
             spec,
@@ -277,6 +314,8 @@ class JobApi:
         if job_id:
             await self.visible(principal, job_id)
             return await self.table.history(job_id)
+        if principal.is_learner:
+            raise PermissionDenied(f"{principal.name} may read only its own job: name its job_id")
         events: list[job_pb2.AllocationEvent] = []
         for record in await self.table.all():
             if can_see(principal, record.owner):
@@ -287,7 +326,10 @@ class JobApi:
     # -- artifacts, model, metrics ------------------------------------------------------------
 
     async def upload(
-        self, header: js_pb2.ArtifactHeader, chunks: AsyncIterator[bytes]
+        self,
+        header: js_pb2.ArtifactHeader,
+        chunks: AsyncIterator[bytes],
+        principal: Principal | None = None,
     ) -> js_pb2.UploadArtifactResponse:
         self.table.require_leader()
         info = await self.artifacts.upload(
@@ -295,14 +337,18 @@ class JobApi:
             declared_size=header.size_bytes,
             declared_sha256=header.sha256,
             chunks=chunks,
+            owner=principal,
         )
         return js_pb2.UploadArtifactResponse(
             artifact_id=info.artifact_id, size_bytes=info.size_bytes
         )
 
     async def download_artifact(
-        self, artifact_id: str
+        self, artifact_id: str, principal: Principal | None = None
     ) -> tuple[js_pb2.ArtifactHeader, AsyncIterator[bytes]]:
+        self.artifacts.check_id(artifact_id)
+        if principal is not None and not await self.artifacts.visible_to(principal, artifact_id):
+            raise ArtifactNotFound(artifact_id)
         info, chunks = await self.artifacts.download(artifact_id)
         header = js_pb2.ArtifactHeader(
             name=info.name, size_bytes=info.size_bytes, sha256=info.artifact_id
@@ -543,10 +589,10 @@ class SchedulerServicer(job_scheduler_service_pb2_grpc.JobSchedulerServiceServic
                     raise InvalidField("header", message.header.name, "may only be sent first")
                 yield message.chunk
 
-        return await self.api.upload(first.header, chunks())
+        return await self.api.upload(first.header, chunks(), current_principal())
 
     async def DownloadArtifact(self, request, context):  # type: ignore[no-untyped-def]
-        header, chunks = await self.api.download_artifact(request.artifact_id)
+        header, chunks = await self.api.download_artifact(request.artifact_id, current_principal())
         yield js_pb2.DownloadArtifactResponse(header=header)
         async for chunk in chunks:
             yield js_pb2.DownloadArtifactResponse(chunk=chunk)
