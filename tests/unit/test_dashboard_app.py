@@ -210,9 +210,8 @@ async def test_a_cross_site_login_is_refused(site: Site) -> None:
 
 
 async def test_a_user_sees_their_jobs_and_another_users_job_is_not_found(site: Site) -> None:
-    artifact = await upload(site.bed)
-    mine = await submit(site.bed, artifact, who="user")
-    theirs = await submit(site.bed, artifact, who="other")
+    mine = await submit(site.bed, await upload(site.bed), who="user")
+    theirs = await submit(site.bed, await upload(site.bed, who="other"), who="other")
     alice, _ = await site.login("user")
     listed = (await alice.get("/api/jobs")).json()
     assert [j["job_id"] for j in listed["jobs"]] == [mine.job_id]
@@ -241,7 +240,7 @@ async def test_a_live_stream_sends_the_jobs_at_once(site: Site) -> None:
 
 
 async def test_a_stream_of_another_users_job_ends_with_not_found(site: Site) -> None:
-    theirs = await submit(site.bed, await upload(site.bed), who="other")
+    theirs = await submit(site.bed, await upload(site.bed, who="other"), who="other")
     alice, _ = await site.login()
     name, data = await asyncio.to_thread(alice.first_event, f"/api/stream/jobs/{theirs.job_id}")
     assert (name, data["error"]) == ("fatal", "NOT_FOUND")
@@ -299,7 +298,7 @@ async def test_a_bad_update_is_refused_naming_the_field_and_the_value(
 
 
 async def test_another_users_job_cannot_be_changed_or_cancelled(site: Site) -> None:
-    theirs = await submit(site.bed, await upload(site.bed), who="other")
+    theirs = await submit(site.bed, await upload(site.bed, who="other"), who="other")
     alice, me = await site.login()
     token = {"x-csrf-token": me["csrf"]}
     update = await alice.post(f"/api/jobs/{theirs.job_id}/update", {"priority": 9}, **token)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from shoal.param_sync import checkpoint as ckpt
-from shoal.v1 import job_scheduler_service_pb2 as js
+from shoal.v1 import auth_pb2, job_scheduler_service_pb2 as js
 from tests.unit.test_scheduler_service import Bed, bed, submit, upload
 
 __all__ = ["bed"]  # the fixture, imported for the tests below
@@ -57,10 +57,10 @@ async def test_caller_identity_names_the_principal_and_role_of_each_token(bed: B
         who: await bed.stub(who).GetCallerIdentity(js.GetCallerIdentityRequest())
         for who in ("user", "other", "admin", "service")
     }
-    assert (got["user"].principal, got["user"].role) == ("alice", js.PRINCIPAL_ROLE_USER)
-    assert (got["other"].principal, got["other"].role) == ("bob", js.PRINCIPAL_ROLE_USER)
-    assert (got["admin"].principal, got["admin"].role) == ("root", js.PRINCIPAL_ROLE_ADMIN)
-    assert got["service"].role == js.PRINCIPAL_ROLE_SERVICE
+    assert (got["user"].principal, got["user"].role) == ("alice", auth_pb2.PRINCIPAL_ROLE_USER)
+    assert (got["other"].principal, got["other"].role) == ("bob", auth_pb2.PRINCIPAL_ROLE_USER)
+    assert (got["admin"].principal, got["admin"].role) == ("root", auth_pb2.PRINCIPAL_ROLE_ADMIN)
+    assert got["service"].role == auth_pb2.PRINCIPAL_ROLE_SERVICE
 
 
 async def test_caller_identity_needs_a_valid_token(bed: Bed) -> None:

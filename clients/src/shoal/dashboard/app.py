@@ -59,7 +59,7 @@ from shoal.client import AsyncClient, ClientConfig, ShoalClientError
 from shoal.dashboard import views
 from shoal.dashboard.config import DashboardConfig
 from shoal.dashboard.sessions import Session, SessionStore
-from shoal.v1 import job_pb2, job_scheduler_service_pb2 as js_pb2
+from shoal.v1 import auth_pb2, job_pb2
 
 __all__ = ["COOKIE", "create_app"]
 
@@ -621,7 +621,7 @@ def create_app(
 def role_name(role: int) -> str:
     """PrincipalRole -> "user" | "service" | "admin" ("" when the API names none)."""
     try:
-        name = str(js_pb2.PrincipalRole.Name(role))  # type: ignore[arg-type]
+        name = str(auth_pb2.PrincipalRole.Name(role))  # type: ignore[arg-type]
     except ValueError:
         return ""
     return "" if role == 0 else name.removeprefix("PRINCIPAL_ROLE_").lower()

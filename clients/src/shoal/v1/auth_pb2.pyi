@@ -34,8 +34,10 @@ class _PrincipalRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Princip
     """An operator: may call every method of every service."""
 
 class PrincipalRole(_PrincipalRole, metaclass=_PrincipalRoleEnumTypeWrapper):
-    """PrincipalRole is the role of a principal that authenticates with a bearer token. Learners are
-    not listed: their credentials are signed tokens minted by the job scheduler, not stored.
+    """PrincipalRole is the role of a principal that authenticates with a bearer token (see
+    docs/operations.md, "Security model", for each role's rights). Learners are not listed: their
+    credentials are signed tokens minted by the job scheduler, not stored; GetCallerIdentity
+    answers UNSPECIFIED for them.
     """
 
 PRINCIPAL_ROLE_UNSPECIFIED: PrincipalRole.ValueType  # 0

@@ -8,7 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from shoal.v1 import auth_pb2 as _auth_pb2
 from shoal.v1 import job_pb2 as _job_pb2
 from shoal.v1 import resources_pb2 as _resources_pb2
 import builtins as _builtins
@@ -21,34 +21,6 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class _PrincipalRole:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
-
-class _PrincipalRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PrincipalRole.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
-    PRINCIPAL_ROLE_UNSPECIFIED: _PrincipalRole.ValueType  # 0
-    """Not set, or a role this version of the API does not name."""
-    PRINCIPAL_ROLE_USER: _PrincipalRole.ValueType  # 1
-    """A user: the job API for the user's own jobs."""
-    PRINCIPAL_ROLE_SERVICE: _PrincipalRole.ValueType  # 2
-    """A shoal service calling another one."""
-    PRINCIPAL_ROLE_ADMIN: _PrincipalRole.ValueType  # 3
-    """An administrator: every job, and host operations (cordon, drain)."""
-
-class PrincipalRole(_PrincipalRole, metaclass=_PrincipalRoleEnumTypeWrapper):
-    """PrincipalRole is what a principal may do (see docs/operations.md for each role's rights)."""
-
-PRINCIPAL_ROLE_UNSPECIFIED: PrincipalRole.ValueType  # 0
-"""Not set, or a role this version of the API does not name."""
-PRINCIPAL_ROLE_USER: PrincipalRole.ValueType  # 1
-"""A user: the job API for the user's own jobs."""
-PRINCIPAL_ROLE_SERVICE: PrincipalRole.ValueType  # 2
-"""A shoal service calling another one."""
-PRINCIPAL_ROLE_ADMIN: PrincipalRole.ValueType  # 3
-"""An administrator: every job, and host operations (cordon, drain)."""
-Global___PrincipalRole: _TypeAlias = PrincipalRole  # noqa: Y015
 
 @_typing.final
 class SubmitJobRequest(_message.Message):
@@ -748,13 +720,13 @@ class GetCallerIdentityResponse(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     principal: _builtins.str
     """The principal the credentials map to, for example "alice"; it owns the jobs it submits."""
-    role: Global___PrincipalRole.ValueType
+    role: _auth_pb2.PrincipalRole.ValueType
     """The principal's role."""
     def __init__(
         self,
         *,
         principal: _builtins.str = ...,
-        role: Global___PrincipalRole.ValueType = ...,
+        role: _auth_pb2.PrincipalRole.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...

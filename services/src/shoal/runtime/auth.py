@@ -485,10 +485,10 @@ _ROLE_TO_PROTO = {v: k for k, v in _ROLE_FROM_PROTO.items()}
 
 
 def role_to_proto(role: Role) -> auth_pb2.PrincipalRole.ValueType:
-    """The ``PrincipalRole`` of a (non-learner) role."""
+    """The ``PrincipalRole`` of a role (UNSPECIFIED for a learner: the API names no such role)."""
     from shoal.v1 import auth_pb2
 
-    return auth_pb2.PrincipalRole.ValueType(_ROLE_TO_PROTO[role])
+    return auth_pb2.PrincipalRole.ValueType(_ROLE_TO_PROTO.get(role, 0))
 
 
 @dataclass

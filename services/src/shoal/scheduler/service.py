@@ -39,6 +39,7 @@ from shoal.runtime.auth import (
     MethodRoles,
     Principal,
     current_principal,
+    role_to_proto,
 )
 from shoal.runtime.errors import (
     DEFAULT_TABLE,
@@ -617,7 +618,7 @@ class SchedulerServicer(job_scheduler_service_pb2_grpc.JobSchedulerServiceServic
     async def GetCallerIdentity(self, request, context):  # type: ignore[no-untyped-def]
         principal = current_principal()
         return js_pb2.GetCallerIdentityResponse(
-            principal=principal.name, role=_ROLES.get(principal.role.value, 0)
+            principal=principal.name, role=role_to_proto(principal.role)
         )
 
     async def ListCheckpoints(self, request, context):  # type: ignore[no-untyped-def]
@@ -635,14 +636,6 @@ class SchedulerServicer(job_scheduler_service_pb2_grpc.JobSchedulerServiceServic
         yield js_pb2.DownloadCheckpointResponse(header=header)
         async for chunk in chunks:
             yield js_pb2.DownloadCheckpointResponse(chunk=chunk)
-
-
-# Role value ("user", ...) -> PrincipalRole; a role the API does not name is UNSPECIFIED.
-_ROLES = {
-    name.removeprefix("PRINCIPAL_ROLE_").lower(): number
-    for name, number in js_pb2.PrincipalRole.items()
-    if number
-}
 
 
 def binding(api: JobApi) -> ServiceBinding:
