@@ -34,20 +34,24 @@ from shoal.learner.backend import (
     register_backend,
     registered_backends,
 )
+from shoal.learner.callbacks import Callback, LoggingCallback
 from shoal.learner.env import LearnerEnv
 from shoal.learner.metrics import accuracy, classification_metrics
 from shoal.learner.trainer import (
     ElasticTrainer,
     EpochResult,
     IterationRecord,
+    MixedPrecision,
     TrainResult,
     compute_contribution,
+    configure_default_logging,
     evaluate,
 )
 
 __all__ = [
     "Assignment",
     "BackendFactory",
+    "Callback",
     "Contribution",
     "ElasticTrainer",
     "EpochReport",
@@ -57,6 +61,8 @@ __all__ = [
     "IterationRecord",
     "LearnerEnv",
     "LocalBackend",
+    "LoggingCallback",
+    "MixedPrecision",
     "ModelState",
     "OptimizerSpec",
     "SyncBackend",
@@ -68,6 +74,7 @@ __all__ = [
     "accuracy",
     "classification_metrics",
     "compute_contribution",
+    "configure_default_logging",
     "create_backend",
     "env",
     "evaluate",

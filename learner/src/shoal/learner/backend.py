@@ -63,8 +63,10 @@ __all__ = [
     "TensorSpec",
     "TrainingPlan",
     "TrainingSetup",
+    "apply_gradient_policy",
     "create_backend",
     "get_backend",
+    "global_grad_norm",
     "load_latest_checkpoint",
     "reduce_contributions",
     "register_backend",
@@ -346,6 +348,18 @@ class TrainingSetup:
     buffer_specs: tuple[TensorSpec, ...]
     params: Sequence[torch.Tensor]
     buffers: Sequence[torch.Tensor]
+    clip_grad_norm: float | None = None
+    skip_nonfinite: bool = False
+
+    def __post_init__(self) -> None:
+        clip = self.clip_grad_norm
+        if clip is not None and (
+            isinstance(clip, bool)
+            or not isinstance(clip, (int, float))
+            or not math.isfinite(clip)
+            or clip <= 0
+        ):
+            raise ValueError(f"clip_grad_norm ({clip!r}) must be None or a finite number > 0")
 
 
 @dataclass(frozen=True)
@@ -457,12 +471,19 @@ class SyncResult:
     every member, its global ``step``, and the iteration's global mean training loss
     (``sum loss_sum / sum n_samples``) or None when this learner cannot know it yet (the
     coordinator learns the members' loss sums at the next boundary). A backend may reuse these
-    tensors on its next call: the trainer copies them into the model at once."""
+    tensors on its next call: the trainer copies them into the model at once.
+
+    ``grad_norm`` is the 2-norm of the global (reduced) gradient before clipping, when the
+    backend computed it (it does with ``TrainingSetup.clip_grad_norm`` or ``skip_nonfinite``);
+    ``skipped`` is true when the optimizer step was skipped because that gradient was not
+    finite (only with ``skip_nonfinite``: float16 loss scaling)."""
 
     params: Sequence[torch.Tensor]
     buffers: Sequence[torch.Tensor]
     step: int
     loss: float | None = None
+    grad_norm: float | None = None
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -543,6 +564,44 @@ def reduce_contributions(contributions: Sequence[Contribution]) -> Contribution:
     return Contribution(grads, total, loss_sum, buffers)
 
 
+@torch.no_grad()
+def global_grad_norm(grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """The 2-norm of all of ``grads`` together (None entries skipped), computed as
+    ``torch.nn.utils.clip_grad_norm_`` does: the norm of the per-tensor norms."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return torch.zeros((), dtype=torch.float32)
+    norms = [torch.linalg.vector_norm(g.detach(), 2.0) for g in present]
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+
+
+@torch.no_grad()
+def apply_gradient_policy(
+    grads: Sequence[torch.Tensor | None], setup: TrainingSetup
+) -> tuple[float | None, bool]:
+    """Apply ``setup``'s clipping to the *global* (already reduced) gradient ``grads`` in
+    place, as ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` would on one process:
+    multiply every gradient by ``min(1, max_norm / (norm + 1e-6))``.
+
+    Returns ``(norm before clipping, skip)``: ``skip`` is true when ``setup.skip_nonfinite``
+    and the norm is not finite (an inf/NaN anywhere), in which case the caller must not step
+    the optimizer, as ``torch.amp.GradScaler.step`` skips it. Without clipping or skipping the
+    gradient is left alone and the norm is not computed (``(None, False)``)."""
+    if setup.clip_grad_norm is None and not setup.skip_nonfinite:
+        return None, False
+    norm = global_grad_norm(grads)
+    value = float(norm)
+    if setup.skip_nonfinite and not math.isfinite(value):
+        return value, True
+    if setup.clip_grad_norm is not None:
+        coef = torch.clamp(float(setup.clip_grad_norm) / (norm + 1e-6), max=1.0)
+        for g in grads:
+            if g is not None:
+                g.mul_(coef.to(g.device, g.dtype))
+    return value, False
+
+
 # --------------------------------------------------------------------------------------------
 # The interface
 # --------------------------------------------------------------------------------------------
@@ -578,8 +637,10 @@ class SyncBackend(ABC):
     ) -> SyncResult:
         """Contribute this learner's part of ``assignment``'s iteration and wait for the
         update: the backend combines all members' contributions by
-        :func:`reduce_contributions`, sets ``lr`` (when not None) on every parameter group,
-        runs the optimizer once, and returns the new parameters and buffers. Raises
+        :func:`reduce_contributions`, applies the setup's clipping to the combined gradient
+        (:func:`apply_gradient_policy`), sets ``lr`` (when not None) on every parameter group,
+        runs the optimizer once (not at all when the policy says skip), and returns the new
+        parameters and buffers. Raises
         :class:`IterationAborted` when the iteration was aborted. The backend also writes
         checkpoints when the completed step calls for one (``TrainingPlan.is_checkpoint_step``)
         and the final model at the end of the job."""
@@ -901,9 +962,14 @@ class LocalBackend(SyncBackend):
         if lr is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
-        for p, g in zip(self._params, contribution.grads, strict=True):
+        setup = self._setup
+        assert setup is not None
+        grads = list(contribution.grads)
+        grad_norm, skipped = apply_gradient_policy(grads, setup)
+        for p, g in zip(self._params, grads, strict=True):
             p.grad = g
-        optimizer.step()
+        if not skipped:
+            optimizer.step()
         for p in self._params:
             p.grad = None
         with torch.no_grad():
@@ -916,7 +982,7 @@ class LocalBackend(SyncBackend):
         self._step += 1
         if self._storage_uri is not None and plan.is_checkpoint_step(step):
             self._checkpoint(self._step)
-        return SyncResult(self._params, self._buffers, step, loss)
+        return SyncResult(self._params, self._buffers, step, loss, grad_norm, skipped)
 
     def _checkpoint(self, completed: int) -> None:
         setup, plan, optimizer = self._setup, self._plan, self._optimizer

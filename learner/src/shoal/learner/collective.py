@@ -57,6 +57,7 @@ from shoal.learner.backend import (
     ModelState,
     SyncResult,
     TrainingSetup,
+    apply_gradient_policy,
     register_backend,
     registered_backends,
 )
@@ -85,6 +86,7 @@ class _Pending:
     grads: list[torch.Tensor | None]
     buffers: list[torch.Tensor]
     lr: float | None
+    skip_step: bool = False  # the global gradient was not finite (float16 loss scaling)
 
 
 class CollectiveBackend(GrpcBackend):
@@ -230,7 +232,8 @@ class CollectiveBackend(GrpcBackend):
                 group["lr"] = p.lr
         for param, grad in zip(self._params, p.grads, strict=True):
             param.grad = grad
-        optimizer.step()
+        if not p.skip_step:
+            optimizer.step()
         for param in self._params:
             param.grad = None
         for dst, src in zip(self._buffers, p.buffers, strict=True):
@@ -436,7 +439,10 @@ class CollectiveBackend(GrpcBackend):
                 self._exchange(generation=assignment.generation, failed=True, md=self._md())
             )
             raise IterationAborted(f"collective failed: {failure}")
-        self._pending = _Pending(assignment.step, grads, buffers, lr)
+        # Every member holds the same reduced gradient: clipping it here is clipping the
+        # global gradient, and every member decides the same about a non-finite one.
+        grad_norm, skip_step = apply_gradient_policy(grads, setup)
+        self._pending = _Pending(assignment.step, grads, buffers, lr, skip_step)
         reply = self._run(
             self._exchange(
                 generation=assignment.generation,
@@ -458,7 +464,9 @@ class CollectiveBackend(GrpcBackend):
             raise IterationAborted(
                 f"iteration {assignment.step} was aborted by the coordinator (a member failed)"
             )
-        return SyncResult(self._params, self._buffers, assignment.step, loss_sum / total)
+        return SyncResult(
+            self._params, self._buffers, assignment.step, loss_sum / total, grad_norm, skip_step
+        )
 
     @torch.no_grad()
     def _reduce(

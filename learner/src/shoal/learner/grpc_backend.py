@@ -264,6 +264,16 @@ class GrpcBackend(SyncBackend):
         return self._plan
 
     def initialize(self, setup: TrainingSetup) -> InitialState:
+        if setup.clip_grad_norm is not None or setup.skip_nonfinite:
+            # Each parameter-sync shard steps its own slice of the parameters: none of them
+            # sees the global gradient's norm, so neither global clipping nor a skip decided
+            # alike by every shard is possible there yet.
+            raise ValueError(
+                f"clip_grad_norm ({setup.clip_grad_norm!r}) and float16 loss scaling "
+                f"(skip_nonfinite {setup.skip_nonfinite}) need the collective sync mode "
+                "(shoal submit --sync-mode collective) or standalone; the parameter-server "
+                "mode does not support them yet (amp='bfloat16' needs no loss scaling)"
+            )
         self._begin(setup)
         self._recv = [torch.empty(m.shape, dtype=m.torch_dtype) for m in self._layout]
         self._recv_bytes = [_bytes_of(t) for t in self._recv]

@@ -1,0 +1,323 @@
+"""The training script's API: callbacks and their order, the primary learner, default
+logging, global gradient clipping and mixed precision equal to a single-process loop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from shoal.learner import (
+    Callback,
+    ElasticTrainer,
+    LearnerEnv,
+    MixedPrecision,
+    TrainingPlan,
+    TrainingSetup,
+)
+from shoal.learner.backend import apply_gradient_policy
+from shoal.learner.grpc_backend import GrpcBackend
+from tests.unit.test_trainer_standalone import (
+    ATOL,
+    DATASETS,
+    SGD,
+    VirtualWorldBackend,
+    assert_state_close,
+    make_model,
+    world_3_2_4,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+class Recorder(Callback):
+    """Records every hook call with what the trainer said about the primary learner."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def on_train_begin(self, plan: TrainingPlan, step: int) -> None:
+        self.calls.append(("train_begin", plan.total_steps, step))
+
+    def on_rescale(self, old_world: int, new_world: int, assignment: Any) -> None:
+        self.calls.append(("rescale", old_world, new_world, assignment.step))
+
+    def on_epoch_begin(self, epoch: int) -> None:
+        self.calls.append(("epoch_begin", epoch))
+
+    def on_iteration_end(self, record: Any) -> None:
+        self.calls.append(("iteration_end", record.step, record.rank, self.trainer.is_primary))
+
+    def on_epoch_end(self, epoch: int, result: Any) -> None:
+        self.calls.append(("epoch_end", epoch, result is not None, self.trainer.is_primary))
+
+    def on_train_end(self, result: Any) -> None:
+        self.calls.append(("train_end", result.completed, result.is_primary))
+
+
+def trainer(model: nn.Module, backend: Any = "local", **kwargs: Any) -> ElasticTrainer:
+    return ElasticTrainer(
+        model,
+        lambda: DATASETS,
+        nn.CrossEntropyLoss(),
+        kwargs.pop("optimizer", SGD),
+        seed=3,
+        backend=backend,
+        device="cpu",
+        env=LearnerEnv(),
+        **kwargs,
+    )
+
+
+def reference_loop(
+    model: nn.Module,
+    *,
+    epochs: int = 2,
+    batch_size: int = 64,
+    seed: int = 3,
+    clip: float | None = None,
+    amp: str | None = None,
+    init_scale: float = 2.0**16,
+) -> tuple[list[float], list[bool]]:
+    """Plain single-process PyTorch with the usual AMP recipe: autocast, GradScaler (float16),
+    unscale_, clip_grad_norm_, scaler.step, scaler.update. Returns the losses and, per
+    iteration, whether the scaler skipped the step."""
+    x, y = DATASETS[0].tensors
+    opt = torch.optim.SGD(model.parameters(), **SGD[1])
+    loss_fn = nn.CrossEntropyLoss()
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=amp == "float16")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(amp or "", None)
+    losses, skipped = [], []
+    for epoch in range(epochs):
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + epoch))
+        for start in range(0, len(y), batch_size):
+            idx = order[start : start + batch_size]
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = loss_fn(model(x[idx]), y[idx])
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            if clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(amp == "float16" and scaler.get_scale() < before)
+            losses.append(loss.item())
+    return losses, skipped
+
+
+# --------------------------------------------------------------------------------------------
+# Callbacks and the primary learner
+# --------------------------------------------------------------------------------------------
+
+
+def test_callbacks_are_called_in_the_documented_order_standalone() -> None:
+    recorder = Recorder()
+    t = trainer(make_model(), callbacks=[recorder])
+    result = t.train(epochs=2, batch_size=256)
+    per_epoch = result.plan.iterations_per_epoch  # 1438 samples / 256 -> 6
+    expected: list[tuple[Any, ...]] = [("train_begin", 2 * per_epoch, 0)]
+    for epoch in range(2):
+        expected.append(("epoch_begin", epoch))
+        expected += [("iteration_end", epoch * per_epoch + i, 0, True) for i in range(per_epoch)]
+        expected.append(("epoch_end", epoch, True, True))
+    expected.append(("train_end", True, True))
+    assert recorder.calls == expected
+    assert t.is_primary and result.is_primary
+
+
+def test_on_rescale_and_is_primary_follow_the_changing_world() -> None:
+    recorder = Recorder()
+    backend = VirtualWorldBackend(world_3_2_4, make_model, DATASETS[0])
+    result = trainer(make_model(), backend=backend, callbacks=[recorder]).train(
+        epochs=2, batch_size=64
+    )
+    rescales = [c for c in recorder.calls if c[0] == "rescale"]
+    assert rescales == [("rescale", 3, 2, 9), ("rescale", 2, 4, 17), ("rescale", 4, 3, 30)]
+    iterations = [c for c in recorder.calls if c[0] == "iteration_end"]
+    # The learner under test is rank step % world: primary exactly where its rank is 0.
+    assert all(primary == (rank == 0) for _, _, rank, primary in iterations)
+    assert any(primary for *_, primary in iterations) and not all(
+        primary for *_, primary in iterations
+    )
+    # Only the learner of rank 0 at an epoch's end evaluates; the others get None.
+    ends = {c[1]: c[2:] for c in recorder.calls if c[0] == "epoch_end"}
+    last_rank = {r.epoch: r.rank for r in result.history}
+    assert ends == {e: (last_rank[e] == 0, last_rank[e] == 0) for e in (0, 1)}
+    assert result.is_primary == (result.history[-1].rank == 0)
+    assert recorder.calls[-1] == ("train_end", True, result.is_primary)
+
+
+def test_bad_callbacks_and_settings_are_refused_naming_the_value() -> None:
+    with pytest.raises(ValueError, match=r"callback \(<object"):
+        trainer(make_model(), callbacks=[object()])
+    with pytest.raises(ValueError, match=r"clip_grad_norm \(-1\.0\)"):
+        trainer(make_model(), clip_grad_norm=-1.0)
+    with pytest.raises(ValueError, match=r"clip_grad_norm \(nan\)"):
+        trainer(make_model(), clip_grad_norm=float("nan"))
+    with pytest.raises(ValueError, match=r"amp dtype \('float8'\)"):
+        trainer(make_model(), amp="float8")
+    with pytest.raises(ValueError, match=r"amp \(torch.float64\)"):
+        trainer(make_model(), amp=torch.float64)
+    with pytest.raises(ValueError, match=r"growth_interval \(0\)"):
+        MixedPrecision("float16", growth_interval=0)
+
+
+SCRIPT = """
+import sys, logging, torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from shoal.learner import ElasticTrainer, LearnerEnv
+if sys.argv[1] == "configured":
+    logging.basicConfig(level=logging.WARNING)
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
+t = ElasticTrainer(nn.Linear(4, 2), lambda: (data, data), nn.CrossEntropyLoss(), "SGD",
+                   device="cpu", env=LearnerEnv())
+t.train(epochs=1, batch_size=32)
+"""
+
+
+@pytest.mark.parametrize("mode", ["bare", "configured"])
+def test_logging_goes_to_stderr_at_info_only_when_the_script_configured_none(mode: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SCRIPT), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ""
+    if mode == "bare":
+        assert "INFO shoal.learner: epoch 1/1, train loss" in out.stderr
+    else:  # the script's WARNING level wins: nothing at INFO
+        assert "epoch 1/1" not in out.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Clipping and mixed precision: equal to the single-process recipe
+# --------------------------------------------------------------------------------------------
+
+
+def test_global_clipping_standalone_equals_clip_grad_norm_in_a_plain_loop() -> None:
+    reference = make_model()
+    ref_losses, _ = reference_loop(reference, clip=0.15)
+    result = trainer(make_model(), clip_grad_norm=0.15).train(epochs=2, batch_size=64)
+    assert_state_close(result.params, reference.state_dict(), ATOL)
+    assert result.losses == pytest.approx(ref_losses, abs=ATOL)
+    norms = [r.grad_norm for r in result.history]
+    assert all(n is not None for n in norms)
+    assert sum(n > 0.15 for n in norms) > len(norms) // 2  # the clip was active
+
+
+def test_global_clipping_in_a_changing_world_equals_the_single_process_loop() -> None:
+    # Three, two, four learners' shares reduced, then clipped as one gradient: clipping each
+    # share before the reduction would give another result.
+    reference = make_model()
+    ref_losses, _ = reference_loop(reference, clip=0.15)
+    backend = ClippingVirtualWorld(world_3_2_4, make_model, DATASETS[0])
+    result = trainer(make_model(), backend=backend, clip_grad_norm=0.15).train(
+        epochs=2, batch_size=64
+    )
+    assert_state_close(result.params, reference.state_dict(), ATOL)
+    assert result.losses == pytest.approx(ref_losses, abs=ATOL)
+
+
+class ClippingVirtualWorld(VirtualWorldBackend):
+    """The virtual world of test_trainer_standalone, applying the setup's gradient policy to
+    the reduced gradient before its optimizer steps, as the local and collective backends do."""
+
+    def initialize(self, setup: TrainingSetup):
+        state = super().initialize(setup)
+        step = self.optimizer.step
+
+        def clipped_step() -> None:
+            apply_gradient_policy([p.grad for p in self.params], setup)
+            step()
+
+        self.optimizer.step = clipped_step  # type: ignore[method-assign]
+        return state
+
+
+def test_bfloat16_autocast_standalone_equals_autocast_in_a_plain_loop() -> None:
+    reference = make_model()
+    ref_losses, _ = reference_loop(reference, amp="bfloat16", clip=1.0)
+    result = trainer(make_model(), amp="bfloat16", clip_grad_norm=1.0).train(
+        epochs=2, batch_size=64
+    )
+    assert_state_close(result.params, reference.state_dict(), ATOL)
+    assert result.losses == pytest.approx(ref_losses, abs=ATOL)
+    assert all(r.loss_scale is None and not r.skipped for r in result.history)
+
+
+def test_float16_loss_scaling_skips_and_backs_off_exactly_as_grad_scaler() -> None:
+    # A scale of 2**40 overflows float16 in the backward pass: the first iterations are
+    # skipped and the scale halves each time, as GradScaler's are, then training proceeds.
+    amp = MixedPrecision("float16", init_scale=2.0**40, growth_interval=5)
+    reference = make_model()
+    ref_losses, ref_skipped = reference_loop_scaled(reference, amp, clip=0.5)
+    result = trainer(make_model(), amp=amp, clip_grad_norm=0.5).train(epochs=2, batch_size=64)
+    skipped = [r.skipped for r in result.history]
+    assert skipped == ref_skipped
+    assert 0 < sum(skipped) < len(skipped) - 10
+    assert_state_close(result.params, reference.state_dict(), ATOL)
+    assert result.losses == pytest.approx(ref_losses, abs=ATOL)
+    scales = [r.loss_scale for r in result.history]
+    assert scales[0] == 2.0**40 and scales[1] == 2.0**39
+
+
+def reference_loop_scaled(
+    model: nn.Module, amp: MixedPrecision, *, clip: float
+) -> tuple[list[float], list[bool]]:
+    x, y = DATASETS[0].tensors
+    opt = torch.optim.SGD(model.parameters(), **SGD[1])
+    loss_fn = nn.CrossEntropyLoss()
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=amp.init_scale, growth_interval=amp.growth_interval
+    )
+    losses, skipped = [], []
+    for epoch in range(2):
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(3 + epoch))
+        for start in range(0, len(y), 64):
+            idx = order[start : start + 64]
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(model(x[idx]), y[idx])
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.get_scale() < before)
+            losses.append(loss.item())
+    return losses, skipped
+
+
+def test_the_parameter_server_mode_refuses_clipping_and_float16_scaling_clearly() -> None:
+    backend = GrpcBackend.__new__(GrpcBackend)  # the check runs before any connection
+    backend._setup = None  # type: ignore[attr-defined]
+    setup = TrainingSetup(
+        plan=TrainingPlan(epochs=1, batch_size=8, num_samples=16),
+        optimizer=trainer(make_model()).optimizer_spec,
+        param_specs=(),
+        buffer_specs=(),
+        params=[],
+        buffers=[],
+        clip_grad_norm=1.0,
+    )
+    with pytest.raises(ValueError, match=r"clip_grad_norm \(1\.0\).*collective"):
+        backend.initialize(setup)
