@@ -220,7 +220,8 @@ def compute_contribution(
     dtype. With ``loss_scale`` (float16) the backward pass runs on ``loss * loss_scale`` and the
     gradients are unscaled before they are returned (multiplied by ``1 / loss_scale``, as
     ``GradScaler.unscale_`` does), so the backend always receives unscaled gradients; an
-    overflow shows as inf/NaN in them.
+    overflow shows as inf/NaN in them. (The trainer passes the job's scale times the share's
+    fraction of the global batch, so that each sample's term is scaled as on one process.)
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     params = [p for _, p in model.named_parameters()]
@@ -647,7 +648,14 @@ class ElasticTrainer:
                         max_per_device=max_per_device,
                         device=self.device,
                         autocast_dtype=autocast_dtype,
-                        loss_scale=None if scaler is None else scaler.scale,
+                        # Each sample's term of the scaled loss is scale / b, as in one
+                        # process's scaled mean over the global batch: the share overflows
+                        # float16 exactly where that process's per-sample terms would.
+                        loss_scale=(
+                            None
+                            if scaler is None or stop == start
+                            else scaler.scale * (stop - start) / a.batch_size
+                        ),
                     )
                 lr = self._lr(a)
                 try:
