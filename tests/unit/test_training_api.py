@@ -3,6 +3,7 @@ logging, global gradient clipping and mixed precision equal to a single-process 
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -30,6 +31,7 @@ from tests.unit.test_trainer_standalone import (
     VirtualWorldBackend,
     assert_state_close,
     make_model,
+    plain_pytorch_training,
     world_3_2_4,
 )
 
@@ -321,3 +323,60 @@ def test_the_parameter_server_mode_refuses_clipping_and_float16_scaling_clearly(
     )
     with pytest.raises(ValueError, match=r"clip_grad_norm \(1\.0\).*collective"):
         backend.initialize(setup)
+
+
+# --------------------------------------------------------------------------------------------
+# Schedules by name
+# --------------------------------------------------------------------------------------------
+
+
+def test_warmup_cosine_by_name_equals_the_same_schedule_in_a_plain_loop() -> None:
+    total = 2 * 23  # 1438 samples in batches of 64, two epochs
+
+    def expected(step: int) -> float:  # written out independently of shoal.learner.schedules
+        if step < 5:
+            return 0.05 * (step + 1) / 5
+        return 0.5 * 0.05 * (1 + math.cos(math.pi * (step - 5) / (total - 5)))
+
+    reference = make_model()
+    ref_losses = plain_pytorch_training(
+        reference, DATASETS[0], epochs=2, batch_size=64, seed=3, lr_schedule=expected
+    )
+    result = trainer(make_model(), lr_schedule=("warmup_cosine", {"warmup": 5})).train(
+        epochs=2, batch_size=64
+    )
+    assert [r.lr for r in result.history] == pytest.approx([expected(s) for s in range(total)])
+    assert_state_close(result.params, reference.state_dict(), ATOL)
+    assert result.losses == pytest.approx(ref_losses, abs=ATOL)
+
+
+def test_step_schedule_by_name_per_epoch_equals_torch_step_lr() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step_lr = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    lrs = []
+    for _ in range(3):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        step_lr.step()
+    result = trainer(
+        make_model(),
+        lr_schedule=("step", {"step_size": 1, "gamma": 0.5}),
+        lr_schedule_unit="epoch",
+    ).train(epochs=3, batch_size=256)
+    by_epoch = {r.epoch: r.lr for r in result.history}
+    assert [by_epoch[e] for e in range(3)] == pytest.approx(lrs)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "message"),
+    [
+        ("linear", r"lr_schedule \('linear'\) is not one of"),
+        (("warmup_cosine", {"warmup": -1}), r"warmup \(-1\) must be an int >= 0"),
+        (("step", {"step_size": 0}), r"step_size \(0\) must be an int >= 1"),
+        (("step", {"steps": 3}), r"lr_schedule 'step' rejected its arguments"),
+    ],
+)
+def test_bad_schedules_are_refused_naming_the_value(schedule: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        trainer(make_model(), lr_schedule=schedule)

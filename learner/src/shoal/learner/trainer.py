@@ -42,6 +42,7 @@ from shoal.learner.backend import (
 from shoal.learner.callbacks import Callback, CallbackList
 from shoal.learner.env import LearnerEnv
 from shoal.learner.metrics import MetricsFn, classification_metrics
+from shoal.learner.schedules import resolve_schedule
 from shoal.learner.tracing import LearnerTracing
 
 __all__ = [
@@ -419,7 +420,9 @@ class ElasticTrainer:
         lr_schedule: ``step -> lr`` applied before every iteration's optimizer step, where
             ``step`` is the global iteration index (with ``lr_schedule_unit="epoch"``, the
             epoch index). It overrides the optimizer's ``lr`` and must be deterministic: every
-            learner evaluates it.
+            learner evaluates it. Or a schedule by name (``shoal.learner.schedules``):
+            ``("warmup_cosine", {"warmup": 100})`` or ``("step", {"step_size": 30,
+            "gamma": 0.1})``, given the optimizer's ``lr`` and the job's length.
         seed: data-order seed (SHOAL_SEED overrides it).
         backend: a :class:`SyncBackend`, a registered backend name, or None for the one the
             environment names (SHOAL_SYNC_BACKEND; ``local`` standalone). A backend passed as
@@ -450,7 +453,7 @@ class ElasticTrainer:
         optimizer: OptimizerLike,
         *,
         metrics: MetricsFn | None = classification_metrics,
-        lr_schedule: LRSchedule | None = None,
+        lr_schedule: LRSchedule | str | tuple[str, Mapping[str, Any]] | None = None,
         lr_schedule_unit: Literal["iteration", "epoch"] = "iteration",
         seed: int = 0,
         backend: SyncBackend | str | None = None,
@@ -488,6 +491,9 @@ class ElasticTrainer:
         self.optimizer_spec = OptimizerSpec.parse(optimizer)
         self.metrics = metrics
         self.lr_schedule = lr_schedule
+        if lr_schedule is not None and not callable(lr_schedule):
+            resolve_schedule(lr_schedule, base_lr=self._base_lr(), total=1)  # validate now
+        self._schedule: LRSchedule | None = None
         self.lr_schedule_unit = lr_schedule_unit
         self.seed = seed
         self.backend = backend
@@ -597,6 +603,7 @@ class ElasticTrainer:
                     f"the job's ({state.plan.num_samples})"
                 )
             plan = state.plan
+            self._schedule = self._resolve_schedule(plan)
             have_state = state.params is not None and state.buffers is not None
             if state.params is not None and state.buffers is not None:
                 self._load(state.params, state.buffers)
@@ -727,10 +734,21 @@ class ElasticTrainer:
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def _base_lr(self) -> float | None:
+        lr = self.optimizer_spec.kwargs.get("lr")
+        return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
+
+    def _resolve_schedule(self, plan: TrainingPlan) -> LRSchedule | None:
+        spec = self.lr_schedule
+        if spec is None or callable(spec):
+            return spec
+        total = plan.epochs if self.lr_schedule_unit == "epoch" else plan.total_steps
+        return resolve_schedule(spec, base_lr=self._base_lr(), total=total)
+
     def _lr(self, a: Assignment) -> float | None:
-        if self.lr_schedule is None:
+        if self._schedule is None:
             return None
-        return float(self.lr_schedule(a.epoch if self.lr_schedule_unit == "epoch" else a.step))
+        return float(self._schedule(a.epoch if self.lr_schedule_unit == "epoch" else a.step))
 
     @staticmethod
     def _check_assignment(a: Assignment, plan: TrainingPlan) -> None:
