@@ -309,7 +309,7 @@ def reference_loop_scaled(
     return losses, skipped
 
 
-def test_the_parameter_server_mode_refuses_clipping_and_float16_scaling_clearly() -> None:
+def test_the_parameter_server_mode_refuses_float16_loss_scaling_clearly() -> None:
     backend = GrpcBackend.__new__(GrpcBackend)  # the check runs before any connection
     backend._setup = None  # type: ignore[attr-defined]
     setup = TrainingSetup(
@@ -319,9 +319,9 @@ def test_the_parameter_server_mode_refuses_clipping_and_float16_scaling_clearly(
         buffer_specs=(),
         params=[],
         buffers=[],
-        clip_grad_norm=1.0,
+        skip_nonfinite=True,
     )
-    with pytest.raises(ValueError, match=r"clip_grad_norm \(1\.0\).*collective"):
+    with pytest.raises(ValueError, match=r"float16 loss scaling .*collective"):
         backend.initialize(setup)
 
 

@@ -264,15 +264,13 @@ class GrpcBackend(SyncBackend):
         return self._plan
 
     def initialize(self, setup: TrainingSetup) -> InitialState:
-        if setup.clip_grad_norm is not None or setup.skip_nonfinite:
-            # Each parameter-sync shard steps its own slice of the parameters: none of them
-            # sees the global gradient's norm, so neither global clipping nor a skip decided
-            # alike by every shard is possible there yet.
+        if setup.skip_nonfinite:
+            # Each parameter-sync shard steps its own slice: a skip decided alike by every
+            # shard would need the shards' non-finite checks combined first.
             raise ValueError(
-                f"clip_grad_norm ({setup.clip_grad_norm!r}) and float16 loss scaling "
-                f"(skip_nonfinite {setup.skip_nonfinite}) need the collective sync mode "
+                "float16 loss scaling (amp='float16') needs the collective sync mode "
                 "(shoal submit --sync-mode collective) or standalone; the parameter-server "
-                "mode does not support them yet (amp='bfloat16' needs no loss scaling)"
+                "mode does not support it yet (amp='bfloat16' needs no loss scaling)"
             )
         self._begin(setup)
         self._recv = [torch.empty(m.shape, dtype=m.torch_dtype) for m in self._layout]
@@ -303,6 +301,7 @@ class GrpcBackend(SyncBackend):
             optimizer=ps_pb2.OptimizerSpec(
                 name=setup.optimizer.name,
                 hyperparameters_json=json.dumps(dict(setup.optimizer.kwargs), sort_keys=True),
+                clip_grad_norm=setup.clip_grad_norm or 0.0,
             ),
             dataset_size=setup.plan.num_samples,
             sync_mode=self.SYNC_MODE,  # type: ignore[arg-type]
