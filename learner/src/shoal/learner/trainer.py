@@ -440,7 +440,7 @@ class ElasticTrainer:
             float16 needs the collective sync mode on the cluster.
         clip_grad_norm: clip the *global* gradient (the job's reduced gradient, not each
             learner's share) to this 2-norm, as ``torch.nn.utils.clip_grad_norm_`` before the
-            optimizer step of a single process; needs the collective sync mode on the cluster.
+            optimizer step of a single process (in every sync mode).
         log_default: when the script configured no logging, send shoal's INFO records to
             stderr (see :func:`configure_default_logging`).
     """
