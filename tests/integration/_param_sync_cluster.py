@@ -269,6 +269,7 @@ def reference_training(
     clip_grad_norm: float | None = None,
     amp: str | None = None,
     init_scale: float = 2.0**16,
+    param_groups: bool = False,
 ) -> tuple[dict[str, torch.Tensor], tuple[float, ...]]:
     """Plain single-process PyTorch training of the digits MLP: the same seed (model and data
     order), the same global batch, a mean-reduced loss. Returns the final state dict and the
@@ -276,7 +277,7 @@ def reference_training(
     autocast, GradScaler (float16), unscale_, clip_grad_norm_, scaler.step, scaler.update."""
     sys.path.insert(0, str(HERE))
     try:
-        from _sync_learner import load_digits_example
+        from _sync_learner import PARAM_GROUPS_WD, load_digits_example, param_groups as make_groups
     finally:
         sys.path.remove(str(HERE))
     digits = load_digits_example()
@@ -284,7 +285,14 @@ def reference_training(
     n = len(y)
     torch.manual_seed(seed)
     model = digits.build_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    kwargs = {"lr": lr, "momentum": momentum, **PARAM_GROUPS_WD[param_groups]}
+    if param_groups:
+        groups = make_groups(model)
+        listed = {id(p) for g in groups for p in g["params"]}
+        groups.append({"params": [p for p in model.parameters() if id(p) not in listed]})
+        optimizer = torch.optim.SGD(groups, **kwargs)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), **kwargs)
     loss_fn = torch.nn.CrossEntropyLoss()
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(amp or "")
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=amp == "float16")

@@ -42,6 +42,16 @@ def load_digits_example():
     return module
 
 
+#: With --param-groups: weight decay for the default group, none for biases, a slower first
+#: layer (the reference in _param_sync_cluster.py builds the same groups).
+PARAM_GROUPS_WD = {False: {}, True: {"weight_decay": 1e-3}}
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": [model[0].weight], "lr": 0.02}, {"params": biases, "weight_decay": 0.0}]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, required=True)
@@ -60,6 +70,7 @@ def main() -> int:
     parser.add_argument("--clip-grad-norm", type=float, default=None)
     parser.add_argument("--amp", default=None)
     parser.add_argument("--init-scale", type=float, default=2.0**16)
+    parser.add_argument("--param-groups", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
@@ -115,13 +126,17 @@ def main() -> int:
         model,
         digits.get_datasets,
         nn.CrossEntropyLoss(),
-        ("SGD", {"lr": args.lr, "momentum": args.momentum}),
+        (
+            "SGD",
+            {"lr": args.lr, "momentum": args.momentum, **PARAM_GROUPS_WD[bool(args.param_groups)]},
+        ),
         seed=args.seed,
         backend=backend,
         device=args.device,
         callbacks=[watch],
         clip_grad_norm=args.clip_grad_norm,
         amp=amp,
+        param_groups=param_groups if args.param_groups else None,
     )
     if args.gate:  # everything is imported and built: joining is all that is left
         print("READY", flush=True)

@@ -380,3 +380,152 @@ def test_step_schedule_by_name_per_epoch_equals_torch_step_lr() -> None:
 def test_bad_schedules_are_refused_naming_the_value(schedule: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         trainer(make_model(), lr_schedule=schedule)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter groups
+# --------------------------------------------------------------------------------------------
+
+
+def groups_of(model: nn.Module) -> list[dict[str, Any]]:
+    """Per-layer rates and no weight decay on biases: what real scripts do."""
+    first, biases = [model[0].weight], [p for n, p in model.named_parameters() if "bias" in n]
+    return [
+        {"params": first, "lr": 0.003},
+        {"params": biases, "weight_decay": 0.0},
+    ]
+
+
+def test_param_groups_with_a_schedule_equal_the_same_groups_in_a_plain_loop() -> None:
+    adamw = ("AdamW", {"lr": 0.01, "weight_decay": 0.05})
+    schedule = ("warmup_cosine", {"warmup": 5})
+    total = 2 * 23
+
+    reference = make_model()
+    opt = torch.optim.AdamW(groups_of(reference), **adamw[1])
+    rest = [
+        p
+        for p in reference.parameters()
+        if all(p is not q for g in opt.param_groups for q in g["params"])
+    ]
+    opt.add_param_group({"params": rest})
+    scale = [g["lr"] / 0.01 for g in opt.param_groups]
+    x, y = DATASETS[0].tensors
+    step = 0
+    for epoch in range(2):
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(3 + epoch))
+        for start in range(0, len(y), 64):
+            idx = order[start : start + 64]
+            base = (
+                0.01 * (step + 1) / 5
+                if step < 5
+                else (0.5 * 0.01 * (1 + math.cos(math.pi * (step - 5) / (total - 5))))
+            )
+            for g, s in zip(opt.param_groups, scale, strict=True):
+                g["lr"] = base * s
+            opt.zero_grad()
+            nn.CrossEntropyLoss()(reference(x[idx]), y[idx]).backward()
+            opt.step()
+            step += 1
+
+    t = trainer(make_model(), optimizer=adamw, lr_schedule=schedule, param_groups=groups_of)
+    assert t.optimizer_spec.groups == (
+        (("0.weight",), {"lr": 0.003}),
+        (("0.bias", "2.bias", "4.bias"), {"weight_decay": 0.0}),
+    )
+    result = t.train(epochs=2, batch_size=64)
+    assert_state_close(result.params, reference.state_dict(), ATOL)
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        (lambda m: [{"params": [torch.zeros(3)]}], r"param group 0 holds 'tensor of shape \(3,\)'"),
+        (lambda m: [{"lr": 0.1}], r"param group 0 \(\{'lr': 0.1\}\) must be a dict with 'params'"),
+        (
+            lambda m: [{"params": [m[0].weight]}, {"params": ["0.weight"]}],
+            r"parameter '0.weight' is in more than one param group",
+        ),
+        (lambda m: [{"params": ["0.bias"], "betas": object()}], r"optimizer argument betas"),
+    ],
+)
+def test_bad_param_groups_are_refused_naming_the_group(groups: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        trainer(make_model(), optimizer=("AdamW", {"lr": 0.01}), param_groups=groups)
+
+
+def test_the_parameter_server_mode_refuses_param_groups_clearly() -> None:
+    backend = GrpcBackend.__new__(GrpcBackend)
+    backend._setup = None  # type: ignore[attr-defined]
+    spec = trainer(make_model(), param_groups=groups_of).optimizer_spec
+    setup = TrainingSetup(
+        plan=TrainingPlan(epochs=1, batch_size=8, num_samples=16),
+        optimizer=spec,
+        param_specs=(),
+        buffer_specs=(),
+        params=[],
+        buffers=[],
+    )
+    with pytest.raises(ValueError, match=r"param groups \(2 given\) need the collective"):
+        backend.initialize(setup)
+
+
+def test_a_collective_checkpoint_of_grouped_adamw_restores_every_group_and_its_state(
+    tmp_path: Path,
+) -> None:
+    # state_dict() numbers parameters group after group, not in the model's order: the
+    # learner-written checkpoint must map them back by name, and restore each group's settings.
+    import json
+
+    from shoal.learner.backend import TensorSpec
+    from shoal.learner.collective import CollectiveBackend
+    from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+
+    adamw = ("AdamW", {"lr": 0.01, "weight_decay": 0.05})
+
+    def backend_for(model: nn.Module) -> CollectiveBackend:
+        spec = trainer(model, optimizer=adamw, param_groups=groups_of).optimizer_spec
+        named = list(model.named_parameters())
+        params = [p.detach() for _, p in named]
+        b = CollectiveBackend.__new__(CollectiveBackend)
+        b._setup = TrainingSetup(  # type: ignore[attr-defined]
+            plan=TrainingPlan(epochs=1, batch_size=8, num_samples=16),
+            optimizer=spec,
+            param_specs=tuple(TensorSpec.of(n, p) for n, p in named),
+            buffer_specs=(),
+            params=params,
+            buffers=[],
+        )
+        b._params, b._buffers, b._pending, b.job_id = params, [], None, "job"
+        b._optimizer = spec.create(params, [n for n, _ in named])
+        return b
+
+    source = backend_for(make_model(seed=1))
+    torch.manual_seed(5)
+    for _ in range(3):
+        for p in source._params:
+            p.grad = torch.randn_like(p)
+        source._optimizer.step()
+    source._state_step = 3
+    reply = ps_pb2.BoundaryResponse(completed_iterations=3, checkpoint_directory=str(tmp_path))
+    written = source._write_checkpoint(reply)
+    manifest = {
+        "iteration": 3,
+        "shards": [{"file": written.file, "size": written.size_bytes, "sha256": written.sha256}],
+    }
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+
+    restored = backend_for(make_model(seed=2))
+    restored._load_checkpoint(str(tmp_path), 3)
+    for a, b in zip(source._params, restored._params, strict=True):
+        assert torch.equal(a, b)
+    want, got = source._optimizer.state_dict(), restored._optimizer.state_dict()
+    # (JSON in the checkpoint turns tuples such as betas into lists, as before groups.)
+    assert json.loads(json.dumps(got["param_groups"])) == json.loads(
+        json.dumps(want["param_groups"])
+    )
+    assert [g["lr_scale"] for g in got["param_groups"]] == pytest.approx([0.3, 1.0, 1.0])
+    assert want["state"].keys() == got["state"].keys()
+    for index, entry in want["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(got["state"][index][key]))

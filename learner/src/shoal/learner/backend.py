@@ -72,6 +72,7 @@ __all__ = [
     "register_backend",
     "registered_backends",
     "save_checkpoint",
+    "set_learning_rate",
 ]
 
 
@@ -162,18 +163,43 @@ class OptimizerSpec:
 
     name: str
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: Parameter groups by parameter name: ``((names, overrides), ...)``; the parameters no
+    #: group names form a last group with the optimizer's defaults. Empty: one group.
+    groups: tuple[tuple[tuple[str, ...], Mapping[str, Any]], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"optimizer name ({self.name!r}) must be a non-empty str")
         if not isinstance(self.kwargs, Mapping):
             raise ValueError(f"optimizer kwargs ({self.kwargs!r}) must be a mapping")
+        object.__setattr__(self, "kwargs", self._clean(self.kwargs))
+        groups = []
+        seen: set[str] = set()
+        for i, group in enumerate(self.groups):
+            if not (isinstance(group, (tuple, list)) and len(group) == 2):
+                raise ValueError(f"param group {i} ({group!r}) must be (names, overrides)")
+            names, overrides = group
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"param group {i} names ({names!r}) must be parameter names")
+            for n in names:
+                if n in seen:
+                    raise ValueError(f"parameter {n!r} is in more than one param group")
+                seen.add(n)
+            if not isinstance(overrides, Mapping) or "params" in overrides:
+                raise ValueError(
+                    f"param group {i} overrides ({overrides!r}) must be a mapping without 'params'"
+                )
+            groups.append((tuple(names), self._clean(overrides)))
+        object.__setattr__(self, "groups", tuple(groups))
+
+    @staticmethod
+    def _clean(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         clean = {}
-        for key, value in self.kwargs.items():
+        for key, value in kwargs.items():
             if not isinstance(key, str):
                 raise ValueError(f"optimizer argument name ({key!r}) must be a str")
             clean[key] = _check_plain(key, value)
-        object.__setattr__(self, "kwargs", clean)
+        return clean
 
     @classmethod
     def parse(cls, optimizer: OptimizerLike) -> OptimizerSpec:
@@ -231,22 +257,64 @@ class OptimizerSpec:
             )
         return obj
 
-    def create(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-        """Build the optimizer over ``params``; bad arguments raise ``ValueError``."""
+    def create(
+        self, params: Iterable[torch.Tensor], names: Sequence[str] | None = None
+    ) -> torch.optim.Optimizer:
+        """Build the optimizer over ``params`` (named ``names``, needed with :attr:`groups`);
+        bad arguments raise ``ValueError``. With groups, each group also records
+        ``lr_scale``, its ``lr`` over the optimizer's default, so that a learning-rate
+        schedule (:func:`set_learning_rate`) keeps the groups' ratios."""
         klass = self.optimizer_class()
+        target: Any = params
+        if self.groups:
+            params = list(params)
+            if names is None or len(names) != len(params):
+                raise ValueError("an optimizer with param groups needs every parameter's name")
+            by_name = dict(zip(names, params, strict=True))
+            listed: set[str] = set()
+            target = []
+            for group_names, overrides in self.groups:
+                unknown = [n for n in group_names if n not in by_name]
+                if unknown:
+                    raise ValueError(f"param group names unknown parameters {unknown!r}")
+                listed.update(group_names)
+                target.append({"params": [by_name[n] for n in group_names], **overrides})
+            rest = [p for n, p in zip(names, params, strict=True) if n not in listed]
+            if rest:
+                target.append({"params": rest})
         try:
-            return klass(params, **self.kwargs)
+            optimizer = klass(target, **self.kwargs)
         except (TypeError, ValueError) as exc:
             raise ValueError(
-                f"optimizer {self.name} rejected its arguments {dict(self.kwargs)!r}: {exc}"
+                f"optimizer {self.name} rejected its arguments {dict(self.kwargs)!r} "
+                f"(groups {[dict(o) for _, o in self.groups]!r}): {exc}"
             ) from exc
+        if self.groups:
+            base = optimizer.defaults.get("lr")
+            for group in optimizer.param_groups:
+                lr = group.get("lr")
+                ok = isinstance(base, (int, float)) and base > 0 and isinstance(lr, (int, float))
+                group["lr_scale"] = float(lr) / float(base) if ok else 1.0
+        return optimizer
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kwargs": dict(self.kwargs)}
+        data: dict[str, Any] = {"name": self.name, "kwargs": dict(self.kwargs)}
+        if self.groups:
+            data["groups"] = [[list(n), dict(o)] for n, o in self.groups]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OptimizerSpec:
-        return cls(str(data["name"]), dict(data.get("kwargs", {})))
+        groups = tuple((tuple(n), dict(o)) for n, o in data.get("groups", []))
+        return cls(str(data["name"]), dict(data.get("kwargs", {})), groups)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set a schedule's ``lr`` on every parameter group, times the group's ``lr_scale`` (its
+    own ``lr`` over the optimizer's, recorded by :meth:`OptimizerSpec.create`; 1 without
+    groups), as ``torch.optim.lr_scheduler.LambdaLR`` scales every group's base rate."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 @dataclass(frozen=True)
@@ -902,7 +970,7 @@ class LocalBackend(SyncBackend):
         self._plan = setup.plan
         self._params = [p.detach().clone().requires_grad_(p.requires_grad) for p in setup.params]
         self._buffers = [b.detach().clone() for b in setup.buffers]
-        self._optimizer = setup.optimizer.create(self._params)
+        self._optimizer = setup.optimizer.create(self._params, [s.name for s in setup.param_specs])
         if self._storage_uri is not None and self._resume:
             checkpoint = load_latest_checkpoint(self._storage_uri)
             if checkpoint is not None:
@@ -960,8 +1028,7 @@ class LocalBackend(SyncBackend):
                 f"expected {len(self._params)}"
             )
         if lr is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_learning_rate(optimizer, lr)
         setup = self._setup
         assert setup is not None
         grads = list(contribution.grads)

@@ -264,6 +264,12 @@ class GrpcBackend(SyncBackend):
         return self._plan
 
     def initialize(self, setup: TrainingSetup) -> InitialState:
+        if setup.optimizer.groups:
+            raise ValueError(
+                f"param groups ({len(setup.optimizer.groups)} given) need the collective sync "
+                "mode (shoal submit --sync-mode collective) or standalone; the "
+                "parameter-server shards build one group over their slice"
+            )
         if setup.skip_nonfinite:
             # Each parameter-sync shard steps its own slice: a skip decided alike by every
             # shard would need the shards' non-finite checks combined first.

@@ -12,6 +12,7 @@ sample count, loss sum and buffers to the backend, and loads the parameters it g
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -293,6 +294,39 @@ def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _with_groups(
+    spec: OptimizerSpec,
+    model: nn.Module,
+    param_groups: Callable[[nn.Module], Sequence[Mapping[str, Any]]],
+) -> OptimizerSpec:
+    """``spec`` with the groups ``param_groups(model)`` returns, by parameter name."""
+    if not callable(param_groups):
+        raise ValueError(f"param_groups ({param_groups!r}) must be a function of the model")
+    names = {id(p): n for n, p in model.named_parameters()}
+    known = set(names.values())
+    groups = []
+    for i, group in enumerate(param_groups(model)):
+        if not isinstance(group, Mapping) or "params" not in group:
+            raise ValueError(f"param group {i} ({group!r}) must be a dict with 'params'")
+        params = group["params"]
+        if isinstance(params, (torch.Tensor, str)):
+            params = [params]
+        group_names = []
+        for p in params:
+            name = p if isinstance(p, str) else names.get(id(p))
+            if name is None or name not in known:
+                shown = p if isinstance(p, str) else f"tensor of shape {tuple(p.shape)}"
+                raise ValueError(f"param group {i} holds {shown!r}, not a parameter of the model")
+            group_names.append(name)
+        overrides = {k: v for k, v in group.items() if k != "params"}
+        groups.append((tuple(group_names), overrides))
+    spec = dataclasses.replace(spec, groups=tuple(groups))
+    # Validate on stand-ins of the model's parameters (the real ones are not touched).
+    named = list(model.named_parameters())
+    spec.create([torch.zeros(1, requires_grad=True) for _ in named], [n for n, _ in named])
+    return spec
+
+
 _DEFAULT_HANDLER_NAME = "shoal-default-stderr"
 
 
@@ -443,6 +477,11 @@ class ElasticTrainer:
             optimizer step of a single process (in every sync mode).
         log_default: when the script configured no logging, send shoal's INFO records to
             stderr (see :func:`configure_default_logging`).
+        param_groups: ``model -> [{"params": [...], "lr": ..., "weight_decay": ...}, ...]``,
+            torch's parameter groups (parameters as tensors of ``model`` or as names); the
+            parameters no group lists form a last group with the optimizer's defaults. A
+            learning-rate schedule scales every group's rate by the same factor (each group
+            keeps its ratio to the optimizer's ``lr``). Standalone and collective mode.
     """
 
     def __init__(
@@ -466,6 +505,7 @@ class ElasticTrainer:
         amp: MixedPrecision | str | torch.dtype | None = None,
         clip_grad_norm: float | None = None,
         log_default: bool = True,
+        param_groups: Callable[[nn.Module], Sequence[Mapping[str, Any]]] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model ({type(model).__name__}) must be a torch.nn.Module")
@@ -489,6 +529,8 @@ class ElasticTrainer:
         self.get_datasets = get_datasets
         self.loss_fn = loss_fn
         self.optimizer_spec = OptimizerSpec.parse(optimizer)
+        if param_groups is not None:
+            self.optimizer_spec = _with_groups(self.optimizer_spec, model, param_groups)
         self.metrics = metrics
         self.lr_schedule = lr_schedule
         if lr_schedule is not None and not callable(lr_schedule):
