@@ -1,13 +1,14 @@
 """A small transformer encoder that finds the most frequent token of a sequence, trained with
 the parts of the training API real work uses: bfloat16 autocast, global gradient clipping,
-AdamW with weight decay, a warmup-cosine schedule by name, and an EDT-style callback that logs
+AdamW with weight decay on the matrices only (parameter groups), a warmup-cosine schedule by
+name, and an EDT-style callback that logs
 on the primary learner, notes every rescale and saves the model at each epoch's end.
 
 The data is generated (seeded, the same in every learner): nothing is downloaded.
 
 Standalone:   python examples/transformer/train.py --tiny          (CPU, well under a minute)
 On shoal:     shoal submit examples/transformer --max-workers 4 --sync-mode collective
-              (clip_grad_norm needs the collective mode on the cluster; see
+              (parameter groups need the collective mode on the cluster; see
               docs/training-api.md)
 """
 
@@ -53,6 +54,15 @@ class Encoder(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.encoder(self.tokens(x) + self.positions)
         return self.head(h.mean(dim=1))
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Weight decay on matrices only: biases, norms and embeddings' positions keep theirs."""
+    decay = [p for p in model.parameters() if p.ndim == 2]
+    return [
+        {"params": decay},
+        {"params": [p for p in model.parameters() if p.ndim != 2], "weight_decay": 0.0},
+    ]
 
 
 class EDTStyle(Callback):
@@ -107,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         partial(get_datasets, samples, length, vocab),
         nn.CrossEntropyLoss(),
         ("AdamW", {"lr": args.lr, "weight_decay": 0.01}),
+        param_groups=param_groups,
         lr_schedule=("warmup_cosine", {"warmup": 20}),
         amp="bfloat16",
         clip_grad_norm=1.0,
