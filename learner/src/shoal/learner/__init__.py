@@ -12,7 +12,7 @@ Run as ``python train.py`` it trains in-process (the ``local`` backend); started
 host-agent it joins its job and synchronizes through the backend the environment names.
 """
 
-from shoal.learner import env, partition
+from shoal.learner import data, env, partition
 from shoal.learner.backend import (
     Assignment,
     BackendFactory,
@@ -76,6 +76,7 @@ __all__ = [
     "compute_contribution",
     "configure_default_logging",
     "create_backend",
+    "data",
     "env",
     "evaluate",
     "get_backend",

@@ -13,6 +13,7 @@ sample count, loss sum and buffers to the backend, and loads the parameters it g
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import sys
@@ -63,8 +64,9 @@ __all__ = [
 
 logger = logging.getLogger("shoal.learner")
 
-#: ``() -> (train, test)``; ``test`` may be None (no evaluation). Items are ``(input, target)``.
-DatasetsFn: TypeAlias = Callable[[], tuple[Dataset[Any], Dataset[Any] | None]]
+#: ``() -> (train, test)``, or ``(dataset_uris) -> (train, test)``; ``test`` may be None (no
+#: evaluation). Items are ``(input, target)``.
+DatasetsFn: TypeAlias = Callable[..., tuple[Dataset[Any], Dataset[Any] | None]]
 #: Learning rate of a global iteration (or of an epoch, with ``lr_schedule_unit="epoch"``).
 LRSchedule: TypeAlias = Callable[[int], float]
 LossFn: TypeAlias = Callable[[Any, Any], torch.Tensor]
@@ -441,7 +443,9 @@ class ElasticTrainer:
     Args:
         model: the ``nn.Module`` to train, built as for one machine (moved to ``device``).
         get_datasets: ``() -> (train, test)`` torch Datasets of ``(input, target)`` items;
-            called in each learner process; ``test`` may be None. A ``TensorDataset`` is
+            called in each learner process; ``test`` may be None. When it takes an argument
+            it is called with the job's dataset URIs (``shoal submit --dataset``, else
+            ``dataset_uris``), to read with ``shoal.learner.data``. A ``TensorDataset`` is
             batched fastest (one indexing operation per micro-batch).
         loss_fn: ``(outputs, targets) -> scalar`` mean over the batch, e.g.
             ``nn.CrossEntropyLoss()``.
@@ -506,6 +510,7 @@ class ElasticTrainer:
         clip_grad_norm: float | None = None,
         log_default: bool = True,
         param_groups: Callable[[nn.Module], Sequence[Mapping[str, Any]]] | None = None,
+        dataset_uris: Sequence[str] = (),
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model ({type(model).__name__}) must be a torch.nn.Module")
@@ -559,6 +564,9 @@ class ElasticTrainer:
             )
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.log_default = log_default
+        if isinstance(dataset_uris, str):
+            dataset_uris = [dataset_uris]
+        self.dataset_uris = tuple(dataset_uris)
         self._assignment: Assignment | None = None
         self._world_one = False
 
@@ -590,7 +598,7 @@ class ElasticTrainer:
             configure_default_logging()
         env = self.env if self.env is not None else LearnerEnv.from_environ()
         tracing = LearnerTracing.from_env(env)  # disabled without an OTLP endpoint
-        train_set, test_set = self.get_datasets()
+        train_set, test_set = self._datasets(env.dataset_uris or self.dataset_uris)
         num_samples = len(train_set)  # type: ignore[arg-type]
         if num_samples < 1:
             raise ValueError("the training dataset is empty")
@@ -775,6 +783,19 @@ class ElasticTrainer:
         return result
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _datasets(self, uris: tuple[str, ...]) -> tuple[Dataset[Any], Dataset[Any] | None]:
+        try:
+            parameters = inspect.signature(self.get_datasets).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature: no arguments
+            parameters = []  # type: ignore[assignment]
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        wants_uris = any(
+            p.kind in positional and p.default is inspect.Parameter.empty for p in parameters
+        )
+        if wants_uris:
+            return self.get_datasets(list(uris))
+        return self.get_datasets()
 
     def _base_lr(self) -> float | None:
         lr = self.optimizer_spec.kwargs.get("lr")
