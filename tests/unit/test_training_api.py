@@ -529,3 +529,51 @@ def test_a_collective_checkpoint_of_grouped_adamw_restores_every_group_and_its_s
     for index, entry in want["state"].items():
         for key, value in entry.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(got["state"][index][key]))
+
+
+# --------------------------------------------------------------------------------------------
+# Workers for slow datasets
+# --------------------------------------------------------------------------------------------
+
+
+class SlowDataset(torch.utils.data.Dataset):
+    """Items one at a time, each after a short wait (decoding, augmentation, file reads)."""
+
+    def __init__(self, base: torch.utils.data.TensorDataset, wait: float = 0.0005) -> None:
+        self.x, self.y = base.tensors
+        self.wait = wait
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        import time
+
+        time.sleep(self.wait)
+        return self.x[i], self.y[i]
+
+
+def test_worker_processes_fetch_the_same_samples_and_train_the_same_model() -> None:
+    slow = (SlowDataset(DATASETS[0]), DATASETS[1])
+    results = [
+        ElasticTrainer(
+            make_model(),
+            lambda: slow,
+            nn.CrossEntropyLoss(),
+            SGD,
+            seed=3,
+            device="cpu",
+            env=LearnerEnv(),
+            num_workers=workers,
+            max_batch_per_device=24,
+        ).train(epochs=1, batch_size=64)
+        for workers in (0, 3)
+    ]
+    plain, parallel = (r.params for r in results)
+    assert all(torch.equal(plain[k], parallel[k]) for k in plain)
+    assert [r.loss for r in results[0].history] == [r.loss for r in results[1].history]
+
+
+def test_bad_num_workers_is_refused_naming_the_value() -> None:
+    with pytest.raises(ValueError, match=r"num_workers \(-1\) must be an int >= 0"):
+        trainer(make_model(), num_workers=-1)

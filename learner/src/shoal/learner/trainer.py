@@ -43,6 +43,7 @@ from shoal.learner.backend import (
 )
 from shoal.learner.callbacks import Callback, CallbackList
 from shoal.learner.env import LearnerEnv
+from shoal.learner.loader import BatchFetcher
 from shoal.learner.metrics import MetricsFn, classification_metrics
 from shoal.learner.schedules import resolve_schedule
 from shoal.learner.tracing import LearnerTracing
@@ -209,6 +210,7 @@ def compute_contribution(
     device: torch.device | str | None = None,
     autocast_dtype: torch.dtype | None = None,
     loss_scale: float | None = None,
+    fetcher: BatchFetcher | None = None,
 ) -> Contribution:
     """Run forward and backward over the share ``indices`` of ``dataset`` and return this
     learner's :class:`Contribution`: the mean gradient over the share, its size, the sum of
@@ -226,6 +228,8 @@ def compute_contribution(
     ``GradScaler.unscale_`` does), so the backend always receives unscaled gradients; an
     overflow shows as inf/NaN in them. (The trainer passes the job's scale times the share's
     fraction of the global batch, so that each sample's term is scaled as on one process.)
+    With ``fetcher`` the micro-batches are fetched by its worker processes (the same samples,
+    prefetched).
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     params = [p for _, p in model.named_parameters()]
@@ -234,8 +238,14 @@ def compute_contribution(
     if n == 0:
         return Contribution([None] * len(params), 0, 0.0, [b for _, b in persistent_buffers(model)])
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for chunk in partition.micro_batches(indices, max_per_device):
-        inputs, targets = _split(_to_device(fetch_batch(dataset, chunk), device))
+    chunks = list(partition.micro_batches(indices, max_per_device))
+    fetched = (
+        fetcher.batches(chunks)
+        if fetcher is not None
+        else (fetch_batch(dataset, chunk) for chunk in chunks)
+    )
+    for chunk, batch in zip(chunks, fetched, strict=True):
+        inputs, targets = _split(_to_device(batch, device))
         if autocast_dtype is None:
             loss = loss_fn(model(inputs), targets)
         else:
@@ -481,6 +491,9 @@ class ElasticTrainer:
             optimizer step of a single process (in every sync mode).
         log_default: when the script configured no logging, send shoal's INFO records to
             stderr (see :func:`configure_default_logging`).
+        num_workers: worker processes fetching each share's samples in parallel (for
+            datasets whose ``__getitem__`` is slow; not used for a ``TensorDataset``); the
+            samples each iteration sees do not change (``shoal.learner.loader``).
         param_groups: ``model -> [{"params": [...], "lr": ..., "weight_decay": ...}, ...]``,
             torch's parameter groups (parameters as tensors of ``model`` or as names); the
             parameters no group lists form a last group with the optimizer's defaults. A
@@ -511,6 +524,7 @@ class ElasticTrainer:
         log_default: bool = True,
         param_groups: Callable[[nn.Module], Sequence[Mapping[str, Any]]] | None = None,
         dataset_uris: Sequence[str] = (),
+        num_workers: int = 0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model ({type(model).__name__}) must be a torch.nn.Module")
@@ -564,6 +578,9 @@ class ElasticTrainer:
             )
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.log_default = log_default
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers ({num_workers!r}) must be an int >= 0")
+        self.num_workers = num_workers
         if isinstance(dataset_uris, str):
             dataset_uris = [dataset_uris]
         self.dataset_uris = tuple(dataset_uris)
@@ -637,6 +654,13 @@ class ElasticTrainer:
         callbacks.set_trainer(self)
         self._assignment = None
 
+        # Forked before the backend opens connections (a TensorDataset needs no workers: it is
+        # indexed in one operation).
+        fetcher = (
+            BatchFetcher(train_set, self.num_workers)
+            if self.num_workers > 0 and not isinstance(train_set, TensorDataset)
+            else None
+        )
         owns_backend = not isinstance(self.backend, SyncBackend)
         backend = (
             self.backend
@@ -705,6 +729,7 @@ class ElasticTrainer:
                         max_per_device=max_per_device,
                         device=self.device,
                         autocast_dtype=autocast_dtype,
+                        fetcher=fetcher,
                         # Each sample's term of the scaled loss is scale / b, as in one
                         # process's scaled mean over the global batch: the share overflows
                         # float16 exactly where that process's per-sample terms would.
@@ -775,6 +800,8 @@ class ElasticTrainer:
                 result.completed = True
         finally:
             tracing.close()
+            if fetcher is not None:
+                fetcher.close()
             if owns_backend:
                 backend.close()
         result.params = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
