@@ -549,9 +549,11 @@ async def test_an_environment_that_cannot_be_built_fails_the_start_with_pips_err
     stub = bed.stub()
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.StartLearner(start_request(artifact), timeout=300)
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # INVALID_ARGUMENT: the scheduler fails the job with this message.
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     message = info.value.details()
-    assert "pip install -r requirements.txt exited with" in message
+    assert message.startswith("artifact requirements.txt (")
+    assert "could not be installed (pip install -r requirements.txt exited with" in message
     assert "missing.whl" in message  # pip's own words
     assert (await stub.ListLearners(ha.ListLearnersRequest())).learners == []
     assert not any((bed.config.work_dir / "envs").glob("*/.ready"))

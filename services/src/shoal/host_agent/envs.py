@@ -10,8 +10,11 @@ by every later learner whose requirements are the same, on this host. Concurrent
 same environment wait for one build. pip runs in the learner's unpacked artifact (so relative
 paths in ``requirements.txt``, such as ``./wheels/pkg-1.0-py3-none-any.whl``, resolve there),
 with the agent's environment minus its secrets, and writes ``build.log`` beside the venv; the
-agent logs every step. A failed build leaves nothing behind and fails the start with pip's
-error (its last lines), which the scheduler shows as the job's failure reason.
+agent logs every step. A failed build leaves nothing behind and fails the start with
+INVALID_ARGUMENT and pip's error (its last lines): the scheduler then fails the job with that
+reason (a transient failure, such as an unreachable package index, fails it too: resubmit).
+A build that outlasts the scheduler's StartLearner deadline goes on; the retried start waits for
+it and reuses it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from shoal.runtime.errors import FailedPrecondition
+from shoal.runtime.errors import InvalidField
 
 __all__ = ["REQUIREMENTS_FILE", "JobEnvironments"]
 
@@ -160,8 +163,10 @@ class JobEnvironments:
                 await asyncio.to_thread(shutil.rmtree, directory, True)
                 tail = output.strip()[-_ERROR_TAIL:]
                 log.warning("environment %s: %s failed (exit %d)", short, what, code)
-                raise FailedPrecondition(
-                    f"the job's environment could not be built ({what} exited with {code}): {tail}"
+                raise InvalidField(
+                    f"artifact {REQUIREMENTS_FILE}",
+                    short,
+                    f"could not be installed ({what} exited with {code}): {tail}",
                 )
         (directory / _READY).write_text(f"{time.time()}\n")
         shutil.move(str(build_log), str(directory / "build.log"))
