@@ -131,6 +131,43 @@ def test_global_clipping_on_two_shards_matches_clip_grad_norm_in_one_process(pla
 
 
 @pytest.mark.slow
+def test_float16_loss_scaling_on_two_shards_skips_and_steps_exactly_as_grad_scaler(
+    plane: DataPlane,
+):
+    # One learner (its share is the whole batch, so float16 overflows exactly where one
+    # process does) and two shards: a loss scale of 2**24 overflows the first backward passes;
+    # each shard's slice norm is inf there, the coordinator's global norm is inf, and both
+    # shards skip the step while the learner's scale backs off, as GradScaler does.
+    job, epochs, clip, scale = "fp16-1", 1, 0.15, 2.0**24
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    proc = plane.start_learner(
+        job,
+        f"{job}-l0",
+        epochs=epochs,
+        batch=BATCH,
+        clip_grad_norm=clip,
+        amp="float16",
+        init_scale=scale,
+    )
+    assert proc.wait() == 0, proc.text()[-3000:]
+    reference, reference_losses = reference_training(
+        epochs, BATCH, clip_grad_norm=clip, amp="float16", init_scale=scale
+    )
+    history = plane.history(f"{job}-l0")["history"]
+    skipped = [r["skipped"] for r in history]
+    assert 0 < sum(skipped) < total - 1
+    scales = [r["loss_scale"] for r in history]
+    assert scales[0] == scale and scales[1] == scale / 2  # backed off after the first skip
+    assert all(r["grad_norm"] == float("inf") for r in history if r["skipped"])
+    model = plane.final_model(job)
+    for name, value in reference.items():
+        torch.testing.assert_close(model[name], value, atol=ATOL, rtol=0, msg=name)
+    records = assert_each_iteration_recorded_once(plane, job, total)
+    assert [r["loss"] for r in records] == pytest.approx(list(reference_losses), abs=1e-4)
+
+
+@pytest.mark.slow
 def test_three_learners_shrink_to_two_then_grow_to_four_mid_epoch_and_match(plane: DataPlane):
     job, epochs = "rescale", 2
     total = epochs * iterations_per_epoch()

@@ -309,22 +309,6 @@ def reference_loop_scaled(
     return losses, skipped
 
 
-def test_the_parameter_server_mode_refuses_float16_loss_scaling_clearly() -> None:
-    backend = GrpcBackend.__new__(GrpcBackend)  # the check runs before any connection
-    backend._setup = None  # type: ignore[attr-defined]
-    setup = TrainingSetup(
-        plan=TrainingPlan(epochs=1, batch_size=8, num_samples=16),
-        optimizer=trainer(make_model()).optimizer_spec,
-        param_specs=(),
-        buffer_specs=(),
-        params=[],
-        buffers=[],
-        skip_nonfinite=True,
-    )
-    with pytest.raises(ValueError, match=r"float16 loss scaling .*collective"):
-        backend.initialize(setup)
-
-
 # --------------------------------------------------------------------------------------------
 # Schedules by name
 # --------------------------------------------------------------------------------------------

@@ -120,6 +120,8 @@ class TensorBundleHeader(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _builtins.int
     LOSS_SUM_FIELD_NUMBER: _builtins.int
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    GRAD_NORM_FIELD_NUMBER: _builtins.int
+    STEP_SKIPPED_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     sender_id: _builtins.str
@@ -136,6 +138,12 @@ class TensorBundleHeader(_message.Message):
     """The sum of the per-sample losses over those samples (gradient streams only)."""
     learning_rate: _builtins.float
     """The learning rate for this iteration (gradient streams only; 0 keeps the optimizer's)."""
+    grad_norm: _builtins.float
+    """Shard to learner, when the job clips or skips: the 2-norm of the iteration's whole mean
+    gradient before clipping (+inf when not finite); 0 otherwise.
+    """
+    step_skipped: _builtins.bool
+    """Shard to learner: the optimizer step was skipped (the gradient was not finite)."""
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]:
         """The tensors in the stream."""
@@ -152,10 +160,12 @@ class TensorBundleHeader(_message.Message):
         num_samples: _builtins.int = ...,
         loss_sum: _builtins.float = ...,
         learning_rate: _builtins.float = ...,
+        grad_norm: _builtins.float = ...,
+        step_skipped: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "iteration", b"iteration", "job_id", b"job_id", "learning_rate", b"learning_rate", "loss_sum", b"loss_sum", "num_samples", b"num_samples", "sender_id", b"sender_id", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "grad_norm", b"grad_norm", "iteration", b"iteration", "job_id", b"job_id", "learning_rate", b"learning_rate", "loss_sum", b"loss_sum", "num_samples", b"num_samples", "sender_id", b"sender_id", "step_skipped", b"step_skipped", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -170,6 +180,7 @@ class OptimizerSpec(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     HYPERPARAMETERS_JSON_FIELD_NUMBER: _builtins.int
     CLIP_GRAD_NORM_FIELD_NUMBER: _builtins.int
+    SKIP_NONFINITE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The class name in torch.optim, for example "SGD" or "AdamW"."""
     hyperparameters_json: _builtins.str
@@ -178,16 +189,21 @@ class OptimizerSpec(_message.Message):
     """Clip the job's global gradient (all shards' slices together) to this 2-norm before every
     step, as torch.nn.utils.clip_grad_norm_ does on one process; 0 for no clipping.
     """
+    skip_nonfinite: _builtins.bool
+    """Skip the optimizer step of an iteration whose global gradient is not finite (float16 loss
+    scaling: every shard skips alike, as GradScaler.step skips on one process).
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         hyperparameters_json: _builtins.str = ...,
         clip_grad_norm: _builtins.float = ...,
+        skip_nonfinite: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_grad_norm", b"clip_grad_norm", "hyperparameters_json", b"hyperparameters_json", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_grad_norm", b"clip_grad_norm", "hyperparameters_json", b"hyperparameters_json", "name", b"name", "skip_nonfinite", b"skip_nonfinite"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -270,14 +270,6 @@ class GrpcBackend(SyncBackend):
                 "mode (shoal submit --sync-mode collective) or standalone; the "
                 "parameter-server shards build one group over their slice"
             )
-        if setup.skip_nonfinite:
-            # Each parameter-sync shard steps its own slice: a skip decided alike by every
-            # shard would need the shards' non-finite checks combined first.
-            raise ValueError(
-                "float16 loss scaling (amp='float16') needs the collective sync mode "
-                "(shoal submit --sync-mode collective) or standalone; the parameter-server "
-                "mode does not support it yet (amp='bfloat16' needs no loss scaling)"
-            )
         self._begin(setup)
         self._recv = [torch.empty(m.shape, dtype=m.torch_dtype) for m in self._layout]
         self._recv_bytes = [_bytes_of(t) for t in self._recv]
@@ -308,6 +300,7 @@ class GrpcBackend(SyncBackend):
                 name=setup.optimizer.name,
                 hyperparameters_json=json.dumps(dict(setup.optimizer.kwargs), sort_keys=True),
                 clip_grad_norm=setup.clip_grad_norm or 0.0,
+                skip_nonfinite=setup.skip_nonfinite,
             ),
             dataset_size=setup.plan.num_samples,
             sync_mode=self.SYNC_MODE,  # type: ignore[arg-type]
@@ -500,8 +493,16 @@ class GrpcBackend(SyncBackend):
             contribution.n_samples,
         )
         loss = loss_sum / total if total else float("nan")
+        setup = self._setup
+        measured = setup is not None and (setup.clip_grad_norm is not None or setup.skip_nonfinite)
+        # Every shard committed with the same global norm and skip decision.
         return SyncResult(
-            self._recv[:n_params], self._recv[n_params:], assignment.step, float(loss)
+            self._recv[:n_params],
+            self._recv[n_params:],
+            assignment.step,
+            float(loss),
+            grad_norm=headers[0].grad_norm if measured and headers else None,
+            skipped=any(h.step_skipped for h in headers),
         )
 
     async def _sync(

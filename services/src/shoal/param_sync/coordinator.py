@@ -98,6 +98,13 @@ class OptimizerConfig:
     hyperparameters_json: str = "{}"
     #: Clip the job's global gradient to this 2-norm before every step (0: no clipping).
     clip_grad_norm: float = 0.0
+    #: Skip the step of an iteration whose global gradient is not finite (float16 scaling).
+    skip_nonfinite: bool = False
+
+    @property
+    def needs_norm(self) -> bool:
+        """Whether the shards report their slices' norms (clipping or skipping)."""
+        return self.clip_grad_norm > 0 or self.skip_nonfinite
 
 
 @dataclass(frozen=True)

@@ -551,6 +551,7 @@ class ParameterSyncServicer:
                     name=optimizer.name,
                     hyperparameters_json=optimizer.hyperparameters_json,
                     clip_grad_norm=optimizer.clip_grad_norm,
+                    skip_nonfinite=optimizer.skip_nonfinite,
                 ),
                 coordinator_address=me,
                 active_shards=sharding.active_shards,
@@ -887,6 +888,7 @@ class ParameterSyncServicer:
                     "name": coord.optimizer.name,
                     "hyperparameters_json": coord.optimizer.hyperparameters_json,
                     "clip_grad_norm": coord.optimizer.clip_grad_norm,
+                    "skip_nonfinite": coord.optimizer.skip_nonfinite,
                 },
                 "layout": [
                     {
@@ -1047,7 +1049,7 @@ class ParameterSyncServicer:
         return members
 
     async def _shard_ready(self, sj: ShardJob, generation: int, iteration: int) -> None:
-        clips = sj.optimizer_config.clip_grad_norm > 0
+        clips = sj.optimizer_config.needs_norm
         request = ps_pb2.ShardReadyRequest(
             job_id=sj.job_id,
             shard_index=sj.shard_index,
@@ -1322,7 +1324,7 @@ def _optimizer_config(spec: ps_pb2.OptimizerSpec) -> OptimizerConfig:
     clip = spec.clip_grad_norm
     if not (math.isfinite(clip) and clip >= 0):
         raise InvalidField("optimizer.clip_grad_norm", clip, "must be a finite number >= 0")
-    return OptimizerConfig(spec.name, spec.hyperparameters_json or "{}", clip)
+    return OptimizerConfig(spec.name, spec.hyperparameters_json or "{}", clip, spec.skip_nonfinite)
 
 
 def _aborted(job_id: str, generation: int, iteration: int) -> Aborted:

@@ -485,8 +485,10 @@ class ShardJob:
                     p.grad = (grad if grad.dtype == p.dtype else grad.to(p.dtype)).view(p.shape)
                 else:
                     p.grad = None
-            clip = self.optimizer_config.clip_grad_norm
-            if clip > 0:  # as clip_grad_norm_: g *= min(1, max_norm / (norm + 1e-6))
+            config = self.optimizer_config
+            skipped = config.skip_nonfinite and not math.isfinite(grad_norm)
+            clip = config.clip_grad_norm
+            if clip > 0 and not skipped:  # as clip_grad_norm_: g *= min(1, max / (norm + 1e-6))
                 norm = torch.tensor(grad_norm, dtype=torch.float32)
                 coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
                 for p in self.params:
@@ -495,7 +497,7 @@ class ShardJob:
             if pending.learning_rate > 0:
                 for group in self.optimizer.param_groups:
                     group["lr"] = pending.learning_rate
-            if any(p.grad is not None for p in self.params):
+            if any(p.grad is not None for p in self.params) and not skipped:
                 self.optimizer.step()
             for p in self.params:
                 p.grad = None
@@ -513,6 +515,8 @@ class ShardJob:
             iteration=iteration,
             num_samples=total,
             loss_sum=pending.loss_sum,
+            grad_norm=grad_norm if config.needs_norm else 0.0,
+            step_skipped=skipped,
         )
 
     def abort(self, generation: int, iteration: int) -> bool:
