@@ -485,7 +485,7 @@ class ElasticTrainer:
             learner (see ``shoal.learner.callbacks``).
         amp: mixed precision: ``"bfloat16"`` or ``"float16"`` (or the torch dtype, or a
             :class:`MixedPrecision` for the loss-scaling settings); None for full precision.
-            float16 needs the collective sync mode on the cluster.
+            Works in every sync mode.
         clip_grad_norm: clip the *global* gradient (the job's reduced gradient, not each
             learner's share) to this 2-norm, as ``torch.nn.utils.clip_grad_norm_`` before the
             optimizer step of a single process (in every sync mode).
