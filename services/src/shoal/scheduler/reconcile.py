@@ -720,6 +720,7 @@ class Reconciler:
                 min_workers=r.job.spec.min_workers,
                 max_workers=r.job.spec.max_workers,
                 last_shrunk_at=r.last_shrunk_at,
+                previous_priority=r.decided_priority,
             )
             for r in records.values()
             if r.active
@@ -737,6 +738,7 @@ class Reconciler:
         for record in records.values():
             if not record.active:
                 continue
+            record.decided_priority = record.job.spec.priority
             target = decided.shares.get(record.job_id, 0)
             position = queue_pos.get(record.job_id, 0) if record.state == S.JOB_STATE_QUEUED else 0
             if self.metrics is not None:
