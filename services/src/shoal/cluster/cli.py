@@ -28,6 +28,13 @@ def _read_state(state_dir: Path) -> dict[str, object] | None:
         return None
 
 
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -50,6 +57,13 @@ def up(
     shards: Annotated[int, typer.Option(help="Parameter-sync shards.")] = 2,
     policy: Annotated[str, typer.Option(help="FIFO, FAIRSHARE or PRIORITY.")] = "PRIORITY",
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the cluster.")] = 120.0,
+    context: Annotated[
+        str,
+        typer.Option(
+            help="Name of the context registered in ~/.config/shoal/contexts.json (made "
+            "current), so the CLI finds this cluster from any directory."
+        ),
+    ] = "local",
     dashboard: Annotated[bool, typer.Option(help="Serve the web dashboard too.")] = True,
     tls: Annotated[
         bool,
@@ -98,17 +112,36 @@ def up(
     with console.status("starting etcd and the services..."):
         while _read_state(state_dir) is None:
             if proc.poll() is not None:
-                err.print(f"[red]error:[/red] the cluster failed to start: see {state_dir}/logs/")
+                err.print(
+                    f"[red]error:[/red] the cluster failed to start: see {state_dir}/logs/; "
+                    "the last lines of its log:",
+                    highlight=False,
+                )
+                err.print(
+                    _tail(state_dir / "logs" / "supervisor.log"), highlight=False, markup=False
+                )
                 raise typer.Exit(1)
             if time.monotonic() > deadline:
                 proc.terminate()
                 err.print(f"[red]error:[/red] the cluster did not start in {timeout:.0f} s")
+                err.print(
+                    _tail(state_dir / "logs" / "supervisor.log"), highlight=False, markup=False
+                )
                 raise typer.Exit(1)
             time.sleep(0.2)
+    from shoal.client.config import ConfigError, set_context
+
+    try:
+        set_context(context, state_dir / "cluster.json")
+        registered = f"context {context!r} (current)"
+    except (ConfigError, OSError) as exc:
+        registered = f"no context registered: {exc}"
     console.print(
         f"cluster up: {hosts} hosts x {gpus_per_host} GPUs, {shards} shards"
         f"{', mutual TLS' if tls else ''}; "
-        f"state and logs in {state_dir}/ (shoal cluster status | down)"
+        f"state and logs in {state_dir}/ (shoal cluster status | down); {registered}; "
+        f"you are its admin (the admin token is in {state_dir}/cluster.json)",
+        highlight=False,
     )
     _print_dashboard(state_dir, _read_state(state_dir) or {})
 
@@ -164,5 +197,11 @@ def down(
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    from shoal.client.config import ConfigError, remove_contexts_for
+
+    try:
+        remove_contexts_for(state_dir / "cluster.json")
+    except (ConfigError, OSError):
+        pass
     (state_dir / "cluster.json").unlink(missing_ok=True)
     console.print("cluster down" + (f" (killed {len(left)} stuck processes)" if left else ""))
