@@ -194,13 +194,13 @@ async def test_a_role_error_says_where_the_admin_token_is(scheduler, tmp_path, m
 def test_a_repeated_traceback_is_printed_once_then_counted():
     printed: list[str] = []
     folder = TracebackFolder(lambda prefix, text: printed.append(prefix + text))
-    crash = [
-        "Traceback (most recent call last):",
-        '  File "train.py", line 3, in forward',
-        "    raise ValueError('bad shape')",
-        "ValueError: bad shape",
-    ]
     for learner in ("l1", "l2", "l3"):
+        crash = [  # each learner runs in its own directory
+            "Traceback (most recent call last):",
+            f'  File "/hosts/h/learners/l-{learner}/work/train.py", line 3, in forward',
+            "    raise ValueError('bad shape')",
+            "ValueError: bad shape",
+        ]
         folder.feed(learner, f"[{learner}] ", "starting")
         for text in crash:
             folder.feed(learner, f"[{learner}] ", text)

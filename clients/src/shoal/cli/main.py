@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -512,6 +513,9 @@ def parse_since(text: str) -> float:
     return seconds
 
 
+_WORK_DIR = re.compile(r'File "(?:[^"]*/work/)?([^"]*)"')
+
+
 class TracebackFolder:
     """Prints a Python traceback the first time it is seen; the same traceback again (from
     another learner or another attempt) becomes one line with a count."""
@@ -538,7 +542,8 @@ class TracebackFolder:
 
     def _close(self, learner: str) -> None:
         block = self.open.pop(learner)
-        key = "\n".join(t for _, t in block)
+        # Each learner runs in its own directory: compare the frames without it.
+        key = "\n".join(_WORK_DIR.sub(r'File "\1"', t) for _, t in block)
         count = self.seen.get(key, 0) + 1
         self.seen[key] = count
         if count == 1:
@@ -564,8 +569,6 @@ async def _print_logs(
     since: float = 0.0,
     grep: str = "",
 ) -> None:
-    import re
-
     pattern = re.compile(grep) if grep else None
     cutoff = time.time() - since if since else 0.0
 
@@ -613,8 +616,6 @@ def jobs_logs(
     """Print the job's learners' logs merged by the time each line was written (UTC time,
     learner id, text). A traceback repeated by several learners or attempts is printed once,
     then counted."""
-    import re
-
     if grep:
         try:
             re.compile(grep)
