@@ -303,10 +303,11 @@ def submit(
         raise typer.Exit(1)
 
     quiet = state.output is not Output.table and state.output is not Output.wide
+    bars = not quiet and err_console.is_terminal
 
     async def body(client: AsyncClient) -> job_pb2.Job:
         with (
-            err_console.status(f"packing {model_dir}...") if not quiet else contextlib.nullcontext()
+            err_console.status(f"packing {model_dir}...") if bars else contextlib.nullcontext()
         ):
             data = await asyncio.to_thread(pack_directory, model_dir)
         if not quiet:
@@ -318,7 +319,7 @@ def submit(
             TransferSpeedColumn(),
             console=err_console,
             transient=True,
-            disable=quiet,
+            disable=not bars,
         ) as bar:
             task = bar.add_task(model_dir.name, total=len(data))
             artifact = await client.upload_artifact(
@@ -412,7 +413,8 @@ def _status_line(job: job_pb2.Job) -> str:
     p = job.progress
     return (
         f"{state_name(job.state)} | epoch {p.epoch + 1}/{job.spec.epochs} "
-        f"iter {p.completed_iterations} | loss {p.last_loss:.4f} | "
+        f"iter {p.completed_iterations} | "
+        f"loss {f'{p.last_loss:.4f}' if p.completed_iterations else '-'} | "
         f"learners {job.allocated_workers} | {p.samples_per_second:.0f} samples/s"
     )
 
@@ -669,7 +671,7 @@ def jobs_download(
             TransferSpeedColumn(),
             console=err_console,
             transient=True,
-            disable=quiet,
+            disable=quiet or not err_console.is_terminal,
         ) as bar:
             task = bar.add_task("", total=None)
             return await client.download_model(

@@ -147,7 +147,7 @@ def config_path(env: Mapping[str, str] | None = None) -> Path:
     current = read_contexts(env)["current"]
     if current:
         return _context_file(str(current), env)
-    return DEFAULT_CONFIG.expanduser()
+    return user_config_dir(env) / "config.json"
 
 
 def read_config_file(path: Path) -> dict[str, object]:
