@@ -306,9 +306,7 @@ def submit(
     bars = not quiet and err_console.is_terminal
 
     async def body(client: AsyncClient) -> job_pb2.Job:
-        with (
-            err_console.status(f"packing {model_dir}...") if bars else contextlib.nullcontext()
-        ):
+        with err_console.status(f"packing {model_dir}...") if bars else contextlib.nullcontext():
             data = await asyncio.to_thread(pack_directory, model_dir)
         if not quiet:
             err_console.print(f"packed {model_dir}: {_size(len(data))}", highlight=False)
