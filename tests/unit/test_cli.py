@@ -55,6 +55,26 @@ class WatchableScheduler(FakeScheduler):
             )
         return await super().GetJob(request, context)
 
+    CHECKPOINT_FILES = {"manifest.json": b"{}", "shard-0.safetensors": b"weights"}
+
+    async def ListCheckpoints(self, request, context):
+        files = [
+            js.JobCheckpointFile(name=n, size_bytes=len(b))
+            for n, b in self.CHECKPOINT_FILES.items()
+        ]
+        return js.ListCheckpointsResponse(
+            checkpoints=[
+                js.JobCheckpoint(name="iter-23", iteration=23, epoch=1, size_bytes=9, files=files),
+                js.JobCheckpoint(name="iter-46", iteration=46, epoch=2, files=files, latest=True),
+            ]
+        )
+
+    async def DownloadCheckpoint(self, request, context):
+        data = self.CHECKPOINT_FILES[request.file]
+        header = js.ArtifactHeader(name=request.file, size_bytes=len(data))
+        yield js.DownloadCheckpointResponse(header=header)
+        yield js.DownloadCheckpointResponse(chunk=data)
+
     async def WatchJob(self, request, context):
         job = job_pb2.Job()
         job.CopyFrom(self.jobs[request.job_id])
@@ -277,3 +297,20 @@ def test_reserved_ports_are_distinct_and_still_bindable_by_services():
         http.server_close()
     finally:
         ports.release()
+
+
+async def test_a_checkpoint_downloads_by_iteration_name_or_latest(scheduler, tmp_path):
+    result = await invoke(["jobs", "checkpoints", "job-1"])
+    assert result.exit_code == 0, result.output
+    assert "iter-46 (latest)" in result.stdout and "AGE" in result.stdout
+    out = tmp_path / "ck"
+    result = await invoke(["jobs", "download", "job-1", "--checkpoint", "23", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (out / "shard-0.safetensors").read_bytes() == b"weights"
+    result = await invoke(
+        ["jobs", "download", "job-1", "--checkpoint", "latest", "--out", str(out), "-o", "json"]
+    )
+    assert json.loads(result.stdout)["checkpoint"] == "iter-46"
+    result = await invoke(["jobs", "download", "job-1", "--checkpoint", "7"])
+    assert result.exit_code == 1
+    assert "checkpoint ('7') is not one of job-1's (iter-23, iter-46)" in result.stderr
