@@ -314,3 +314,30 @@ async def test_a_checkpoint_downloads_by_iteration_name_or_latest(scheduler, tmp
     result = await invoke(["jobs", "download", "job-1", "--checkpoint", "7"])
     assert result.exit_code == 1
     assert "checkpoint ('7') is not one of job-1's (iter-23, iter-46)" in result.stderr
+
+
+def test_uploads_honour_gitignore_and_shoalignore(tmp_path):
+    from shoal.client import pack_directory
+    from shoal.client.packing import pack
+
+    root = tmp_path / "m"
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "big.bin").write_bytes(b"x" * 1000)
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_text("ref")
+    (root / "runs").mkdir()
+    (root / "runs" / "keep.txt").write_text("k")
+    (root / "runs" / "log.txt").write_text("l")
+    (root / "train.py").write_text("print('hi')\n")
+    (root / "notes.tmp").write_text("t")
+    (root / ".gitignore").write_text("data/\n*.tmp\n")
+    (root / ".shoalignore").write_text("runs/*\n!runs/keep.txt\n")
+    packed = pack(root)
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(packed.data)) as tar:
+        names = sorted(tar.getnames())
+    assert names == [".gitignore", ".shoalignore", "runs", "runs/keep.txt", "train.py"]
+    assert (packed.files, packed.ignored) == (4, 4)  # big.bin, HEAD, log.txt, notes.tmp
+    assert pack_directory(root) == packed.data

@@ -35,7 +35,8 @@ from shoal.cli.output import (
     timestamp_seconds,
     to_data,
 )
-from shoal.client import AsyncClient, ConfigError, ShoalClientError, load_config, pack_directory
+from shoal.client import AsyncClient, ConfigError, ShoalClientError, load_config
+from shoal.client.packing import pack
 from shoal.v1 import job_pb2
 
 T = TypeVar("T")
@@ -307,9 +308,15 @@ def submit(
 
     async def body(client: AsyncClient) -> job_pb2.Job:
         with err_console.status(f"packing {model_dir}...") if bars else contextlib.nullcontext():
-            data = await asyncio.to_thread(pack_directory, model_dir)
+            packed = await asyncio.to_thread(pack, model_dir)
+        data = packed.data
         if not quiet:
-            err_console.print(f"packed {model_dir}: {_size(len(data))}", highlight=False)
+            ignored = f", {packed.ignored} ignored" if packed.ignored else ""
+            err_console.print(
+                f"packed {model_dir}: {packed.files} files, {_size(packed.file_bytes)} "
+                f"({_size(len(data))} compressed{ignored}; .gitignore and .shoalignore apply)",
+                highlight=False,
+            )
         with Progress(
             TextColumn("uploading {task.description}"),
             BarColumn(),
