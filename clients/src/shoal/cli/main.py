@@ -313,7 +313,8 @@ def submit(
         if not quiet:
             ignored = f", {packed.ignored} ignored" if packed.ignored else ""
             err_console.print(
-                f"packed {model_dir}: {packed.files} files, {_size(packed.file_bytes)} "
+                f"packed {model_dir}: {packed.files} file{'' if packed.files == 1 else 's'}, "
+                f"{_size(packed.file_bytes)} "
                 f"({_size(len(data))} compressed{ignored}; .gitignore and .shoalignore apply)",
                 highlight=False,
             )
