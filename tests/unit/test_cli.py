@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import time
 
@@ -74,6 +75,21 @@ class WatchableScheduler(FakeScheduler):
         header = js.ArtifactHeader(name=request.file, size_bytes=len(data))
         yield js.DownloadCheckpointResponse(header=header)
         yield js.DownloadCheckpointResponse(chunk=data)
+
+    async def StreamJobLogs(self, request, context):
+        from shoal.v1 import resources_pb2
+
+        now = time.time()
+        lines = []
+        for i, (age_s, text) in enumerate(
+            [(3600, "an hour ago"), (60, "epoch 1 accuracy 0.76"), (1, "final accuracy 0.91")]
+        ):
+            line = resources_pb2.LogLine(
+                learner_id="job-1-l1", host_id="host-2", text=text, offset=i * 10
+            )
+            line.time.FromNanoseconds(int((now - age_s) * 1e9))
+            lines.append(line)
+        yield js.StreamJobLogsResponse(lines=lines)
 
     async def WatchJob(self, request, context):
         job = job_pb2.Job()
@@ -341,3 +357,20 @@ def test_uploads_honour_gitignore_and_shoalignore(tmp_path):
     assert names == [".gitignore", ".shoalignore", "runs", "runs/keep.txt", "train.py"]
     assert (packed.files, packed.ignored) == (4, 4)  # big.bin, HEAD, log.txt, notes.tmp
     assert pack_directory(root) == packed.data
+
+
+async def test_log_lines_carry_written_time_learner_and_host_and_filter(scheduler):
+    result = await invoke(["jobs", "logs", "job-1"])
+    assert result.exit_code == 0, result.output
+    first = result.stdout.splitlines()[0]
+    assert re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3} \[job-1-l1 host-2\] an hour ago", first)
+    recent = await invoke(["jobs", "logs", "job-1", "--since", "5m", "--grep", "accuracy"])
+    assert [line.split("] ")[1] for line in recent.stdout.splitlines()] == [
+        "epoch 1 accuracy 0.76",
+        "final accuracy 0.91",
+    ]
+    as_json = await invoke(["jobs", "logs", "job-1", "-o", "json"])
+    line = json.loads(as_json.stdout.splitlines()[0])
+    assert line["host_id"] == "host-2" and line["offset"] == 0
+    bad = await invoke(["jobs", "logs", "job-1", "--since", "5 minutes"])
+    assert bad.exit_code == 2 and "--since ('5 minutes')" in bad.output

@@ -597,7 +597,8 @@ async def _print_logs(
                 print(json.dumps(to_data(line)), flush=True)
                 continue
             stamp = iso_time(written)[11:23] if written else "--:--:--.---"
-            prefix = f"{stamp} [{line.learner_id}] "
+            where = f"{line.learner_id} {line.host_id}" if line.host_id else line.learner_id
+            prefix = f"{stamp} [{where}] "
             if pattern is not None:
                 out(prefix, line.text)  # a filtered view keeps every matching line
             else:

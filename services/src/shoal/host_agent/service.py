@@ -547,6 +547,7 @@ class HostAgentServicer(ha_grpc.HostAgentServiceServicer):
                         text=r.text,
                         time=_ts(r.time) if r.time else now,
                         offset=r.offset,
+                        host_id=self.agent.config.host_id,
                     )
                     for r in batch
                 ]
