@@ -10,6 +10,7 @@ import json
 import re
 import socket
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -374,3 +375,27 @@ async def test_log_lines_carry_written_time_learner_and_host_and_filter(schedule
     assert line["host_id"] == "host-2" and line["offset"] == 0
     bad = await invoke(["jobs", "logs", "job-1", "--since", "5 minutes"])
     assert bad.exit_code == 2 and "--since ('5 minutes')" in bad.output
+
+
+def test_cluster_status_and_down_find_the_current_contexts_cluster(tmp_path, monkeypatch):
+    from shoal.cluster.cli import _found_state_dir, _free_context_name
+
+    for name in ("SHOAL_CONFIG", "SHOAL_CONTEXT"):
+        monkeypatch.delenv(name, raising=False)
+    state = tmp_path / "project" / ".shoal"
+    state.mkdir(parents=True)
+    (state / "cluster.json").write_text(json.dumps({"scheduler": [], "state_dir": str(state)}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert _found_state_dir(None) == Path(".shoal")  # no context yet
+    assert _free_context_name("local", state / "cluster.json") == "local"
+    set_context("local", state / "cluster.json")
+    assert _found_state_dir(None) == state
+    assert _found_state_dir(tmp_path / "x") == tmp_path / "x"
+    # A second cluster started elsewhere does not hide the first: it gets local-2.
+    second = elsewhere / ".shoal"
+    second.mkdir()
+    (second / "cluster.json").write_text("{}")
+    assert _free_context_name("local", second / "cluster.json") == "local-2"
+    assert _found_state_dir(None) == Path(".shoal")  # a cluster in this directory wins

@@ -19,6 +19,48 @@ cluster_app = typer.Typer(help="Run a whole shoal cluster on this machine.", no_
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
 StateDir = Annotated[Path, typer.Option(help="Where the cluster keeps state, logs, storage.")]
+FoundStateDir = Annotated[
+    Path | None,
+    typer.Option(
+        help="The cluster's state directory (default: ./.shoal if a cluster runs there, else "
+        "the current context's cluster)."
+    ),
+]
+
+
+def _found_state_dir(state_dir: Path | None) -> Path:
+    """``--state-dir``, else ``./.shoal`` when a cluster runs here, else the state directory of
+    the current context's local cluster (so `status` and `down` work from any directory)."""
+    if state_dir is not None:
+        return state_dir
+    here = Path(".shoal")
+    if (here / "cluster.json").is_file():
+        return here
+    from shoal.client.config import ConfigError, config_path, read_config_file
+
+    try:
+        data = read_config_file(config_path())
+    except ConfigError:
+        return here
+    found = data.get("state_dir")
+    return Path(str(found)) if found else here
+
+
+def _free_context_name(name: str, config_file: Path) -> str:
+    """``name``, or ``name-2``, ``name-3``... when ``name`` already points at another cluster
+    that is still there (a second local cluster never hides the first)."""
+    from shoal.client.config import read_contexts
+
+    contexts = read_contexts()["contexts"]
+    target = str(config_file.resolve())
+    candidate, n = name, 1
+    while True:
+        entry = contexts.get(candidate)
+        other = str(entry.get("config", "")) if isinstance(entry, dict) else ""
+        if not other or other == target or not Path(other).is_file():
+            return candidate
+        n += 1
+        candidate = f"{name}-{n}"
 
 
 def _read_state(state_dir: Path) -> dict[str, object] | None:
@@ -132,8 +174,9 @@ def up(
     from shoal.client.config import ConfigError, set_context
 
     try:
-        set_context(context, state_dir / "cluster.json")
-        registered = f"context {context!r} (current)"
+        name = _free_context_name(context, state_dir / "cluster.json")
+        set_context(name, state_dir / "cluster.json")
+        registered = f"context {name!r} (current)"
     except (ConfigError, OSError) as exc:
         registered = f"no context registered: {exc}"
     console.print(
@@ -156,8 +199,9 @@ def _print_dashboard(state_dir: Path, state: dict[str, object]) -> None:
 
 
 @cluster_app.command()
-def status(state_dir: StateDir = Path(".shoal")) -> None:
+def status(state_dir: FoundStateDir = None) -> None:
     """Show the local cluster's processes, whether they are alive, and their metrics URLs."""
+    state_dir = _found_state_dir(state_dir)
     state = _read_state(state_dir)
     if state is None:
         console.print(f"no cluster running in {state_dir}")
@@ -176,10 +220,11 @@ def status(state_dir: StateDir = Path(".shoal")) -> None:
 
 @cluster_app.command()
 def down(
-    state_dir: StateDir = Path(".shoal"),
+    state_dir: FoundStateDir = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for a clean stop.")] = 60.0,
 ) -> None:
     """Stop every process of the local cluster; nothing is left behind."""
+    state_dir = _found_state_dir(state_dir)
     state = _read_state(state_dir)
     if state is None:
         console.print(f"no cluster running in {state_dir}")
