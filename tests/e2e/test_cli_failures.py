@@ -87,6 +87,6 @@ def test_failures_are_explained_and_the_cli_finds_its_cluster_from_anywhere(tmp_
         down = shoal("cluster", "down", env=env, cwd=elsewhere, check=False)
         if down.returncode != 0 or "cluster down" not in down.stdout:
             shoal("cluster", "down", env=env, cwd=project, check=False)
-        assert "cluster down" in down.stdout, down.stdout + down.stderr
+    assert "cluster down" in down.stdout, down.stdout + down.stderr
     gone = shoal("config", "get-contexts", "-o", "json", env=env, cwd=elsewhere)
     assert json.loads(gone.stdout) == []
