@@ -552,8 +552,9 @@ class HostAgentServicer(ha_grpc.HostAgentServiceServicer):
                             else resources_pb2.LOG_STREAM_STDOUT
                         ),
                         text=r.text,
-                        time=now,
+                        time=_ts(r.time) if r.time else now,
                         offset=r.offset,
+                        host_id=self.agent.config.host_id,
                     )
                     for r in batch
                 ]
