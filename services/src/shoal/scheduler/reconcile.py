@@ -1050,6 +1050,14 @@ class Reconciler:
         if work.stops:
             await self._stop(record, work.stops)
             dirty = False
+        if self._held(record.job_id) and (work.starts or work.restarts):
+            # Its coordinator turned out unreachable while this work ran (an evict above):
+            # learners started now could not sync. They start once it answers again.
+            for lr in work.starts:
+                if record.learners.get(lr.learner_id) is lr and lr.phase is LearnerPhase.PENDING:
+                    del record.learners[lr.learner_id]
+            work.starts, work.restarts = [], []
+            dirty = True
         if work.restarts and record.active:
             with self.rescales.phase(record.job_id, "start", work.restarts):
                 await self._start_learners(
