@@ -59,6 +59,14 @@ def up(
             "STATE_DIR/tls; the CLI's certificate is named in STATE_DIR/cluster.json.",
         ),
     ] = False,
+    restart: Annotated[
+        bool,
+        typer.Option(help="Restart a crashed service process (bounded backoff)."),
+    ] = True,
+    stall_timeout: Annotated[
+        float | None,
+        typer.Option(help="The job-scheduler's --stall-timeout, seconds (default: its own)."),
+    ] = None,
 ) -> None:
     """Start etcd and every service in the background; the CLI then finds them by itself."""
     state = _read_state(state_dir)
@@ -87,6 +95,8 @@ def up(
             policy,
             *([] if dashboard else ["--no-dashboard"]),
             *(["--tls"] if tls else []),
+            *([] if restart else ["--no-restart"]),
+            *(["--stall-timeout", str(stall_timeout)] if stall_timeout is not None else []),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -130,12 +140,33 @@ def status(state_dir: StateDir = Path(".shoal")) -> None:
         console.print(f"no cluster running in {state_dir}")
         raise typer.Exit(1)
     metrics = dict(state.get("metrics") or {})  # type: ignore[call-overload]
-    table = Table("PROCESS", "PID", "ALIVE", "METRICS")
+    services = dict(state.get("services") or {})  # type: ignore[call-overload]
+    table = Table("PROCESS", "PID", "ALIVE", "STATE", "RESTARTS", "LAST EXIT", "METRICS")
     table.add_row(
-        "supervisor", str(state["supervisor_pid"]), str(_alive(int(state["supervisor_pid"]))), ""
+        "supervisor",
+        str(state["supervisor_pid"]),
+        str(_alive(int(state["supervisor_pid"]))),  # type: ignore[call-overload]
+        "",
+        "",
+        "",
+        "",
     )
     for name, pid in dict(state["pids"]).items():  # type: ignore[arg-type]
-        table.add_row(name, str(pid), str(_alive(int(pid))), str(metrics.get(name, "")))
+        info = dict(services.get(name) or {})
+        alive = _alive(int(pid)) if pid else False
+        supervised = info.get("state", "")
+        if not alive and supervised == "running":
+            supervised = "exited (restart pending)" if state.get("supervised") else "exited"
+        last_exit = info.get("last_exit_code")
+        table.add_row(
+            name,
+            str(pid),
+            str(alive),
+            str(supervised),
+            str(info.get("restarts", "")),
+            "" if last_exit is None else str(last_exit),
+            str(metrics.get(name, "")),
+        )
     console.print(table)
     console.print(f"scheduler: {', '.join(state['scheduler'])}")  # type: ignore[arg-type]
     _print_dashboard(state_dir, state)
