@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from shoal.contract.data_plane import CoordinatorRecord, coordinator_key, encode_coordinator
 from shoal.runtime.auth import LearnerTokenSigner, LearnerTokenVerifier, Principal, Role
 from shoal.runtime.channels import connect
 from shoal.runtime.election import LeaderElection
@@ -364,6 +365,41 @@ async def test_a_dead_coordinator_shard_makes_the_job_recovering_without_learner
     await loop.shares({j: 4}, "all learners back")
     reasons = [h.reason for h in loop.table.records[j].history]
     assert any("re-opening the job from its latest checkpoint" in r for r in reasons), reasons
+
+
+async def test_the_scheduler_follows_a_coordinator_moved_by_the_data_plane(loop: Loop) -> None:
+    """The parameter-sync tier fails the coordinator role over and publishes the move in etcd
+    (shoal.contract.data_plane): the scheduler talks to the new coordinator and tells new
+    learners about it; an older epoch does not move it back."""
+    c = loop.cluster
+    j = (await loop.api.submit(ALICE, "", spec(loop.artifact, max_workers=2))).job_id
+    await loop.shares({j: 2})
+    old = loop.table.records[j].coordinator_index
+    new = 1 - old
+    c.sync.down.add(old)  # the old coordinator's shard is gone
+    moved = CoordinatorRecord(address=c.shard_addresses[new], index=new, epoch=1)
+    await loop.store.put(coordinator_key(j), encode_coordinator(moved))
+    await loop.until(
+        lambda: loop.table.records[j].coordinator_address == c.shard_addresses[new], "re-pointed"
+    )
+    done = loop.job(j).progress.completed_iterations
+    await loop.until(lambda: loop.job(j).progress.completed_iterations > done + 3, "progress")
+    assert loop.state(j) == S.JOB_STATE_RUNNING
+    stored = await loop.table.get(j)
+    assert stored is not None and stored.coordinator_index == new  # persisted
+    # A learner started from now on is told the new coordinator.
+    c.exit_learner(c.running(j)[0].learner.learner_id, 1, "boom")
+    await loop.until(
+        lambda: any(
+            fl.request.env["SHOAL_COORDINATOR"] == c.shard_addresses[new] for fl in c.running(j)
+        ),
+        "a learner told the new coordinator",
+    )
+    stale = CoordinatorRecord(address=c.shard_addresses[old], index=old, epoch=0)
+    await loop.store.put(coordinator_key(j), encode_coordinator(stale))
+    cycles = loop.reconciler.cycles
+    await loop.until(lambda: loop.reconciler.cycles > cycles + 5, "cycles")
+    assert loop.table.records[j].coordinator_address == c.shard_addresses[new]
 
 
 async def test_a_job_without_progress_is_retried_from_its_checkpoint_then_fails_with_the_reason(

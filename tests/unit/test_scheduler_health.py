@@ -119,3 +119,25 @@ def test_only_running_and_recovering_jobs_are_assessed() -> None:
 def test_bad_health_settings_are_refused_naming_the_field(field: str, value: float) -> None:
     with pytest.raises(InvalidField, match=field):
         HealthConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_coordinator_that_says_it_is_recovering_makes_the_job_recovering_until_it_commits() -> (
+    None
+):
+    health = JobHealth(iterations=0, progress_at=0.0)
+    health.polled(286, 1.0)
+    health.polled(286, 2.0, recovering="shard 1 lost at iteration 286; rewinding to 230")
+    got = verdict(RUNNING, health, 2.0)
+    assert got is not None and got.kind is VerdictKind.RECOVERING
+    assert "shard 1 lost at iteration 286; rewinding to 230" in got.reason
+    health.entered_recovery()
+    health.polled(230, 3.0, recovering="rewinding")  # rewound to the checkpoint
+    assert verdict(RECOVERING, health, 3.0) is None
+    health.polled(231, 4.0, recovering="rewinding")
+    assert verdict(RECOVERING, health, 4.0) is None  # still says it recovers
+    health.polled(231, 5.0)  # its recovery ended
+    assert verdict(RECOVERING, health, 5.0) is None
+    health.polled(232, 6.0)
+    got = verdict(RECOVERING, health, 6.0)
+    assert got is not None and got.kind is VerdictKind.RECOVERED
+    assert "lost at iteration 286" in got.reason

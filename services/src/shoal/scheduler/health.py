@@ -64,17 +64,26 @@ class JobHealth:
     lost_at: int | None = None
     """Iterations completed when the data plane was lost (for the reasons)."""
     baseline: int | None = None
-    """While RECOVERING: iterations at the first successful poll of the re-formed data plane;
-    an iteration beyond it means the job trains again."""
+    """While RECOVERING: iterations at the first successful poll of the re-formed data plane
+    (lowered by a rewind to a checkpoint); an iteration beyond it means the job trains again."""
+    coordinator_recovering: str | None = None
+    """The coordinator's own word that it is recovering the job (a shard lost; its
+    ``recovery_reason``), or None."""
 
-    def polled(self, iterations: int, now: float) -> None:
-        """A successful poll: the coordinator answers."""
+    def polled(self, iterations: int, now: float, recovering: str | None = None) -> None:
+        """A successful poll: the coordinator answers (``recovering``: its reason, when it
+        says it is recovering the job from a shard loss)."""
         self.unreachable_since = None
         self.unreachable_why = ""
         if iterations > self.iterations:
             self.progress_at = now
-        if self.baseline is None:
+        if self.coordinator_recovering is not None and recovering is None:
+            self.baseline = iterations  # its recovery ended: count from here
+        elif self.baseline is None or iterations < self.baseline:
             self.baseline = iterations
+        if recovering is not None and self.lost_at is None:
+            self.lost_at = self.iterations
+        self.coordinator_recovering = recovering
         self.iterations = iterations
 
     def unreachable(self, why: str, now: float) -> None:
@@ -96,6 +105,10 @@ class JobHealth:
         """The job went RECOVERING: what counts as training again is measured from the next
         successful poll (or re-open), not from before the loss."""
         self.baseline = None
+
+    def running(self) -> None:
+        """The job is RUNNING again: a later loss reports its own iteration."""
+        self.lost_at = None
 
     def restarted(self, now: float) -> None:
         """A retry from the checkpoint began: a fresh stall timeout."""
@@ -153,6 +166,11 @@ def assess(
             f"{where}; retrying from the latest checkpoint (retry {recoveries + 1} of "
             f"{config.max_recoveries})",
         )
+    if state == S.JOB_STATE_RUNNING and health.coordinator_recovering is not None:
+        return Verdict(
+            VerdictKind.RECOVERING,
+            f"coordinator {coordinator} is recovering the job: {health.coordinator_recovering}",
+        )
     if (
         state == S.JOB_STATE_RUNNING
         and health.unreachable_since is not None
@@ -167,6 +185,7 @@ def assess(
     if (
         state == S.JOB_STATE_RECOVERING
         and not health.down
+        and health.coordinator_recovering is None
         and health.baseline is not None
         and health.iterations > health.baseline
     ):

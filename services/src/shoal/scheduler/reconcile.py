@@ -45,6 +45,13 @@ from google.protobuf.duration_pb2 import Duration
 from grpc import aio
 from opentelemetry import context as otel_context, trace
 
+from shoal.contract import ids
+from shoal.contract.data_plane import (
+    COORDINATORS_PREFIX,
+    CoordinatorRecord,
+    InvalidCoordinatorRecord,
+    decode_coordinator,
+)
 from shoal.runtime import telemetry
 from shoal.runtime.channels import connect
 from shoal.runtime.config import TLSConfig
@@ -98,6 +105,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ELECTION",
+    "CoordinatorMoves",
     "Inventory",
     "JobWork",
     "Peers",
@@ -474,6 +482,66 @@ class ShardRegistry:
             await asyncio.sleep(1.0)
 
 
+class CoordinatorMoves:
+    """Where the parameter-sync tier moved jobs' coordinators (``shoal.contract.data_plane``:
+    ``/shoal/v1/parameter-sync/coordinators/<job_id>`` = address, index, epoch), kept from an
+    etcd watch. Only a record with a higher epoch than the one known replaces it; each such
+    move is reported to ``on_move``. A job without a record keeps the hash rule
+    (:func:`coordinator_index`)."""
+
+    def __init__(
+        self,
+        store: Store,
+        on_move: Callable[[str, CoordinatorRecord], None],
+        prefix: str = COORDINATORS_PREFIX,
+    ) -> None:
+        self.store = store
+        self.on_move = on_move
+        self.prefix = prefix
+        self.records: dict[str, CoordinatorRecord] = {}
+
+    def get(self, job_id: str) -> CoordinatorRecord | None:
+        return self.records.get(job_id)
+
+    def apply(self, key: str, value: bytes) -> None:
+        """One stored value (a listing or a watch event)."""
+        job_id = key.removeprefix(self.prefix)
+        if not ids.is_valid(ids.IdKind.JOB, job_id):
+            log.warning("coordinator record %r: the key does not end in a job id", key)
+            return
+        try:
+            record = decode_coordinator(value)
+        except InvalidCoordinatorRecord as exc:
+            log.warning("coordinator record of %s ignored: %s", job_id, exc)
+            return
+        known = self.records.get(job_id)
+        if known is not None and record.epoch <= known.epoch:
+            return  # an older (or the same) move: the newest one wins
+        self.records[job_id] = record
+        self.on_move(job_id, record)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                kvs, revision = await self.store.list(self.prefix)
+                for kv in kvs:
+                    self.apply(kv.key, kv.value)
+                async with contextlib.aclosing(
+                    self.store.watch(self.prefix, revision + 1)
+                ) as events:
+                    async for event in events:
+                        if event.kind == "put":
+                            self.apply(event.key, event.value)
+                        elif event.kind == "delete":
+                            self.records.pop(event.key.removeprefix(self.prefix), None)
+                        elif event.kind == "resync":
+                            for kv in event.kvs:
+                                self.apply(kv.key, kv.value)
+            except StoreError as exc:
+                log.info("coordinator records: %s", exc)
+            await asyncio.sleep(1.0)
+
+
 # --------------------------------------------------------------------------------------------
 # Work of one job
 # --------------------------------------------------------------------------------------------
@@ -557,6 +625,8 @@ class Reconciler:
         self._last_sweep = 0.0
         self._orphans_busy = False
         self.health: dict[str, JobHealth] = {}
+        self.moves = CoordinatorMoves(table.store, self._coordinator_moved)
+        self._moved: set[str] = set()
         self.cycles = 0
         self.rescales = RescaleTracker(clock=clock)
         self._triggered_at: float | None = None
@@ -575,6 +645,8 @@ class Reconciler:
         self._last_sweep = 0.0
         self._orphans_busy = False
         self.health = {}
+        self.moves = CoordinatorMoves(self.table.store, self._coordinator_moved)
+        self._moved = set()
 
     # -- triggers -------------------------------------------------------------------------------
 
@@ -617,6 +689,7 @@ class Reconciler:
             asyncio.create_task(self._loop(), name="scheduler-loop"),
             asyncio.create_task(self._progress_loop(), name="scheduler-progress"),
             asyncio.create_task(self._watch_rescales(), name="scheduler-rescales"),
+            asyncio.create_task(self.moves.run(), name="scheduler-coordinators"),
         ]
         if self.registry is not None:
             loop_tasks.append(asyncio.create_task(self.registry.run(), name="scheduler-shards"))
@@ -810,6 +883,9 @@ class Reconciler:
                     retiring = work.get(job_id, JobWork()).retires
                     if host is not None and host.draining and lr.learner_id not in retiring:
                         w(job_id).retires.append(lr.learner_id)
+            if job_id in self._moved:
+                self._moved.discard(job_id)
+                w(job_id).save = True  # its coordinator moved: persist the new address
             live = [lr for lr in remaining if lr.phase is not LearnerPhase.PENDING]
             pending = [lr for lr in remaining if lr.phase is LearnerPhase.PENDING]
             if not record.active and not live and not pending:
@@ -887,6 +963,31 @@ class Reconciler:
                     "shoal.cycle.rescales_open": len(self.rescales.open),
                 }
             )
+
+    def _coordinator_moved(self, job_id: str, moved: CoordinatorRecord) -> None:
+        """The parameter-sync tier moved a job's coordinator (a shard failed over): talk to
+        the new one from now on (progress, retire, evict, close; new learners are told it)."""
+        record = self.table.records.get(job_id)
+        if record is None or record.final:
+            return
+        if (record.coordinator_address, record.coordinator_index) == (moved.address, moved.index):
+            return
+        log.warning(
+            "job %s: coordinator moved from %s to shard %d (%s), epoch %d",
+            job_id,
+            self._shard_name(record),
+            moved.index,
+            moved.address,
+            moved.epoch,
+        )
+        record.coordinator_address = moved.address
+        record.coordinator_index = moved.index
+        health = self.health.get(job_id)
+        if health is not None:
+            health.unreachable_since = None  # the new coordinator answers for it now
+            health.unreachable_why = ""
+        self._moved.add(job_id)
+        self.trigger(f"job {job_id} coordinator moved to shard {moved.index}")
 
     def _held(self, job_id: str) -> bool:
         """Whether the job's coordinator is unreachable (no learner may start)."""
@@ -1262,8 +1363,13 @@ class Reconciler:
         if not shards:
             raise Unavailable("no parameter-sync shard is known yet (registry incomplete)")
         if record.coordinator_index < 0 or not record.coordinator_address:
-            record.coordinator_index = coordinator_index(record.job_id, len(shards))
-            record.coordinator_address = shards[record.coordinator_index]
+            moved = self.moves.get(record.job_id)
+            if moved is not None:
+                record.coordinator_index = moved.index
+                record.coordinator_address = moved.address
+            else:
+                record.coordinator_index = coordinator_index(record.job_id, len(shards))
+                record.coordinator_address = shards[record.coordinator_index]
         if record.job.effective_sync_mode == job_pb2.SYNC_MODE_UNSPECIFIED:
             record.job.effective_sync_mode = resolve_sync_mode(  # type: ignore[assignment]
                 record.job.spec.sync_mode, [(lr.host_id, lr.simulated) for lr in placed]
@@ -1477,7 +1583,15 @@ class Reconciler:
                 return None
             raise
         if record.state in STARTED_STATES:
-            self._health(record).polled(response.progress.completed_iterations, self.clock())
+            # A coordinator that recovers the job itself (a shard lost) says so and why
+            # (fields of GetJobProgressResponse a coordinator without them leaves unset).
+            recovering = bool(getattr(response, "recovering", False))
+            why = str(getattr(response, "recovery_reason", "") or "a shard was lost")
+            self._health(record).polled(
+                response.progress.completed_iterations,
+                self.clock(),
+                why if recovering else None,
+            )
         self.members[record.job_id] = tuple(response.member_learner_ids)
         if self.metrics is not None and response.HasField("progress"):
             self.metrics.world_size(record.job_id, response.progress.world_size, self.clock())
@@ -1559,6 +1673,7 @@ class Reconciler:
             self.trigger(f"job {record.job_id} data plane down")
         elif verdict.kind is VerdictKind.RECOVERED:
             log.info("job %s: %s", record.job_id, verdict.reason)
+            health.running()
             await self._transition(
                 record,
                 S.JOB_STATE_RUNNING,
