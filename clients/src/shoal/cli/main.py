@@ -227,7 +227,7 @@ def jobs_list(
         except ValueError:
             err_console.print(
                 f"[red]error:[/red] state ({s!r}) must be one of queued, running, "
-                "cancelling, completed, failed, cancelled"
+                "recovering, cancelling, completed, failed, cancelled"
             )
             raise typer.Exit(2) from None
 
@@ -235,7 +235,14 @@ def jobs_list(
         return [j async for j in client.list_jobs(states=states)]
 
     jobs = run(body)
-    emit(jobs, lambda: console.print(jobs_table(jobs)))
+
+    def render() -> None:
+        console.print(jobs_table(jobs))
+        for j in jobs:  # what a job that is not training does about it
+            if j.state == job_pb2.JOB_STATE_RECOVERING:
+                console.print(f"{j.job_id} recovering: {j.state_reason}", highlight=False)
+
+    emit(jobs, render)
 
 
 @jobs_app.command("get")
@@ -280,6 +287,8 @@ def jobs_watch(job_id: str) -> None:
                     f"iter {p.completed_iterations} | loss {p.last_loss:.4f} | "
                     f"learners {last.allocated_workers} | {p.samples_per_second:.0f} samples/s"
                 )
+                if last.state == job_pb2.JOB_STATE_RECOVERING:
+                    status = f"{state_name(last.state)}: {last.state_reason}"
                 bar.update(task, total=total, completed=p.completed_iterations, status=status)
         return last
 

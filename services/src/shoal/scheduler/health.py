@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from shoal.runtime.errors import InvalidField
 from shoal.v1 import job_pb2
 
-__all__ = ["HealthConfig", "JobHealth", "Verdict", "VerdictKind", "assess"]
+__all__ = ["HealthConfig", "JobHealth", "Verdict", "VerdictKind", "assess", "lost_reason"]
 
 S = job_pb2
 
@@ -134,6 +134,15 @@ class Verdict:
     reason: str
 
 
+def lost_reason(health: JobHealth, coordinator: str) -> str:
+    """Why a job whose coordinator is unreachable is RECOVERING."""
+    return (
+        f"coordinator {coordinator} lost at iteration {health.lost_at} "
+        f"({health.unreachable_why}); waiting for the data plane to come back, then "
+        "resuming from the latest checkpoint"
+    )
+
+
 def assess(
     state: int,
     health: JobHealth,
@@ -176,12 +185,7 @@ def assess(
         and health.unreachable_since is not None
         and now - health.unreachable_since >= config.unreachable_grace_s
     ):
-        return Verdict(
-            VerdictKind.RECOVERING,
-            f"coordinator {coordinator} lost at iteration {health.lost_at} "
-            f"({health.unreachable_why}); waiting for the data plane to come back, then "
-            "resuming from the latest checkpoint",
-        )
+        return Verdict(VerdictKind.RECOVERING, lost_reason(health, coordinator))
     if (
         state == S.JOB_STATE_RECOVERING
         and not health.down

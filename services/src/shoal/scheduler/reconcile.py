@@ -65,7 +65,7 @@ from shoal.runtime.errors import (
 )
 from shoal.runtime.store import Store, StoreError
 from shoal.scheduler.artifacts import Storage
-from shoal.scheduler.health import HealthConfig, JobHealth, VerdictKind, assess
+from shoal.scheduler.health import HealthConfig, JobHealth, VerdictKind, assess, lost_reason
 from shoal.scheduler.jobs import (
     HOLDING,
     LEAVING,
@@ -1254,7 +1254,22 @@ class Reconciler:
             record.last_failure = failures[-1]
             if len(failures) > 1:
                 record.last_failure += f" (and {len(failures) - 1} more)"
+        recovering = (
+            record.state == S.JOB_STATE_RUNNING
+            and self._held(record.job_id)
+            and not record.workers()
+        )
+        if recovering:
+            # Its learners died and its coordinator does not answer: its data plane is down.
+            # Said at once (not after the grace): never RUNNING with no learner.
+            health = self._health(record)
+            health.entered_recovery()
+            reason = lost_reason(health, self._shard_name(record))
+            log.warning("job %s recovering: %s", record.job_id, reason)
+            record.transition(S.JOB_STATE_RECOVERING, reason, now)
         await self.table.save(record)
+        if recovering:
+            self.table.publish(record, S.JOB_EVENT_KIND_STATE)
         if check_done and record.state in STARTED_STATES:
             await self._poll_progress(record)
         if (
