@@ -116,3 +116,42 @@ def test_supervise_once_restarts_a_crashed_process_after_its_backoff(
     assert status["restarts"] == 1 and status["last_exit_code"] == 3
     wait_until(lambda: not svc.alive(), what="it exits again")
     assert "restarting in 2 s" in cluster.supervise_once(now=11.5)[0]
+
+
+def test_cluster_status_shows_each_process_state_restarts_and_last_exit(tmp_path: Path) -> None:
+    import json
+    import os
+
+    from typer.testing import CliRunner
+
+    from shoal.cluster.cli import cluster_app
+
+    state = {
+        "supervisor_pid": os.getpid(),
+        "pids": {"parameter-sync-0": os.getpid(), "parameter-sync-1": 0},
+        "metrics": {"parameter-sync-0": "http://127.0.0.1:9/metrics"},
+        "scheduler": ["127.0.0.1:1"],
+        "supervised": True,
+        "services": {
+            "parameter-sync-0": {"pid": 1, "state": "running", "restarts": 2, "last_exit_code": -9},
+            "parameter-sync-1": {
+                "pid": None,
+                "state": "gave up",
+                "restarts": 10,
+                "last_exit_code": 1,
+            },
+        },
+    }
+    (tmp_path / "cluster.json").write_text(json.dumps(state))
+    result = CliRunner().invoke(
+        cluster_app, ["status", "--state-dir", str(tmp_path)], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 0, result.output
+    rows = [
+        [cell.strip() for cell in line.split("│")[1:-1]]
+        for line in result.output.splitlines()
+        if line.startswith("│")
+    ]
+    assert ["parameter-sync-0", "running", "2", "-9"] in rows
+    assert ["parameter-sync-1", "gave up", "10", "1"] in rows
+    assert "http://127.0.0.1:9/metrics" in result.output

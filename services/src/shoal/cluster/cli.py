@@ -141,33 +141,31 @@ def status(state_dir: StateDir = Path(".shoal")) -> None:
         raise typer.Exit(1)
     metrics = dict(state.get("metrics") or {})  # type: ignore[call-overload]
     services = dict(state.get("services") or {})  # type: ignore[call-overload]
-    table = Table("PROCESS", "PID", "ALIVE", "STATE", "RESTARTS", "LAST EXIT", "METRICS")
+    table = Table("PROCESS", "PID", "ALIVE", "METRICS")
     table.add_row(
-        "supervisor",
-        str(state["supervisor_pid"]),
-        str(_alive(int(state["supervisor_pid"]))),  # type: ignore[call-overload]
-        "",
-        "",
-        "",
-        "",
+        "supervisor", str(state["supervisor_pid"]), str(_alive(int(state["supervisor_pid"]))), ""
     )
+    # Restarts by the supervisor, in a table of their own (the URLs above stay on one line).
+    restarts = Table("PROCESS", "STATE", "RESTARTS", "LAST EXIT")
     for name, pid in dict(state["pids"]).items():  # type: ignore[arg-type]
-        info = dict(services.get(name) or {})
         alive = _alive(int(pid)) if pid else False
-        supervised = info.get("state", "")
+        table.add_row(name, str(pid), str(alive), str(metrics.get(name, "")))
+        if name not in services:
+            continue  # the dashboard: not restarted
+        info = dict(services[name] or {})
+        supervised = str(info.get("state", ""))
         if not alive and supervised == "running":
             supervised = "exited (restart pending)" if state.get("supervised") else "exited"
         last_exit = info.get("last_exit_code")
-        table.add_row(
+        restarts.add_row(
             name,
-            str(pid),
-            str(alive),
-            str(supervised),
+            supervised,
             str(info.get("restarts", "")),
             "" if last_exit is None else str(last_exit),
-            str(metrics.get(name, "")),
         )
     console.print(table)
+    if services:
+        console.print(restarts)
     console.print(f"scheduler: {', '.join(state['scheduler'])}")  # type: ignore[arg-type]
     _print_dashboard(state_dir, state)
 
