@@ -285,6 +285,25 @@ async def test_a_queued_job_waits_in_priority_order_and_runs_when_devices_free(
     assert loop.job(high).queue_position == 0
 
 
+async def test_a_raised_priority_takes_effect_even_where_sticky_rounding_would_keep_shares(
+    loop: Loop,
+) -> None:
+    """Three jobs at 5000 on 8 devices hold 3/3/2. Raising the third to 7500 gives exact
+    shares 2.29/2.29/3.43: sticky rounding alone would keep the first job's spare unit (3/2/3,
+    the raise changing nothing); a priority change rounds plainly: 2/2/4."""
+    jobs = []
+    for _ in range(3):
+        jobs.append((await loop.api.submit(ALICE, "", spec(loop.artifact))).job_id)
+        await loop.until(lambda: loop.job(jobs[-1]).target_workers > 0, "admitted")
+    j1, j2, j3 = jobs
+    await loop.shares({j1: 3, j2: 3, j3: 2}, "3/3/2")
+    await loop.api.update(ALICE, j3, priority=7500, max_workers=None, request_id="")
+    await loop.shares({j1: 2, j2: 2, j3: 4}, "2/2/4 after the raise")
+    # Settled: the next cycles keep it (no churn once nothing changes).
+    loop.reconciler.trigger("test")
+    await loop.shares({j1: 2, j2: 2, j3: 4}, "still 2/2/4")
+
+
 async def test_a_failing_learner_is_evicted_and_replaced_and_repeated_failures_fail_the_job(
     loop: Loop,
 ) -> None:

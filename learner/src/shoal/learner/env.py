@@ -44,6 +44,9 @@ OTEL_EXPORTER_OTLP_ENDPOINT unset (no tracing)      OTLP/gRPC collector for the 
 SHOAL_EPOCHS                unset                   Job settings; when set they win over the
 SHOAL_BATCH_SIZE            unset                   script's arguments (on the cluster the job,
 SHOAL_SEED                  unset                   not the script, decides them).
+SHOAL_TRAIN_MARKER          unset                   File the learner touches when the script
+                                                    calls ``Trainer.train()``; the host agent
+                                                    fails a learner that exits 0 without it.
 =========================== ======================= =============================================
 """
 
@@ -165,6 +168,12 @@ def sync_backend(environ: Mapping[str, str] | None = None) -> str:
 def max_batch_per_device(environ: Mapping[str, str] | None = None) -> int | None:
     """SHOAL_MAX_BATCH_PER_DEVICE: most samples per forward/backward pass (default: no limit)."""
     return _int("SHOAL_MAX_BATCH_PER_DEVICE", environ, 1)
+
+
+def train_marker(environ: Mapping[str, str] | None = None) -> str | None:
+    """SHOAL_TRAIN_MARKER: the file touched when the script calls ``Trainer.train()`` (set by
+    the host agent; unset standalone)."""
+    return _str("SHOAL_TRAIN_MARKER", environ)
 
 
 def storage_uri(environ: Mapping[str, str] | None = None) -> str | None:

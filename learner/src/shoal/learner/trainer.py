@@ -12,11 +12,13 @@ sample count, loss sum and buffers to the backend, and loads the parameters it g
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -37,7 +39,7 @@ from shoal.learner.backend import (
     TrainingSetup,
     create_backend,
 )
-from shoal.learner.env import LearnerEnv
+from shoal.learner.env import LearnerEnv, train_marker
 from shoal.learner.metrics import MetricsFn, classification_metrics
 from shoal.learner.tracing import LearnerTracing
 
@@ -363,6 +365,10 @@ class ElasticTrainer:
         the job on the cluster (ignored standalone); ``checkpoint_every`` is in epochs (the
         backend also checkpoints at the end when it has storage)."""
         env = self.env if self.env is not None else LearnerEnv.from_environ()
+        marker = train_marker()
+        if marker:  # tells the host agent that the script did call train()
+            with contextlib.suppress(OSError):
+                Path(marker).touch()
         tracing = LearnerTracing.from_env(env)  # disabled without an OTLP endpoint
         train_set, test_set = self.get_datasets()
         num_samples = len(train_set)  # type: ignore[arg-type]

@@ -61,11 +61,41 @@ SERVICE_NAMES = {
 
 
 def free_port() -> int:
+    """A port free now (it may be taken before it is used: prefer :class:`PortReservations`)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class PortReservations:
+    """Loopback ports held until the processes that use them listen: each is a socket bound
+    (never listening) with SO_REUSEADDR and SO_REUSEPORT, so no other bind(0) or outgoing
+    connection gets that port, two services never get the same one, and the service itself
+    can still bind it (gRPC binds with SO_REUSEPORT, the metrics and dashboard servers with
+    SO_REUSEADDR; neither conflicts with a bound socket that does not listen). Releasing
+    after everything is up closes the race of "pick a free port, release it, bind it later"
+    (the cause of "Failed to bind to address 127.0.0.1:41641")."""
+
+    def __init__(self) -> None:
+        self._sockets: list[object] = []
+
+    def take(self) -> int:
+        import socket
+
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "SO_REUSEPORT"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(("127.0.0.1", 0))
+        self._sockets.append(sock)
+        return int(sock.getsockname()[1])
+
+    def release(self) -> None:
+        for sock in self._sockets:
+            sock.close()  # type: ignore[attr-defined]
+        self._sockets.clear()
 
 
 @dataclass(frozen=True)
@@ -211,6 +241,7 @@ class LocalCluster:
         self.etcd: EtcdServer | None = None
         self.services: dict[str, ServiceProcess] = {}
         self.tokens: dict[str, str] = {}
+        self.ports = PortReservations()  # held from planning until everything listens
         self.dashboard: subprocess.Popen[bytes] | None = None
         self.dashboard_url = ""  # http://127.0.0.1:PORT/ when spec.dashboard
         self.tls_dir = self.state_dir / "tls"
@@ -273,6 +304,8 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        finally:
+            self.ports.release()
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every service (agents first, so learners stop), then etcd; nothing is left."""
@@ -361,8 +394,8 @@ class LocalCluster:
         spec = self.spec
 
         def add(name: str, kind: str, extra: list[str]) -> None:
-            address = f"127.0.0.1:{free_port()}"
-            metrics_port = free_port()
+            address = f"127.0.0.1:{self.ports.take()}"
+            metrics_port = self.ports.take()
             self.services[name] = ServiceProcess(
                 name,
                 kind,
@@ -517,7 +550,7 @@ class LocalCluster:
         no credential: users log in with their own token (``"token"`` in cluster.json)."""
         import urllib.request
 
-        address = f"127.0.0.1:{free_port()}"
+        address = f"127.0.0.1:{self.ports.take()}"
         log_path = self.logs / "dashboard.log"
         with log_path.open("ab") as log:
             self.dashboard = subprocess.Popen(
@@ -584,6 +617,8 @@ class LocalCluster:
             "scheduler": self.addresses("job-scheduler"),
             "resource_manager": self.addresses("resource-manager"),
             "token": self.tokens[role],
+            # Whoever started the cluster is its admin from the CLI (`shoal hosts drain`).
+            "admin_token": self.tokens["admin"],
             "state_dir": str(self.state_dir),
             "pids": {n: s.pid for n, s in self.services.items()}
             | ({"dashboard": self.dashboard.pid} if self.dashboard else {}),

@@ -439,6 +439,9 @@ class JobRecord:
     records written before it existed."""
     # Not serialized: the store revision the record was read or last written at.
     revision: int = 0
+    # Not serialized: the priority the last scheduling cycle decided the job's share with
+    # (None on a new leader). A change of it turns sticky rounding off for a cycle (policy.py).
+    decided_priority: int | None = None
 
     FORMAT = 1
 

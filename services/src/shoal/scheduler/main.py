@@ -19,7 +19,7 @@ flag                        variable                   meaning (default)
 --max-artifact-mb           SHOAL_MAX_ARTIFACT_MB      artifact size limit, MiB (1024)
 --max-user-priority         SHOAL_MAX_USER_PRIORITY    highest priority a user may set (1000000)
 --history-limit             SHOAL_HISTORY_LIMIT        allocation events kept per job (1000)
---max-learner-failures      SHOAL_MAX_LEARNER_FAILURES failures without progress before FAILED (5)
+--max-learner-failures      SHOAL_MAX_LEARNER_FAILURES failures without progress before FAILED (3)
 --stop-grace                SHOAL_STOP_GRACE_S         SIGTERM-to-SIGKILL grace of StopLearner (10)
 --retire-timeout            SHOAL_RETIRE_TIMEOUT_S     retiring learner is stopped after, s (600)
 --finish-grace              SHOAL_FINISH_GRACE_S       learners of a finished job stopped after (30)
@@ -110,7 +110,7 @@ class SchedulerConfig:
     max_artifact_bytes: int = 1024 * MiB
     max_user_priority: int = MAX_PRIORITY
     history_limit: int = 1000
-    max_learner_failures: int = 5
+    max_learner_failures: int = 3
     stop_grace_s: float = 10.0
     retire_timeout_s: float = 600.0
     finish_grace_s: float = 30.0
@@ -200,7 +200,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     flag("--max-artifact-mb", "SHOAL_MAX_ARTIFACT_MB", "1024", "artifact size limit, MiB")
     flag("--max-user-priority", "SHOAL_MAX_USER_PRIORITY", str(MAX_PRIORITY), "user limit")
     flag("--history-limit", "SHOAL_HISTORY_LIMIT", "1000", "allocation events kept per job")
-    flag("--max-learner-failures", "SHOAL_MAX_LEARNER_FAILURES", "5", "failures before FAILED")
+    flag("--max-learner-failures", "SHOAL_MAX_LEARNER_FAILURES", "3", "failures before FAILED")
     flag("--stop-grace", "SHOAL_STOP_GRACE_S", "10", "StopLearner grace, seconds")
     flag("--retire-timeout", "SHOAL_RETIRE_TIMEOUT_S", "600", "retire timeout, seconds")
     flag("--finish-grace", "SHOAL_FINISH_GRACE_S", "30", "finished job's learners, seconds")

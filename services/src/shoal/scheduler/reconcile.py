@@ -168,7 +168,7 @@ class ReconcileConfig:
     stop_grace_s: float = 10.0
     retire_timeout_s: float = 600.0
     finish_grace_s: float = 30.0
-    max_learner_failures: int = 5
+    max_learner_failures: int = 3
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0
     progress_persist_s: float = 5.0
@@ -807,6 +807,7 @@ class Reconciler:
                 min_workers=r.job.spec.min_workers,
                 max_workers=r.job.spec.max_workers,
                 last_shrunk_at=r.last_shrunk_at,
+                previous_priority=r.decided_priority,
             )
             for r in records.values()
             if r.active
@@ -824,6 +825,7 @@ class Reconciler:
         for record in records.values():
             if not record.active:
                 continue
+            record.decided_priority = record.job.spec.priority
             target = decided.shares.get(record.job_id, 0)
             position = queue_pos.get(record.job_id, 0) if record.state == S.JOB_STATE_QUEUED else 0
             if self.metrics is not None:
@@ -1238,10 +1240,12 @@ class Reconciler:
             why = learner.exit_reason or f"exit code {learner.exit_code}"
             ended = learner.end_time.seconds + learner.end_time.nanos / 1e9
             self.rescales.exited(record.job_id, lr.learner_id, ended or None)
-            if learner.exit_code != 0 and record.active:
+            # A learner its agent reports FAILED with code 0 ended without training.
+            failed = learner.exit_code != 0 or learner.state == resources_pb2.LEARNER_STATE_FAILED
+            if failed and record.active:
                 await self._evict(record, lr.learner_id, f"exited: {why}")
             if not leaving:
-                if learner.exit_code == 0:
+                if not failed:
                     check_done = True
                 else:
                     failures.append(f"learner {lr.learner_id} on host {lr.host_id} failed: {why}")
