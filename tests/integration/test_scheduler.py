@@ -369,7 +369,7 @@ async def test_a_dead_coordinator_shard_makes_the_job_recovering_without_learner
         c.exit_learner(fl.learner.learner_id, 1, "Boundary: UNAVAILABLE")
     await loop.until(lambda: loop.state(j) == S.JOB_STATE_RECOVERING, "RECOVERING")
     reason = loop.job(j).state_reason
-    assert f"shard {index} (" in reason and "lost at iteration" in reason, reason
+    assert f"shard {index} (" in reason and "lost after iteration" in reason, reason
     await loop.until(
         lambda: loop.job(j).allocated_workers == 0 and c.workers(j) == 0, "no learner counted"
     )

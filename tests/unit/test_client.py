@@ -188,7 +188,7 @@ async def test_cli_submit_and_list_as_json(cluster, tmp_path, monkeypatch):
 
 async def test_cli_get_and_list_show_a_recovering_job_and_its_reason(cluster, monkeypatch):
     lead, _, leader = cluster
-    reason = "coordinator shard 1 (127.0.0.1:7301) lost at iteration 286 (UNAVAILABLE)"
+    reason = "coordinator shard 1 (127.0.0.1:7301) lost after iteration 286 (UNAVAILABLE)"
     leader.jobs["job-1"] = job_pb2.Job(
         job_id="job-1",
         spec=job_pb2.JobSpec(name="digits", max_workers=4, epochs=3),

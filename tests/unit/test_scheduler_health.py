@@ -36,7 +36,7 @@ def test_a_coordinator_unreachable_past_the_grace_makes_the_job_recovering_with_
     assert health.down  # but no learner starts meanwhile
     got = verdict(RUNNING, health, 13.0)
     assert got is not None and got.kind is VerdictKind.RECOVERING
-    assert "shard 1 (127.0.0.1:4001) lost at iteration 286" in got.reason
+    assert "shard 1 (127.0.0.1:4001) lost after iteration 286" in got.reason
     assert "UNAVAILABLE" in got.reason
 
 
@@ -62,7 +62,7 @@ def test_a_recovering_job_is_running_again_only_after_an_iteration_commits_past_
     health.polled(231, 26.0)
     got = verdict(RECOVERING, health, 26.0)
     assert got is not None and got.kind is VerdictKind.RECOVERED
-    assert "lost at iteration 286" in got.reason and "resumed at iteration 230" in got.reason
+    assert "lost after iteration 286" in got.reason and "resumed at iteration 230" in got.reason
 
 
 def test_progress_from_before_the_loss_does_not_count_as_recovered() -> None:
@@ -140,4 +140,4 @@ def test_a_coordinator_that_says_it_is_recovering_makes_the_job_recovering_until
     health.polled(232, 6.0)
     got = verdict(RECOVERING, health, 6.0)
     assert got is not None and got.kind is VerdictKind.RECOVERED
-    assert "lost at iteration 286" in got.reason
+    assert "lost after iteration 286" in got.reason

@@ -137,7 +137,7 @@ class Verdict:
 def lost_reason(health: JobHealth, coordinator: str) -> str:
     """Why a job whose coordinator is unreachable is RECOVERING."""
     return (
-        f"coordinator {coordinator} lost at iteration {health.lost_at} "
+        f"coordinator {coordinator} lost after iteration {health.lost_at} "
         f"({health.unreachable_why}); waiting for the data plane to come back, then "
         "resuming from the latest checkpoint"
     )
@@ -193,7 +193,7 @@ def assess(
         and health.baseline is not None
         and health.iterations > health.baseline
     ):
-        lost = f" (lost at iteration {health.lost_at})" if health.lost_at is not None else ""
+        lost = f" (lost after iteration {health.lost_at})" if health.lost_at is not None else ""
         return Verdict(
             VerdictKind.RECOVERED,
             f"recovered{lost}: resumed at iteration {health.baseline}, training again "

@@ -1591,7 +1591,7 @@ class Reconciler:
                     await self._recovering(
                         record,
                         f"coordinator {self._shard_name(record)} lost the job's state (it "
-                        f"restarted) at iteration {lost_at}; re-opening the job from its "
+                        f"restarted) after iteration {lost_at}; re-opening the job from its "
                         "latest checkpoint",
                     )
                 else:
