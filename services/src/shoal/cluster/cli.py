@@ -99,6 +99,14 @@ def up(
     shards: Annotated[int, typer.Option(help="Parameter-sync shards.")] = 2,
     policy: Annotated[str, typer.Option(help="FIFO, FAIRSHARE or PRIORITY.")] = "PRIORITY",
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the cluster.")] = 120.0,
+    restart: Annotated[
+        bool,
+        typer.Option(help="Restart a crashed service process (bounded backoff)."),
+    ] = True,
+    stall_timeout: Annotated[
+        float | None,
+        typer.Option(help="The job-scheduler's --stall-timeout, seconds (default: its own)."),
+    ] = None,
     context: Annotated[
         str,
         typer.Option(
@@ -115,14 +123,6 @@ def up(
             "STATE_DIR/tls; the CLI's certificate is named in STATE_DIR/cluster.json.",
         ),
     ] = False,
-    restart: Annotated[
-        bool,
-        typer.Option(help="Restart a crashed service process (bounded backoff)."),
-    ] = True,
-    stall_timeout: Annotated[
-        float | None,
-        typer.Option(help="The job-scheduler's --stall-timeout, seconds (default: its own)."),
-    ] = None,
 ) -> None:
     """Start etcd and every service in the background; the CLI then finds them by itself."""
     state = _read_state(state_dir)
