@@ -386,6 +386,47 @@ async def test_a_dead_coordinator_shard_makes_the_job_recovering_without_learner
     assert any("re-opening the job from its latest checkpoint" in r for r in reasons), reasons
 
 
+async def test_a_data_plane_that_never_comes_back_fails_the_job_after_bounded_retries(
+    tmp_path: Path,
+) -> None:
+    cluster = await FakeCluster.start(hosts=1, gpus=2, shards=2)
+    store = MemoryStore()
+    storage = Storage((tmp_path / "storage").as_uri())
+    table, reconciler, api, task = await start_loop(
+        store,
+        cluster,
+        storage,
+        health=HealthConfig(stall_timeout_s=1.5, max_recoveries=1, unreachable_grace_s=0.2),
+    )
+    try:
+        info = await api.artifacts.upload(
+            name="m", declared_size=0, declared_sha256="", chunks=chunked(b"x" * 64), owner=ALICE
+        )
+        j = (await api.submit(ALICE, "", spec(info.artifact_id, max_workers=2))).job_id
+        await async_wait_until(
+            lambda: cluster.workers(j) == 2 and table.records[j].job.progress.completed_iterations,
+            what="running",
+        )
+        cluster.sync.down.update({0, 1})  # the whole tier is gone for good
+        for fl in cluster.running(j):
+            cluster.exit_learner(fl.learner.learner_id, 1, "Boundary: UNAVAILABLE")
+        await async_wait_until(
+            lambda: table.records[j].state == S.JOB_STATE_FAILED, timeout=60, what="FAILED"
+        )
+        record = table.records[j]
+        assert "unreachable" in record.job.state_reason, record.job.state_reason
+        assert "gave up after 1 automatic retry" in record.job.state_reason
+        said = [(h.to_state, h.reason) for h in record.history]
+        assert any(s == S.JOB_STATE_RECOVERING and "lost after iteration" in r for s, r in said)
+        assert any("retrying from the latest checkpoint (retry 1 of 1)" in r for _, r in said)
+        assert record.workers() == 0 and cluster.workers(j) == 0
+    finally:
+        await stop_task(task)
+        await reconciler.peers.close()
+        await cluster.stop()
+        await store.close()
+
+
 async def test_the_scheduler_follows_a_coordinator_moved_by_the_data_plane(loop: Loop) -> None:
     """The parameter-sync tier fails the coordinator role over and publishes the move in etcd
     (shoal.contract.data_plane): the scheduler talks to the new coordinator and tells new

@@ -66,6 +66,9 @@ class JobHealth:
     baseline: int | None = None
     """While RECOVERING: iterations at the first successful poll of the re-formed data plane
     (lowered by a rewind to a checkpoint); an iteration beyond it means the job trains again."""
+    last_error: str = ""
+    """The last failure to reach the data plane that does not hold learner starts (an OpenJob
+    that could not reach the coordinator), for the reasons; cleared by a successful poll."""
     coordinator_recovering: str | None = None
     """The coordinator's own word that it is recovering the job (a shard lost; its
     ``recovery_reason``), or None."""
@@ -75,6 +78,7 @@ class JobHealth:
         says it is recovering the job from a shard loss)."""
         self.unreachable_since = None
         self.unreachable_why = ""
+        self.last_error = ""
         if iterations > self.iterations:
             self.progress_at = now
         if self.coordinator_recovering is not None and recovering is None:
@@ -98,6 +102,7 @@ class JobHealth:
         checkpoint's)."""
         self.unreachable_since = None
         self.unreachable_why = ""
+        self.last_error = ""
         self.baseline = iterations
         self.iterations = iterations
 
@@ -162,7 +167,8 @@ def assess(
     stalled_for = now - health.progress_at
     if config.stall_timeout_s > 0 and stalled_for >= config.stall_timeout_s:
         where = f"no iteration committed for {stalled_for:.0f} s (at iteration {health.iterations}"
-        where += f"; {health.unreachable_why})" if health.down else ")"
+        trouble = health.unreachable_why if health.down else health.last_error
+        where += f"; {trouble})" if trouble else ")"
         if recoveries >= config.max_recoveries:
             return Verdict(
                 VerdictKind.FAIL,

@@ -1409,6 +1409,10 @@ class Reconciler:
             )
         except grpc.aio.AioRpcError as exc:
             _check_fenced(exc)
+            if exc.code() in _UNREACHABLE and record.state in STARTED_STATES:
+                self._health(
+                    record
+                ).last_error = f"OpenJob: {self._shard_name(record)} unreachable: {exc.code().name}"
             if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
                 raise PermanentFailure(
                     f"OpenJob on {record.coordinator_address} failed: {_describe(exc)}"
