@@ -130,12 +130,13 @@ def test_a_killed_coordinator_shard_and_a_killed_tier_are_recovered_from_the_che
         cluster.kill(name, signal.SIGKILL)
         killed_at = time.monotonic()
         job = w.until(lambda j: j.state == S.JOB_STATE_RECOVERING, "RECOVERING", timeout=60)
-        assert time.monotonic() - killed_at < 60
+        timings = {"coordinator killed -> RECOVERING": time.monotonic() - killed_at}
         assert f"shard {index} (" in job.state_reason, job.state_reason
         job = w.until(
             lambda j: j.state == S.JOB_STATE_RUNNING and "recovered" in j.state_reason,
             "running again after the shard restarted",
         )
+        timings["coordinator killed -> RUNNING again"] = time.monotonic() - killed_at
         first = resumed_at(job.state_reason)
         assert first >= 3 * PER_EPOCH, job.state_reason  # the checkpoint before the kill
         assert cluster.services[name].supervision.restarts >= 1
@@ -145,11 +146,14 @@ def test_a_killed_coordinator_shard_and_a_killed_tier_are_recovered_from_the_che
         w.until(lambda j: j.progress.completed_iterations >= first + 3 * PER_EPOCH, "3 epochs")
         for i in range(spec.shards):
             cluster.kill(f"parameter-sync-{i}", signal.SIGKILL)
+        killed_at = time.monotonic()
         w.until(lambda j: j.state == S.JOB_STATE_RECOVERING, "RECOVERING again", timeout=60)
+        timings["tier killed -> RECOVERING"] = time.monotonic() - killed_at
         job = w.until(
             lambda j: j.state == S.JOB_STATE_RUNNING and "recovered" in j.state_reason,
             "running again after the tier restarted",
         )
+        timings["tier killed -> RUNNING again"] = time.monotonic() - killed_at
         second = resumed_at(job.state_reason)
         assert second > first, job.state_reason  # the work between the losses was kept
 
@@ -164,3 +168,4 @@ def test_a_killed_coordinator_shard_and_a_killed_tier_are_recovered_from_the_che
         assert any("re-opening the job from its latest checkpoint" in r for r in reasons), reasons
         for i in range(spec.shards):
             assert cluster.services[f"parameter-sync-{i}"].alive()
+        print(", ".join(f"{k}: {v:.1f} s" for k, v in timings.items()))
