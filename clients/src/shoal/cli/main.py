@@ -384,7 +384,7 @@ def jobs_list(
         except ValueError:
             err_console.print(
                 f"[red]error:[/red] state ({s!r}) must be one of queued, running, "
-                "cancelling, completed, failed, cancelled"
+                "recovering, cancelling, completed, failed, cancelled"
             )
             raise typer.Exit(2) from None
 
@@ -392,11 +392,14 @@ def jobs_list(
         return [j async for j in client.list_jobs(states=states)]
 
     jobs = run(body)
-    emit(
-        jobs,
-        lambda: print_table(console, jobs_table(jobs)),
-        wide=lambda: print_table(console, jobs_table(jobs, wide=True)),
-    )
+
+    def render() -> None:
+        print_table(console, jobs_table(jobs))
+        for j in jobs:  # what a job that is not training does about it
+            if j.state == job_pb2.JOB_STATE_RECOVERING:
+                console.print(f"{j.job_id} recovering: {j.state_reason}", highlight=False)
+
+    emit(jobs, render, wide=lambda: print_table(console, jobs_table(jobs, wide=True)))
 
 
 @jobs_app.command("get")
@@ -417,6 +420,8 @@ FINAL_STATES = {job_pb2.JOB_STATE_COMPLETED, job_pb2.JOB_STATE_FAILED, job_pb2.J
 
 def _status_line(job: job_pb2.Job) -> str:
     p = job.progress
+    if job.state == job_pb2.JOB_STATE_RECOVERING:  # not training: say why and what is done
+        return f"{state_name(job.state)}: {job.state_reason} | learners {job.allocated_workers}"
     return (
         f"{state_name(job.state)} | epoch {p.epoch + 1}/{job.spec.epochs} "
         f"iter {p.completed_iterations} | "

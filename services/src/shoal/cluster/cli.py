@@ -99,6 +99,14 @@ def up(
     shards: Annotated[int, typer.Option(help="Parameter-sync shards.")] = 2,
     policy: Annotated[str, typer.Option(help="FIFO, FAIRSHARE or PRIORITY.")] = "PRIORITY",
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the cluster.")] = 120.0,
+    restart: Annotated[
+        bool,
+        typer.Option(help="Restart a crashed service process (bounded backoff)."),
+    ] = True,
+    stall_timeout: Annotated[
+        float | None,
+        typer.Option(help="The job-scheduler's --stall-timeout, seconds (default: its own)."),
+    ] = None,
     context: Annotated[
         str,
         typer.Option(
@@ -143,6 +151,8 @@ def up(
             policy,
             *([] if dashboard else ["--no-dashboard"]),
             *(["--tls"] if tls else []),
+            *([] if restart else ["--no-restart"]),
+            *(["--stall-timeout", str(stall_timeout)] if stall_timeout is not None else []),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -207,13 +217,32 @@ def status(state_dir: FoundStateDir = None) -> None:
         console.print(f"no cluster running in {state_dir}")
         raise typer.Exit(1)
     metrics = dict(state.get("metrics") or {})  # type: ignore[call-overload]
+    services = dict(state.get("services") or {})  # type: ignore[call-overload]
     table = Table("PROCESS", "PID", "ALIVE", "METRICS")
     table.add_row(
         "supervisor", str(state["supervisor_pid"]), str(_alive(int(state["supervisor_pid"]))), ""
     )
+    # Restarts by the supervisor, in a table of their own (the URLs above stay on one line).
+    restarts = Table("PROCESS", "STATE", "RESTARTS", "LAST EXIT")
     for name, pid in dict(state["pids"]).items():  # type: ignore[arg-type]
-        table.add_row(name, str(pid), str(_alive(int(pid))), str(metrics.get(name, "")))
+        alive = _alive(int(pid)) if pid else False
+        table.add_row(name, str(pid), str(alive), str(metrics.get(name, "")))
+        if name not in services:
+            continue  # the dashboard: not restarted
+        info = dict(services[name] or {})
+        supervised = str(info.get("state", ""))
+        if not alive and supervised == "running":
+            supervised = "exited (restart pending)" if state.get("supervised") else "exited"
+        last_exit = info.get("last_exit_code")
+        restarts.add_row(
+            name,
+            supervised,
+            str(info.get("restarts", "")),
+            "" if last_exit is None else str(last_exit),
+        )
     console.print(table)
+    if services:
+        console.print(restarts)
     console.print(f"scheduler: {', '.join(state['scheduler'])}")  # type: ignore[arg-type]
     _print_dashboard(state_dir, state)
 
