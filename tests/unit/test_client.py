@@ -127,6 +127,9 @@ async def test_upload_directory_is_content_addressed_and_deterministic(cluster, 
     (tmp_path / "m" / "sub").mkdir()
     (tmp_path / "m" / "sub" / "data.bin").write_bytes(bytes(range(256)) * 9000)
     assert pack_directory(tmp_path / "m") == pack_directory(tmp_path / "m")
+    # No clock in the archive: the gzip header's time (bytes 4-7) is zero, not the second it
+    # was packed in (two packs a second apart were different artifacts).
+    assert pack_directory(tmp_path / "m")[4:8] == b"\0\0\0\0"
     seen = []
     async with AsyncClient(ClientConfig(scheduler=(lead.address,))) as client:
         artifact = await client.upload_directory(

@@ -8,6 +8,7 @@ and directory patterns included), a small, well-kept library that black and mypy
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import tarfile
@@ -72,7 +73,12 @@ def pack(root: str | Path) -> Packed:
     paths, ignored = selected_files(root)
     buf = io.BytesIO()
     files = size = 0
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+    # The gzip header's time is zeroed too (tarfile's "w:gz" writes the current second there,
+    # which made two packs a second apart differ).
+    with (
+        gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=6, mtime=0) as gz,
+        tarfile.open(fileobj=gz, mode="w") as tar,
+    ):
         for path in paths:
             info = tar.gettarinfo(str(path), arcname=str(path.relative_to(root)))
             info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
