@@ -200,6 +200,12 @@ async def test_stop_learner_kills_the_whole_group_of_a_learner_that_ignores_sigt
     short = duration_pb2.Duration(nanos=200_000_000)
     stopped = await stub.StopLearner(ha.StopLearnerRequest(learner_id="l2", grace=short))
     assert stopped.learner.exit_code == -9
+    # A grace out of range (a huge one overflowed the timer: INTERNAL) is refused by name.
+    for bad in (duration_pb2.Duration(seconds=2**62), duration_pb2.Duration(seconds=-1)):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.StopLearner(ha.StopLearnerRequest(learner_id="l2", grace=bad))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "grace" in (refused.value.details() or "")
 
 
 async def test_bad_start_requests_are_refused_with_clear_errors_and_change_nothing(bed):

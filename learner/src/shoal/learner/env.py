@@ -49,6 +49,9 @@ SHOAL_DATASET_URIS          empty                   Comma-separated dataset URIs
                                                     ``s3://``, ``gs://``... read through fsspec
                                                     (``shoal.learner.data``); handed to
                                                     ``get_datasets`` when it takes an argument.
+SHOAL_TRAIN_MARKER          unset                   File the learner touches when the script
+                                                    calls ``Trainer.train()``; the host agent
+                                                    fails a learner that exits 0 without it.
 =========================== ======================= =============================================
 """
 
@@ -171,6 +174,12 @@ def sync_backend(environ: Mapping[str, str] | None = None) -> str:
 def max_batch_per_device(environ: Mapping[str, str] | None = None) -> int | None:
     """SHOAL_MAX_BATCH_PER_DEVICE: most samples per forward/backward pass (default: no limit)."""
     return _int("SHOAL_MAX_BATCH_PER_DEVICE", environ, 1)
+
+
+def train_marker(environ: Mapping[str, str] | None = None) -> str | None:
+    """SHOAL_TRAIN_MARKER: the file touched when the script calls ``Trainer.train()`` (set by
+    the host agent; unset standalone)."""
+    return _str("SHOAL_TRAIN_MARKER", environ)
 
 
 def storage_uri(environ: Mapping[str, str] | None = None) -> str | None:

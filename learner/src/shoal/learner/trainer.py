@@ -12,6 +12,7 @@ sample count, loss sum and buffers to the backend, and loads the parameters it g
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -20,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -42,7 +44,7 @@ from shoal.learner.backend import (
     create_backend,
 )
 from shoal.learner.callbacks import Callback, CallbackList
-from shoal.learner.env import LearnerEnv
+from shoal.learner.env import LearnerEnv, train_marker
 from shoal.learner.loader import BatchFetcher
 from shoal.learner.metrics import MetricsFn, classification_metrics
 from shoal.learner.schedules import resolve_schedule
@@ -614,6 +616,10 @@ class ElasticTrainer:
         if self.log_default:
             configure_default_logging()
         env = self.env if self.env is not None else LearnerEnv.from_environ()
+        marker = train_marker()
+        if marker:  # tells the host agent that the script did call train()
+            with contextlib.suppress(OSError):
+                Path(marker).touch()
         tracing = LearnerTracing.from_env(env)  # disabled without an OTLP endpoint
         train_set, test_set = self._datasets(env.dataset_uris or self.dataset_uris)
         num_samples = len(train_set)  # type: ignore[arg-type]
