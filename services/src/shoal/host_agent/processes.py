@@ -51,6 +51,7 @@ from google.protobuf import timestamp_pb2
 
 from shoal.contract import ids
 from shoal.host_agent.devices import DeviceInfo, cuda_env
+from shoal.host_agent.envs import JobEnvironments
 from shoal.runtime import telemetry
 from shoal.runtime.errors import FailedPrecondition, FencedOut, InvalidField, NotFound
 from shoal.runtime.procs import die_with_parent
@@ -560,6 +561,7 @@ class ProcessManager:
         base_env: Mapping[str, str] | None = None,
         on_exit: Callable[[Learner], None] | None = None,
         learner_env: Mapping[str, str] | None = None,
+        envs: JobEnvironments | None = None,
     ) -> None:
         self.work_dir = work_dir
         self.learners_dir = work_dir / "learners"
@@ -576,6 +578,21 @@ class ProcessManager:
         self._background: set[asyncio.Task[None]] = set()
         self._fence_revision: dict[str, int] = {}
         self._on_exit = on_exit
+        # Per-job venvs for artifacts that carry requirements.txt (built without the agent's
+        # secrets in pip's environment).
+        self.envs = (
+            envs
+            if envs is not None
+            else JobEnvironments(
+                work_dir / "envs",
+                base_python=python,
+                env={
+                    k: v
+                    for k, v in self._base_env.items()
+                    if not k.startswith(_PRIVATE_ENV_PREFIXES)
+                },
+            )
+        )
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -713,6 +730,7 @@ class ProcessManager:
                 raise InvalidField(
                     "entry_point", request.entry_point, "is neither a .py script nor executable"
                 )
+            python = await self.envs.python_for(work)
             learner = Learner(
                 learner_id=request.learner_id,
                 job_id=request.job_id,
@@ -722,7 +740,7 @@ class ProcessManager:
                 host_id=self.host_id,
                 host_incarnation=self.incarnation,
             )
-            await self._spawn(learner, request, entry, work)
+            await self._spawn(learner, request, entry, work, python or self.python)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
@@ -754,10 +772,10 @@ class ProcessManager:
         return env
 
     async def _spawn(
-        self, learner: Learner, request: LaunchRequest, entry: Path, work: Path
+        self, learner: Learner, request: LaunchRequest, entry: Path, work: Path, python: str
     ) -> None:
         if entry.suffix == ".py":
-            argv = [self.python, str(entry), *request.args]
+            argv = [python, str(entry), *request.args]
         else:
             argv = [str(entry), *request.args]
         env = self._environment(learner, request)
