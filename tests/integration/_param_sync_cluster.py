@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 import safetensors.torch
 import torch
 
@@ -312,3 +313,15 @@ def reference_training(
             scaler.update()
             losses.append(float(loss.detach()))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, tuple(losses)
+
+
+def assert_user_metrics(records: list[dict], first: int = 0) -> None:
+    """What the learners' scripts logged with trainer.log (``--log-metrics 1``): loss_x2 from
+    the loss function, weighted by micro-batch and learner samples, is twice the iteration's
+    sample-weighted mean loss; prev_step, logged between steps, belongs to the next step."""
+    for r in records:
+        k = r["global_iteration"]
+        values = r.get("values", {})
+        assert values["loss_x2"] == pytest.approx(2 * r["loss"], rel=1e-6, abs=1e-9), k
+        if k > first:
+            assert values["prev_step"] == pytest.approx(k - 1), k

@@ -71,6 +71,9 @@ def main() -> int:
     parser.add_argument("--amp", default=None)
     parser.add_argument("--init-scale", type=float, default=2.0**16)
     parser.add_argument("--param-groups", type=int, default=0)
+    # 1: the loss function logs loss_x2 (twice each micro-batch's mean loss) and a callback
+    # logs prev_step (the step just ended) between steps, with trainer.log.
+    parser.add_argument("--log-metrics", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
@@ -119,13 +122,22 @@ def main() -> int:
         def on_iteration_end(self, record) -> None:
             if self.trainer.is_primary:
                 self.primary_steps.append(record.step)
+            if args.log_metrics:
+                self.trainer.log({"prev_step": record.step})  # counts for the next step
+
+    cross_entropy = nn.CrossEntropyLoss()
+
+    def logging_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = cross_entropy(out, target)
+        trainer.log({"loss_x2": 2 * loss.item()})
+        return loss
 
     watch = Watch()
     amp = None if args.amp is None else MixedPrecision(args.amp, init_scale=args.init_scale)
     trainer = ElasticTrainer(
         model,
         digits.get_datasets,
-        nn.CrossEntropyLoss(),
+        logging_loss if args.log_metrics else cross_entropy,
         (
             "SGD",
             {"lr": args.lr, "momentum": args.momentum, **PARAM_GROUPS_WD[bool(args.param_groups)]},
@@ -160,6 +172,7 @@ def main() -> int:
             "skipped": r.skipped,
             "loss_scale": r.loss_scale,
             "grad_norm": r.grad_norm,
+            "metrics": dict(r.metrics),
         }
         for r in result.history
     ]

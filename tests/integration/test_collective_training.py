@@ -21,7 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.integration._param_sync_cluster import DataPlane, Proc, reference_training
+from tests.integration._param_sync_cluster import (
+    DataPlane,
+    Proc,
+    assert_user_metrics,
+    reference_training,
+)
 from tests.integration.test_elastic_training import (
     BATCH,
     assert_each_iteration_recorded_once,
@@ -56,6 +61,23 @@ def assert_not_restarted(plane: DataPlane, name: str, proc: Proc, generations: i
     formed = [g for g, _, _ in history["formations"]]
     assert len(formed) >= generations and formed == sorted(set(formed)), formed
     return history
+
+
+@pytest.mark.slow
+def test_collective_scripts_log_the_sample_weighted_mean_of_each_iteration(plane: DataPlane):
+    job, epochs = "c-user-metrics", 1
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    names = [f"{job}-l{i}" for i in range(3)]
+    gate = plane.tmp / f"{job}.gate"
+    hooks = {"env": {"SHOAL_MAX_BATCH_PER_DEVICE": "8"}, "log_metrics": 1, "gate": gate}
+    procs = [start(plane, job, name, epochs, **hooks) for name in names]
+    for proc in procs:
+        proc.wait_for("READY", timeout=90)
+    gate.touch()
+    for proc in procs:
+        assert proc.wait() == 0, proc.text()[-3000:]
+    assert_user_metrics(assert_each_iteration_recorded_once(plane, job, total))
 
 
 @pytest.mark.slow

@@ -20,7 +20,12 @@ import pytest
 import torch
 
 from shoal.learner import partition
-from tests.integration._param_sync_cluster import DataPlane, digits_data, reference_training
+from tests.integration._param_sync_cluster import (
+    DataPlane,
+    assert_user_metrics,
+    digits_data,
+    reference_training,
+)
 from tests.support import make_tokens, wait_until
 
 BATCH = 64
@@ -77,6 +82,40 @@ def assert_shares_tile_every_batch(plane: DataPlane, learners: list[str], steps:
         start, stop = partition.batch_range(step % iterations_per_epoch(), BATCH, n)
         positions = sorted(p for a, b in ranges for p in range(a, b))
         assert positions == list(range(start, stop)), (step, ranges)
+
+
+@pytest.mark.slow
+def test_what_scripts_log_is_the_sample_weighted_mean_of_each_iteration(plane: DataPlane):
+    """trainer.log on 3 learners over 2 shards, micro-batches of 8 (several per share)."""
+    job, epochs = "user-metrics", 1
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    names = [f"{job}-l{i}" for i in range(3)]
+    gate = plane.tmp / f"{job}.gate"
+    procs = [
+        plane.start_learner(
+            job,
+            n,
+            epochs=epochs,
+            batch=BATCH,
+            env={"SHOAL_MAX_BATCH_PER_DEVICE": "8"},
+            log_metrics=1,
+            gate=gate,
+        )
+        for n in names
+    ]
+    for proc in procs:
+        proc.wait_for("READY", timeout=90)
+    gate.touch()
+    for proc in procs:
+        assert proc.wait() == 0, proc.text()[-3000:]
+    records = assert_each_iteration_recorded_once(plane, job, total)
+    assert_user_metrics(records)
+    # Each learner's own record: its share's mean.
+    for name in names:
+        for h in plane.history(name)["history"]:
+            if h["n_samples"]:
+                assert set(h["metrics"]) >= {"loss_x2"}
 
 
 @pytest.mark.slow

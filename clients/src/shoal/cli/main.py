@@ -836,7 +836,9 @@ def jobs_metrics(
     async def body(client: AsyncClient) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         job, metrics = await asyncio.gather(client.get_job(job_id), client.get_metrics(job_id))
         per_epoch = job.progress.iterations_per_epoch
-        return iteration_rows(metrics.iterations, per_epoch), epoch_rows(metrics.epochs)
+        return iteration_rows(metrics.iterations, per_epoch), epoch_rows(
+            metrics.epochs, metrics.iterations
+        )
 
     iterations, epochs = run(body)
 

@@ -74,7 +74,9 @@ def metric_values(message: Message, skip: Iterable[str] = ()) -> dict[str, float
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             if field.message_type.fields_by_name["value"].type in _NUMERIC:
                 for key in sorted(value):
-                    out[str(key)] = finite(float(value[key]))
+                    # A script's metric named like a field ("loss") keeps both: "values.loss".
+                    name = str(key) if str(key) not in out else f"{field.name}.{key}"
+                    out[name] = finite(float(value[key]))
         elif field.type in _NUMERIC and not _repeated(field):
             out[field.name] = finite(float(value))
     return out
@@ -106,11 +108,31 @@ def iteration_rows(
     return rows
 
 
-def epoch_rows(metrics: Sequence[job_pb2.EpochMetric]) -> list[dict[str, Any]]:
-    """One dict per evaluated epoch (``epoch`` 1-based: epochs completed), then its metrics."""
-    rows = []
+def epoch_rows(
+    metrics: Sequence[job_pb2.EpochMetric], iterations: Sequence[job_pb2.IterationMetric] = ()
+) -> list[dict[str, Any]]:
+    """One dict per epoch (``epoch`` 1-based: epochs completed): its evaluation's metrics, and
+    for what the training script logged per iteration (``IterationMetric.values``,
+    ``trainer.log``) ``mean_<name>``, the sample-weighted mean over the epoch's iterations."""
+    rows: dict[int, dict[str, Any]] = {}
     for m in metrics:
         row: dict[str, Any] = {"epoch": m.epoch + 1, "time": seconds(m.time)}
         row.update(metric_values(m, EPOCH_COORDINATES))
-        rows.append(row)
-    return rows
+        rows[m.epoch] = row
+    sums: dict[int, dict[str, list[float]]] = {}
+    last: dict[int, float] = {}
+    for it in iterations:
+        if not it.values:
+            continue
+        last[it.epoch] = max(last.get(it.epoch, 0.0), seconds(it.time))
+        weight = max(it.samples, 1)
+        for name, value in it.values.items():
+            acc = sums.setdefault(it.epoch, {}).setdefault(name, [0.0, 0.0])
+            acc[0] += value * weight
+            acc[1] += weight
+    for epoch, names in sums.items():
+        row = rows.setdefault(epoch, {"epoch": epoch + 1, "time": last[epoch]})
+        for name in sorted(names):
+            total, samples = names[name]
+            row[f"mean_{name}"] = finite(total / samples)
+    return [rows[e] for e in sorted(rows)]

@@ -455,6 +455,26 @@ class IterationMetric(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     EPOCH_FIELD_NUMBER: _builtins.int
     ITERATION_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
@@ -463,6 +483,7 @@ class IterationMetric(_message.Message):
     SAMPLES_FIELD_NUMBER: _builtins.int
     SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """The epoch."""
     iteration: _builtins.int
@@ -481,6 +502,12 @@ class IterationMetric(_message.Message):
     def time(self) -> _timestamp_pb2.Timestamp:
         """When it completed."""
 
+    @_builtins.property
+    def values(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """The training script's own metrics (`trainer.log`), each the sample-weighted mean over
+        the samples of the global batch it was logged for.
+        """
+
     def __init__(
         self,
         *,
@@ -492,10 +519,11 @@ class IterationMetric(_message.Message):
         samples: _builtins.int = ...,
         samples_per_second: _builtins.float = ...,
         time: _timestamp_pb2.Timestamp | None = ...,
+        values: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "generation", b"generation", "iteration", b"iteration", "loss", b"loss", "samples", b"samples", "samples_per_second", b"samples_per_second", "time", b"time", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "generation", b"generation", "iteration", b"iteration", "loss", b"loss", "samples", b"samples", "samples_per_second", b"samples_per_second", "time", b"time", "values", b"values", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -615,6 +615,46 @@ class BoundaryRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetricSumsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class MetricSamplesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_ID_FIELD_NUMBER: _builtins.int
     LEARNER_ID_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
@@ -623,6 +663,8 @@ class BoundaryRequest(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _builtins.int
     ITERATION_FAILED_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FILE_FIELD_NUMBER: _builtins.int
+    METRIC_SUMS_FIELD_NUMBER: _builtins.int
+    METRIC_SAMPLES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     learner_id: _builtins.str
@@ -643,6 +685,18 @@ class BoundaryRequest(_message.Message):
     def checkpoint_file(self) -> Global___CheckpointFile:
         """COLLECTIVE only: the shard file this learner wrote after a CHECKPOINT action."""
 
+    @_builtins.property
+    def metric_sums(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """The training script's own metrics of that iteration (`trainer.log`): per name, the sum of
+        value x samples over the samples of the learner's share it was logged for.
+        """
+
+    @_builtins.property
+    def metric_samples(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Per name, the number of samples `metric_sums` covers (the weights of the job's
+        sample-weighted mean).
+        """
+
     def __init__(
         self,
         *,
@@ -654,10 +708,12 @@ class BoundaryRequest(_message.Message):
         num_samples: _builtins.int = ...,
         iteration_failed: _builtins.bool = ...,
         checkpoint_file: Global___CheckpointFile | None = ...,
+        metric_sums: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        metric_samples: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_file", b"checkpoint_file"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_file", b"checkpoint_file", "completed_iteration", b"completed_iteration", "generation", b"generation", "iteration_failed", b"iteration_failed", "job_id", b"job_id", "learner_id", b"learner_id", "loss_sum", b"loss_sum", "num_samples", b"num_samples"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_file", b"checkpoint_file", "completed_iteration", b"completed_iteration", "generation", b"generation", "iteration_failed", b"iteration_failed", "job_id", b"job_id", "learner_id", b"learner_id", "loss_sum", b"loss_sum", "metric_samples", b"metric_samples", "metric_sums", b"metric_sums", "num_samples", b"num_samples"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -722,6 +722,13 @@ class SyncBackend(ABC):
     def report_epoch(self, report: EpochReport) -> None:  # noqa: B027 - optional hook
         """Record an end-of-epoch evaluation (metrics storage, the job's status)."""
 
+    def log_metrics(  # noqa: B027 - optional hook
+        self, step: int, metrics: Mapping[str, tuple[float, int]]
+    ) -> None:
+        """The script's ``trainer.log`` values of ``step`` (name -> (sum of value x samples,
+        samples)), called before :meth:`sync` of that step: sent with this learner's report of
+        it. Backends without a coordinator keep nothing (the trainer's history has them)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and resources; called once, also after an error."""
 

@@ -28,7 +28,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -176,6 +176,7 @@ class GrpcBackend(SyncBackend):
         self._recv_bytes: list[np.ndarray] = []
         self._generation = 0  # of the last assignment (pulls are checked against it)
         self._report = (0, -1, 0.0, 0)  # generation, completed iteration, loss_sum, samples
+        self._user: tuple[int, Mapping[str, tuple[float, int]]] = (-1, {})  # trainer.log
         self._closed = False
 
     @classmethod
@@ -359,7 +360,10 @@ class GrpcBackend(SyncBackend):
         n: int = 0,
         **extra: Any,
     ) -> ps_pb2.BoundaryRequest:
-        """This learner's Boundary, reporting ``completed`` (-1: none) of ``generation``."""
+        """This learner's Boundary, reporting ``completed`` (-1: none) of ``generation``,
+        with what the script logged for that iteration."""
+        step, user = self._user
+        logged = user if completed >= 0 and completed == step else {}
         return ps_pb2.BoundaryRequest(
             job_id=self.job_id,
             learner_id=self.learner_id,
@@ -367,8 +371,13 @@ class GrpcBackend(SyncBackend):
             completed_iteration=completed,
             loss_sum=loss_sum,
             num_samples=n,
+            metric_sums={name: total for name, (total, _) in logged.items()},
+            metric_samples={name: count for name, (_, count) in logged.items()},
             **extra,
         )
+
+    def log_metrics(self, step: int, metrics: Mapping[str, tuple[float, int]]) -> None:
+        self._user = (step, dict(metrics))
 
     async def _boundary(self, md: Any = None) -> ps_pb2.BoundaryResponse:
         request = self._boundary_request(*self._report)

@@ -49,6 +49,7 @@ from shoal.learner.loader import BatchFetcher
 from shoal.learner.metrics import MetricsFn, classification_metrics
 from shoal.learner.schedules import resolve_schedule
 from shoal.learner.tracing import LearnerTracing
+from shoal.learner.user_metrics import MetricLog, means
 
 __all__ = [
     "DatasetsFn",
@@ -79,7 +80,9 @@ LossFn: TypeAlias = Callable[[Any, Any], torch.Tensor]
 class IterationRecord:
     """One completed iteration as this learner saw it: ``loss`` is the global mean training
     loss of the iteration (all learners) when the backend reports it, else None;
-    ``share_loss`` the mean over this learner's ``n_samples`` (NaN for an empty share)."""
+    ``share_loss`` the mean over this learner's ``n_samples`` (NaN for an empty share);
+    ``metrics`` what the script logged for it (``trainer.log``), as this learner's
+    sample-weighted means (the job's values, over every learner, are in the job's metrics)."""
 
     step: int
     epoch: int
@@ -95,6 +98,7 @@ class IterationRecord:
     grad_norm: float | None = None
     skipped: bool = False
     loss_scale: float | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def best_loss(self) -> float:
@@ -213,6 +217,7 @@ def compute_contribution(
     autocast_dtype: torch.dtype | None = None,
     loss_scale: float | None = None,
     fetcher: BatchFetcher | None = None,
+    metrics: MetricLog | None = None,
 ) -> Contribution:
     """Run forward and backward over the share ``indices`` of ``dataset`` and return this
     learner's :class:`Contribution`: the mean gradient over the share, its size, the sum of
@@ -231,7 +236,8 @@ def compute_contribution(
     overflow shows as inf/NaN in them. (The trainer passes the job's scale times the share's
     fraction of the global batch, so that each sample's term is scaled as on one process.)
     With ``fetcher`` the micro-batches are fetched by its worker processes (the same samples,
-    prefetched).
+    prefetched). With ``metrics``, what the loss function or the model logs (``trainer.log``)
+    during a micro-batch is weighted by that micro-batch's sample count.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     params = [p for _, p in model.named_parameters()]
@@ -248,12 +254,18 @@ def compute_contribution(
     )
     for chunk, batch in zip(chunks, fetched, strict=True):
         inputs, targets = _split(_to_device(batch, device))
-        if autocast_dtype is None:
-            loss = loss_fn(model(inputs), targets)
-        else:
-            with torch.autocast(device.type, dtype=autocast_dtype):
-                loss = loss_fn(model(inputs), targets)
         m = int(chunk.numel())
+        if metrics is not None:
+            metrics.chunk = m
+        try:
+            if autocast_dtype is None:
+                loss = loss_fn(model(inputs), targets)
+            else:
+                with torch.autocast(device.type, dtype=autocast_dtype):
+                    loss = loss_fn(model(inputs), targets)
+        finally:
+            if metrics is not None:
+                metrics.chunk = None
         scaled = loss if loss_scale is None else loss * loss_scale
         (scaled if m == n else scaled * (m / n)).backward()
         loss_sum += loss.detach().to(torch.float64) * m
@@ -588,6 +600,17 @@ class ElasticTrainer:
         self.dataset_uris = tuple(dataset_uris)
         self._assignment: Assignment | None = None
         self._world_one = False
+        self._metric_log = MetricLog()
+
+    def log(self, values: Mapping[str, Any]) -> None:
+        """Record the script's own metrics of the iteration, e.g.
+        ``trainer.log({"accuracy": acc})``: from the loss function or the model's forward (a
+        mean over the micro-batch, weighted by its samples), or from a callback between
+        iterations (then it counts for the next iteration). The job's value per iteration is
+        the sample-weighted mean over every learner (``shoal jobs metrics``, the dashboard);
+        see :mod:`shoal.learner.user_metrics`. Raises ``ValueError`` for a bad name or a
+        value that is not a finite number."""
+        self._metric_log.log(values)
 
     @property
     def is_primary(self) -> bool:
@@ -726,6 +749,7 @@ class ElasticTrainer:
                     order_epoch = a.epoch
                     order = partition.epoch_order(plan.num_samples, plan.seed, a.epoch)
                 start, stop = a.share
+                self._metric_log.begin_step()
                 with tracing.phase("compute"):
                     contribution = compute_contribution(
                         model,
@@ -744,7 +768,10 @@ class ElasticTrainer:
                             if scaler is None or stop == start
                             else scaler.scale * (stop - start) / a.batch_size
                         ),
+                        metrics=self._metric_log,
                     )
+                step_metrics = self._metric_log.end_step(contribution.n_samples)
+                backend.log_metrics(a.step, step_metrics)
                 lr = self._lr(a)
                 try:
                     with tracing.phase("sync"):
@@ -781,6 +808,7 @@ class ElasticTrainer:
                     grad_norm=synced.grad_norm,
                     skipped=synced.skipped,
                     loss_scale=loss_scale,
+                    metrics=means(step_metrics),
                 )
                 result.history.append(record)
                 callbacks.on_iteration_end(record)

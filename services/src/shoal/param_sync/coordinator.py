@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,6 +182,50 @@ class RewindTask:
 Task = ResolveTask | CheckpointTask | RewindTask
 
 
+UserMetrics = Mapping[str, tuple[float, int]]
+"""A learner's ``trainer.log`` values of one iteration: name -> (sum of value x samples,
+samples)."""
+
+#: At most this many names per report; a name is 1-64 characters of ``[A-Za-z0-9_./-]``.
+MAX_USER_METRICS = 32
+_METRIC_NAME = re.compile(r"[A-Za-z0-9_./-]{1,64}")
+
+
+def check_user_metrics(sums: Mapping[str, float], samples: Mapping[str, int]) -> UserMetrics:
+    """The learner's ``metric_sums`` / ``metric_samples`` as :data:`UserMetrics`, checked.
+
+    Raises:
+        InvalidField: too many names, a bad name, a name in one map only, a count < 1 or a
+            non-finite sum.
+    """
+    if len(sums) > MAX_USER_METRICS:
+        raise InvalidField("metric_sums", len(sums), f"must name at most {MAX_USER_METRICS}")
+    if set(sums) != set(samples):
+        raise InvalidField(
+            "metric_samples", sorted(set(sums) ^ set(samples)), "must name what metric_sums does"
+        )
+    out: dict[str, tuple[float, int]] = {}
+    for name, total in sums.items():
+        if not _METRIC_NAME.fullmatch(name):
+            raise InvalidField("metric_sums", name, "names are 1-64 of [A-Za-z0-9_./-]")
+        count = samples[name]
+        if count < 1 or not math.isfinite(total):
+            raise InvalidField(f"metric_sums[{name}]", (total, count), "must be finite, >= 1")
+        out[name] = (float(total), int(count))
+    return out
+
+
+def _mean_user_metrics(reports: Iterable[UserMetrics]) -> dict[str, float]:
+    """The sample-weighted mean of each name over the members that logged it."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for metrics in reports:
+        for name, (total, count) in metrics.items():
+            sums[name] = sums.get(name, 0.0) + total
+            counts[name] = counts.get(name, 0) + count
+    return {name: sums[name] / counts[name] for name in sorted(sums)}
+
+
 @dataclass
 class _IterationInfo:
     """A committed iteration whose loss is being collected from its members' reports."""
@@ -195,6 +240,7 @@ class _IterationInfo:
     time: float
     expected: set[str]
     reports: dict[str, tuple[float, int]] = field(default_factory=dict)
+    user: dict[str, UserMetrics] = field(default_factory=dict)  # trainer.log, per member
 
 
 class Coordinator:
@@ -238,6 +284,7 @@ class Coordinator:
         self._arrived: set[str] = set()  # members at the boundary of an unformed generation
         self._formed = 0  # the last generation whose members all reached the boundary
         self._votes: dict[str, tuple[float, int]] = {}  # members done with the iteration
+        self._vote_user: dict[str, UserMetrics] = {}  # their trainer.log values
         self.checkpoint_writer: str | None = None
         self._checkpoint_written = -1
         self.restore_from: int | None = None
@@ -372,9 +419,16 @@ class Coordinator:
     # -- boundaries ---------------------------------------------------------------------------
 
     def report(
-        self, learner: str, generation: int, completed_iteration: int, loss_sum: float, n: int
+        self,
+        learner: str,
+        generation: int,
+        completed_iteration: int,
+        loss_sum: float,
+        n: int,
+        user: UserMetrics | None = None,
     ) -> None:
-        """Record a learner's loss of ``completed_iteration`` (sent with its next Boundary).
+        """Record a learner's loss of ``completed_iteration`` (sent with its next Boundary),
+        and the values its script logged for it (``user``, :func:`check_user_metrics`).
         Reports for iterations not being collected, from non-members or twice are ignored.
 
         In collective mode a member's report of the running iteration is its commit vote."""
@@ -386,6 +440,8 @@ class Coordinator:
             and learner in self.members
         ):
             self._votes[learner] = (float(loss_sum), int(n))
+            if user:
+                self._vote_user[learner] = user
             if set(self.members) <= set(self._votes):
                 if any(isinstance(t, CheckpointTask) for t in self._holds):
                     self._deferred_commit = True  # committed when the checkpoint is written
@@ -398,6 +454,8 @@ class Coordinator:
         if learner in info.reports:
             return
         info.reports[learner] = (float(loss_sum), int(n))
+        if user:
+            info.user[learner] = user
         self._maybe_finish(info)
 
     def decide(self, learner: str) -> Decision:
@@ -527,6 +585,7 @@ class Coordinator:
             self.members = members
         self._arrived = set()
         self._votes = {}
+        self._vote_user = {}
         self.running = bool(self.members)
         if not self.running:
             self._paused = True
@@ -709,9 +768,10 @@ class Coordinator:
         task = ResolveTask(g, k, commit=True, grad_norm=norm if math.isfinite(norm) else math.inf)
         if self.collective:
             votes, self._votes = self._votes, {}
+            user, self._vote_user = self._vote_user, {}
             self.restore_from = None  # the members hold the state again
             for member, (loss_sum, n) in votes.items():
-                self.report(member, g, k, loss_sum, n)
+                self.report(member, g, k, loss_sum, n, user.get(member))
         else:
             self._hold(task)
         return task
@@ -783,6 +843,7 @@ class Coordinator:
                 "samples": info.samples,
                 "samples_per_second": info.samples / info.seconds,
                 "time": info.time,
+                **({"values": _mean_user_metrics(info.user.values())} if info.user else {}),
             }
         )
 

@@ -55,6 +55,7 @@ from shoal.param_sync.coordinator import (
     OptimizerConfig,
     ResolveTask,
     RewindTask,
+    check_user_metrics,
 )
 from shoal.param_sync.metrics import SyncMetrics
 from shoal.param_sync.shard import (
@@ -646,6 +647,7 @@ class ParameterSyncServicer:
         authorize(
             current_principal(), "Boundary", job_id=request.job_id, learner_id=request.learner_id
         )
+        user = check_user_metrics(request.metric_sums, request.metric_samples)
         job = self._job(request.job_id)
         coord = job.coord
         async with job.cond:
@@ -671,6 +673,7 @@ class ParameterSyncServicer:
                     request.completed_iteration,
                     request.loss_sum,
                     request.num_samples,
+                    user,
                 )
                 if coord.completed > committed:  # a collective commit: the last vote
                     self.metrics.round_committed(

@@ -1,0 +1,96 @@
+"""The training script's own metrics: ``trainer.log({"name": value})``.
+
+A value logged *during a step* (from the loss function or the model's forward, which run once
+per micro-batch) is a mean over that micro-batch: it is weighted by the micro-batch's sample
+count, so the learner's figure for the iteration is the sample-weighted mean over its share.
+A value logged *between steps* (in a callback such as ``on_iteration_end``) belongs to the
+next step and is weighted by that step's share. The coordinator then takes the sample-weighted
+mean over the learners that logged the name, as it does for the loss: the job's value of an
+iteration is what one process would compute over the whole global batch (for per-sample means;
+a name logged by some learners only is the mean over their samples).
+
+Names are 1-64 characters of ``[A-Za-z0-9_./-]``, at most :data:`MAX_NAMES` per iteration;
+values are finite numbers (a one-element tensor is read with ``float``). Anything else is a
+``ValueError`` naming the name and the value, and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["MAX_NAMES", "MetricLog", "StepMetrics", "means"]
+
+MAX_NAMES = 32
+_NAME = re.compile(r"[A-Za-z0-9_./-]{1,64}")
+
+#: One iteration's values of one learner: name -> (sum of value x samples, samples).
+StepMetrics = dict[str, tuple[float, int]]
+
+
+def means(metrics: Mapping[str, tuple[float, int]]) -> dict[str, float]:
+    """The sample-weighted mean of each name."""
+    return {name: total / count for name, (total, count) in sorted(metrics.items()) if count}
+
+
+def _checked(values: Mapping[str, Any]) -> dict[str, float]:
+    if not isinstance(values, Mapping):
+        raise ValueError(f"trainer.log: values ({values!r}) must be a mapping of name to number")
+    out: dict[str, float] = {}
+    for name, value in values.items():
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError(
+                f"trainer.log: metric name ({name!r}) must be 1-64 characters of [A-Za-z0-9_./-]"
+            )
+        try:
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(
+                f"trainer.log: value of {name!r} ({value!r}) must be a number"
+            ) from None
+        if not math.isfinite(number):
+            raise ValueError(f"trainer.log: value of {name!r} ({number}) must be finite")
+        out[name] = number
+    return out
+
+
+class MetricLog:
+    """What the script logged, collected per step (one per trainer)."""
+
+    def __init__(self) -> None:
+        self.chunk: int | None = None
+        """Samples of the micro-batch being computed (set by ``compute_contribution``), or
+        None between steps."""
+        self._step: StepMetrics = {}
+        self._pending: dict[str, float] = {}
+
+    def log(self, values: Mapping[str, Any]) -> None:
+        checked = _checked(values)
+        known = set(self._step) | set(self._pending)
+        if len(known | set(checked)) > MAX_NAMES:
+            raise ValueError(
+                f"trainer.log: {len(known | set(checked))} metric names in one iteration; "
+                f"at most {MAX_NAMES}"
+            )
+        if self.chunk is None:
+            self._pending.update(checked)  # between steps: the latest value goes to the next
+            return
+        m = self.chunk
+        for name, value in checked.items():
+            total, count = self._step.get(name, (0.0, 0))
+            self._step[name] = (total + value * m, count + m)
+
+    def begin_step(self) -> None:
+        self._step = {}
+
+    def end_step(self, n_samples: int) -> StepMetrics:
+        """This step's values (the pending ones weighted by the share's ``n_samples``)."""
+        step, self._step = self._step, {}
+        if n_samples > 0:
+            for name, value in self._pending.items():
+                if name not in step:
+                    step[name] = (value * n_samples, n_samples)
+            self._pending = {}
+        return step
