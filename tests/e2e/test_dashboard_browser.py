@@ -238,6 +238,10 @@ def test_the_dashboard_shows_the_reference_scenario_live_and_acts_for_its_user(
             # Job 2's page: loss per iteration with its rescales marked, learners, logs.
             page.goto(f"{base}jobs/{job2}")
             page.wait_for_selector('#iteration-charts [data-metric="loss"] canvas')
+            # What the script logs itself (trainer.log, tiny_model's "mae") has its own chart.
+            page.wait_for_selector(
+                '#iteration-charts [data-metric="mae"] canvas', timeout=STEP_TIMEOUT_MS
+            )
             # The rescales to 5 and to 8 learners are marked once their iterations' metrics
             # are flushed (the data plane writes them in batches).
             page.wait_for_function(
