@@ -275,7 +275,7 @@ def bench_gloo(world: int, rounds: int) -> list[float]:
 
 def bench_pieces(chunk_mb: float) -> dict[str, float]:
     """Milliseconds of each piece of a round for the whole 44.6 MiB, in this process."""
-    from shoal.learner.transport import (
+    from shoal.contract.wire import (
         BundleReceiver,
         TensorMeta,
         byte_view,

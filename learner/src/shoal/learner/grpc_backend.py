@@ -38,6 +38,19 @@ import torch
 from grpc import aio
 
 from shoal.client.tls import TLSFiles, channel_credentials
+from shoal.contract.wire import (
+    DEFAULT_CHUNK_BYTES,
+    BundleReceiver,
+    Frame,
+    TensorMeta,
+    byte_view,
+    encode_chunks,
+    encode_header,
+    frame_decoder,
+    header_of,
+    pack_layout,
+    serialize,
+)
 from shoal.learner.backend import (
     Assignment,
     Contribution,
@@ -54,19 +67,6 @@ from shoal.learner.backend import (
 )
 from shoal.learner.env import LearnerEnv
 from shoal.learner.tracing import trace_metadata
-from shoal.learner.transport import (
-    DEFAULT_CHUNK_BYTES,
-    BundleReceiver,
-    Frame,
-    TensorMeta,
-    byte_view,
-    encode_chunks,
-    encode_header,
-    frame_decoder,
-    header_of,
-    pack_layout,
-    serialize,
-)
 from shoal.v1 import (
     job_pb2,
     parameter_sync_service_pb2 as ps_pb2,
@@ -91,8 +91,8 @@ class LearnerEvicted(RuntimeError):
 
 def stream_methods(channel: aio.Channel) -> dict[str, Any]:
     """Multi-callables of the three tensor streams with shoal's hand codec
-    (``shoal.learner.transport``): requests pass pre-encoded bytes through, responses are
-    decoded into zero-copy :class:`~shoal.learner.transport.Frame` objects."""
+    (``shoal.contract.wire``): requests pass pre-encoded bytes through, responses are
+    decoded into zero-copy :class:`~shoal.contract.wire.Frame` objects."""
     return {
         "InitializeParameters": channel.stream_unary(
             SERVICE_PATH + "InitializeParameters",

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.learner.transport import TensorMeta, validate_layout
+from shoal.contract.wire import TensorMeta, validate_layout
 from shoal.param_sync.sharding import Sharding, assign_shards
 from shoal.runtime.errors import FailedPrecondition, InvalidField, StaleGeneration
 

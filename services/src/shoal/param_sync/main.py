@@ -28,7 +28,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from shoal.learner.transport import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from shoal.contract.wire import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from shoal.param_sync.service import (
     ERRORS,
     ROLES,

@@ -33,7 +33,7 @@ import safetensors.torch
 from google.protobuf import timestamp_pb2
 from grpc import aio
 
-from shoal.learner.transport import (
+from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
     Frame,
     TensorMeta,
@@ -160,7 +160,7 @@ class ShardOptions:
 
 def add_servicer(servicer: object, server: aio.Server) -> None:
     """Like the generated ``add_ParameterSyncServiceServicer_to_server``, but the tensor
-    streams use the hand codec of ``shoal.learner.transport`` (pre-encoded chunk messages are
+    streams use the hand codec of ``shoal.contract.wire`` (pre-encoded chunk messages are
     sent as they are; received ones are decoded to zero-copy frames)."""
     unary: dict[str, tuple[Any, Any]] = {
         "OpenJob": (ps_pb2.OpenJobRequest, ps_pb2.OpenJobResponse),

@@ -24,7 +24,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from shoal.learner.transport import (
+from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
     BundleError,
     BundleReceiver,
