@@ -1073,8 +1073,18 @@ class GetJobProgressResponse(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     MEMBER_LEARNER_IDS_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
+    RECOVERING_FIELD_NUMBER: _builtins.int
+    RECOVERY_REASON_FIELD_NUMBER: _builtins.int
     done: _builtins.bool
     """True when the job finished all its epochs."""
+    recovering: _builtins.bool
+    """True while the coordinator is recovering the job from the loss of a shard (waiting for
+    it to come back, or rewinding to the latest checkpoint): no iteration commits meanwhile.
+    """
+    recovery_reason: _builtins.str
+    """Why the job is recovering, in words (e.g. "shard 1 lost its state at iteration 286;
+    rewinding to the checkpoint after 230 iterations"); empty when not recovering.
+    """
     @_builtins.property
     def progress(self) -> _job_pb2.JobProgress:
         """The progress."""
@@ -1089,10 +1099,12 @@ class GetJobProgressResponse(_message.Message):
         progress: _job_pb2.JobProgress | None = ...,
         member_learner_ids: _abc.Iterable[_builtins.str] | None = ...,
         done: _builtins.bool = ...,
+        recovering: _builtins.bool = ...,
+        recovery_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "member_learner_ids", b"member_learner_ids", "progress", b"progress"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "member_learner_ids", b"member_learner_ids", "progress", b"progress", "recovering", b"recovering", "recovery_reason", b"recovery_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1428,3 +1440,59 @@ class LoadShardResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadShardResponse: _TypeAlias = LoadShardResponse  # noqa: Y015
+
+@_typing.final
+class GetShardStatusRequest(_message.Message):
+    """GetShardStatusRequest asks a shard about its state of one job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    shard_index: _builtins.int
+    """The index the caller expects the shard to have."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        shard_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "shard_index", b"shard_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetShardStatusRequest: _TypeAlias = GetShardStatusRequest  # noqa: Y015
+
+@_typing.final
+class GetShardStatusResponse(_message.Message):
+    """GetShardStatusResponse says what the shard holds of the job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLDS_JOB_FIELD_NUMBER: _builtins.int
+    INITIALIZED_FIELD_NUMBER: _builtins.int
+    COMPLETED_ITERATIONS_FIELD_NUMBER: _builtins.int
+    holds_job: _builtins.bool
+    """True when the shard holds a configured slice of the job."""
+    initialized: _builtins.bool
+    """True when that slice holds parameters (initialized or loaded)."""
+    completed_iterations: _builtins.int
+    """The number of iterations the slice has stepped (or loaded), -1 without a slice."""
+    def __init__(
+        self,
+        *,
+        holds_job: _builtins.bool = ...,
+        initialized: _builtins.bool = ...,
+        completed_iterations: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "holds_job", b"holds_job", "initialized", b"initialized"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetShardStatusResponse: _TypeAlias = GetShardStatusResponse  # noqa: Y015

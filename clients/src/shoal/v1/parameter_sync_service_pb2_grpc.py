@@ -130,6 +130,11 @@ class ParameterSyncServiceStub:
                 request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardRequest.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardResponse.FromString,
                 _registered_method=True)
+        self.GetShardStatus = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/GetShardStatus',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.GetShardStatusRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.GetShardStatusResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterSyncServiceServicer:
@@ -310,6 +315,16 @@ class ParameterSyncServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetShardStatus(self, request, context):
+        """GetShardStatus says whether a shard holds state of a job (coordinator to shard, every
+        probe interval): a shard that restarted answers holds_job = false, and the coordinator
+        then rewinds the job to its latest checkpoint on every shard. Returns UNAUTHENTICATED,
+        PERMISSION_DENIED, INVALID_ARGUMENT (shard_index is not this shard's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterSyncServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -402,6 +417,11 @@ def add_ParameterSyncServiceServicer_to_server(servicer, server):
                     servicer.LoadShard,
                     request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardRequest.FromString,
                     response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardResponse.SerializeToString,
+            ),
+            'GetShardStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShardStatus,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.GetShardStatusRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.GetShardStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -896,6 +916,33 @@ class ParameterSyncService:
             '/shoal.v1.ParameterSyncService/LoadShard',
             shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardRequest.SerializeToString,
             shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShardStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/GetShardStatus',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.GetShardStatusRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.GetShardStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -136,6 +136,12 @@ class ParameterSyncServiceStub:
     shard). Returns NOT_FOUND (no such checkpoint), INVALID_ARGUMENT (layout mismatch),
     UNAUTHENTICATED, PERMISSION_DENIED.
     """
+    GetShardStatus: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.GetShardStatusRequest, _parameter_sync_service_pb2.GetShardStatusResponse]
+    """GetShardStatus says whether a shard holds state of a job (coordinator to shard, every
+    probe interval): a shard that restarted answers holds_job = false, and the coordinator
+    then rewinds the job to its latest checkpoint on every shard. Returns UNAUTHENTICATED,
+    PERMISSION_DENIED, INVALID_ARGUMENT (shard_index is not this shard's).
+    """
 
 @_typing.type_check_only
 class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
@@ -244,6 +250,12 @@ class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
     """LoadShard restores a shard's slice of a job from a checkpoint directory (coordinator to
     shard). Returns NOT_FOUND (no such checkpoint), INVALID_ARGUMENT (layout mismatch),
     UNAUTHENTICATED, PERMISSION_DENIED.
+    """
+    GetShardStatus: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.GetShardStatusRequest, _parameter_sync_service_pb2.GetShardStatusResponse]  # type: ignore[assignment]
+    """GetShardStatus says whether a shard holds state of a job (coordinator to shard, every
+    probe interval): a shard that restarted answers holds_job = false, and the coordinator
+    then rewinds the job to its latest checkpoint on every shard. Returns UNAUTHENTICATED,
+    PERMISSION_DENIED, INVALID_ARGUMENT (shard_index is not this shard's).
     """
 
 class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -458,6 +470,18 @@ class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         """LoadShard restores a shard's slice of a job from a checkpoint directory (coordinator to
         shard). Returns NOT_FOUND (no such checkpoint), INVALID_ARGUMENT (layout mismatch),
         UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+
+    @_abc_1.abstractmethod
+    def GetShardStatus(
+        self,
+        request: _parameter_sync_service_pb2.GetShardStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.GetShardStatusResponse, _abc.Awaitable[_parameter_sync_service_pb2.GetShardStatusResponse]]:
+        """GetShardStatus says whether a shard holds state of a job (coordinator to shard, every
+        probe interval): a shard that restarted answers holds_job = false, and the coordinator
+        then rewinds the job to its latest checkpoint on every shard. Returns UNAUTHENTICATED,
+        PERMISSION_DENIED, INVALID_ARGUMENT (shard_index is not this shard's).
         """
 
 def add_ParameterSyncServiceServicer_to_server(servicer: ParameterSyncServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

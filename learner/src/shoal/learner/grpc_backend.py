@@ -12,8 +12,10 @@ Per learner (see docs/data-plane.md for the protocol):
 * :meth:`GrpcBackend.sync` opens one ``SyncStep`` stream per shard, concurrently: the header,
   then this learner's gradients and buffers for that shard's tensors as raw little-endian
   chunks; each shard answers with its new parameters once every member has contributed and
-  every shard is ready. ABORTED (a member was evicted) or a stale generation raise
-  :class:`~shoal.learner.backend.IterationAborted`: the next boundary re-issues the iteration.
+  every shard is ready. ABORTED (a member was evicted), a stale generation, or a shard that is
+  down or restarted without the job (UNAVAILABLE, DEADLINE_EXCEEDED, NOT_FOUND on a tensor
+  stream, pulls included) raise :class:`~shoal.learner.backend.IterationAborted`: the next
+  boundary re-issues the iteration (after the coordinator recovered the shard's slice).
 
 gRPC runs on an asyncio loop in a background thread; the trainer calls in from its own thread.
 The environment contract (``shoal.learner.env``): SHOAL_JOB_ID, SHOAL_LEARNER_ID,
@@ -82,6 +84,11 @@ BACKEND_NAME = "grpc"
 SERVICE_PATH = "/shoal.v1.ParameterSyncService/"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+#: A tensor stream (SyncStep, PullParameters) failing so means its shard is down, or came back
+#: without the job (it restarted): the coordinator notices, recovers the shard's slice, and the
+#: next boundary says what to run; the learner waits a moment so that it does not spin.
+_SHARD_LOST = (*_RETRYABLE, grpc.StatusCode.NOT_FOUND)
+_SHARD_LOST_PAUSE_S = 0.5
 
 
 class LearnerEvicted(RuntimeError):
@@ -424,6 +431,9 @@ class GrpcBackend(SyncBackend):
         try:
             await asyncio.gather(*(one(s) for s in self._shards))
         except aio.AioRpcError as exc:
+            if exc.code() in _SHARD_LOST:
+                await asyncio.sleep(_SHARD_LOST_PAUSE_S)
+                raise IterationAborted(exc.details() or str(exc.code())) from exc
             raise _translate(exc) from exc
 
     async def _receive(
@@ -529,7 +539,9 @@ class GrpcBackend(SyncBackend):
             for t in tasks:
                 t.cancel()
             error = _translate(exc)
-            if isinstance(error, IterationAborted | LearnerEvicted) or exc.code() in _RETRYABLE:
+            if exc.code() in _SHARD_LOST:
+                await asyncio.sleep(_SHARD_LOST_PAUSE_S)
+            if isinstance(error, IterationAborted | LearnerEvicted) or exc.code() in _SHARD_LOST:
                 raise IterationAborted(exc.details() or str(exc.code())) from exc
             raise error from exc
         finally:

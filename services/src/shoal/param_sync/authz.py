@@ -67,6 +67,7 @@ SERVICE_METHODS = frozenset(
         "ResolveIteration",
         "SaveShard",
         "LoadShard",
+        "GetShardStatus",
     }
 )
 

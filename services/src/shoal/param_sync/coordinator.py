@@ -31,6 +31,14 @@ learners hold the state and all-reduce among themselves, so the commit votes com
 * Checkpoints are written by a learner that holds the state (``CHECKPOINT`` decisions); when
   the last holders retire, the state is checkpointed first; when no member holds it any more
   (every holder died), the job rewinds to its latest checkpoint (:class:`RewindTask`).
+
+Shard loss (parameter-server mode): when the service finds a shard unreachable or without its
+slice (it restarted), :meth:`Coordinator.shard_lost` aborts the running iteration and holds a
+:class:`RecoverTask`: every boundary waits while the service waits for the shard to answer. If
+it comes back holding the slice at the current iteration, nothing was lost
+(:meth:`Coordinator.recovered`); otherwise every shard loads the latest checkpoint and
+:meth:`Coordinator.rewind` continues from it, every learner pulling. No learner is stopped and
+no job fails for it.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ __all__ = [
     "JobSettings",
     "JoinOutcome",
     "OptimizerConfig",
+    "RecoverTask",
     "ResolveTask",
     "RewindTask",
 ]
@@ -166,7 +175,17 @@ class RewindTask:
     iteration: int
 
 
-Task = ResolveTask | CheckpointTask | RewindTask
+@dataclass(frozen=True)
+class RecoverTask:
+    """Parameter-server mode: shard ``shard_index`` was found unreachable or without its slice
+    of the job (``reason``). Held until the shard answers again: then either nothing was lost
+    or every shard rewinds to the latest checkpoint."""
+
+    shard_index: int
+    reason: str
+
+
+Task = ResolveTask | CheckpointTask | RewindTask | RecoverTask
 
 
 @dataclass
@@ -228,6 +247,8 @@ class Coordinator:
         self.checkpoint_writer: str | None = None
         self._checkpoint_written = -1
         self.restore_from: int | None = None
+        # Shard loss (parameter-server mode): why the job is recovering ("" when it is not).
+        self.recovering = ""
         # Loss and throughput.
         self._collecting: dict[int, _IterationInfo] = {}
         self._finished: list[dict[str, Any]] = []
@@ -615,6 +636,65 @@ class Coordinator:
         self._admit([m for m in self.members if m not in self.evicted], new_generation=True)
         self._touch()
         return True
+
+    # -- shard loss (parameter-server mode) ----------------------------------------------------
+
+    @property
+    def recovery(self) -> RecoverTask | None:
+        return next((t for t in self._holds if isinstance(t, RecoverTask)), None)
+
+    def shard_lost(self, shard_index: int, reason: str) -> list[Task]:
+        """Shard ``shard_index`` is unreachable or lost its slice. Aborts the running
+        iteration (its sums may be gone) and holds a :class:`RecoverTask`, so every boundary
+        waits until the shard answers again. Returns the tasks to start (none when the job is
+        in collective mode, not started, done, or already recovering)."""
+        if self.sharding is None or not 0 <= shard_index < self.sharding.num_shards:
+            raise InvalidField("shard_index", shard_index, "is not a shard of the job")
+        if (
+            self.collective is not False
+            or not self.initialized
+            or self.done
+            or self.recovery is not None
+            or not self.sharding.tensors[shard_index]
+        ):
+            return []
+        self.recovering = f"shard {shard_index} {reason} at iteration {self.completed}"
+        tasks: list[Task] = []
+        if self.running and self.members:
+            abort = ResolveTask(self.generation, self.completed, commit=False)
+            self._hold(abort)
+            tasks.append(abort)
+            self._admit(list(self.members), new_generation=True)
+        task = RecoverTask(shard_index, reason)
+        self._hold(task)
+        tasks.append(task)
+        self._touch()
+        return tasks
+
+    def recovered(self, task: RecoverTask) -> None:
+        """The lost shard answered holding its slice at the current iteration: nothing was
+        lost. The boundaries go on (the aborted iteration is re-run)."""
+        self.recovering = ""
+        self.task_done(task)
+
+    def rewind(self, task: RecoverTask, iteration: int, *, generation: int) -> None:
+        """Every shard loaded the checkpoint after ``iteration`` iterations (written in
+        ``generation``): continue from it in a new generation, every member pulling. Records
+        of iterations at or after it are dropped (they will be run again)."""
+        self.completed = iteration
+        self.samples_processed = sum(self.batch_samples(k) for k in range(iteration))
+        self._collecting = {k: v for k, v in self._collecting.items() if k < iteration}
+        self._finished = [r for r in self._finished if r["global_iteration"] < iteration]
+        self.synced = set()
+        self.generation = max(self.generation, generation)
+        self._holds = [t for t in self._holds if not isinstance(t, CheckpointTask)]
+        self._deferred_commit = False
+        self._admit(
+            [m for m in self.members if m not in self.evicted and m not in self.retired],
+            new_generation=True,
+        )
+        self.recovering = ""
+        self.task_done(task)
 
     def membership(self, generation: int) -> tuple[tuple[str, ...], int]:
         """Members and iteration of ``generation`` (for shards validating contributions)."""

@@ -79,6 +79,7 @@ class ParamSyncConfig:
     chunk_bytes: int = 1 * MiB
     registration_ttl_s: float = 5.0
     rendezvous_port: int = 0
+    shard_probe_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.shard_index < 0:
@@ -91,6 +92,8 @@ class ParamSyncConfig:
             )
         if not 1 <= self.registration_ttl_s <= 300:
             raise InvalidField("registration_ttl_s", self.registration_ttl_s, "must be 1..300")
+        if not 0.1 <= self.shard_probe_s <= 60:
+            raise InvalidField("shard_probe_s", self.shard_probe_s, "must be 0.1..60")
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -123,6 +126,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="TCP port of the torch.distributed store that collective-mode jobs coordinated "
         "here rendezvous through; 0 picks a free port (SHOAL_RENDEZVOUS_PORT)",
     )
+    g.add_argument(
+        "--shard-probe",
+        default=env.get("SHOAL_SHARD_PROBE_S", "1"),
+        help="seconds between a coordinator's probes of the other shards of its jobs; a shard "
+        "found without its slice (restarted) makes the job rewind to its latest checkpoint "
+        "(SHOAL_SHARD_PROBE_S)",
+    )
     add_server_flags(parser, env)
     return parser
 
@@ -148,6 +158,10 @@ def parse_config(
         ttl = float(ns.registration_ttl)
     except ValueError as exc:
         raise InvalidField("chunk_mb/registration_ttl", ns.chunk_mb, f"{exc}") from None
+    try:
+        probe = float(ns.shard_probe)
+    except ValueError:
+        raise InvalidField("shard_probe", ns.shard_probe, "must be a number of seconds") from None
     return ParamSyncConfig(
         server=server,
         shard_index=index,
@@ -155,6 +169,7 @@ def parse_config(
         chunk_bytes=chunk,
         registration_ttl_s=ttl,
         rendezvous_port=rendezvous_port,
+        shard_probe_s=probe,
     )
 
 
@@ -207,6 +222,7 @@ async def serve(config: ParamSyncConfig) -> None:
             chunk_bytes=config.chunk_bytes,
             peer_message_bytes=config.server.max_message_bytes,
             rendezvous_port=config.rendezvous_port,
+            shard_probe_s=config.shard_probe_s,
         )
     )
     running = await create_server(

@@ -53,6 +53,7 @@ from shoal.param_sync.coordinator import (
     Coordinator,
     JobSettings,
     OptimizerConfig,
+    RecoverTask,
     ResolveTask,
     RewindTask,
 )
@@ -151,6 +152,11 @@ class ShardOptions:
     peer_message_bytes: int = 64 * 1024 * 1024
     rendezvous_port: int = 0  # of the collective-mode store (0: a free port)
     tls: TLSConfig | None = None  # of this process: peer channels are mutual TLS with it
+    # Seconds between a coordinator's probes of the other shards of its parameter-server jobs
+    # (GetShardStatus); a shard that fails ``shard_probe_misses`` probes in a row, or answers
+    # without its slice, starts a recovery (Coordinator.shard_lost).
+    shard_probe_s: float = 1.0
+    shard_probe_misses: int = 3
 
 
 # ------------------------------------------------------------------------------------------
@@ -181,6 +187,7 @@ def add_servicer(servicer: object, server: aio.Server) -> None:
         "ResolveIteration": (ps_pb2.ResolveIterationRequest, ps_pb2.ResolveIterationResponse),
         "SaveShard": (ps_pb2.SaveShardRequest, ps_pb2.SaveShardResponse),
         "LoadShard": (ps_pb2.LoadShardRequest, ps_pb2.LoadShardResponse),
+        "GetShardStatus": (ps_pb2.GetShardStatusRequest, ps_pb2.GetShardStatusResponse),
     }
     handlers: dict[str, grpc.RpcMethodHandler] = {
         name: grpc.unary_unary_rpc_method_handler(
@@ -244,6 +251,8 @@ class _CoordinatedJob:
     tensorboard: Any = None
     # Collective mode: checkpoint files reported by learners, by iteration.
     checkpoint_files: dict[int, asyncio.Future[ps_pb2.CheckpointFile]] = field(default_factory=dict)
+    # Parameter-server mode: the probe of the other shards (started by OpenJob).
+    watchdog: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -314,6 +323,9 @@ class ParameterSyncServicer:
         return f"{host}:{self._rendezvous_store.port}"
 
     async def close(self) -> None:
+        for job in self._coordinated.values():
+            if job.watchdog is not None:
+                job.watchdog.cancel()
         for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()
@@ -423,6 +435,7 @@ class ParameterSyncServicer:
             if found is not None:
                 await self._resume(job, *found)
             self._coordinated[request.job_id] = job
+            job.watchdog = asyncio.create_task(self._watch_shards(job))
             log.info(
                 "job %s opened (%s), %d shards",
                 request.job_id,
@@ -503,6 +516,8 @@ class ParameterSyncServicer:
             self._fail_waiters(part, Aborted(f"job {request.job_id!r} was closed"))
         self.metrics.forget(request.job_id)
         if job is not None:
+            if job.watchdog is not None:
+                job.watchdog.cancel()
             async with job.cond:
                 job.coord.done = True
                 job.cond.notify_all()
@@ -774,7 +789,7 @@ class ParameterSyncServicer:
     async def _run_task(
         self,
         job: _CoordinatedJob,
-        task: ResolveTask | CheckpointTask | RewindTask,
+        task: ResolveTask | CheckpointTask | RewindTask | RecoverTask,
         future: asyncio.Future[Any],
     ) -> None:
         ok, result = True, None
@@ -783,6 +798,8 @@ class ParameterSyncServicer:
                 await self._resolve_everywhere(job.coord, task)
                 if task.commit:
                     self.metrics.iteration_committed(job.coord.job_id)
+            elif isinstance(task, RecoverTask):
+                await self._recover(job, task)
             elif isinstance(task, RewindTask):
                 s, ipe = job.coord.settings, job.coord.iterations_per_epoch
                 log.warning(
@@ -810,6 +827,113 @@ class ParameterSyncServicer:
             del follow  # a deferred commit is one of the coordinator's holds now
             self._kick(job)
             job.cond.notify_all()
+
+    # -- shard loss (parameter-server mode) ----------------------------------------------------
+
+    async def _shard_status(
+        self, settings: JobSettings, index: int
+    ) -> ps_pb2.GetShardStatusResponse:
+        request = ps_pb2.GetShardStatusRequest(job_id=settings.job_id, shard_index=index)
+        if index == self.options.shard_index:
+            return await self._local_GetShardStatus(request)
+        timeout = max(2.0, 2 * self.options.shard_probe_s)
+        return await self._peer_call(
+            settings.shard_addresses[index], "GetShardStatus", request, timeout
+        )
+
+    async def _watch_shards(self, job: _CoordinatedJob) -> None:
+        """Probe the other shards of a parameter-server job every ``shard_probe_s``: a shard
+        that answers without its slice (it restarted), or misses ``shard_probe_misses``
+        probes in a row, starts a recovery (:meth:`Coordinator.shard_lost`)."""
+        coord = job.coord
+        misses: dict[int, int] = {}
+        while self._coordinated.get(coord.job_id) is job and not coord.done:
+            await asyncio.sleep(self.options.shard_probe_s)
+            if (
+                coord.collective is not False
+                or coord.sharding is None
+                or not coord.initialized
+                or coord.recovery is not None
+            ):
+                continue
+            for i in self._active(coord):
+                if i == self.options.shard_index:
+                    continue
+                reason = ""
+                try:
+                    status = await self._shard_status(coord.settings, i)
+                except (Unavailable, NotFound) as exc:
+                    misses[i] = misses.get(i, 0) + 1
+                    if misses[i] >= self.options.shard_probe_misses:
+                        reason = f"unreachable ({exc})"
+                except ShoalError as exc:
+                    log.warning("job %s: probe of shard %d: %s", coord.job_id, i, exc)
+                    continue
+                else:
+                    misses[i] = 0
+                    if not status.holds_job or not status.initialized:
+                        reason = "lost its state (restarted)"
+                if reason:
+                    misses[i] = 0
+                    async with job.cond:
+                        if coord.shard_lost(i, reason):
+                            log.warning("job %s: %s; recovering", coord.job_id, coord.recovering)
+                            self._kick(job)
+                            job.cond.notify_all()
+                    break
+
+    async def _recover(self, job: _CoordinatedJob, task: RecoverTask) -> None:
+        """Wait for the lost shard to answer. If it holds its slice at the coordinator's
+        iteration nothing was lost; otherwise configure it again (a restarted shard comes
+        back as an empty spare) and rewind every shard to the latest checkpoint. Never fails:
+        while it cannot finish (no checkpoint, storage errors) the job stays recovering with
+        the reason in GetJobProgress, and it tries again."""
+        coord = job.coord
+        s = coord.settings
+        base = coord.recovering
+        while self._coordinated.get(s.job_id) is job:
+            try:
+                status = await self._shard_status(s, task.shard_index)
+                if status.holds_job and status.initialized:
+                    if status.completed_iterations == coord.completed:
+                        async with job.cond:
+                            log.info(
+                                "job %s: shard %d is back, nothing lost", s.job_id, task.shard_index
+                            )
+                            coord.recovered(task)
+                            self._kick(job)
+                            job.cond.notify_all()
+                        return
+                found = await asyncio.to_thread(ckpt.latest_checkpoint, s.storage_uri, s.job_id)
+                if found is None:
+                    raise FailedPrecondition("no checkpoint to rewind to")
+                directory, manifest = found
+                assert coord.layout is not None and coord.optimizer is not None
+                assert coord.sharding is not None
+                await self._configure_all(s, coord.layout, coord.optimizer, coord.sharding)
+                load = ps_pb2.LoadShardRequest(job_id=s.job_id, directory=directory)
+                await asyncio.gather(
+                    *(self._call_shard(s, i, "LoadShard", load) for i in self._active(coord))
+                )
+                iteration = int(manifest["iteration"])
+                await asyncio.to_thread(
+                    self._truncate_metrics, s, iteration, iteration // coord.iterations_per_epoch
+                )
+                async with job.cond:
+                    log.warning(
+                        "job %s: %s; every shard rewound to the checkpoint after %d iterations",
+                        s.job_id,
+                        base,
+                        iteration,
+                    )
+                    coord.rewind(task, iteration, generation=int(manifest.get("generation", 0)))
+                    self._kick(job)
+                    job.cond.notify_all()
+                return
+            except Exception as exc:  # never give up on the job: report and try again
+                coord.recovering = f"{base}; waiting: {exc}"
+                log.warning("job %s: recovering: %s", s.job_id, coord.recovering)
+            await asyncio.sleep(self.options.shard_probe_s)
 
     async def _resolve_everywhere(self, coord: Coordinator, task: ResolveTask) -> None:
         request = ps_pb2.ResolveIterationRequest(
@@ -1187,6 +1311,8 @@ class ParameterSyncServicer:
             progress=_progress_proto(coord.progress()),
             member_learner_ids=list(coord.members),
             done=coord.done,
+            recovering=bool(coord.recovering),
+            recovery_reason=coord.recovering,
         )
 
     async def GetMembership(self, request: ps_pb2.GetMembershipRequest, context: Any) -> Any:
@@ -1309,6 +1435,26 @@ class ParameterSyncServicer:
         part.memberships.clear()
         self.metrics.forget(request.job_id)
         return ps_pb2.LoadShardResponse(global_iteration=iteration)
+
+    async def GetShardStatus(self, request: ps_pb2.GetShardStatusRequest, context: Any) -> Any:
+        authorize(current_principal(), "GetShardStatus", job_id=request.job_id)
+        return await self._local_GetShardStatus(request)
+
+    async def _local_GetShardStatus(self, request: ps_pb2.GetShardStatusRequest) -> Any:
+        if request.shard_index != self.options.shard_index:
+            raise InvalidField(
+                "shard_index",
+                request.shard_index,
+                f"is not this shard's ({self.options.shard_index})",
+            )
+        part = self._slices.get(request.job_id)
+        if part is None:
+            return ps_pb2.GetShardStatusResponse(holds_job=False, completed_iterations=-1)
+        return ps_pb2.GetShardStatusResponse(
+            holds_job=True,
+            initialized=part.job.initialized,
+            completed_iterations=part.job.completed,
+        )
 
 
 def _aborted(job_id: str, generation: int, iteration: int) -> Aborted:

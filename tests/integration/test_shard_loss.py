@@ -1,0 +1,80 @@
+"""A parameter-sync shard lost mid-training never fails the job (issue 12), on real processes:
+two shard processes, two learner processes (the digits MLP through the "grpc" backend), this
+test acting as the scheduler.
+
+The non-coordinator shard is SIGKILLed mid-epoch: the coordinator's probe reports the job
+recovering (GetJobProgress says why), the learners stay up and wait at their boundary. The
+shard is started again on its address, holding nothing; the coordinator configures it again and
+rewinds every shard to the latest checkpoint; the learners pull and go on. The job completes,
+each iteration is recorded once, and the final model equals single-process training within the
+equivalence tests' 1e-5.
+
+What this does not give (no replication yet, docs/data-plane.md): the iterations since the
+latest checkpoint are run again, and a shard that never comes back stalls the job.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration._param_sync_cluster import DataPlane
+from tests.integration.test_elastic_training import (
+    BATCH,
+    assert_each_iteration_recorded_once,
+    assert_matches_reference,
+    iterations_per_epoch,
+)
+from tests.support import make_tokens, wait_until
+
+
+@pytest.mark.slow
+def test_a_killed_non_coordinator_shard_restarted_later_never_fails_the_job(tmp_path: Path):
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
+    job, epochs = "shardloss", 3
+    ipe = iterations_per_epoch()
+    total = epochs * ipe
+    try:
+        plane.start_shards(["--shard-probe", "0.5"])
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.05)
+            for n in ("s0", "s1")
+        }
+        checkpoints = plane.job_dir(job) / "checkpoints"
+        wait_until(
+            lambda: plane.progress(job).progress.completed_iterations >= ipe + 3,
+            timeout=180,
+            what=f"{ipe + 3} iterations (past the first checkpoint)",
+        )
+        assert (checkpoints / "latest").read_text() == f"iter-{ipe}"
+        plane.shards[1].kill()  # SIGKILL: its slice (parameters, optimizer state) is gone
+        killed_at = time.monotonic()
+
+        def recovering() -> bool:
+            reply = plane.progress(job)
+            return reply.recovering and "shard 1" in reply.recovery_reason
+
+        wait_until(recovering, timeout=60, what="the job reported recovering from shard 1")
+        stalled = plane.progress(job).progress.completed_iterations
+        assert all(p.popen.poll() is None for p in learners.values())  # nobody exited
+        # Down for about 5 s (the issue's scenario), then back, holding nothing.
+        wait_until(lambda: time.monotonic() - killed_at >= 5, timeout=10, what="5 s down")
+        assert plane.progress(job).progress.completed_iterations == stalled  # nothing commits
+        plane.restart_shard(1)
+        wait_until(lambda: not plane.progress(job).recovering, timeout=120, what="the rewind")
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+    finally:
+        plane.kill_all()
+
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    coordinator_log = plane.shards[0].text()
+    assert "rewound to the checkpoint after" in coordinator_log, coordinator_log[-3000:]
+    for name in learners:
+        steps = [r["step"] for r in plane.history(name)["history"]]
+        assert steps[-1] == total - 1 and set(steps) == set(range(steps[0], total))
