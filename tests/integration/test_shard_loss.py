@@ -34,14 +34,14 @@ from tests.support import make_tokens, wait_until
 def test_a_killed_non_coordinator_shard_restarted_later_never_fails_the_job(tmp_path: Path):
     tokens = make_tokens(tmp_path / "tokens")
     plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
-    job, epochs = "shardloss", 3
+    job, epochs = "shardloss", 2
     ipe = iterations_per_epoch()
     total = epochs * ipe
     try:
         plane.start_shards(["--shard-probe", "0.5"])
         plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
         learners = {
-            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.05)
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
             for n in ("s0", "s1")
         }
         checkpoints = plane.job_dir(job) / "checkpoints"

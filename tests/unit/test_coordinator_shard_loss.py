@@ -92,3 +92,18 @@ def test_shard_loss_is_ignored_in_collective_mode_before_the_start_and_for_empty
     assert coord.shard_lost(empty, "unreachable") == []
     with pytest.raises(InvalidField, match="shard_index"):
         coord.shard_lost(7, "unreachable")
+
+
+def test_a_final_checkpoint_dropped_by_a_rewind_neither_counts_nor_ends_the_job() -> None:
+    coord = running("a", epochs=1)
+    while coord.completed < coord.total_iterations:
+        runs(coord, "a")
+        finish_iteration(coord)
+    assert coord.decide("a").action is Action.WAIT  # the final checkpoint is held
+    (final,) = coord.holds
+    (recover,) = coord.shard_lost(active(coord)[-1], "lost its state (restarted)")
+    coord.rewind(recover, 0, generation=0)  # no checkpoint was written before: from 0
+    assert final not in coord.holds
+    coord.task_done(final, ok=False)  # its writer gives up once the shard is gone
+    assert coord.done is False and coord.last_checkpoint == -1
+    assert runs(coord, "a").global_iteration == 0

@@ -802,16 +802,18 @@ class Coordinator:
 
     def task_done(self, task: Task, *, ok: bool = True) -> ResolveTask | None:
         """A side effect finished (``ok=False``: it failed and was logged). Returns a commit
-        that was deferred behind a checkpoint, if any."""
-        if task in self._holds:
+        that was deferred behind a checkpoint, if any. A checkpoint no longer held (a rewind
+        dropped it) is neither taken for written nor ends the job."""
+        held = task in self._holds
+        if held:
             self._holds.remove(task)
         follow: ResolveTask | None = None
         if isinstance(task, CheckpointTask):
             self.checkpoint_writer = None
             self._checkpoint_written = -1  # a failed one is written again, by any holder
-            if ok or not self.collective:
+            if held and (ok or not self.collective):
                 self.last_checkpoint = task.iteration
-            if task.final and (ok or not self.collective):
+            if held and task.final and (ok or not self.collective):
                 self.done = True
             if self._deferred_commit and self.running:
                 follow = self._commit()

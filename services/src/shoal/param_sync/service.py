@@ -811,7 +811,7 @@ class ParameterSyncServicer:
                     self._truncate_metrics, s, task.iteration, task.iteration // ipe
                 )
             else:
-                result = await self._checkpoint(job, task)
+                result = await self._checkpoint_through_shard_loss(job, task)
         except Exception as exc:
             ok = False
             log.error("job %s: %s failed: %s", job.coord.job_id, task, exc, exc_info=exc)
@@ -860,6 +860,7 @@ class ParameterSyncServicer:
                 if i == self.options.shard_index:
                     continue
                 reason = ""
+                before = (coord.completed, coord.commit_in_flight)
                 try:
                     status = await self._shard_status(coord.settings, i)
                 except (Unavailable, NotFound) as exc:
@@ -873,6 +874,14 @@ class ParameterSyncServicer:
                     misses[i] = 0
                     if not status.holds_job or not status.initialized:
                         reason = "lost its state (restarted)"
+                    elif (
+                        status.completed_iterations != before[0]
+                        and (coord.completed, coord.commit_in_flight) == (before[0], False)
+                        and not before[1]
+                    ):
+                        # No commit was delivered during the probe, yet the shard is at
+                        # another iteration: it missed a commit (unreachable then).
+                        reason = f"missed a commit (at iteration {status.completed_iterations})"
                 if reason:
                     misses[i] = 0
                     async with job.cond:
@@ -881,6 +890,27 @@ class ParameterSyncServicer:
                             self._kick(job)
                             job.cond.notify_all()
                     break
+
+    async def _checkpoint_through_shard_loss(
+        self, job: _CoordinatedJob, task: CheckpointTask
+    ) -> tuple[str, int]:
+        """Parameter-server mode: a shard unreachable or restarted while the checkpoint is
+        written does not make it a failed (skipped) checkpoint: it is written again while it is
+        held. The probe meanwhile finds the shard; if it is back with its slice the next try
+        succeeds, if it lost it the rewind drops the checkpoint (and this gives up)."""
+        coord = job.coord
+        while True:
+            try:
+                return await self._checkpoint(job, task)
+            except (Unavailable, NotFound) as exc:
+                if (
+                    coord.collective
+                    or task not in coord.holds
+                    or self._coordinated.get(coord.job_id) is not job
+                ):
+                    raise
+                log.warning("job %s: checkpoint %s waits for a shard: %s", coord.job_id, task, exc)
+            await asyncio.sleep(self.options.shard_probe_s)
 
     async def _recover(self, job: _CoordinatedJob, task: RecoverTask) -> None:
         """Wait for the lost shard to answer. If it holds its slice at the coordinator's
