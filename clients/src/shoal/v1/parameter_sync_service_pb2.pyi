@@ -57,6 +57,30 @@ as one shard file into `checkpoint_directory`, then report it with the next Boun
 """
 Global___BoundaryAction: _TypeAlias = BoundaryAction  # noqa: Y015
 
+class _ReplicateKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReplicateKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReplicateKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REPLICATE_KIND_UNSPECIFIED: _ReplicateKind.ValueType  # 0
+    """Not set (refused)."""
+    REPLICATE_KIND_SUMS: _ReplicateKind.ValueType  # 1
+    """An iteration's summed gradients and buffers, before the commit (primary to backup)."""
+    REPLICATE_KIND_STATE: _ReplicateKind.ValueType  # 2
+    """A slice's whole state: parameters, buffers, optimizer state and iteration."""
+
+class ReplicateKind(_ReplicateKind, metaclass=_ReplicateKindEnumTypeWrapper):
+    """ReplicateKind says what a Replicate stream carries."""
+
+REPLICATE_KIND_UNSPECIFIED: ReplicateKind.ValueType  # 0
+"""Not set (refused)."""
+REPLICATE_KIND_SUMS: ReplicateKind.ValueType  # 1
+"""An iteration's summed gradients and buffers, before the commit (primary to backup)."""
+REPLICATE_KIND_STATE: ReplicateKind.ValueType  # 2
+"""A slice's whole state: parameters, buffers, optimizer state and iteration."""
+Global___ReplicateKind: _TypeAlias = ReplicateKind  # noqa: Y015
+
 @_typing.final
 class TensorInfo(_message.Message):
     """TensorInfo describes one tensor inside a chunked byte stream."""
@@ -1180,6 +1204,8 @@ class ConfigureShardRequest(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _builtins.int
     COORDINATOR_ADDRESS_FIELD_NUMBER: _builtins.int
     ACTIVE_SHARDS_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    BACKUP_ADDRESS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     shard_index: _builtins.int
@@ -1188,6 +1214,14 @@ class ConfigureShardRequest(_message.Message):
     """The address of the job's coordinator shard."""
     active_shards: _builtins.int
     """The number of shards that hold at least one of the job's tensors."""
+    replica: _builtins.bool
+    """True: keep a replica of shard shard_index's slice here (this shard is its backup),
+    rather than being that shard.
+    """
+    backup_address: _builtins.str
+    """For a shard's own slice: the address of the shard that keeps its replica; empty when the
+    job's slices are not replicated.
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]:
         """The tensors (parameters and buffers) this shard holds, with the model's flat layout."""
@@ -1205,10 +1239,12 @@ class ConfigureShardRequest(_message.Message):
         optimizer: Global___OptimizerSpec | None = ...,
         coordinator_address: _builtins.str = ...,
         active_shards: _builtins.int = ...,
+        replica: _builtins.bool = ...,
+        backup_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_shards", b"active_shards", "coordinator_address", b"coordinator_address", "job_id", b"job_id", "optimizer", b"optimizer", "shard_index", b"shard_index", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_shards", b"active_shards", "backup_address", b"backup_address", "coordinator_address", b"coordinator_address", "job_id", b"job_id", "optimizer", b"optimizer", "replica", b"replica", "shard_index", b"shard_index", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1292,6 +1328,8 @@ class ResolveIterationRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     ITERATION_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     generation: _builtins.int
@@ -1300,6 +1338,10 @@ class ResolveIterationRequest(_message.Message):
     """The global iteration."""
     commit: _builtins.bool
     """True to apply the optimizer step; false to drop the partial sums."""
+    replica: _builtins.bool
+    """True: resolve the replica of shard shard_index's slice kept here."""
+    shard_index: _builtins.int
+    """With replica: whose slice."""
     def __init__(
         self,
         *,
@@ -1307,10 +1349,12 @@ class ResolveIterationRequest(_message.Message):
         generation: _builtins.int = ...,
         iteration: _builtins.int = ...,
         commit: _builtins.bool = ...,
+        replica: _builtins.bool = ...,
+        shard_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "generation", b"generation", "iteration", b"iteration", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "generation", b"generation", "iteration", b"iteration", "job_id", b"job_id", "replica", b"replica", "shard_index", b"shard_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1401,19 +1445,27 @@ class LoadShardRequest(_message.Message):
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     DIRECTORY_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     directory: _builtins.str
     """The checkpoint directory (an fsspec URI)."""
+    replica: _builtins.bool
+    """True: load the replica of shard shard_index's slice kept here."""
+    shard_index: _builtins.int
+    """With replica: whose slice."""
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         directory: _builtins.str = ...,
+        replica: _builtins.bool = ...,
+        shard_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["directory", b"directory", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["directory", b"directory", "job_id", b"job_id", "replica", b"replica", "shard_index", b"shard_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1496,3 +1548,129 @@ class GetShardStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetShardStatusResponse: _TypeAlias = GetShardStatusResponse  # noqa: Y015
+
+@_typing.final
+class ReplicateRequest(_message.Message):
+    """ReplicateRequest is one message of a Replicate stream; the first names the target."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    shard_index: _builtins.int
+    """Whose slice the blob is."""
+    replica: _builtins.bool
+    """True: the receiver keeps it as its replica of shard shard_index's slice; false: it is the
+    receiver's own slice (shard_index must be the receiver's).
+    """
+    kind: Global___ReplicateKind.ValueType
+    """What the blob holds."""
+    chunk: _builtins.bytes
+    """The next bytes of the safetensors blob."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        shard_index: _builtins.int = ...,
+        replica: _builtins.bool = ...,
+        kind: Global___ReplicateKind.ValueType = ...,
+        chunk: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "job_id", b"job_id", "kind", b"kind", "replica", b"replica", "shard_index", b"shard_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicateRequest: _TypeAlias = ReplicateRequest  # noqa: Y015
+
+@_typing.final
+class ReplicateResponse(_message.Message):
+    """ReplicateResponse acknowledges a blob applied."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    global_iteration: _builtins.int
+    """The iteration the slice is at (STATE) or the iteration whose sums were kept (SUMS)."""
+    def __init__(
+        self,
+        *,
+        global_iteration: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_iteration", b"global_iteration"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicateResponse: _TypeAlias = ReplicateResponse  # noqa: Y015
+
+@_typing.final
+class TransferSliceRequest(_message.Message):
+    """TransferSliceRequest asks a shard to send a slice it holds to another shard."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
+    FROM_REPLICA_FIELD_NUMBER: _builtins.int
+    TARGET_ADDRESS_FIELD_NUMBER: _builtins.int
+    TARGET_REPLICA_FIELD_NUMBER: _builtins.int
+    GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    shard_index: _builtins.int
+    """Whose slice."""
+    from_replica: _builtins.bool
+    """True: send the replica of shard shard_index's slice kept here; false: this shard's own."""
+    target_address: _builtins.str
+    """Where to send it (host:port)."""
+    target_replica: _builtins.bool
+    """True: the target keeps it as its replica; false: as its own slice."""
+    global_iteration: _builtins.int
+    """The iteration the slice must be at (the coordinator's completed iterations)."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        shard_index: _builtins.int = ...,
+        from_replica: _builtins.bool = ...,
+        target_address: _builtins.str = ...,
+        target_replica: _builtins.bool = ...,
+        global_iteration: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_replica", b"from_replica", "global_iteration", b"global_iteration", "job_id", b"job_id", "shard_index", b"shard_index", "target_address", b"target_address", "target_replica", b"target_replica"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferSliceRequest: _TypeAlias = TransferSliceRequest  # noqa: Y015
+
+@_typing.final
+class TransferSliceResponse(_message.Message):
+    """TransferSliceResponse acknowledges a transfer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    global_iteration: _builtins.int
+    """The iteration the sent slice was at."""
+    def __init__(
+        self,
+        *,
+        global_iteration: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_iteration", b"global_iteration"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferSliceResponse: _TypeAlias = TransferSliceResponse  # noqa: Y015

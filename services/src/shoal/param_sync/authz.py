@@ -68,6 +68,8 @@ SERVICE_METHODS = frozenset(
         "SaveShard",
         "LoadShard",
         "GetShardStatus",
+        "Replicate",
+        "TransferSlice",
     }
 )
 

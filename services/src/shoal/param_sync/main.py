@@ -80,6 +80,7 @@ class ParamSyncConfig:
     registration_ttl_s: float = 5.0
     rendezvous_port: int = 0
     shard_probe_s: float = 1.0
+    replication: bool = True
 
     def __post_init__(self) -> None:
         if self.shard_index < 0:
@@ -133,6 +134,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "found without its slice (restarted) makes the job rewind to its latest checkpoint "
         "(SHOAL_SHARD_PROBE_S)",
     )
+    g.add_argument(
+        "--replication",
+        default=env.get("SHOAL_REPLICATION", "on"),
+        help="on (default) or off: keep a replica of each slice of the jobs this shard "
+        "coordinates on the next shard, so that a restarted shard loses no committed "
+        "iteration; off rewinds to the latest checkpoint instead (SHOAL_REPLICATION)",
+    )
     add_server_flags(parser, env)
     return parser
 
@@ -158,6 +166,9 @@ def parse_config(
         ttl = float(ns.registration_ttl)
     except ValueError as exc:
         raise InvalidField("chunk_mb/registration_ttl", ns.chunk_mb, f"{exc}") from None
+    replication = str(ns.replication).strip().lower()
+    if replication not in ("on", "off", "true", "false", "1", "0"):
+        raise InvalidField("replication", ns.replication, "must be on or off")
     try:
         probe = float(ns.shard_probe)
     except ValueError:
@@ -170,6 +181,7 @@ def parse_config(
         registration_ttl_s=ttl,
         rendezvous_port=rendezvous_port,
         shard_probe_s=probe,
+        replication=replication in ("on", "true", "1"),
     )
 
 
@@ -223,6 +235,7 @@ async def serve(config: ParamSyncConfig) -> None:
             peer_message_bytes=config.server.max_message_bytes,
             rendezvous_port=config.rendezvous_port,
             shard_probe_s=config.shard_probe_s,
+            replication=config.replication,
         )
     )
     running = await create_server(

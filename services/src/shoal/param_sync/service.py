@@ -157,6 +157,11 @@ class ShardOptions:
     # without its slice, starts a recovery (Coordinator.shard_lost).
     shard_probe_s: float = 1.0
     shard_probe_misses: int = 3
+    # Primary-backup replication of the slices of the parameter-server jobs this shard
+    # coordinates (each slice's backup is the next active shard): the backup keeps the same
+    # sums and applies the same commit, so a restarted shard is restored from it without
+    # losing a committed iteration. Off: a restarted shard rewinds the job to its checkpoint.
+    replication: bool = True
 
 
 # ------------------------------------------------------------------------------------------
@@ -188,6 +193,7 @@ def add_servicer(servicer: object, server: aio.Server) -> None:
         "SaveShard": (ps_pb2.SaveShardRequest, ps_pb2.SaveShardResponse),
         "LoadShard": (ps_pb2.LoadShardRequest, ps_pb2.LoadShardResponse),
         "GetShardStatus": (ps_pb2.GetShardStatusRequest, ps_pb2.GetShardStatusResponse),
+        "TransferSlice": (ps_pb2.TransferSliceRequest, ps_pb2.TransferSliceResponse),
     }
     handlers: dict[str, grpc.RpcMethodHandler] = {
         name: grpc.unary_unary_rpc_method_handler(
@@ -206,6 +212,11 @@ def add_servicer(servicer: object, server: aio.Server) -> None:
         servicer.SyncStep,  # type: ignore[attr-defined]
         request_deserializer=frame_decoder(ps_pb2.SyncStepRequest),
         response_serializer=serialize,
+    )
+    handlers["Replicate"] = grpc.stream_unary_rpc_method_handler(
+        servicer.Replicate,  # type: ignore[attr-defined]
+        request_deserializer=ps_pb2.ReplicateRequest.FromString,
+        response_serializer=ps_pb2.ReplicateResponse.SerializeToString,
     )
     handlers["PullParameters"] = grpc.unary_stream_rpc_method_handler(
         servicer.PullParameters,  # type: ignore[attr-defined]
@@ -258,6 +269,7 @@ class _CoordinatedJob:
 @dataclass
 class _ShardSlice:
     job: ShardJob
+    backup_address: str = ""  # the shard that keeps this slice's replica ("" none)
     futures: dict[tuple[int, int], asyncio.Future[Encoded]] = field(default_factory=dict)
     memberships: dict[int, frozenset[str]] = field(default_factory=dict)
 
@@ -284,6 +296,8 @@ class ParameterSyncServicer:
         self.metrics = metrics if metrics is not None else SyncMetrics()
         self._coordinated: dict[str, _CoordinatedJob] = {}
         self._slices: dict[str, _ShardSlice] = {}
+        # Replicas this shard keeps of other shards' slices: (job, whose index) -> state.
+        self._replicas: dict[tuple[str, int], ShardJob] = {}
         self._fences: dict[tuple[str, str], int] = {}
         self._open_lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-sync")
@@ -473,10 +487,7 @@ class ParameterSyncServicer:
         )
         assert coord.layout is not None and coord.sharding is not None
         await self._configure_all(s, coord.layout, optimizer, coord.sharding)
-        load = ps_pb2.LoadShardRequest(job_id=s.job_id, directory=directory)
-        await asyncio.gather(
-            *(self._call_shard(s, i, "LoadShard", load) for i in self._active(coord))
-        )
+        await self._load_everywhere(coord, directory)
         await asyncio.to_thread(
             self._truncate_metrics,
             s,
@@ -510,7 +521,10 @@ class ParameterSyncServicer:
         self._check_fence(request.job_id, request.fencing_token)
         job = self._coordinated.pop(request.job_id, None)
         part = self._slices.pop(request.job_id, None)
-        if job is None and part is None:
+        replicas = [key for key in self._replicas if key[0] == request.job_id]
+        for key in replicas:
+            del self._replicas[key]
+        if job is None and part is None and not replicas:
             raise JobNotFound(request.job_id)
         if part is not None:
             self._fail_waiters(part, Aborted(f"job {request.job_id!r} was closed"))
@@ -545,7 +559,7 @@ class ParameterSyncServicer:
         if index == self.options.shard_index:
             local = getattr(self, f"_local_{method}")
             return await local(request)
-        timeout = 600.0 if method in ("SaveShard", "LoadShard") else 60.0
+        timeout = 600.0 if method in ("SaveShard", "LoadShard", "TransferSlice") else 60.0
         return await self._peer_call(settings.shard_addresses[index], method, request, timeout)
 
     async def _configure_all(
@@ -557,22 +571,55 @@ class ParameterSyncServicer:
     ) -> None:
         by_name = {m.name: m for m in layout}
         me = settings.shard_addresses[self.options.shard_index]
-        requests = [
-            ps_pb2.ConfigureShardRequest(
+        backups = self._backups(sharding)
+        spec = ps_pb2.OptimizerSpec(
+            name=optimizer.name, hyperparameters_json=optimizer.hyperparameters_json
+        )
+        calls = []
+        for i, names in enumerate(sharding.tensors):
+            request = ps_pb2.ConfigureShardRequest(
                 job_id=settings.job_id,
                 shard_index=i,
                 tensors=[by_name[n].to_proto() for n in names],
-                optimizer=ps_pb2.OptimizerSpec(
-                    name=optimizer.name, hyperparameters_json=optimizer.hyperparameters_json
-                ),
+                optimizer=spec,
                 coordinator_address=me,
                 active_shards=sharding.active_shards,
             )
-            for i, names in enumerate(sharding.tensors)
+            b = backups.get(i)
+            if b is not None:
+                request.backup_address = settings.shard_addresses[b]
+                replica = ps_pb2.ConfigureShardRequest()
+                replica.CopyFrom(request)
+                replica.replica = True
+                replica.backup_address = ""
+                calls.append(self._call_shard(settings, b, "ConfigureShard", replica))
+            calls.append(self._call_shard(settings, i, "ConfigureShard", request))
+        await asyncio.gather(*calls)
+
+    def _backups(self, sharding: Sharding) -> dict[int, int]:
+        """Each active shard's backup: the next active shard (cyclically); none with
+        replication off or fewer than two active shards."""
+        active = [i for i, names in enumerate(sharding.tensors) if names]
+        if not self.options.replication or len(active) < 2:
+            return {}
+        return {i: active[(n + 1) % len(active)] for n, i in enumerate(active)}
+
+    async def _load_everywhere(self, coord: Coordinator, directory: str) -> None:
+        """LoadShard of a checkpoint on every active shard and every replica."""
+        s = coord.settings
+        assert coord.sharding is not None
+        calls = [
+            self._call_shard(
+                s, i, "LoadShard", ps_pb2.LoadShardRequest(job_id=s.job_id, directory=directory)
+            )
+            for i in self._active(coord)
         ]
-        await asyncio.gather(
-            *(self._call_shard(settings, i, "ConfigureShard", r) for i, r in enumerate(requests))
-        )
+        for i, b in self._backups(coord.sharding).items():
+            request = ps_pb2.LoadShardRequest(
+                job_id=s.job_id, directory=directory, replica=True, shard_index=i
+            )
+            calls.append(self._call_shard(s, b, "LoadShard", request))
+        await asyncio.gather(*calls)
 
     # -- Join / InitializeParameters ----------------------------------------------------------
 
@@ -652,6 +699,9 @@ class ParameterSyncServicer:
             )
             await _collect(frames, sj, upload)
         accepted = await self._compute(sj.initialize, upload)
+        if accepted and part.backup_address:
+            # The replica starts from the same values before anyone can run an iteration.
+            await self._send_slice(sj, part.backup_address, replica=True, kind="state")
         return ps_pb2.InitializeParametersResponse(accepted=accepted)
 
     # -- Boundary -----------------------------------------------------------------------------
@@ -891,6 +941,81 @@ class ParameterSyncServicer:
                             job.cond.notify_all()
                     break
 
+    async def _restore_from_replicas(self, job: _CoordinatedJob, task: RecoverTask) -> bool:
+        """Restore the lost shard from the replicas: its own slice from its backup, the
+        replica it kept from that slice's primary, all at the coordinator's iteration; then
+        every learner pulls and the job goes on with no committed iteration lost. False (and
+        the caller rewinds to the checkpoint) when a copy is not there or not current."""
+        coord = job.coord
+        s = coord.settings
+        assert coord.layout is not None and coord.optimizer is not None
+        assert coord.sharding is not None
+        backups = self._backups(coord.sharding)
+        lost = task.shard_index
+        if not backups:
+            return False
+        iteration = coord.completed
+        for i in self._active(coord):
+            if i == lost:
+                continue
+            status = await self._shard_status(s, i)
+            if not (status.holds_job and status.completed_iterations == iteration):
+                log.warning("job %s: shard %d is not at iteration %d", s.job_id, i, iteration)
+                return False
+        await self._configure_all(s, coord.layout, coord.optimizer, coord.sharding)
+        target = s.shard_addresses[lost]
+        transfers = []
+        for i, b in backups.items():
+            if i == lost:  # its own slice, from the replica its backup keeps
+                transfers.append(
+                    (
+                        b,
+                        ps_pb2.TransferSliceRequest(
+                            job_id=s.job_id,
+                            shard_index=i,
+                            from_replica=True,
+                            target_address=target,
+                            target_replica=False,
+                            global_iteration=iteration,
+                        ),
+                    )
+                )
+            elif b == lost:  # the replica it kept, from the slice's primary
+                transfers.append(
+                    (
+                        i,
+                        ps_pb2.TransferSliceRequest(
+                            job_id=s.job_id,
+                            shard_index=i,
+                            from_replica=False,
+                            target_address=target,
+                            target_replica=True,
+                            global_iteration=iteration,
+                        ),
+                    )
+                )
+        try:
+            await asyncio.gather(
+                *(self._call_shard(s, at, "TransferSlice", r) for at, r in transfers)
+            )
+        except (FailedPrecondition, NotFound, InvalidField) as exc:
+            log.warning(
+                "job %s: no current replica to restore shard %d from: %s", s.job_id, lost, exc
+            )
+            return False
+        async with job.cond:
+            log.warning(
+                "job %s: %s; shard %d restored from its replicas at iteration %d, nothing lost",
+                s.job_id,
+                coord.recovering,
+                lost,
+                iteration,
+            )
+            coord.rewind(task, iteration, generation=coord.generation)
+            self._kick(job)
+            job.cond.notify_all()
+        return True
+
     async def _checkpoint_through_shard_loss(
         self, job: _CoordinatedJob, task: CheckpointTask
     ) -> tuple[str, int]:
@@ -934,6 +1059,8 @@ class ParameterSyncServicer:
                             self._kick(job)
                             job.cond.notify_all()
                         return
+                if await self._restore_from_replicas(job, task):
+                    return
                 found = await asyncio.to_thread(ckpt.latest_checkpoint, s.storage_uri, s.job_id)
                 if found is None:
                     raise FailedPrecondition("no checkpoint to rewind to")
@@ -941,10 +1068,7 @@ class ParameterSyncServicer:
                 assert coord.layout is not None and coord.optimizer is not None
                 assert coord.sharding is not None
                 await self._configure_all(s, coord.layout, coord.optimizer, coord.sharding)
-                load = ps_pb2.LoadShardRequest(job_id=s.job_id, directory=directory)
-                await asyncio.gather(
-                    *(self._call_shard(s, i, "LoadShard", load) for i in self._active(coord))
-                )
+                await self._load_everywhere(coord, directory)
                 iteration = int(manifest["iteration"])
                 await asyncio.to_thread(
                     self._truncate_metrics, s, iteration, iteration // coord.iterations_per_epoch
@@ -972,13 +1096,17 @@ class ParameterSyncServicer:
             iteration=task.iteration,
             commit=task.commit,
         )
-        results = await asyncio.gather(
-            *(
-                self._call_shard(coord.settings, i, "ResolveIteration", request)
-                for i in self._active(coord)
-            ),
-            return_exceptions=True,
-        )
+        calls = [
+            self._call_shard(coord.settings, i, "ResolveIteration", request)
+            for i in self._active(coord)
+        ]
+        assert coord.sharding is not None
+        for i, b in self._backups(coord.sharding).items():
+            replica = ps_pb2.ResolveIterationRequest()
+            replica.CopyFrom(request)
+            replica.replica, replica.shard_index = True, i
+            calls.append(self._call_shard(coord.settings, b, "ResolveIteration", replica))
+        results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
@@ -1202,6 +1330,21 @@ class ParameterSyncServicer:
         request = ps_pb2.ShardReadyRequest(
             job_id=sj.job_id, shard_index=sj.shard_index, generation=generation, iteration=iteration
         )
+        part = self._slices.get(sj.job_id)
+        if part is not None and part.backup_address:
+            # The backup holds the very sums before the coordinator may commit them.
+            try:
+                await self._send_slice(
+                    sj, part.backup_address, replica=True, kind="sums", at=(generation, iteration)
+                )
+            except Exception as exc:
+                log.error(
+                    "job %s: sums of iteration %d not replicated to %s: %s",
+                    sj.job_id,
+                    iteration,
+                    part.backup_address,
+                    exc,
+                )
         try:
             if sj.job_id in self._coordinated:
                 await self._local_ShardReady(request)
@@ -1365,6 +1508,8 @@ class ParameterSyncServicer:
         return await self._local_ConfigureShard(request)
 
     async def _local_ConfigureShard(self, request: ps_pb2.ConfigureShardRequest) -> Any:
+        if request.replica:
+            return await self._configure_replica(request)
         if request.shard_index != self.options.shard_index:
             raise InvalidField(
                 "shard_index",
@@ -1378,6 +1523,7 @@ class ParameterSyncServicer:
         existing = self._slices.get(request.job_id)
         if existing is not None:
             if existing.job.same_configuration(tensors, optimizer):
+                existing.backup_address = request.backup_address
                 return ps_pb2.ConfigureShardResponse()
             if existing.job.initialized:
                 raise FailedPrecondition(
@@ -1395,8 +1541,139 @@ class ParameterSyncServicer:
                 chunk_bytes=self.options.chunk_bytes,
             )
         )
-        self._slices[request.job_id] = _ShardSlice(job)
+        self._slices[request.job_id] = _ShardSlice(job, backup_address=request.backup_address)
         return ps_pb2.ConfigureShardResponse()
+
+    async def _configure_replica(self, request: ps_pb2.ConfigureShardRequest) -> Any:
+        if request.shard_index == self.options.shard_index or request.shard_index < 0:
+            raise InvalidField(
+                "shard_index", request.shard_index, "must be another shard's (replica = true)"
+            )
+        tensors = [TensorMeta.from_proto(t) for t in request.tensors]
+        optimizer = OptimizerConfig(
+            request.optimizer.name, request.optimizer.hyperparameters_json or "{}"
+        )
+        key = (request.job_id, request.shard_index)
+        existing = self._replicas.get(key)
+        if existing is not None and existing.same_configuration(tensors, optimizer):
+            return ps_pb2.ConfigureShardResponse()
+        self._replicas[key] = await self._compute(
+            lambda: ShardJob(
+                request.job_id,
+                request.shard_index,
+                tensors,
+                optimizer,
+                coordinator_address=request.coordinator_address,
+                active_shards=request.active_shards,
+                chunk_bytes=self.options.chunk_bytes,
+            )
+        )
+        return ps_pb2.ConfigureShardResponse()
+
+    def _replica(self, job_id: str, shard_index: int) -> ShardJob:
+        replica = self._replicas.get((job_id, shard_index))
+        if replica is None:
+            raise NotFound(f"replica of shard {shard_index} of job", job_id)
+        return replica
+
+    # -- replication --------------------------------------------------------------------------
+
+    async def _send_slice(
+        self,
+        sj: ShardJob,
+        address: str,
+        *,
+        replica: bool,
+        kind: str,
+        at: tuple[int, int] | None = None,
+    ) -> int:
+        """Stream ``sj``'s state (``kind="state"``) or its sums of ``at`` (``"sums"``) to the
+        shard at ``address`` (Replicate), to keep as a replica or as its own slice."""
+        if kind == "state":
+            blob = await self._compute(sj.state_bytes, sj.completed)
+            wire_kind = ps_pb2.REPLICATE_KIND_STATE
+        else:
+            assert at is not None
+            blob = await self._compute(sj.pending_bytes, *at)
+            wire_kind = ps_pb2.REPLICATE_KIND_SUMS
+        step = self.options.chunk_bytes
+        view = memoryview(blob)
+
+        def messages() -> Any:
+            for start in range(0, max(len(blob), 1), step):
+                yield ps_pb2.ReplicateRequest(
+                    job_id=sj.job_id,
+                    shard_index=sj.shard_index,
+                    replica=replica,
+                    kind=wire_kind,
+                    chunk=bytes(view[start : start + step]),
+                )
+
+        try:
+            reply = await self._stub(address).Replicate(messages(), timeout=600.0)
+        except aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FailedPrecondition(f"Replicate on {address}: {exc.details()}") from exc
+            raise Unavailable(f"Replicate on {address}: {exc.details()}") from exc
+        return int(reply.global_iteration)
+
+    async def Replicate(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
+        first: ps_pb2.ReplicateRequest | None = None
+        parts: list[bytes] = []
+        async for message in request_iterator:
+            if first is None:
+                first = message
+                authorize(current_principal(), "Replicate", job_id=message.job_id)
+            parts.append(message.chunk)
+        if first is None:
+            raise InvalidField("stream", "empty", "must carry at least one message")
+        blob = b"".join(parts)
+        if first.replica:
+            target = self._replica(first.job_id, first.shard_index)
+        else:
+            if first.shard_index != self.options.shard_index:
+                raise InvalidField(
+                    "shard_index",
+                    first.shard_index,
+                    f"is not this shard's ({self.options.shard_index})",
+                )
+            target = self._slice(first.job_id).job
+        if first.kind == ps_pb2.REPLICATE_KIND_SUMS and first.replica:
+            iteration = await self._compute(target.keep_pending, blob)
+        elif first.kind == ps_pb2.REPLICATE_KIND_STATE:
+            iteration = await self._compute(target.load_state_bytes, blob)
+            if not first.replica:
+                part = self._slices[first.job_id]
+                self._fail_waiters(part, _aborted(first.job_id, -1, iteration))
+                part.memberships.clear()
+        else:
+            raise InvalidField("kind", first.kind, "must be SUMS (to a replica) or STATE")
+        return ps_pb2.ReplicateResponse(global_iteration=iteration)
+
+    async def TransferSlice(self, request: ps_pb2.TransferSliceRequest, context: Any) -> Any:
+        authorize(current_principal(), "TransferSlice", job_id=request.job_id)
+        return await self._local_TransferSlice(request)
+
+    async def _local_TransferSlice(self, request: ps_pb2.TransferSliceRequest) -> Any:
+        if request.from_replica:
+            source = self._replica(request.job_id, request.shard_index)
+        else:
+            source = self._slice(request.job_id).job
+            if request.shard_index != self.options.shard_index:
+                raise InvalidField(
+                    "shard_index",
+                    request.shard_index,
+                    f"is not this shard's ({self.options.shard_index})",
+                )
+        if not source.initialized or source.completed != request.global_iteration:
+            raise FailedPrecondition(
+                f"slice {request.shard_index} of job {request.job_id!r} here is at iteration "
+                f"{source.completed}, not {request.global_iteration}"
+            )
+        iteration = await self._send_slice(
+            source, request.target_address, replica=request.target_replica, kind="state"
+        )
+        return ps_pb2.TransferSliceResponse(global_iteration=iteration)
 
     async def ShardReady(self, request: ps_pb2.ShardReadyRequest, context: Any) -> Any:
         authorize(current_principal(), "ShardReady", job_id=request.job_id)
@@ -1415,6 +1692,14 @@ class ParameterSyncServicer:
         return await self._local_ResolveIteration(request)
 
     async def _local_ResolveIteration(self, request: ps_pb2.ResolveIterationRequest) -> Any:
+        if request.replica:
+            replica = self._replica(request.job_id, request.shard_index)
+            key = (request.generation, request.iteration)
+            if request.commit:
+                await self._compute(replica.commit, *key)
+            else:
+                await self._compute(replica.abort, *key)
+            return ps_pb2.ResolveIterationResponse()
         part = self._slice(request.job_id)
         sj = part.job
         key = (request.generation, request.iteration)
@@ -1459,6 +1744,10 @@ class ParameterSyncServicer:
         return await self._local_LoadShard(request)
 
     async def _local_LoadShard(self, request: ps_pb2.LoadShardRequest) -> Any:
+        if request.replica:
+            replica = self._replica(request.job_id, request.shard_index)
+            iteration = await self._compute(replica.load, request.directory)
+            return ps_pb2.LoadShardResponse(global_iteration=iteration)
         part = self._slice(request.job_id)
         iteration = await self._compute(part.job.load, request.directory)
         self._fail_waiters(part, _aborted(request.job_id, -1, iteration))

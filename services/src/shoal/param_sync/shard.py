@@ -535,6 +535,14 @@ class ShardJob:
         """Write ``shard-<i>.safetensors`` into ``directory``: ``param/<name>``,
         ``buffer/<name>``, ``optim/<name>/<key>`` tensors; non-tensor optimizer state and the
         param groups as JSON metadata. Returns (uri, size, sha256)."""
+        data = self.state_bytes(global_iteration)
+        uri = join_uri(directory, shard_file_name(self.shard_index))
+        atomic_write(uri, data)
+        return uri, len(data), sha256_hex(data)
+
+    def state_bytes(self, global_iteration: int) -> bytes:
+        """The slice's whole state as one safetensors blob (the checkpoint file's format):
+        ``param/<name>``, ``buffer/<name>``, ``optim/<name>/<key>``, JSON metadata."""
         if not self.initialized:
             raise FailedPrecondition(
                 f"shard {self.shard_index} of job {self.job_id!r} has no parameters yet"
@@ -571,10 +579,7 @@ class ShardJob:
             "param_groups": json.dumps(groups),
             "optimizer_plain_state": json.dumps(plain),
         }
-        data = safetensors.torch.save(tensors, metadata=metadata)
-        uri = join_uri(directory, shard_file_name(self.shard_index))
-        atomic_write(uri, data)
-        return uri, len(data), sha256_hex(data)
+        return safetensors.torch.save(tensors, metadata=metadata)
 
     def load(self, directory: str) -> int:
         """Restore this shard's tensors and optimizer state from the checkpoint in
@@ -604,6 +609,29 @@ class ShardJob:
             if groups is None:
                 groups = json.loads(meta.get("param_groups", "[]"))
             plain.update(json.loads(meta.get("optimizer_plain_state", "{}")))
+        return self._restore(loaded, groups, plain, int(manifest["iteration"]), directory)
+
+    def load_state_bytes(self, data: bytes) -> int:
+        """Restore the whole slice from a :meth:`state_bytes` blob (a replica, or a shard being
+        restored from one). Returns the iteration."""
+        try:
+            loaded = safetensors.torch.load(data)
+            meta = _safetensors_metadata(data)
+            iteration = int(meta["global_iteration"])
+            groups = json.loads(meta.get("param_groups", "[]"))
+            plain = json.loads(meta.get("optimizer_plain_state", "{}"))
+        except Exception as exc:
+            raise InvalidField("chunk", f"{len(data)} bytes", f"is not a slice: {exc}") from None
+        return self._restore(loaded, groups, plain, iteration, "the replicated slice")
+
+    def _restore(
+        self,
+        loaded: dict[str, torch.Tensor],
+        groups: list[dict[str, Any]] | None,
+        plain: dict[str, dict[str, Any]],
+        iteration: int,
+        directory: str,
+    ) -> int:
         missing = []
         with torch.no_grad():
             for m, t in zip(self.metas, self.tensors, strict=True):
@@ -633,11 +661,80 @@ class ShardJob:
             saved = (groups or [{}])[0]
             group = {**saved, "params": list(range(len(self.params)))}
             self.optimizer.load_state_dict({"state": state, "param_groups": [group]})
-        self.completed = int(manifest["iteration"])
+        self.completed = iteration
         self.initialized = True
         self.pending = None
         self._encode(iteration=self.completed)
         return self.completed
+
+    # -- replication --------------------------------------------------------------------------
+
+    def pending_bytes(self, generation: int, iteration: int) -> bytes:
+        """The running iteration's sums, exactly as accumulated (before the commit divides
+        them), for the backup: it keeps them and applies the very same :meth:`commit`, so its
+        replica stays bit-identical."""
+        pending = self.pending
+        if pending is None or (pending.generation, pending.iteration) != (generation, iteration):
+            raise FailedPrecondition(
+                f"shard {self.shard_index} of job {self.job_id!r} holds no sums for "
+                f"iteration {iteration} of generation {generation}"
+            )
+        tensors = {
+            f"acc/{m.name}": self.acc[j].clone()
+            for j, m in enumerate(self.metas)
+            if pending.got_grad[j] or pending.buffer_weight[j] > 0
+        }
+        metadata = {
+            "generation": str(generation),
+            "iteration": str(iteration),
+            "total_samples": str(pending.total_samples),
+            "loss_sum": repr(pending.loss_sum),
+            "learning_rate": repr(pending.learning_rate),
+            "got_grad": json.dumps(pending.got_grad),
+            "buffer_weight": json.dumps(pending.buffer_weight),
+        }
+        return safetensors.torch.save(tensors, metadata=metadata)
+
+    def keep_pending(self, data: bytes) -> int:
+        """Take a primary's :meth:`pending_bytes` as this replica's sums. Returns the
+        iteration."""
+        try:
+            loaded = safetensors.torch.load(data)
+            meta = _safetensors_metadata(data)
+            generation, iteration = int(meta["generation"]), int(meta["iteration"])
+            got_grad = [bool(x) for x in json.loads(meta["got_grad"])]
+            weights = [float(x) for x in json.loads(meta["buffer_weight"])]
+            total = int(meta["total_samples"])
+            loss_sum, lr = float(meta["loss_sum"]), float(meta["learning_rate"])
+        except Exception as exc:
+            raise InvalidField("chunk", f"{len(data)} bytes", f"is not a sum: {exc}") from None
+        if len(got_grad) != len(self.metas) or len(weights) != len(self.metas):
+            raise InvalidField("chunk", len(got_grad), f"must list {len(self.metas)} tensors")
+        if not self.initialized or iteration != self.completed:
+            raise FailedPrecondition(
+                f"replica of shard {self.shard_index} of job {self.job_id!r} is at iteration "
+                f"{self.completed}, not {iteration}"
+            )
+        for name, value in loaded.items():
+            j = self.index.get(name.removeprefix("acc/"))
+            if (
+                j is None
+                or value.numel() != self.acc[j].numel()
+                or value.dtype != self.acc[j].dtype
+            ):
+                raise InvalidField("chunk", name, "does not match the slice")
+            self.acc[j].copy_(value)
+        self.min_generation = max(self.min_generation, generation)
+        self.pending = _Pending(
+            generation,
+            iteration,
+            total_samples=total,
+            loss_sum=loss_sum,
+            learning_rate=lr,
+            got_grad=got_grad,
+            buffer_weight=weights,
+        )
+        return iteration
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:
