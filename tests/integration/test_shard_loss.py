@@ -40,7 +40,11 @@ def test_a_killed_non_coordinator_shard_restarted_5s_later_never_fails_the_job(
     ipe = iterations_per_epoch()
     total = epochs * ipe
     try:
-        plane.start_shards(["--shard-probe", "0.5", "--replication", replication])
+        # A long promotion grace: the shard is restored in place when it is back, rather
+        # than replaced by its backup (the other test).
+        plane.start_shards(
+            ["--shard-probe", "0.5", "--replication", replication, "--promote-after", "120"]
+        )
         plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
         learners = {
             n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
@@ -78,11 +82,54 @@ def test_a_killed_non_coordinator_shard_restarted_5s_later_never_fails_the_job(
     coordinator_log = plane.shards[0].text()
     for name in learners:
         steps = [r["step"] for r in plane.history(name)["history"]]
-        assert steps[-1] == total - 1 and set(steps) == set(range(steps[0], total))
+        assert steps[-1] == total - 1
         if replication == "on":  # zero committed iterations lost: none completed twice
-            assert steps == list(range(steps[0], total)), (name, steps)
+            # (a learner whose answer of a committed iteration was cut by the kill does not
+            # count it as completed; it pulls the parameters after the recovery)
+            assert steps == sorted(set(steps)), (name, steps)
+        else:
+            assert set(steps) == set(range(steps[0], total))
     if replication == "on":
         assert "restored from its replicas" in coordinator_log, coordinator_log[-3000:]
         assert "rewound to the checkpoint" not in coordinator_log
     else:
         assert "rewound to the checkpoint after" in coordinator_log, coordinator_log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_non_coordinator_shard_that_never_comes_back_is_replaced_by_its_backup(tmp_path: Path):
+    """SIGKILL, and no restart (its host is gone): after the probe's grace the backup takes
+    the lost slice over from its replica, the learners re-route to it without a restart, and
+    no committed iteration is run again."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
+    job, epochs = "shardgone", 2
+    ipe = iterations_per_epoch()
+    total = epochs * ipe
+    try:
+        plane.start_shards(["--shard-probe", "0.5"])
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            for n in ("g0", "g1")
+        }
+        wait_until(
+            lambda: plane.progress(job).progress.completed_iterations >= ipe // 2,
+            timeout=180,
+            what=f"{ipe // 2} iterations (before any checkpoint)",
+        )
+        assert not (plane.job_dir(job) / "checkpoints" / "latest").exists()
+        plane.shards[1].kill()
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+    finally:
+        plane.kill_all()
+
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    coordinator_log = plane.shards[0].text()
+    assert "shard 0 promoted to hold its slice" in coordinator_log, coordinator_log[-3000:]
+    for name, proc in learners.items():
+        steps = [r["step"] for r in plane.history(name)["history"]]
+        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)
+        assert "shards re-routed" in proc.text()

@@ -107,3 +107,25 @@ def test_a_final_checkpoint_dropped_by_a_rewind_neither_counts_nor_ends_the_job(
     coord.task_done(final, ok=False)  # its writer gives up once the shard is gone
     assert coord.done is False and coord.last_checkpoint == -1
     assert runs(coord, "a").global_iteration == 0
+
+
+def test_a_promotion_moves_the_lost_slice_to_its_backup_in_layout_order() -> None:
+    coord = running("a", "b")
+    assert coord.sharding is not None
+    before = coord.sharding
+    lost, backup = active(coord)[-1], active(coord)[0]
+    abort, recover = coord.shard_lost(lost, "unreachable")
+    coord.task_done(abort)
+    after = coord.promote(lost, backup)
+    assert after.tensors[lost] == () and coord.routing_epoch == 1
+    assert set(after.tensors[backup]) == set(before.tensors[lost]) | set(before.tensors[backup])
+    order = [m.name for m in coord.layout or ()]
+    assert list(after.tensors[backup]) == [n for n in order if n in after.tensors[backup]]
+    assert active(coord) == [backup] and after.active_shards == 1
+    coord.rewind(recover, coord.completed, generation=coord.generation)
+    a = coord.decide("a")
+    assert a.action is Action.RUN and a.pull is True  # everyone pulls from the new routing
+    with pytest.raises(InvalidField, match="backup"):
+        coord.promote(backup, backup)
+    with pytest.raises(InvalidField, match="backup"):
+        coord.promote(backup, lost)  # the lost shard holds nothing any more

@@ -676,6 +676,8 @@ class BoundaryResponse(_message.Message):
     PULL_PARAMETERS_FIELD_NUMBER: _builtins.int
     COMPLETED_ITERATIONS_FIELD_NUMBER: _builtins.int
     CHECKPOINT_DIRECTORY_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    ROUTING_EPOCH_FIELD_NUMBER: _builtins.int
     action: Global___BoundaryAction.ValueType
     """What to do."""
     pull_parameters: _builtins.bool
@@ -690,9 +692,18 @@ class BoundaryResponse(_message.Message):
     """COLLECTIVE only: for CHECKPOINT, where to write; for RUN with pull_parameters when no
     member holds the job's state any more, the checkpoint to restore it from.
     """
+    routing_epoch: _builtins.int
+    """Increases each time the routing changes (0: the Join's)."""
     @_builtins.property
     def assignment(self) -> Global___Assignment:
         """The iteration to run, for RUN."""
+
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardSlice]:
+        """Which shard holds which tensors now, when it changed since Join (a lost shard's slice was
+        promoted on its backup): the learner sends and pulls by this from now on. Empty when the
+        routing is still the Join's.
+        """
 
     def __init__(
         self,
@@ -702,10 +713,12 @@ class BoundaryResponse(_message.Message):
         pull_parameters: _builtins.bool = ...,
         completed_iterations: _builtins.int = ...,
         checkpoint_directory: _builtins.str = ...,
+        shards: _abc.Iterable[Global___ShardSlice] | None = ...,
+        routing_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "assignment", b"assignment", "checkpoint_directory", b"checkpoint_directory", "completed_iterations", b"completed_iterations", "pull_parameters", b"pull_parameters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "assignment", b"assignment", "checkpoint_directory", b"checkpoint_directory", "completed_iterations", b"completed_iterations", "pull_parameters", b"pull_parameters", "routing_epoch", b"routing_epoch", "shards", b"shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1206,6 +1219,7 @@ class ConfigureShardRequest(_message.Message):
     ACTIVE_SHARDS_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
     BACKUP_ADDRESS_FIELD_NUMBER: _builtins.int
+    ABSORB_REPLICAS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     shard_index: _builtins.int
@@ -1230,6 +1244,12 @@ class ConfigureShardRequest(_message.Message):
     def optimizer(self) -> Global___OptimizerSpec:
         """The optimizer the shard runs over its parameters."""
 
+    @_builtins.property
+    def absorb_replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """A promotion: the shards whose replicas kept here become part of this shard's slice
+        (tensors must then be this shard's tensors plus theirs).
+        """
+
     def __init__(
         self,
         *,
@@ -1241,10 +1261,11 @@ class ConfigureShardRequest(_message.Message):
         active_shards: _builtins.int = ...,
         replica: _builtins.bool = ...,
         backup_address: _builtins.str = ...,
+        absorb_replicas: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_shards", b"active_shards", "backup_address", b"backup_address", "coordinator_address", b"coordinator_address", "job_id", b"job_id", "optimizer", b"optimizer", "replica", b"replica", "shard_index", b"shard_index", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["absorb_replicas", b"absorb_replicas", "active_shards", b"active_shards", "backup_address", b"backup_address", "coordinator_address", b"coordinator_address", "job_id", b"job_id", "optimizer", b"optimizer", "replica", b"replica", "shard_index", b"shard_index", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

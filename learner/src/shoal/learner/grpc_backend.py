@@ -179,6 +179,7 @@ class GrpcBackend(SyncBackend):
         self._plan: TrainingPlan | None = None
         self._layout: list[TensorMeta] = []
         self._shards: list[_Shard] = []
+        self._routing_epoch = 0
         self._recv: list[torch.Tensor] = []
         self._recv_bytes: list[np.ndarray] = []
         self._generation = 0  # of the last assignment (pulls are checked against it)
@@ -305,9 +306,14 @@ class GrpcBackend(SyncBackend):
             sync_mode=self.SYNC_MODE,  # type: ignore[arg-type]
         )
         reply = await self._control(self._coordinator_stub().Join, request, md)
+        self._route(reply.shards)
+        return reply
+
+    def _route(self, slices: Sequence[ps_pb2.ShardSlice]) -> None:
+        """Which shard holds which tensors (from Join, or a Boundary after a promotion)."""
         index = {m.name: j for j, m in enumerate(self._layout)}
         self._shards = []
-        for s in reply.shards:
+        for s in slices:
             if not s.tensor_names:
                 continue
             channel = self._channel(s.address)
@@ -320,7 +326,6 @@ class GrpcBackend(SyncBackend):
                     stream_methods(channel),
                 )
             )
-        return reply
 
     async def _upload(self, setup: TrainingSetup, md: Any = None) -> None:
         tensors = [*setup.params, *setup.buffers]
@@ -371,7 +376,13 @@ class GrpcBackend(SyncBackend):
 
     async def _boundary(self, md: Any = None) -> ps_pb2.BoundaryResponse:
         request = self._boundary_request(*self._report)
-        return await self._control(self._coordinator_stub().Boundary, request, md)
+        reply = await self._control(self._coordinator_stub().Boundary, request, md)
+        if reply.routing_epoch > self._routing_epoch and reply.shards:
+            # A lost shard's slice moved to its backup: send and pull there from now on.
+            self._route(reply.shards)
+            self._routing_epoch = reply.routing_epoch
+            log.warning("shards re-routed (routing epoch %d)", reply.routing_epoch)
+        return reply
 
     def next_assignment(self) -> Assignment | None:
         return self._to_assignment(self._run(self._boundary(self._md())))
@@ -485,7 +496,20 @@ class GrpcBackend(SyncBackend):
                 tensors[j] = None if g is None else _cpu(g)
             for j, b in enumerate(contribution.buffers):
                 tensors[n_params + j] = _cpu(b)
-        headers = self._run(self._sync(assignment, contribution, tensors, lr, self._md()))
+        try:
+            headers = self._run(self._sync(assignment, contribution, tensors, lr, self._md()))
+        except IterationAborted:
+            # Report this iteration's loss with the next Boundary anyway: if it was committed
+            # after all (a shard died while answering, its backup took over) the coordinator
+            # records it; if it was aborted, the coordinator ignores the report. (Assignment
+            # k came with the Boundary that carried the report of k - 1, so none is lost.)
+            self._report = (
+                assignment.generation,
+                assignment.step,
+                contribution.loss_sum,
+                contribution.n_samples,
+            )
+            raise
         total = headers[0].num_samples if headers else 0
         loss_sum = headers[0].loss_sum if headers else contribution.loss_sum
         self._report = (

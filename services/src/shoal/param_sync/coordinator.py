@@ -247,8 +247,10 @@ class Coordinator:
         self.checkpoint_writer: str | None = None
         self._checkpoint_written = -1
         self.restore_from: int | None = None
-        # Shard loss (parameter-server mode): why the job is recovering ("" when it is not).
+        # Shard loss (parameter-server mode): why the job is recovering ("" when it is not),
+        # and how many times a lost shard's slice moved to its backup (the routing epoch).
         self.recovering = ""
+        self.routing_epoch = 0
         # Loss and throughput.
         self._collecting: dict[int, _IterationInfo] = {}
         self._finished: list[dict[str, Any]] = []
@@ -670,6 +672,29 @@ class Coordinator:
         tasks.append(task)
         self._touch()
         return tasks
+
+    def promote(self, lost: int, backup: int) -> Sharding:
+        """Move the lost shard's tensors to ``backup`` (which kept their replica): the new
+        sharding, in layout order; the lost shard holds nothing from now on (it may come back
+        as a spare). Increases the routing epoch, so learners re-route."""
+        sharding = self.sharding
+        if sharding is None or not (
+            0 <= lost < sharding.num_shards and 0 <= backup < sharding.num_shards
+        ):
+            raise InvalidField("shard_index", (lost, backup), "is not a shard of the job")
+        if lost == backup or not sharding.tensors[backup]:
+            raise InvalidField("backup", backup, f"cannot take shard {lost}'s tensors")
+        assert self.layout is not None
+        moved = set(sharding.tensors[lost]) | set(sharding.tensors[backup])
+        tensors = list(sharding.tensors)
+        loads = list(sharding.loads)
+        tensors[backup] = tuple(m.name for m in self.layout if m.name in moved)
+        tensors[lost] = ()
+        loads[backup] += loads[lost]
+        loads[lost] = 0
+        self.sharding = Sharding(tuple(tensors), tuple(loads))
+        self.routing_epoch += 1
+        return self.sharding
 
     def recovered(self, task: RecoverTask) -> None:
         """The lost shard answered holding its slice at the current iteration: nothing was

@@ -81,6 +81,7 @@ class ParamSyncConfig:
     rendezvous_port: int = 0
     shard_probe_s: float = 1.0
     replication: bool = True
+    promote_after_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.shard_index < 0:
@@ -95,6 +96,8 @@ class ParamSyncConfig:
             raise InvalidField("registration_ttl_s", self.registration_ttl_s, "must be 1..300")
         if not 0.1 <= self.shard_probe_s <= 60:
             raise InvalidField("shard_probe_s", self.shard_probe_s, "must be 0.1..60")
+        if not 0 <= self.promote_after_s <= 3600:
+            raise InvalidField("promote_after_s", self.promote_after_s, "must be 0..3600")
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -141,6 +144,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "coordinates on the next shard, so that a restarted shard loses no committed "
         "iteration; off rewinds to the latest checkpoint instead (SHOAL_REPLICATION)",
     )
+    g.add_argument(
+        "--promote-after",
+        default=env.get("SHOAL_PROMOTE_AFTER_S", "2"),
+        help="seconds a lost shard may stay down, once its loss is detected, before its "
+        "backup takes its slices over; a restart within it is restored in place "
+        "(SHOAL_PROMOTE_AFTER_S)",
+    )
     add_server_flags(parser, env)
     return parser
 
@@ -173,6 +183,12 @@ def parse_config(
         probe = float(ns.shard_probe)
     except ValueError:
         raise InvalidField("shard_probe", ns.shard_probe, "must be a number of seconds") from None
+    try:
+        promote_after = float(ns.promote_after)
+    except ValueError:
+        raise InvalidField(
+            "promote_after", ns.promote_after, "must be a number of seconds"
+        ) from None
     return ParamSyncConfig(
         server=server,
         shard_index=index,
@@ -182,6 +198,7 @@ def parse_config(
         rendezvous_port=rendezvous_port,
         shard_probe_s=probe,
         replication=replication in ("on", "true", "1"),
+        promote_after_s=promote_after,
     )
 
 
@@ -236,6 +253,7 @@ async def serve(config: ParamSyncConfig) -> None:
             rendezvous_port=config.rendezvous_port,
             shard_probe_s=config.shard_probe_s,
             replication=config.replication,
+            promote_after_s=config.promote_after_s,
         )
     )
     running = await create_server(

@@ -162,6 +162,9 @@ class ShardOptions:
     # sums and applies the same commit, so a restarted shard is restored from it without
     # losing a committed iteration. Off: a restarted shard rewinds the job to its checkpoint.
     replication: bool = True
+    # Seconds a lost shard may stay unreachable, once its loss was detected, before its
+    # backup takes its slice over (a restart within it is restored in place instead).
+    promote_after_s: float = 2.0
 
 
 # ------------------------------------------------------------------------------------------
@@ -568,6 +571,8 @@ class ParameterSyncServicer:
         layout: Sequence[TensorMeta],
         optimizer: OptimizerConfig,
         sharding: Sharding,
+        *,
+        skip: frozenset[int] = frozenset(),
     ) -> None:
         by_name = {m.name: m for m in layout}
         me = settings.shard_addresses[self.options.shard_index]
@@ -577,6 +582,8 @@ class ParameterSyncServicer:
         )
         calls = []
         for i, names in enumerate(sharding.tensors):
+            if i in skip:
+                continue
             request = ps_pb2.ConfigureShardRequest(
                 job_id=settings.job_id,
                 shard_index=i,
@@ -770,6 +777,14 @@ class ParameterSyncServicer:
         if decision.action is Action.RUN:
             a = decision.assignment
             assert a is not None
+            if coord.routing_epoch and coord.sharding is not None:
+                response.routing_epoch = coord.routing_epoch
+                response.shards.extend(
+                    ps_pb2.ShardSlice(shard_index=i, address=address, tensor_names=names)
+                    for i, (address, names) in enumerate(
+                        zip(s.shard_addresses, coord.sharding.tensors, strict=True)
+                    )
+                )
             response.action = ps_pb2.BOUNDARY_ACTION_RUN
             response.assignment.CopyFrom(
                 ps_pb2.Assignment(
@@ -916,7 +931,8 @@ class ParameterSyncServicer:
                 except (Unavailable, NotFound) as exc:
                     misses[i] = misses.get(i, 0) + 1
                     if misses[i] >= self.options.shard_probe_misses:
-                        reason = f"unreachable ({exc})"
+                        reason = "unreachable"
+                        log.warning("job %s: shard %d: %s", coord.job_id, i, exc)
                 except ShoalError as exc:
                     log.warning("job %s: probe of shard %d: %s", coord.job_id, i, exc)
                     continue
@@ -1007,8 +1023,80 @@ class ParameterSyncServicer:
             log.warning(
                 "job %s: %s; shard %d restored from its replicas at iteration %d, nothing lost",
                 s.job_id,
-                coord.recovering,
+                f"shard {task.shard_index} {task.reason}",
                 lost,
+                iteration,
+            )
+            coord.rewind(task, iteration, generation=coord.generation)
+            self._kick(job)
+            job.cond.notify_all()
+        return True
+
+    async def _promote(self, job: _CoordinatedJob, task: RecoverTask) -> bool:
+        """The lost shard stays down: its backup merges the replica it kept into its own
+        slice, the slices are re-replicated over the shards left, and every learner re-routes
+        (BoundaryResponse.shards) and pulls. Nothing committed is lost. False when there is no
+        current replica (the caller keeps waiting, or rewinds once the shard is back)."""
+        coord = job.coord
+        s = coord.settings
+        assert coord.layout is not None and coord.optimizer is not None
+        assert coord.sharding is not None
+        lost = task.shard_index
+        b = self._backups(coord.sharding).get(lost)
+        if b is None:
+            return False
+        iteration = coord.completed
+        for i in self._active(coord):
+            if i != lost:
+                status = await self._shard_status(s, i)
+                if not (status.holds_job and status.completed_iterations == iteration):
+                    return False
+        old, old_epoch = coord.sharding, coord.routing_epoch
+        new = coord.promote(lost, b)
+        try:
+            by_name = {m.name: m for m in coord.layout}
+            absorb = ps_pb2.ConfigureShardRequest(
+                job_id=s.job_id,
+                shard_index=b,
+                tensors=[by_name[n].to_proto() for n in new.tensors[b]],
+                optimizer=ps_pb2.OptimizerSpec(
+                    name=coord.optimizer.name,
+                    hyperparameters_json=coord.optimizer.hyperparameters_json,
+                ),
+                coordinator_address=s.shard_addresses[self.options.shard_index],
+                active_shards=new.active_shards,
+                absorb_replicas=[lost],
+            )
+            await self._call_shard(s, b, "ConfigureShard", absorb)
+        except (FailedPrecondition, NotFound, InvalidField) as exc:
+            coord.sharding, coord.routing_epoch = old, old_epoch
+            log.warning("job %s: shard %d cannot take over shard %d: %s", s.job_id, b, lost, exc)
+            return False
+        # Re-replicate over the shards left (the lost shard also kept a replica).
+        await self._configure_all(s, coord.layout, coord.optimizer, new, skip=frozenset({lost}))
+        await asyncio.gather(
+            *(
+                self._call_shard(
+                    s,
+                    i,
+                    "TransferSlice",
+                    ps_pb2.TransferSliceRequest(
+                        job_id=s.job_id,
+                        shard_index=i,
+                        target_address=s.shard_addresses[q],
+                        target_replica=True,
+                        global_iteration=iteration,
+                    ),
+                )
+                for i, q in self._backups(new).items()
+            )
+        )
+        async with job.cond:
+            log.warning(
+                "job %s: %s; shard %d promoted to hold its slice at iteration %d, nothing lost",
+                s.job_id,
+                f"shard {task.shard_index} {task.reason}",
+                b,
                 iteration,
             )
             coord.rewind(task, iteration, generation=coord.generation)
@@ -1046,9 +1134,20 @@ class ParameterSyncServicer:
         coord = job.coord
         s = coord.settings
         base = coord.recovering
+        since: float | None = None
+        promote_after = self.options.promote_after_s
         while self._coordinated.get(s.job_id) is job:
             try:
-                status = await self._shard_status(s, task.shard_index)
+                try:
+                    status = await self._shard_status(s, task.shard_index)
+                except Unavailable:
+                    # Still down: after a grace, its backup takes its slice over.
+                    now = time.monotonic()
+                    since = now if since is None else since
+                    if now - since >= promote_after and await self._promote(job, task):
+                        return
+                    raise
+                since = None
                 if status.holds_job and status.initialized:
                     if status.completed_iterations == coord.completed:
                         async with job.cond:
@@ -1084,6 +1183,8 @@ class ParameterSyncServicer:
                     self._kick(job)
                     job.cond.notify_all()
                 return
+            except Unavailable:  # still down: the promotion above decides
+                coord.recovering = f"{base}; waiting for it"
             except Exception as exc:  # never give up on the job: report and try again
                 coord.recovering = f"{base}; waiting: {exc}"
                 log.warning("job %s: recovering: %s", s.job_id, coord.recovering)
@@ -1521,6 +1622,9 @@ class ParameterSyncServicer:
             request.optimizer.name, request.optimizer.hyperparameters_json or "{}"
         )
         existing = self._slices.get(request.job_id)
+        if existing is not None and request.absorb_replicas:
+            await self._absorb(request, tensors, optimizer, existing)
+            return ps_pb2.ConfigureShardResponse()
         if existing is not None:
             if existing.job.same_configuration(tensors, optimizer):
                 existing.backup_address = request.backup_address
@@ -1543,6 +1647,52 @@ class ParameterSyncServicer:
         )
         self._slices[request.job_id] = _ShardSlice(job, backup_address=request.backup_address)
         return ps_pb2.ConfigureShardResponse()
+
+    async def _absorb(
+        self,
+        request: ps_pb2.ConfigureShardRequest,
+        tensors: list[TensorMeta],
+        optimizer: OptimizerConfig,
+        existing: _ShardSlice,
+    ) -> None:
+        """A promotion: this shard's slice grows by the replicas it kept of lost shards,
+        restored at the same iteration; the learners waiting on the old slice are aborted."""
+        old = existing.job
+        replicas = [self._replica(request.job_id, i) for i in request.absorb_replicas]
+        held = set(old.names) | {n for r in replicas for n in r.names}
+        if held != {m.name for m in tensors}:
+            raise InvalidField(
+                "tensors", len(tensors), "must be this shard's tensors plus the absorbed ones"
+            )
+
+        def merged() -> ShardJob:
+            blobs = [old.state_bytes(old.completed)]
+            blobs += [r.state_bytes(old.completed) for r in replicas]
+            job = ShardJob(
+                request.job_id,
+                self.options.shard_index,
+                tensors,
+                optimizer,
+                coordinator_address=request.coordinator_address,
+                active_shards=request.active_shards,
+                chunk_bytes=self.options.chunk_bytes,
+            )
+            job.absorb(blobs)
+            job.min_generation = old.min_generation
+            return job
+
+        job = await self._compute(merged)
+        self._fail_waiters(existing, _aborted(request.job_id, -1, job.completed))
+        self._slices[request.job_id] = _ShardSlice(job, backup_address=request.backup_address)
+        for i in request.absorb_replicas:
+            self._replicas.pop((request.job_id, i), None)
+        log.warning(
+            "job %s: shard %d took over the slice of shard(s) %s at iteration %d",
+            request.job_id,
+            self.options.shard_index,
+            list(request.absorb_replicas),
+            job.completed,
+        )
 
     async def _configure_replica(self, request: ps_pb2.ConfigureShardRequest) -> Any:
         if request.shard_index == self.options.shard_index or request.shard_index < 0:

@@ -611,6 +611,28 @@ class ShardJob:
             plain.update(json.loads(meta.get("optimizer_plain_state", "{}")))
         return self._restore(loaded, groups, plain, int(manifest["iteration"]), directory)
 
+    def absorb(self, blobs: Sequence[bytes]) -> int:
+        """A promotion: restore this (new, larger) slice from the :meth:`state_bytes` blobs of
+        the slices it is made of (this shard's own and the replicas it kept), all at the same
+        iteration. Returns the iteration."""
+        loaded: dict[str, torch.Tensor] = {}
+        plain: dict[str, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] | None = None
+        iterations = set()
+        for data in blobs:
+            try:
+                loaded.update(safetensors.torch.load(data))
+                meta = _safetensors_metadata(data)
+                iterations.add(int(meta["global_iteration"]))
+                if groups is None:
+                    groups = json.loads(meta.get("param_groups", "[]"))
+                plain.update(json.loads(meta.get("optimizer_plain_state", "{}")))
+            except Exception as exc:
+                raise InvalidField("slices", len(blobs), f"holds no slice: {exc}") from None
+        if len(iterations) != 1:
+            raise FailedPrecondition(f"slices to merge are at iterations {sorted(iterations)}")
+        return self._restore(loaded, groups, plain, iterations.pop(), "the merged slices")
+
     def load_state_bytes(self, data: bytes) -> int:
         """Restore the whole slice from a :meth:`state_bytes` blob (a replica, or a shard being
         restored from one). Returns the iteration."""
