@@ -708,7 +708,12 @@ class ParameterSyncServicer:
         accepted = await self._compute(sj.initialize, upload)
         if accepted and part.backup_address:
             # The replica starts from the same values before anyone can run an iteration.
-            await self._send_slice(sj, part.backup_address, replica=True, kind="state")
+            try:
+                await self._send_slice(sj, part.backup_address, replica=True, kind="state")
+            except ShoalError as exc:  # the backup is down: its probe will find it
+                log.error(
+                    "job %s: slice not replicated to %s: %s", sj.job_id, part.backup_address, exc
+                )
         return ps_pb2.InitializeParametersResponse(accepted=accepted)
 
     # -- Boundary -----------------------------------------------------------------------------
