@@ -62,12 +62,37 @@ def test_a_replica_fed_the_primarys_sums_stays_bit_identical_through_adam_steps(
         for learner, n in (("a", 3), ("b", 5)):
             grads = [torch.randn(m.shape) for m in METAS]
             primary.accumulate(contribution(primary, learner, k, grads, n), frozenset("ab"))
+        # Taking iteration k's sums applies k - 1's first (the primary committed it).
         assert replica.keep_pending(primary.pending_bytes(1, k)) == k
-        primary.commit(1, k)
-        replica.commit(1, k)
+        assert replica.completed == primary.completed == k
         for name, p in primary.named_tensors().items():
             assert torch.equal(p, replica.named_tensors()[name]), (k, name)
+        primary.commit(1, k)
+    replica.settle(4)  # the coordinator says 4 iterations were committed: apply the last
     assert_same_state(primary, replica, 4)  # optimizer state included
+
+
+def test_a_replica_drops_sums_of_an_aborted_iteration_and_takes_its_rerun() -> None:
+    primary = shard()
+    primary.initialize(contribution(primary, "init", 0, [torch.ones(m.shape) for m in METAS], 0))
+    replica = shard()
+    replica.load_state_bytes(primary.state_bytes(0))
+    primary.accumulate(
+        contribution(primary, "a", 0, [torch.full(m.shape, 9.0) for m in METAS], 1),
+        frozenset("a"),
+    )
+    replica.keep_pending(primary.pending_bytes(1, 0))
+    primary.abort(1, 0)  # a member was evicted: iteration 0 runs again in generation 2
+    grads = [torch.full(m.shape, 0.5) for m in METAS]
+    rerun = contribution(primary, "b", 0, grads, 1)
+    rerun.generation = 2
+    primary.accumulate(rerun, frozenset("b"))
+    assert replica.keep_pending(primary.pending_bytes(2, 0)) == 0  # replaces the aborted sums
+    primary.commit(2, 0)
+    replica.settle(1)
+    assert_same_state(primary, replica, 1)
+    replica.settle(1)  # settling again changes nothing
+    assert_same_state(primary, replica, 1)
 
 
 def test_a_restored_slice_carries_parameters_buffers_and_optimizer_state() -> None:

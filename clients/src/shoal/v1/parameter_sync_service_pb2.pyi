@@ -1349,8 +1349,6 @@ class ResolveIterationRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     ITERATION_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
-    REPLICA_FIELD_NUMBER: _builtins.int
-    SHARD_INDEX_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     generation: _builtins.int
@@ -1359,10 +1357,6 @@ class ResolveIterationRequest(_message.Message):
     """The global iteration."""
     commit: _builtins.bool
     """True to apply the optimizer step; false to drop the partial sums."""
-    replica: _builtins.bool
-    """True: resolve the replica of shard shard_index's slice kept here."""
-    shard_index: _builtins.int
-    """With replica: whose slice."""
     def __init__(
         self,
         *,
@@ -1370,12 +1364,10 @@ class ResolveIterationRequest(_message.Message):
         generation: _builtins.int = ...,
         iteration: _builtins.int = ...,
         commit: _builtins.bool = ...,
-        replica: _builtins.bool = ...,
-        shard_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "generation", b"generation", "iteration", b"iteration", "job_id", b"job_id", "replica", b"replica", "shard_index", b"shard_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "generation", b"generation", "iteration", b"iteration", "job_id", b"job_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

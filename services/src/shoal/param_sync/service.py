@@ -1206,12 +1206,8 @@ class ParameterSyncServicer:
             self._call_shard(coord.settings, i, "ResolveIteration", request)
             for i in self._active(coord)
         ]
-        assert coord.sharding is not None
-        for i, b in self._backups(coord.sharding).items():
-            replica = ps_pb2.ResolveIterationRequest()
-            replica.CopyFrom(request)
-            replica.replica, replica.shard_index = True, i
-            calls.append(self._call_shard(coord.settings, b, "ResolveIteration", replica))
+        # The replicas are not told: each applies its sums when the next ones arrive, or is
+        # settled when it is used (ShardJob.keep_pending, ShardJob.settle).
         results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -1671,6 +1667,8 @@ class ParameterSyncServicer:
             )
 
         def merged() -> ShardJob:
+            for r in replicas:
+                r.settle(old.completed)
             blobs = [old.state_bytes(old.completed)]
             blobs += [r.state_bytes(old.completed) for r in replicas]
             job = ShardJob(
@@ -1812,6 +1810,7 @@ class ParameterSyncServicer:
     async def _local_TransferSlice(self, request: ps_pb2.TransferSliceRequest) -> Any:
         if request.from_replica:
             source = self._replica(request.job_id, request.shard_index)
+            await self._compute(source.settle, request.global_iteration)
         else:
             source = self._slice(request.job_id).job
             if request.shard_index != self.options.shard_index:
@@ -1847,14 +1846,6 @@ class ParameterSyncServicer:
         return await self._local_ResolveIteration(request)
 
     async def _local_ResolveIteration(self, request: ps_pb2.ResolveIterationRequest) -> Any:
-        if request.replica:
-            replica = self._replica(request.job_id, request.shard_index)
-            key = (request.generation, request.iteration)
-            if request.commit:
-                await self._compute(replica.commit, *key)
-            else:
-                await self._compute(replica.abort, *key)
-            return ps_pb2.ResolveIterationResponse()
         part = self._slice(request.job_id)
         sj = part.job
         key = (request.generation, request.iteration)

@@ -702,7 +702,7 @@ class ShardJob:
                 f"iteration {iteration} of generation {generation}"
             )
         tensors = {
-            f"acc/{m.name}": self.acc[j].clone()
+            f"acc/{m.name}": self.acc[j]  # safetensors copies it into the blob
             for j, m in enumerate(self.metas)
             if pending.got_grad[j] or pending.buffer_weight[j] > 0
         }
@@ -717,9 +717,23 @@ class ShardJob:
         }
         return safetensors.torch.save(tensors, metadata=metadata)
 
+    def settle(self, completed: int) -> None:
+        """A replica brought to ``completed`` iterations: sums it keeps of iteration
+        ``completed - 1`` were committed (the coordinator says so), so they are applied now;
+        any others were aborted, so they are dropped."""
+        pending = self.pending
+        if pending is not None:
+            if pending.iteration == completed - 1 == self.completed:
+                self.commit(pending.generation, pending.iteration)
+            else:
+                self.pending = None
+
     def keep_pending(self, data: bytes) -> int:
         """Take a primary's :meth:`pending_bytes` as this replica's sums. Returns the
-        iteration."""
+        iteration. The replica's previous sums are applied first when these are of the next
+        iteration (the primary sends those only after it committed the previous one), and
+        replaced when of the same iteration (that one was aborted and is run again): so a
+        replica steps off the learners' critical path, one iteration behind at most."""
         try:
             loaded = safetensors.torch.load(data)
             meta = _safetensors_metadata(data)
@@ -732,6 +746,8 @@ class ShardJob:
             raise InvalidField("chunk", f"{len(data)} bytes", f"is not a sum: {exc}") from None
         if len(got_grad) != len(self.metas) or len(weights) != len(self.metas):
             raise InvalidField("chunk", len(got_grad), f"must list {len(self.metas)} tensors")
+        if self.initialized and self.pending is not None:
+            self.settle(iteration)
         if not self.initialized or iteration != self.completed:
             raise FailedPrecondition(
                 f"replica of shard {self.shard_index} of job {self.job_id!r} is at iteration "
