@@ -1610,7 +1610,7 @@ class ReplicateResponse(_message.Message):
 
     GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
     global_iteration: _builtins.int
-    """The iteration the slice is at (STATE) or the iteration whose sums were kept (SUMS)."""
+    """The iteration the slice is at (STATE); -1 for SUMS (kept, applied after the answer)."""
     def __init__(
         self,
         *,

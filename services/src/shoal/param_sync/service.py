@@ -1792,7 +1792,21 @@ class ParameterSyncServicer:
                 )
             target = self._slice(first.job_id).job
         if first.kind == ps_pb2.REPLICATE_KIND_SUMS and first.replica:
-            iteration = await self._compute(target.keep_pending, blob)
+            # Acknowledged once the bytes are here: taking them (and applying the previous
+            # iteration's) runs on the compute thread after this answer, in arrival order, so
+            # the primary's ShardReady does not wait for the replica's step. Anything that
+            # uses the replica later (a settle, a transfer) queues behind it.
+            job_id = first.job_id
+            taken = asyncio.ensure_future(self._compute(target.keep_pending, blob))
+            self._background.add(taken)
+
+            def done(future: asyncio.Future[int]) -> None:
+                self._background.discard(future)
+                if not future.cancelled() and future.exception() is not None:
+                    log.error("job %s: replica did not take sums: %s", job_id, future.exception())
+
+            taken.add_done_callback(done)
+            return ps_pb2.ReplicateResponse(global_iteration=-1)
         elif first.kind == ps_pb2.REPLICATE_KIND_STATE:
             iteration = await self._compute(target.load_state_bytes, blob)
             if not first.replica:
