@@ -128,8 +128,61 @@ def test_a_non_coordinator_shard_that_never_comes_back_is_replaced_by_its_backup
     assert_each_iteration_recorded_once(plane, job, total)
     assert_matches_reference(plane.final_model(job), epochs)
     coordinator_log = plane.shards[0].text()
-    assert "shard 0 promoted to hold its slice" in coordinator_log, coordinator_log[-3000:]
+    assert "shard 0 promoted to hold the slice of shard 1" in coordinator_log, coordinator_log[
+        -3000:
+    ]
     for name, proc in learners.items():
         steps = [r["step"] for r in plane.history(name)["history"]]
         assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)
         assert "shards re-routed" in proc.text()
+
+
+@pytest.mark.slow
+def test_two_shards_lost_one_after_the_other_on_three_are_each_replaced_without_loss(
+    tmp_path: Path,
+):
+    """Three shards. Shard 1 dies for good: shard 2 (its backup, another process) takes its
+    slice over and the slices are re-replicated over shards 0 and 2. Then shard 2 dies too:
+    shard 0 takes everything over from the new replicas. No committed iteration is lost."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=3)
+    job, epochs = "twolosses", 2
+    ipe = iterations_per_epoch()
+    total = epochs * ipe
+    try:
+        plane.start_shards(["--shard-probe", "0.5"])
+        plane.open_job(job, batch=BATCH, epochs=epochs)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            for n in ("t0", "t1")
+        }
+
+        def completed() -> int:
+            return plane.progress(job).progress.completed_iterations
+
+        wait_until(lambda: completed() >= 8, timeout=180, what="8 iterations")
+        plane.shards[1].kill()
+        wait_until(lambda: plane.progress(job).recovering, timeout=60, what="recovering")
+        wait_until(
+            lambda: not plane.progress(job).recovering and completed() >= ipe + 2,
+            timeout=180,
+            what="training again after the first loss, into epoch 1",
+        )
+        plane.shards[2].kill()
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+    finally:
+        plane.kill_all()
+
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    coordinator_log = plane.shards[0].text()
+    assert "shard 2 promoted to hold the slice of shard 1" in coordinator_log, coordinator_log[
+        -3000:
+    ]
+    assert "shard 0 promoted to hold the slice of shard 2" in coordinator_log, coordinator_log[
+        -3000:
+    ]
+    for name in learners:
+        steps = [r["step"] for r in plane.history(name)["history"]]
+        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)

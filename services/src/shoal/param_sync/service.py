@@ -1047,10 +1047,12 @@ class ParameterSyncServicer:
         assert coord.layout is not None and coord.optimizer is not None
         assert coord.sharding is not None
         lost = task.shard_index
+        iteration = coord.completed
+        if not coord.sharding.tensors[lost]:  # promoted already: finish re-replicating
+            return await self._finish_promotion(job, task, iteration)
         b = self._backups(coord.sharding).get(lost)
         if b is None:
             return False
-        iteration = coord.completed
         for i in self._active(coord):
             if i != lost:
                 status = await self._shard_status(s, i)
@@ -1077,8 +1079,32 @@ class ParameterSyncServicer:
             coord.sharding, coord.routing_epoch = old, old_epoch
             log.warning("job %s: shard %d cannot take over shard %d: %s", s.job_id, b, lost, exc)
             return False
-        # Re-replicate over the shards left (the lost shard also kept a replica).
-        await self._configure_all(s, coord.layout, coord.optimizer, new, skip=frozenset({lost}))
+        except BaseException:
+            coord.sharding, coord.routing_epoch = old, old_epoch
+            raise
+        log.warning(
+            "job %s: shard %d promoted to hold the slice of shard %d at iteration %d",
+            s.job_id,
+            b,
+            lost,
+            iteration,
+        )
+        return await self._finish_promotion(job, task, iteration)
+
+    async def _finish_promotion(
+        self, job: _CoordinatedJob, task: RecoverTask, iteration: int
+    ) -> bool:
+        """After a promotion: configure the shards left (not those holding nothing, the lost
+        ones among them), re-replicate every slice to its backup, and let the learners go on
+        in a new generation (they re-route and pull). Raises while a shard left does not
+        answer (the caller tries again; a promotion is not done twice)."""
+        coord = job.coord
+        s = coord.settings
+        assert coord.layout is not None and coord.optimizer is not None
+        assert coord.sharding is not None
+        new = coord.sharding
+        empty = frozenset(i for i, names in enumerate(new.tensors) if not names)
+        await self._configure_all(s, coord.layout, coord.optimizer, new, skip=empty)
         await asyncio.gather(
             *(
                 self._call_shard(
@@ -1098,10 +1124,9 @@ class ParameterSyncServicer:
         )
         async with job.cond:
             log.warning(
-                "job %s: %s; shard %d promoted to hold its slice at iteration %d, nothing lost",
+                "job %s: %s; its slice re-homed at iteration %d, nothing lost",
                 s.job_id,
                 f"shard {task.shard_index} {task.reason}",
-                b,
                 iteration,
             )
             coord.rewind(task, iteration, generation=coord.generation)
