@@ -141,7 +141,9 @@ def shoal_learner(
     out.put((rank, times[ROUNDS_WARMUP:]))
 
 
-def start_shards(count: int, chunk_mb: float) -> tuple[list[subprocess.Popen], list[str]]:
+def start_shards(
+    count: int, chunk_mb: float, extra: tuple[str, ...] = ()
+) -> tuple[list[subprocess.Popen], list[str]]:
     procs, addresses = [], []
     for i in range(count):
         address = f"127.0.0.1:{free_port()}"
@@ -160,6 +162,7 @@ def start_shards(count: int, chunk_mb: float) -> tuple[list[subprocess.Popen], l
                     str(chunk_mb),
                     "--storage-uri",
                     Path("/tmp/shoal-bench-storage").as_uri(),
+                    *extra,
                 ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
@@ -176,7 +179,9 @@ def start_shards(count: int, chunk_mb: float) -> tuple[list[subprocess.Popen], l
     return procs, addresses
 
 
-def bench_shoal(world: int, shards: int, rounds: int, chunk_mb: float) -> list[float]:
+def bench_shoal(
+    world: int, shards: int, rounds: int, chunk_mb: float, extra: tuple[str, ...] = ()
+) -> list[float]:
     import grpc
 
     from shoal.v1 import (
@@ -185,7 +190,7 @@ def bench_shoal(world: int, shards: int, rounds: int, chunk_mb: float) -> list[f
         parameter_sync_service_pb2_grpc as ps_grpc,
     )
 
-    procs, addresses = start_shards(shards, chunk_mb)
+    procs, addresses = start_shards(shards, chunk_mb, extra)
     job = f"bench-{world}-{shards}-{time.time_ns()}"
     try:
         with grpc.insecure_channel(addresses[0]) as channel:
@@ -275,7 +280,7 @@ def bench_gloo(world: int, rounds: int) -> list[float]:
 
 def bench_pieces(chunk_mb: float) -> dict[str, float]:
     """Milliseconds of each piece of a round for the whole 44.6 MiB, in this process."""
-    from shoal.learner.transport import (
+    from shoal.contract.wire import (
         BundleReceiver,
         TensorMeta,
         byte_view,

@@ -96,6 +96,7 @@ class DataPlane:
         self.shards: list[Proc] = []
         self.addresses: list[str] = []
         self.learners: list[Proc] = []
+        self._shard_extra_args: tuple[str, ...] = ()
         self._channel: grpc.Channel | None = None
         self._generation = 0
         # The scheduler's part: learners get credentials minted for them, which the shards
@@ -110,33 +111,46 @@ class DataPlane:
         self._generation += 1
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.num_shards)]
         self.shards = []
+        self._shard_extra_args = tuple(extra_args)
         for i, address in enumerate(self.addresses):
-            args = [
-                sys.executable,
-                "-m",
-                "shoal.param_sync",
-                "--shard-index",
-                str(i),
-                "--listen",
-                address,
-                "--storage-uri",
-                self.storage_uri,
-                "--tokens-file",
-                str(self.tokens_file),
-                "--service-token",
-                self.tokens["service"],
-                "--learner-public-keys",
-                str(self.learner_keys),
-                *extra_args,
-            ]
             log = self.tmp / f"shard-{i}-{self._generation}.log"
-            self.shards.append(Proc(args, log, child_env()))
+            self.shards.append(Proc(self._shard_args(i, address), log, child_env()))
         for shard in self.shards:
             shard.wait_for("LISTENING", timeout=60)
         if self._channel is not None:
             self._channel.close()
         self._channel = grpc.insecure_channel(self.addresses[0])
         return self.addresses
+
+    def _shard_args(self, i: int, address: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "shoal.param_sync",
+            "--shard-index",
+            str(i),
+            "--listen",
+            address,
+            "--storage-uri",
+            self.storage_uri,
+            "--tokens-file",
+            str(self.tokens_file),
+            "--service-token",
+            self.tokens["service"],
+            "--learner-public-keys",
+            str(self.learner_keys),
+            *self._shard_extra_args,
+        ]
+
+    def restart_shard(self, i: int) -> Proc:
+        """Start shard ``i`` again on its address (after :meth:`Proc.kill`): a fresh process
+        that holds nothing."""
+        self._generation += 1
+        log = self.tmp / f"shard-{i}-{self._generation}.log"
+        proc = Proc(self._shard_args(i, self.addresses[i]), log, child_env())
+        self.shards[i] = proc
+        proc.wait_for("LISTENING", timeout=60)
+        return proc
 
     def kill_all(self) -> None:
         for p in [*self.learners, *self.shards]:

@@ -21,8 +21,7 @@ import torch
 from google.protobuf import json_format
 from grpc import aio
 
-from shoal.learner.grpc_backend import stream_methods
-from shoal.learner.transport import (
+from shoal.contract.wire import (
     BundleReceiver,
     TensorMeta,
     byte_view,
@@ -32,6 +31,7 @@ from shoal.learner.transport import (
     header_of,
     pack_layout,
 )
+from shoal.learner.grpc_backend import stream_methods
 from shoal.param_sync import checkpoint as ckpt
 from shoal.param_sync.main import registry_key
 from shoal.param_sync.service import (

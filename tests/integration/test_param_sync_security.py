@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc import aio
 
-from shoal.learner.transport import TensorMeta, pack_layout
+from shoal.contract.wire import TensorMeta, pack_layout
 from shoal.param_sync.service import (
     ERRORS,
     ROLES,

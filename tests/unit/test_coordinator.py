@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from shoal.learner.transport import TensorMeta, pack_layout
+from shoal.contract.wire import TensorMeta, pack_layout
 from shoal.param_sync.coordinator import (
     Action,
     CheckpointTask,

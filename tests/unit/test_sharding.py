@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from shoal.learner.transport import TensorMeta, pack_layout
+from shoal.contract.wire import TensorMeta, pack_layout
 from shoal.param_sync.sharding import assign_shards
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.learner.transport import (
+from shoal.contract.wire import (
     BundleError,
     BundleReceiver,
     BundleTooLarge,

@@ -6,7 +6,11 @@ part of the contract:
 
 * ``ids`` -- the patterns of identifiers that become paths or keys (job, learner, host,
   artifact, checkpoint ids), and their validation.
+* ``data_plane`` -- the parameter-sync tier's etcd keys (shard registrations, a job's moved
+  coordinator) and the coordinator record's JSON codec.
+* ``wire`` -- the tensor-bundle wire codec of the gradient and parameter streams (learner and
+  shard both speak it).
 
 Planned here (issue 15): the etcd key schema, the learner environment variable names, the
-error-reason trailer and the tensor wire codec.
+error-reason trailer.
 """

@@ -57,6 +57,30 @@ as one shard file into `checkpoint_directory`, then report it with the next Boun
 """
 Global___BoundaryAction: _TypeAlias = BoundaryAction  # noqa: Y015
 
+class _ReplicateKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReplicateKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReplicateKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REPLICATE_KIND_UNSPECIFIED: _ReplicateKind.ValueType  # 0
+    """Not set (refused)."""
+    REPLICATE_KIND_SUMS: _ReplicateKind.ValueType  # 1
+    """An iteration's summed gradients and buffers, before the commit (primary to backup)."""
+    REPLICATE_KIND_STATE: _ReplicateKind.ValueType  # 2
+    """A slice's whole state: parameters, buffers, optimizer state and iteration."""
+
+class ReplicateKind(_ReplicateKind, metaclass=_ReplicateKindEnumTypeWrapper):
+    """ReplicateKind says what a Replicate stream carries."""
+
+REPLICATE_KIND_UNSPECIFIED: ReplicateKind.ValueType  # 0
+"""Not set (refused)."""
+REPLICATE_KIND_SUMS: ReplicateKind.ValueType  # 1
+"""An iteration's summed gradients and buffers, before the commit (primary to backup)."""
+REPLICATE_KIND_STATE: ReplicateKind.ValueType  # 2
+"""A slice's whole state: parameters, buffers, optimizer state and iteration."""
+Global___ReplicateKind: _TypeAlias = ReplicateKind  # noqa: Y015
+
 @_typing.final
 class TensorInfo(_message.Message):
     """TensorInfo describes one tensor inside a chunked byte stream."""
@@ -730,6 +754,8 @@ class BoundaryResponse(_message.Message):
     PULL_PARAMETERS_FIELD_NUMBER: _builtins.int
     COMPLETED_ITERATIONS_FIELD_NUMBER: _builtins.int
     CHECKPOINT_DIRECTORY_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    ROUTING_EPOCH_FIELD_NUMBER: _builtins.int
     action: Global___BoundaryAction.ValueType
     """What to do."""
     pull_parameters: _builtins.bool
@@ -744,9 +770,18 @@ class BoundaryResponse(_message.Message):
     """COLLECTIVE only: for CHECKPOINT, where to write; for RUN with pull_parameters when no
     member holds the job's state any more, the checkpoint to restore it from.
     """
+    routing_epoch: _builtins.int
+    """Increases each time the routing changes (0: the Join's)."""
     @_builtins.property
     def assignment(self) -> Global___Assignment:
         """The iteration to run, for RUN."""
+
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardSlice]:
+        """Which shard holds which tensors now, when it changed since Join (a lost shard's slice was
+        promoted on its backup): the learner sends and pulls by this from now on. Empty when the
+        routing is still the Join's.
+        """
 
     def __init__(
         self,
@@ -756,10 +791,12 @@ class BoundaryResponse(_message.Message):
         pull_parameters: _builtins.bool = ...,
         completed_iterations: _builtins.int = ...,
         checkpoint_directory: _builtins.str = ...,
+        shards: _abc.Iterable[Global___ShardSlice] | None = ...,
+        routing_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "assignment", b"assignment", "checkpoint_directory", b"checkpoint_directory", "completed_iterations", b"completed_iterations", "pull_parameters", b"pull_parameters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "assignment", b"assignment", "checkpoint_directory", b"checkpoint_directory", "completed_iterations", b"completed_iterations", "pull_parameters", b"pull_parameters", "routing_epoch", b"routing_epoch", "shards", b"shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1151,8 +1188,18 @@ class GetJobProgressResponse(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     MEMBER_LEARNER_IDS_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
+    RECOVERING_FIELD_NUMBER: _builtins.int
+    RECOVERY_REASON_FIELD_NUMBER: _builtins.int
     done: _builtins.bool
     """True when the job finished all its epochs."""
+    recovering: _builtins.bool
+    """True while the coordinator is recovering the job from the loss of a shard (waiting for
+    it to come back, or rewinding to the latest checkpoint): no iteration commits meanwhile.
+    """
+    recovery_reason: _builtins.str
+    """Why the job is recovering, in words (e.g. "shard 1 lost its state at iteration 286;
+    rewinding to the checkpoint after 230 iterations"); empty when not recovering.
+    """
     @_builtins.property
     def progress(self) -> _job_pb2.JobProgress:
         """The progress."""
@@ -1167,10 +1214,12 @@ class GetJobProgressResponse(_message.Message):
         progress: _job_pb2.JobProgress | None = ...,
         member_learner_ids: _abc.Iterable[_builtins.str] | None = ...,
         done: _builtins.bool = ...,
+        recovering: _builtins.bool = ...,
+        recovery_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "member_learner_ids", b"member_learner_ids", "progress", b"progress"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "member_learner_ids", b"member_learner_ids", "progress", b"progress", "recovering", b"recovering", "recovery_reason", b"recovery_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1246,6 +1295,9 @@ class ConfigureShardRequest(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _builtins.int
     COORDINATOR_ADDRESS_FIELD_NUMBER: _builtins.int
     ACTIVE_SHARDS_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    BACKUP_ADDRESS_FIELD_NUMBER: _builtins.int
+    ABSORB_REPLICAS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     shard_index: _builtins.int
@@ -1254,6 +1306,14 @@ class ConfigureShardRequest(_message.Message):
     """The address of the job's coordinator shard."""
     active_shards: _builtins.int
     """The number of shards that hold at least one of the job's tensors."""
+    replica: _builtins.bool
+    """True: keep a replica of shard shard_index's slice here (this shard is its backup),
+    rather than being that shard.
+    """
+    backup_address: _builtins.str
+    """For a shard's own slice: the address of the shard that keeps its replica; empty when the
+    job's slices are not replicated.
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]:
         """The tensors (parameters and buffers) this shard holds, with the model's flat layout."""
@@ -1261,6 +1321,12 @@ class ConfigureShardRequest(_message.Message):
     @_builtins.property
     def optimizer(self) -> Global___OptimizerSpec:
         """The optimizer the shard runs over its parameters."""
+
+    @_builtins.property
+    def absorb_replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """A promotion: the shards whose replicas kept here become part of this shard's slice
+        (tensors must then be this shard's tensors plus theirs).
+        """
 
     def __init__(
         self,
@@ -1271,10 +1337,13 @@ class ConfigureShardRequest(_message.Message):
         optimizer: Global___OptimizerSpec | None = ...,
         coordinator_address: _builtins.str = ...,
         active_shards: _builtins.int = ...,
+        replica: _builtins.bool = ...,
+        backup_address: _builtins.str = ...,
+        absorb_replicas: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_shards", b"active_shards", "coordinator_address", b"coordinator_address", "job_id", b"job_id", "optimizer", b"optimizer", "shard_index", b"shard_index", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["absorb_replicas", b"absorb_replicas", "active_shards", b"active_shards", "backup_address", b"backup_address", "coordinator_address", b"coordinator_address", "job_id", b"job_id", "optimizer", b"optimizer", "replica", b"replica", "shard_index", b"shard_index", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1479,19 +1548,27 @@ class LoadShardRequest(_message.Message):
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     DIRECTORY_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     directory: _builtins.str
     """The checkpoint directory (an fsspec URI)."""
+    replica: _builtins.bool
+    """True: load the replica of shard shard_index's slice kept here."""
+    shard_index: _builtins.int
+    """With replica: whose slice."""
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         directory: _builtins.str = ...,
+        replica: _builtins.bool = ...,
+        shard_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["directory", b"directory", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["directory", b"directory", "job_id", b"job_id", "replica", b"replica", "shard_index", b"shard_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1518,3 +1595,185 @@ class LoadShardResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadShardResponse: _TypeAlias = LoadShardResponse  # noqa: Y015
+
+@_typing.final
+class GetShardStatusRequest(_message.Message):
+    """GetShardStatusRequest asks a shard about its state of one job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    shard_index: _builtins.int
+    """The index the caller expects the shard to have."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        shard_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "shard_index", b"shard_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetShardStatusRequest: _TypeAlias = GetShardStatusRequest  # noqa: Y015
+
+@_typing.final
+class GetShardStatusResponse(_message.Message):
+    """GetShardStatusResponse says what the shard holds of the job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLDS_JOB_FIELD_NUMBER: _builtins.int
+    INITIALIZED_FIELD_NUMBER: _builtins.int
+    COMPLETED_ITERATIONS_FIELD_NUMBER: _builtins.int
+    holds_job: _builtins.bool
+    """True when the shard holds a configured slice of the job."""
+    initialized: _builtins.bool
+    """True when that slice holds parameters (initialized or loaded)."""
+    completed_iterations: _builtins.int
+    """The number of iterations the slice has stepped (or loaded), -1 without a slice."""
+    def __init__(
+        self,
+        *,
+        holds_job: _builtins.bool = ...,
+        initialized: _builtins.bool = ...,
+        completed_iterations: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "holds_job", b"holds_job", "initialized", b"initialized"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetShardStatusResponse: _TypeAlias = GetShardStatusResponse  # noqa: Y015
+
+@_typing.final
+class ReplicateRequest(_message.Message):
+    """ReplicateRequest is one message of a Replicate stream; the first names the target."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    shard_index: _builtins.int
+    """Whose slice the blob is."""
+    replica: _builtins.bool
+    """True: the receiver keeps it as its replica of shard shard_index's slice; false: it is the
+    receiver's own slice (shard_index must be the receiver's).
+    """
+    kind: Global___ReplicateKind.ValueType
+    """What the blob holds."""
+    chunk: _builtins.bytes
+    """The next bytes of the safetensors blob."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        shard_index: _builtins.int = ...,
+        replica: _builtins.bool = ...,
+        kind: Global___ReplicateKind.ValueType = ...,
+        chunk: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "job_id", b"job_id", "kind", b"kind", "replica", b"replica", "shard_index", b"shard_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicateRequest: _TypeAlias = ReplicateRequest  # noqa: Y015
+
+@_typing.final
+class ReplicateResponse(_message.Message):
+    """ReplicateResponse acknowledges a blob applied."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    global_iteration: _builtins.int
+    """The iteration the slice is at (STATE); -1 for SUMS (kept, applied after the answer)."""
+    def __init__(
+        self,
+        *,
+        global_iteration: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_iteration", b"global_iteration"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicateResponse: _TypeAlias = ReplicateResponse  # noqa: Y015
+
+@_typing.final
+class TransferSliceRequest(_message.Message):
+    """TransferSliceRequest asks a shard to send a slice it holds to another shard."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
+    FROM_REPLICA_FIELD_NUMBER: _builtins.int
+    TARGET_ADDRESS_FIELD_NUMBER: _builtins.int
+    TARGET_REPLICA_FIELD_NUMBER: _builtins.int
+    GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    shard_index: _builtins.int
+    """Whose slice."""
+    from_replica: _builtins.bool
+    """True: send the replica of shard shard_index's slice kept here; false: this shard's own."""
+    target_address: _builtins.str
+    """Where to send it (host:port)."""
+    target_replica: _builtins.bool
+    """True: the target keeps it as its replica; false: as its own slice."""
+    global_iteration: _builtins.int
+    """The iteration the slice must be at (the coordinator's completed iterations)."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        shard_index: _builtins.int = ...,
+        from_replica: _builtins.bool = ...,
+        target_address: _builtins.str = ...,
+        target_replica: _builtins.bool = ...,
+        global_iteration: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_replica", b"from_replica", "global_iteration", b"global_iteration", "job_id", b"job_id", "shard_index", b"shard_index", "target_address", b"target_address", "target_replica", b"target_replica"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferSliceRequest: _TypeAlias = TransferSliceRequest  # noqa: Y015
+
+@_typing.final
+class TransferSliceResponse(_message.Message):
+    """TransferSliceResponse acknowledges a transfer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    global_iteration: _builtins.int
+    """The iteration the sent slice was at."""
+    def __init__(
+        self,
+        *,
+        global_iteration: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_iteration", b"global_iteration"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferSliceResponse: _TypeAlias = TransferSliceResponse  # noqa: Y015

@@ -130,6 +130,21 @@ class ParameterSyncServiceStub:
                 request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardRequest.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardResponse.FromString,
                 _registered_method=True)
+        self.GetShardStatus = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/GetShardStatus',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.GetShardStatusRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.GetShardStatusResponse.FromString,
+                _registered_method=True)
+        self.Replicate = channel.stream_unary(
+                '/shoal.v1.ParameterSyncService/Replicate',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
+        self.TransferSlice = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/TransferSlice',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.TransferSliceRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.TransferSliceResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterSyncServiceServicer:
@@ -310,6 +325,37 @@ class ParameterSyncServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetShardStatus(self, request, context):
+        """GetShardStatus says whether a shard holds state of a job (coordinator to shard, every
+        probe interval): a shard that restarted answers holds_job = false, and the coordinator
+        then rewinds the job to its latest checkpoint on every shard. Returns UNAUTHENTICATED,
+        PERMISSION_DENIED, INVALID_ARGUMENT (shard_index is not this shard's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Replicate(self, request_iterator, context):
+        """Replicate carries a slice's state or an iteration's summed gradients to the shard that
+        holds its replica (primary to backup), or a whole slice to a shard being restored (a
+        stream of chunks of one safetensors blob). Returns INVALID_ARGUMENT (a malformed blob, a
+        slice the shard is not configured for), NOT_FOUND (unknown job), UNAUTHENTICATED,
+        PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TransferSlice(self, request, context):
+        """TransferSlice asks a shard to send a slice it holds (its own, or the replica it keeps
+        of another shard's) to another shard with Replicate (coordinator to shard, when a shard
+        is restored). Returns FAILED_PRECONDITION (the slice is not at the expected iteration),
+        NOT_FOUND, UNAVAILABLE (the target is down), UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterSyncServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -402,6 +448,21 @@ def add_ParameterSyncServiceServicer_to_server(servicer, server):
                     servicer.LoadShard,
                     request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardRequest.FromString,
                     response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardResponse.SerializeToString,
+            ),
+            'GetShardStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShardStatus,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.GetShardStatusRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.GetShardStatusResponse.SerializeToString,
+            ),
+            'Replicate': grpc.stream_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ReplicateRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'TransferSlice': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransferSlice,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.TransferSliceRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.TransferSliceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -896,6 +957,87 @@ class ParameterSyncService:
             '/shoal.v1.ParameterSyncService/LoadShard',
             shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardRequest.SerializeToString,
             shoal_dot_v1_dot_parameter__sync__service__pb2.LoadShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShardStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/GetShardStatus',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.GetShardStatusRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.GetShardStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/shoal.v1.ParameterSyncService/Replicate',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.ReplicateRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferSlice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/TransferSlice',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.TransferSliceRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.TransferSliceResponse.FromString,
             options,
             channel_credentials,
             insecure,

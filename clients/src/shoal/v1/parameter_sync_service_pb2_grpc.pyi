@@ -136,6 +136,25 @@ class ParameterSyncServiceStub:
     shard). Returns NOT_FOUND (no such checkpoint), INVALID_ARGUMENT (layout mismatch),
     UNAUTHENTICATED, PERMISSION_DENIED.
     """
+    GetShardStatus: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.GetShardStatusRequest, _parameter_sync_service_pb2.GetShardStatusResponse]
+    """GetShardStatus says whether a shard holds state of a job (coordinator to shard, every
+    probe interval): a shard that restarted answers holds_job = false, and the coordinator
+    then rewinds the job to its latest checkpoint on every shard. Returns UNAUTHENTICATED,
+    PERMISSION_DENIED, INVALID_ARGUMENT (shard_index is not this shard's).
+    """
+    Replicate: _grpc.StreamUnaryMultiCallable[_parameter_sync_service_pb2.ReplicateRequest, _parameter_sync_service_pb2.ReplicateResponse]
+    """Replicate carries a slice's state or an iteration's summed gradients to the shard that
+    holds its replica (primary to backup), or a whole slice to a shard being restored (a
+    stream of chunks of one safetensors blob). Returns INVALID_ARGUMENT (a malformed blob, a
+    slice the shard is not configured for), NOT_FOUND (unknown job), UNAUTHENTICATED,
+    PERMISSION_DENIED.
+    """
+    TransferSlice: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.TransferSliceRequest, _parameter_sync_service_pb2.TransferSliceResponse]
+    """TransferSlice asks a shard to send a slice it holds (its own, or the replica it keeps
+    of another shard's) to another shard with Replicate (coordinator to shard, when a shard
+    is restored). Returns FAILED_PRECONDITION (the slice is not at the expected iteration),
+    NOT_FOUND, UNAVAILABLE (the target is down), UNAUTHENTICATED, PERMISSION_DENIED.
+    """
 
 @_typing.type_check_only
 class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
@@ -244,6 +263,25 @@ class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
     """LoadShard restores a shard's slice of a job from a checkpoint directory (coordinator to
     shard). Returns NOT_FOUND (no such checkpoint), INVALID_ARGUMENT (layout mismatch),
     UNAUTHENTICATED, PERMISSION_DENIED.
+    """
+    GetShardStatus: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.GetShardStatusRequest, _parameter_sync_service_pb2.GetShardStatusResponse]  # type: ignore[assignment]
+    """GetShardStatus says whether a shard holds state of a job (coordinator to shard, every
+    probe interval): a shard that restarted answers holds_job = false, and the coordinator
+    then rewinds the job to its latest checkpoint on every shard. Returns UNAUTHENTICATED,
+    PERMISSION_DENIED, INVALID_ARGUMENT (shard_index is not this shard's).
+    """
+    Replicate: _aio.StreamUnaryMultiCallable[_parameter_sync_service_pb2.ReplicateRequest, _parameter_sync_service_pb2.ReplicateResponse]  # type: ignore[assignment]
+    """Replicate carries a slice's state or an iteration's summed gradients to the shard that
+    holds its replica (primary to backup), or a whole slice to a shard being restored (a
+    stream of chunks of one safetensors blob). Returns INVALID_ARGUMENT (a malformed blob, a
+    slice the shard is not configured for), NOT_FOUND (unknown job), UNAUTHENTICATED,
+    PERMISSION_DENIED.
+    """
+    TransferSlice: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.TransferSliceRequest, _parameter_sync_service_pb2.TransferSliceResponse]  # type: ignore[assignment]
+    """TransferSlice asks a shard to send a slice it holds (its own, or the replica it keeps
+    of another shard's) to another shard with Replicate (coordinator to shard, when a shard
+    is restored). Returns FAILED_PRECONDITION (the slice is not at the expected iteration),
+    NOT_FOUND, UNAVAILABLE (the target is down), UNAUTHENTICATED, PERMISSION_DENIED.
     """
 
 class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -458,6 +496,43 @@ class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         """LoadShard restores a shard's slice of a job from a checkpoint directory (coordinator to
         shard). Returns NOT_FOUND (no such checkpoint), INVALID_ARGUMENT (layout mismatch),
         UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+
+    @_abc_1.abstractmethod
+    def GetShardStatus(
+        self,
+        request: _parameter_sync_service_pb2.GetShardStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.GetShardStatusResponse, _abc.Awaitable[_parameter_sync_service_pb2.GetShardStatusResponse]]:
+        """GetShardStatus says whether a shard holds state of a job (coordinator to shard, every
+        probe interval): a shard that restarted answers holds_job = false, and the coordinator
+        then rewinds the job to its latest checkpoint on every shard. Returns UNAUTHENTICATED,
+        PERMISSION_DENIED, INVALID_ARGUMENT (shard_index is not this shard's).
+        """
+
+    @_abc_1.abstractmethod
+    def Replicate(
+        self,
+        request_iterator: _MaybeAsyncIterator[_parameter_sync_service_pb2.ReplicateRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.ReplicateResponse, _abc.Awaitable[_parameter_sync_service_pb2.ReplicateResponse]]:
+        """Replicate carries a slice's state or an iteration's summed gradients to the shard that
+        holds its replica (primary to backup), or a whole slice to a shard being restored (a
+        stream of chunks of one safetensors blob). Returns INVALID_ARGUMENT (a malformed blob, a
+        slice the shard is not configured for), NOT_FOUND (unknown job), UNAUTHENTICATED,
+        PERMISSION_DENIED.
+        """
+
+    @_abc_1.abstractmethod
+    def TransferSlice(
+        self,
+        request: _parameter_sync_service_pb2.TransferSliceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.TransferSliceResponse, _abc.Awaitable[_parameter_sync_service_pb2.TransferSliceResponse]]:
+        """TransferSlice asks a shard to send a slice it holds (its own, or the replica it keeps
+        of another shard's) to another shard with Replicate (coordinator to shard, when a shard
+        is restored). Returns FAILED_PRECONDITION (the slice is not at the expected iteration),
+        NOT_FOUND, UNAVAILABLE (the target is down), UNAUTHENTICATED, PERMISSION_DENIED.
         """
 
 def add_ParameterSyncServiceServicer_to_server(servicer: ParameterSyncServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -12,8 +12,10 @@ Per learner (see docs/data-plane.md for the protocol):
 * :meth:`GrpcBackend.sync` opens one ``SyncStep`` stream per shard, concurrently: the header,
   then this learner's gradients and buffers for that shard's tensors as raw little-endian
   chunks; each shard answers with its new parameters once every member has contributed and
-  every shard is ready. ABORTED (a member was evicted) or a stale generation raise
-  :class:`~shoal.learner.backend.IterationAborted`: the next boundary re-issues the iteration.
+  every shard is ready. ABORTED (a member was evicted), a stale generation, or a shard that is
+  down or restarted without the job (UNAVAILABLE, DEADLINE_EXCEEDED, NOT_FOUND on a tensor
+  stream, pulls included) raise :class:`~shoal.learner.backend.IterationAborted`: the next
+  boundary re-issues the iteration (after the coordinator recovered the shard's slice).
 
 gRPC runs on an asyncio loop in a background thread; the trainer calls in from its own thread.
 The environment contract (``shoal.learner.env``): SHOAL_JOB_ID, SHOAL_LEARNER_ID,
@@ -38,6 +40,19 @@ import torch
 from grpc import aio
 
 from shoal.client.tls import TLSFiles, channel_credentials
+from shoal.contract.wire import (
+    DEFAULT_CHUNK_BYTES,
+    BundleReceiver,
+    Frame,
+    TensorMeta,
+    byte_view,
+    encode_chunks,
+    encode_header,
+    frame_decoder,
+    header_of,
+    pack_layout,
+    serialize,
+)
 from shoal.learner.backend import (
     Assignment,
     Contribution,
@@ -54,19 +69,6 @@ from shoal.learner.backend import (
 )
 from shoal.learner.env import LearnerEnv
 from shoal.learner.tracing import trace_metadata
-from shoal.learner.transport import (
-    DEFAULT_CHUNK_BYTES,
-    BundleReceiver,
-    Frame,
-    TensorMeta,
-    byte_view,
-    encode_chunks,
-    encode_header,
-    frame_decoder,
-    header_of,
-    pack_layout,
-    serialize,
-)
 from shoal.v1 import (
     job_pb2,
     parameter_sync_service_pb2 as ps_pb2,
@@ -82,6 +84,11 @@ BACKEND_NAME = "grpc"
 SERVICE_PATH = "/shoal.v1.ParameterSyncService/"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+#: A tensor stream (SyncStep, PullParameters) failing so means its shard is down, or came back
+#: without the job (it restarted): the coordinator notices, recovers the shard's slice, and the
+#: next boundary says what to run; the learner waits a moment so that it does not spin.
+_SHARD_LOST = (*_RETRYABLE, grpc.StatusCode.NOT_FOUND)
+_SHARD_LOST_PAUSE_S = 0.5
 
 
 class LearnerEvicted(RuntimeError):
@@ -91,8 +98,8 @@ class LearnerEvicted(RuntimeError):
 
 def stream_methods(channel: aio.Channel) -> dict[str, Any]:
     """Multi-callables of the three tensor streams with shoal's hand codec
-    (``shoal.learner.transport``): requests pass pre-encoded bytes through, responses are
-    decoded into zero-copy :class:`~shoal.learner.transport.Frame` objects."""
+    (``shoal.contract.wire``): requests pass pre-encoded bytes through, responses are
+    decoded into zero-copy :class:`~shoal.contract.wire.Frame` objects."""
     return {
         "InitializeParameters": channel.stream_unary(
             SERVICE_PATH + "InitializeParameters",
@@ -172,6 +179,7 @@ class GrpcBackend(SyncBackend):
         self._plan: TrainingPlan | None = None
         self._layout: list[TensorMeta] = []
         self._shards: list[_Shard] = []
+        self._routing_epoch = 0
         self._recv: list[torch.Tensor] = []
         self._recv_bytes: list[np.ndarray] = []
         self._generation = 0  # of the last assignment (pulls are checked against it)
@@ -307,9 +315,14 @@ class GrpcBackend(SyncBackend):
             sync_mode=self.SYNC_MODE,  # type: ignore[arg-type]
         )
         reply = await self._control(self._coordinator_stub().Join, request, md)
+        self._route(reply.shards)
+        return reply
+
+    def _route(self, slices: Sequence[ps_pb2.ShardSlice]) -> None:
+        """Which shard holds which tensors (from Join, or a Boundary after a promotion)."""
         index = {m.name: j for j, m in enumerate(self._layout)}
         self._shards = []
-        for s in reply.shards:
+        for s in slices:
             if not s.tensor_names:
                 continue
             channel = self._channel(s.address)
@@ -322,7 +335,6 @@ class GrpcBackend(SyncBackend):
                     stream_methods(channel),
                 )
             )
-        return reply
 
     async def _upload(self, setup: TrainingSetup, md: Any = None) -> None:
         tensors = [*setup.params, *setup.buffers]
@@ -381,7 +393,13 @@ class GrpcBackend(SyncBackend):
 
     async def _boundary(self, md: Any = None) -> ps_pb2.BoundaryResponse:
         request = self._boundary_request(*self._report)
-        return await self._control(self._coordinator_stub().Boundary, request, md)
+        reply = await self._control(self._coordinator_stub().Boundary, request, md)
+        if reply.routing_epoch > self._routing_epoch and reply.shards:
+            # A lost shard's slice moved to its backup: send and pull there from now on.
+            self._route(reply.shards)
+            self._routing_epoch = reply.routing_epoch
+            log.warning("shards re-routed (routing epoch %d)", reply.routing_epoch)
+        return reply
 
     def next_assignment(self) -> Assignment | None:
         return self._to_assignment(self._run(self._boundary(self._md())))
@@ -441,6 +459,9 @@ class GrpcBackend(SyncBackend):
         try:
             await asyncio.gather(*(one(s) for s in self._shards))
         except aio.AioRpcError as exc:
+            if exc.code() in _SHARD_LOST:
+                await asyncio.sleep(_SHARD_LOST_PAUSE_S)
+                raise IterationAborted(exc.details() or str(exc.code())) from exc
             raise _translate(exc) from exc
 
     async def _receive(
@@ -492,7 +513,20 @@ class GrpcBackend(SyncBackend):
                 tensors[j] = None if g is None else _cpu(g)
             for j, b in enumerate(contribution.buffers):
                 tensors[n_params + j] = _cpu(b)
-        headers = self._run(self._sync(assignment, contribution, tensors, lr, self._md()))
+        try:
+            headers = self._run(self._sync(assignment, contribution, tensors, lr, self._md()))
+        except IterationAborted:
+            # Report this iteration's loss with the next Boundary anyway: if it was committed
+            # after all (a shard died while answering, its backup took over) the coordinator
+            # records it; if it was aborted, the coordinator ignores the report. (Assignment
+            # k came with the Boundary that carried the report of k - 1, so none is lost.)
+            self._report = (
+                assignment.generation,
+                assignment.step,
+                contribution.loss_sum,
+                contribution.n_samples,
+            )
+            raise
         total = headers[0].num_samples if headers else 0
         loss_sum = headers[0].loss_sum if headers else contribution.loss_sum
         self._report = (
@@ -554,7 +588,9 @@ class GrpcBackend(SyncBackend):
             for t in tasks:
                 t.cancel()
             error = _translate(exc)
-            if isinstance(error, IterationAborted | LearnerEvicted) or exc.code() in _RETRYABLE:
+            if exc.code() in _SHARD_LOST:
+                await asyncio.sleep(_SHARD_LOST_PAUSE_S)
+            if isinstance(error, IterationAborted | LearnerEvicted) or exc.code() in _SHARD_LOST:
                 raise IterationAborted(exc.details() or str(exc.code())) from exc
             raise error from exc
         finally:

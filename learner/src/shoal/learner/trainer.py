@@ -740,9 +740,17 @@ class ElasticTrainer:
                     begun_epoch = a.epoch
                     callbacks.on_epoch_begin(a.epoch)
                 if a.pull_parameters or not have_state:
-                    with tracing.phase("pull parameters"):
-                        pulled = backend.pull_parameters()
-                        self._load(pulled.params, pulled.buffers)
+                    try:
+                        with tracing.phase("pull parameters"):
+                            pulled = backend.pull_parameters()
+                            self._load(pulled.params, pulled.buffers)
+                    except IterationAborted:
+                        # A shard is down or restarted: the next boundary says what to run
+                        # once the coordinator recovered it; pull again then.
+                        tracing.end_iteration(aborted=True)
+                        logger.warning("pull for iteration %d failed; asking again", a.step)
+                        have_state = False
+                        continue
                     self._snapshot_buffers(synced_buffers)
                     have_state = True
                 if a.epoch != order_epoch:

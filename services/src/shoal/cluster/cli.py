@@ -123,6 +123,15 @@ def up(
             "STATE_DIR/tls; the CLI's certificate is named in STATE_DIR/cluster.json.",
         ),
     ] = False,
+    replication: Annotated[
+        bool,
+        typer.Option(
+            "--replication/--no-replication",
+            help="Keep a backup replica of each parameter-sync slice on another shard, so that "
+            "a lost shard loses no committed iteration (on by default; off rewinds to the "
+            "latest checkpoint instead). Sets SHOAL_REPLICATION for the shards.",
+        ),
+    ] = True,
 ) -> None:
     """Start etcd and every service in the background; the CLI then finds them by itself."""
     state = _read_state(state_dir)
@@ -158,6 +167,8 @@ def up(
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
+        # The supervisor's services inherit it: the shards' --replication default.
+        env={**os.environ, "SHOAL_REPLICATION": "on" if replication else "off"},
     )
     log.close()
     deadline = time.monotonic() + timeout

@@ -67,6 +67,9 @@ SERVICE_METHODS = frozenset(
         "ResolveIteration",
         "SaveShard",
         "LoadShard",
+        "GetShardStatus",
+        "Replicate",
+        "TransferSlice",
     }
 )
 

@@ -31,6 +31,14 @@ learners hold the state and all-reduce among themselves, so the commit votes com
 * Checkpoints are written by a learner that holds the state (``CHECKPOINT`` decisions); when
   the last holders retire, the state is checkpointed first; when no member holds it any more
   (every holder died), the job rewinds to its latest checkpoint (:class:`RewindTask`).
+
+Shard loss (parameter-server mode): when the service finds a shard unreachable or without its
+slice (it restarted), :meth:`Coordinator.shard_lost` aborts the running iteration and holds a
+:class:`RecoverTask`: every boundary waits while the service waits for the shard to answer. If
+it comes back holding the slice at the current iteration, nothing was lost
+(:meth:`Coordinator.recovered`); otherwise every shard loads the latest checkpoint and
+:meth:`Coordinator.rewind` continues from it, every learner pulling. No learner is stopped and
+no job fails for it.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.learner.transport import TensorMeta, validate_layout
+from shoal.contract.wire import TensorMeta, validate_layout
 from shoal.param_sync.sharding import Sharding, assign_shards
 from shoal.runtime.errors import FailedPrecondition, InvalidField, StaleGeneration
 
@@ -57,6 +65,7 @@ __all__ = [
     "JobSettings",
     "JoinOutcome",
     "OptimizerConfig",
+    "RecoverTask",
     "ResolveTask",
     "RewindTask",
 ]
@@ -179,7 +188,17 @@ class RewindTask:
     iteration: int
 
 
-Task = ResolveTask | CheckpointTask | RewindTask
+@dataclass(frozen=True)
+class RecoverTask:
+    """Parameter-server mode: shard ``shard_index`` was found unreachable or without its slice
+    of the job (``reason``). Held until the shard answers again: then either nothing was lost
+    or every shard rewinds to the latest checkpoint."""
+
+    shard_index: int
+    reason: str
+
+
+Task = ResolveTask | CheckpointTask | RewindTask | RecoverTask
 
 
 UserMetrics = Mapping[str, tuple[float, int]]
@@ -288,6 +307,10 @@ class Coordinator:
         self.checkpoint_writer: str | None = None
         self._checkpoint_written = -1
         self.restore_from: int | None = None
+        # Shard loss (parameter-server mode): why the job is recovering ("" when it is not),
+        # and how many times a lost shard's slice moved to its backup (the routing epoch).
+        self.recovering = ""
+        self.routing_epoch = 0
         # Loss and throughput.
         self._collecting: dict[int, _IterationInfo] = {}
         self._finished: list[dict[str, Any]] = []
@@ -689,6 +712,88 @@ class Coordinator:
         self._touch()
         return True
 
+    # -- shard loss (parameter-server mode) ----------------------------------------------------
+
+    @property
+    def recovery(self) -> RecoverTask | None:
+        return next((t for t in self._holds if isinstance(t, RecoverTask)), None)
+
+    def shard_lost(self, shard_index: int, reason: str) -> list[Task]:
+        """Shard ``shard_index`` is unreachable or lost its slice. Aborts the running
+        iteration (its sums may be gone) and holds a :class:`RecoverTask`, so every boundary
+        waits until the shard answers again. Returns the tasks to start (none when the job is
+        in collective mode, not started, done, or already recovering)."""
+        if self.sharding is None or not 0 <= shard_index < self.sharding.num_shards:
+            raise InvalidField("shard_index", shard_index, "is not a shard of the job")
+        if (
+            self.collective is not False
+            or not self.initialized
+            or self.done
+            or self.recovery is not None
+            or not self.sharding.tensors[shard_index]
+        ):
+            return []
+        self.recovering = f"shard {shard_index} {reason} at iteration {self.completed}"
+        tasks: list[Task] = []
+        if self.running and self.members:
+            abort = ResolveTask(self.generation, self.completed, commit=False)
+            self._hold(abort)
+            tasks.append(abort)
+            self._admit(list(self.members), new_generation=True)
+        task = RecoverTask(shard_index, reason)
+        self._hold(task)
+        tasks.append(task)
+        self._touch()
+        return tasks
+
+    def promote(self, lost: int, backup: int) -> Sharding:
+        """Move the lost shard's tensors to ``backup`` (which kept their replica): the new
+        sharding, in layout order; the lost shard holds nothing from now on (it may come back
+        as a spare). Increases the routing epoch, so learners re-route."""
+        sharding = self.sharding
+        if sharding is None or not (
+            0 <= lost < sharding.num_shards and 0 <= backup < sharding.num_shards
+        ):
+            raise InvalidField("shard_index", (lost, backup), "is not a shard of the job")
+        if lost == backup or not sharding.tensors[backup]:
+            raise InvalidField("backup", backup, f"cannot take shard {lost}'s tensors")
+        assert self.layout is not None
+        moved = set(sharding.tensors[lost]) | set(sharding.tensors[backup])
+        tensors = list(sharding.tensors)
+        loads = list(sharding.loads)
+        tensors[backup] = tuple(m.name for m in self.layout if m.name in moved)
+        tensors[lost] = ()
+        loads[backup] += loads[lost]
+        loads[lost] = 0
+        self.sharding = Sharding(tuple(tensors), tuple(loads))
+        self.routing_epoch += 1
+        return self.sharding
+
+    def recovered(self, task: RecoverTask) -> None:
+        """The lost shard answered holding its slice at the current iteration: nothing was
+        lost. The boundaries go on (the aborted iteration is re-run)."""
+        self.recovering = ""
+        self.task_done(task)
+
+    def rewind(self, task: RecoverTask, iteration: int, *, generation: int) -> None:
+        """Every shard loaded the checkpoint after ``iteration`` iterations (written in
+        ``generation``): continue from it in a new generation, every member pulling. Records
+        of iterations at or after it are dropped (they will be run again)."""
+        self.completed = iteration
+        self.samples_processed = sum(self.batch_samples(k) for k in range(iteration))
+        self._collecting = {k: v for k, v in self._collecting.items() if k < iteration}
+        self._finished = [r for r in self._finished if r["global_iteration"] < iteration]
+        self.synced = set()
+        self.generation = max(self.generation, generation)
+        self._holds = [t for t in self._holds if not isinstance(t, CheckpointTask)]
+        self._deferred_commit = False
+        self._admit(
+            [m for m in self.members if m not in self.evicted and m not in self.retired],
+            new_generation=True,
+        )
+        self.recovering = ""
+        self.task_done(task)
+
     def membership(self, generation: int) -> tuple[tuple[str, ...], int]:
         """Members and iteration of ``generation`` (for shards validating contributions)."""
         if generation < self.generation:
@@ -803,16 +908,18 @@ class Coordinator:
 
     def task_done(self, task: Task, *, ok: bool = True) -> ResolveTask | None:
         """A side effect finished (``ok=False``: it failed and was logged). Returns a commit
-        that was deferred behind a checkpoint, if any."""
-        if task in self._holds:
+        that was deferred behind a checkpoint, if any. A checkpoint no longer held (a rewind
+        dropped it) is neither taken for written nor ends the job."""
+        held = task in self._holds
+        if held:
             self._holds.remove(task)
         follow: ResolveTask | None = None
         if isinstance(task, CheckpointTask):
             self.checkpoint_writer = None
             self._checkpoint_written = -1  # a failed one is written again, by any holder
-            if ok or not self.collective:
+            if held and (ok or not self.collective):
                 self.last_checkpoint = task.iteration
-            if task.final and (ok or not self.collective):
+            if held and task.final and (ok or not self.collective):
                 self.done = True
             if self._deferred_commit and self.running:
                 follow = self._commit()

@@ -28,7 +28,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from shoal.learner.transport import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+from shoal.contract.wire import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from shoal.param_sync.service import (
     ERRORS,
     ROLES,
@@ -79,6 +79,9 @@ class ParamSyncConfig:
     chunk_bytes: int = 1 * MiB
     registration_ttl_s: float = 5.0
     rendezvous_port: int = 0
+    shard_probe_s: float = 1.0
+    replication: bool = True
+    promote_after_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.shard_index < 0:
@@ -91,6 +94,10 @@ class ParamSyncConfig:
             )
         if not 1 <= self.registration_ttl_s <= 300:
             raise InvalidField("registration_ttl_s", self.registration_ttl_s, "must be 1..300")
+        if not 0.1 <= self.shard_probe_s <= 60:
+            raise InvalidField("shard_probe_s", self.shard_probe_s, "must be 0.1..60")
+        if not 0 <= self.promote_after_s <= 3600:
+            raise InvalidField("promote_after_s", self.promote_after_s, "must be 0..3600")
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -123,6 +130,27 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="TCP port of the torch.distributed store that collective-mode jobs coordinated "
         "here rendezvous through; 0 picks a free port (SHOAL_RENDEZVOUS_PORT)",
     )
+    g.add_argument(
+        "--shard-probe",
+        default=env.get("SHOAL_SHARD_PROBE_S", "1"),
+        help="seconds between a coordinator's probes of the other shards of its jobs; a shard "
+        "found without its slice (restarted) makes the job rewind to its latest checkpoint "
+        "(SHOAL_SHARD_PROBE_S)",
+    )
+    g.add_argument(
+        "--replication",
+        default=env.get("SHOAL_REPLICATION", "on"),
+        help="on (default) or off: keep a replica of each slice of the jobs this shard "
+        "coordinates on the next shard, so that a restarted shard loses no committed "
+        "iteration; off rewinds to the latest checkpoint instead (SHOAL_REPLICATION)",
+    )
+    g.add_argument(
+        "--promote-after",
+        default=env.get("SHOAL_PROMOTE_AFTER_S", "2"),
+        help="seconds a lost shard may stay down, once its loss is detected, before its "
+        "backup takes its slices over; a restart within it is restored in place "
+        "(SHOAL_PROMOTE_AFTER_S)",
+    )
     add_server_flags(parser, env)
     return parser
 
@@ -148,6 +176,19 @@ def parse_config(
         ttl = float(ns.registration_ttl)
     except ValueError as exc:
         raise InvalidField("chunk_mb/registration_ttl", ns.chunk_mb, f"{exc}") from None
+    replication = str(ns.replication).strip().lower()
+    if replication not in ("on", "off", "true", "false", "1", "0"):
+        raise InvalidField("replication", ns.replication, "must be on or off")
+    try:
+        probe = float(ns.shard_probe)
+    except ValueError:
+        raise InvalidField("shard_probe", ns.shard_probe, "must be a number of seconds") from None
+    try:
+        promote_after = float(ns.promote_after)
+    except ValueError:
+        raise InvalidField(
+            "promote_after", ns.promote_after, "must be a number of seconds"
+        ) from None
     return ParamSyncConfig(
         server=server,
         shard_index=index,
@@ -155,6 +196,9 @@ def parse_config(
         chunk_bytes=chunk,
         registration_ttl_s=ttl,
         rendezvous_port=rendezvous_port,
+        shard_probe_s=probe,
+        replication=replication in ("on", "true", "1"),
+        promote_after_s=promote_after,
     )
 
 
@@ -207,6 +251,9 @@ async def serve(config: ParamSyncConfig) -> None:
             chunk_bytes=config.chunk_bytes,
             peer_message_bytes=config.server.max_message_bytes,
             rendezvous_port=config.rendezvous_port,
+            shard_probe_s=config.shard_probe_s,
+            replication=config.replication,
+            promote_after_s=config.promote_after_s,
         )
     )
     running = await create_server(

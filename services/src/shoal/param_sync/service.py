@@ -33,7 +33,7 @@ import safetensors.torch
 from google.protobuf import timestamp_pb2
 from grpc import aio
 
-from shoal.learner.transport import (
+from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
     Frame,
     TensorMeta,
@@ -53,6 +53,7 @@ from shoal.param_sync.coordinator import (
     Coordinator,
     JobSettings,
     OptimizerConfig,
+    RecoverTask,
     ResolveTask,
     RewindTask,
     check_user_metrics,
@@ -152,6 +153,19 @@ class ShardOptions:
     peer_message_bytes: int = 64 * 1024 * 1024
     rendezvous_port: int = 0  # of the collective-mode store (0: a free port)
     tls: TLSConfig | None = None  # of this process: peer channels are mutual TLS with it
+    # Seconds between a coordinator's probes of the other shards of its parameter-server jobs
+    # (GetShardStatus); a shard that fails ``shard_probe_misses`` probes in a row, or answers
+    # without its slice, starts a recovery (Coordinator.shard_lost).
+    shard_probe_s: float = 1.0
+    shard_probe_misses: int = 3
+    # Primary-backup replication of the slices of the parameter-server jobs this shard
+    # coordinates (each slice's backup is the next active shard): the backup keeps the same
+    # sums and applies the same commit, so a restarted shard is restored from it without
+    # losing a committed iteration. Off: a restarted shard rewinds the job to its checkpoint.
+    replication: bool = True
+    # Seconds a lost shard may stay unreachable, once its loss was detected, before its
+    # backup takes its slice over (a restart within it is restored in place instead).
+    promote_after_s: float = 2.0
 
 
 # ------------------------------------------------------------------------------------------
@@ -161,7 +175,7 @@ class ShardOptions:
 
 def add_servicer(servicer: object, server: aio.Server) -> None:
     """Like the generated ``add_ParameterSyncServiceServicer_to_server``, but the tensor
-    streams use the hand codec of ``shoal.learner.transport`` (pre-encoded chunk messages are
+    streams use the hand codec of ``shoal.contract.wire`` (pre-encoded chunk messages are
     sent as they are; received ones are decoded to zero-copy frames)."""
     unary: dict[str, tuple[Any, Any]] = {
         "OpenJob": (ps_pb2.OpenJobRequest, ps_pb2.OpenJobResponse),
@@ -182,6 +196,8 @@ def add_servicer(servicer: object, server: aio.Server) -> None:
         "ResolveIteration": (ps_pb2.ResolveIterationRequest, ps_pb2.ResolveIterationResponse),
         "SaveShard": (ps_pb2.SaveShardRequest, ps_pb2.SaveShardResponse),
         "LoadShard": (ps_pb2.LoadShardRequest, ps_pb2.LoadShardResponse),
+        "GetShardStatus": (ps_pb2.GetShardStatusRequest, ps_pb2.GetShardStatusResponse),
+        "TransferSlice": (ps_pb2.TransferSliceRequest, ps_pb2.TransferSliceResponse),
     }
     handlers: dict[str, grpc.RpcMethodHandler] = {
         name: grpc.unary_unary_rpc_method_handler(
@@ -200,6 +216,11 @@ def add_servicer(servicer: object, server: aio.Server) -> None:
         servicer.SyncStep,  # type: ignore[attr-defined]
         request_deserializer=frame_decoder(ps_pb2.SyncStepRequest),
         response_serializer=serialize,
+    )
+    handlers["Replicate"] = grpc.stream_unary_rpc_method_handler(
+        servicer.Replicate,  # type: ignore[attr-defined]
+        request_deserializer=ps_pb2.ReplicateRequest.FromString,
+        response_serializer=ps_pb2.ReplicateResponse.SerializeToString,
     )
     handlers["PullParameters"] = grpc.unary_stream_rpc_method_handler(
         servicer.PullParameters,  # type: ignore[attr-defined]
@@ -245,11 +266,14 @@ class _CoordinatedJob:
     tensorboard: Any = None
     # Collective mode: checkpoint files reported by learners, by iteration.
     checkpoint_files: dict[int, asyncio.Future[ps_pb2.CheckpointFile]] = field(default_factory=dict)
+    # Parameter-server mode: the probe of the other shards (started by OpenJob).
+    watchdog: asyncio.Task[None] | None = None
 
 
 @dataclass
 class _ShardSlice:
     job: ShardJob
+    backup_address: str = ""  # the shard that keeps this slice's replica ("" none)
     futures: dict[tuple[int, int], asyncio.Future[Encoded]] = field(default_factory=dict)
     memberships: dict[int, frozenset[str]] = field(default_factory=dict)
 
@@ -276,6 +300,8 @@ class ParameterSyncServicer:
         self.metrics = metrics if metrics is not None else SyncMetrics()
         self._coordinated: dict[str, _CoordinatedJob] = {}
         self._slices: dict[str, _ShardSlice] = {}
+        # Replicas this shard keeps of other shards' slices: (job, whose index) -> state.
+        self._replicas: dict[tuple[str, int], ShardJob] = {}
         self._fences: dict[tuple[str, str], int] = {}
         self._open_lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-sync")
@@ -315,6 +341,9 @@ class ParameterSyncServicer:
         return f"{host}:{self._rendezvous_store.port}"
 
     async def close(self) -> None:
+        for job in self._coordinated.values():
+            if job.watchdog is not None:
+                job.watchdog.cancel()
         for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()
@@ -424,6 +453,7 @@ class ParameterSyncServicer:
             if found is not None:
                 await self._resume(job, *found)
             self._coordinated[request.job_id] = job
+            job.watchdog = asyncio.create_task(self._watch_shards(job))
             log.info(
                 "job %s opened (%s), %d shards",
                 request.job_id,
@@ -461,10 +491,7 @@ class ParameterSyncServicer:
         )
         assert coord.layout is not None and coord.sharding is not None
         await self._configure_all(s, coord.layout, optimizer, coord.sharding)
-        load = ps_pb2.LoadShardRequest(job_id=s.job_id, directory=directory)
-        await asyncio.gather(
-            *(self._call_shard(s, i, "LoadShard", load) for i in self._active(coord))
-        )
+        await self._load_everywhere(coord, directory)
         await asyncio.to_thread(
             self._truncate_metrics,
             s,
@@ -498,12 +525,17 @@ class ParameterSyncServicer:
         self._check_fence(request.job_id, request.fencing_token)
         job = self._coordinated.pop(request.job_id, None)
         part = self._slices.pop(request.job_id, None)
-        if job is None and part is None:
+        replicas = [key for key in self._replicas if key[0] == request.job_id]
+        for key in replicas:
+            del self._replicas[key]
+        if job is None and part is None and not replicas:
             raise JobNotFound(request.job_id)
         if part is not None:
             self._fail_waiters(part, Aborted(f"job {request.job_id!r} was closed"))
         self.metrics.forget(request.job_id)
         if job is not None:
+            if job.watchdog is not None:
+                job.watchdog.cancel()
             async with job.cond:
                 job.coord.done = True
                 job.cond.notify_all()
@@ -531,7 +563,7 @@ class ParameterSyncServicer:
         if index == self.options.shard_index:
             local = getattr(self, f"_local_{method}")
             return await local(request)
-        timeout = 600.0 if method in ("SaveShard", "LoadShard") else 60.0
+        timeout = 600.0 if method in ("SaveShard", "LoadShard", "TransferSlice") else 60.0
         return await self._peer_call(settings.shard_addresses[index], method, request, timeout)
 
     async def _configure_all(
@@ -540,28 +572,60 @@ class ParameterSyncServicer:
         layout: Sequence[TensorMeta],
         optimizer: OptimizerConfig,
         sharding: Sharding,
+        *,
+        skip: frozenset[int] = frozenset(),
     ) -> None:
         by_name = {m.name: m for m in layout}
         me = settings.shard_addresses[self.options.shard_index]
-        requests = [
-            ps_pb2.ConfigureShardRequest(
+        backups = self._backups(sharding)
+        spec = _optimizer_spec(optimizer)
+        calls = []
+        for i, names in enumerate(sharding.tensors):
+            if i in skip:
+                continue
+            request = ps_pb2.ConfigureShardRequest(
                 job_id=settings.job_id,
                 shard_index=i,
                 tensors=[by_name[n].to_proto() for n in names],
-                optimizer=ps_pb2.OptimizerSpec(
-                    name=optimizer.name,
-                    hyperparameters_json=optimizer.hyperparameters_json,
-                    clip_grad_norm=optimizer.clip_grad_norm,
-                    skip_nonfinite=optimizer.skip_nonfinite,
-                ),
+                optimizer=spec,
                 coordinator_address=me,
                 active_shards=sharding.active_shards,
             )
-            for i, names in enumerate(sharding.tensors)
+            b = backups.get(i)
+            if b is not None:
+                request.backup_address = settings.shard_addresses[b]
+                replica = ps_pb2.ConfigureShardRequest()
+                replica.CopyFrom(request)
+                replica.replica = True
+                replica.backup_address = ""
+                calls.append(self._call_shard(settings, b, "ConfigureShard", replica))
+            calls.append(self._call_shard(settings, i, "ConfigureShard", request))
+        await asyncio.gather(*calls)
+
+    def _backups(self, sharding: Sharding) -> dict[int, int]:
+        """Each active shard's backup: the next active shard (cyclically); none with
+        replication off or fewer than two active shards."""
+        active = [i for i, names in enumerate(sharding.tensors) if names]
+        if not self.options.replication or len(active) < 2:
+            return {}
+        return {i: active[(n + 1) % len(active)] for n, i in enumerate(active)}
+
+    async def _load_everywhere(self, coord: Coordinator, directory: str) -> None:
+        """LoadShard of a checkpoint on every active shard and every replica."""
+        s = coord.settings
+        assert coord.sharding is not None
+        calls = [
+            self._call_shard(
+                s, i, "LoadShard", ps_pb2.LoadShardRequest(job_id=s.job_id, directory=directory)
+            )
+            for i in self._active(coord)
         ]
-        await asyncio.gather(
-            *(self._call_shard(settings, i, "ConfigureShard", r) for i, r in enumerate(requests))
-        )
+        for i, b in self._backups(coord.sharding).items():
+            request = ps_pb2.LoadShardRequest(
+                job_id=s.job_id, directory=directory, replica=True, shard_index=i
+            )
+            calls.append(self._call_shard(s, b, "LoadShard", request))
+        await asyncio.gather(*calls)
 
     # -- Join / InitializeParameters ----------------------------------------------------------
 
@@ -639,6 +703,14 @@ class ParameterSyncServicer:
             )
             await _collect(frames, sj, upload)
         accepted = await self._compute(sj.initialize, upload)
+        if accepted and part.backup_address:
+            # The replica starts from the same values before anyone can run an iteration.
+            try:
+                await self._send_slice(sj, part.backup_address, replica=True, kind="state")
+            except ShoalError as exc:  # the backup is down: its probe will find it
+                log.error(
+                    "job %s: slice not replicated to %s: %s", sj.job_id, part.backup_address, exc
+                )
         return ps_pb2.InitializeParametersResponse(accepted=accepted)
 
     # -- Boundary -----------------------------------------------------------------------------
@@ -709,6 +781,14 @@ class ParameterSyncServicer:
         if decision.action is Action.RUN:
             a = decision.assignment
             assert a is not None
+            if coord.routing_epoch and coord.sharding is not None:
+                response.routing_epoch = coord.routing_epoch
+                response.shards.extend(
+                    ps_pb2.ShardSlice(shard_index=i, address=address, tensor_names=names)
+                    for i, (address, names) in enumerate(
+                        zip(s.shard_addresses, coord.sharding.tensors, strict=True)
+                    )
+                )
             response.action = ps_pb2.BOUNDARY_ACTION_RUN
             response.assignment.CopyFrom(
                 ps_pb2.Assignment(
@@ -778,7 +858,7 @@ class ParameterSyncServicer:
     async def _run_task(
         self,
         job: _CoordinatedJob,
-        task: ResolveTask | CheckpointTask | RewindTask,
+        task: ResolveTask | CheckpointTask | RewindTask | RecoverTask,
         future: asyncio.Future[Any],
     ) -> None:
         ok, result = True, None
@@ -787,6 +867,8 @@ class ParameterSyncServicer:
                 await self._resolve_everywhere(job.coord, task)
                 if task.commit:
                     self.metrics.iteration_committed(job.coord.job_id)
+            elif isinstance(task, RecoverTask):
+                await self._recover(job, task)
             elif isinstance(task, RewindTask):
                 s, ipe = job.coord.settings, job.coord.iterations_per_epoch
                 log.warning(
@@ -798,7 +880,7 @@ class ParameterSyncServicer:
                     self._truncate_metrics, s, task.iteration, task.iteration // ipe
                 )
             else:
-                result = await self._checkpoint(job, task)
+                result = await self._checkpoint_through_shard_loss(job, task)
         except Exception as exc:
             ok = False
             log.error("job %s: %s failed: %s", job.coord.job_id, task, exc, exc_info=exc)
@@ -815,6 +897,325 @@ class ParameterSyncServicer:
             self._kick(job)
             job.cond.notify_all()
 
+    # -- shard loss (parameter-server mode) ----------------------------------------------------
+
+    async def _shard_status(
+        self, settings: JobSettings, index: int
+    ) -> ps_pb2.GetShardStatusResponse:
+        request = ps_pb2.GetShardStatusRequest(job_id=settings.job_id, shard_index=index)
+        if index == self.options.shard_index:
+            return await self._local_GetShardStatus(request)
+        timeout = max(2.0, 2 * self.options.shard_probe_s)
+        return await self._peer_call(
+            settings.shard_addresses[index], "GetShardStatus", request, timeout
+        )
+
+    async def _watch_shards(self, job: _CoordinatedJob) -> None:
+        """Probe the other shards of a parameter-server job every ``shard_probe_s``: a shard
+        that answers without its slice (it restarted), or misses ``shard_probe_misses``
+        probes in a row, starts a recovery (:meth:`Coordinator.shard_lost`)."""
+        coord = job.coord
+        misses: dict[int, int] = {}
+        while self._coordinated.get(coord.job_id) is job and not coord.done:
+            await asyncio.sleep(self.options.shard_probe_s)
+            if (
+                coord.collective is not False
+                or coord.sharding is None
+                or not coord.initialized
+                or coord.recovery is not None
+            ):
+                continue
+            for i in self._active(coord):
+                if i == self.options.shard_index:
+                    continue
+                reason = ""
+                before = (coord.completed, coord.commit_in_flight)
+                try:
+                    status = await self._shard_status(coord.settings, i)
+                except (Unavailable, NotFound) as exc:
+                    misses[i] = misses.get(i, 0) + 1
+                    if misses[i] >= self.options.shard_probe_misses:
+                        reason = "unreachable"
+                        log.warning("job %s: shard %d: %s", coord.job_id, i, exc)
+                except ShoalError as exc:
+                    log.warning("job %s: probe of shard %d: %s", coord.job_id, i, exc)
+                    continue
+                else:
+                    misses[i] = 0
+                    if not status.holds_job or not status.initialized:
+                        reason = "lost its state (restarted)"
+                    elif (
+                        status.completed_iterations != before[0]
+                        and (coord.completed, coord.commit_in_flight) == (before[0], False)
+                        and not before[1]
+                    ):
+                        # No commit was delivered during the probe, yet the shard is at
+                        # another iteration: it missed a commit (unreachable then).
+                        reason = f"missed a commit (at iteration {status.completed_iterations})"
+                if reason:
+                    misses[i] = 0
+                    async with job.cond:
+                        if coord.shard_lost(i, reason):
+                            log.warning("job %s: %s; recovering", coord.job_id, coord.recovering)
+                            self._kick(job)
+                            job.cond.notify_all()
+                    break
+
+    async def _restore_from_replicas(self, job: _CoordinatedJob, task: RecoverTask) -> bool:
+        """Restore the lost shard from the replicas: its own slice from its backup, the
+        replica it kept from that slice's primary, all at the coordinator's iteration; then
+        every learner pulls and the job goes on with no committed iteration lost. False (and
+        the caller rewinds to the checkpoint) when a copy is not there or not current."""
+        coord = job.coord
+        s = coord.settings
+        assert coord.layout is not None and coord.optimizer is not None
+        assert coord.sharding is not None
+        backups = self._backups(coord.sharding)
+        lost = task.shard_index
+        if not backups:
+            return False
+        iteration = coord.completed
+        for i in self._active(coord):
+            if i == lost:
+                continue
+            status = await self._shard_status(s, i)
+            if not (status.holds_job and status.completed_iterations == iteration):
+                log.warning("job %s: shard %d is not at iteration %d", s.job_id, i, iteration)
+                return False
+        await self._configure_all(s, coord.layout, coord.optimizer, coord.sharding)
+        target = s.shard_addresses[lost]
+        transfers = []
+        for i, b in backups.items():
+            if i == lost:  # its own slice, from the replica its backup keeps
+                transfers.append(
+                    (
+                        b,
+                        ps_pb2.TransferSliceRequest(
+                            job_id=s.job_id,
+                            shard_index=i,
+                            from_replica=True,
+                            target_address=target,
+                            target_replica=False,
+                            global_iteration=iteration,
+                        ),
+                    )
+                )
+            elif b == lost:  # the replica it kept, from the slice's primary
+                transfers.append(
+                    (
+                        i,
+                        ps_pb2.TransferSliceRequest(
+                            job_id=s.job_id,
+                            shard_index=i,
+                            from_replica=False,
+                            target_address=target,
+                            target_replica=True,
+                            global_iteration=iteration,
+                        ),
+                    )
+                )
+        try:
+            await asyncio.gather(
+                *(self._call_shard(s, at, "TransferSlice", r) for at, r in transfers)
+            )
+        except (FailedPrecondition, NotFound, InvalidField) as exc:
+            log.warning(
+                "job %s: no current replica to restore shard %d from: %s", s.job_id, lost, exc
+            )
+            return False
+        async with job.cond:
+            log.warning(
+                "job %s: %s; shard %d restored from its replicas at iteration %d, nothing lost",
+                s.job_id,
+                f"shard {task.shard_index} {task.reason}",
+                lost,
+                iteration,
+            )
+            coord.rewind(task, iteration, generation=coord.generation)
+            self._kick(job)
+            job.cond.notify_all()
+        return True
+
+    async def _promote(self, job: _CoordinatedJob, task: RecoverTask) -> bool:
+        """The lost shard stays down: its backup merges the replica it kept into its own
+        slice, the slices are re-replicated over the shards left, and every learner re-routes
+        (BoundaryResponse.shards) and pulls. Nothing committed is lost. False when there is no
+        current replica (the caller keeps waiting, or rewinds once the shard is back)."""
+        coord = job.coord
+        s = coord.settings
+        assert coord.layout is not None and coord.optimizer is not None
+        assert coord.sharding is not None
+        lost = task.shard_index
+        iteration = coord.completed
+        if not coord.sharding.tensors[lost]:  # promoted already: finish re-replicating
+            return await self._finish_promotion(job, task, iteration)
+        b = self._backups(coord.sharding).get(lost)
+        if b is None:
+            return False
+        for i in self._active(coord):
+            if i != lost:
+                status = await self._shard_status(s, i)
+                if not (status.holds_job and status.completed_iterations == iteration):
+                    return False
+        old, old_epoch = coord.sharding, coord.routing_epoch
+        new = coord.promote(lost, b)
+        try:
+            by_name = {m.name: m for m in coord.layout}
+            absorb = ps_pb2.ConfigureShardRequest(
+                job_id=s.job_id,
+                shard_index=b,
+                tensors=[by_name[n].to_proto() for n in new.tensors[b]],
+                optimizer=_optimizer_spec(coord.optimizer),
+                coordinator_address=s.shard_addresses[self.options.shard_index],
+                active_shards=new.active_shards,
+                absorb_replicas=[lost],
+            )
+            await self._call_shard(s, b, "ConfigureShard", absorb)
+        except (FailedPrecondition, NotFound, InvalidField) as exc:
+            coord.sharding, coord.routing_epoch = old, old_epoch
+            log.warning("job %s: shard %d cannot take over shard %d: %s", s.job_id, b, lost, exc)
+            return False
+        except BaseException:
+            coord.sharding, coord.routing_epoch = old, old_epoch
+            raise
+        log.warning(
+            "job %s: shard %d promoted to hold the slice of shard %d at iteration %d",
+            s.job_id,
+            b,
+            lost,
+            iteration,
+        )
+        return await self._finish_promotion(job, task, iteration)
+
+    async def _finish_promotion(
+        self, job: _CoordinatedJob, task: RecoverTask, iteration: int
+    ) -> bool:
+        """After a promotion: configure the shards left (not those holding nothing, the lost
+        ones among them), re-replicate every slice to its backup, and let the learners go on
+        in a new generation (they re-route and pull). Raises while a shard left does not
+        answer (the caller tries again; a promotion is not done twice)."""
+        coord = job.coord
+        s = coord.settings
+        assert coord.layout is not None and coord.optimizer is not None
+        assert coord.sharding is not None
+        new = coord.sharding
+        empty = frozenset(i for i, names in enumerate(new.tensors) if not names)
+        await self._configure_all(s, coord.layout, coord.optimizer, new, skip=empty)
+        await asyncio.gather(
+            *(
+                self._call_shard(
+                    s,
+                    i,
+                    "TransferSlice",
+                    ps_pb2.TransferSliceRequest(
+                        job_id=s.job_id,
+                        shard_index=i,
+                        target_address=s.shard_addresses[q],
+                        target_replica=True,
+                        global_iteration=iteration,
+                    ),
+                )
+                for i, q in self._backups(new).items()
+            )
+        )
+        async with job.cond:
+            log.warning(
+                "job %s: %s; its slice re-homed at iteration %d, nothing lost",
+                s.job_id,
+                f"shard {task.shard_index} {task.reason}",
+                iteration,
+            )
+            coord.rewind(task, iteration, generation=coord.generation)
+            self._kick(job)
+            job.cond.notify_all()
+        return True
+
+    async def _checkpoint_through_shard_loss(
+        self, job: _CoordinatedJob, task: CheckpointTask
+    ) -> tuple[str, int]:
+        """Parameter-server mode: a shard unreachable or restarted while the checkpoint is
+        written does not make it a failed (skipped) checkpoint: it is written again while it is
+        held. The probe meanwhile finds the shard; if it is back with its slice the next try
+        succeeds, if it lost it the rewind drops the checkpoint (and this gives up)."""
+        coord = job.coord
+        while True:
+            try:
+                return await self._checkpoint(job, task)
+            except (Unavailable, NotFound) as exc:
+                if (
+                    coord.collective
+                    or task not in coord.holds
+                    or self._coordinated.get(coord.job_id) is not job
+                ):
+                    raise
+                log.warning("job %s: checkpoint %s waits for a shard: %s", coord.job_id, task, exc)
+            await asyncio.sleep(self.options.shard_probe_s)
+
+    async def _recover(self, job: _CoordinatedJob, task: RecoverTask) -> None:
+        """Wait for the lost shard to answer. If it holds its slice at the coordinator's
+        iteration nothing was lost; otherwise configure it again (a restarted shard comes
+        back as an empty spare) and rewind every shard to the latest checkpoint. Never fails:
+        while it cannot finish (no checkpoint, storage errors) the job stays recovering with
+        the reason in GetJobProgress, and it tries again."""
+        coord = job.coord
+        s = coord.settings
+        base = coord.recovering
+        since: float | None = None
+        promote_after = self.options.promote_after_s
+        while self._coordinated.get(s.job_id) is job:
+            try:
+                try:
+                    status = await self._shard_status(s, task.shard_index)
+                except Unavailable:
+                    # Still down: after a grace, its backup takes its slice over.
+                    now = time.monotonic()
+                    since = now if since is None else since
+                    if now - since >= promote_after and await self._promote(job, task):
+                        return
+                    raise
+                since = None
+                if status.holds_job and status.initialized:
+                    if status.completed_iterations == coord.completed:
+                        async with job.cond:
+                            log.info(
+                                "job %s: shard %d is back, nothing lost", s.job_id, task.shard_index
+                            )
+                            coord.recovered(task)
+                            self._kick(job)
+                            job.cond.notify_all()
+                        return
+                if await self._restore_from_replicas(job, task):
+                    return
+                found = await asyncio.to_thread(ckpt.latest_checkpoint, s.storage_uri, s.job_id)
+                if found is None:
+                    raise FailedPrecondition("no checkpoint to rewind to")
+                directory, manifest = found
+                assert coord.layout is not None and coord.optimizer is not None
+                assert coord.sharding is not None
+                await self._configure_all(s, coord.layout, coord.optimizer, coord.sharding)
+                await self._load_everywhere(coord, directory)
+                iteration = int(manifest["iteration"])
+                await asyncio.to_thread(
+                    self._truncate_metrics, s, iteration, iteration // coord.iterations_per_epoch
+                )
+                async with job.cond:
+                    log.warning(
+                        "job %s: %s; every shard rewound to the checkpoint after %d iterations",
+                        s.job_id,
+                        base,
+                        iteration,
+                    )
+                    coord.rewind(task, iteration, generation=int(manifest.get("generation", 0)))
+                    self._kick(job)
+                    job.cond.notify_all()
+                return
+            except Unavailable:  # still down: the promotion above decides
+                coord.recovering = f"{base}; waiting for it"
+            except Exception as exc:  # never give up on the job: report and try again
+                coord.recovering = f"{base}; waiting: {exc}"
+                log.warning("job %s: recovering: %s", s.job_id, coord.recovering)
+            await asyncio.sleep(self.options.shard_probe_s)
+
     async def _resolve_everywhere(self, coord: Coordinator, task: ResolveTask) -> None:
         request = ps_pb2.ResolveIterationRequest(
             job_id=coord.job_id,
@@ -823,13 +1224,13 @@ class ParameterSyncServicer:
             commit=task.commit,
             grad_norm=task.grad_norm,
         )
-        results = await asyncio.gather(
-            *(
-                self._call_shard(coord.settings, i, "ResolveIteration", request)
-                for i in self._active(coord)
-            ),
-            return_exceptions=True,
-        )
+        calls = [
+            self._call_shard(coord.settings, i, "ResolveIteration", request)
+            for i in self._active(coord)
+        ]
+        # The replicas are not told: each applies its sums when the next ones arrive, or is
+        # settled when it is used (ShardJob.keep_pending, ShardJob.settle).
+        results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
@@ -1060,6 +1461,21 @@ class ParameterSyncServicer:
             iteration=iteration,
             grad_sq_norm=await self._compute(sj.grad_sq_norm) if clips else 0.0,
         )
+        part = self._slices.get(sj.job_id)
+        if part is not None and part.backup_address:
+            # The backup holds the very sums before the coordinator may commit them.
+            try:
+                await self._send_slice(
+                    sj, part.backup_address, replica=True, kind="sums", at=(generation, iteration)
+                )
+            except Exception as exc:
+                log.error(
+                    "job %s: sums of iteration %d not replicated to %s: %s",
+                    sj.job_id,
+                    iteration,
+                    part.backup_address,
+                    exc,
+                )
         try:
             if sj.job_id in self._coordinated:
                 await self._local_ShardReady(request)
@@ -1199,6 +1615,8 @@ class ParameterSyncServicer:
             progress=_progress_proto(coord.progress()),
             member_learner_ids=list(coord.members),
             done=coord.done,
+            recovering=bool(coord.recovering),
+            recovery_reason=coord.recovering,
         )
 
     async def GetMembership(self, request: ps_pb2.GetMembershipRequest, context: Any) -> Any:
@@ -1221,6 +1639,8 @@ class ParameterSyncServicer:
         return await self._local_ConfigureShard(request)
 
     async def _local_ConfigureShard(self, request: ps_pb2.ConfigureShardRequest) -> Any:
+        if request.replica:
+            return await self._configure_replica(request)
         if request.shard_index != self.options.shard_index:
             raise InvalidField(
                 "shard_index",
@@ -1230,8 +1650,12 @@ class ParameterSyncServicer:
         tensors = [TensorMeta.from_proto(t) for t in request.tensors]
         optimizer = _optimizer_config(request.optimizer)
         existing = self._slices.get(request.job_id)
+        if existing is not None and request.absorb_replicas:
+            await self._absorb(request, tensors, optimizer, existing)
+            return ps_pb2.ConfigureShardResponse()
         if existing is not None:
             if existing.job.same_configuration(tensors, optimizer):
+                existing.backup_address = request.backup_address
                 return ps_pb2.ConfigureShardResponse()
             if existing.job.initialized:
                 raise FailedPrecondition(
@@ -1249,8 +1673,203 @@ class ParameterSyncServicer:
                 chunk_bytes=self.options.chunk_bytes,
             )
         )
-        self._slices[request.job_id] = _ShardSlice(job)
+        self._slices[request.job_id] = _ShardSlice(job, backup_address=request.backup_address)
         return ps_pb2.ConfigureShardResponse()
+
+    async def _absorb(
+        self,
+        request: ps_pb2.ConfigureShardRequest,
+        tensors: list[TensorMeta],
+        optimizer: OptimizerConfig,
+        existing: _ShardSlice,
+    ) -> None:
+        """A promotion: this shard's slice grows by the replicas it kept of lost shards,
+        restored at the same iteration; the learners waiting on the old slice are aborted."""
+        old = existing.job
+        replicas = [self._replica(request.job_id, i) for i in request.absorb_replicas]
+        held = set(old.names) | {n for r in replicas for n in r.names}
+        if held != {m.name for m in tensors}:
+            raise InvalidField(
+                "tensors", len(tensors), "must be this shard's tensors plus the absorbed ones"
+            )
+
+        def merged() -> ShardJob:
+            for r in replicas:
+                # The same global norm this slice's last commit used (every shard's is).
+                r.settle(old.completed, old.last_grad_norm)
+            blobs = [old.state_bytes(old.completed)]
+            blobs += [r.state_bytes(old.completed) for r in replicas]
+            job = ShardJob(
+                request.job_id,
+                self.options.shard_index,
+                tensors,
+                optimizer,
+                coordinator_address=request.coordinator_address,
+                active_shards=request.active_shards,
+                chunk_bytes=self.options.chunk_bytes,
+            )
+            job.absorb(blobs)
+            job.min_generation = old.min_generation
+            return job
+
+        job = await self._compute(merged)
+        self._fail_waiters(existing, _aborted(request.job_id, -1, job.completed))
+        self._slices[request.job_id] = _ShardSlice(job, backup_address=request.backup_address)
+        for i in request.absorb_replicas:
+            self._replicas.pop((request.job_id, i), None)
+        log.warning(
+            "job %s: shard %d took over the slice of shard(s) %s at iteration %d",
+            request.job_id,
+            self.options.shard_index,
+            list(request.absorb_replicas),
+            job.completed,
+        )
+
+    async def _configure_replica(self, request: ps_pb2.ConfigureShardRequest) -> Any:
+        if request.shard_index == self.options.shard_index or request.shard_index < 0:
+            raise InvalidField(
+                "shard_index", request.shard_index, "must be another shard's (replica = true)"
+            )
+        tensors = [TensorMeta.from_proto(t) for t in request.tensors]
+        optimizer = OptimizerConfig(
+            request.optimizer.name, request.optimizer.hyperparameters_json or "{}"
+        )
+        key = (request.job_id, request.shard_index)
+        existing = self._replicas.get(key)
+        if existing is not None and existing.same_configuration(tensors, optimizer):
+            return ps_pb2.ConfigureShardResponse()
+        self._replicas[key] = await self._compute(
+            lambda: ShardJob(
+                request.job_id,
+                request.shard_index,
+                tensors,
+                optimizer,
+                coordinator_address=request.coordinator_address,
+                active_shards=request.active_shards,
+                chunk_bytes=self.options.chunk_bytes,
+            )
+        )
+        return ps_pb2.ConfigureShardResponse()
+
+    def _replica(self, job_id: str, shard_index: int) -> ShardJob:
+        replica = self._replicas.get((job_id, shard_index))
+        if replica is None:
+            raise NotFound(f"replica of shard {shard_index} of job", job_id)
+        return replica
+
+    # -- replication --------------------------------------------------------------------------
+
+    async def _send_slice(
+        self,
+        sj: ShardJob,
+        address: str,
+        *,
+        replica: bool,
+        kind: str,
+        at: tuple[int, int] | None = None,
+    ) -> int:
+        """Stream ``sj``'s state (``kind="state"``) or its sums of ``at`` (``"sums"``) to the
+        shard at ``address`` (Replicate), to keep as a replica or as its own slice."""
+        if kind == "state":
+            blob = await self._compute(sj.state_bytes, sj.completed)
+            wire_kind = ps_pb2.REPLICATE_KIND_STATE
+        else:
+            assert at is not None
+            blob = await self._compute(sj.pending_bytes, *at)
+            wire_kind = ps_pb2.REPLICATE_KIND_SUMS
+        step = self.options.chunk_bytes
+        view = memoryview(blob)
+
+        def messages() -> Any:
+            for start in range(0, max(len(blob), 1), step):
+                yield ps_pb2.ReplicateRequest(
+                    job_id=sj.job_id,
+                    shard_index=sj.shard_index,
+                    replica=replica,
+                    kind=wire_kind,
+                    chunk=bytes(view[start : start + step]),
+                )
+
+        try:
+            reply = await self._stub(address).Replicate(messages(), timeout=600.0)
+        except aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FailedPrecondition(f"Replicate on {address}: {exc.details()}") from exc
+            raise Unavailable(f"Replicate on {address}: {exc.details()}") from exc
+        return int(reply.global_iteration)
+
+    async def Replicate(self, request_iterator: AsyncIterator[Any], context: Any) -> Any:
+        first: ps_pb2.ReplicateRequest | None = None
+        parts: list[bytes] = []
+        async for message in request_iterator:
+            if first is None:
+                first = message
+                authorize(current_principal(), "Replicate", job_id=message.job_id)
+            parts.append(message.chunk)
+        if first is None:
+            raise InvalidField("stream", "empty", "must carry at least one message")
+        blob = b"".join(parts)
+        if first.replica:
+            target = self._replica(first.job_id, first.shard_index)
+        else:
+            if first.shard_index != self.options.shard_index:
+                raise InvalidField(
+                    "shard_index",
+                    first.shard_index,
+                    f"is not this shard's ({self.options.shard_index})",
+                )
+            target = self._slice(first.job_id).job
+        if first.kind == ps_pb2.REPLICATE_KIND_SUMS and first.replica:
+            # Acknowledged once the bytes are here: taking them (and applying the previous
+            # iteration's) runs on the compute thread after this answer, in arrival order, so
+            # the primary's ShardReady does not wait for the replica's step. Anything that
+            # uses the replica later (a settle, a transfer) queues behind it.
+            job_id = first.job_id
+            taken = asyncio.ensure_future(self._compute(target.keep_pending, blob))
+            self._background.add(taken)
+
+            def done(future: asyncio.Future[int]) -> None:
+                self._background.discard(future)
+                if not future.cancelled() and future.exception() is not None:
+                    log.error("job %s: replica did not take sums: %s", job_id, future.exception())
+
+            taken.add_done_callback(done)
+            return ps_pb2.ReplicateResponse(global_iteration=-1)
+        elif first.kind == ps_pb2.REPLICATE_KIND_STATE:
+            iteration = await self._compute(target.load_state_bytes, blob)
+            if not first.replica:
+                part = self._slices[first.job_id]
+                self._fail_waiters(part, _aborted(first.job_id, -1, iteration))
+                part.memberships.clear()
+        else:
+            raise InvalidField("kind", first.kind, "must be SUMS (to a replica) or STATE")
+        return ps_pb2.ReplicateResponse(global_iteration=iteration)
+
+    async def TransferSlice(self, request: ps_pb2.TransferSliceRequest, context: Any) -> Any:
+        authorize(current_principal(), "TransferSlice", job_id=request.job_id)
+        return await self._local_TransferSlice(request)
+
+    async def _local_TransferSlice(self, request: ps_pb2.TransferSliceRequest) -> Any:
+        if request.from_replica:
+            source = self._replica(request.job_id, request.shard_index)
+            await self._compute(source.settle, request.global_iteration)
+        else:
+            source = self._slice(request.job_id).job
+            if request.shard_index != self.options.shard_index:
+                raise InvalidField(
+                    "shard_index",
+                    request.shard_index,
+                    f"is not this shard's ({self.options.shard_index})",
+                )
+        if not source.initialized or source.completed != request.global_iteration:
+            raise FailedPrecondition(
+                f"slice {request.shard_index} of job {request.job_id!r} here is at iteration "
+                f"{source.completed}, not {request.global_iteration}"
+            )
+        iteration = await self._send_slice(
+            source, request.target_address, replica=request.target_replica, kind="state"
+        )
+        return ps_pb2.TransferSliceResponse(global_iteration=iteration)
 
     async def ShardReady(self, request: ps_pb2.ShardReadyRequest, context: Any) -> Any:
         authorize(current_principal(), "ShardReady", job_id=request.job_id)
@@ -1315,12 +1934,36 @@ class ParameterSyncServicer:
         return await self._local_LoadShard(request)
 
     async def _local_LoadShard(self, request: ps_pb2.LoadShardRequest) -> Any:
+        if request.replica:
+            replica = self._replica(request.job_id, request.shard_index)
+            iteration = await self._compute(replica.load, request.directory)
+            return ps_pb2.LoadShardResponse(global_iteration=iteration)
         part = self._slice(request.job_id)
         iteration = await self._compute(part.job.load, request.directory)
         self._fail_waiters(part, _aborted(request.job_id, -1, iteration))
         part.memberships.clear()
         self.metrics.forget(request.job_id)
         return ps_pb2.LoadShardResponse(global_iteration=iteration)
+
+    async def GetShardStatus(self, request: ps_pb2.GetShardStatusRequest, context: Any) -> Any:
+        authorize(current_principal(), "GetShardStatus", job_id=request.job_id)
+        return await self._local_GetShardStatus(request)
+
+    async def _local_GetShardStatus(self, request: ps_pb2.GetShardStatusRequest) -> Any:
+        if request.shard_index != self.options.shard_index:
+            raise InvalidField(
+                "shard_index",
+                request.shard_index,
+                f"is not this shard's ({self.options.shard_index})",
+            )
+        part = self._slices.get(request.job_id)
+        if part is None:
+            return ps_pb2.GetShardStatusResponse(holds_job=False, completed_iterations=-1)
+        return ps_pb2.GetShardStatusResponse(
+            holds_job=True,
+            initialized=part.job.initialized,
+            completed_iterations=part.job.completed,
+        )
 
 
 def _optimizer_config(spec: ps_pb2.OptimizerSpec) -> OptimizerConfig:
@@ -1368,3 +2011,14 @@ async def _collect(frames: AsyncIterator[Frame], sj: ShardJob, contribution: Con
             raise InvalidField("chunk", "header", "only the first message may be a header")
         sj.take_chunk(contribution, frame.chunk)
     sj.check_complete(contribution)
+
+
+def _optimizer_spec(optimizer: OptimizerConfig) -> ps_pb2.OptimizerSpec:
+    """What a shard needs to step its slice the way every other shard does (clipping and
+    non-finite skipping included: a promoted backup must decide as the others do)."""
+    return ps_pb2.OptimizerSpec(
+        name=optimizer.name,
+        hyperparameters_json=optimizer.hyperparameters_json,
+        clip_grad_norm=optimizer.clip_grad_norm,
+        skip_nonfinite=optimizer.skip_nonfinite,
+    )

@@ -24,7 +24,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from shoal.learner.transport import (
+from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
     BundleError,
     BundleReceiver,
@@ -233,6 +233,7 @@ class ShardJob:
         self._scratch = np.empty(0, dtype=np.float64)
         self.initialized = False
         self.completed = 0
+        self.last_grad_norm = 0.0  # the global norm the last commit used (replicas need it)
         self.min_generation = 0
         self.pending: _Pending | None = None
         self.encoded: Encoded | None = None
@@ -510,6 +511,7 @@ class ShardJob:
                 self.tensors[j].copy_(value.view(m.shape))
         self.pending = None
         self.completed = iteration + 1
+        self.last_grad_norm = grad_norm
         return self._encode(
             generation=generation,
             iteration=iteration,
@@ -561,6 +563,14 @@ class ShardJob:
         """Write ``shard-<i>.safetensors`` into ``directory``: ``param/<name>``,
         ``buffer/<name>``, ``optim/<name>/<key>`` tensors; non-tensor optimizer state and the
         param groups as JSON metadata. Returns (uri, size, sha256)."""
+        data = self.state_bytes(global_iteration)
+        uri = join_uri(directory, shard_file_name(self.shard_index))
+        atomic_write(uri, data)
+        return uri, len(data), sha256_hex(data)
+
+    def state_bytes(self, global_iteration: int) -> bytes:
+        """The slice's whole state as one safetensors blob (the checkpoint file's format):
+        ``param/<name>``, ``buffer/<name>``, ``optim/<name>/<key>``, JSON metadata."""
         if not self.initialized:
             raise FailedPrecondition(
                 f"shard {self.shard_index} of job {self.job_id!r} has no parameters yet"
@@ -597,10 +607,7 @@ class ShardJob:
             "param_groups": json.dumps(groups),
             "optimizer_plain_state": json.dumps(plain),
         }
-        data = safetensors.torch.save(tensors, metadata=metadata)
-        uri = join_uri(directory, shard_file_name(self.shard_index))
-        atomic_write(uri, data)
-        return uri, len(data), sha256_hex(data)
+        return safetensors.torch.save(tensors, metadata=metadata)
 
     def load(self, directory: str) -> int:
         """Restore this shard's tensors and optimizer state from the checkpoint in
@@ -630,6 +637,51 @@ class ShardJob:
             if groups is None:
                 groups = json.loads(meta.get("param_groups", "[]"))
             plain.update(json.loads(meta.get("optimizer_plain_state", "{}")))
+        return self._restore(loaded, groups, plain, int(manifest["iteration"]), directory)
+
+    def absorb(self, blobs: Sequence[bytes]) -> int:
+        """A promotion: restore this (new, larger) slice from the :meth:`state_bytes` blobs of
+        the slices it is made of (this shard's own and the replicas it kept), all at the same
+        iteration. Returns the iteration."""
+        loaded: dict[str, torch.Tensor] = {}
+        plain: dict[str, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] | None = None
+        iterations = set()
+        for data in blobs:
+            try:
+                loaded.update(safetensors.torch.load(data))
+                meta = _safetensors_metadata(data)
+                iterations.add(int(meta["global_iteration"]))
+                if groups is None:
+                    groups = json.loads(meta.get("param_groups", "[]"))
+                plain.update(json.loads(meta.get("optimizer_plain_state", "{}")))
+            except Exception as exc:
+                raise InvalidField("slices", len(blobs), f"holds no slice: {exc}") from None
+        if len(iterations) != 1:
+            raise FailedPrecondition(f"slices to merge are at iterations {sorted(iterations)}")
+        return self._restore(loaded, groups, plain, iterations.pop(), "the merged slices")
+
+    def load_state_bytes(self, data: bytes) -> int:
+        """Restore the whole slice from a :meth:`state_bytes` blob (a replica, or a shard being
+        restored from one). Returns the iteration."""
+        try:
+            loaded = safetensors.torch.load(data)
+            meta = _safetensors_metadata(data)
+            iteration = int(meta["global_iteration"])
+            groups = json.loads(meta.get("param_groups", "[]"))
+            plain = json.loads(meta.get("optimizer_plain_state", "{}"))
+        except Exception as exc:
+            raise InvalidField("chunk", f"{len(data)} bytes", f"is not a slice: {exc}") from None
+        return self._restore(loaded, groups, plain, iteration, "the replicated slice")
+
+    def _restore(
+        self,
+        loaded: dict[str, torch.Tensor],
+        groups: list[dict[str, Any]] | None,
+        plain: dict[str, dict[str, Any]],
+        iteration: int,
+        directory: str,
+    ) -> int:
         missing = []
         with torch.no_grad():
             for m, t in zip(self.metas, self.tensors, strict=True):
@@ -659,11 +711,101 @@ class ShardJob:
             saved = (groups or [{}])[0]
             group = {**saved, "params": list(range(len(self.params)))}
             self.optimizer.load_state_dict({"state": state, "param_groups": [group]})
-        self.completed = int(manifest["iteration"])
+        self.completed = iteration
         self.initialized = True
         self.pending = None
         self._encode(iteration=self.completed)
         return self.completed
+
+    # -- replication --------------------------------------------------------------------------
+
+    def pending_bytes(self, generation: int, iteration: int) -> bytes:
+        """The running iteration's sums, exactly as accumulated (before the commit divides
+        them), for the backup: it keeps them and applies the very same :meth:`commit`, so its
+        replica stays bit-identical."""
+        pending = self.pending
+        if pending is None or (pending.generation, pending.iteration) != (generation, iteration):
+            raise FailedPrecondition(
+                f"shard {self.shard_index} of job {self.job_id!r} holds no sums for "
+                f"iteration {iteration} of generation {generation}"
+            )
+        tensors = {
+            f"acc/{m.name}": self.acc[j]  # safetensors copies it into the blob
+            for j, m in enumerate(self.metas)
+            if pending.got_grad[j] or pending.buffer_weight[j] > 0
+        }
+        metadata = {
+            "generation": str(generation),
+            "iteration": str(iteration),
+            "total_samples": str(pending.total_samples),
+            "loss_sum": repr(pending.loss_sum),
+            "learning_rate": repr(pending.learning_rate),
+            "got_grad": json.dumps(pending.got_grad),
+            "buffer_weight": json.dumps(pending.buffer_weight),
+            # The global norm the previous iteration was committed with: the replica commits
+            # its sums of that iteration with it (clipping and skipping as the primary did).
+            "previous_grad_norm": repr(self.last_grad_norm),
+        }
+        return safetensors.torch.save(tensors, metadata=metadata)
+
+    def settle(self, completed: int, grad_norm: float = 0.0) -> None:
+        """A replica brought to ``completed`` iterations: sums it keeps of iteration
+        ``completed - 1`` were committed (the coordinator says so) with the global
+        ``grad_norm``, so they are applied now with it; any others were aborted, so they are
+        dropped."""
+        pending = self.pending
+        if pending is not None:
+            if pending.iteration == completed - 1 == self.completed:
+                self.commit(pending.generation, pending.iteration, grad_norm)
+            else:
+                self.pending = None
+
+    def keep_pending(self, data: bytes) -> int:
+        """Take a primary's :meth:`pending_bytes` as this replica's sums. Returns the
+        iteration. The replica's previous sums are applied first when these are of the next
+        iteration (the primary sends those only after it committed the previous one), and
+        replaced when of the same iteration (that one was aborted and is run again): so a
+        replica steps off the learners' critical path, one iteration behind at most."""
+        try:
+            loaded = safetensors.torch.load(data)
+            meta = _safetensors_metadata(data)
+            generation, iteration = int(meta["generation"]), int(meta["iteration"])
+            got_grad = [bool(x) for x in json.loads(meta["got_grad"])]
+            weights = [float(x) for x in json.loads(meta["buffer_weight"])]
+            total = int(meta["total_samples"])
+            loss_sum, lr = float(meta["loss_sum"]), float(meta["learning_rate"])
+            previous_norm = float(meta.get("previous_grad_norm", "0.0"))
+        except Exception as exc:
+            raise InvalidField("chunk", f"{len(data)} bytes", f"is not a sum: {exc}") from None
+        if len(got_grad) != len(self.metas) or len(weights) != len(self.metas):
+            raise InvalidField("chunk", len(got_grad), f"must list {len(self.metas)} tensors")
+        if self.initialized and self.pending is not None:
+            self.settle(iteration, previous_norm)
+        if not self.initialized or iteration != self.completed:
+            raise FailedPrecondition(
+                f"replica of shard {self.shard_index} of job {self.job_id!r} is at iteration "
+                f"{self.completed}, not {iteration}"
+            )
+        for name, value in loaded.items():
+            j = self.index.get(name.removeprefix("acc/"))
+            if (
+                j is None
+                or value.numel() != self.acc[j].numel()
+                or value.dtype != self.acc[j].dtype
+            ):
+                raise InvalidField("chunk", name, "does not match the slice")
+            self.acc[j].copy_(value)
+        self.min_generation = max(self.min_generation, generation)
+        self.pending = _Pending(
+            generation,
+            iteration,
+            total_samples=total,
+            loss_sum=loss_sum,
+            learning_rate=lr,
+            got_grad=got_grad,
+            buffer_weight=weights,
+        )
+        return iteration
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:

@@ -13,7 +13,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shoal.learner.transport import TensorMeta
+from shoal.contract.wire import TensorMeta
 
 __all__ = ["Sharding", "assign_shards"]
 

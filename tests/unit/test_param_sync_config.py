@@ -1,0 +1,39 @@
+"""The shard's replication and probe flags: defaults, the environment, and refusals that name
+the flag and the value."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.param_sync.main import parse_config
+from shoal.runtime.errors import InvalidField
+
+BASE = ["--insecure-no-auth"]
+
+
+def test_replication_is_on_by_default_and_the_probe_and_promotion_have_defaults() -> None:
+    config = parse_config(BASE, env={})
+    assert config.replication is True
+    assert (config.shard_probe_s, config.promote_after_s) == (1.0, 2.0)
+
+
+def test_flags_and_environment_turn_replication_off_and_set_the_times() -> None:
+    config = parse_config([*BASE, "--replication", "off", "--shard-probe", "0.5"], env={})
+    assert config.replication is False and config.shard_probe_s == 0.5
+    config = parse_config(BASE, env={"SHOAL_REPLICATION": "OFF", "SHOAL_PROMOTE_AFTER_S": "30"})
+    assert config.replication is False and config.promote_after_s == 30.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--replication", "maybe"], "replication ('maybe')"),
+        (["--shard-probe", "0"], "shard_probe_s (0.0)"),
+        (["--shard-probe", "soon"], "shard_probe ('soon')"),
+        (["--promote-after", "-1"], "promote_after_s (-1.0)"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_flag_and_the_value(argv: list[str], names: str) -> None:
+    with pytest.raises(InvalidField) as info:
+        parse_config([*BASE, *argv], env={})
+    assert names in str(info.value)
