@@ -70,6 +70,10 @@ class _Endpoints:
             options = [
                 ("grpc.max_send_message_length", MAX_MESSAGE),
                 ("grpc.max_receive_message_length", MAX_MESSAGE),
+                # find a restarted replica within a second (gRPC's default backoff: 120 s)
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
             ]
             if self._config.tls_ca or self._config.tls_cert:
                 try:
