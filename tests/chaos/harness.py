@@ -174,7 +174,8 @@ class ChaosCluster:
         """Every recorded iteration once, contiguous from 0; returns how many."""
         job = self.client.get_job(job_id)
         per_epoch = job.progress.iterations_per_epoch
-        seen = [m.epoch * per_epoch + m.iteration for m in self.client.get_metrics(job_id).iterations]
+        metrics = self.client.get_metrics(job_id).iterations
+        seen = [m.epoch * per_epoch + m.iteration for m in metrics]
         assert len(seen) == len(set(seen)), f"{job_id}: an iteration was recorded twice"
         assert sorted(seen) == list(range(len(seen))), f"{job_id}: an iteration is missing"
         return len(seen)
