@@ -649,3 +649,43 @@ async def test_a_learner_reads_only_its_own_job_while_it_is_one_of_its_learners(
         job_pb2.JOB_STATE_CANCELLED,
         job_pb2.JOB_STATE_CANCELLING,
     )
+
+
+async def test_during_an_etcd_outage_reads_serve_the_last_known_state_marked_stale(
+    bed: Bed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shoal.runtime.store import StoreUnavailable
+
+    artifact = await upload(bed)
+    job = await submit(bed, artifact)
+
+    async def down(*args: object, **kwargs: object) -> object:
+        raise StoreUnavailable("etcd: connection refused")
+
+    with monkeypatch.context() as patch:  # etcd goes away: the leader loses its lease
+        patch.setattr(bed.store, "get", down)
+        patch.setattr(bed.store, "list", down)
+        bed.table.step_down()
+        call = bed.stub().GetJob(js.GetJobRequest(job_id=job.job_id))
+        got = await call
+        assert got.job.job_id == job.job_id
+        stale = dict(await call.trailing_metadata())["shoal-stale-as-of"]
+        assert stale.endswith("+00:00")
+        assert [j.job_id for j in await listed(bed)] == [job.job_id]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await submit(bed, artifact)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "etcd" in refused.value.details() and "unreachable" in refused.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:  # unknown jobs stay unknown
+            await bed.stub().GetJob(js.GetJobRequest(job_id="job-nope"))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    # etcd is back: reads come from the store again, with no stale mark; writes follow the
+    # leader (this replica, once it leads again)
+    call = bed.stub().GetJob(js.GetJobRequest(job_id=job.job_id))
+    assert (await call).job.job_id == job.job_id
+    assert "shoal-stale-as-of" not in dict(await call.trailing_metadata())
+    with pytest.raises(grpc.aio.AioRpcError) as standby:
+        await submit(bed, artifact)
+    assert reason(standby.value) == "ERROR_REASON_NOT_LEADER"
+    await bed.table.become_leader(None)
+    assert (await submit(bed, artifact)).job_id
