@@ -119,11 +119,15 @@ class ChaosCluster:
                 with Client(config, timeout=3, retries=0) as one:
                     try:
                         if kind == "resource-manager":
-                            one.list_hosts()
+                            one.list_hosts()  # the leader's memory: a standby refuses
                         else:
-                            list(one.list_jobs())
-                    except ShoalClientError:
-                        continue
+                            # Standbys serve reads; a write is leader-only: cancelling a job
+                            # that does not exist is NOT_FOUND on the leader, and changes
+                            # nothing.
+                            one.cancel_job("job-000000000000")
+                    except ShoalClientError as exc:
+                        if exc.code != "NOT_FOUND":
+                            continue
                     return name
             return None
 
@@ -221,6 +225,18 @@ def _only(config: Any, **fields: Any) -> Any:
     import dataclasses
 
     return dataclasses.replace(config, **fields)
+
+
+def leads(chaos: ChaosCluster, kind: str, not_name: str = "") -> Callable[[], bool]:
+    """A check that a replica of ``kind`` other than ``not_name`` leads and answers."""
+
+    def check() -> bool:
+        try:
+            return chaos.leader(kind, timeout=0.5) != not_name
+        except AssertionError:  # nobody leads yet
+            return False
+
+    return check
 
 
 def time_to(predicate: Callable[[], Any], timeout: float, what: str) -> float:
