@@ -48,6 +48,7 @@ async def test_calls_over_the_limit_are_shed_at_once_and_the_rest_are_served() -
             asyncio.ensure_future(stub.GetJob(js.GetJobRequest(job_id=f"job-{i}"), timeout=30))
             for i in range(10)
         ]
+
         # Three are taken; the seven others are refused without waiting for a deadline.
         async def seven_refused() -> None:
             while sum(c.done() for c in calls) < 7:
