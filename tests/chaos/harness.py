@@ -86,6 +86,8 @@ class ChaosCluster:
             host_lost_after_s=3.0,
             election_ttl_s=2.0,
             etcd_members=3,
+            # 10x load is shed above this (the services' unary calls in flight)
+            extra_env={"SHOAL_MAX_CONCURRENT_CALLS": "16"},
         )
         defaults.update(spec)
         cluster = LocalCluster(ClusterSpec(state_dir=state_dir, **defaults))

@@ -4,16 +4,22 @@ time to recover, for each scenario. Runs in `make test` (the short chaos suite) 
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
 import time
 
 import pytest
 
+from shoal.client import AsyncClient, Client, ShoalClientError
+from shoal.v1 import resources_pb2
 from tests.chaos.harness import ChaosCluster, leads, time_to, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(900)]
 
 KINDS = ("resource-manager", "job-scheduler")
+HOST_READY = resources_pb2.HOST_STATE_READY
+HOST_LOST = resources_pb2.HOST_STATE_LOST
 
 
 def assert_nothing_lost(chaos, jobs, before, since) -> None:
@@ -94,3 +100,133 @@ def test_frozen_leader_is_replaced_and_steps_down_when_it_thaws(chaos, two_jobs,
         chaos.wait_training(job, 3)
     assert_nothing_lost(chaos, two_jobs, before, since)
     record.update(scenario=f"{kind} leader SIGSTOP", recover_s=seconds)
+
+
+# -- the full suite (`make chaos`; skipped by the short form in `make test`) ------------------
+
+full = pytest.mark.skipif(
+    os.environ.get("SHOAL_CHAOS", "") != "full",
+    reason="full chaos suite only: `make chaos` (SHOAL_CHAOS=full)",
+)
+
+
+def _stale_read_and_refused_write(chaos: ChaosCluster, job_id: str) -> None:
+    """While etcd has no quorum: a read of a job answers (from the last leader's state, marked
+    stale) and a write fails UNAVAILABLE naming etcd."""
+    config = chaos.cluster.client_config()
+    with Client(config, timeout=5, retries=8, failover_s=30) as client:
+        job = wait_for(lambda: client.get_job(job_id), 60, "a stale read during the outage")
+        assert job.job_id == job_id
+        with pytest.raises(ShoalClientError) as refused:
+            client.cancel_job("job-000000000000")  # a write (of nothing, if it went through)
+        assert refused.value.code == "UNAVAILABLE", refused.value
+        assert "etcd" in refused.value.message, refused.value.message
+
+
+@full
+def test_etcd_quorum_loss_keeps_reads_refuses_writes_and_loses_no_host(chaos, two_jobs, record):
+    """Two of three etcd members down for longer than the leases: no leader can be elected;
+    reads serve the last known state, writes fail naming etcd, no host is declared lost, and
+    everything resumes when the quorum is back."""
+    before, since = chaos.snapshot(), time.time()
+    members = chaos.cluster.etcd.members  # type: ignore[union-attr]
+    for member in members[1:]:
+        member.stop()
+    try:
+        _stale_read_and_refused_write(chaos, two_jobs[0])
+    finally:
+        start = time.monotonic()
+        for member in members[1:]:
+            member.restart(timeout=60)
+    wait_for(leads(chaos, "resource-manager"), 90, "a resource-manager leader")
+    wait_for(leads(chaos, "job-scheduler"), 90, "a scheduler leader")
+    recover = time.monotonic() - start
+    for job in two_jobs:
+        chaos.wait_training(job, 3)
+    assert_nothing_lost(chaos, two_jobs, before, since)
+    record.update(scenario="etcd quorum loss (2 of 3 down)", recover_s=recover)
+
+
+@full
+def test_a_full_etcd_restart_loses_no_host_and_no_iteration(chaos, two_jobs, record):
+    before, since = chaos.snapshot(), time.time()
+    etcd = chaos.cluster.etcd
+    assert etcd is not None
+    etcd.stop()
+    start = time.monotonic()
+    etcd.restart()
+    wait_for(leads(chaos, "resource-manager"), 90, "a resource-manager leader")
+    wait_for(leads(chaos, "job-scheduler"), 90, "a scheduler leader")
+    recover = time.monotonic() - start
+    for job in two_jobs:
+        chaos.wait_training(job, 3)
+    assert_nothing_lost(chaos, two_jobs, before, since)
+    record.update(scenario="full etcd restart", recover_s=recover)
+
+
+@full
+def test_ten_times_the_request_load_sheds_instead_of_timing_out_and_kills_no_host(
+    chaos, two_jobs, record
+):
+    """64 callers hammer both replicated services for 15 s (the cluster runs with
+    --max-concurrent-calls 16): every call is answered or shed with RESOURCE_EXHAUSTED, none
+    times out, no host is declared lost, training goes on."""
+    before, since = chaos.snapshot(), time.time()
+    outcomes: dict[str, int] = {}
+
+    async def caller(client: AsyncClient, i: int, until: float) -> None:
+        while time.monotonic() < until:
+            try:
+                if i % 2:
+                    await client.list_hosts()
+                else:
+                    await client.get_job(two_jobs[i % 4 // 2])
+                key = "OK"
+            except ShoalClientError as exc:
+                key = exc.code
+            outcomes[key] = outcomes.get(key, 0) + 1
+
+    async def load() -> None:
+        config = chaos.cluster.client_config()
+        async with AsyncClient(config, timeout=10, retries=0) as client:
+            until = time.monotonic() + 15
+            await asyncio.gather(*(caller(client, i, until) for i in range(64)))
+
+    asyncio.run(load())
+    assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
+    assert outcomes.get("OK", 0) > 0
+    for job in two_jobs:
+        chaos.wait_training(job, 3)
+    assert_nothing_lost(chaos, two_jobs, before, since)
+    record.update(scenario="10x request load", calls=outcomes)
+
+
+@full
+def test_a_frozen_host_agent_is_declared_lost_and_comes_back_fenced_by_its_incarnation(
+    chaos, two_jobs, record
+):
+    """SIGSTOP one host agent past the grace: its host is declared LOST (it is unreachable),
+    its learners are evicted and the jobs go on on the other host. Thawed, the zombie agent's
+    heartbeats name a stale incarnation: it registers again as a new incarnation, and its old
+    learners are stopped, never trusted. No iteration is repeated or lost."""
+    host = chaos.names("host-agent")[-1]
+    before = chaos.snapshot()
+    chaos.freeze(host)
+    try:
+        lost_after = time_to(
+            lambda: chaos.snapshot()[host][0] == HOST_LOST, 60, f"{host} to be declared lost"
+        )
+    finally:
+        chaos.thaw(host)
+    back = time_to(
+        lambda: chaos.snapshot()[host] == (HOST_READY, before[host][1] + 1),
+        60,
+        f"{host} to register again as incarnation {before[host][1] + 1}",
+    )
+    for job in two_jobs:
+        chaos.wait_workers(job, 2)  # grown back to two learners each
+        chaos.wait_training(job, 3)
+        chaos.assert_iterations_exact(job)
+    others = {h: v for h, v in chaos.snapshot().items() if h != host}
+    assert others == {h: v for h, v in before.items() if h != host}
+    record.update(scenario="host agent SIGSTOP", declared_lost_s=lost_after, back_s=back)
