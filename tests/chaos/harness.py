@@ -161,8 +161,15 @@ class ChaosCluster:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{name} did not exit within {timeout} s of SIGTERM") from None
 
-    def start_again(self, name: str) -> None:
-        self.cluster.restart(name, timeout=120)
+    def start_again(self, name: str, env: dict[str, str] | None = None) -> None:
+        """Start the process again (after it exited), with ``env`` added to its environment."""
+        saved = dict(os.environ)
+        os.environ.update(env or {})
+        try:
+            self.cluster.restart(name, timeout=120)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
 
     # -- observations --------------------------------------------------------------------------
 
@@ -227,6 +234,20 @@ def _only(config: Any, **fields: Any) -> Any:
     import dataclasses
 
     return dataclasses.replace(config, **fields)
+
+
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
+
+
+def faketime_env(offset_file: Path) -> dict[str, str]:
+    """The environment of a process whose clock (wall and monotonic) is moved by the offset
+    written in ``offset_file`` ("+3600" jumps it an hour ahead), re-read on every call."""
+    offset_file.write_text("+0\n")
+    return {
+        "LD_PRELOAD": FAKETIME_LIB,
+        "FAKETIME_TIMESTAMP_FILE": str(offset_file),
+        "FAKETIME_NO_CACHE": "1",
+    }
 
 
 def leads(chaos: ChaosCluster, kind: str, not_name: str = "") -> Callable[[], bool]:

@@ -5,15 +5,24 @@ time to recover, for each scenario. Runs in `make test` (the short chaos suite) 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from shoal.client import AsyncClient, Client, ShoalClientError
 from shoal.v1 import resources_pb2
-from tests.chaos.harness import ChaosCluster, leads, time_to, wait_for
+from tests.chaos.harness import (
+    FAKETIME_LIB,
+    ChaosCluster,
+    faketime_env,
+    leads,
+    time_to,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -113,6 +122,8 @@ full = pytest.mark.skipif(
 def _stale_read_and_refused_write(chaos: ChaosCluster, job_id: str) -> None:
     """While etcd has no quorum: a read of a job answers (from the last leader's state, marked
     stale) and a write fails UNAVAILABLE naming etcd."""
+    has_leader = leads(chaos, "job-scheduler")
+    wait_for(lambda: not has_leader(), 60, "the scheduler leader to step down (no etcd quorum)")
     config = chaos.cluster.client_config()
     with Client(config, timeout=5, retries=8, failover_s=30) as client:
         job = wait_for(lambda: client.get_job(job_id), 60, "a stale read during the outage")
@@ -186,8 +197,15 @@ def test_ten_times_the_request_load_sheds_instead_of_timing_out_and_kills_no_hos
                 key = exc.code
             outcomes[key] = outcomes.get(key, 0) + 1
 
+    services = chaos.cluster.services
+    rm = services[chaos.leader("resource-manager")].address
+    scheduler = services[chaos.leader("job-scheduler")].address
+
     async def load() -> None:
-        config = chaos.cluster.client_config()
+        # at the leaders only, with no retry: every outcome is the server's own answer
+        config = dataclasses.replace(
+            chaos.cluster.client_config(), resource_manager=(rm,), scheduler=(scheduler,)
+        )
         async with AsyncClient(config, timeout=10, retries=0) as client:
             until = time.monotonic() + 15
             await asyncio.gather(*(caller(client, i, until) for i in range(64)))
@@ -230,3 +248,38 @@ def test_a_frozen_host_agent_is_declared_lost_and_comes_back_fenced_by_its_incar
     others = {h: v for h, v in chaos.snapshot().items() if h != host}
     assert others == {h: v for h, v in before.items() if h != host}
     record.update(scenario="host agent SIGSTOP", declared_lost_s=lost_after, back_s=back)
+
+
+@full
+@pytest.mark.skipif(not Path(FAKETIME_LIB).is_file(), reason="needs libfaketime (apt faketime)")
+def test_a_clock_jump_on_the_resource_manager_leader_declares_no_host_lost(
+    chaos, two_jobs, record, tmp_path
+):
+    """The resource-manager leader's clock (wall and monotonic, libfaketime) jumps an hour
+    ahead: every host looks silent for an hour at once. Its liveness loop sees that it ran an
+    hour late and gives every host a fresh grace; no host is declared lost (a failover to the
+    standby, if the jump also expires its lease, is fine)."""
+    offset = tmp_path / "offset"
+    # Put the clock-jumpable replica in the lead: restart the standby with libfaketime, then
+    # SIGTERM the leader (it resigns; the standby leads) and bring it back.
+    standby = chaos.standby("resource-manager")
+    chaos.sigterm(standby)
+    chaos.start_again(standby, env=faketime_env(offset))
+    leader = chaos.leader("resource-manager")
+    chaos.sigterm(leader)
+    wait_for(leads(chaos, "resource-manager", leader), 60, "the faketime replica to lead")
+    chaos.start_again(leader)
+    assert chaos.leader("resource-manager") == standby
+    before, since = chaos.snapshot(), time.time()
+    log_before = len(chaos.log_text(standby))
+    offset.write_text("+3600\n")
+    noticed = ("s late (this replica", "went silent at once", "no longer leading")
+    wait_for(
+        lambda: any(t in chaos.log_text(standby)[log_before:] for t in noticed),
+        30,
+        "the jump to be noticed",
+    )
+    for job in two_jobs:
+        chaos.wait_training(job, 3)
+    assert_nothing_lost(chaos, two_jobs, before, since)
+    record.update(scenario="clock jump +1 h on the resource-manager leader", hosts_lost=0)
