@@ -32,12 +32,14 @@ HOST_LOST = resources_pb2.HOST_STATE_LOST
 
 
 def assert_nothing_lost(chaos, jobs, before, since) -> None:
+    """No host was declared lost (a host declared lost gets a new incarnation when it comes
+    back, so an unchanged (state, incarnation) of every host proves it), no learner was taken
+    from a job, and every job's iteration record is exact."""
     after = chaos.snapshot()
     assert after == before, f"a host was declared lost (liveness, incarnation): {before} -> {after}"
     for job in jobs:
         assert chaos.evictions(job, since) == [], f"{job} lost learners"
         chaos.assert_iterations_exact(job)
-    assert chaos.count_in_logs("resource-manager", "declared lost after") == 0
 
 
 def test_rolling_restart_of_every_service_loses_no_host_no_learner_no_iteration(
