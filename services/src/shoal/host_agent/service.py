@@ -384,12 +384,24 @@ class ResourceManagerLink:
         # agent has re-registered with its successor before the successor's grace runs out.
         silence = max(registered.lost_after_ms / 2000, 2 * interval)
         stub = rm_grpc.ResourceManagerServiceStub(self._channels.get(address))
-        call = stub.Heartbeat()
+        # The beats go through a request iterator of our own that ends (a sentinel) before the
+        # call is cancelled. With call.write() and client interceptors, grpc.aio feeds an
+        # internal async generator from a task of its own; cancelling the call left that task
+        # pending ("Task was destroyed but it is pending", "Task exception was never
+        # retrieved: aclose(): asynchronous generator is already running") at every
+        # re-registration.
+        outbox: asyncio.Queue[rm_pb2.HeartbeatRequest | None] = asyncio.Queue()
+
+        async def requests() -> AsyncIterator[rm_pb2.HeartbeatRequest]:
+            while (beat := await outbox.get()) is not None:
+                yield beat
+
+        call = stub.Heartbeat(requests())
 
         async def send() -> None:
             while True:
                 self._wake.clear()
-                await call.write(self._beat())
+                outbox.put_nowait(self._beat())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=interval)
 
@@ -425,6 +437,9 @@ class ResourceManagerLink:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            outbox.put_nowait(None)  # the request iterator ends: grpc's feeder task finishes
+            for _ in range(3):
+                await asyncio.sleep(0)
             call.cancel()
 
 
