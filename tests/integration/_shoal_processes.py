@@ -32,13 +32,13 @@ GRACE_S = 1.5
 ELECTION_TTL_S = 2.0
 
 
-def pack_artifact(directory: Path, files: dict[str, str]) -> str:
-    """Write a tar.gz of ``files`` (name -> text) as <sha256>.tar.gz in ``directory``; returns
-    the artifact id."""
+def pack_artifact(directory: Path, files: dict[str, str | bytes]) -> str:
+    """Write a tar.gz of ``files`` (name -> text or bytes) as <sha256>.tar.gz in
+    ``directory``; returns the artifact id."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for name, text in sorted(files.items()):
-            data = text.encode()
+            data = text.encode() if isinstance(text, str) else text
             info = tarfile.TarInfo(name)
             info.size = len(data)
             info.mode = 0o755

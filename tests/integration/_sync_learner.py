@@ -9,7 +9,10 @@ test can act mid-epoch); ``--hang-at-step K`` stops forever before sending step 
 (the test then SIGKILLs it mid-iteration); ``--pause-at K1,K2 --pause-dir D`` waits before
 sending step K's gradients until ``D/release-K`` exists (the job is then frozen
 mid-iteration). ``--history FILE`` receives the iterations this learner completed, its process
-id and (collective) the process groups it formed.
+id and (collective) the process groups it formed. ``--clip-grad-norm X`` and ``--amp DTYPE``
+(with ``--init-scale S``) turn on global clipping and mixed precision; the history then also
+holds each iteration's loss scale and whether its step was skipped, and the callbacks' view
+(``is_primary``, ``rescales``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,16 @@ def load_digits_example():
     return module
 
 
+#: With --param-groups: weight decay for the default group, none for biases, a slower first
+#: layer (the reference in _param_sync_cluster.py builds the same groups).
+PARAM_GROUPS_WD = {False: {}, True: {"weight_decay": 1e-3}}
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": [model[0].weight], "lr": 0.02}, {"params": biases, "weight_decay": 0.0}]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, required=True)
@@ -54,12 +67,18 @@ def main() -> int:
     parser.add_argument("--pause-dir", default=".")
     parser.add_argument("--backend", default="grpc")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--clip-grad-norm", type=float, default=None)
+    parser.add_argument("--amp", default=None)
+    parser.add_argument("--init-scale", type=float, default=2.0**16)
+    parser.add_argument("--param-groups", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
 
     from shoal.learner import (
+        Callback,
         ElasticTrainer,
+        MixedPrecision,
         collective,  # noqa: F401 - registers the "collective" backend
         create_backend,
         grpc_backend,  # noqa: F401 - registers the "grpc" backend
@@ -88,14 +107,36 @@ def main() -> int:
         return sync(assignment, contribution, lr=lr)
 
     backend.sync = paced_sync  # type: ignore[method-assign]
+
+    class Watch(Callback):
+        def __init__(self) -> None:
+            self.rescales: list[tuple[int, int, int]] = []
+            self.primary_steps: list[int] = []
+
+        def on_rescale(self, old_world, new_world, assignment) -> None:
+            self.rescales.append((old_world, new_world, assignment.step))
+
+        def on_iteration_end(self, record) -> None:
+            if self.trainer.is_primary:
+                self.primary_steps.append(record.step)
+
+    watch = Watch()
+    amp = None if args.amp is None else MixedPrecision(args.amp, init_scale=args.init_scale)
     trainer = ElasticTrainer(
         model,
         digits.get_datasets,
         nn.CrossEntropyLoss(),
-        ("SGD", {"lr": args.lr, "momentum": args.momentum}),
+        (
+            "SGD",
+            {"lr": args.lr, "momentum": args.momentum, **PARAM_GROUPS_WD[bool(args.param_groups)]},
+        ),
         seed=args.seed,
         backend=backend,
         device=args.device,
+        callbacks=[watch],
+        clip_grad_norm=args.clip_grad_norm,
+        amp=amp,
+        param_groups=param_groups if args.param_groups else None,
     )
     if args.gate:  # everything is imported and built: joining is all that is left
         print("READY", flush=True)
@@ -116,6 +157,9 @@ def main() -> int:
             "batch_size": r.batch_size,
             "n_samples": r.n_samples,
             "loss": r.loss,
+            "skipped": r.skipped,
+            "loss_scale": r.loss_scale,
+            "grad_norm": r.grad_norm,
         }
         for r in result.history
     ]
@@ -127,6 +171,9 @@ def main() -> int:
                 "history": history,
                 "pid": os.getpid(),
                 "formations": getattr(backend, "formations", []),
+                "is_primary": result.is_primary,
+                "primary_steps": watch.primary_steps,
+                "rescales": watch.rescales,
             }
         )
     )

@@ -28,7 +28,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from shoal.runtime.auth import SERVICES, USERS_AND_SERVICES, MethodRoles
 from shoal.runtime.config import ServerConfig
-from shoal.runtime.errors import FailedPrecondition, FencedOut, InvalidField, NotFound
+from shoal.runtime.errors import FailedPrecondition, FencedOut, InvalidField, NotFound, Unavailable
 from shoal.runtime.server import RunningServer, ServiceBinding, create_server
 from shoal.v1 import (
     host_agent_service_pb2 as ha_pb2,
@@ -413,6 +413,8 @@ class FakeParameterSync:
         # job, and how a learner leaves at its boundary.
         self.members_hook: Callable[[str], list[str]] | None = None
         self.leave_hook: Callable[[str, int, str], None] | None = None
+        # Shards that are "dead": every call to them fails with UNAVAILABLE.
+        self.down: set[int] = set()
 
     def members(self, job_id: str) -> list[str]:
         if self.members_hook is not None:
@@ -456,13 +458,19 @@ class FakeShard(parameter_sync_service_pb2_grpc.ParameterSyncServiceServicer):
         self.index = index
         self.sync = sync
 
+    def _up(self) -> None:
+        if self.index in self.sync.down:
+            raise Unavailable(f"fake shard {self.index} is down")
+
     def _job(self, job_id: str) -> FakeSyncJob:
+        self._up()
         job = self.sync.jobs.get(job_id)
         if job is None or job.closed:
             raise NotFound("job", job_id, reason="ERROR_REASON_JOB_NOT_FOUND")
         return job
 
     async def OpenJob(self, request, context):  # type: ignore[no-untyped-def]
+        self._up()
         self.sync.fencing.check(request.fencing_token)
         self.sync.open_calls.append((self.index, request.job_id))
         job = self.sync.jobs.get(request.job_id)
@@ -475,6 +483,7 @@ class FakeShard(parameter_sync_service_pb2_grpc.ParameterSyncServiceServicer):
         return ps_pb2.OpenJobResponse(progress=job.progress, resumed=job.opened > 1)
 
     async def CloseJob(self, request, context):  # type: ignore[no-untyped-def]
+        self._up()
         self.sync.fencing.check(request.fencing_token)
         self._job(request.job_id).closed = True
         return ps_pb2.CloseJobResponse()

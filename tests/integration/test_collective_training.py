@@ -95,6 +95,56 @@ def test_collective_learners_match_single_process_training(plane: DataPlane, lea
     assert all(0 < r["values"]["accuracy"] <= 1 for r in reports)
 
 
+@pytest.mark.slow
+def test_collective_clipping_float16_and_param_groups_match_the_single_process_recipe(
+    plane: DataPlane,
+):
+    # Three learners, none clipping its own share: the all-reduced gradient is clipped to 0.15
+    # (most iterations' norms are above it) under float16 autocast with GradScaler's dynamic
+    # loss scale, as one process's AMP recipe does; the optimizer has three parameter groups
+    # (a slower first layer, biases without weight decay, the rest).
+    job, epochs, clip, amp = "c-clip-fp16", 1, 0.15, "float16"
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    names = [f"{job}-l{i}" for i in range(3)]
+    gate = plane.tmp / f"{job}.gate"
+    procs = [
+        start(plane, job, name, epochs, gate=gate, clip_grad_norm=clip, amp=amp, param_groups=1)
+        for name in names
+    ]
+    for proc in procs:
+        proc.wait_for("READY", timeout=90)
+    gate.touch()
+    for proc in procs:
+        assert proc.wait() == 0, proc.text()[-3000:]
+    reference, ref_losses = reference_training(
+        epochs, BATCH, clip_grad_norm=clip, amp=amp, param_groups=True
+    )
+    histories = [plane.history(n) for n in names]
+    records = [r for h in histories for r in h["history"]]
+    assert sorted({r["step"] for r in records}) == list(range(total))
+    assert not any(r["skipped"] for r in records)  # 2**16 does not overflow this model
+    assert sum(r["grad_norm"] > clip for r in records) > len(records) // 2
+    # Each share's float16 backward pass rounds on its own before the float32 reduction:
+    # equal to the single process up to float16's rounding (eps 1e-3), not float32's; a
+    # run without clipping is far further off.
+    model = plane.final_model(job)
+    unclipped, _ = reference_training(epochs, BATCH, amp=amp, param_groups=True)
+    for name, value in reference.items():
+        torch.testing.assert_close(model[name], value, atol=2e-3, rtol=0, msg=name)
+    error = max((model[k] - v).abs().max().item() for k, v in reference.items())
+    unclipped_error = max((model[k] - v).abs().max().item() for k, v in unclipped.items())
+    assert unclipped_error > 5 * error, (error, unclipped_error)
+    committed = assert_each_iteration_recorded_once(plane, job, total)
+    assert [r["loss"] for r in committed] == pytest.approx(list(ref_losses), abs=5e-3)
+    # One primary at a time: the learner of rank 0, told so by the callbacks; after train()
+    # exactly one learner's result says it is the primary.
+    for h in histories:
+        assert h["primary_steps"] == [r["step"] for r in h["history"] if r["rank"] == 0]
+    assert sorted(s for h in histories for s in h["primary_steps"]) == list(range(total))
+    assert [h["is_primary"] for h in histories].count(True) == 1
+
+
 def rescale(plane: DataPlane, job: str, first: list[str], later: list[str], at: int):
     """Start ``first`` (pausing before step ``at``'s all-reduce) and ``later`` (warm, gated)."""
     pauses = plane.tmp / f"{job}-pauses"

@@ -104,6 +104,70 @@ def test_learners_on_two_shards_match_single_process_training(plane: DataPlane, 
 
 
 @pytest.mark.slow
+def test_global_clipping_on_two_shards_matches_clip_grad_norm_in_one_process(plane: DataPlane):
+    # Each shard holds a slice of the parameters: it reports its slice's squared gradient
+    # norm with ShardReady, the coordinator commits with the global norm, and every shard
+    # scales its slice by the same min(1, 0.15 / norm), as clip_grad_norm_ does on one process.
+    # Clipping each slice (or each learner's share) by its own norm would differ at once.
+    job, epochs, clip = "clip-3", 1, 0.15
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    names = [f"{job}-l{i}" for i in range(3)]
+    procs = [
+        plane.start_learner(job, name, epochs=epochs, batch=BATCH, clip_grad_norm=clip)
+        for name in names
+    ]
+    for proc in procs:
+        assert proc.wait() == 0, proc.text()[-3000:]
+    reference, reference_losses = reference_training(epochs, BATCH, clip_grad_norm=clip)
+    model = plane.final_model(job)
+    for name, value in reference.items():
+        torch.testing.assert_close(model[name], value, atol=ATOL, rtol=0, msg=name)
+    unclipped, _ = reference_training(epochs, BATCH)
+    assert max((model[k] - v).abs().max().item() for k, v in unclipped.items()) > 100 * ATOL
+    records = assert_each_iteration_recorded_once(plane, job, total)
+    assert [r["loss"] for r in records] == pytest.approx(list(reference_losses), abs=1e-4)
+    assert [plane.history(n)["is_primary"] for n in names].count(True) == 1
+
+
+@pytest.mark.slow
+def test_float16_loss_scaling_on_two_shards_skips_and_steps_exactly_as_grad_scaler(
+    plane: DataPlane,
+):
+    # One learner (its share is the whole batch, so float16 overflows exactly where one
+    # process does) and two shards: a loss scale of 2**24 overflows the first backward passes;
+    # each shard's slice norm is inf there, the coordinator's global norm is inf, and both
+    # shards skip the step while the learner's scale backs off, as GradScaler does.
+    job, epochs, clip, scale = "fp16-1", 1, 0.15, 2.0**24
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    proc = plane.start_learner(
+        job,
+        f"{job}-l0",
+        epochs=epochs,
+        batch=BATCH,
+        clip_grad_norm=clip,
+        amp="float16",
+        init_scale=scale,
+    )
+    assert proc.wait() == 0, proc.text()[-3000:]
+    reference, reference_losses = reference_training(
+        epochs, BATCH, clip_grad_norm=clip, amp="float16", init_scale=scale
+    )
+    history = plane.history(f"{job}-l0")["history"]
+    skipped = [r["skipped"] for r in history]
+    assert 0 < sum(skipped) < total - 1
+    scales = [r["loss_scale"] for r in history]
+    assert scales[0] == scale and scales[1] == scale / 2  # backed off after the first skip
+    assert all(r["grad_norm"] == float("inf") for r in history if r["skipped"])
+    model = plane.final_model(job)
+    for name, value in reference.items():
+        torch.testing.assert_close(model[name], value, atol=ATOL, rtol=0, msg=name)
+    records = assert_each_iteration_recorded_once(plane, job, total)
+    assert [r["loss"] for r in records] == pytest.approx(list(reference_losses), abs=1e-4)
+
+
+@pytest.mark.slow
 def test_three_learners_shrink_to_two_then_grow_to_four_mid_epoch_and_match(plane: DataPlane):
     job, epochs = "rescale", 2
     total = epochs * iterations_per_epoch()

@@ -200,6 +200,12 @@ async def test_stop_learner_kills_the_whole_group_of_a_learner_that_ignores_sigt
     short = duration_pb2.Duration(nanos=200_000_000)
     stopped = await stub.StopLearner(ha.StopLearnerRequest(learner_id="l2", grace=short))
     assert stopped.learner.exit_code == -9
+    # A grace out of range (a huge one overflowed the timer: INTERNAL) is refused by name.
+    for bad in (duration_pb2.Duration(seconds=2**62), duration_pb2.Duration(seconds=-1)):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.StopLearner(ha.StopLearnerRequest(learner_id="l2", grace=bad))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "grace" in (refused.value.details() or "")
 
 
 async def test_bad_start_requests_are_refused_with_clear_errors_and_change_nothing(bed):
@@ -484,3 +490,76 @@ async def test_learner_exits_reach_the_resource_manager_once_and_untrusted_learn
         if sched.leadership is not None:
             await sched.leadership.resign()
         await store.close()
+
+
+def tiny_wheel(name: str = "shoal_tinypkg", version: str = "0.1") -> tuple[str, bytes]:
+    """A pure-Python wheel built by hand (a zip with its dist-info): nothing to download."""
+    import base64
+    import hashlib as hl
+    import io
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": "GREETING = 'hello from the job environment'\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hl.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
+    files[f"{dist}/RECORD"] = "\n".join([*record, f"{dist}/RECORD,,"]) + "\n"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+    return f"{name}-{version}-py3-none-any.whl", buf.getvalue()
+
+
+JOB_ENV_MAIN = """
+import sys
+import shoal_tinypkg
+import torch
+import shoal.learner
+print(shoal_tinypkg.GREETING)
+print("own venv", sys.prefix != sys.base_prefix and "envs" in sys.prefix)
+print("torch", torch.__version__)
+"""
+
+
+async def test_an_artifact_with_requirements_runs_in_its_own_environment_built_once(bed):
+    wheel_name, wheel = tiny_wheel()
+    files = {
+        "main.py": JOB_ENV_MAIN,
+        "requirements.txt": f"./wheels/{wheel_name}\n",
+        f"wheels/{wheel_name}": wheel,
+    }
+    artifact = pack_artifact(bed.artifacts, files)
+    stub = bed.stub()
+    for learner_id, device in (("l1", "gpu0"), ("l2", "gpu1")):
+        await stub.StartLearner(start_request(artifact, learner_id, device), timeout=300)
+        lines = [x.text for x in await log_lines(stub, learner_id)]
+        assert lines[:2] == ["hello from the job environment", "own venv True"], lines
+        assert lines[2].startswith("torch ")  # inherited from the agent's environment
+    # Built once for both learners (same requirements), kept under the agent's envs/.
+    assert bed.agent.processes.envs.builds == 1
+    (env_dir,) = (bed.config.work_dir / "envs").iterdir()
+    assert (env_dir / "build.log").is_file() and (env_dir / ".ready").is_file()
+
+
+async def test_an_environment_that_cannot_be_built_fails_the_start_with_pips_error(bed):
+    files = {"main.py": "print('never runs')\n", "requirements.txt": "./wheels/missing.whl\n"}
+    artifact = pack_artifact(bed.artifacts, files)
+    stub = bed.stub()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.StartLearner(start_request(artifact), timeout=300)
+    # INVALID_ARGUMENT: the scheduler fails the job with this message.
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    message = info.value.details()
+    assert message.startswith("artifact requirements.txt (")
+    assert "could not be installed (pip install -r requirements.txt exited with" in message
+    assert "missing.whl" in message  # pip's own words
+    assert (await stub.ListLearners(ha.ListLearnersRequest())).learners == []
+    assert not any((bed.config.work_dir / "envs").glob("*/.ready"))

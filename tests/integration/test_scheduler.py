@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from shoal.contract.data_plane import CoordinatorRecord, coordinator_key, encode_coordinator
 from shoal.runtime.auth import LearnerTokenSigner, LearnerTokenVerifier, Principal, Role
 from shoal.runtime.channels import connect
 from shoal.runtime.election import LeaderElection
@@ -31,6 +32,7 @@ from shoal.runtime.errors import LEADER_METADATA_KEY
 from shoal.runtime.etcd_server import EtcdServer
 from shoal.runtime.store import EtcdStore, MemoryStore, Store, StoreUnavailable
 from shoal.scheduler.artifacts import ArtifactStore, Storage
+from shoal.scheduler.health import HealthConfig
 from shoal.scheduler.jobs import LearnerPhase
 from shoal.scheduler.placement import PlacementConfig
 from shoal.scheduler.policy import Policy
@@ -119,6 +121,7 @@ async def start_loop(
     hold_time: float = 0.0,
     max_failures: int = 5,
     registry: bool = False,
+    health: HealthConfig | None = None,
 ) -> tuple[JobTable, Reconciler, JobApi, asyncio.Task[None]]:
     table = JobTable(store)
     peers = Peers([cluster.rm_address], cluster.shard_addresses, token=None)
@@ -133,6 +136,7 @@ async def start_loop(
         backoff_max_s=0.5,
         agent_sweep_s=0.5,
         learner_credentials=mint,
+        health=health or HealthConfig(unreachable_grace_s=0.5),
     )
     reconciler = Reconciler(table, peers, storage, config)
     api = JobApi(
@@ -281,6 +285,25 @@ async def test_a_queued_job_waits_in_priority_order_and_runs_when_devices_free(
     assert loop.job(high).queue_position == 0
 
 
+async def test_a_raised_priority_takes_effect_even_where_sticky_rounding_would_keep_shares(
+    loop: Loop,
+) -> None:
+    """Three jobs at 5000 on 8 devices hold 3/3/2. Raising the third to 7500 gives exact
+    shares 2.29/2.29/3.43: sticky rounding alone would keep the first job's spare unit (3/2/3,
+    the raise changing nothing); a priority change rounds plainly: 2/2/4."""
+    jobs = []
+    for _ in range(3):
+        jobs.append((await loop.api.submit(ALICE, "", spec(loop.artifact))).job_id)
+        await loop.until(lambda: loop.job(jobs[-1]).target_workers > 0, "admitted")
+    j1, j2, j3 = jobs
+    await loop.shares({j1: 3, j2: 3, j3: 2}, "3/3/2")
+    await loop.api.update(ALICE, j3, priority=7500, max_workers=None, request_id="")
+    await loop.shares({j1: 2, j2: 2, j3: 4}, "2/2/4 after the raise")
+    # Settled: the next cycles keep it (no churn once nothing changes).
+    loop.reconciler.trigger("test")
+    await loop.shares({j1: 2, j2: 2, j3: 4}, "still 2/2/4")
+
+
 async def test_a_failing_learner_is_evicted_and_replaced_and_repeated_failures_fail_the_job(
     loop: Loop,
 ) -> None:
@@ -324,8 +347,156 @@ async def test_a_job_its_coordinator_forgot_is_opened_again_and_goes_on(loop: Lo
         c.exit_learner(fl.learner.learner_id, 1, "Boundary: NOT_FOUND")
     await loop.until(lambda: [o for o in c.sync.open_calls if o[1] == j][1:], "opened again")
     await loop.shares({j: 2}, "running again")
-    assert loop.state(j) == S.JOB_STATE_RUNNING
+    await loop.until(lambda: loop.state(j) == S.JOB_STATE_RUNNING, "RUNNING again")
     await loop.until(lambda: c.sync.jobs[j].progress.completed_iterations > 2, "progress")
+    said = [h.reason for h in loop.table.records[j].history if h.to_state == S.JOB_STATE_RECOVERING]
+    assert said and "lost the job's state" in said[0]
+
+
+async def test_a_dead_coordinator_shard_makes_the_job_recovering_without_learners_then_it_resumes(
+    loop: Loop,
+) -> None:
+    """Issue 12's repro: SIGKILL of the coordinator shard made every learner exit 1 while the
+    job said "RUNNING, running on 4 learner(s)" forever."""
+    c = loop.cluster
+    j = (await loop.api.submit(ALICE, "", spec(loop.artifact, max_workers=4))).job_id
+    await loop.shares({j: 4})
+    await loop.until(lambda: loop.job(j).progress.completed_iterations > 3, "progress")
+    index = loop.table.records[j].coordinator_index
+    c.sync.down.add(index)  # the shard is dead: every call to it fails
+    c.sync.jobs[j].closed = True  # and the job's state died with it
+    for fl in c.running(j):
+        c.exit_learner(fl.learner.learner_id, 1, "Boundary: UNAVAILABLE")
+    await loop.until(lambda: loop.state(j) == S.JOB_STATE_RECOVERING, "RECOVERING")
+    reason = loop.job(j).state_reason
+    assert f"shard {index} (" in reason and "lost after iteration" in reason, reason
+    await loop.until(
+        lambda: loop.job(j).allocated_workers == 0 and c.workers(j) == 0, "no learner counted"
+    )
+    # While the coordinator is down no learner is started (it could not sync): many cycles on.
+    starts, cycles = c.starts, loop.reconciler.cycles
+    await loop.until(lambda: loop.reconciler.cycles >= cycles + 10, "cycles")
+    assert c.starts == starts
+    assert loop.state(j) == S.JOB_STATE_RECOVERING
+    c.sync.down.discard(index)  # restarted (by the supervisor), without the job
+    await loop.until(lambda: loop.state(j) == S.JOB_STATE_RUNNING, "RUNNING again", timeout=20)
+    assert "recovered" in loop.job(j).state_reason
+    await loop.shares({j: 4}, "all learners back")
+    reasons = [h.reason for h in loop.table.records[j].history]
+    assert any("re-opening the job from its latest checkpoint" in r for r in reasons), reasons
+
+
+async def test_a_data_plane_that_never_comes_back_fails_the_job_after_bounded_retries(
+    tmp_path: Path,
+) -> None:
+    cluster = await FakeCluster.start(hosts=1, gpus=2, shards=2)
+    store = MemoryStore()
+    storage = Storage((tmp_path / "storage").as_uri())
+    table, reconciler, api, task = await start_loop(
+        store,
+        cluster,
+        storage,
+        health=HealthConfig(stall_timeout_s=1.5, max_recoveries=1, unreachable_grace_s=0.2),
+    )
+    try:
+        info = await api.artifacts.upload(
+            name="m", declared_size=0, declared_sha256="", chunks=chunked(b"x" * 64), owner=ALICE
+        )
+        j = (await api.submit(ALICE, "", spec(info.artifact_id, max_workers=2))).job_id
+        await async_wait_until(
+            lambda: cluster.workers(j) == 2 and table.records[j].job.progress.completed_iterations,
+            what="running",
+        )
+        cluster.sync.down.update({0, 1})  # the whole tier is gone for good
+        for fl in cluster.running(j):
+            cluster.exit_learner(fl.learner.learner_id, 1, "Boundary: UNAVAILABLE")
+        await async_wait_until(
+            lambda: table.records[j].state == S.JOB_STATE_FAILED, timeout=60, what="FAILED"
+        )
+        record = table.records[j]
+        assert "unreachable" in record.job.state_reason, record.job.state_reason
+        assert "gave up after 1 automatic retry" in record.job.state_reason
+        said = [(h.to_state, h.reason) for h in record.history]
+        assert any(s == S.JOB_STATE_RECOVERING and "lost after iteration" in r for s, r in said)
+        assert any("retrying from the latest checkpoint (retry 1 of 1)" in r for _, r in said)
+        assert record.workers() == 0 and cluster.workers(j) == 0
+    finally:
+        await stop_task(task)
+        await reconciler.peers.close()
+        await cluster.stop()
+        await store.close()
+
+
+async def test_the_scheduler_follows_a_coordinator_moved_by_the_data_plane(loop: Loop) -> None:
+    """The parameter-sync tier fails the coordinator role over and publishes the move in etcd
+    (shoal.contract.data_plane): the scheduler talks to the new coordinator and tells new
+    learners about it; an older epoch does not move it back."""
+    c = loop.cluster
+    j = (await loop.api.submit(ALICE, "", spec(loop.artifact, max_workers=2))).job_id
+    await loop.shares({j: 2})
+    old = loop.table.records[j].coordinator_index
+    new = 1 - old
+    c.sync.down.add(old)  # the old coordinator's shard is gone
+    moved = CoordinatorRecord(address=c.shard_addresses[new], index=new, epoch=1)
+    await loop.store.put(coordinator_key(j), encode_coordinator(moved))
+    await loop.until(
+        lambda: loop.table.records[j].coordinator_address == c.shard_addresses[new], "re-pointed"
+    )
+    done = loop.job(j).progress.completed_iterations
+    await loop.until(lambda: loop.job(j).progress.completed_iterations > done + 3, "progress")
+    assert loop.state(j) == S.JOB_STATE_RUNNING
+    stored = await loop.table.get(j)
+    assert stored is not None and stored.coordinator_index == new  # persisted
+    # A learner started from now on is told the new coordinator.
+    c.exit_learner(c.running(j)[0].learner.learner_id, 1, "boom")
+    await loop.until(
+        lambda: any(
+            fl.request.env["SHOAL_COORDINATOR"] == c.shard_addresses[new] for fl in c.running(j)
+        ),
+        "a learner told the new coordinator",
+    )
+    stale = CoordinatorRecord(address=c.shard_addresses[old], index=old, epoch=0)
+    await loop.store.put(coordinator_key(j), encode_coordinator(stale))
+    cycles = loop.reconciler.cycles
+    await loop.until(lambda: loop.reconciler.cycles > cycles + 5, "cycles")
+    assert loop.table.records[j].coordinator_address == c.shard_addresses[new]
+
+
+async def test_a_job_without_progress_is_retried_from_its_checkpoint_then_fails_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    cluster = await FakeCluster.start(hosts=1, gpus=2, shards=2)
+    cluster.tick_interval = 3600  # the data plane never commits an iteration
+    store = MemoryStore()
+    storage = Storage((tmp_path / "storage").as_uri())
+    table, reconciler, api, task = await start_loop(
+        store, cluster, storage, health=HealthConfig(stall_timeout_s=1.0, max_recoveries=2)
+    )
+    try:
+        info = await api.artifacts.upload(
+            name="m", declared_size=0, declared_sha256="", chunks=chunked(b"x" * 64), owner=ALICE
+        )
+        j = (await api.submit(ALICE, "", spec(info.artifact_id, max_workers=2))).job_id
+        await async_wait_until(
+            lambda: table.records[j].state == S.JOB_STATE_FAILED, timeout=60, what="FAILED"
+        )
+        record = table.records[j]
+        assert record.recoveries == 2
+        assert "gave up after 2 automatic retries" in record.job.state_reason
+        said = [h.reason for h in record.history if h.to_state == S.JOB_STATE_RECOVERING]
+        assert any("retry 1 of 2" in r for r in said) and any("retry 2 of 2" in r for r in said)
+        # Each retry closed the data plane and opened it again (from the checkpoint).
+        assert len([o for o in cluster.sync.open_calls if o[1] == j]) >= 3
+        await async_wait_until(
+            lambda: cluster.rm.allocations_of(j) == [] and cluster.workers(j) == 0,
+            timeout=20,
+            what="all freed",
+        )
+    finally:
+        await stop_task(task)
+        await reconciler.peers.close()
+        await cluster.stop()
+        await store.close()
 
 
 async def test_a_draining_host_is_emptied_and_the_job_moves_elsewhere(loop: Loop) -> None:

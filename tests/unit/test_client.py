@@ -130,6 +130,9 @@ async def test_upload_directory_is_content_addressed_and_deterministic(cluster, 
     (tmp_path / "m" / "sub").mkdir()
     (tmp_path / "m" / "sub" / "data.bin").write_bytes(bytes(range(256)) * 9000)
     assert pack_directory(tmp_path / "m") == pack_directory(tmp_path / "m")
+    # No clock in the archive: the gzip header's time (bytes 4-7) is zero, not the second it
+    # was packed in (two packs a second apart were different artifacts).
+    assert pack_directory(tmp_path / "m")[4:8] == b"\0\0\0\0"
     seen = []
     async with AsyncClient(ClientConfig(scheduler=(lead.address,))) as client:
         artifact = await client.upload_directory(
@@ -264,3 +267,25 @@ async def test_a_non_follow_stream_that_breaks_still_fails_loudly():
                 _ = [ln async for ln in client.stream_logs("j", follow=False)]
     finally:
         await server.stop(0)
+
+
+async def test_cli_get_and_list_show_a_recovering_job_and_its_reason(cluster, monkeypatch):
+    lead, _, leader = cluster
+    reason = "coordinator shard 1 (127.0.0.1:7301) lost after iteration 286 (UNAVAILABLE)"
+    leader.jobs["job-1"] = job_pb2.Job(
+        job_id="job-1",
+        spec=job_pb2.JobSpec(name="digits", max_workers=4, epochs=3),
+        state=job_pb2.JOB_STATE_RECOVERING,
+        state_reason=reason,
+        allocated_workers=0,
+    )
+    monkeypatch.setenv("SHOAL_ENDPOINTS", lead.address)
+    monkeypatch.setenv("COLUMNS", "300")
+    runner = CliRunner()
+    got = await asyncio.to_thread(runner.invoke, app, ["jobs", "get", "job-1"])
+    assert got.exit_code == 0, got.output
+    assert "recovering" in got.output and "0/4" in got.output
+    assert f"reason: {reason}" in " ".join(got.output.split())
+    listed = await asyncio.to_thread(runner.invoke, app, ["jobs", "list", "--state", "recovering"])
+    assert listed.exit_code == 0, listed.output
+    assert f"job-1 recovering: {reason}" in " ".join(listed.output.split())

@@ -100,3 +100,16 @@ def test_fake_cifar_has_the_format_of_the_real_files(tmp_path: Path) -> None:
     assert len(batch[b"labels"]) == 3 and all(0 <= v < 10 for v in batch[b"labels"])
     again = make_fake_cifar(tmp_path / "d", per_batch=4, test=3, seed=1)
     assert (again / "data_batch_3").read_bytes() == (out / "data_batch_3").read_bytes()
+
+
+def test_transformer_example_runs_tiny_with_amp_clipping_warmup_cosine_and_callbacks(
+    tmp_path: Path,
+) -> None:
+    proc = _run(EXAMPLES / "transformer" / "train.py", "--tiny", "--out-dir", tmp_path)
+    output = proc.stdout + proc.stderr
+    assert re.search(r"epoch 2/2, train loss [\d.]+, test loss [\d.]+, accuracy [\d.]+", output)
+    # The EDT-style callback logged on the primary (with the clipped gradient's norm and the
+    # warmup's first learning rate) and saved the model at each epoch's end.
+    assert re.search(r"step 0 loss [\d.]+ lr 5\.00e-05 grad norm [\d.]+ world 1", output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-0.pt", "epoch-1.pt"]
+    assert re.search(r"final test accuracy 0\.\d{4}", proc.stdout)

@@ -126,6 +126,12 @@ def test_transition_table_allows_exactly_the_documented_transitions() -> None:
         (job_pb2.JOB_STATE_RUNNING, job_pb2.JOB_STATE_COMPLETED),
         (job_pb2.JOB_STATE_RUNNING, job_pb2.JOB_STATE_FAILED),
         (job_pb2.JOB_STATE_RUNNING, job_pb2.JOB_STATE_CANCELLING),
+        (job_pb2.JOB_STATE_RUNNING, job_pb2.JOB_STATE_RECOVERING),
+        (job_pb2.JOB_STATE_RECOVERING, job_pb2.JOB_STATE_RUNNING),
+        (job_pb2.JOB_STATE_RECOVERING, job_pb2.JOB_STATE_QUEUED),
+        (job_pb2.JOB_STATE_RECOVERING, job_pb2.JOB_STATE_COMPLETED),
+        (job_pb2.JOB_STATE_RECOVERING, job_pb2.JOB_STATE_FAILED),
+        (job_pb2.JOB_STATE_RECOVERING, job_pb2.JOB_STATE_CANCELLING),
         (job_pb2.JOB_STATE_CANCELLING, job_pb2.JOB_STATE_CANCELLED),
     }
     for a, b in itertools.product(ALL_STATES, ALL_STATES):

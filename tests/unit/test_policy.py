@@ -18,6 +18,7 @@ def job(
     hi: int = 8,
     cur: int = 0,
     shrunk: float | None = None,
+    was: int | None = None,
 ) -> JobDemand:
     """A job; its submit order defaults to the digits of its id (j1 -> 1)."""
     if seq is None:
@@ -30,6 +31,7 @@ def job(
         max_workers=hi,
         current=cur,
         last_shrunk_at=shrunk,
+        previous_priority=was,
     )
 
 
@@ -515,6 +517,55 @@ def test_sticky_rounding(jobs: list[JobDemand], sticky: bool, expected: dict[str
     capacity = 11 if jobs is AFTER_J4_FINISHED else 8
     alloc = compute_shares(jobs, capacity, PRIO, sticky_rounding=sticky)
     assert shares_of(alloc) == expected
+
+
+@pytest.mark.parametrize(
+    ("jobs", "expected"),
+    [
+        pytest.param(
+            [job("j1", prio=10000, was=5000, cur=2), job("j2", cur=2)],
+            {"j1": 3, "j2": 1},
+            id="raised_from_2_2_the_raised_job_gets_3_of_4",
+        ),
+        pytest.param(
+            [job("j1", prio=10000, was=5000, cur=1), job("j2", cur=3)],
+            {"j1": 3, "j2": 1},
+            id="raised_while_holding_1_of_4_it_gets_3",
+        ),
+        pytest.param(
+            [job("j1", prio=5000, cur=2), job("j2", prio=2500, was=5000, cur=2)],
+            {"j1": 3, "j2": 1},
+            id="a_lowered_job_gives_a_device_up",
+        ),
+        pytest.param(
+            [job("j1", prio=10000, was=10000, cur=2), job("j2", cur=2)],
+            {"j1": 2, "j2": 2},
+            id="an_unchanged_previous_priority_keeps_sticky_rounding",
+        ),
+    ],
+)
+def test_sticky_rounding_never_defeats_a_priority_change(
+    jobs: list[JobDemand], expected: dict[str, int]
+) -> None:
+    assert shares_of(compute_shares(jobs, 4, PRIO)) == expected
+    # The next cycle, with the new holdings and nothing changed, keeps the result.
+    settled = [
+        JobDemand(
+            job_id=j.job_id,
+            priority=j.priority,
+            submit_seq=j.submit_seq,
+            max_workers=j.max_workers,
+            current=expected[j.job_id],
+            previous_priority=j.priority,
+        )
+        for j in jobs
+    ]
+    assert shares_of(compute_shares(settled, 4, PRIO)) == expected
+
+
+def test_a_priority_change_under_fairshare_changes_nothing() -> None:
+    jobs = [job("j1", prio=10000, was=5000, cur=1), job("j2", cur=3)]
+    assert shares_of(compute_shares(jobs, 5, FAIR)) == {"j1": 2, "j2": 3}
 
 
 def test_before_j4_finished_the_shares_were_4_2_4_1() -> None:

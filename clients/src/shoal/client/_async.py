@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
 import logging
-import tarfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
@@ -37,25 +35,16 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 def pack_directory(directory: str | Path) -> bytes:
     """A deterministic tar.gz of a model directory (sorted names, zeroed times and owners), so
-    the same directory always has the same content address."""
+    the same directory always has the same content address; what ``.gitignore`` and
+    ``.shoalignore`` exclude is left out."""
     root = Path(directory)
     if not root.is_dir():
         raise ShoalClientError(
             "INVALID_ARGUMENT", f"model directory ({str(root)!r}) is not a directory"
         )
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for path in sorted(root.rglob("*")):
-            if "__pycache__" in path.parts or path.suffix == ".pyc":
-                continue
-            info = tar.gettarinfo(str(path), arcname=str(path.relative_to(root)))
-            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-            if path.is_file():
-                with path.open("rb") as fh:
-                    tar.addfile(info, fh)
-            else:
-                tar.addfile(info)
-    return buf.getvalue()
+    from shoal.client.packing import pack
+
+    return pack(root).data  # .gitignore / .shoalignore honoured (shoal.client.packing)
 
 
 class _Endpoints:

@@ -40,11 +40,19 @@ class _JobStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobState.Val
     """The job failed; `state_reason` says why."""
     JOB_STATE_CANCELLED: _JobState.ValueType  # 6
     """The job was cancelled."""
+    JOB_STATE_RECOVERING: _JobState.ValueType  # 7
+    """The job's data plane is down or re-forming (its coordinator shard is unreachable or lost
+    the job, or the job made no progress for the scheduler's stall timeout and is retried from
+    its latest checkpoint); `state_reason` says what was lost, at which iteration, and what is
+    being done. It goes back to RUNNING once an iteration commits again, or to FAILED after a
+    bounded number of automatic retries.
+    """
 
 class JobState(_JobState, metaclass=_JobStateEnumTypeWrapper):
     """JobState is a job's lifecycle. It is output only: verbs (SubmitJob, CancelJob) change it.
     Allowed transitions: QUEUED -> RUNNING | CANCELLED | FAILED; RUNNING -> QUEUED (all its
-    learners were preempted or lost; it resumes from its latest checkpoint) | COMPLETED | FAILED |
+    learners were preempted or lost; it resumes from its latest checkpoint) | RECOVERING |
+    COMPLETED | FAILED | CANCELLING; RECOVERING -> RUNNING | QUEUED | COMPLETED | FAILED |
     CANCELLING; CANCELLING -> CANCELLED.
     """
 
@@ -62,6 +70,13 @@ JOB_STATE_FAILED: JobState.ValueType  # 5
 """The job failed; `state_reason` says why."""
 JOB_STATE_CANCELLED: JobState.ValueType  # 6
 """The job was cancelled."""
+JOB_STATE_RECOVERING: JobState.ValueType  # 7
+"""The job's data plane is down or re-forming (its coordinator shard is unreachable or lost
+the job, or the job made no progress for the scheduler's stall timeout and is retried from
+its latest checkpoint); `state_reason` says what was lost, at which iteration, and what is
+being done. It goes back to RUNNING once an iteration commits again, or to FAILED after a
+bounded number of automatic retries.
+"""
 Global___JobState: _TypeAlias = JobState  # noqa: Y015
 
 class _SyncMode:

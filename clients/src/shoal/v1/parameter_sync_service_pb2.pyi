@@ -120,6 +120,8 @@ class TensorBundleHeader(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _builtins.int
     LOSS_SUM_FIELD_NUMBER: _builtins.int
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    GRAD_NORM_FIELD_NUMBER: _builtins.int
+    STEP_SKIPPED_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     sender_id: _builtins.str
@@ -136,6 +138,12 @@ class TensorBundleHeader(_message.Message):
     """The sum of the per-sample losses over those samples (gradient streams only)."""
     learning_rate: _builtins.float
     """The learning rate for this iteration (gradient streams only; 0 keeps the optimizer's)."""
+    grad_norm: _builtins.float
+    """Shard to learner, when the job clips or skips: the 2-norm of the iteration's whole mean
+    gradient before clipping (+inf when not finite); 0 otherwise.
+    """
+    step_skipped: _builtins.bool
+    """Shard to learner: the optimizer step was skipped (the gradient was not finite)."""
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]:
         """The tensors in the stream."""
@@ -152,10 +160,12 @@ class TensorBundleHeader(_message.Message):
         num_samples: _builtins.int = ...,
         loss_sum: _builtins.float = ...,
         learning_rate: _builtins.float = ...,
+        grad_norm: _builtins.float = ...,
+        step_skipped: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "iteration", b"iteration", "job_id", b"job_id", "learning_rate", b"learning_rate", "loss_sum", b"loss_sum", "num_samples", b"num_samples", "sender_id", b"sender_id", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "grad_norm", b"grad_norm", "iteration", b"iteration", "job_id", b"job_id", "learning_rate", b"learning_rate", "loss_sum", b"loss_sum", "num_samples", b"num_samples", "sender_id", b"sender_id", "step_skipped", b"step_skipped", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -169,19 +179,31 @@ class OptimizerSpec(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     HYPERPARAMETERS_JSON_FIELD_NUMBER: _builtins.int
+    CLIP_GRAD_NORM_FIELD_NUMBER: _builtins.int
+    SKIP_NONFINITE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The class name in torch.optim, for example "SGD" or "AdamW"."""
     hyperparameters_json: _builtins.str
     """The constructor's keyword arguments as a JSON object, for example {"lr": 0.1}."""
+    clip_grad_norm: _builtins.float
+    """Clip the job's global gradient (all shards' slices together) to this 2-norm before every
+    step, as torch.nn.utils.clip_grad_norm_ does on one process; 0 for no clipping.
+    """
+    skip_nonfinite: _builtins.bool
+    """Skip the optimizer step of an iteration whose global gradient is not finite (float16 loss
+    scaling: every shard skips alike, as GradScaler.step skips on one process).
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         hyperparameters_json: _builtins.str = ...,
+        clip_grad_norm: _builtins.float = ...,
+        skip_nonfinite: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hyperparameters_json", b"hyperparameters_json", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_grad_norm", b"clip_grad_norm", "hyperparameters_json", b"hyperparameters_json", "name", b"name", "skip_nonfinite", b"skip_nonfinite"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1229,6 +1251,7 @@ class ShardReadyRequest(_message.Message):
     SHARD_INDEX_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     ITERATION_FIELD_NUMBER: _builtins.int
+    GRAD_SQ_NORM_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     shard_index: _builtins.int
@@ -1237,6 +1260,10 @@ class ShardReadyRequest(_message.Message):
     """The generation."""
     iteration: _builtins.int
     """The global iteration."""
+    grad_sq_norm: _builtins.float
+    """The squared 2-norm of this shard's slice of the iteration's mean gradient, when the job
+    clips its gradient (0 otherwise): the coordinator sums them into the global norm.
+    """
     def __init__(
         self,
         *,
@@ -1244,10 +1271,11 @@ class ShardReadyRequest(_message.Message):
         shard_index: _builtins.int = ...,
         generation: _builtins.int = ...,
         iteration: _builtins.int = ...,
+        grad_sq_norm: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "iteration", b"iteration", "job_id", b"job_id", "shard_index", b"shard_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "grad_sq_norm", b"grad_sq_norm", "iteration", b"iteration", "job_id", b"job_id", "shard_index", b"shard_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1280,6 +1308,7 @@ class ResolveIterationRequest(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     ITERATION_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
+    GRAD_NORM_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     generation: _builtins.int
@@ -1288,6 +1317,10 @@ class ResolveIterationRequest(_message.Message):
     """The global iteration."""
     commit: _builtins.bool
     """True to apply the optimizer step; false to drop the partial sums."""
+    grad_norm: _builtins.float
+    """With commit, when the job clips its gradient: the 2-norm of the iteration's whole mean
+    gradient (the square root of the sum of the shards' grad_sq_norm; +inf when not finite).
+    """
     def __init__(
         self,
         *,
@@ -1295,10 +1328,11 @@ class ResolveIterationRequest(_message.Message):
         generation: _builtins.int = ...,
         iteration: _builtins.int = ...,
         commit: _builtins.bool = ...,
+        grad_norm: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "generation", b"generation", "iteration", b"iteration", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "generation", b"generation", "grad_norm", b"grad_norm", "iteration", b"iteration", "job_id", b"job_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

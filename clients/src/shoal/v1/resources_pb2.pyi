@@ -441,6 +441,7 @@ class LogLine(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     TIME_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
     learner_id: _builtins.str
     """The learner that printed it."""
     stream: Global___LogStream.ValueType
@@ -449,9 +450,13 @@ class LogLine(_message.Message):
     """The line without its newline."""
     offset: _builtins.int
     """The byte offset of the line in the learner's log; resume a stream from here."""
+    host_id: _builtins.str
+    """The host the learner ran on."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
-        """When the agent read it."""
+        """When the learner wrote it, as its host's clock read (the time the agent served it for
+        lines its log recorded without a time).
+        """
 
     def __init__(
         self,
@@ -461,10 +466,11 @@ class LogLine(_message.Message):
         text: _builtins.str = ...,
         time: _timestamp_pb2.Timestamp | None = ...,
         offset: _builtins.int = ...,
+        host_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["learner_id", b"learner_id", "offset", b"offset", "stream", b"stream", "text", b"text", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host_id", b"host_id", "learner_id", b"learner_id", "offset", b"offset", "stream", b"stream", "text", b"text", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

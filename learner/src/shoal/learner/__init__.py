@@ -12,7 +12,7 @@ Run as ``python train.py`` it trains in-process (the ``local`` backend); started
 host-agent it joins its job and synchronizes through the backend the environment names.
 """
 
-from shoal.learner import env, partition
+from shoal.learner import data, env, partition
 from shoal.learner.backend import (
     Assignment,
     BackendFactory,
@@ -34,20 +34,24 @@ from shoal.learner.backend import (
     register_backend,
     registered_backends,
 )
+from shoal.learner.callbacks import Callback, LoggingCallback
 from shoal.learner.env import LearnerEnv
 from shoal.learner.metrics import accuracy, classification_metrics
 from shoal.learner.trainer import (
     ElasticTrainer,
     EpochResult,
     IterationRecord,
+    MixedPrecision,
     TrainResult,
     compute_contribution,
+    configure_default_logging,
     evaluate,
 )
 
 __all__ = [
     "Assignment",
     "BackendFactory",
+    "Callback",
     "Contribution",
     "ElasticTrainer",
     "EpochReport",
@@ -57,6 +61,8 @@ __all__ = [
     "IterationRecord",
     "LearnerEnv",
     "LocalBackend",
+    "LoggingCallback",
+    "MixedPrecision",
     "ModelState",
     "OptimizerSpec",
     "SyncBackend",
@@ -68,7 +74,9 @@ __all__ = [
     "accuracy",
     "classification_metrics",
     "compute_contribution",
+    "configure_default_logging",
     "create_backend",
+    "data",
     "env",
     "evaluate",
     "get_backend",

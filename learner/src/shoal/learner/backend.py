@@ -63,13 +63,16 @@ __all__ = [
     "TensorSpec",
     "TrainingPlan",
     "TrainingSetup",
+    "apply_gradient_policy",
     "create_backend",
     "get_backend",
+    "global_grad_norm",
     "load_latest_checkpoint",
     "reduce_contributions",
     "register_backend",
     "registered_backends",
     "save_checkpoint",
+    "set_learning_rate",
 ]
 
 
@@ -160,18 +163,43 @@ class OptimizerSpec:
 
     name: str
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: Parameter groups by parameter name: ``((names, overrides), ...)``; the parameters no
+    #: group names form a last group with the optimizer's defaults. Empty: one group.
+    groups: tuple[tuple[tuple[str, ...], Mapping[str, Any]], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"optimizer name ({self.name!r}) must be a non-empty str")
         if not isinstance(self.kwargs, Mapping):
             raise ValueError(f"optimizer kwargs ({self.kwargs!r}) must be a mapping")
+        object.__setattr__(self, "kwargs", self._clean(self.kwargs))
+        groups = []
+        seen: set[str] = set()
+        for i, group in enumerate(self.groups):
+            if not (isinstance(group, (tuple, list)) and len(group) == 2):
+                raise ValueError(f"param group {i} ({group!r}) must be (names, overrides)")
+            names, overrides = group
+            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"param group {i} names ({names!r}) must be parameter names")
+            for n in names:
+                if n in seen:
+                    raise ValueError(f"parameter {n!r} is in more than one param group")
+                seen.add(n)
+            if not isinstance(overrides, Mapping) or "params" in overrides:
+                raise ValueError(
+                    f"param group {i} overrides ({overrides!r}) must be a mapping without 'params'"
+                )
+            groups.append((tuple(names), self._clean(overrides)))
+        object.__setattr__(self, "groups", tuple(groups))
+
+    @staticmethod
+    def _clean(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         clean = {}
-        for key, value in self.kwargs.items():
+        for key, value in kwargs.items():
             if not isinstance(key, str):
                 raise ValueError(f"optimizer argument name ({key!r}) must be a str")
             clean[key] = _check_plain(key, value)
-        object.__setattr__(self, "kwargs", clean)
+        return clean
 
     @classmethod
     def parse(cls, optimizer: OptimizerLike) -> OptimizerSpec:
@@ -229,22 +257,64 @@ class OptimizerSpec:
             )
         return obj
 
-    def create(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-        """Build the optimizer over ``params``; bad arguments raise ``ValueError``."""
+    def create(
+        self, params: Iterable[torch.Tensor], names: Sequence[str] | None = None
+    ) -> torch.optim.Optimizer:
+        """Build the optimizer over ``params`` (named ``names``, needed with :attr:`groups`);
+        bad arguments raise ``ValueError``. With groups, each group also records
+        ``lr_scale``, its ``lr`` over the optimizer's default, so that a learning-rate
+        schedule (:func:`set_learning_rate`) keeps the groups' ratios."""
         klass = self.optimizer_class()
+        target: Any = params
+        if self.groups:
+            params = list(params)
+            if names is None or len(names) != len(params):
+                raise ValueError("an optimizer with param groups needs every parameter's name")
+            by_name = dict(zip(names, params, strict=True))
+            listed: set[str] = set()
+            target = []
+            for group_names, overrides in self.groups:
+                unknown = [n for n in group_names if n not in by_name]
+                if unknown:
+                    raise ValueError(f"param group names unknown parameters {unknown!r}")
+                listed.update(group_names)
+                target.append({"params": [by_name[n] for n in group_names], **overrides})
+            rest = [p for n, p in zip(names, params, strict=True) if n not in listed]
+            if rest:
+                target.append({"params": rest})
         try:
-            return klass(params, **self.kwargs)
+            optimizer = klass(target, **self.kwargs)
         except (TypeError, ValueError) as exc:
             raise ValueError(
-                f"optimizer {self.name} rejected its arguments {dict(self.kwargs)!r}: {exc}"
+                f"optimizer {self.name} rejected its arguments {dict(self.kwargs)!r} "
+                f"(groups {[dict(o) for _, o in self.groups]!r}): {exc}"
             ) from exc
+        if self.groups:
+            base = optimizer.defaults.get("lr")
+            for group in optimizer.param_groups:
+                lr = group.get("lr")
+                ok = isinstance(base, (int, float)) and base > 0 and isinstance(lr, (int, float))
+                group["lr_scale"] = float(lr) / float(base) if ok else 1.0
+        return optimizer
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kwargs": dict(self.kwargs)}
+        data: dict[str, Any] = {"name": self.name, "kwargs": dict(self.kwargs)}
+        if self.groups:
+            data["groups"] = [[list(n), dict(o)] for n, o in self.groups]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OptimizerSpec:
-        return cls(str(data["name"]), dict(data.get("kwargs", {})))
+        groups = tuple((tuple(n), dict(o)) for n, o in data.get("groups", []))
+        return cls(str(data["name"]), dict(data.get("kwargs", {})), groups)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set a schedule's ``lr`` on every parameter group, times the group's ``lr_scale`` (its
+    own ``lr`` over the optimizer's, recorded by :meth:`OptimizerSpec.create`; 1 without
+    groups), as ``torch.optim.lr_scheduler.LambdaLR`` scales every group's base rate."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 @dataclass(frozen=True)
@@ -346,6 +416,18 @@ class TrainingSetup:
     buffer_specs: tuple[TensorSpec, ...]
     params: Sequence[torch.Tensor]
     buffers: Sequence[torch.Tensor]
+    clip_grad_norm: float | None = None
+    skip_nonfinite: bool = False
+
+    def __post_init__(self) -> None:
+        clip = self.clip_grad_norm
+        if clip is not None and (
+            isinstance(clip, bool)
+            or not isinstance(clip, (int, float))
+            or not math.isfinite(clip)
+            or clip <= 0
+        ):
+            raise ValueError(f"clip_grad_norm ({clip!r}) must be None or a finite number > 0")
 
 
 @dataclass(frozen=True)
@@ -457,12 +539,19 @@ class SyncResult:
     every member, its global ``step``, and the iteration's global mean training loss
     (``sum loss_sum / sum n_samples``) or None when this learner cannot know it yet (the
     coordinator learns the members' loss sums at the next boundary). A backend may reuse these
-    tensors on its next call: the trainer copies them into the model at once."""
+    tensors on its next call: the trainer copies them into the model at once.
+
+    ``grad_norm`` is the 2-norm of the global (reduced) gradient before clipping, when the
+    backend computed it (it does with ``TrainingSetup.clip_grad_norm`` or ``skip_nonfinite``);
+    ``skipped`` is true when the optimizer step was skipped because that gradient was not
+    finite (only with ``skip_nonfinite``: float16 loss scaling)."""
 
     params: Sequence[torch.Tensor]
     buffers: Sequence[torch.Tensor]
     step: int
     loss: float | None = None
+    grad_norm: float | None = None
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -543,6 +632,44 @@ def reduce_contributions(contributions: Sequence[Contribution]) -> Contribution:
     return Contribution(grads, total, loss_sum, buffers)
 
 
+@torch.no_grad()
+def global_grad_norm(grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """The 2-norm of all of ``grads`` together (None entries skipped), computed as
+    ``torch.nn.utils.clip_grad_norm_`` does: the norm of the per-tensor norms."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return torch.zeros((), dtype=torch.float32)
+    norms = [torch.linalg.vector_norm(g.detach(), 2.0) for g in present]
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+
+
+@torch.no_grad()
+def apply_gradient_policy(
+    grads: Sequence[torch.Tensor | None], setup: TrainingSetup
+) -> tuple[float | None, bool]:
+    """Apply ``setup``'s clipping to the *global* (already reduced) gradient ``grads`` in
+    place, as ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` would on one process:
+    multiply every gradient by ``min(1, max_norm / (norm + 1e-6))``.
+
+    Returns ``(norm before clipping, skip)``: ``skip`` is true when ``setup.skip_nonfinite``
+    and the norm is not finite (an inf/NaN anywhere), in which case the caller must not step
+    the optimizer, as ``torch.amp.GradScaler.step`` skips it. Without clipping or skipping the
+    gradient is left alone and the norm is not computed (``(None, False)``)."""
+    if setup.clip_grad_norm is None and not setup.skip_nonfinite:
+        return None, False
+    norm = global_grad_norm(grads)
+    value = float(norm)
+    if setup.skip_nonfinite and not math.isfinite(value):
+        return value, True
+    if setup.clip_grad_norm is not None:
+        coef = torch.clamp(float(setup.clip_grad_norm) / (norm + 1e-6), max=1.0)
+        for g in grads:
+            if g is not None:
+                g.mul_(coef.to(g.device, g.dtype))
+    return value, False
+
+
 # --------------------------------------------------------------------------------------------
 # The interface
 # --------------------------------------------------------------------------------------------
@@ -578,8 +705,10 @@ class SyncBackend(ABC):
     ) -> SyncResult:
         """Contribute this learner's part of ``assignment``'s iteration and wait for the
         update: the backend combines all members' contributions by
-        :func:`reduce_contributions`, sets ``lr`` (when not None) on every parameter group,
-        runs the optimizer once, and returns the new parameters and buffers. Raises
+        :func:`reduce_contributions`, applies the setup's clipping to the combined gradient
+        (:func:`apply_gradient_policy`), sets ``lr`` (when not None) on every parameter group,
+        runs the optimizer once (not at all when the policy says skip), and returns the new
+        parameters and buffers. Raises
         :class:`IterationAborted` when the iteration was aborted. The backend also writes
         checkpoints when the completed step calls for one (``TrainingPlan.is_checkpoint_step``)
         and the final model at the end of the job."""
@@ -841,7 +970,7 @@ class LocalBackend(SyncBackend):
         self._plan = setup.plan
         self._params = [p.detach().clone().requires_grad_(p.requires_grad) for p in setup.params]
         self._buffers = [b.detach().clone() for b in setup.buffers]
-        self._optimizer = setup.optimizer.create(self._params)
+        self._optimizer = setup.optimizer.create(self._params, [s.name for s in setup.param_specs])
         if self._storage_uri is not None and self._resume:
             checkpoint = load_latest_checkpoint(self._storage_uri)
             if checkpoint is not None:
@@ -899,11 +1028,15 @@ class LocalBackend(SyncBackend):
                 f"expected {len(self._params)}"
             )
         if lr is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-        for p, g in zip(self._params, contribution.grads, strict=True):
+            set_learning_rate(optimizer, lr)
+        setup = self._setup
+        assert setup is not None
+        grads = list(contribution.grads)
+        grad_norm, skipped = apply_gradient_policy(grads, setup)
+        for p, g in zip(self._params, grads, strict=True):
             p.grad = g
-        optimizer.step()
+        if not skipped:
+            optimizer.step()
         for p in self._params:
             p.grad = None
         with torch.no_grad():
@@ -916,7 +1049,7 @@ class LocalBackend(SyncBackend):
         self._step += 1
         if self._storage_uri is not None and plan.is_checkpoint_step(step):
             self._checkpoint(self._step)
-        return SyncResult(self._params, self._buffers, step, loss)
+        return SyncResult(self._params, self._buffers, step, loss, grad_norm, skipped)
 
     def _checkpoint(self, completed: int) -> None:
         setup, plan, optimizer = self._setup, self._plan, self._optimizer

@@ -57,8 +57,10 @@ from shoal.learner.backend import (
     ModelState,
     SyncResult,
     TrainingSetup,
+    apply_gradient_policy,
     register_backend,
     registered_backends,
+    set_learning_rate,
 )
 from shoal.learner.grpc_backend import GrpcBackend
 from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
@@ -85,6 +87,7 @@ class _Pending:
     grads: list[torch.Tensor | None]
     buffers: list[torch.Tensor]
     lr: float | None
+    skip_step: bool = False  # the global gradient was not finite (float16 loss scaling)
 
 
 class CollectiveBackend(GrpcBackend):
@@ -139,7 +142,7 @@ class CollectiveBackend(GrpcBackend):
         # The model's own tensors: the optimizer steps them in place.
         self._params = [p.detach() for p in setup.params]
         self._buffers = list(setup.buffers)
-        self._optimizer = setup.optimizer.create(self._params)
+        self._optimizer = setup.optimizer.create(self._params, [s.name for s in setup.param_specs])
         if self._params:
             self._device = self._params[0].device
         md = self._md()  # the trace context of the join span, when tracing
@@ -226,11 +229,11 @@ class CollectiveBackend(GrpcBackend):
         optimizer = self._optimizer
         assert optimizer is not None
         if p.lr is not None:
-            for group in optimizer.param_groups:
-                group["lr"] = p.lr
+            set_learning_rate(optimizer, p.lr)
         for param, grad in zip(self._params, p.grads, strict=True):
             param.grad = grad
-        optimizer.step()
+        if not p.skip_step:
+            optimizer.step()
         for param in self._params:
             param.grad = None
         for dst, src in zip(self._buffers, p.buffers, strict=True):
@@ -436,7 +439,10 @@ class CollectiveBackend(GrpcBackend):
                 self._exchange(generation=assignment.generation, failed=True, md=self._md())
             )
             raise IterationAborted(f"collective failed: {failure}")
-        self._pending = _Pending(assignment.step, grads, buffers, lr)
+        # Every member holds the same reduced gradient: clipping it here is clipping the
+        # global gradient, and every member decides the same about a non-finite one.
+        grad_norm, skip_step = apply_gradient_policy(grads, setup)
+        self._pending = _Pending(assignment.step, grads, buffers, lr, skip_step)
         reply = self._run(
             self._exchange(
                 generation=assignment.generation,
@@ -458,7 +464,9 @@ class CollectiveBackend(GrpcBackend):
             raise IterationAborted(
                 f"iteration {assignment.step} was aborted by the coordinator (a member failed)"
             )
-        return SyncResult(self._params, self._buffers, assignment.step, loss_sum / total)
+        return SyncResult(
+            self._params, self._buffers, assignment.step, loss_sum / total, grad_norm, skip_step
+        )
 
     @torch.no_grad()
     def _reduce(
@@ -555,9 +563,10 @@ class CollectiveBackend(GrpcBackend):
         for spec, t in zip(setup.buffer_specs, self._buffers, strict=True):
             tensors[f"buffer/{spec.name}"] = t.detach().cpu().clone().contiguous()
         state = optimizer.state_dict()
+        order = self._state_order()
         plain: dict[str, dict[str, Any]] = {}
         for index, entry in state["state"].items():
-            name = setup.param_specs[int(index)].name
+            name = setup.param_specs[order[int(index)]].name
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor):
                     tensors[f"optim/{name}/{key}"] = value.detach().cpu().clone().contiguous()
@@ -626,16 +635,30 @@ class CollectiveBackend(GrpcBackend):
                     raise RuntimeError(f"checkpoint {directory} lacks {kind} {spec.name!r}")
                 dst.copy_(src)
         state: dict[int, dict[str, Any]] = {}
-        for i, spec in enumerate(setup.param_specs):
+        for i, j in enumerate(self._state_order()):
+            spec = setup.param_specs[j]
             entry = dict(plain.get(spec.name, {}))
             prefix = f"optim/{spec.name}/"
             entry.update({k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)})
             if entry:
                 state[i] = entry
-        group = {**(groups or [{}])[0], "params": list(range(len(self._params)))}
-        optimizer.load_state_dict({"state": state, "param_groups": [group]})
+        # state_dict() numbers the parameters group after group: rebuild that numbering.
+        new_groups, start = [], 0
+        for g, current in enumerate(optimizer.param_groups):
+            saved = groups[g] if g < len(groups) else {}
+            count = len(current["params"])
+            new_groups.append({**saved, "params": list(range(start, start + count))})
+            start += count
+        optimizer.load_state_dict({"state": state, "param_groups": new_groups})
         self._state_step = step
         log.info("state restored from checkpoint %s (%d iterations)", directory, step)
+
+    def _state_order(self) -> list[int]:
+        """For each index of ``optimizer.state_dict()`` (parameters numbered group after
+        group), the spec index of that parameter (the identity without param groups)."""
+        assert self._optimizer is not None
+        position = {id(p): j for j, p in enumerate(self._params)}
+        return [position[id(p)] for g in self._optimizer.param_groups for p in g["params"]]
 
     # -- the rest -----------------------------------------------------------------------------
 

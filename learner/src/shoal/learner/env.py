@@ -44,6 +44,14 @@ OTEL_EXPORTER_OTLP_ENDPOINT unset (no tracing)      OTLP/gRPC collector for the 
 SHOAL_EPOCHS                unset                   Job settings; when set they win over the
 SHOAL_BATCH_SIZE            unset                   script's arguments (on the cluster the job,
 SHOAL_SEED                  unset                   not the script, decides them).
+SHOAL_DATASET_URIS          empty                   Comma-separated dataset URIs of the job
+                                                    (``shoal submit --dataset``): ``file://``,
+                                                    ``s3://``, ``gs://``... read through fsspec
+                                                    (``shoal.learner.data``); handed to
+                                                    ``get_datasets`` when it takes an argument.
+SHOAL_TRAIN_MARKER          unset                   File the learner touches when the script
+                                                    calls ``Trainer.train()``; the host agent
+                                                    fails a learner that exits 0 without it.
 =========================== ======================= =============================================
 """
 
@@ -60,6 +68,7 @@ __all__ = [
     "LearnerEnv",
     "batch_size",
     "coordinator",
+    "dataset_uris",
     "epochs",
     "generation",
     "job_id",
@@ -167,6 +176,12 @@ def max_batch_per_device(environ: Mapping[str, str] | None = None) -> int | None
     return _int("SHOAL_MAX_BATCH_PER_DEVICE", environ, 1)
 
 
+def train_marker(environ: Mapping[str, str] | None = None) -> str | None:
+    """SHOAL_TRAIN_MARKER: the file touched when the script calls ``Trainer.train()`` (set by
+    the host agent; unset standalone)."""
+    return _str("SHOAL_TRAIN_MARKER", environ)
+
+
 def storage_uri(environ: Mapping[str, str] | None = None) -> str | None:
     """SHOAL_STORAGE_URI: fsspec URI for checkpoints, metrics and the final model (default:
     none, so a standalone run writes nothing)."""
@@ -227,6 +242,22 @@ def seed(environ: Mapping[str, str] | None = None) -> int | None:
     return _int("SHOAL_SEED", environ, 0)
 
 
+def dataset_uris(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """SHOAL_DATASET_URIS: the job's dataset URIs, comma-separated (default: none). Each must
+    name a scheme (``s3://bucket/key``) or be an absolute path."""
+    raw = _str("SHOAL_DATASET_URIS", environ)
+    if raw is None:
+        return ()
+    uris = tuple(u.strip() for u in raw.split(","))
+    for uri in uris:
+        if not uri or (not uri.startswith("/") and "://" not in uri):
+            raise ValueError(
+                f"SHOAL_DATASET_URIS ({raw!r}) holds {uri!r}: each URI must name a scheme "
+                "(s3://bucket/key, file:///path) or be an absolute path"
+            )
+    return uris
+
+
 @dataclass(frozen=True)
 class LearnerEnv:
     """All of the contract read at once (see the module docstring for each field)."""
@@ -249,6 +280,7 @@ class LearnerEnv:
     epochs: int | None = None
     batch_size: int | None = None
     seed: int | None = None
+    dataset_uris: tuple[str, ...] = ()
 
     @property
     def standalone(self) -> bool:
@@ -277,4 +309,5 @@ class LearnerEnv:
             epochs=epochs(environ),
             batch_size=batch_size(environ),
             seed=seed(environ),
+            dataset_uris=dataset_uris(environ),
         )

@@ -264,6 +264,12 @@ class GrpcBackend(SyncBackend):
         return self._plan
 
     def initialize(self, setup: TrainingSetup) -> InitialState:
+        if setup.optimizer.groups:
+            raise ValueError(
+                f"param groups ({len(setup.optimizer.groups)} given) need the collective sync "
+                "mode (shoal submit --sync-mode collective) or standalone; the "
+                "parameter-server shards build one group over their slice"
+            )
         self._begin(setup)
         self._recv = [torch.empty(m.shape, dtype=m.torch_dtype) for m in self._layout]
         self._recv_bytes = [_bytes_of(t) for t in self._recv]
@@ -293,6 +299,8 @@ class GrpcBackend(SyncBackend):
             optimizer=ps_pb2.OptimizerSpec(
                 name=setup.optimizer.name,
                 hyperparameters_json=json.dumps(dict(setup.optimizer.kwargs), sort_keys=True),
+                clip_grad_norm=setup.clip_grad_norm or 0.0,
+                skip_nonfinite=setup.skip_nonfinite,
             ),
             dataset_size=setup.plan.num_samples,
             sync_mode=self.SYNC_MODE,  # type: ignore[arg-type]
@@ -485,8 +493,16 @@ class GrpcBackend(SyncBackend):
             contribution.n_samples,
         )
         loss = loss_sum / total if total else float("nan")
+        setup = self._setup
+        measured = setup is not None and (setup.clip_grad_norm is not None or setup.skip_nonfinite)
+        # Every shard committed with the same global norm and skip decision.
         return SyncResult(
-            self._recv[:n_params], self._recv[n_params:], assignment.step, float(loss)
+            self._recv[:n_params],
+            self._recv[n_params:],
+            assignment.step,
+            float(loss),
+            grad_norm=headers[0].grad_norm if measured and headers else None,
+            skipped=any(h.step_skipped for h in headers),
         )
 
     async def _sync(

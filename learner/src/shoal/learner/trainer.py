@@ -12,11 +12,16 @@ sample count, loss sum and buffers to the backend, and loads the parameters it g
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import inspect
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
 import torch
@@ -29,6 +34,7 @@ from shoal.learner.backend import (
     Contribution,
     EpochReport,
     IterationAborted,
+    LocalBackend,
     OptimizerLike,
     OptimizerSpec,
     SyncBackend,
@@ -37,8 +43,11 @@ from shoal.learner.backend import (
     TrainingSetup,
     create_backend,
 )
-from shoal.learner.env import LearnerEnv
+from shoal.learner.callbacks import Callback, CallbackList
+from shoal.learner.env import LearnerEnv, train_marker
+from shoal.learner.loader import BatchFetcher
 from shoal.learner.metrics import MetricsFn, classification_metrics
+from shoal.learner.schedules import resolve_schedule
 from shoal.learner.tracing import LearnerTracing
 
 __all__ = [
@@ -47,8 +56,10 @@ __all__ = [
     "EpochResult",
     "IterationRecord",
     "LRSchedule",
+    "MixedPrecision",
     "TrainResult",
     "compute_contribution",
+    "configure_default_logging",
     "evaluate",
     "fetch_batch",
     "persistent_buffers",
@@ -56,8 +67,9 @@ __all__ = [
 
 logger = logging.getLogger("shoal.learner")
 
-#: ``() -> (train, test)``; ``test`` may be None (no evaluation). Items are ``(input, target)``.
-DatasetsFn: TypeAlias = Callable[[], tuple[Dataset[Any], Dataset[Any] | None]]
+#: ``() -> (train, test)``, or ``(dataset_uris) -> (train, test)``; ``test`` may be None (no
+#: evaluation). Items are ``(input, target)``.
+DatasetsFn: TypeAlias = Callable[..., tuple[Dataset[Any], Dataset[Any] | None]]
 #: Learning rate of a global iteration (or of an epoch, with ``lr_schedule_unit="epoch"``).
 LRSchedule: TypeAlias = Callable[[int], float]
 LossFn: TypeAlias = Callable[[Any, Any], torch.Tensor]
@@ -80,6 +92,9 @@ class IterationRecord:
     loss: float | None
     share_loss: float
     lr: float | None
+    grad_norm: float | None = None
+    skipped: bool = False
+    loss_scale: float | None = None
 
     @property
     def best_loss(self) -> float:
@@ -118,7 +133,9 @@ class TrainResult:
     iteration this learner completed; ``epochs`` one result per epoch it evaluated (on the
     cluster only the learner of rank 0 at an epoch's end evaluates). ``retired`` is true when
     the coordinator retired this learner before the job ended; ``completed`` when the job ran
-    all its iterations.
+    all its iterations. ``is_primary`` is true on exactly one learner of a completed job: the
+    one of rank 0 in the job's last iteration (always standalone); code after ``train()``
+    that writes files or prints summaries should run only where it is true.
     """
 
     plan: TrainingPlan
@@ -127,6 +144,7 @@ class TrainResult:
     epochs: list[EpochResult] = field(default_factory=list)
     retired: bool = False
     completed: bool = False
+    is_primary: bool = False
 
     @property
     def losses(self) -> list[float]:
@@ -192,6 +210,9 @@ def compute_contribution(
     *,
     max_per_device: int | None = None,
     device: torch.device | str | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    loss_scale: float | None = None,
+    fetcher: BatchFetcher | None = None,
 ) -> Contribution:
     """Run forward and backward over the share ``indices`` of ``dataset`` and return this
     learner's :class:`Contribution`: the mean gradient over the share, its size, the sum of
@@ -202,6 +223,15 @@ def compute_contribution(
     micro-batch of ``m`` of the share's ``n`` samples backpropagates ``loss * m / n``, so the
     accumulated gradient is the mean over the whole share. (With BatchNorm, micro-batches see
     their own batch statistics, as on any device that cannot hold the whole share.)
+
+    With ``autocast_dtype`` the forward pass and the loss run under ``torch.autocast`` of that
+    dtype. With ``loss_scale`` (float16) the backward pass runs on ``loss * loss_scale`` and the
+    gradients are unscaled before they are returned (multiplied by ``1 / loss_scale``, as
+    ``GradScaler.unscale_`` does), so the backend always receives unscaled gradients; an
+    overflow shows as inf/NaN in them. (The trainer passes the job's scale times the share's
+    fraction of the global batch, so that each sample's term is scaled as on one process.)
+    With ``fetcher`` the micro-batches are fetched by its worker processes (the same samples,
+    prefetched).
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     params = [p for _, p in model.named_parameters()]
@@ -210,14 +240,32 @@ def compute_contribution(
     if n == 0:
         return Contribution([None] * len(params), 0, 0.0, [b for _, b in persistent_buffers(model)])
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for chunk in partition.micro_batches(indices, max_per_device):
-        inputs, targets = _split(_to_device(fetch_batch(dataset, chunk), device))
-        loss = loss_fn(model(inputs), targets)
+    chunks = list(partition.micro_batches(indices, max_per_device))
+    fetched = (
+        fetcher.batches(chunks)
+        if fetcher is not None
+        else (fetch_batch(dataset, chunk) for chunk in chunks)
+    )
+    for chunk, batch in zip(chunks, fetched, strict=True):
+        inputs, targets = _split(_to_device(batch, device))
+        if autocast_dtype is None:
+            loss = loss_fn(model(inputs), targets)
+        else:
+            with torch.autocast(device.type, dtype=autocast_dtype):
+                loss = loss_fn(model(inputs), targets)
         m = int(chunk.numel())
-        (loss if m == n else loss * (m / n)).backward()
+        scaled = loss if loss_scale is None else loss * loss_scale
+        (scaled if m == n else scaled * (m / n)).backward()
         loss_sum += loss.detach().to(torch.float64) * m
+    grads = [p.grad for p in params]
+    if loss_scale is not None:
+        inv_scale = torch.tensor(1.0 / loss_scale, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for g in grads:
+                if g is not None:
+                    g.mul_(inv_scale.to(g.dtype))
     buffers = [b for _, b in persistent_buffers(model)]
-    return Contribution([p.grad for p in params], n, float(loss_sum), buffers)
+    return Contribution(grads, n, float(loss_sum), buffers)
 
 
 @torch.no_grad()
@@ -260,6 +308,142 @@ def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _with_groups(
+    spec: OptimizerSpec,
+    model: nn.Module,
+    param_groups: Callable[[nn.Module], Sequence[Mapping[str, Any]]],
+) -> OptimizerSpec:
+    """``spec`` with the groups ``param_groups(model)`` returns, by parameter name."""
+    if not callable(param_groups):
+        raise ValueError(f"param_groups ({param_groups!r}) must be a function of the model")
+    names = {id(p): n for n, p in model.named_parameters()}
+    known = set(names.values())
+    groups = []
+    for i, group in enumerate(param_groups(model)):
+        if not isinstance(group, Mapping) or "params" not in group:
+            raise ValueError(f"param group {i} ({group!r}) must be a dict with 'params'")
+        params = group["params"]
+        if isinstance(params, (torch.Tensor, str)):
+            params = [params]
+        group_names = []
+        for p in params:
+            name = p if isinstance(p, str) else names.get(id(p))
+            if name is None or name not in known:
+                shown = p if isinstance(p, str) else f"tensor of shape {tuple(p.shape)}"
+                raise ValueError(f"param group {i} holds {shown!r}, not a parameter of the model")
+            group_names.append(name)
+        overrides = {k: v for k, v in group.items() if k != "params"}
+        groups.append((tuple(group_names), overrides))
+    spec = dataclasses.replace(spec, groups=tuple(groups))
+    # Validate on stand-ins of the model's parameters (the real ones are not touched).
+    named = list(model.named_parameters())
+    spec.create([torch.zeros(1, requires_grad=True) for _ in named], [n for n, _ in named])
+    return spec
+
+
+_DEFAULT_HANDLER_NAME = "shoal-default-stderr"
+
+
+def configure_default_logging() -> bool:
+    """Send shoal's log records (INFO and up) to stderr when the script configured no logging
+    (neither the root logger nor the ``shoal`` logger has a handler). Returns whether it did.
+    A script that calls ``logging.basicConfig`` (or adds any handler) before ``train()`` keeps
+    full control."""
+    root, shoal = logging.getLogger(), logging.getLogger("shoal")
+    if root.handlers or shoal.handlers:
+        return False
+    handler = logging.StreamHandler(sys.stderr)
+    handler.name = _DEFAULT_HANDLER_NAME
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    shoal.addHandler(handler)
+    if shoal.level == logging.NOTSET:
+        shoal.setLevel(logging.INFO)
+    return True
+
+
+_AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Mixed precision: the forward pass and the loss under ``torch.autocast(dtype)``.
+
+    With ``float16`` the loss is scaled dynamically as ``torch.amp.GradScaler`` does, with the
+    same defaults and update rule: gradients are unscaled on each learner before they are
+    synchronized (the shards or the all-reduce see true gradients), an iteration whose global
+    gradient holds an inf/NaN is skipped by every learner alike, and the scale then shrinks
+    by ``backoff_factor``; after ``growth_interval`` good iterations it grows by
+    ``growth_factor``. ``bfloat16`` has float32's range and needs no scaling.
+    """
+
+    dtype: str = "bfloat16"
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _AMP_DTYPES:
+            raise ValueError(f"amp dtype ({self.dtype!r}) must be one of {sorted(_AMP_DTYPES)}")
+        for name in ("init_scale", "growth_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"amp {name} ({value!r}) must be a finite number > 0")
+        if not isinstance(self.backoff_factor, (int, float)) or not 0 < self.backoff_factor < 1:
+            raise ValueError(f"amp backoff_factor ({self.backoff_factor!r}) must be in (0, 1)")
+        if (
+            isinstance(self.growth_interval, bool)
+            or not isinstance(self.growth_interval, int)
+            or self.growth_interval < 1
+        ):
+            raise ValueError(f"amp growth_interval ({self.growth_interval!r}) must be an int >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _AMP_DTYPES[self.dtype]
+
+    @property
+    def scaling(self) -> bool:
+        """Whether the loss is scaled (float16)."""
+        return self.dtype == "float16"
+
+    @classmethod
+    def parse(cls, amp: MixedPrecision | str | torch.dtype | None) -> MixedPrecision | None:
+        """``None``, ``"bfloat16"``/``"float16"``, ``torch.bfloat16``/``torch.float16``, or a
+        :class:`MixedPrecision`."""
+        if amp is None or isinstance(amp, MixedPrecision):
+            return amp
+        if isinstance(amp, torch.dtype):
+            name = str(amp).removeprefix("torch.")
+            if name not in _AMP_DTYPES:
+                raise ValueError(f"amp ({amp!r}) must be torch.bfloat16 or torch.float16")
+            return cls(name)
+        if isinstance(amp, str):
+            return cls(amp)
+        raise ValueError(
+            f"amp ({amp!r}) must be None, 'bfloat16', 'float16', a torch dtype or MixedPrecision"
+        )
+
+
+class _LossScaler:
+    """The dynamic loss scale of one learner (``GradScaler``'s update rule, on the host)."""
+
+    def __init__(self, amp: MixedPrecision) -> None:
+        self.amp = amp
+        self.scale = float(amp.init_scale)
+        self.growth_tracker = 0
+
+    def update(self, skipped: bool) -> None:
+        if skipped:
+            self.scale *= self.amp.backoff_factor
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.amp.growth_interval:
+            self.scale *= self.amp.growth_factor
+            self.growth_tracker = 0
+
+
 # --------------------------------------------------------------------------------------------
 # The trainer
 # --------------------------------------------------------------------------------------------
@@ -271,7 +455,9 @@ class ElasticTrainer:
     Args:
         model: the ``nn.Module`` to train, built as for one machine (moved to ``device``).
         get_datasets: ``() -> (train, test)`` torch Datasets of ``(input, target)`` items;
-            called in each learner process; ``test`` may be None. A ``TensorDataset`` is
+            called in each learner process; ``test`` may be None. When it takes an argument
+            it is called with the job's dataset URIs (``shoal submit --dataset``, else
+            ``dataset_uris``), to read with ``shoal.learner.data``. A ``TensorDataset`` is
             batched fastest (one indexing operation per micro-batch).
         loss_fn: ``(outputs, targets) -> scalar`` mean over the batch, e.g.
             ``nn.CrossEntropyLoss()``.
@@ -284,7 +470,9 @@ class ElasticTrainer:
         lr_schedule: ``step -> lr`` applied before every iteration's optimizer step, where
             ``step`` is the global iteration index (with ``lr_schedule_unit="epoch"``, the
             epoch index). It overrides the optimizer's ``lr`` and must be deterministic: every
-            learner evaluates it.
+            learner evaluates it. Or a schedule by name (``shoal.learner.schedules``):
+            ``("warmup_cosine", {"warmup": 100})`` or ``("step", {"step_size": 30,
+            "gamma": 0.1})``, given the optimizer's ``lr`` and the job's length.
         seed: data-order seed (SHOAL_SEED overrides it).
         backend: a :class:`SyncBackend`, a registered backend name, or None for the one the
             environment names (SHOAL_SYNC_BACKEND; ``local`` standalone). A backend passed as
@@ -295,6 +483,24 @@ class ElasticTrainer:
         eval_batch_size: batch size of evaluation (default: max_batch_per_device or 1024).
         on_epoch_end: called with each :class:`EpochResult` this learner evaluates.
         env: the environment contract (default: read from ``os.environ`` at ``train``).
+        callbacks: :class:`~shoal.learner.Callback` instances, called in order on every
+            learner (see ``shoal.learner.callbacks``).
+        amp: mixed precision: ``"bfloat16"`` or ``"float16"`` (or the torch dtype, or a
+            :class:`MixedPrecision` for the loss-scaling settings); None for full precision.
+            Works in every sync mode.
+        clip_grad_norm: clip the *global* gradient (the job's reduced gradient, not each
+            learner's share) to this 2-norm, as ``torch.nn.utils.clip_grad_norm_`` before the
+            optimizer step of a single process (in every sync mode).
+        log_default: when the script configured no logging, send shoal's INFO records to
+            stderr (see :func:`configure_default_logging`).
+        num_workers: worker processes fetching each share's samples in parallel (for
+            datasets whose ``__getitem__`` is slow; not used for a ``TensorDataset``); the
+            samples each iteration sees do not change (``shoal.learner.loader``).
+        param_groups: ``model -> [{"params": [...], "lr": ..., "weight_decay": ...}, ...]``,
+            torch's parameter groups (parameters as tensors of ``model`` or as names); the
+            parameters no group lists form a last group with the optimizer's defaults. A
+            learning-rate schedule scales every group's rate by the same factor (each group
+            keeps its ratio to the optimizer's ``lr``). Standalone and collective mode.
     """
 
     def __init__(
@@ -305,7 +511,7 @@ class ElasticTrainer:
         optimizer: OptimizerLike,
         *,
         metrics: MetricsFn | None = classification_metrics,
-        lr_schedule: LRSchedule | None = None,
+        lr_schedule: LRSchedule | str | tuple[str, Mapping[str, Any]] | None = None,
         lr_schedule_unit: Literal["iteration", "epoch"] = "iteration",
         seed: int = 0,
         backend: SyncBackend | str | None = None,
@@ -314,6 +520,13 @@ class ElasticTrainer:
         eval_batch_size: int | None = None,
         on_epoch_end: Callable[[EpochResult], None] | None = None,
         env: LearnerEnv | None = None,
+        callbacks: Sequence[Callback] = (),
+        amp: MixedPrecision | str | torch.dtype | None = None,
+        clip_grad_norm: float | None = None,
+        log_default: bool = True,
+        param_groups: Callable[[nn.Module], Sequence[Mapping[str, Any]]] | None = None,
+        dataset_uris: Sequence[str] = (),
+        num_workers: int = 0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model ({type(model).__name__}) must be a torch.nn.Module")
@@ -337,8 +550,13 @@ class ElasticTrainer:
         self.get_datasets = get_datasets
         self.loss_fn = loss_fn
         self.optimizer_spec = OptimizerSpec.parse(optimizer)
+        if param_groups is not None:
+            self.optimizer_spec = _with_groups(self.optimizer_spec, model, param_groups)
         self.metrics = metrics
         self.lr_schedule = lr_schedule
+        if lr_schedule is not None and not callable(lr_schedule):
+            resolve_schedule(lr_schedule, base_lr=self._base_lr(), total=1)  # validate now
+        self._schedule: LRSchedule | None = None
         self.lr_schedule_unit = lr_schedule_unit
         self.seed = seed
         self.backend = backend
@@ -347,6 +565,39 @@ class ElasticTrainer:
         self.eval_batch_size = eval_batch_size
         self.on_epoch_end = on_epoch_end
         self.env = env
+        if isinstance(callbacks, Callback):
+            callbacks = [callbacks]
+        self.callbacks = CallbackList(callbacks)
+        self.amp = MixedPrecision.parse(amp)
+        if clip_grad_norm is not None and (
+            isinstance(clip_grad_norm, bool)
+            or not isinstance(clip_grad_norm, (int, float))
+            or not math.isfinite(clip_grad_norm)
+            or clip_grad_norm <= 0
+        ):
+            raise ValueError(
+                f"clip_grad_norm ({clip_grad_norm!r}) must be None or a finite number > 0"
+            )
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.log_default = log_default
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers ({num_workers!r}) must be an int >= 0")
+        self.num_workers = num_workers
+        if isinstance(dataset_uris, str):
+            dataset_uris = [dataset_uris]
+        self.dataset_uris = tuple(dataset_uris)
+        self._assignment: Assignment | None = None
+        self._world_one = False
+
+    @property
+    def is_primary(self) -> bool:
+        """Whether this learner is the job's primary: rank 0 of the iteration it runs (or last
+        ran). Always true standalone; on the cluster false until the first assignment, and
+        after ``train()`` true on exactly one learner of a completed job (rank 0 of the last
+        iteration). Use it to write files or print once per job."""
+        if self._world_one:
+            return True
+        return self._assignment is not None and self._assignment.rank == 0
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -362,9 +613,15 @@ class ElasticTrainer:
         SHOAL_BATCH_SIZE and SHOAL_SEED win when set). ``max_workers`` caps the learners of
         the job on the cluster (ignored standalone); ``checkpoint_every`` is in epochs (the
         backend also checkpoints at the end when it has storage)."""
+        if self.log_default:
+            configure_default_logging()
         env = self.env if self.env is not None else LearnerEnv.from_environ()
+        marker = train_marker()
+        if marker:  # tells the host agent that the script did call train()
+            with contextlib.suppress(OSError):
+                Path(marker).touch()
         tracing = LearnerTracing.from_env(env)  # disabled without an OTLP endpoint
-        train_set, test_set = self.get_datasets()
+        train_set, test_set = self._datasets(env.dataset_uris or self.dataset_uris)
         num_samples = len(train_set)  # type: ignore[arg-type]
         if num_samples < 1:
             raise ValueError("the training dataset is empty")
@@ -394,14 +651,29 @@ class ElasticTrainer:
             buffer_specs=tuple(TensorSpec.of(n, b) for n, b in named_buffers),
             params=[p.detach() for _, p in named_params],
             buffers=[b for _, b in named_buffers],
+            clip_grad_norm=self.clip_grad_norm,
+            skip_nonfinite=self.amp is not None and self.amp.scaling,
         )
+        scaler = _LossScaler(self.amp) if self.amp is not None and self.amp.scaling else None
+        autocast_dtype = None if self.amp is None else self.amp.torch_dtype
+        callbacks = self.callbacks
+        callbacks.set_trainer(self)
+        self._assignment = None
 
+        # Forked before the backend opens connections (a TensorDataset needs no workers: it is
+        # indexed in one operation).
+        fetcher = (
+            BatchFetcher(train_set, self.num_workers)
+            if self.num_workers > 0 and not isinstance(train_set, TensorDataset)
+            else None
+        )
         owns_backend = not isinstance(self.backend, SyncBackend)
         backend = (
             self.backend
             if isinstance(self.backend, SyncBackend)
             else create_backend(self.backend, env)
         )
+        self._world_one = isinstance(backend, LocalBackend)
         try:
             tracing.begin_join()
             state = backend.initialize(setup)
@@ -411,6 +683,7 @@ class ElasticTrainer:
                     f"the job's ({state.plan.num_samples})"
                 )
             plan = state.plan
+            self._schedule = self._resolve_schedule(plan)
             have_state = state.params is not None and state.buffers is not None
             if state.params is not None and state.buffers is not None:
                 self._load(state.params, state.buffers)
@@ -424,14 +697,25 @@ class ElasticTrainer:
                 plan.iterations_per_epoch,
                 state.step,
             )
+            callbacks.on_train_begin(plan, state.step)
             order_epoch, order = -1, torch.empty(0, dtype=torch.int64)
+            begun_epoch = -1
             epoch_start = time.monotonic()
             while (a := tracing.next_assignment(backend)) is not None:
                 if a.retire:
                     logger.info("retired at step %d (generation %d)", a.step, a.generation)
                     result.retired = True
+                    self._assignment = None
                     break
                 self._check_assignment(a, plan)
+                previous, self._assignment = self._assignment, a
+                if previous is not None and (
+                    previous.generation != a.generation or previous.world_size != a.world_size
+                ):
+                    callbacks.on_rescale(previous.world_size, a.world_size, a)
+                if a.epoch != begun_epoch:
+                    begun_epoch = a.epoch
+                    callbacks.on_epoch_begin(a.epoch)
                 if a.pull_parameters or not have_state:
                     with tracing.phase("pull parameters"):
                         pulled = backend.pull_parameters()
@@ -450,6 +734,16 @@ class ElasticTrainer:
                         order[start:stop],
                         max_per_device=max_per_device,
                         device=self.device,
+                        autocast_dtype=autocast_dtype,
+                        fetcher=fetcher,
+                        # Each sample's term of the scaled loss is scale / b, as in one
+                        # process's scaled mean over the global batch: the share overflows
+                        # float16 exactly where that process's per-sample terms would.
+                        loss_scale=(
+                            None
+                            if scaler is None or stop == start
+                            else scaler.scale * (stop - start) / a.batch_size
+                        ),
                     )
                 lr = self._lr(a)
                 try:
@@ -465,26 +759,33 @@ class ElasticTrainer:
                 self._load(synced.params, synced.buffers)
                 self._snapshot_buffers(synced_buffers)
                 tracing.end_iteration()
-                result.history.append(
-                    IterationRecord(
-                        step=a.step,
-                        epoch=a.epoch,
-                        iteration=a.iteration,
-                        generation=a.generation,
-                        rank=a.rank,
-                        world_size=a.world_size,
-                        batch_size=a.batch_size,
-                        n_samples=contribution.n_samples,
-                        loss=synced.loss,
-                        share_loss=(
-                            contribution.loss_sum / contribution.n_samples
-                            if contribution.n_samples
-                            else math.nan
-                        ),
-                        lr=lr,
-                    )
+                loss_scale = None if scaler is None else scaler.scale
+                if scaler is not None:
+                    scaler.update(synced.skipped)
+                record = IterationRecord(
+                    step=a.step,
+                    epoch=a.epoch,
+                    iteration=a.iteration,
+                    generation=a.generation,
+                    rank=a.rank,
+                    world_size=a.world_size,
+                    batch_size=a.batch_size,
+                    n_samples=contribution.n_samples,
+                    loss=synced.loss,
+                    share_loss=(
+                        contribution.loss_sum / contribution.n_samples
+                        if contribution.n_samples
+                        else math.nan
+                    ),
+                    lr=lr,
+                    grad_norm=synced.grad_norm,
+                    skipped=synced.skipped,
+                    loss_scale=loss_scale,
                 )
+                result.history.append(record)
+                callbacks.on_iteration_end(record)
                 if plan.is_last_of_epoch(a.iteration):
+                    epoch_result = None
                     if a.rank == 0:
                         epoch_result = self._end_epoch(
                             a, result, test_set, eval_batch_size, time.monotonic() - epoch_start
@@ -499,22 +800,51 @@ class ElasticTrainer:
                                 num_samples=0 if test_set is None else len(test_set),  # type: ignore[arg-type]
                             )
                         )
+                    callbacks.on_epoch_end(a.epoch, epoch_result)
                     epoch_start = time.monotonic()
             else:
                 result.completed = True
         finally:
             tracing.close()
+            if fetcher is not None:
+                fetcher.close()
             if owns_backend:
                 backend.close()
         result.params = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        result.is_primary = result.completed and self.is_primary
+        callbacks.on_train_end(result)
         return result
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def _datasets(self, uris: tuple[str, ...]) -> tuple[Dataset[Any], Dataset[Any] | None]:
+        try:
+            parameters = inspect.signature(self.get_datasets).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature: no arguments
+            parameters = []  # type: ignore[assignment]
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        wants_uris = any(
+            p.kind in positional and p.default is inspect.Parameter.empty for p in parameters
+        )
+        if wants_uris:
+            return self.get_datasets(list(uris))
+        return self.get_datasets()
+
+    def _base_lr(self) -> float | None:
+        lr = self.optimizer_spec.kwargs.get("lr")
+        return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
+
+    def _resolve_schedule(self, plan: TrainingPlan) -> LRSchedule | None:
+        spec = self.lr_schedule
+        if spec is None or callable(spec):
+            return spec
+        total = plan.epochs if self.lr_schedule_unit == "epoch" else plan.total_steps
+        return resolve_schedule(spec, base_lr=self._base_lr(), total=total)
+
     def _lr(self, a: Assignment) -> float | None:
-        if self.lr_schedule is None:
+        if self._schedule is None:
             return None
-        return float(self.lr_schedule(a.epoch if self.lr_schedule_unit == "epoch" else a.step))
+        return float(self._schedule(a.epoch if self.lr_schedule_unit == "epoch" else a.step))
 
     @staticmethod
     def _check_assignment(a: Assignment, plan: TrainingPlan) -> None:

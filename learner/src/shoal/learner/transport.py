@@ -334,6 +334,8 @@ def header_of(
     num_samples: int = 0,
     loss_sum: float = 0.0,
     learning_rate: float = 0.0,
+    grad_norm: float = 0.0,
+    step_skipped: bool = False,
 ) -> ps_pb2.TensorBundleHeader:
     return ps_pb2.TensorBundleHeader(
         job_id=job_id,
@@ -345,6 +347,8 @@ def header_of(
         num_samples=num_samples,
         loss_sum=loss_sum,
         learning_rate=learning_rate,
+        grad_norm=grad_norm,
+        step_skipped=step_skipped,
     )
 
 

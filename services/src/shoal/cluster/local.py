@@ -17,16 +17,26 @@ etcd serves its client API over TLS and requires client certificates; every serv
 mTLS and presents its own ``service:<name>`` certificate to the services and to etcd; each host
 agent gives its learners a ``learner:<host>`` certificate; ``cluster.json`` names your
 ``user:<you>`` certificate (``tls_ca``, ``tls_cert``, ``tls_key``).
+
+With ``ClusterSpec(supervise=True)`` (what ``shoal cluster up`` runs) a service process that
+exits while the cluster is up is started again, same flags and address, after a backoff that
+doubles from ``RestartPolicy.initial_backoff_s`` to ``max_backoff_s`` (back to the initial one
+once a process stayed up ``stable_after_s``); after ``max_restarts`` restarts within
+``window_s`` it is left down ("gave up"). Each exit and restart is logged
+(``shoal.cluster.local``) and counted in ``cluster.json`` (``"services"``), which
+``shoal cluster status`` shows. etcd and the dashboard are not restarted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +50,8 @@ from shoal.runtime.etcd_server import EtcdCluster, EtcdServer, EtcdTLS
 from shoal.runtime.pki import CertificateAuthority
 from shoal.runtime.procs import die_with_parent
 
+log = logging.getLogger(__name__)
+
 SERVICE_NAMES = {
     "resource-manager": "shoal.v1.ResourceManagerService",
     "job-scheduler": "shoal.v1.JobSchedulerService",
@@ -49,11 +61,118 @@ SERVICE_NAMES = {
 
 
 def free_port() -> int:
+    """A port free now (it may be taken before it is used: prefer :class:`PortReservations`)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class PortReservations:
+    """Loopback ports held until the processes that use them listen: each is a socket bound
+    (never listening) with SO_REUSEADDR and SO_REUSEPORT, so no other bind(0) or outgoing
+    connection gets that port, two services never get the same one, and the service itself
+    can still bind it (gRPC binds with SO_REUSEPORT, the metrics and dashboard servers with
+    SO_REUSEADDR; neither conflicts with a bound socket that does not listen). Releasing
+    after everything is up closes the race of "pick a free port, release it, bind it later"
+    (the cause of "Failed to bind to address 127.0.0.1:41641")."""
+
+    def __init__(self) -> None:
+        self._sockets: list[object] = []
+
+    def take(self) -> int:
+        import socket
+
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "SO_REUSEPORT"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(("127.0.0.1", 0))
+        self._sockets.append(sock)
+        return int(sock.getsockname()[1])
+
+    def release(self) -> None:
+        for sock in self._sockets:
+            sock.close()  # type: ignore[attr-defined]
+        self._sockets.clear()
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How the supervisor restarts a crashed service process (bounded, with backoff)."""
+
+    initial_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    max_restarts: int = 10
+    """Restarts allowed within ``window_s``; one more exit and the process is left down."""
+    window_s: float = 600.0
+    stable_after_s: float = 60.0
+    """A process that stayed up this long starts again from ``initial_backoff_s``."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.initial_backoff_s <= self.max_backoff_s:
+            raise InvalidField(
+                "initial_backoff_s",
+                self.initial_backoff_s,
+                f"must be in 0..max_backoff_s ({self.max_backoff_s})",
+            )
+        if self.max_restarts < 0:
+            raise InvalidField("max_restarts", self.max_restarts, "must be >= 0")
+        if not self.window_s > 0:
+            raise InvalidField("window_s", self.window_s, "must be > 0")
+
+
+@dataclass
+class Supervision:
+    """The restart bookkeeping of one service process (pure: the clock is passed in)."""
+
+    restarts: int = 0
+    recent: list[float] = field(default_factory=list)
+    backoff_s: float = 0.0
+    due_at: float | None = None
+    last_exit: int | None = None
+    gave_up: bool = False
+    started_at: float = 0.0
+
+    def exited(self, code: int | None, now: float, policy: RestartPolicy) -> str:
+        """The process exited with ``code``: schedule its restart (or give up). Returns what
+        was decided, in words."""
+        self.last_exit = code
+        self.recent = [t for t in self.recent if now - t < policy.window_s]
+        if len(self.recent) >= policy.max_restarts:
+            self.gave_up = True
+            self.due_at = None
+            return (
+                f"exited (code {code}) after {len(self.recent)} restarts in "
+                f"{policy.window_s:g} s: not restarted again"
+            )
+        if self.backoff_s == 0 or now - self.started_at >= policy.stable_after_s:
+            self.backoff_s = policy.initial_backoff_s
+        else:
+            self.backoff_s = min(
+                max(self.backoff_s * 2, policy.initial_backoff_s), policy.max_backoff_s
+            )
+        self.due_at = now + self.backoff_s
+        return f"exited (code {code}); restarting in {self.backoff_s:g} s"
+
+    def due(self, now: float) -> bool:
+        return self.due_at is not None and now >= self.due_at
+
+    def restarted(self, now: float) -> None:
+        self.restarts += 1
+        self.recent.append(now)
+        self.due_at = None
+        self.started_at = now
+
+    def state(self, alive: bool, now: float) -> str:
+        if alive:
+            return "running"
+        if self.gave_up:
+            return "gave up"
+        if self.due_at is not None:
+            return f"restarting in {max(0.0, self.due_at - now):.1f} s"
+        return "exited"
 
 
 @dataclass(frozen=True)
@@ -73,6 +192,9 @@ class ClusterSpec:
     dashboard: bool = False  # also serve the web dashboard (`shoal cluster up` does)
     tls: bool = False  # mutual TLS on every hop (a cluster CA in <state_dir>/tls)
     etcd_members: int = 1  # 3 for a real quorum (the chaos suite: member and quorum loss)
+    supervise: bool = False  # restart crashed service processes (`shoal cluster up` does)
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    scheduler_flags: tuple[str, ...] = ()  # extra job-scheduler flags (--stall-timeout 30)
 
     def __post_init__(self) -> None:
         for name, low, high in (
@@ -102,6 +224,7 @@ class ServiceProcess:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
     metrics_url: str = ""  # http://127.0.0.1:PORT/metrics
+    supervision: Supervision = field(default_factory=Supervision)
 
     @property
     def pid(self) -> int | None:
@@ -120,10 +243,15 @@ class LocalCluster:
         self.etcd: EtcdCluster | None = None
         self.services: dict[str, ServiceProcess] = {}
         self.tokens: dict[str, str] = {}
+        self.ports = PortReservations()  # held from planning until everything listens
         self.dashboard: subprocess.Popen[bytes] | None = None
         self.dashboard_url = ""  # http://127.0.0.1:PORT/ when spec.dashboard
         self.tls_dir = self.state_dir / "tls"
         self.certs: dict[str, tuple[Path, Path]] = {}  # "kind:name" -> (cert, key)
+        self.supervisor_pid: int | None = None  # the `shoal cluster up` process, if any
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -178,12 +306,24 @@ class LocalCluster:
             if self.spec.dashboard:
                 self._start_dashboard(timeout)
             self.write_client_config(self.state_dir / "cluster.json")
+            if self.spec.supervise:
+                self._stopping.clear()
+                self._supervisor = threading.Thread(
+                    target=self._supervise_loop, name="shoal-cluster-supervisor", daemon=True
+                )
+                self._supervisor.start()
         except BaseException:
             self.stop()
             raise
+        finally:
+            self.ports.release()
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every service (agents first, so learners stop), then etcd; nothing is left."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=30)
+            self._supervisor = None
         self._stop_dashboard(grace)
         order = ("host-agent", "job-scheduler", "parameter-sync", "resource-manager")
         for kind in order:
@@ -265,8 +405,8 @@ class LocalCluster:
         spec = self.spec
 
         def add(name: str, kind: str, extra: list[str]) -> None:
-            address = f"127.0.0.1:{free_port()}"
-            metrics_port = free_port()
+            address = f"127.0.0.1:{self.ports.take()}"
+            metrics_port = self.ports.take()
             self.services[name] = ServiceProcess(
                 name,
                 kind,
@@ -356,10 +496,63 @@ class LocalCluster:
 
     def restart(self, name: str, timeout: float = 60.0) -> None:
         svc = self.services[name]
-        if svc.alive():
-            self.kill(name)
-        self._spawn(svc)
+        with self._lock:
+            if svc.alive():
+                self.kill(name)
+            self._spawn(svc)
         self.wait_healthy(svc, timeout=timeout)
+
+    # -- supervision (ClusterSpec.supervise) ---------------------------------------------------
+
+    def supervise_once(self, now: float | None = None) -> list[str]:
+        """Notice exited service processes and restart those that are due (see the module
+        docstring). Returns what happened, one line per event (also logged)."""
+        now = time.monotonic() if now is None else now
+        events = []
+        policy = self.spec.restart_policy
+        with self._lock:
+            for svc in self.services.values():
+                sup = svc.supervision
+                if svc.proc is None or sup.gave_up:
+                    continue
+                if svc.alive():
+                    sup.due_at = None  # restarted by someone else (restart())
+                    continue
+                if sup.due_at is None:
+                    events.append(f"{svc.name}: {sup.exited(svc.proc.returncode, now, policy)}")
+                elif sup.due(now):
+                    self._spawn(svc)
+                    sup.restarted(now)
+                    events.append(
+                        f"{svc.name}: restarted (pid {svc.pid}, restart {sup.restarts}); "
+                        f"see {svc.log}"
+                    )
+        for event in events:
+            log.warning("%s", event)
+        return events
+
+    def _supervise_loop(self) -> None:
+        while not self._stopping.wait(0.2):
+            try:
+                events = self.supervise_once()
+                if events:
+                    self.write_client_config(self.state_dir / "cluster.json")
+            except Exception:
+                log.exception("supervising the services failed")
+
+    def services_status(self) -> dict[str, dict[str, object]]:
+        """Process name -> pid, state (running, restarting in N s, gave up), restarts and the
+        last exit code: what ``shoal cluster status`` shows."""
+        now = time.monotonic()
+        return {
+            name: {
+                "pid": svc.pid,
+                "state": svc.supervision.state(svc.alive(), now),
+                "restarts": svc.supervision.restarts,
+                "last_exit_code": svc.supervision.last_exit,
+            }
+            for name, svc in self.services.items()
+        }
 
     # -- the web dashboard (shoal.dashboard) ----------------------------------------------------
 
@@ -368,7 +561,7 @@ class LocalCluster:
         no credential: users log in with their own token (``"token"`` in cluster.json)."""
         import urllib.request
 
-        address = f"127.0.0.1:{free_port()}"
+        address = f"127.0.0.1:{self.ports.take()}"
         log_path = self.logs / "dashboard.log"
         with log_path.open("ab") as log:
             self.dashboard = subprocess.Popen(
@@ -435,13 +628,19 @@ class LocalCluster:
             "scheduler": self.addresses("job-scheduler"),
             "resource_manager": self.addresses("resource-manager"),
             "token": self.tokens[role],
+            # Whoever started the cluster is its admin from the CLI (`shoal hosts drain`).
+            "admin_token": self.tokens["admin"],
             "state_dir": str(self.state_dir),
             "pids": {n: s.pid for n, s in self.services.items()}
             | ({"dashboard": self.dashboard.pid} if self.dashboard else {}),
             "metrics": self.metrics_urls(),
             "dashboard": self.dashboard_url,
             "etcd": self.etcd.endpoints if self.etcd else [],
+            "services": self.services_status(),
+            "supervised": self.spec.supervise,
         }
+        if self.supervisor_pid is not None:
+            config["supervisor_pid"] = self.supervisor_pid
         pair = self.user_certificate(role) if self.spec.tls else None
         if pair is not None:
             config.update(tls_ca=str(self.ca_file), tls_cert=str(pair[0]), tls_key=str(pair[1]))
@@ -462,9 +661,15 @@ class LocalCluster:
         )
 
     def write_client_config(self, path: Path) -> None:
-        path.touch(mode=0o600, exist_ok=True)
-        path.chmod(0o600)
-        path.write_text(json.dumps(self.client_config_dict(), indent=2) + "\n")
+        """Write the file atomically (readers, such as ``shoal cluster status``, never see half
+        of it while the supervisor rewrites it after a restart)."""
+        with self._lock:
+            text = json.dumps(self.client_config_dict(), indent=2) + "\n"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.touch(mode=0o600, exist_ok=True)
+        tmp.chmod(0o600)
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def service_flags(
@@ -502,6 +707,7 @@ def service_flags(
             spec.policy,
             "--election-ttl",
             str(spec.election_ttl_s),
+            *spec.scheduler_flags,
         ]
     if svc.kind == "host-agent":
         return [

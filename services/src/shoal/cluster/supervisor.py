@@ -1,6 +1,8 @@
 """The process behind ``shoal cluster up``: starts a LocalCluster, records it in
 ``<state_dir>/cluster.json``, and keeps it until SIGTERM/SIGINT (``shoal cluster down``), then
-stops every process it started. If the supervisor itself is killed, its children die with it
+stops every process it started. Meanwhile it restarts a service process that crashed, with a
+bounded backoff (``shoal.cluster.local.RestartPolicy``; logged here, counted in cluster.json and
+shown by ``shoal cluster status``). If the supervisor itself is killed, its children die with it
 (PR_SET_PDEATHSIG), so a local cluster never leaves processes behind."""
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="PRIORITY")
     parser.add_argument("--no-dashboard", action="store_true", help="Do not serve the dashboard.")
     parser.add_argument("--tls", action="store_true", help="mutual TLS on every hop")
+    parser.add_argument(
+        "--no-restart", action="store_true", help="Do not restart crashed service processes."
+    )
+    parser.add_argument(
+        "--stall-timeout", type=float, default=None, help="The job-scheduler's --stall-timeout."
+    )
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(message)s")
     stop = threading.Event()
@@ -41,19 +49,20 @@ def main(argv: list[str] | None = None) -> int:
         policy=ns.policy,
         dashboard=not ns.no_dashboard,
         tls=ns.tls,
+        supervise=not ns.no_restart,
+        scheduler_flags=(
+            ("--stall-timeout", str(ns.stall_timeout)) if ns.stall_timeout is not None else ()
+        ),
     )
     cluster = LocalCluster(spec)
+    cluster.supervisor_pid = os.getpid()
     state_file = cluster.state_dir / "cluster.json"
     try:
         cluster.start()
-        data = cluster.client_config_dict()
-        data["supervisor_pid"] = os.getpid()
-        state_file.write_text(json.dumps(data, indent=2) + "\n")
-        logging.info("cluster up: %s", json.dumps(data["pids"]))
+        cluster.write_client_config(state_file)
+        logging.info("cluster up: %s", json.dumps(cluster.client_config_dict()["pids"]))
         while not stop.wait(1.0):
-            dead = [n for n, s in cluster.services.items() if not s.alive()]
-            if dead:
-                logging.warning("processes exited: %s (see their logs)", ", ".join(dead))
+            pass  # the cluster's own thread restarts crashed services (spec.supervise)
     finally:
         cluster.stop()
         state_file.unlink(missing_ok=True)

@@ -4,10 +4,15 @@ Each learner runs in its own directory ``<work_dir>/learners/l-<quoted learner i
 
 * ``work/`` - the job's artifact (a ``<sha256>.tar.gz`` of the model directory) unpacked; the
   learner's working directory;
-* ``output.log`` - what the learner printed, one record per line: ``"1 "`` (stdout) or ``"2 "``
-  (stderr), the text, a newline. The agent reads both pipes and appends the records, so the
-  two streams keep their relative order and one byte offset addresses any line
-  (:func:`read_log`);
+* ``output.log`` - what the learner printed, one record per line: ``"1@<ms> "`` (stdout) or
+  ``"2@<ms> "`` (stderr), where ``<ms>`` is when the line was written (Unix milliseconds), the
+  text, a newline (records without ``@<ms>``, of older agents, read with no time). The agent
+  reads both pipes and appends the records, so the two streams keep their relative order and
+  one byte offset addresses any line (:func:`read_log`);
+* ``train-called`` - touched by the learner library when the script calls ``Trainer.train()``
+  (``SHOAL_TRAIN_MARKER``): a learner that exits 0 without it is reported FAILED, with a
+  reason saying so (:data:`NO_TRAIN`); a learner that exits non-zero gets its last Python
+  traceback in one line appended to its exit reason (:func:`crash_summary`).
 * ``learner.json`` - the learner's identity and process group, so that an agent that was killed
   can kill what is left of its learners when it starts again (:func:`reap_orphans`).
 
@@ -46,6 +51,7 @@ from google.protobuf import timestamp_pb2
 
 from shoal.contract import ids
 from shoal.host_agent.devices import DeviceInfo, cuda_env
+from shoal.host_agent.envs import JobEnvironments
 from shoal.runtime import telemetry
 from shoal.runtime.errors import FailedPrecondition, FencedOut, InvalidField, NotFound
 from shoal.runtime.procs import die_with_parent
@@ -220,6 +226,7 @@ class LogRecord:
     stream: int  # STDOUT or STDERR
     text: str
     end: int  # offset just after the record
+    time: float = 0.0  # when the learner wrote it (Unix seconds; 0: unknown)
 
 
 def read_log(path: Path, offset: int, max_bytes: int = 1024 * 1024) -> list[LogRecord]:
@@ -244,8 +251,14 @@ def read_log(path: Path, offset: int, max_bytes: int = 1024 * 1024) -> list[LogR
             break
         raw = data[start:newline]
         stream = STDERR if raw[:1] == b"2" else STDOUT
-        text = raw[2:].decode(errors="replace")
-        records.append(LogRecord(position + start, stream, text, position + newline + 1))
+        header, _, rest = raw.partition(b" ")
+        written = 0.0
+        if header[1:2] == b"@" and header[2:].isdigit():
+            written = int(header[2:]) / 1000
+            text = rest.decode(errors="replace")
+        else:
+            text = raw[2:].decode(errors="replace")
+        records.append(LogRecord(position + start, stream, text, position + newline + 1, written))
         start = newline + 1
     return records
 
@@ -259,9 +272,10 @@ class _LogWriter:
         self.version = 0  # bumped on every write
 
     async def write(self, stream: int, line: bytes) -> None:
+        written = int(time.time() * 1000)
         for i in range(0, max(len(line), 1), MAX_RECORD_TEXT):
             chunk = line[i : i + MAX_RECORD_TEXT].replace(b"\n", b" ")
-            self._fh.write(b"%d %s\n" % (stream, chunk))
+            self._fh.write(b"%d@%d %s\n" % (stream, written, chunk))
         self.version += 1
         async with self.changed:
             self.changed.notify_all()
@@ -379,6 +393,59 @@ def _ts(seconds: float) -> timestamp_pb2.Timestamp:
     return ts
 
 
+TRAIN_MARKER = "train-called"  # the learner library touches it when the script calls train()
+NO_TRAIN = (
+    "exited with code 0 without calling Trainer.train() (nothing was trained: does the "
+    'script call train() when run on the cluster, e.g. under `if __name__ == "__main__"`?)'
+)
+
+
+def crash_summary(log_path: Path, work_dir: Path | None = None, frames: int = 3) -> str:
+    """The last Python traceback a learner printed, in one line: the exception type and
+    message, then its last ``frames`` frames (``file:line in function``, paths relative to
+    the learner's working directory); empty when its log has none."""
+    try:
+        size = log_path.stat().st_size
+    except OSError:
+        return ""
+    records = read_log(log_path, max(0, size - 64 * 1024), 64 * 1024)
+    lines = [r.text for r in records]
+    start = max(
+        (i for i, t in enumerate(lines) if t.startswith("Traceback (most recent call last):")),
+        default=-1,
+    )
+    if start < 0:
+        return ""
+    block = lines[start:]
+    exception = ""
+    where: list[str] = []
+    for text in block[1:]:
+        stripped = text.strip()
+        if text.startswith("  File "):
+            # '  File "/x/work/train.py", line 12, in forward'
+            try:
+                quoted, _, rest = stripped[len("File ") :].partition(", line ")
+                path = quoted.strip('"')
+                number, _, func = rest.partition(", in ")
+                if work_dir is not None and path.startswith(str(work_dir) + os.sep):
+                    path = path[len(str(work_dir)) + 1 :]
+                elif "site-packages" in path or path.startswith(sys.prefix):
+                    path = Path(path).name
+                where.append(f"{path}:{number} in {func}")
+            except ValueError:
+                continue
+        elif text and not text.startswith((" ", "\t")):
+            exception = stripped
+            if not exception.startswith(("During handling", "The above exception")):
+                break
+    if not exception:
+        return ""
+    if len(exception) > 300:
+        exception = exception[:297] + "..."
+    trail = ", ".join(where[-frames:])
+    return f"{exception} (at {trail})" if trail else exception
+
+
 def describe_exit(code: int, stop: str | None) -> str:
     if code >= 0:
         text = f"exited with code {code}"
@@ -494,6 +561,7 @@ class ProcessManager:
         base_env: Mapping[str, str] | None = None,
         on_exit: Callable[[Learner], None] | None = None,
         learner_env: Mapping[str, str] | None = None,
+        envs: JobEnvironments | None = None,
     ) -> None:
         self.work_dir = work_dir
         self.learners_dir = work_dir / "learners"
@@ -510,6 +578,21 @@ class ProcessManager:
         self._background: set[asyncio.Task[None]] = set()
         self._fence_revision: dict[str, int] = {}
         self._on_exit = on_exit
+        # Per-job venvs for artifacts that carry requirements.txt (built without the agent's
+        # secrets in pip's environment).
+        self.envs = (
+            envs
+            if envs is not None
+            else JobEnvironments(
+                work_dir / "envs",
+                base_python=python,
+                env={
+                    k: v
+                    for k, v in self._base_env.items()
+                    if not k.startswith(_PRIVATE_ENV_PREFIXES)
+                },
+            )
+        )
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -647,6 +730,7 @@ class ProcessManager:
                 raise InvalidField(
                     "entry_point", request.entry_point, "is neither a .py script nor executable"
                 )
+            python = await self.envs.python_for(work)
             learner = Learner(
                 learner_id=request.learner_id,
                 job_id=request.job_id,
@@ -656,7 +740,7 @@ class ProcessManager:
                 host_id=self.host_id,
                 host_incarnation=self.incarnation,
             )
-            await self._spawn(learner, request, entry, work)
+            await self._spawn(learner, request, entry, work, python or self.python)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
@@ -679,6 +763,7 @@ class ProcessManager:
                 "SHOAL_LEARNER_ID": learner.learner_id,
                 "SHOAL_HOST_ID": self.host_id,
                 "SHOAL_DEVICE_ID": learner.device.device_id,
+                "SHOAL_TRAIN_MARKER": str(learner.directory / TRAIN_MARKER),
             }
         )
         if request.allocation_id:
@@ -687,10 +772,10 @@ class ProcessManager:
         return env
 
     async def _spawn(
-        self, learner: Learner, request: LaunchRequest, entry: Path, work: Path
+        self, learner: Learner, request: LaunchRequest, entry: Path, work: Path, python: str
     ) -> None:
         if entry.suffix == ".py":
-            argv = [self.python, str(entry), *request.args]
+            argv = [python, str(entry), *request.args]
         else:
             argv = [str(entry), *request.args]
         env = self._environment(learner, request)
@@ -760,6 +845,18 @@ class ProcessManager:
         learner.exit_reason = describe_exit(code, learner.stop_reason)
         learner.end_time = time.time()
         learner.state = SUCCEEDED if code == 0 else FAILED
+        if learner.stop_reason is None:
+            # Explain a failure: the learner's own traceback, or a script that ended without
+            # training (counted as a failure, so the job fails instead of restarting it).
+            if code != 0:
+                summary = await asyncio.to_thread(
+                    crash_summary, learner.log_path, (learner.directory / "work").resolve()
+                )
+                if summary:
+                    learner.exit_reason += f": {summary}"
+            elif not (learner.directory / TRAIN_MARKER).exists():
+                learner.exit_reason = NO_TRAIN
+                learner.state = FAILED
         learner.exited.set()
         if learner.writer is not None:
             async with learner.writer.changed:

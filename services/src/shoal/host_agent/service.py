@@ -58,6 +58,8 @@ SERVICE_NAME = "shoal.v1.HostAgentService"
 ROLES = MethodRoles(service=SERVICE_NAME, default=SERVICES)
 ERRORS: ErrorTable = DEFAULT_TABLE.extend({})
 RPC_TIMEOUT_S = 5.0
+# The longest grace a StopLearner may ask for (a learner that ignores SIGTERM is killed after it).
+MAX_STOP_GRACE_S = 3600
 
 
 @dataclass(frozen=True)
@@ -557,9 +559,14 @@ class HostAgentServicer(ha_grpc.HostAgentServiceServicer):
     ) -> ha_pb2.StopLearnerResponse:
         if not request.learner_id:
             raise InvalidField("learner_id", request.learner_id, "must not be empty")
-        grace = request.grace.ToTimedelta().total_seconds() if request.HasField("grace") else 0
-        if grace < 0:
-            raise InvalidField("grace", grace, "must be >= 0")
+        grace = 0.0
+        if request.HasField("grace"):
+            seconds, nanos = request.grace.seconds, request.grace.nanos
+            if not (0 <= seconds <= MAX_STOP_GRACE_S and 0 <= nanos < 1_000_000_000):
+                raise InvalidField(
+                    "grace", f"{seconds}s {nanos}ns", f"must be between 0 and {MAX_STOP_GRACE_S} s"
+                )
+            grace = seconds + nanos / 1e9
         learner = await self.agent.processes.stop(
             request.learner_id, grace or None, "stopped by StopLearner"
         )
@@ -593,8 +600,9 @@ class HostAgentServicer(ha_grpc.HostAgentServiceServicer):
                             else resources_pb2.LOG_STREAM_STDOUT
                         ),
                         text=r.text,
-                        time=now,
+                        time=_ts(r.time) if r.time else now,
                         offset=r.offset,
+                        host_id=self.agent.config.host_id,
                     )
                     for r in batch
                 ]

@@ -96,6 +96,15 @@ class JobSettings:
 class OptimizerConfig:
     name: str
     hyperparameters_json: str = "{}"
+    #: Clip the job's global gradient to this 2-norm before every step (0: no clipping).
+    clip_grad_norm: float = 0.0
+    #: Skip the step of an iteration whose global gradient is not finite (float16 scaling).
+    skip_nonfinite: bool = False
+
+    @property
+    def needs_norm(self) -> bool:
+        """Whether the shards report their slices' norms (clipping or skipping)."""
+        return self.clip_grad_norm > 0 or self.skip_nonfinite
 
 
 @dataclass(frozen=True)
@@ -145,6 +154,9 @@ class ResolveTask:
     generation: int
     iteration: int
     commit: bool
+    #: With commit, when the job clips: the 2-norm of the whole mean gradient (+inf when not
+    #: finite, so that tasks stay comparable).
+    grad_norm: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -213,6 +225,7 @@ class Coordinator:
         self.samples_processed = 0
         self.running = False  # iteration `completed` is issued to `members`
         self.ready_shards: set[int] = set()
+        self._grad_sq_norm = 0.0  # the ready shards' squared gradient norms, summed
         self.done = False
         self.last_checkpoint = -1
         self._holds: list[Task] = []
@@ -518,6 +531,7 @@ class Coordinator:
         if not self.running:
             self._paused = True
         self.ready_shards = set()
+        self._grad_sq_norm = 0.0
         self._deferred_commit = False
         self._iteration_started = self._clock()
         self._touch()
@@ -632,9 +646,13 @@ class Coordinator:
 
     # -- the two-phase commit -----------------------------------------------------------------
 
-    def shard_ready(self, shard_index: int, generation: int, iteration: int) -> ResolveTask | None:
+    def shard_ready(
+        self, shard_index: int, generation: int, iteration: int, grad_sq_norm: float = 0.0
+    ) -> ResolveTask | None:
         """A shard holds every member's gradients of (generation, iteration). Returns the
-        commit to deliver to every shard once all active shards are ready."""
+        commit to deliver to every shard once all active shards are ready. ``grad_sq_norm`` is
+        the squared norm of the shard's slice of the mean gradient (when the job clips); the
+        commit carries the global norm."""
         if self.sharding is None or not 0 <= shard_index < self.sharding.num_shards:
             raise InvalidField("shard_index", shard_index, "is not a shard of the job")
         if not self.sharding.tensors[shard_index]:
@@ -645,6 +663,8 @@ class Coordinator:
                 f"{self.job_id!r} (generation {self.generation}, iteration {self.completed}, "
                 f"{'running' if self.running else 'between iterations'})"
             )
+        if shard_index not in self.ready_shards:
+            self._grad_sq_norm += float(grad_sq_norm)
         self.ready_shards.add(shard_index)
         if len(self.ready_shards) < self.sharding.active_shards:
             return None
@@ -685,7 +705,8 @@ class Coordinator:
         self.synced.update(self.members)
         self._deferred_commit = False
         self._touch()
-        task = ResolveTask(g, k, commit=True)
+        norm = math.sqrt(self._grad_sq_norm) if self._grad_sq_norm >= 0 else math.inf
+        task = ResolveTask(g, k, commit=True, grad_norm=norm if math.isfinite(norm) else math.inf)
         if self.collective:
             votes, self._votes = self._votes, {}
             self.restore_from = None  # the members hold the state again

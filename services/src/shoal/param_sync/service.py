@@ -548,7 +548,10 @@ class ParameterSyncServicer:
                 shard_index=i,
                 tensors=[by_name[n].to_proto() for n in names],
                 optimizer=ps_pb2.OptimizerSpec(
-                    name=optimizer.name, hyperparameters_json=optimizer.hyperparameters_json
+                    name=optimizer.name,
+                    hyperparameters_json=optimizer.hyperparameters_json,
+                    clip_grad_norm=optimizer.clip_grad_norm,
+                    skip_nonfinite=optimizer.skip_nonfinite,
                 ),
                 coordinator_address=me,
                 active_shards=sharding.active_shards,
@@ -568,9 +571,7 @@ class ParameterSyncServicer:
         if not request.learner_id:
             raise InvalidField("learner_id", "", "must not be empty")
         layout = [TensorMeta.from_proto(t) for t in request.layout]
-        optimizer = OptimizerConfig(
-            request.optimizer.name, request.optimizer.hyperparameters_json or "{}"
-        )
+        optimizer = _optimizer_config(request.optimizer)
         if request.sync_mode not in (
             job_pb2.SYNC_MODE_UNSPECIFIED,
             job_pb2.SYNC_MODE_PARAMETER_SERVER,
@@ -817,6 +818,7 @@ class ParameterSyncServicer:
             generation=task.generation,
             iteration=task.iteration,
             commit=task.commit,
+            grad_norm=task.grad_norm,
         )
         results = await asyncio.gather(
             *(
@@ -885,6 +887,8 @@ class ParameterSyncServicer:
                 "optimizer": {
                     "name": coord.optimizer.name,
                     "hyperparameters_json": coord.optimizer.hyperparameters_json,
+                    "clip_grad_norm": coord.optimizer.clip_grad_norm,
+                    "skip_nonfinite": coord.optimizer.skip_nonfinite,
                 },
                 "layout": [
                     {
@@ -1045,8 +1049,13 @@ class ParameterSyncServicer:
         return members
 
     async def _shard_ready(self, sj: ShardJob, generation: int, iteration: int) -> None:
+        clips = sj.optimizer_config.needs_norm
         request = ps_pb2.ShardReadyRequest(
-            job_id=sj.job_id, shard_index=sj.shard_index, generation=generation, iteration=iteration
+            job_id=sj.job_id,
+            shard_index=sj.shard_index,
+            generation=generation,
+            iteration=iteration,
+            grad_sq_norm=await self._compute(sj.grad_sq_norm) if clips else 0.0,
         )
         try:
             if sj.job_id in self._coordinated:
@@ -1216,9 +1225,7 @@ class ParameterSyncServicer:
                 f"is not this shard's ({self.options.shard_index})",
             )
         tensors = [TensorMeta.from_proto(t) for t in request.tensors]
-        optimizer = OptimizerConfig(
-            request.optimizer.name, request.optimizer.hyperparameters_json or "{}"
-        )
+        optimizer = _optimizer_config(request.optimizer)
         existing = self._slices.get(request.job_id)
         if existing is not None:
             if existing.job.same_configuration(tensors, optimizer):
@@ -1249,7 +1256,9 @@ class ParameterSyncServicer:
     async def _local_ShardReady(self, request: ps_pb2.ShardReadyRequest) -> Any:
         job = self._job(request.job_id)
         async with job.cond:
-            job.coord.shard_ready(request.shard_index, request.generation, request.iteration)
+            job.coord.shard_ready(
+                request.shard_index, request.generation, request.iteration, request.grad_sq_norm
+            )
             self._kick(job)
             job.cond.notify_all()
         return ps_pb2.ShardReadyResponse()
@@ -1263,7 +1272,7 @@ class ParameterSyncServicer:
         sj = part.job
         key = (request.generation, request.iteration)
         if request.commit:
-            encoded = await self._compute(sj.commit, *key)
+            encoded = await self._compute(sj.commit, *key, request.grad_norm)
             future = part.futures.pop(key, None)
             if encoded is not None and future is not None and not future.done():
                 future.set_result(encoded)
@@ -1309,6 +1318,13 @@ class ParameterSyncServicer:
         part.memberships.clear()
         self.metrics.forget(request.job_id)
         return ps_pb2.LoadShardResponse(global_iteration=iteration)
+
+
+def _optimizer_config(spec: ps_pb2.OptimizerSpec) -> OptimizerConfig:
+    clip = spec.clip_grad_norm
+    if not (math.isfinite(clip) and clip >= 0):
+        raise InvalidField("optimizer.clip_grad_norm", clip, "must be a finite number >= 0")
+    return OptimizerConfig(spec.name, spec.hyperparameters_json or "{}", clip, spec.skip_nonfinite)
 
 
 def _aborted(job_id: str, generation: int, iteration: int) -> Aborted:

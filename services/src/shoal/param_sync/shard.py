@@ -450,10 +450,25 @@ class ShardJob:
 
     # -- resolving ----------------------------------------------------------------------------
 
-    def commit(self, generation: int, iteration: int) -> Encoded | None:
-        """Apply (generation, iteration): mean gradient, learning rate, optimizer step,
-        averaged buffers; returns the new parameters' encoding. A commit of an iteration
-        already applied returns None."""
+    def grad_sq_norm(self) -> float:
+        """The squared 2-norm of this shard's slice of the pending iteration's mean gradient
+        (per tensor in float32, as ``clip_grad_norm_`` computes norms; summed in float64)."""
+        pending = self.pending
+        if pending is None or pending.total_samples <= 0:
+            return 0.0
+        total = 0.0
+        with torch.no_grad():
+            for j in self.param_indices:
+                if pending.got_grad[j]:
+                    mean = self.acc[j].to(torch.float32) / pending.total_samples
+                    total += float(torch.linalg.vector_norm(mean, 2.0)) ** 2
+        return total
+
+    def commit(self, generation: int, iteration: int, grad_norm: float = 0.0) -> Encoded | None:
+        """Apply (generation, iteration): mean gradient, clipped to the job's
+        ``clip_grad_norm`` by the global ``grad_norm`` the coordinator summed from every
+        shard, learning rate, optimizer step, averaged buffers; returns the new parameters'
+        encoding. A commit of an iteration already applied returns None."""
         pending = self.pending
         if pending is None or (pending.generation, pending.iteration) != (generation, iteration):
             if iteration < self.completed:
@@ -470,10 +485,19 @@ class ShardJob:
                     p.grad = (grad if grad.dtype == p.dtype else grad.to(p.dtype)).view(p.shape)
                 else:
                     p.grad = None
+            config = self.optimizer_config
+            skipped = config.skip_nonfinite and not math.isfinite(grad_norm)
+            clip = config.clip_grad_norm
+            if clip > 0 and not skipped:  # as clip_grad_norm_: g *= min(1, max / (norm + 1e-6))
+                norm = torch.tensor(grad_norm, dtype=torch.float32)
+                coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef.to(p.grad.dtype))
             if pending.learning_rate > 0:
                 for group in self.optimizer.param_groups:
                     group["lr"] = pending.learning_rate
-            if any(p.grad is not None for p in self.params):
+            if any(p.grad is not None for p in self.params) and not skipped:
                 self.optimizer.step()
             for p in self.params:
                 p.grad = None
@@ -491,6 +515,8 @@ class ShardJob:
             iteration=iteration,
             num_samples=total,
             loss_sum=pending.loss_sum,
+            grad_norm=grad_norm if config.needs_norm else 0.0,
+            step_skipped=skipped,
         )
 
     def abort(self, generation: int, iteration: int) -> bool:

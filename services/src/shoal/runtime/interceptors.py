@@ -123,7 +123,8 @@ class ShoalServerInterceptor(aio.ServerInterceptor):
             names = ", ".join(sorted(r.value for r in allowed)) or "admin"
             have = principal.role.value
             raise PermissionDenied(
-                f"{service}/{method} needs role {names}; {principal.name} has {have}"
+                f"{service}/{method} needs role {names}; the caller ({principal.name!r}) "
+                f"has role {have}"
             )
         return principal
 

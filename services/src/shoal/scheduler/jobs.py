@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_PRIORITY",
     "FINAL_STATES",
     "MAX_PRIORITY",
+    "STARTED_STATES",
     "TRANSITIONS",
     "ArtifactNotFound",
     "InvalidTransition",
@@ -88,8 +89,18 @@ TRANSITIONS: Mapping[int, frozenset[int]] = {
     S.JOB_STATE_RUNNING: frozenset(
         {
             S.JOB_STATE_QUEUED,  # all its learners were preempted or lost: waits for devices
+            S.JOB_STATE_RECOVERING,  # its data plane is down, or it stalled
             S.JOB_STATE_COMPLETED,
             S.JOB_STATE_FAILED,
+            S.JOB_STATE_CANCELLING,
+        }
+    ),
+    S.JOB_STATE_RECOVERING: frozenset(
+        {
+            S.JOB_STATE_RUNNING,  # an iteration committed again
+            S.JOB_STATE_QUEUED,
+            S.JOB_STATE_COMPLETED,
+            S.JOB_STATE_FAILED,  # out of automatic retries
             S.JOB_STATE_CANCELLING,
         }
     ),
@@ -99,7 +110,9 @@ TRANSITIONS: Mapping[int, frozenset[int]] = {
     S.JOB_STATE_CANCELLED: frozenset(),
 }
 #: Jobs the policy gives devices to.
-ACTIVE_STATES = frozenset({S.JOB_STATE_QUEUED, S.JOB_STATE_RUNNING})
+ACTIVE_STATES = frozenset({S.JOB_STATE_QUEUED, S.JOB_STATE_RUNNING, S.JOB_STATE_RECOVERING})
+#: Jobs that hold (or are getting back) a data plane and learners.
+STARTED_STATES = frozenset({S.JOB_STATE_RUNNING, S.JOB_STATE_RECOVERING})
 #: Jobs that will never run again.
 FINAL_STATES = frozenset({S.JOB_STATE_COMPLETED, S.JOB_STATE_FAILED, S.JOB_STATE_CANCELLED})
 
@@ -262,8 +275,8 @@ def validate_update(
     """Check an UpdateJob against the job (state, then fields)."""
     if job.state not in ACTIVE_STATES:
         raise FailedPrecondition(
-            f"job {job.job_id!r} is {state_name(job.state)}: only QUEUED or RUNNING jobs "
-            "can be updated"
+            f"job {job.job_id!r} is {state_name(job.state)}: only QUEUED, RUNNING or "
+            "RECOVERING jobs can be updated"
         )
     if priority is not None:
         _check_priority("priority", priority, principal, user_priority_limit)
@@ -416,6 +429,9 @@ class JobRecord:
     last_shrunk_at: float | None = None
     failures: int = 0
     last_failure: str = ""
+    recoveries: int = 0
+    """Automatic retries from the latest checkpoint after a stall (``shoal.scheduler.health``);
+    bounded by the scheduler's ``--max-recoveries``."""
     traceparent: str = ""
     """W3C traceparent of the job's submit: the job's trace (``shoal.scheduler.tracing``)."""
     spec_digest: str = ""
@@ -423,6 +439,9 @@ class JobRecord:
     records written before it existed."""
     # Not serialized: the store revision the record was read or last written at.
     revision: int = 0
+    # Not serialized: the priority the last scheduling cycle decided the job's share with
+    # (None on a new leader). A change of it turns sticky rounding off for a cycle (policy.py).
+    decided_priority: int | None = None
 
     FORMAT = 1
 
@@ -530,6 +549,7 @@ class JobRecord:
             "last_shrunk_at": self.last_shrunk_at,
             "failures": self.failures,
             "last_failure": self.last_failure,
+            "recoveries": self.recoveries,
             "traceparent": self.traceparent,
             "spec_digest": self.spec_digest,
         }
@@ -560,6 +580,7 @@ class JobRecord:
             last_shrunk_at=doc.get("last_shrunk_at"),
             failures=int(doc.get("failures", 0)),
             last_failure=doc.get("last_failure", ""),
+            recoveries=int(doc.get("recoveries", 0)),
             traceparent=doc.get("traceparent", ""),
             spec_digest=doc.get("spec_digest", ""),
             revision=revision,

@@ -19,11 +19,17 @@ flag                        variable                   meaning (default)
 --max-artifact-mb           SHOAL_MAX_ARTIFACT_MB      artifact size limit, MiB (1024)
 --max-user-priority         SHOAL_MAX_USER_PRIORITY    highest priority a user may set (1000000)
 --history-limit             SHOAL_HISTORY_LIMIT        allocation events kept per job (1000)
---max-learner-failures      SHOAL_MAX_LEARNER_FAILURES failures without progress before FAILED (5)
+--max-learner-failures      SHOAL_MAX_LEARNER_FAILURES failures without progress before FAILED (3)
 --stop-grace                SHOAL_STOP_GRACE_S         SIGTERM-to-SIGKILL grace of StopLearner (10)
 --retire-timeout            SHOAL_RETIRE_TIMEOUT_S     retiring learner is stopped after, s (600)
 --finish-grace              SHOAL_FINISH_GRACE_S       learners of a finished job stopped after (30)
 --call-timeout              SHOAL_CALL_TIMEOUT_S       deadline of calls to other services (10)
+--stall-timeout             SHOAL_STALL_TIMEOUT_S      a RUNNING/RECOVERING job with no committed
+                                                       iteration for this long is retried from
+                                                       its latest checkpoint, s (300; 0: never)
+--max-recoveries            SHOAL_MAX_RECOVERIES       such automatic retries before FAILED (3)
+--coordinator-grace         SHOAL_COORDINATOR_GRACE_S  a job whose coordinator shard is
+                                                       unreachable this long is RECOVERING, s (2)
 --learner-signing-key       SHOAL_LEARNER_SIGNING_KEY  Ed25519 private key (PEM) that signs each
                                                        learner's credential (default: a new key
                                                        per process, published in etcd)
@@ -73,6 +79,7 @@ from shoal.runtime.errors import InvalidField
 from shoal.runtime.server import create_server, run_until_signalled
 from shoal.runtime.store import MemoryStore, Store
 from shoal.scheduler.artifacts import ArtifactStore, Storage
+from shoal.scheduler.health import HealthConfig
 from shoal.scheduler.jobs import MAX_PRIORITY
 from shoal.scheduler.metrics import SchedulerMetrics
 from shoal.scheduler.placement import PlacementConfig
@@ -103,11 +110,14 @@ class SchedulerConfig:
     max_artifact_bytes: int = 1024 * MiB
     max_user_priority: int = MAX_PRIORITY
     history_limit: int = 1000
-    max_learner_failures: int = 5
+    max_learner_failures: int = 3
     stop_grace_s: float = 10.0
     retire_timeout_s: float = 600.0
     finish_grace_s: float = 30.0
     call_timeout_s: float = 10.0
+    stall_timeout_s: float = 300.0
+    max_recoveries: int = 3
+    coordinator_grace_s: float = 2.0
     learner_signing_key: str | None = None
     learner_token_ttl_s: float = DEFAULT_LEARNER_TOKEN_TTL_S
     artifact_quota_bytes: int = 10 * 1024 * MiB
@@ -141,6 +151,8 @@ class SchedulerConfig:
             ("retire_timeout_s", 1.0, 86400.0),
             ("finish_grace_s", 0.0, 86400.0),
             ("call_timeout_s", 0.1, 600.0),
+            ("stall_timeout_s", 0.0, 7 * 86400.0),
+            ("coordinator_grace_s", 0.0, 3600.0),
             ("collective_timeout_s", 1.0, 3600.0),
             ("learner_token_ttl_s", 60.0, 366 * 86400.0),
         ):
@@ -153,6 +165,7 @@ class SchedulerConfig:
             ("max_user_priority", 1, MAX_PRIORITY),
             ("history_limit", 1, 1_000_000),
             ("max_learner_failures", 1, 1_000_000),
+            ("max_recoveries", 0, 1000),
             ("trace_every", 0, 1 << 40),
         ):
             value = getattr(self, name)
@@ -187,11 +200,24 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     flag("--max-artifact-mb", "SHOAL_MAX_ARTIFACT_MB", "1024", "artifact size limit, MiB")
     flag("--max-user-priority", "SHOAL_MAX_USER_PRIORITY", str(MAX_PRIORITY), "user limit")
     flag("--history-limit", "SHOAL_HISTORY_LIMIT", "1000", "allocation events kept per job")
-    flag("--max-learner-failures", "SHOAL_MAX_LEARNER_FAILURES", "5", "failures before FAILED")
+    flag("--max-learner-failures", "SHOAL_MAX_LEARNER_FAILURES", "3", "failures before FAILED")
     flag("--stop-grace", "SHOAL_STOP_GRACE_S", "10", "StopLearner grace, seconds")
     flag("--retire-timeout", "SHOAL_RETIRE_TIMEOUT_S", "600", "retire timeout, seconds")
     flag("--finish-grace", "SHOAL_FINISH_GRACE_S", "30", "finished job's learners, seconds")
     flag("--call-timeout", "SHOAL_CALL_TIMEOUT_S", "10", "deadline of outgoing calls, seconds")
+    flag(
+        "--stall-timeout",
+        "SHOAL_STALL_TIMEOUT_S",
+        "300",
+        "no committed iteration this long: retry from the checkpoint, seconds (0: never)",
+    )
+    flag("--max-recoveries", "SHOAL_MAX_RECOVERIES", "3", "automatic retries before FAILED")
+    flag(
+        "--coordinator-grace",
+        "SHOAL_COORDINATOR_GRACE_S",
+        "2",
+        "coordinator unreachable this long: RECOVERING, seconds",
+    )
     flag(
         "--learner-signing-key",
         "SHOAL_LEARNER_SIGNING_KEY",
@@ -243,6 +269,9 @@ def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         retire_timeout_s=float(parse_number("retire_timeout_s", ns.retire_timeout, float)),
         finish_grace_s=float(parse_number("finish_grace_s", ns.finish_grace, float)),
         call_timeout_s=float(parse_number("call_timeout_s", ns.call_timeout, float)),
+        stall_timeout_s=float(parse_number("stall_timeout_s", ns.stall_timeout, float)),
+        max_recoveries=int(parse_number("max_recoveries", ns.max_recoveries, int)),
+        coordinator_grace_s=float(parse_number("coordinator_grace_s", ns.coordinator_grace, float)),
         learner_signing_key=(ns.learner_signing_key or "").strip() or None,
         learner_token_ttl_s=float(parse_number("learner_token_ttl_s", ns.learner_token_ttl, float)),
         artifact_quota_bytes=int(
@@ -332,6 +361,11 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
             learner_credentials=mint,
             trace_every=config.trace_every,
             collective_timeout_s=config.collective_timeout_s,
+            health=HealthConfig(
+                stall_timeout_s=config.stall_timeout_s,
+                max_recoveries=config.max_recoveries,
+                unreachable_grace_s=config.coordinator_grace_s,
+            ),
         ),
         metrics=scheduler_metrics,
     )

@@ -3,7 +3,7 @@
 ==================================  =========  ===========================================
 metric                              labels     meaning
 ==================================  =========  ===========================================
-``shoal_jobs``                      state      jobs in each state (QUEUED, RUNNING,
+``shoal_jobs``                      state      jobs in each state (QUEUED, RUNNING, RECOVERING,
                                                CANCELLING, COMPLETED, FAILED, CANCELLED)
 ``shoal_rescale_duration_seconds``  direction  histogram: from the decision to resize a
                                                running job (grow / shrink) to its

@@ -31,6 +31,12 @@ Sticky rounding (``sticky_rounding=True``, the default)
     remainder, then to the others by largest remainder. Every share is still the floor or the
     ceiling of its exact share (so equal jobs still differ by at most one); only which jobs get
     the ceiling changes. ``sticky_rounding=False`` is the plain method.
+    Sticky rounding never defeats a priority change: when a weight changed (under PRIORITY, an
+    admitted job's ``previous_priority`` is set and differs from its ``priority``), what jobs
+    hold says nothing about the new weights, so that computation rounds by plain largest
+    remainder (4 devices, two jobs at 2/2, one raised from 5000 to 10000: 3/1, where sticky
+    rounding would keep 2/2). Churn avoidance only chooses between roundings when no weight
+    changed (a job ended, capacity moved).
 
 Anti-thrash (hold time): the exact rule
     A job is *held* when ``last_shrunk_at`` is set, ``now - last_shrunk_at < hold_time`` and its
@@ -83,6 +89,8 @@ class JobDemand:
         current: learners the job holds now (not counting those already retiring).
         last_shrunk_at: when the scheduler last decided to shrink the job (same clock as
             ``now``), or None if never.
+        previous_priority: the priority its current share was decided with, or None when
+            unknown (a change of it turns sticky rounding off for that computation).
     """
 
     job_id: str
@@ -92,6 +100,7 @@ class JobDemand:
     min_workers: int = 1
     current: int = 0
     last_shrunk_at: float | None = None
+    previous_priority: int | None = None
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -108,6 +117,13 @@ class JobDemand:
             )
         if self.current < 0:
             raise ValueError(f"current ({self.current}) must be >= 0 {who}")
+        if self.previous_priority is not None and self.previous_priority <= 0:
+            raise ValueError(f"previous_priority ({self.previous_priority}) must be > 0 {who}")
+
+    @property
+    def priority_changed(self) -> bool:
+        """The priority differs from the one its current share was decided with."""
+        return self.previous_priority is not None and self.previous_priority != self.priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +205,8 @@ def compute_shares(
         weights = [1] * len(admitted)
     else:
         weights = [j.priority if policy is Policy.PRIORITY else 1 for j in admitted]
-        ideal = _water_fill(admitted, weights, capacity, sticky_rounding)
+        reweighted = policy is Policy.PRIORITY and any(j.priority_changed for j in admitted)
+        ideal = _water_fill(admitted, weights, capacity, sticky_rounding and not reweighted)
 
     final, held = _apply_holds(admitted, weights, ideal, policy, now, hold_time)
     shares = dict.fromkeys(queue, 0)

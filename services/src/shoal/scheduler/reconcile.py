@@ -45,6 +45,13 @@ from google.protobuf.duration_pb2 import Duration
 from grpc import aio
 from opentelemetry import context as otel_context, trace
 
+from shoal.contract import ids
+from shoal.contract.data_plane import (
+    COORDINATORS_PREFIX,
+    CoordinatorRecord,
+    InvalidCoordinatorRecord,
+    decode_coordinator,
+)
 from shoal.runtime import telemetry
 from shoal.runtime.channels import connect
 from shoal.runtime.config import TLSConfig
@@ -58,12 +65,16 @@ from shoal.runtime.errors import (
 )
 from shoal.runtime.store import Store, StoreError
 from shoal.scheduler.artifacts import Storage
+from shoal.scheduler.health import HealthConfig, JobHealth, VerdictKind, assess, lost_reason
 from shoal.scheduler.jobs import (
     HOLDING,
     LEAVING,
+    STARTED_STATES,
+    STATE_HISTORY_LIMIT,
     JobRecord,
     LearnerPhase,
     LearnerRecord,
+    StateChange,
     state_name,
 )
 from shoal.scheduler.placement import (
@@ -94,6 +105,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ELECTION",
+    "CoordinatorMoves",
     "Inventory",
     "JobWork",
     "Peers",
@@ -128,6 +140,9 @@ TRANSIENT_CODES = frozenset(
 
 S = job_pb2
 
+#: Status codes that mean a shard could not be reached (dead, partitioned, overloaded).
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
 # Learner environment: the backend names of the learner's registry.
 SYNC_BACKENDS = {
     job_pb2.SYNC_MODE_PARAMETER_SERVER: "parameter_server",
@@ -153,7 +168,7 @@ class ReconcileConfig:
     stop_grace_s: float = 10.0
     retire_timeout_s: float = 600.0
     finish_grace_s: float = 30.0
-    max_learner_failures: int = 5
+    max_learner_failures: int = 3
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 10.0
     progress_persist_s: float = 5.0
@@ -169,6 +184,9 @@ class ReconcileConfig:
     """SHOAL_TRACE_EVERY for the learners (None: their default)."""
     collective_timeout_s: float | None = None
     """SHOAL_COLLECTIVE_TIMEOUT_S for the learners (None: their default)."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """When a job is RECOVERING, retried from its checkpoint, or FAILED for making no
+    progress (``shoal.scheduler.health``)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,6 +482,66 @@ class ShardRegistry:
             await asyncio.sleep(1.0)
 
 
+class CoordinatorMoves:
+    """Where the parameter-sync tier moved jobs' coordinators (``shoal.contract.data_plane``:
+    ``/shoal/v1/parameter-sync/coordinators/<job_id>`` = address, index, epoch), kept from an
+    etcd watch. Only a record with a higher epoch than the one known replaces it; each such
+    move is reported to ``on_move``. A job without a record keeps the hash rule
+    (:func:`coordinator_index`)."""
+
+    def __init__(
+        self,
+        store: Store,
+        on_move: Callable[[str, CoordinatorRecord], None],
+        prefix: str = COORDINATORS_PREFIX,
+    ) -> None:
+        self.store = store
+        self.on_move = on_move
+        self.prefix = prefix
+        self.records: dict[str, CoordinatorRecord] = {}
+
+    def get(self, job_id: str) -> CoordinatorRecord | None:
+        return self.records.get(job_id)
+
+    def apply(self, key: str, value: bytes) -> None:
+        """One stored value (a listing or a watch event)."""
+        job_id = key.removeprefix(self.prefix)
+        if not ids.is_valid(ids.IdKind.JOB, job_id):
+            log.warning("coordinator record %r: the key does not end in a job id", key)
+            return
+        try:
+            record = decode_coordinator(value)
+        except InvalidCoordinatorRecord as exc:
+            log.warning("coordinator record of %s ignored: %s", job_id, exc)
+            return
+        known = self.records.get(job_id)
+        if known is not None and record.epoch <= known.epoch:
+            return  # an older (or the same) move: the newest one wins
+        self.records[job_id] = record
+        self.on_move(job_id, record)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                kvs, revision = await self.store.list(self.prefix)
+                for kv in kvs:
+                    self.apply(kv.key, kv.value)
+                async with contextlib.aclosing(
+                    self.store.watch(self.prefix, revision + 1)
+                ) as events:
+                    async for event in events:
+                        if event.kind == "put":
+                            self.apply(event.key, event.value)
+                        elif event.kind == "delete":
+                            self.records.pop(event.key.removeprefix(self.prefix), None)
+                        elif event.kind == "resync":
+                            for kv in event.kvs:
+                                self.apply(kv.key, kv.value)
+            except StoreError as exc:
+                log.info("coordinator records: %s", exc)
+            await asyncio.sleep(1.0)
+
+
 # --------------------------------------------------------------------------------------------
 # Work of one job
 # --------------------------------------------------------------------------------------------
@@ -483,6 +561,7 @@ class JobWork:
     finish: bool = False  # final / cancelling job without learners: close, CANCELLED
     requeue: bool = False
     save: bool = False  # only fields changed in memory (target, queue position)
+    retry: str = ""  # stalled: stop everything, re-open from the latest checkpoint (reason)
 
     def empty(self) -> bool:
         return not (
@@ -496,6 +575,7 @@ class JobWork:
             or self.finish
             or self.requeue
             or self.save
+            or self.retry
         )
 
 
@@ -544,6 +624,9 @@ class Reconciler:
         self._progress_saved: dict[str, float] = {}
         self._last_sweep = 0.0
         self._orphans_busy = False
+        self.health: dict[str, JobHealth] = {}
+        self.moves = CoordinatorMoves(table.store, self._coordinator_moved)
+        self._moved: set[str] = set()
         self.cycles = 0
         self.rescales = RescaleTracker(clock=clock)
         self._triggered_at: float | None = None
@@ -561,6 +644,9 @@ class Reconciler:
         self._progress_saved = {}
         self._last_sweep = 0.0
         self._orphans_busy = False
+        self.health = {}
+        self.moves = CoordinatorMoves(self.table.store, self._coordinator_moved)
+        self._moved = set()
 
     # -- triggers -------------------------------------------------------------------------------
 
@@ -603,6 +689,7 @@ class Reconciler:
             asyncio.create_task(self._loop(), name="scheduler-loop"),
             asyncio.create_task(self._progress_loop(), name="scheduler-progress"),
             asyncio.create_task(self._watch_rescales(), name="scheduler-rescales"),
+            asyncio.create_task(self.moves.run(), name="scheduler-coordinators"),
         ]
         if self.registry is not None:
             loop_tasks.append(asyncio.create_task(self.registry.run(), name="scheduler-shards"))
@@ -720,6 +807,7 @@ class Reconciler:
                 min_workers=r.job.spec.min_workers,
                 max_workers=r.job.spec.max_workers,
                 last_shrunk_at=r.last_shrunk_at,
+                previous_priority=r.decided_priority,
             )
             for r in records.values()
             if r.active
@@ -737,6 +825,7 @@ class Reconciler:
         for record in records.values():
             if not record.active:
                 continue
+            record.decided_priority = record.job.spec.priority
             target = decided.shares.get(record.job_id, 0)
             position = queue_pos.get(record.job_id, 0) if record.state == S.JOB_STATE_QUEUED else 0
             if self.metrics is not None:
@@ -796,16 +885,20 @@ class Reconciler:
                     retiring = work.get(job_id, JobWork()).retires
                     if host is not None and host.draining and lr.learner_id not in retiring:
                         w(job_id).retires.append(lr.learner_id)
+            if job_id in self._moved:
+                self._moved.discard(job_id)
+                w(job_id).save = True  # its coordinator moved: persist the new address
             live = [lr for lr in remaining if lr.phase is not LearnerPhase.PENDING]
             pending = [lr for lr in remaining if lr.phase is LearnerPhase.PENDING]
             if not record.active and not live and not pending:
                 if record.state == S.JOB_STATE_CANCELLING or (record.opened and not record.closed):
                     w(job_id).finish = True
             if (
-                record.state == S.JOB_STATE_RUNNING
+                record.state in STARTED_STATES
                 and not live
                 and not pending
                 and not starts_by_job.get(job_id)
+                and not self._held(job_id)
             ):
                 w(job_id).requeue = True
 
@@ -835,7 +928,9 @@ class Reconciler:
                 continue
             record = target_record
             jw = work.get(job_id) or JobWork()
-            starts = starts_by_job.get(job_id, []) if record.active else []
+            # No learner starts while the job's coordinator is unreachable: it could not sync.
+            held = self._held(job_id)
+            starts = starts_by_job.get(job_id, []) if record.active and not held else []
             if jw.empty() and not starts:
                 continue
             backoff = self._backoff.get(job_id)
@@ -870,6 +965,36 @@ class Reconciler:
                     "shoal.cycle.rescales_open": len(self.rescales.open),
                 }
             )
+
+    def _coordinator_moved(self, job_id: str, moved: CoordinatorRecord) -> None:
+        """The parameter-sync tier moved a job's coordinator (a shard failed over): talk to
+        the new one from now on (progress, retire, evict, close; new learners are told it)."""
+        record = self.table.records.get(job_id)
+        if record is None or record.final:
+            return
+        if (record.coordinator_address, record.coordinator_index) == (moved.address, moved.index):
+            return
+        log.warning(
+            "job %s: coordinator moved from %s to shard %d (%s), epoch %d",
+            job_id,
+            self._shard_name(record),
+            moved.index,
+            moved.address,
+            moved.epoch,
+        )
+        record.coordinator_address = moved.address
+        record.coordinator_index = moved.index
+        health = self.health.get(job_id)
+        if health is not None:
+            health.unreachable_since = None  # the new coordinator answers for it now
+            health.unreachable_why = ""
+        self._moved.add(job_id)
+        self.trigger(f"job {job_id} coordinator moved to shard {moved.index}")
+
+    def _held(self, job_id: str) -> bool:
+        """Whether the job's coordinator is unreachable (no learner may start)."""
+        health = self.health.get(job_id)
+        return health is not None and health.down
 
     def _view(self, record: JobRecord, lr: LearnerRecord, *, retiring: bool) -> LearnerView:
         return LearnerView(lr.learner_id, record.job_id, lr.host_id, lr.device_id, retiring)
@@ -1001,8 +1126,15 @@ class Reconciler:
             reason += f" (after: {', '.join(causes)})"
         await self.table.add_allocation_event(record, workers, record.job.target_workers, reason)
         record.sync_counts()
+        if record.state == S.JOB_STATE_RUNNING and record.job.state_reason.startswith("running on"):
+            # The reason tells how many learners run now, not how many ran when it started.
+            record.job.state_reason = f"running on {workers} learner(s)"
+            self.table.publish(record, S.JOB_EVENT_KIND_STATE)
 
     async def _work(self, record: JobRecord, work: JobWork, causes: list[str]) -> None:
+        if work.retry:
+            await self._retry(record, work.retry)
+            return
         dirty = work.save
         if work.drop_pending:
             for lid in work.drop_pending:
@@ -1021,6 +1153,14 @@ class Reconciler:
         if work.stops:
             await self._stop(record, work.stops)
             dirty = False
+        if self._held(record.job_id) and (work.starts or work.restarts):
+            # Its coordinator turned out unreachable while this work ran (an evict above):
+            # learners started now could not sync. They start once it answers again.
+            for lr in work.starts:
+                if record.learners.get(lr.learner_id) is lr and lr.phase is LearnerPhase.PENDING:
+                    del record.learners[lr.learner_id]
+            work.starts, work.restarts = [], []
+            dirty = True
         if work.restarts and record.active:
             with self.rescales.phase(record.job_id, "start", work.restarts):
                 await self._start_learners(
@@ -1034,7 +1174,7 @@ class Reconciler:
         if work.finish:
             await self._finish(record)
             dirty = False
-        if work.requeue and record.state == S.JOB_STATE_RUNNING and not record.learners:
+        if work.requeue and record.state in STARTED_STATES and not record.learners:
             await self._transition(
                 record,
                 S.JOB_STATE_QUEUED,
@@ -1071,6 +1211,13 @@ class Reconciler:
             )
         except grpc.aio.AioRpcError as exc:
             _check_fenced(exc)
+            if exc.code() in _UNREACHABLE:
+                # The coordinator is down: its membership is gone with it (a re-open starts
+                # afresh). Waiting for it here would keep every exit unprocessed, and the job
+                # reported with learners that no longer run.
+                log.info("job %s: evict %s: %s", record.job_id, learner_id, _describe(exc))
+                self._unreachable(record, exc)
+                return
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
 
@@ -1093,10 +1240,12 @@ class Reconciler:
             why = learner.exit_reason or f"exit code {learner.exit_code}"
             ended = learner.end_time.seconds + learner.end_time.nanos / 1e9
             self.rescales.exited(record.job_id, lr.learner_id, ended or None)
-            if learner.exit_code != 0 and record.active:
+            # A learner its agent reports FAILED with code 0 ended without training.
+            failed = learner.exit_code != 0 or learner.state == resources_pb2.LEARNER_STATE_FAILED
+            if failed and record.active:
                 await self._evict(record, lr.learner_id, f"exited: {why}")
             if not leaving:
-                if learner.exit_code == 0:
+                if not failed:
                     check_done = True
                 else:
                     failures.append(f"learner {lr.learner_id} on host {lr.host_id} failed: {why}")
@@ -1109,8 +1258,23 @@ class Reconciler:
             record.last_failure = failures[-1]
             if len(failures) > 1:
                 record.last_failure += f" (and {len(failures) - 1} more)"
+        recovering = (
+            record.state == S.JOB_STATE_RUNNING
+            and self._held(record.job_id)
+            and not record.workers()
+        )
+        if recovering:
+            # Its learners died and its coordinator does not answer: its data plane is down.
+            # Said at once (not after the grace): never RUNNING with no learner.
+            health = self._health(record)
+            health.entered_recovery()
+            reason = lost_reason(health, self._shard_name(record))
+            log.warning("job %s recovering: %s", record.job_id, reason)
+            record.transition(S.JOB_STATE_RECOVERING, reason, now)
         await self.table.save(record)
-        if check_done and record.state == S.JOB_STATE_RUNNING:
+        if recovering:
+            self.table.publish(record, S.JOB_EVENT_KIND_STATE)
+        if check_done and record.state in STARTED_STATES:
             await self._poll_progress(record)
         if (
             record.active
@@ -1218,8 +1382,13 @@ class Reconciler:
         if not shards:
             raise Unavailable("no parameter-sync shard is known yet (registry incomplete)")
         if record.coordinator_index < 0 or not record.coordinator_address:
-            record.coordinator_index = coordinator_index(record.job_id, len(shards))
-            record.coordinator_address = shards[record.coordinator_index]
+            moved = self.moves.get(record.job_id)
+            if moved is not None:
+                record.coordinator_index = moved.index
+                record.coordinator_address = moved.address
+            else:
+                record.coordinator_index = coordinator_index(record.job_id, len(shards))
+                record.coordinator_address = shards[record.coordinator_index]
         if record.job.effective_sync_mode == job_pb2.SYNC_MODE_UNSPECIFIED:
             record.job.effective_sync_mode = resolve_sync_mode(  # type: ignore[assignment]
                 record.job.spec.sync_mode, [(lr.host_id, lr.simulated) for lr in placed]
@@ -1240,6 +1409,10 @@ class Reconciler:
             )
         except grpc.aio.AioRpcError as exc:
             _check_fenced(exc)
+            if exc.code() in _UNREACHABLE and record.state in STARTED_STATES:
+                self._health(
+                    record
+                ).last_error = f"OpenJob: {self._shard_name(record)} unreachable: {exc.code().name}"
             if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
                 raise PermanentFailure(
                     f"OpenJob on {record.coordinator_address} failed: {_describe(exc)}"
@@ -1249,6 +1422,17 @@ class Reconciler:
         record.closed = False
         if response.HasField("progress"):
             record.job.progress.CopyFrom(response.progress)
+        health = self.health.get(record.job_id)
+        if health is not None:
+            health.reopened(response.progress.completed_iterations)
+        if record.state == S.JOB_STATE_RECOVERING:
+            await self._recovering(
+                record,
+                f"data plane re-opened on coordinator {self._shard_name(record)}, resumed at "
+                f"iteration {response.progress.completed_iterations}"
+                + (" (from the latest checkpoint)" if response.resumed else " (from the start)")
+                + "; waiting for the first committed iteration",
+            )
 
     async def _grow(self, record: JobRecord, pending: list[LearnerRecord]) -> None:
         job_id = record.job_id
@@ -1354,6 +1538,7 @@ class Reconciler:
         results = await asyncio.gather(*(start(lr) for lr in learners))
         started = sum(1 for r in results if r is None)
         if started and record.state == S.JOB_STATE_QUEUED:
+            self.health.pop(record.job_id, None)  # a fresh stall timeout from now
             record.transition(
                 S.JOB_STATE_RUNNING, f"running on {record.workers()} learner(s)", self.clock()
             )
@@ -1394,17 +1579,42 @@ class Reconciler:
                 timeout=self.config.call_timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in _UNREACHABLE and record.state in STARTED_STATES:
+                self._unreachable(record, exc)
+                return None
             if exc.code() == grpc.StatusCode.NOT_FOUND and record.active:
                 # The coordinator lost the job (a restarted shard): open it again, which
                 # resumes it from its latest checkpoint, before the next learner starts.
                 log.warning("job %s: unknown to its coordinator; re-opening it", record.job_id)
+                health = self._health(record)
+                lost_at = health.lost_at if health.down else health.iterations
+                health.reopened(health.iterations)
+                health.entered_recovery()
                 record.opened = False
-                await self.table.save(record)
+                if record.state in STARTED_STATES:
+                    await self._recovering(
+                        record,
+                        f"coordinator {self._shard_name(record)} lost the job's state (it "
+                        f"restarted) after iteration {lost_at}; re-opening the job from its "
+                        "latest checkpoint",
+                    )
+                else:
+                    await self.table.save(record)
                 self.trigger(f"job {record.job_id} data plane lost")
                 return None
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
             raise
+        if record.state in STARTED_STATES:
+            # A coordinator that recovers the job itself (a shard lost) says so and why
+            # (fields of GetJobProgressResponse a coordinator without them leaves unset).
+            recovering = bool(getattr(response, "recovering", False))
+            why = str(getattr(response, "recovery_reason", "") or "a shard was lost")
+            self._health(record).polled(
+                response.progress.completed_iterations,
+                self.clock(),
+                why if recovering else None,
+            )
         self.members[record.job_id] = tuple(response.member_learner_ids)
         if self.metrics is not None and response.HasField("progress"):
             self.metrics.world_size(record.job_id, response.progress.world_size, self.clock())
@@ -1422,9 +1632,121 @@ class Reconciler:
             ):
                 self._progress_saved[record.job_id] = now
                 await self.table.save(record)
-        if response.done and record.state == S.JOB_STATE_RUNNING:
+        if response.done and record.state in STARTED_STATES:
             await self._complete(record)
         return response
+
+    # -- data-plane health (shoal.scheduler.health) ---------------------------------------------
+
+    def _health(self, record: JobRecord) -> JobHealth:
+        health = self.health.get(record.job_id)
+        if health is None:
+            health = self.health[record.job_id] = JobHealth(
+                iterations=record.job.progress.completed_iterations, progress_at=self.clock()
+            )
+        return health
+
+    def _shard_name(self, record: JobRecord) -> str:
+        if record.coordinator_index >= 0:
+            return f"shard {record.coordinator_index} ({record.coordinator_address})"
+        return record.coordinator_address or "(none yet)"
+
+    def _unreachable(self, record: JobRecord, exc: grpc.aio.AioRpcError) -> None:
+        if record.state in STARTED_STATES:
+            detail = (exc.details() or "").splitlines()[0][:200] if exc.details() else ""
+            why = f"{self._shard_name(record)} unreachable: {exc.code().name}"
+            self._health(record).unreachable(why + (f" ({detail})" if detail else ""), self.clock())
+
+    async def _recovering(self, record: JobRecord, reason: str) -> None:
+        """Say that the job is RECOVERING and why (a transition from RUNNING; a new reason in
+        RECOVERING, recorded in the history too)."""
+        if record.state == S.JOB_STATE_RUNNING:
+            log.warning("job %s recovering: %s", record.job_id, reason)
+            self._health(record).entered_recovery()
+            await self._transition(record, S.JOB_STATE_RECOVERING, reason)
+        elif record.state == S.JOB_STATE_RECOVERING and record.job.state_reason != reason:
+            log.info("job %s: %s", record.job_id, reason)
+            record.job.state_reason = reason
+            record.history.append(StateChange(self.clock(), record.state, record.state, reason))
+            del record.history[:-STATE_HISTORY_LIMIT]
+            await self.table.save(record)
+            self.table.publish(record, S.JOB_EVENT_KIND_STATE)
+
+    async def _assess(self, record: JobRecord) -> None:
+        """Act on the job's data-plane health (one verdict per poll; none while a worker
+        holds the job: the next poll looks again)."""
+        if record.state not in STARTED_STATES:
+            self.health.pop(record.job_id, None)
+            return
+        if record.job_id in self._busy:
+            return
+        health = self._health(record)
+        verdict = assess(
+            record.state,
+            health,
+            now=self.clock(),
+            config=self.config.health,
+            recoveries=record.recoveries,
+            coordinator=self._shard_name(record),
+        )
+        if verdict is None:
+            return
+        if verdict.kind is VerdictKind.RECOVERING:
+            await self._recovering(record, verdict.reason)
+            self.trigger(f"job {record.job_id} data plane down")
+        elif verdict.kind is VerdictKind.RECOVERED:
+            log.info("job %s: %s", record.job_id, verdict.reason)
+            health.running()
+            await self._transition(
+                record,
+                S.JOB_STATE_RUNNING,
+                f"{verdict.reason}; running on {record.workers()} learner(s)",
+            )
+        elif verdict.kind is VerdictKind.FAIL:
+            await self._fail(record, verdict.reason)
+        else:
+            self._busy[record.job_id] = self._spawn(
+                self._run_worker(record, JobWork(retry=verdict.reason), []),
+                f"scheduler-job-{record.job_id}",
+            )
+
+    async def _retry(self, record: JobRecord, reason: str) -> None:
+        """A stalled job starts over from its latest checkpoint: stop its learners, close its
+        data plane on every shard (whatever answers), and let the next cycle open it again
+        (OpenJob resumes from the checkpoint) and start learners."""
+        if record.state not in STARTED_STATES:
+            return
+        log.warning("job %s: %s", record.job_id, reason)
+        record.recoveries += 1
+        health = self._health(record)
+        health.restarted(self.clock())
+        await self._recovering(record, reason)
+        live = [lid for lid, lr in record.learners.items() if lr.phase is not LearnerPhase.PENDING]
+        if live:
+            await self._stop(record, live)
+        if record.opened:
+            await self._close_everywhere(record)
+        record.opened = False
+        record.closed = False
+        # The coordinator may answer again (a fresh shard): the next open finds out.
+        health.unreachable_since = None
+        await self.table.save(record)
+
+    async def _close_everywhere(self, record: JobRecord) -> None:
+        """CloseJob on every shard that answers (a dead coordinator cannot tell its peers)."""
+        request = ps_pb2.CloseJobRequest(job_id=record.job_id, fencing_token=self._token)
+
+        async def close(address: str) -> None:
+            try:
+                await self.peers.shard(address).CloseJob(
+                    request, timeout=min(5.0, self.config.call_timeout_s)
+                )
+            except grpc.aio.AioRpcError as exc:
+                _check_fenced(exc)
+                log.debug("CloseJob %s on %s: %s", record.job_id, address, _describe(exc))
+
+        addresses = dict.fromkeys([record.coordinator_address, *self.shards()])
+        await asyncio.gather(*(close(a) for a in addresses if a))
 
     async def _complete(self, record: JobRecord) -> None:
         now = self.clock()
@@ -1466,20 +1788,20 @@ class Reconciler:
         async def poll(record: JobRecord) -> None:
             async with limit:
                 try:
-                    await self._poll_progress(record)
-                except (grpc.aio.AioRpcError, Unavailable, TimeoutError) as exc:
+                    if record.opened:
+                        await self._poll_progress(record)
+                    await self._assess(record)
+                except (grpc.aio.AioRpcError, Unavailable, TimeoutError, StoreConflict) as exc:
                     log.debug("progress of %s: %s", record.job_id, _describe(exc))
-                except (NotLeader, FencedOutByPeer) as exc:
+                except (NotLeader, FencedOutByPeer, LeadershipLost) as exc:
                     self._depose(str(exc))
 
         while True:
-            running = [
-                r
-                for r in self.table.records.values()
-                if r.state == S.JOB_STATE_RUNNING and r.opened
-            ]
-            if running:
-                await asyncio.gather(*(poll(r) for r in running))
+            started = [r for r in self.table.records.values() if r.state in STARTED_STATES]
+            for job_id in [j for j in self.health if j not in self.table.records]:
+                del self.health[job_id]
+            if started:
+                await asyncio.gather(*(poll(r) for r in started))
             await asyncio.sleep(self.config.resync_interval_s)
 
     async def _watch_rescales(self) -> None:

@@ -1,0 +1,88 @@
+"""The data plane's etcd contract: where a job's coordinator is published when it moves.
+
+A job's coordinator is, by default, the shard the scheduler's hash rule picks
+(``shoal.scheduler.reconcile.coordinator_index``). When the parameter-sync tier moves the role
+to another shard (the coordinator's shard was lost and a successor took over), the new
+coordinator publishes::
+
+    /shoal/v1/parameter-sync/coordinators/<job_id> = {"address": "host:port", "index": I,
+                                                      "epoch": E}
+
+``epoch`` increases by at least one on each move; a reader keeps the entry with the highest
+epoch it has seen and ignores older ones. The scheduler reads (and watches) the key and falls
+back to its hash rule when the key is absent. The value is UTF-8 JSON; :func:`decode_coordinator`
+rejects anything else with an error naming the field and the value.
+
+This module imports neither grpc nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from shoal.contract import ids
+
+__all__ = [
+    "COORDINATORS_PREFIX",
+    "SHARDS_PREFIX",
+    "CoordinatorRecord",
+    "InvalidCoordinatorRecord",
+    "coordinator_key",
+    "decode_coordinator",
+    "encode_coordinator",
+]
+
+#: Each shard's registration: ``<prefix><index>`` = its address (UTF-8 ``host:port``), leased.
+SHARDS_PREFIX = "/shoal/v1/parameter-sync/shards/"
+#: A job's coordinator when it is not the hash rule's: ``<prefix><job_id>`` = JSON record.
+COORDINATORS_PREFIX = "/shoal/v1/parameter-sync/coordinators/"
+
+
+class InvalidCoordinatorRecord(ValueError):
+    """A coordinator record that is not the JSON object the contract describes."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorRecord:
+    """Where a job's coordinator lives now."""
+
+    address: str
+    index: int
+    epoch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.address, str) or not self.address or ":" not in self.address:
+            raise InvalidCoordinatorRecord(f"address ({self.address!r}) must be 'host:port'")
+        for name in ("index", "epoch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidCoordinatorRecord(f"{name} ({value!r}) must be an integer >= 0")
+
+
+def coordinator_key(job_id: str) -> str:
+    """The etcd key of ``job_id``'s coordinator record (the job id is checked)."""
+    ids.check(ids.IdKind.JOB, job_id)
+    return COORDINATORS_PREFIX + job_id
+
+
+def encode_coordinator(record: CoordinatorRecord) -> bytes:
+    """The record as the UTF-8 JSON value stored under :func:`coordinator_key`."""
+    return json.dumps(
+        {"address": record.address, "index": record.index, "epoch": record.epoch},
+        sort_keys=True,
+    ).encode()
+
+
+def decode_coordinator(value: bytes | str) -> CoordinatorRecord:
+    """Parse a stored value; :class:`InvalidCoordinatorRecord` names what is wrong."""
+    try:
+        data = json.loads(value)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidCoordinatorRecord(f"coordinator record ({value!r:.80}) is not JSON") from exc
+    if not isinstance(data, dict):
+        raise InvalidCoordinatorRecord(f"coordinator record ({data!r:.80}) is not an object")
+    missing = [k for k in ("address", "index", "epoch") if k not in data]
+    if missing:
+        raise InvalidCoordinatorRecord(f"coordinator record lacks {', '.join(missing)}")
+    return CoordinatorRecord(address=data["address"], index=data["index"], epoch=data["epoch"])

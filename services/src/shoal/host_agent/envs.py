@@ -1,0 +1,174 @@
+"""Per-job Python environments: an artifact that carries ``requirements.txt`` runs in a venv
+built for it.
+
+The venv is built once per host per content of ``requirements.txt`` (its sha256 names the
+directory, ``<work_dir>/envs/<sha256>/``). It inherits the agent's packages (torch,
+shoal-learner: the agent usually runs in a venv itself, whose packages ``--system-site-packages``
+alone would not reach, so a ``.pth`` file adds the agent's site directories after the job's
+own) and only adds what the job asks for; it is kept and reused
+by every later learner whose requirements are the same, on this host. Concurrent starts of the
+same environment wait for one build. pip runs in the learner's unpacked artifact (so relative
+paths in ``requirements.txt``, such as ``./wheels/pkg-1.0-py3-none-any.whl``, resolve there),
+with the agent's environment minus its secrets, and writes ``build.log`` beside the venv; the
+agent logs every step. A failed build leaves nothing behind and fails the start with
+INVALID_ARGUMENT and pip's error (its last lines): the scheduler then fails the job with that
+reason (a transient failure, such as an unreachable package index, fails it too: resubmit).
+A build that outlasts the scheduler's StartLearner deadline goes on; the retried start waits for
+it and reuses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from shoal.runtime.errors import InvalidField
+
+__all__ = ["REQUIREMENTS_FILE", "JobEnvironments"]
+
+log = logging.getLogger("shoal.host_agent.envs")
+
+REQUIREMENTS_FILE = "requirements.txt"
+_READY = ".ready"
+_ERROR_TAIL = 2000  # characters of pip's output in the error
+
+
+# Run by the new venv's python with the agent's python as argument: a .pth file that adds the
+# agent's site directories (processing their own .pth files, e.g. editable installs) after the
+# venv's own, so the job's packages win and the agent's are found.
+_LINK_AGENT_SITE = """
+import json, subprocess, sys, sysconfig
+from pathlib import Path
+query = "import json, site; print(json.dumps(site.getsitepackages()))"
+dirs = json.loads(subprocess.check_output([sys.argv[1], "-c", query]))
+lines = "".join(f"import site; site.addsitedir({d!r})\\n" for d in dirs)
+Path(sysconfig.get_paths()["purelib"], "_shoal_agent_site.pth").write_text(lines)
+"""
+
+
+class JobEnvironments:
+    """The venvs of this host's jobs, under ``root``, built from ``base_python``."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        base_python: str = sys.executable,
+        pip_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        self.root = root
+        self.base_python = base_python
+        self.pip_args = list(pip_args)
+        self.env = dict(os.environ if env is None else env)
+        self.timeout_s = timeout_s
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.builds = 0  # environments built by this agent (reuses do not count)
+
+    @staticmethod
+    def key(requirements: bytes) -> str:
+        return hashlib.sha256(requirements).hexdigest()
+
+    def python_of(self, key: str) -> Path:
+        return self.root / key / "bin" / "python"
+
+    async def python_for(self, work: Path) -> str | None:
+        """The interpreter for an artifact unpacked in ``work``: its environment's when it
+        carries ``requirements.txt`` (built now if this host has none yet), else None."""
+        path = work / REQUIREMENTS_FILE
+        if not path.is_file():
+            return None
+        requirements = path.read_bytes()
+        key = self.key(requirements)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            directory = self.root / key
+            if (directory / _READY).is_file():
+                log.info("environment %s: reused", key[:12])
+                return str(self.python_of(key))
+            await self._build(key, directory, work)
+            return str(self.python_of(key))
+
+    async def _run(self, argv: list[str], cwd: Path, log_file: Path) -> tuple[int, str]:
+        with log_file.open("ab") as out:
+            out.write(f"$ {' '.join(argv)}\n".encode())
+            out.flush()
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                cwd=str(cwd),
+                env=self.env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+            assert process.stdout is not None
+            captured = bytearray()
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    async for line in process.stdout:
+                        out.write(line)
+                        captured += line
+                    code = await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+                return (
+                    -1,
+                    f"timed out after {self.timeout_s:.0f} s\n{captured.decode(errors='replace')}",
+                )
+        return code, captured.decode(errors="replace")
+
+    async def _build(self, key: str, directory: Path, work: Path) -> None:
+        short = key[:12]
+        if directory.exists():  # a build that did not finish (the agent died)
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        build_log = self.root / f"{key}.build.log"
+        build_log.unlink(missing_ok=True)
+        started = time.monotonic()
+        python = str(self.python_of(key))
+        venv = [self.base_python, "-m", "venv", "--system-site-packages", "--without-pip"]
+        steps = [
+            ("creating the venv", [*venv, str(directory)]),
+            ("linking the agent's packages", [python, "-c", _LINK_AGENT_SITE, self.base_python]),
+            (
+                "pip install -r requirements.txt",
+                [
+                    self.base_python,  # the agent's pip, installing into the job's venv
+                    "-m",
+                    "pip",
+                    "--python",
+                    python,
+                    "install",
+                    "--disable-pip-version-check",
+                    "--no-input",
+                    *self.pip_args,
+                    "-r",
+                    str(work / REQUIREMENTS_FILE),
+                ],
+            ),
+        ]
+        for what, argv in steps:
+            log.info("environment %s: %s", short, what)
+            code, output = await self._run(argv, work, build_log)
+            if code != 0:
+                await asyncio.to_thread(shutil.rmtree, directory, True)
+                tail = output.strip()[-_ERROR_TAIL:]
+                log.warning("environment %s: %s failed (exit %d)", short, what, code)
+                raise InvalidField(
+                    f"artifact {REQUIREMENTS_FILE}",
+                    short,
+                    f"could not be installed ({what} exited with {code}): {tail}",
+                )
+        (directory / _READY).write_text(f"{time.time()}\n")
+        shutil.move(str(build_log), str(directory / "build.log"))
+        self.builds += 1
+        log.info("environment %s: ready in %.1f s", short, time.monotonic() - started)

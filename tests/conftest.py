@@ -1,0 +1,13 @@
+"""Shared by every test: the user's config directory is a temporary one, so `shoal cluster up`
+(which registers a context in ``$XDG_CONFIG_HOME/shoal/contexts.json``) never writes into the
+real ``~/.config`` of whoever runs the suite."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _isolated_user_config(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))
+    monkeypatch.delenv("SHOAL_CONTEXT", raising=False)
