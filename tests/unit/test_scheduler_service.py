@@ -4,6 +4,7 @@ history, and a standby's answers. The reconcile loop is replaced by a recorder o
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -689,3 +690,23 @@ async def test_during_an_etcd_outage_reads_serve_the_last_known_state_marked_sta
     assert reason(standby.value) == "ERROR_REASON_NOT_LEADER"
     await bed.table.become_leader(None)
     assert (await submit(bed, artifact)).job_id
+
+
+async def test_a_store_that_hangs_without_quorum_still_gets_a_stale_answer_in_time(
+    bed: Bed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An etcd member without quorum holds a read until its own timeout; the replica that led
+    answers from its last known state after STORE_PROBE_TIMEOUT_S instead of the caller's
+    deadline running out."""
+    artifact = await upload(bed)
+    job = await submit(bed, artifact)
+
+    async def hangs(*args: object, **kwargs: object) -> object:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(bed.store, "get", hangs)
+    bed.table.step_down()
+    call = bed.stub().GetJob(js.GetJobRequest(job_id=job.job_id), timeout=10)
+    assert (await call).job.job_id == job.job_id
+    assert "shoal-stale-as-of" in dict(await call.trailing_metadata())

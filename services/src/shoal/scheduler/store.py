@@ -25,7 +25,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -209,6 +209,17 @@ class JobTable:
 
     # -- errors -------------------------------------------------------------------------------
 
+    async def _read(self, awaitable: Awaitable[T]) -> T:
+        """A standby's store read. With a last known state to fall back on, it is bounded by
+        STORE_PROBE_TIMEOUT_S: an etcd member without quorum holds a read until its own
+        timeout, longer than a client's deadline, and the stale answer must come first."""
+        if self._last_known is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, STORE_PROBE_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise StoreUnavailable(f"no answer within {STORE_PROBE_TIMEOUT_S} s") from exc
+
     @contextlib.contextmanager
     def _translate(self, what: str) -> Iterator[None]:
         try:
@@ -249,7 +260,7 @@ class JobTable:
         kv = None
         with self._or_last_known() as stale:
             with self._translate(f"read job {job_id}"):
-                kv = await self.store.get(JOBS + job_id)
+                kv = await self._read(self.store.get(JOBS + job_id))
         if stale[0] and self._last_known is not None:
             return self._last_known[1].get(job_id)
         return None if kv is None else JobRecord.from_bytes(kv.value, revision=kv.mod_revision)
@@ -260,7 +271,7 @@ class JobTable:
         kvs = []
         with self._or_last_known() as stale:
             with self._translate("list jobs"):
-                kvs, _ = await self.store.list(JOBS)
+                kvs, _ = await self._read(self.store.list(JOBS))
         if stale[0] and self._last_known is not None:
             return list(self._last_known[1].values())
         out = []
@@ -275,7 +286,7 @@ class JobTable:
         kv = None
         with self._or_last_known() as stale:
             with self._translate(f"read allocation history of {job_id}"):
-                kv = await self.store.get(ALLOCATIONS + job_id)
+                kv = await self._read(self.store.get(ALLOCATIONS + job_id))
         if stale[0] and self._last_known is not None:
             return list(self._last_known[2].get(job_id, ()))
         if kv is None:
