@@ -25,8 +25,10 @@ TB_READER   := $(VENV)/tensorboard-reader
 STAMP       := $(VENV)/.installed
 BUF         := node_modules/.bin/buf
 PYTEST_ARGS ?=
+SOAK_MINUTES ?= 5
+SOAK_SEED    ?= 1
 
-.PHONY: install protos protos-check lint test test-fast test-slow demo bench clean
+.PHONY: install protos protos-check lint test test-fast test-slow chaos soak demo bench clean
 
 install: $(STAMP)
 
@@ -68,6 +70,15 @@ test-fast: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+# The whole chaos suite (the short form also runs in `make test`), then the seeded random-fault
+# soak: `make chaos SOAK_MINUTES=30 SOAK_SEED=7`; the soak's report is soak-report.json.
+chaos: $(STAMP)
+	SHOAL_CHAOS=full $(PY) -m pytest -m chaos tests/chaos $(PYTEST_ARGS)
+	$(MAKE) soak
+
+soak: $(STAMP)
+	$(PY) -m tests.chaos.soak --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED) --out soak-report.json
 
 demo: $(STAMP)
 	$(PY) -m shoal.cluster.demo $(DEMO_ARGS)

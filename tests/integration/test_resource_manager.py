@@ -725,6 +725,12 @@ async def test_a_standby_takes_over_with_the_same_ledger_and_no_double_allocatio
             grpc.StatusCode.FAILED_PRECONDITION,
             "stale",
         )
+        # Re-registering left no orphaned task behind (asyncio logged "Task exception was
+        # never retrieved" / "Task was destroyed but it is pending" at each one).
+        for proc in shoal.procs:
+            if proc.name.startswith("agent-"):
+                assert "never retrieved" not in proc.log(), proc.log()[-3000:]
+                assert "destroyed but it is pending" not in proc.log(), proc.log()[-3000:]
     finally:
         if sched.leadership is not None:
             await sched.leadership.resign()

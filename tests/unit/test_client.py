@@ -7,7 +7,9 @@ import asyncio
 import hashlib
 import json
 
+import grpc
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 from typer.testing import CliRunner
 
 from shoal.cli.main import app
@@ -17,6 +19,7 @@ from shoal.runtime.config import ServerConfig
 from shoal.runtime.errors import InvalidField, JobNotFound, NotLeader
 from shoal.runtime.server import ServiceBinding, create_server
 from shoal.v1 import job_pb2, job_scheduler_service_pb2 as js, job_scheduler_service_pb2_grpc
+from shoal.v1.resources_pb2 import LogLine
 
 SERVICE = "shoal.v1.JobSchedulerService"
 
@@ -187,6 +190,83 @@ async def test_cli_submit_and_list_as_json(cluster, tmp_path, monkeypatch):
     assert job["spec"]["max_workers"] == 4
     result = await asyncio.to_thread(invoke, ["-o", "json", "jobs", "list"])
     assert [j["job_id"] for j in json.loads(result.stdout)] == [job["job_id"]]
+
+
+class FailingOverScheduler(job_scheduler_service_pb2_grpc.JobSchedulerServiceServicer):
+    """A leader whose streams break after two items (it lost its leadership): from then on it
+    points at the new leader. The new leader replays from the start, as a fresh stream does."""
+
+    def __init__(self, events: list[job_pb2.JobEvent], lines: list, break_after: int) -> None:
+        self.events, self.lines, self.break_after = events, lines, break_after
+        self.leader_address: str | None = None
+        self.opened = 0
+
+    async def WatchJob(self, request, context):
+        self.opened += 1
+        if self.leader_address is not None:
+            raise NotLeader("job-scheduler", self.leader_address)
+        for i, event in enumerate(self.events):
+            if i == self.break_after:
+                self.leader_address = self.successor
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed")
+            yield js.WatchJobResponse(event=event)
+
+    async def StreamJobLogs(self, request, context):
+        if self.leader_address is not None:
+            raise NotLeader("job-scheduler", self.leader_address)
+        for i, line in enumerate(self.lines):
+            if i == self.break_after:
+                self.leader_address = self.successor
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed")
+            yield js.StreamJobLogsResponse(lines=[line])
+
+
+async def test_watch_and_logs_follow_a_scheduler_failover_without_losing_or_repeating(caplog):
+    config = ServerConfig(service_name="fake", allow_no_auth=True)
+    roles = MethodRoles(SERVICE, USERS_AND_SERVICES)
+    add = job_scheduler_service_pb2_grpc.add_JobSchedulerServiceServicer_to_server
+    events = [
+        job_pb2.JobEvent(kind=1, time=Timestamp(seconds=100 + i), job=job_pb2.Job(job_id="j"))
+        for i in range(5)
+    ]
+    lines = [LogLine(learner_id="l1", text=f"line {i}", offset=10 * i) for i in range(5)]
+    old = FailingOverScheduler(events, lines, break_after=2)
+    new = FailingOverScheduler(events, lines, break_after=99)
+    old_server = await create_server(config, [ServiceBinding(SERVICE, add, old, roles)])
+    new_server = await create_server(config, [ServiceBinding(SERVICE, add, new, roles)])
+    old.successor = new_server.address
+    try:
+        client_config = ClientConfig(scheduler=(old_server.address, new_server.address))
+        async with AsyncClient(client_config, failover_s=10) as client:
+            watched = [e async for e in client.watch_job("j")]
+        old.leader_address = None  # the old replica leads again, and fails over again
+        only_old = ClientConfig(scheduler=(old_server.address,))  # the hint finds the new one
+        async with AsyncClient(only_old, failover_s=10) as client:
+            followed = [ln async for ln in client.stream_logs("j", follow=True, tail_lines=3)]
+    finally:
+        await old_server.stop(0)
+        await new_server.stop(0)
+    assert [e.time.seconds for e in watched] == [100, 101, 102, 103, 104]
+    # tail_lines applies to the first stream only (the fake ignores it: it sends everything)
+    assert [ln.text for ln in followed] == [f"line {i}" for i in range(5)]
+    resumes = [r for r in caplog.records if "resuming on the job-scheduler leader" in r.message]
+    assert len(resumes) == 2  # one line per broken stream, nothing else
+
+
+async def test_a_non_follow_stream_that_breaks_still_fails_loudly():
+    config = ServerConfig(service_name="fake", allow_no_auth=True)
+    roles = MethodRoles(SERVICE, USERS_AND_SERVICES)
+    add = job_scheduler_service_pb2_grpc.add_JobSchedulerServiceServicer_to_server
+    lines = [LogLine(learner_id="l1", text=f"line {i}", offset=10 * i) for i in range(5)]
+    old = FailingOverScheduler([], lines, break_after=2)
+    server = await create_server(config, [ServiceBinding(SERVICE, add, old, roles)])
+    old.successor = server.address
+    try:
+        async with AsyncClient(ClientConfig(scheduler=(server.address,)), failover_s=1) as client:
+            with pytest.raises(ShoalClientError, match=r"UNAVAILABLE|Stream removed"):
+                _ = [ln async for ln in client.stream_logs("j", follow=False)]
+    finally:
+        await server.stop(0)
 
 
 async def test_cli_get_and_list_show_a_recovering_job_and_its_reason(cluster, monkeypatch):

@@ -435,3 +435,45 @@ def test_records_round_trip_through_protobuf(inv):
     assert listed.last_heartbeat_time.seconds > 0
     report = running("l1")
     assert core.learner_from_proto(core.learner_to_proto(report)) == report
+
+
+def test_a_host_agent_that_says_it_is_stopping_gets_the_restart_grace(inv, clock):
+    register(inv, "h1")
+    register(inv, "h2")
+    inv.note_stopping("h1", 30.0)
+    clock.advance(10.0)
+    assert inv.expired_hosts() == ["h2"]  # h2 has only the 3 s grace
+    clock.advance(21.0)
+    assert inv.expired_hosts() == ["h1", "h2"]
+
+
+def test_the_restart_grace_ends_with_the_next_heartbeat(inv, clock):
+    record = register(inv, "h1")
+    inv.note_stopping("h1", 30.0)
+    clock.advance(5.0)
+    inv.heartbeat("h1", record.incarnation)  # it came back: the normal grace again
+    clock.advance(3.5)
+    assert inv.expired_hosts() == ["h1"]
+
+
+def test_a_restart_grace_shorter_than_the_grace_never_shortens_it(inv, clock):
+    register(inv, "h1")
+    inv.note_stopping("h1", 0.5)
+    clock.advance(2.0)
+    assert inv.expired_hosts() == []
+    with pytest.raises(InvalidField, match="restart_grace_s"):
+        inv.note_stopping("h1", -1.0)
+
+
+def test_refresh_liveness_gives_every_ready_host_a_fresh_grace(inv, clock):
+    register(inv, "h1")
+    register(inv, "h2")
+    clock.advance(5.0)
+    assert inv.expired_hosts() == ["h1", "h2"]
+    beat_before = inv.last_any_beat
+    inv.refresh_liveness()
+    assert inv.expired_hosts() == []
+    assert inv.last_any_beat == beat_before  # a refresh is not a heartbeat
+    clock.advance(3.5)
+    assert inv.expired_hosts() == ["h1", "h2"]
+    assert inv.ready_hosts() == ["h1", "h2"]

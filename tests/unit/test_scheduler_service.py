@@ -4,6 +4,7 @@ history, and a standby's answers. The reconcile loop is replaced by a recorder o
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -649,3 +650,63 @@ async def test_a_learner_reads_only_its_own_job_while_it_is_one_of_its_learners(
         job_pb2.JOB_STATE_CANCELLED,
         job_pb2.JOB_STATE_CANCELLING,
     )
+
+
+async def test_during_an_etcd_outage_reads_serve_the_last_known_state_marked_stale(
+    bed: Bed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shoal.runtime.store import StoreUnavailable
+
+    artifact = await upload(bed)
+    job = await submit(bed, artifact)
+
+    async def down(*args: object, **kwargs: object) -> object:
+        raise StoreUnavailable("etcd: connection refused")
+
+    with monkeypatch.context() as patch:  # etcd goes away: the leader loses its lease
+        patch.setattr(bed.store, "get", down)
+        patch.setattr(bed.store, "list", down)
+        bed.table.step_down()
+        call = bed.stub().GetJob(js.GetJobRequest(job_id=job.job_id))
+        got = await call
+        assert got.job.job_id == job.job_id
+        stale = dict(await call.trailing_metadata())["shoal-stale-as-of"]
+        assert stale.endswith("+00:00")
+        assert [j.job_id for j in await listed(bed)] == [job.job_id]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await submit(bed, artifact)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "etcd" in refused.value.details() and "unreachable" in refused.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:  # unknown jobs stay unknown
+            await bed.stub().GetJob(js.GetJobRequest(job_id="job-nope"))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    # etcd is back: reads come from the store again, with no stale mark; writes follow the
+    # leader (this replica, once it leads again)
+    call = bed.stub().GetJob(js.GetJobRequest(job_id=job.job_id))
+    assert (await call).job.job_id == job.job_id
+    assert "shoal-stale-as-of" not in dict(await call.trailing_metadata())
+    with pytest.raises(grpc.aio.AioRpcError) as standby:
+        await submit(bed, artifact)
+    assert reason(standby.value) == "ERROR_REASON_NOT_LEADER"
+    await bed.table.become_leader(None)
+    assert (await submit(bed, artifact)).job_id
+
+
+async def test_a_store_that_hangs_without_quorum_still_gets_a_stale_answer_in_time(
+    bed: Bed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An etcd member without quorum holds a read until its own timeout; the replica that led
+    answers from its last known state after STORE_PROBE_TIMEOUT_S instead of the caller's
+    deadline running out."""
+    artifact = await upload(bed)
+    job = await submit(bed, artifact)
+
+    async def hangs(*args: object, **kwargs: object) -> object:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(bed.store, "get", hangs)
+    bed.table.step_down()
+    call = bed.stub().GetJob(js.GetJobRequest(job_id=job.job_id), timeout=10)
+    assert (await call).job.job_id == job.job_id
+    assert "shoal-stale-as-of" in dict(await call.trailing_metadata())

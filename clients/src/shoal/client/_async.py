@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
@@ -23,6 +24,8 @@ from shoal.v1 import (
     resource_manager_service_pb2_grpc as rm_grpc,
     resources_pb2,
 )
+
+log = logging.getLogger("shoal.client")
 
 CHUNK = 1024 * 1024
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -59,6 +62,10 @@ class _Endpoints:
             options = [
                 ("grpc.max_send_message_length", MAX_MESSAGE),
                 ("grpc.max_receive_message_length", MAX_MESSAGE),
+                # find a restarted replica within a second (gRPC's default backoff: 120 s)
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
             ]
             if self._config.tls_ca or self._config.tls_cert:
                 try:
@@ -95,10 +102,20 @@ class AsyncClient:
     """Typed asyncio client over the generated stubs: deadlines, retries of idempotent calls,
     leader discovery (any endpoint works), bearer token."""
 
-    def __init__(self, config: ClientConfig, *, timeout: float = 30.0, retries: int = 5) -> None:
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        timeout: float = 30.0,
+        retries: int = 5,
+        failover_s: float = 15.0,
+    ) -> None:
         self.config = config
         self.timeout = timeout
         self.retries = retries
+        # Retryable failures are retried for at least this long (when retries > 0), so that a
+        # call or a stream outlives a leader failover (the election TTL, 5 s by default).
+        self.failover_s = failover_s
         self._scheduler = _Endpoints(config.scheduler, config)
         self._rm = _Endpoints(config.resource_manager, config)
 
@@ -122,7 +139,10 @@ class AsyncClient:
         if not endpoints.addresses:
             raise ShoalClientError("FAILED_PRECONDITION", "no resource-manager endpoint configured")
         delay = 0.1
-        for attempt in range(self.retries + 1):
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.failover_s
+        attempt = 0
+        while True:
             stub = stub_cls(endpoints.channel())
             try:
                 return await getattr(stub, method)(
@@ -135,12 +155,18 @@ class AsyncClient:
                 )
                 # A standby did nothing, so moving to the leader is safe for any call.
                 retry = err.code() in RETRYABLE and (idempotent or not_leader)
-                if not retry or attempt == self.retries:
+                attempt += 1
+                if not retry or self._exhausted(attempt, give_up):
                     raise ShoalClientError.from_rpc(err, method, config=self.config) from None
                 endpoints.follow(err)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        raise AssertionError("unreachable")
+                delay = min(delay * 2, 1.0)
+
+    def _exhausted(self, attempt: int, give_up: float) -> bool:
+        """No retry left: ``retries`` attempts made and the failover window is over."""
+        if self.retries <= 0:
+            return True
+        return attempt > self.retries and asyncio.get_running_loop().time() >= give_up
 
     def _sched(self, method: str, request: Any, *, idempotent: bool = True) -> Any:
         return self._unary(
@@ -152,22 +178,47 @@ class AsyncClient:
             self._rm, rm_grpc.ResourceManagerServiceStub, method, request, idempotent=idempotent
         )
 
-    async def _stream(self, method: str, request: Any) -> AsyncIterator[Any]:
-        """A server stream from the scheduler leader (re-resolved if it hits a standby)."""
-        for attempt in range(self.retries + 1):
+    async def _stream(
+        self, method: str, request: Any, *, resume: bool = False
+    ) -> AsyncIterator[Any]:
+        """A server stream from the scheduler leader (re-resolved if it hits a standby).
+
+        ``resume``: when the stream breaks after it delivered items (the leader failed over),
+        open it again on the new leader and go on; the caller drops what it has already seen
+        (watch, logs). One warning is logged per resume. Without it a broken stream raises."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.failover_s
+        attempt = 0
+        delay = 0.1
+        while True:
             stub = js_grpc.JobSchedulerServiceStub(self._scheduler.channel())
             call = getattr(stub, method)(request, metadata=self.metadata)
             received = False
             try:
                 async for item in call:
+                    if not received and attempt:
+                        give_up, attempt, delay = loop.time() + self.failover_s, 0, 0.1
                     received = True
                     yield item
                 return
             except aio.AioRpcError as err:
-                if received or err.code() not in RETRYABLE or attempt == self.retries:
+                attempt += 1
+                if (
+                    (received and not resume)
+                    or err.code() not in RETRYABLE
+                    or self._exhausted(attempt, give_up)
+                ):
                     raise ShoalClientError.from_rpc(err, method, config=self.config) from None
+                if received:
+                    log.warning(
+                        "%s: the stream broke (%s); resuming on the job-scheduler leader",
+                        method,
+                        err.code().name,
+                    )
+                    give_up, attempt = loop.time() + self.failover_s, 1
                 self._scheduler.follow(err)
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     # -- jobs ---------------------------------------------------------------------------
 
@@ -214,8 +265,18 @@ class AsyncClient:
         return (await self._sched("UpdateJob", request)).job
 
     async def watch_job(self, job_id: str) -> AsyncIterator[job_pb2.JobEvent]:
-        async for reply in self._stream("WatchJob", js.WatchJobRequest(job_id=job_id)):
-            yield reply.event
+        """The job's events until it ends. Across a scheduler failover the watch resumes on the
+        new leader; events older than the last one seen, and a repeat of it, are dropped."""
+        last: job_pb2.JobEvent | None = None
+        request = js.WatchJobRequest(job_id=job_id)
+        async for reply in self._stream("WatchJob", request, resume=True):
+            event = reply.event
+            if last is not None and (
+                event == last or event.time.ToNanoseconds() < last.time.ToNanoseconds()
+            ):
+                continue
+            last = event
+            yield event
 
     async def stream_logs(
         self, job_id: str, *, follow: bool = False, learner_id: str = "", tail_lines: int = 0
@@ -223,9 +284,18 @@ class AsyncClient:
         request = js.StreamJobLogsRequest(
             job_id=job_id, follow=follow, learner_id=learner_id, tail_lines=tail_lines
         )
-        async for reply in self._stream("StreamJobLogs", request):
+        # A resumed stream (follow, after a scheduler failover) starts again from the whole log:
+        # the lines already delivered (by learner and byte offset) are dropped, so none is lost
+        # or repeated.
+        seen: dict[str, int] = {}  # learner -> the largest offset delivered
+        async for reply in self._stream("StreamJobLogs", request, resume=follow):
             for line in reply.lines:
+                if follow and line.offset <= seen.get(line.learner_id, -1):
+                    continue
+                seen[line.learner_id] = line.offset
                 yield line
+            if follow and request.tail_lines:
+                request.tail_lines = 0  # what a resumed stream asks for (sent on reopen only)
 
     async def get_metrics(
         self, job_id: str, *, after_iteration: int = 0

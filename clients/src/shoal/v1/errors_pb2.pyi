@@ -68,6 +68,14 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """
     ERROR_REASON_QUOTA_EXCEEDED: _ErrorReason.ValueType  # 20
     """The caller's quota (for example the bytes of artifacts a user may store) would be exceeded."""
+    ERROR_REASON_OVERLOADED: _ErrorReason.ValueType  # 21
+    """The server is over its --max-concurrent-calls and shed the call (RESOURCE_EXHAUSTED);
+    retry after a short backoff.
+    """
+    ERROR_REASON_STORAGE_FULL: _ErrorReason.ValueType  # 22
+    """The storage behind the call (artifacts, checkpoints) is full (ENOSPC or a disk quota);
+    nothing partial was kept.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason is the machine-readable reason of a failed call. Every shoal service sends it
@@ -121,4 +129,12 @@ created.
 """
 ERROR_REASON_QUOTA_EXCEEDED: ErrorReason.ValueType  # 20
 """The caller's quota (for example the bytes of artifacts a user may store) would be exceeded."""
+ERROR_REASON_OVERLOADED: ErrorReason.ValueType  # 21
+"""The server is over its --max-concurrent-calls and shed the call (RESOURCE_EXHAUSTED);
+retry after a short backoff.
+"""
+ERROR_REASON_STORAGE_FULL: ErrorReason.ValueType  # 22
+"""The storage behind the call (artifacts, checkpoints) is full (ENOSPC or a disk quota);
+nothing partial was kept.
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -175,12 +175,18 @@ class HeartbeatRequest(_message.Message):
     SEQUENCE_FIELD_NUMBER: _builtins.int
     LEARNERS_FIELD_NUMBER: _builtins.int
     DEVICES_FIELD_NUMBER: _builtins.int
+    STOPPING_FIELD_NUMBER: _builtins.int
     host_id: _builtins.str
     """The host's id."""
     incarnation: _builtins.int
     """The incarnation RegisterHost returned."""
     sequence: _builtins.int
     """A sequence number, increased by one per heartbeat."""
+    stopping: _builtins.bool
+    """True in the last heartbeat of a host agent that is stopping gracefully (SIGTERM) to
+    restart: the resource manager then allows the host its --host-restart-grace of silence,
+    instead of --host-lost-after, before declaring it lost.
+    """
     @_builtins.property
     def learners(self) -> _containers.RepeatedCompositeFieldContainer[_resources_pb2.Learner]:
         """The learners on the host and their states (exits are reported here)."""
@@ -197,10 +203,11 @@ class HeartbeatRequest(_message.Message):
         sequence: _builtins.int = ...,
         learners: _abc.Iterable[_resources_pb2.Learner] | None = ...,
         devices: _abc.Iterable[_resources_pb2.Device] | None = ...,
+        stopping: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "host_id", b"host_id", "incarnation", b"incarnation", "learners", b"learners", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "host_id", b"host_id", "incarnation", b"incarnation", "learners", b"learners", "sequence", b"sequence", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -46,7 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shoal.runtime.auth import Role, new_token, write_tokens_file
 from shoal.runtime.errors import InvalidField
-from shoal.runtime.etcd_server import EtcdServer, EtcdTLS
+from shoal.runtime.etcd_server import EtcdCluster, EtcdServer, EtcdTLS
 from shoal.runtime.pki import CertificateAuthority
 from shoal.runtime.procs import die_with_parent
 
@@ -191,6 +191,7 @@ class ClusterSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     dashboard: bool = False  # also serve the web dashboard (`shoal cluster up` does)
     tls: bool = False  # mutual TLS on every hop (a cluster CA in <state_dir>/tls)
+    etcd_members: int = 1  # 3 for a real quorum (the chaos suite: member and quorum loss)
     supervise: bool = False  # restart crashed service processes (`shoal cluster up` does)
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     scheduler_flags: tuple[str, ...] = ()  # extra job-scheduler flags (--stall-timeout 30)
@@ -201,6 +202,7 @@ class ClusterSpec:
             ("gpus_per_host", 1, 16),
             ("shards", 1, 16),
             ("replicas", 1, 3),
+            ("etcd_members", 1, 5),
         ):
             value = getattr(self, name)
             if not low <= value <= high:
@@ -238,7 +240,7 @@ class LocalCluster:
         self.state_dir = spec.state_dir.resolve()
         self.logs = self.state_dir / "logs"
         self.storage = self.state_dir / "storage"
-        self.etcd: EtcdServer | None = None
+        self.etcd: EtcdCluster | None = None
         self.services: dict[str, ServiceProcess] = {}
         self.tokens: dict[str, str] = {}
         self.ports = PortReservations()  # held from planning until everything listens
@@ -276,12 +278,21 @@ class LocalCluster:
         (self.state_dir / "service-token").chmod(0o600)
         try:
             etcd_tls = self._make_certificates() if self.spec.tls else None
-            self.etcd = EtcdServer(
-                data_dir=self.state_dir / "etcd",
-                log_dir=self.logs,
-                unsafe_no_fsync=True,
-                tls=etcd_tls,
-            )
+            if self.spec.etcd_members > 1:
+                self.etcd = EtcdCluster(
+                    self.spec.etcd_members,
+                    data_dir=self.state_dir / "etcd",
+                    log_dir=self.logs,
+                    unsafe_no_fsync=True,
+                    tls=etcd_tls,
+                )
+            else:
+                self.etcd = EtcdServer(
+                    data_dir=self.state_dir / "etcd",
+                    log_dir=self.logs,
+                    unsafe_no_fsync=True,
+                    tls=etcd_tls,
+                )
             self.etcd.start()
             self._plan()
             order = ("resource-manager", "parameter-sync", "job-scheduler", "host-agent")

@@ -235,10 +235,32 @@ class ResourceManagerLink:
         self._wake = asyncio.Event()
         self._stopping: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.shutting_down = False  # sent in every heartbeat as ``stopping``
+        self._acked_sequence = 0
+        self._acked = asyncio.Event()
 
     def poke(self) -> None:
         """Send the next heartbeat now (a learner exited)."""
         self._wake.set()
+
+    async def announce_stop(self, timeout: float = 2.0) -> bool:
+        """Tell the resource manager this agent is stopping gracefully (to restart): send a
+        heartbeat with ``stopping`` now and wait (at most ``timeout``) for its answer, so that
+        the host gets the restart grace instead of being declared lost. True if answered."""
+        if not self.registered.is_set():
+            return False
+        self.shutting_down = True
+        target = self._sequence + 1
+        self.poke()
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._acked_sequence < target:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            self._acked.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._acked.wait(), timeout=left)
+        return True
 
     async def run(self) -> None:
         backoff = 0.05
@@ -327,9 +349,12 @@ class ResourceManagerLink:
             sequence=self._sequence,
             learners=self._learner_reports(mark_sequence=self._sequence),
             devices=[d.to_proto() for d in self.agent.sample_devices()],
+            stopping=self.shutting_down,
         )
 
     def _acknowledge(self, response: rm_pb2.HeartbeatResponse) -> None:
+        self._acked_sequence = max(self._acked_sequence, response.sequence)
+        self._acked.set()
         for learner in self.agent.processes.learners():
             if learner.exit_sent_seq is not None and learner.exit_sent_seq <= response.sequence:
                 learner.exit_acked = True
@@ -357,14 +382,28 @@ class ResourceManagerLink:
 
     async def _heartbeat(self, address: str, registered: rm_pb2.RegisterHostResponse) -> None:
         interval = max(registered.heartbeat_interval_ms, 10) / 1000
-        silence = max(registered.lost_after_ms / 1000, 2 * interval)
+        # Give up on a silent leader (frozen, partitioned) after half the grace, so that the
+        # agent has re-registered with its successor before the successor's grace runs out.
+        silence = max(registered.lost_after_ms / 2000, 2 * interval)
         stub = rm_grpc.ResourceManagerServiceStub(self._channels.get(address))
-        call = stub.Heartbeat()
+        # The beats go through a request iterator of our own that ends (a sentinel) before the
+        # call is cancelled. With call.write() and client interceptors, grpc.aio feeds an
+        # internal async generator from a task of its own; cancelling the call left that task
+        # pending ("Task was destroyed but it is pending", "Task exception was never
+        # retrieved: aclose(): asynchronous generator is already running") at every
+        # re-registration.
+        outbox: asyncio.Queue[rm_pb2.HeartbeatRequest | None] = asyncio.Queue()
+
+        async def requests() -> AsyncIterator[rm_pb2.HeartbeatRequest]:
+            while (beat := await outbox.get()) is not None:
+                yield beat
+
+        call = stub.Heartbeat(requests())
 
         async def send() -> None:
             while True:
                 self._wake.clear()
-                await call.write(self._beat())
+                outbox.put_nowait(self._beat())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=interval)
 
@@ -400,6 +439,9 @@ class ResourceManagerLink:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            outbox.put_nowait(None)  # the request iterator ends: grpc's feeder task finishes
+            for _ in range(3):
+                await asyncio.sleep(0)
             call.cancel()
 
 
@@ -463,7 +505,13 @@ class HostAgent:
             )
 
     async def close(self, grace_s: float | None = None) -> None:
-        """Stop every learner (SIGTERM, then SIGKILL after the grace) and the link."""
+        """Stop every learner (SIGTERM, then SIGKILL after the grace; their exits are reported
+        while the link still runs), tell the resource manager this host is restarting (a
+        heartbeat with ``stopping``: it gets the restart grace), then stop the link."""
+        if self._tasks:
+            await self.processes.stop_all(grace_s)
+            with contextlib.suppress(Exception):
+                await self.link.announce_stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

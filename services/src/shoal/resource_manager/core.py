@@ -428,6 +428,10 @@ class Inventory:
         # Memory only:
         self._last_seen: dict[str, float] = {}  # host -> monotonic time of the last beat
         self._last_beat_wall: dict[str, float] = {}
+        # host -> seconds of silence allowed instead of the grace (a host agent that said it
+        # is stopping to restart: ``note_stopping``); cleared by its next heartbeat.
+        self._allowed_silence: dict[str, float] = {}
+        self._last_any_beat = float("-inf")  # monotonic time of the last beat of any host
         self._stats: dict[tuple[str, str], DeviceStats] = {}
         self._live_learners: dict[str, dict[str, LearnerReport]] = {}
         self._exited: OrderedDict[str, None] = OrderedDict()
@@ -541,14 +545,39 @@ class Inventory:
     # -- liveness ------------------------------------------------------------------------------
 
     def expired_hosts(self) -> list[str]:
-        """READY hosts that have not been heard from for longer than the grace."""
+        """READY hosts that have not been heard from for longer than the grace (or than the
+        restart grace of a host agent that said it was stopping)."""
         now = self._clock()
         return sorted(
             host_id
             for host_id, host in self._hosts.items()
             if host.liveness is Liveness.READY
-            and now - self._last_seen.get(host_id, now) > self.grace_s
+            and now - self._last_seen.get(host_id, now)
+            > self._allowed_silence.get(host_id, self.grace_s)
         )
+
+    def ready_hosts(self) -> list[str]:
+        return sorted(h for h, host in self._hosts.items() if host.liveness is Liveness.READY)
+
+    @property
+    def last_any_beat(self) -> float:
+        """Monotonic time of the last heartbeat or registration of any host."""
+        return self._last_any_beat
+
+    def refresh_liveness(self) -> None:
+        """Every READY host gets a fresh grace from now: the silence was on this replica's side
+        (its liveness loop ran late, or every host went silent at once), not the hosts'."""
+        now = self._clock()
+        for host_id in self.ready_hosts():
+            self._last_seen[host_id] = now
+
+    def note_stopping(self, host_id: str, restart_grace_s: float) -> None:
+        """The host's agent is stopping to restart: allow it ``restart_grace_s`` of silence
+        (from now) before it is declared lost, instead of the grace."""
+        if restart_grace_s < 0:
+            raise InvalidField("restart_grace_s", restart_grace_s, "must be >= 0")
+        self.mark_seen(host_id)
+        self._allowed_silence[host_id] = max(restart_grace_s, self.grace_s)
 
     def silence(self, host_id: str) -> float:
         """Seconds since the host was last heard from (0 for hosts never seen by this replica)."""
@@ -672,8 +701,9 @@ class Inventory:
 
     def mark_seen(self, host_id: str) -> None:
         """The host was heard from (its registration counts as a heartbeat)."""
-        self._last_seen[host_id] = self._clock()
+        self._last_seen[host_id] = self._last_any_beat = self._clock()
         self._last_beat_wall[host_id] = self._wall()
+        self._allowed_silence.pop(host_id, None)
 
     def observe_registration_learners(self, reg: Registration) -> list[Event]:
         """After a registration was applied: the learners it reports (exits, vanished ones)."""

@@ -9,6 +9,7 @@ flag                               variable                               defaul
 ``--heartbeat-interval SECONDS``   SHOAL_RM_HEARTBEAT_INTERVAL_S          1.0
 ``--host-grace SECONDS`` (alias    SHOAL_RM_HOST_GRACE_S                  3.0
 ``--host-lost-after``)
+``--host-restart-grace SECONDS``   SHOAL_RM_HOST_RESTART_GRACE_S          30.0
 ``--election-ttl SECONDS``         SHOAL_RM_ELECTION_TTL_S                5.0
 ``--scheduler-election NAME``      SHOAL_RM_SCHEDULER_ELECTION            job-scheduler
 =================================  =====================================  =================
@@ -64,6 +65,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="seconds without a heartbeat after which a host is declared lost",
     )
     g.add_argument(
+        "--host-restart-grace",
+        dest="host_restart_grace",
+        default=env.get("SHOAL_RM_HOST_RESTART_GRACE_S", "30.0"),
+        help="seconds of silence allowed to a host agent that stopped gracefully (SIGTERM) "
+        "to restart, before its host is declared lost",
+    )
+    g.add_argument(
         "--election-ttl",
         default=env.get("SHOAL_RM_ELECTION_TTL_S", "5.0"),
         help="lease TTL of the leader election (a standby takes over within about this)",
@@ -92,6 +100,7 @@ def parse_config(
         server=server_config_from_args(NAME, ns),
         heartbeat_interval_s=_seconds("heartbeat_interval", ns.heartbeat_interval),
         host_grace_s=_seconds("host_grace", ns.host_grace),
+        host_restart_grace_s=_seconds("host_restart_grace", ns.host_restart_grace),
         election_ttl_s=_seconds("election_ttl", ns.election_ttl),
         scheduler_election=ns.scheduler_election,
     )

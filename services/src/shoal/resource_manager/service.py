@@ -90,6 +90,7 @@ class ResourceManagerConfig:
     server: ServerConfig
     heartbeat_interval_s: float = 1.0
     host_grace_s: float = 3.0
+    host_restart_grace_s: float = 30.0
     election_ttl_s: float = 5.0
     scheduler_election: str = "job-scheduler"
     watch_queue_size: int = 1024
@@ -104,6 +105,10 @@ class ResourceManagerConfig:
                 "host_grace_s",
                 self.host_grace_s,
                 f"must be > heartbeat_interval_s ({self.heartbeat_interval_s}) and <= 3600",
+            )
+        if not 0 <= self.host_restart_grace_s <= 3600:
+            raise InvalidField(
+                "host_restart_grace_s", self.host_restart_grace_s, "must be in 0..3600"
             )
         if not 1 <= self.election_ttl_s <= 600:
             raise InvalidField("election_ttl_s", self.election_ttl_s, "must be in 1..600")
@@ -465,12 +470,41 @@ class ResourceManager:
     # -- liveness ------------------------------------------------------------------------------
 
     async def _check_liveness(self, leadership: Leadership) -> None:
+        """Declare hosts lost that stayed silent past the grace, unless the silence is on this
+        replica's side: a loop that ran late (this process was paused or starved) or every
+        host falling silent at once (this replica's network, not the hosts) gives every host
+        a fresh grace instead. A second all-at-once silence with no beat in between is real."""
         tick = min(0.1, self.config.host_grace_s / 10)
         delay = tick
+        loop = asyncio.get_running_loop()
+        last_tick = loop.time()
+        held_all_at: float | None = None  # inventory clock when an all-silent episode was held
         while not leadership.lost.is_set():
             await asyncio.sleep(delay)
             delay = tick
-            for host_id in self.inventory.expired_hosts():
+            now = loop.time()
+            late, last_tick = now - last_tick - tick, now
+            if late > self.config.host_grace_s / 2:
+                log.warning(
+                    "liveness check ran %.2f s late (this replica was paused or starved): "
+                    "every host gets a fresh grace",
+                    late,
+                )
+                self.inventory.refresh_liveness()
+                continue
+            expired = self.inventory.expired_hosts()
+            ready = self.inventory.ready_hosts()
+            if expired and len(ready) >= 2 and len(expired) == len(ready):
+                if held_all_at is None or self.inventory.last_any_beat > held_all_at:
+                    log.warning(
+                        "all %d hosts went silent at once: suspecting this replica's side, "
+                        "every host gets one more grace",
+                        len(ready),
+                    )
+                    held_all_at = self.inventory.last_any_beat
+                    self.inventory.refresh_liveness()
+                    continue
+            for host_id in expired:
                 silence = self.inventory.silence(host_id)
                 try:
                     await self.mutate(functools.partial(self._declare_lost, host_id))
@@ -586,6 +620,13 @@ class ResourceManagerServicer(rm_grpc.ResourceManagerServiceServicer):
                 [core.device_stats_from_proto(d) for d in beat.devices],
             )
             self.rm.publish(outcome.events)
+            if beat.stopping:
+                self._inv.note_stopping(beat.host_id, self.rm.config.host_restart_grace_s)
+                log.info(
+                    "host %r is stopping to restart: declared lost only after %g s of silence",
+                    beat.host_id,
+                    self.rm.config.host_restart_grace_s,
+                )
             if outcome.health_changes:
                 await self._persist_health(beat.host_id, outcome.health_changes)
             yield rm_pb2.HeartbeatResponse(

@@ -25,6 +25,16 @@ from shoal.runtime.server import grpc_options
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+# gRPC's default reconnect backoff grows to 120 s: a channel to a replica that was down once
+# (a rolling restart, a failover) then refuses calls for up to minutes after the replica is
+# back, and an agent stuck on it misses heartbeats although the leader serves. Capped at 1 s,
+# a channel finds a restarted peer within about a second.
+RECONNECT_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
 
 class _BearerBase:
     """Adds ``authorization: Bearer <token>`` to every call. grpc.aio files each interceptor
@@ -85,7 +95,7 @@ def connect(
         interceptors.extend(telemetry.client_interceptors())
     if token:
         interceptors.extend(bearer_interceptors(token))
-    options = grpc_options(max_message_bytes)
+    options = [*grpc_options(max_message_bytes), *RECONNECT_OPTIONS]
     if tls_ca or tls is not None:
         creds = channel_credentials(tls_ca, tls_cert, tls_key)
         return aio.secure_channel(address, creds, options=options, interceptors=interceptors)

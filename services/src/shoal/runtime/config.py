@@ -110,6 +110,7 @@ class ServerConfig:
     etcd_tls: EtcdTLSConfig | None = None
     learner_public_keys: str | None = None
     reflection: bool = True
+    max_concurrent_calls: int = 0  # unary calls in flight before shedding (0: no limit)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -124,6 +125,10 @@ class ServerConfig:
             parse_host_port("etcd_endpoints", ep)
         if not 1 * MiB <= self.max_message_bytes <= 1024 * MiB:
             raise InvalidField("max_message_bytes", self.max_message_bytes, "must be 1..1024 MiB")
+        if not 0 <= self.max_concurrent_calls <= 1_000_000:
+            raise InvalidField(
+                "max_concurrent_calls", self.max_concurrent_calls, "must be in 0..1000000"
+            )
         if not 0 <= self.shutdown_grace_s <= 600:
             raise InvalidField("shutdown_grace_s", self.shutdown_grace_s, "must be in 0..600")
         if self.tokens_file is None and not self.allow_no_auth:
@@ -169,6 +174,12 @@ def add_server_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
         "--learner-public-keys",
         default=env.get("SHOAL_LEARNER_PUBLIC_KEYS"),
         help="PEM file of Ed25519 public keys that verify learner credentials",
+    )
+    g.add_argument(
+        "--max-concurrent-calls",
+        default=env.get("SHOAL_MAX_CONCURRENT_CALLS", "0"),
+        help="unary calls in flight before new ones are shed with RESOURCE_EXHAUSTED "
+        "(0: no limit; streams, RegisterHost and health checks are never shed)",
     )
     g.add_argument(
         "--no-reflection",
@@ -227,6 +238,11 @@ def server_config_from_args(service_name: str, ns: argparse.Namespace) -> Server
         etcd_tls=etcd_tls,
         learner_public_keys=getattr(ns, "learner_public_keys", None) or None,
         reflection=not getattr(ns, "no_reflection", False),
+        max_concurrent_calls=int(
+            parse_number(
+                "max_concurrent_calls", getattr(ns, "max_concurrent_calls", "0") or "0", int
+            )
+        ),
     )
 
 

@@ -93,6 +93,18 @@ class QuotaExceeded(ShoalError):
     reason = "ERROR_REASON_QUOTA_EXCEEDED"
 
 
+class Overloaded(ShoalError):
+    """The server sheds the call: too many calls in flight (``--max-concurrent-calls``)."""
+
+    reason = "ERROR_REASON_OVERLOADED"
+
+
+class StorageFull(ShoalError):
+    """The storage is full (ENOSPC, EDQUOT); the message says what could not be written."""
+
+    reason = "ERROR_REASON_STORAGE_FULL"
+
+
 class Unavailable(ShoalError):
     """Transient: the caller may retry (the store is unreachable, for example)."""
 
@@ -128,6 +140,8 @@ BASE_TABLE: dict[type[BaseException], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     TooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    StorageFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     NotLeader: grpc.StatusCode.UNAVAILABLE,

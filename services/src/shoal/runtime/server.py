@@ -33,6 +33,7 @@ from shoal.runtime.auth import Authenticator, Credentials, MethodRoles, load_pub
 from shoal.runtime.config import ServerConfig, etcd_store, parse_host_port
 from shoal.runtime.errors import DEFAULT_TABLE, ErrorTable
 from shoal.runtime.interceptors import ShoalServerInterceptor
+from shoal.runtime.shedding import LoadShedder
 from shoal.runtime.store import Store
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ async def create_server(
         tokens = credentials
     bind = config.tls is not None and config.tls.ca_file is not None
     interceptors = [
+        LoadShedder(config.max_concurrent_calls, config.service_name),
         *telemetry.server_interceptors(),
         ShoalServerInterceptor(
             tokens=tokens,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import errno
 import hashlib
 import json
 import logging
@@ -43,7 +44,7 @@ from google.protobuf.message import Message
 
 from shoal.contract import ids
 from shoal.runtime.auth import Principal, Role
-from shoal.runtime.errors import InvalidField, QuotaExceeded, TooLarge
+from shoal.runtime.errors import InvalidField, QuotaExceeded, StorageFull, TooLarge
 from shoal.scheduler.jobs import ArtifactNotFound
 from shoal.v1 import job_pb2
 
@@ -230,6 +231,34 @@ class ArtifactStore:
         return ArtifactInfo(artifact_id, name, size)
 
     async def upload(
+        self,
+        *,
+        name: str,
+        declared_size: int,
+        declared_sha256: str,
+        chunks: AsyncIterator[bytes],
+        owner: Principal | None = None,
+    ) -> ArtifactInfo:
+        """Store the bytes of ``chunks`` (see :meth:`_upload`). A full storage (ENOSPC, a disk
+        quota) is :class:`StorageFull` (RESOURCE_EXHAUSTED), not an internal error; nothing
+        partial is kept."""
+        try:
+            return await self._upload(
+                name=name,
+                declared_size=declared_size,
+                declared_sha256=declared_sha256,
+                chunks=chunks,
+                owner=owner,
+            )
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFull(
+                    f"the artifact storage ({self.storage.uri}) is full: "
+                    f"{exc.strerror or exc}; artifact {name!r} was not stored"
+                ) from exc
+            raise
+
+    async def _upload(
         self,
         *,
         name: str,

@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import grpc
 from opentelemetry import trace
@@ -68,7 +69,7 @@ from shoal.scheduler.jobs import (
     validate_update,
 )
 from shoal.scheduler.reconcile import Peers
-from shoal.scheduler.store import SERVICE, JobTable, StoreConflict
+from shoal.scheduler.store import SERVICE, STALE_AS_OF, JobTable, StoreConflict
 from shoal.v1 import (
     host_agent_service_pb2 as ha_pb2,
     job_pb2,
@@ -168,7 +169,7 @@ class JobApi:
     async def submit(
         self, principal: Principal, request_id: str, spec: job_pb2.JobSpec
     ) -> job_pb2.Job:
-        self.table.require_leader()
+        await self.table.require_writable()
         self._check_request_id(request_id)
         clean = validate_spec(
             spec, principal=principal, user_priority_limit=self.config.user_priority_limit
@@ -233,7 +234,7 @@ class JobApi:
         )
 
     async def cancel(self, principal: Principal, job_id: str, request_id: str) -> job_pb2.Job:
-        self.table.require_leader()
+        await self.table.require_writable()
         self._check_request_id(request_id)
         record = await self.visible(principal, job_id)
         if record.final or record.state == S.JOB_STATE_CANCELLING:
@@ -263,7 +264,7 @@ class JobApi:
         max_workers: int | None,
         request_id: str,
     ) -> job_pb2.Job:
-        self.table.require_leader()
+        await self.table.require_writable()
         self._check_request_id(request_id)
         record = await self.visible(principal, job_id)
         if priority is None and max_workers is None:
@@ -332,7 +333,7 @@ class JobApi:
         chunks: AsyncIterator[bytes],
         principal: Principal | None = None,
     ) -> js_pb2.UploadArtifactResponse:
-        self.table.require_leader()
+        await self.table.require_writable()
         info = await self.artifacts.upload(
             name=header.name,
             declared_size=header.size_bytes,
@@ -534,6 +535,18 @@ async def _drain(
 # --------------------------------------------------------------------------------------------
 
 
+STALE_TRAILER = "shoal-stale-as-of"
+
+
+def _mark_stale(context) -> None:  # type: ignore[no-untyped-def]
+    """A read answered from the last known state (etcd unreachable) says so, and as of when,
+    in the ``shoal-stale-as-of`` trailer (RFC 3339, UTC)."""
+    as_of = STALE_AS_OF.get()
+    if as_of is not None:
+        stamp = datetime.fromtimestamp(as_of, tz=UTC).isoformat(timespec="milliseconds")
+        context.set_trailing_metadata(((STALE_TRAILER, stamp),))
+
+
 class SchedulerServicer(job_scheduler_service_pb2_grpc.JobSchedulerServiceServicer):
     """Thin handlers: read the caller, call :class:`JobApi`, wrap the answer."""
 
@@ -545,7 +558,9 @@ class SchedulerServicer(job_scheduler_service_pb2_grpc.JobSchedulerServiceServic
         return js_pb2.SubmitJobResponse(job=job)
 
     async def GetJob(self, request, context):  # type: ignore[no-untyped-def]
-        return js_pb2.GetJobResponse(job=await self.api.get(current_principal(), request.job_id))
+        job = await self.api.get(current_principal(), request.job_id)
+        _mark_stale(context)
+        return js_pb2.GetJobResponse(job=job)
 
     async def ListJobs(self, request, context):  # type: ignore[no-untyped-def]
         jobs, token = await self.api.list_jobs(
@@ -554,6 +569,7 @@ class SchedulerServicer(job_scheduler_service_pb2_grpc.JobSchedulerServiceServic
             page_token=request.page_token,
             states=list(request.states),
         )
+        _mark_stale(context)
         return js_pb2.ListJobsResponse(jobs=jobs, next_page_token=token)
 
     async def WatchJob(self, request, context):  # type: ignore[no-untyped-def]
@@ -575,7 +591,7 @@ class SchedulerServicer(job_scheduler_service_pb2_grpc.JobSchedulerServiceServic
         return js_pb2.UpdateJobResponse(job=job)
 
     async def UploadArtifact(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        self.api.table.require_leader()  # before reading: a standby consumes nothing
+        await self.api.table.require_writable()  # before reading: a standby consumes nothing
         messages = request_iterator.__aiter__()
         try:
             first = await messages.__anext__()
@@ -609,10 +625,13 @@ class SchedulerServicer(job_scheduler_service_pb2_grpc.JobSchedulerServiceServic
             yield js_pb2.StreamJobLogsResponse(lines=lines)
 
     async def GetJobMetrics(self, request, context):  # type: ignore[no-untyped-def]
-        return await self.api.metrics(current_principal(), request.job_id, request.after_iteration)
+        reply = await self.api.metrics(current_principal(), request.job_id, request.after_iteration)
+        _mark_stale(context)
+        return reply
 
     async def GetAllocationHistory(self, request, context):  # type: ignore[no-untyped-def]
         events = await self.api.allocation_history(current_principal(), request.job_id)
+        _mark_stale(context)
         return js_pb2.GetAllocationHistoryResponse(events=events)
 
     async def GetCallerIdentity(self, request, context):  # type: ignore[no-untyped-def]

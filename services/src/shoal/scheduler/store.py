@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -104,6 +105,15 @@ class Subscription:
         return dropped
 
 
+# Set (to the unix time of the state served) when a read was answered from the last known
+# state because the store is unreachable; the handlers put it in the ``shoal-stale-as-of``
+# trailer. Each gRPC call runs in its own task, so the value never leaks between calls.
+STALE_AS_OF: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "shoal_stale_as_of", default=None
+)
+STORE_PROBE_TIMEOUT_S = 2.0
+
+
 class JobTable:
     """The jobs, persisted in ``store`` (see the module docstring).
 
@@ -133,6 +143,11 @@ class JobTable:
         self._request_locks: dict[str, asyncio.Lock] = {}
         self._subscribers: dict[str, set[Subscription]] = {}
         self._last_seq = 0
+        # What this replica knew when it last stopped leading: (unix time, jobs, histories).
+        # Served, marked stale, while the store cannot be read (an etcd outage).
+        self._last_known: (
+            tuple[float, dict[str, JobRecord], dict[str, list[job_pb2.AllocationEvent]]] | None
+        ) = None
 
     # -- leadership ---------------------------------------------------------------------------
 
@@ -140,6 +155,21 @@ class JobTable:
         """Raise :class:`NotLeader` (UNAVAILABLE with the leader's address) on a standby."""
         if not self.leading:
             raise NotLeader(SERVICE, self.leader_address)
+
+    async def require_writable(self) -> None:
+        """As :meth:`require_leader`, but a standby first checks the store: while etcd is
+        unreachable no replica can lead, and the caller is told so (UNAVAILABLE naming etcd)
+        instead of being sent to a leader that cannot write either."""
+        if self.leading:
+            return
+        try:
+            await asyncio.wait_for(self.store.get(JOBS), STORE_PROBE_TIMEOUT_S)
+        except (StoreError, TimeoutError) as exc:
+            raise Unavailable(
+                f"the state store (etcd) is unreachable ({exc or 'no answer'}): writes are "
+                "refused until it is back; reads serve the last known state"
+            ) from exc
+        raise NotLeader(SERVICE, self.leader_address)
 
     async def become_leader(self, fence: Fence | None) -> None:
         """Load every job and allocation history from the store; start acting on them."""
@@ -162,9 +192,12 @@ class JobTable:
             self.histories[job_id] = list(response.events)
             self._history_revs[job_id] = kv.mod_revision
         self.leading = True
+        self._last_known = None
         log.info("loaded %d jobs from the store", len(self.records))
 
     def step_down(self) -> None:
+        if self.leading:
+            self._last_known = (self.clock(), self.records, self.histories)
         self.leading = False
         self.fence = None
         self.records = {}
@@ -175,6 +208,17 @@ class JobTable:
                 sub.put(_closing_event(sub.job_id))
 
     # -- errors -------------------------------------------------------------------------------
+
+    async def _read(self, awaitable: Awaitable[T]) -> T:
+        """A standby's store read. With a last known state to fall back on, it is bounded by
+        STORE_PROBE_TIMEOUT_S: an etcd member without quorum holds a read until its own
+        timeout, longer than a client's deadline, and the stale answer must come first."""
+        if self._last_known is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, STORE_PROBE_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise StoreUnavailable(f"no answer within {STORE_PROBE_TIMEOUT_S} s") from exc
 
     @contextlib.contextmanager
     def _translate(self, what: str) -> Iterator[None]:
@@ -188,6 +232,23 @@ class JobTable:
         except StoreError as exc:
             raise Unavailable(f"{what}: the state store failed ({exc})") from exc
 
+    @contextlib.contextmanager
+    def _or_last_known(self) -> Iterator[list[bool]]:
+        """Around a standby's store read: if the store is unreachable and this replica led
+        before, the caller serves its last known state (``flag[0]`` becomes True and
+        :data:`STALE_AS_OF` is set); otherwise the error goes up. A read that succeeds forgets
+        the last known state (the store is the truth again)."""
+        flag = [False]
+        try:
+            yield flag
+        except Unavailable:
+            if self._last_known is None:
+                raise
+            STALE_AS_OF.set(self._last_known[0])
+            flag[0] = True
+        else:
+            self._last_known = None
+
     # -- reads --------------------------------------------------------------------------------
 
     async def get(self, job_id: str) -> JobRecord | None:
@@ -196,15 +257,23 @@ class JobTable:
             return self.records.get(job_id)
         if not job_id or "/" in job_id:
             return None
-        with self._translate(f"read job {job_id}"):
-            kv = await self.store.get(JOBS + job_id)
+        kv = None
+        with self._or_last_known() as stale:
+            with self._translate(f"read job {job_id}"):
+                kv = await self._read(self.store.get(JOBS + job_id))
+        if stale[0] and self._last_known is not None:
+            return self._last_known[1].get(job_id)
         return None if kv is None else JobRecord.from_bytes(kv.value, revision=kv.mod_revision)
 
     async def all(self) -> list[JobRecord]:
         if self.leading:
             return list(self.records.values())
-        with self._translate("list jobs"):
-            kvs, _ = await self.store.list(JOBS)
+        kvs = []
+        with self._or_last_known() as stale:
+            with self._translate("list jobs"):
+                kvs, _ = await self._read(self.store.list(JOBS))
+        if stale[0] and self._last_known is not None:
+            return list(self._last_known[1].values())
         out = []
         for kv in kvs:
             with contextlib.suppress(ValueError, KeyError):
@@ -214,8 +283,12 @@ class JobTable:
     async def history(self, job_id: str) -> list[job_pb2.AllocationEvent]:
         if self.leading:
             return list(self.histories.get(job_id, ()))
-        with self._translate(f"read allocation history of {job_id}"):
-            kv = await self.store.get(ALLOCATIONS + job_id)
+        kv = None
+        with self._or_last_known() as stale:
+            with self._translate(f"read allocation history of {job_id}"):
+                kv = await self._read(self.store.get(ALLOCATIONS + job_id))
+        if stale[0] and self._last_known is not None:
+            return list(self._last_known[2].get(job_id, ()))
         if kv is None:
             return []
         return list(js_pb2.GetAllocationHistoryResponse.FromString(kv.value).events)
