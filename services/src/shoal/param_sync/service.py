@@ -263,7 +263,6 @@ class _CoordinatedJob:
     started: set[Any] = field(default_factory=set)
     task_results: dict[Any, asyncio.Future[Any]] = field(default_factory=dict)
     background: set[asyncio.Task[Any]] = field(default_factory=set)
-    tensorboard: Any = None
     # Collective mode: checkpoint files reported by learners, by iteration.
     checkpoint_files: dict[int, asyncio.Future[ps_pb2.CheckpointFile]] = field(default_factory=dict)
     # Parameter-server mode: the probe of the other shards (started by OpenJob).
@@ -348,10 +347,6 @@ class ParameterSyncServicer:
             await channel.close()
         self._channels.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
-        for job in self._coordinated.values():
-            if job.tensorboard is not None:
-                with contextlib.suppress(Exception):
-                    job.tensorboard.close()
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -546,9 +541,6 @@ class ParameterSyncServicer:
                     await self._peer_call(
                         address, "CloseJob", ps_pb2.CloseJobRequest(job_id=request.job_id), 10.0
                     )
-            if job.tensorboard is not None:
-                with contextlib.suppress(Exception):
-                    job.tensorboard.close()
         return ps_pb2.CloseJobResponse()
 
     # -- shards of a coordinated job ----------------------------------------------------------
@@ -1355,28 +1347,6 @@ class ParameterSyncServicer:
                 await asyncio.to_thread(ckpt.append_line, uri, "\n".join(lines))
             except ckpt.StorageError as exc:
                 log.error("job %s: metrics not written: %s", s.job_id, exc)
-            self._tensorboard(job, records)
-
-    def _tensorboard(self, job: _CoordinatedJob, records: list[dict[str, Any]]) -> None:
-        """Optional: TensorBoard event files when torch.utils.tensorboard imports and the
-        storage is local."""
-        s = job.coord.settings
-        if job.tensorboard is False or not s.storage_uri.startswith(("file://", "/")):
-            return
-        if job.tensorboard is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except Exception:  # tensorboard is an optional dependency
-                job.tensorboard = False
-                return
-            path = ckpt.job_uri(s.storage_uri, s.job_id, "tensorboard").removeprefix("file://")
-            job.tensorboard = SummaryWriter(log_dir=path)
-        for r in records:
-            job.tensorboard.add_scalar("train/loss", r["loss"], r["global_iteration"])
-            job.tensorboard.add_scalar(
-                "train/samples_per_second", r["samples_per_second"], r["global_iteration"]
-            )
-        job.tensorboard.flush()
 
     # -- SyncStep / PullParameters ------------------------------------------------------------
 
@@ -1598,9 +1568,6 @@ class ParameterSyncServicer:
         )
         uri = ckpt.job_uri(s.storage_uri, s.job_id, "metrics", "epochs.jsonl")
         await asyncio.to_thread(ckpt.append_line, uri, line)
-        if job.tensorboard not in (None, False):
-            for name, value in request.values.items():
-                job.tensorboard.add_scalar(f"epoch/{name}", value, request.epoch)
         return ps_pb2.ReportEpochMetricsResponse()
 
     async def GetJobProgress(self, request: ps_pb2.GetJobProgressRequest, context: Any) -> Any:
