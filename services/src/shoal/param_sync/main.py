@@ -28,6 +28,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from shoal.contract.data_plane import SHARDS_PREFIX
 from shoal.contract.wire import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from shoal.param_sync.service import (
     ERRORS,
@@ -62,7 +63,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-REGISTRY_PREFIX = "/shoal/v1/parameter-sync/shards/"
+REGISTRY_PREFIX = SHARDS_PREFIX  # one key schema: shoal.contract.data_plane
 
 
 def registry_key(shard_index: int) -> str:

@@ -48,6 +48,7 @@ from opentelemetry import context as otel_context, trace
 from shoal.contract import ids
 from shoal.contract.data_plane import (
     COORDINATORS_PREFIX,
+    SHARDS_PREFIX,
     CoordinatorRecord,
     InvalidCoordinatorRecord,
     decode_coordinator,
@@ -435,7 +436,7 @@ class Inventory:
 # Parameter-sync shard registry
 # --------------------------------------------------------------------------------------------
 
-SHARD_REGISTRY = "/shoal/v1/parameter-sync/shards/"
+SHARD_REGISTRY = SHARDS_PREFIX  # written by the shards (param_sync/main.py)
 
 
 class ShardRegistry:
