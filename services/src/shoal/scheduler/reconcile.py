@@ -464,23 +464,7 @@ class ShardRegistry:
             self.addresses[index] = value.decode()
 
     async def run(self) -> None:
-        while True:
-            try:
-                kvs, revision = await self.store.list(self.prefix)
-                for kv in kvs:
-                    self._put(kv.key, kv.value)
-                async with contextlib.aclosing(
-                    self.store.watch(self.prefix, revision + 1)
-                ) as events:
-                    async for event in events:
-                        if event.kind == "put":
-                            self._put(event.key, event.value)
-                        elif event.kind == "resync":
-                            for kv in event.kvs:
-                                self._put(kv.key, kv.value)
-            except StoreError as exc:
-                log.info("shard registry: %s", exc)
-            await asyncio.sleep(1.0)
+        await follow_prefix(self.store, self.prefix, self._put, what="shard registry")
 
 
 class CoordinatorMoves:
@@ -522,25 +506,44 @@ class CoordinatorMoves:
         self.on_move(job_id, record)
 
     async def run(self) -> None:
-        while True:
-            try:
-                kvs, revision = await self.store.list(self.prefix)
-                for kv in kvs:
-                    self.apply(kv.key, kv.value)
-                async with contextlib.aclosing(
-                    self.store.watch(self.prefix, revision + 1)
-                ) as events:
-                    async for event in events:
-                        if event.kind == "put":
-                            self.apply(event.key, event.value)
-                        elif event.kind == "delete":
-                            self.records.pop(event.key.removeprefix(self.prefix), None)
-                        elif event.kind == "resync":
-                            for kv in event.kvs:
-                                self.apply(kv.key, kv.value)
-            except StoreError as exc:
-                log.info("coordinator records: %s", exc)
-            await asyncio.sleep(1.0)
+        await follow_prefix(
+            self.store,
+            self.prefix,
+            self.apply,
+            lambda key: self.records.pop(key.removeprefix(self.prefix), None),
+            what="coordinator records",
+        )
+
+
+async def follow_prefix(
+    store: Store,
+    prefix: str,
+    put: Callable[[str, bytes], object],
+    delete: Callable[[str], object] | None = None,
+    *,
+    what: str,
+) -> None:
+    """Mirror the keys under ``prefix`` forever: ``put(key, value)`` for each key listed and
+    each one written later (a watch from the listing's revision; a resync lists again),
+    ``delete(key)`` for each one deleted. An unreachable store is logged and retried every
+    second."""
+    while True:
+        try:
+            kvs, revision = await store.list(prefix)
+            for kv in kvs:
+                put(kv.key, kv.value)
+            async with contextlib.aclosing(store.watch(prefix, revision + 1)) as events:
+                async for event in events:
+                    if event.kind == "put":
+                        put(event.key, event.value)
+                    elif event.kind == "delete" and delete is not None:
+                        delete(event.key)
+                    elif event.kind == "resync":
+                        for kv in event.kvs:
+                            put(kv.key, kv.value)
+        except StoreError as exc:
+            log.info("%s: %s", what, exc)
+        await asyncio.sleep(1.0)
 
 
 # --------------------------------------------------------------------------------------------
