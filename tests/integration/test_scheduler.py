@@ -235,9 +235,13 @@ async def test_the_reference_scenario_fairshare_priority_completion_and_host_los
     await loop.until(
         lambda: c.sync.jobs[j2].progress.completed_iterations > progress + 3, "progress goes on"
     )
+    lost_agent = loop.reconciler.inventory.hosts["h2"].agent_address
+    old_channel = loop.reconciler.peers.channel(lost_agent)
     await c.add_host("h2", 4)
     await loop.shares({j2: 8}, "job 2 back on 8")
     assert loop.table.records[j2].failures == 0
+    # The agent that came back is called on a fresh channel (none left in reconnect backoff).
+    assert old_channel not in loop.reconciler.peers._channels.values()
 
     async def recorded_back_at_8() -> list[job_pb2.AllocationEvent] | None:
         events = await loop.api.allocation_history(ALICE, j2)

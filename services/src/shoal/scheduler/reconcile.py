@@ -282,6 +282,7 @@ class Peers:
         self._token = token
         self._factory = channel_factory or (lambda address: connect(address, token=token, tls=tls))
         self._channels: dict[str, aio.Channel] = {}
+        self._closing: set[asyncio.Future[None]] = set()
 
     def channel(self, address: str) -> aio.Channel:
         ch = self._channels.get(address)
@@ -330,8 +331,32 @@ class Peers:
     def shard(self, address: str) -> parameter_sync_service_pb2_grpc.ParameterSyncServiceStub:
         return parameter_sync_service_pb2_grpc.ParameterSyncServiceStub(self.channel(address))
 
+    def forget(self, address: str, *, close_after_s: float = 30.0) -> None:
+        """Drop the cached channel to ``address``: its peer came back (a host agent registered
+        again), and a channel that failed while it was down may still sit in gRPC's reconnect
+        backoff, where a new one connects at once. Calls in flight on the old channel finish;
+        it is closed ``close_after_s`` later."""
+        old = self._channels.pop(address, None)
+        if old is None:
+            return
+
+        async def close_later() -> None:
+            try:
+                await asyncio.sleep(close_after_s)
+            finally:  # also when the pool closes first
+                with contextlib.suppress(Exception):
+                    await old.close()
+
+        task = asyncio.ensure_future(close_later())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
+        closing = list(self._closing)
+        for task in closing:
+            task.cancel()
+        await asyncio.gather(*closing, return_exceptions=True)
         for ch in channels:
             with contextlib.suppress(Exception):
                 await ch.close()
@@ -1866,6 +1891,14 @@ class Reconciler:
             self.trigger("inventory snapshot")
         elif kind == K.INVENTORY_EVENT_KIND_HOST_UP:
             for host in event.hosts:
+                before = self.inventory.hosts.get(host.host_id)
+                if before is not None and (before.incarnation, before.agent_address) != (
+                    host.incarnation,
+                    host.agent_address,
+                ):
+                    # The agent came back: no channel left in reconnect backoff from its outage.
+                    self.peers.forget(before.agent_address)
+                    self.peers.forget(host.agent_address)
                 self.inventory.put_host(host)
             self.trigger(", ".join(f"host {h.host_id} up" for h in event.hosts))
         elif kind == K.INVENTORY_EVENT_KIND_HOST_LOST:
