@@ -99,7 +99,15 @@ def test_a_killed_coordinator_shard_and_a_killed_tier_are_recovered_from_the_che
         supervise=True,
         # Long enough to see the job RECOVERING before the shard is back, short for the test.
         restart_policy=RestartPolicy(initial_backoff_s=3.0, max_backoff_s=6.0),
-        scheduler_flags=("--stall-timeout", "180", "--coordinator-grace", "1"),
+        scheduler_flags=(
+            "--stall-timeout",
+            "180",
+            "--coordinator-grace",
+            "1",
+            # The checkpoint path (a coordinator that is taken over: test_coordinator_failover).
+            "--coordinator-failover",
+            "off",
+        ),
     )
     with LocalCluster(spec) as cluster, Client(cluster.client_config()) as client:
         artifact = client.upload_directory(MODEL)
