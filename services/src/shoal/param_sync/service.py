@@ -513,7 +513,7 @@ class ParameterSyncServicer:
         async def epoch_of(i: int) -> int:
             if i == me:
                 return self._coordinator_at.get(s.job_id, ("", 0))[1]
-            reply = await self._peer_call(s.shard_addresses[i], "FindCoordinator", request, 10.0)
+            reply = await self._peer_call(s.shard_addresses[i], "FindCoordinator", request, 2.0)
             return int(reply.coordinator_epoch)
 
         found = await asyncio.gather(
