@@ -443,11 +443,13 @@ class ParameterSyncServicer:
     def _check_coordinator_epoch(self, job_id: str, epoch: int) -> None:
         """Refuse a coordinator's call from an epoch older than the job's current coordinator
         (a paused old coordinator that woke up after the role moved: it must not commit)."""
-        known = self._coordinator_at.get(job_id, ("", 0))[1]
+        if epoch < 0:
+            raise InvalidField("coordinator_epoch", epoch, "must be >= 0")
+        address, known = self._coordinator_at.get(job_id, ("", 0))
         if epoch < known:
             raise FencedOut(
                 f"coordinator_epoch ({epoch}) of job {job_id!r} is older than the current "
-                f"coordinator's ({known}, {self._coordinator_at[job_id][0]})"
+                f"coordinator's ({known}, {address})"
             )
 
     # -- OpenJob / CloseJob -------------------------------------------------------------------
