@@ -186,6 +186,39 @@ class DataPlane:
             ),
         )
 
+    def take_over(
+        self,
+        job_id: str,
+        successor: int,
+        *,
+        lost: int,
+        epoch: int,
+        batch: int,
+        epochs: int,
+        seed: int = 0,
+        checkpoint_every: int = 0,
+    ) -> ps_pb2.TakeOverJobResponse:
+        """The scheduler's part of a coordinator failover: make shard ``successor`` the job's
+        coordinator (epoch ``epoch``) in place of the lost shard ``lost``; the scheduler's
+        calls go to it from now on."""
+        spec = job_pb2.JobSpec(
+            batch_size=batch, epochs=epochs, seed=seed, checkpoint_every=checkpoint_every
+        )
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = grpc.insecure_channel(self.addresses[successor])
+        return self.call(
+            "TakeOverJob",
+            ps_pb2.TakeOverJobRequest(
+                job_id=job_id,
+                spec=spec,
+                storage_uri=self.storage_uri,
+                shard_addresses=self.addresses,
+                lost_shard_index=lost,
+                coordinator_epoch=epoch,
+            ),
+        )
+
     def progress(self, job_id: str) -> ps_pb2.GetJobProgressResponse:
         return self.call("GetJobProgress", ps_pb2.GetJobProgressRequest(job_id=job_id))
 

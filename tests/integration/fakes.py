@@ -415,6 +415,10 @@ class FakeParameterSync:
         self.leave_hook: Callable[[str, int, str], None] | None = None
         # Shards that are "dead": every call to them fails with UNAVAILABLE.
         self.down: set[int] = set()
+        # Whether the shards take a lost coordinator's role over (TakeOverJob; otherwise they
+        # refuse it, as a data plane that cannot: the scheduler's checkpoint path).
+        self.takeover = False
+        self.takeover_calls: list[tuple[int, str, int, int]] = []  # shard, job, lost, epoch
 
     def members(self, job_id: str) -> list[str]:
         if self.members_hook is not None:
@@ -499,6 +503,17 @@ class FakeShard(parameter_sync_service_pb2_grpc.ParameterSyncServiceServicer):
         job = self._job(request.job_id)
         job.evicted.append(request.learner_id)
         return ps_pb2.EvictLearnerResponse(aborted_iteration=job.progress.completed_iterations)
+
+    async def TakeOverJob(self, request, context):  # type: ignore[no-untyped-def]
+        self._up()
+        self.sync.fencing.check(request.fencing_token)
+        if not self.sync.takeover:
+            raise FailedPrecondition("this fake data plane does not fail its coordinator over")
+        job = self._job(request.job_id)
+        self.sync.takeover_calls.append(
+            (self.index, request.job_id, request.lost_shard_index, request.coordinator_epoch)
+        )
+        return ps_pb2.TakeOverJobResponse(progress=job.progress)
 
     async def GetJobProgress(self, request, context):  # type: ignore[no-untyped-def]
         job = self._job(request.job_id)

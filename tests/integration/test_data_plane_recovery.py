@@ -2,9 +2,10 @@
 the local cluster under its supervisor (``ClusterSpec(supervise=True)``, what ``shoal cluster
 up`` runs), real PyTorch learners (tests/e2e/tiny_model).
 
-1. SIGKILL of the job's coordinator shard: the job says RECOVERING, naming the shard, within a
-   bounded wait, and never "RUNNING" with no learner; the supervisor restarts the shard; the job
-   resumes from its latest checkpoint by itself and goes on.
+1. SIGKILL of the job's coordinator shard (``--coordinator-failover off``): the job says
+   RECOVERING, naming the shard, within a bounded wait, and never "RUNNING" with no learner; the
+   supervisor restarts the shard; the job resumes from its latest checkpoint by itself and goes
+   on. (With failover on, the default, the next shard takes the role over: the last test.)
 2. Then the whole parameter-sync tier is SIGKILLed: the same, from the latest checkpoint.
 3. The job COMPLETES; its state history tells both recoveries.
 """
@@ -99,7 +100,15 @@ def test_a_killed_coordinator_shard_and_a_killed_tier_are_recovered_from_the_che
         supervise=True,
         # Long enough to see the job RECOVERING before the shard is back, short for the test.
         restart_policy=RestartPolicy(initial_backoff_s=3.0, max_backoff_s=6.0),
-        scheduler_flags=("--stall-timeout", "180", "--coordinator-grace", "1"),
+        scheduler_flags=(
+            "--stall-timeout",
+            "180",
+            "--coordinator-grace",
+            "1",
+            # The checkpoint path (a coordinator that is taken over: test_coordinator_failover).
+            "--coordinator-failover",
+            "off",
+        ),
     )
     with LocalCluster(spec) as cluster, Client(cluster.client_config()) as client:
         artifact = client.upload_directory(MODEL)
@@ -169,3 +178,71 @@ def test_a_killed_coordinator_shard_and_a_killed_tier_are_recovered_from_the_che
         for i in range(spec.shards):
             assert cluster.services[f"parameter-sync-{i}"].alive()
         print(", ".join(f"{k}: {v:.1f} s" for k, v in timings.items()))
+
+
+def test_a_killed_coordinator_shard_is_taken_over_by_the_next_one_without_a_rewind(
+    tmp_path: Path,
+) -> None:
+    """Coordinator failover end to end (--coordinator-failover on, the default): the
+    scheduler makes the other shard the job's coordinator after the grace, publishes the move,
+    the learners follow it without a restart, and the job never goes back to a checkpoint
+    (its progress never decreases) and completes. The killed shard, restarted by the
+    supervisor, holds nothing of the job any more or is restored from the replicas."""
+    epochs = EPOCHS
+    spec = ClusterSpec(
+        state_dir=tmp_path / "cluster",
+        hosts=1,
+        gpus_per_host=2,
+        shards=2,
+        replicas=1,
+        host_lost_after_s=30.0,
+        supervise=True,
+        restart_policy=RestartPolicy(initial_backoff_s=3.0, max_backoff_s=6.0),
+        scheduler_flags=("--stall-timeout", "180", "--coordinator-grace", "1"),
+    )
+    with LocalCluster(spec) as cluster, Client(cluster.client_config()) as client:
+        artifact = client.upload_directory(MODEL)
+        job_id = client.submit_job(
+            job_pb2.JobSpec(
+                name="failover",
+                entry_point="train.py",
+                artifact_id=artifact,
+                batch_size=64,
+                epochs=epochs,
+                min_workers=2,
+                max_workers=2,
+                sync_mode=job_pb2.SYNC_MODE_PARAMETER_SERVER,
+                checkpoint_every=1,
+            )
+        ).job_id
+        w = Watcher(client, job_id)
+        w.until(
+            lambda j: j.progress.completed_iterations >= PER_EPOCH + 3 and j.allocated_workers == 2,
+            "into the second epoch on two learners",
+        )
+        from shoal.scheduler.reconcile import coordinator_index
+
+        index = coordinator_index(job_id, spec.shards)
+        cluster.kill(f"parameter-sync-{index}", signal.SIGKILL)
+        killed = w.sample().progress.completed_iterations
+        assert killed < (epochs - 2) * PER_EPOCH  # mid-training
+        job = w.until(
+            lambda j: j.state == S.JOB_STATE_COMPLETED, "COMPLETED after the takeover", timeout=600
+        )
+        assert job.progress.completed_iterations == epochs * PER_EPOCH
+        done = [s[4] for s in w.samples]
+        assert done == sorted(done), done  # never rewound to a checkpoint
+        reasons = [s[3] for s in w.samples]
+        assert not any("checkpoint" in r for r in reasons), reasons
+        logs = spec.state_dir / "logs"
+        scheduler = (logs / "job-scheduler-0.log").read_text()
+        other = 1 - index
+        assert f"shard {index} lost; shard {other} took the role over (epoch 1)" in scheduler
+        successor = (logs / f"parameter-sync-{other}.log").read_text()
+        assert "took over as coordinator (epoch 1)" in successor, successor[-3000:]
+        assert "rewound to the checkpoint" not in successor
+        # The learners followed the new coordinator; none was started again.
+        outputs = sorted((spec.state_dir / "hosts").glob("*/learners/*/output.log"))
+        assert len(outputs) == 2, outputs
+        for output in outputs:
+            assert "coordinator moved" in output.read_text(), output

@@ -24,7 +24,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shoal.contract.data_plane import CoordinatorRecord, coordinator_key, encode_coordinator
+from shoal.contract.data_plane import (
+    CoordinatorRecord,
+    coordinator_key,
+    decode_coordinator,
+    encode_coordinator,
+)
 from shoal.runtime.auth import LearnerTokenSigner, LearnerTokenVerifier, Principal, Role
 from shoal.runtime.channels import connect
 from shoal.runtime.election import LeaderElection
@@ -464,6 +469,37 @@ async def test_the_scheduler_follows_a_coordinator_moved_by_the_data_plane(loop:
     cycles = loop.reconciler.cycles
     await loop.until(lambda: loop.reconciler.cycles > cycles + 5, "cycles")
     assert loop.table.records[j].coordinator_address == c.shard_addresses[new]
+
+
+async def test_a_lost_coordinator_shard_is_replaced_by_the_next_shard_and_the_move_published(
+    loop: Loop,
+) -> None:
+    """Coordinator failover, the scheduler's side: the coordinator's shard unreachable for the
+    grace, the scheduler makes the next shard the coordinator (TakeOverJob at epoch 1),
+    publishes the move in etcd (shoal.contract.data_plane) and follows it; no rewind, no
+    learner stopped."""
+    c = loop.cluster
+    c.sync.takeover = True
+    j = (await loop.api.submit(ALICE, "", spec(loop.artifact, max_workers=2))).job_id
+    await loop.shares({j: 2})
+    await loop.until(lambda: loop.job(j).progress.completed_iterations > 3, "progress")
+    old = loop.table.records[j].coordinator_index
+    new = 1 - old
+    opened = len(c.sync.open_calls)
+    c.sync.down.add(old)
+    await loop.until(
+        lambda: loop.table.records[j].coordinator_address == c.shard_addresses[new], "moved"
+    )
+    assert c.sync.takeover_calls == [(new, j, old, 1)]
+    stored = await loop.store.get(coordinator_key(j))
+    assert stored is not None
+    assert decode_coordinator(stored.value) == CoordinatorRecord(c.shard_addresses[new], new, 1)
+    done = loop.job(j).progress.completed_iterations
+    await loop.until(lambda: loop.job(j).progress.completed_iterations > done + 3, "progress")
+    assert loop.state(j) == S.JOB_STATE_RUNNING and c.workers(j) == 2
+    assert len(c.sync.open_calls) == opened  # not re-opened from a checkpoint
+    reasons = [h.reason for h in loop.table.records[j].history]
+    assert not any("checkpoint" in r for r in reasons), reasons
 
 
 async def test_a_job_without_progress_is_retried_from_its_checkpoint_then_fails_with_the_reason(

@@ -1,9 +1,9 @@
 """The data plane's etcd contract: where a job's coordinator is published when it moves.
 
 A job's coordinator is, by default, the shard the scheduler's hash rule picks
-(``shoal.scheduler.reconcile.coordinator_index``). When the parameter-sync tier moves the role
-to another shard (the coordinator's shard was lost and a successor took over), the new
-coordinator publishes::
+(``shoal.scheduler.reconcile.coordinator_index``). When the role moves to another shard (the
+coordinator's shard was lost and a successor took over: the scheduler's leader calls
+``TakeOverJob`` on it, then writes this key, fenced by its leadership), the record is::
 
     /shoal/v1/parameter-sync/coordinators/<job_id> = {"address": "host:port", "index": I,
                                                       "epoch": E}

@@ -756,6 +756,7 @@ class BoundaryResponse(_message.Message):
     CHECKPOINT_DIRECTORY_FIELD_NUMBER: _builtins.int
     SHARDS_FIELD_NUMBER: _builtins.int
     ROUTING_EPOCH_FIELD_NUMBER: _builtins.int
+    COORDINATOR_EPOCH_FIELD_NUMBER: _builtins.int
     action: Global___BoundaryAction.ValueType
     """What to do."""
     pull_parameters: _builtins.bool
@@ -772,6 +773,10 @@ class BoundaryResponse(_message.Message):
     """
     routing_epoch: _builtins.int
     """Increases each time the routing changes (0: the Join's)."""
+    coordinator_epoch: _builtins.int
+    """The answering coordinator's epoch (0: the job's first coordinator): a learner refuses
+    the answer of a coordinator older than one it already follows.
+    """
     @_builtins.property
     def assignment(self) -> Global___Assignment:
         """The iteration to run, for RUN."""
@@ -793,10 +798,11 @@ class BoundaryResponse(_message.Message):
         checkpoint_directory: _builtins.str = ...,
         shards: _abc.Iterable[Global___ShardSlice] | None = ...,
         routing_epoch: _builtins.int = ...,
+        coordinator_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "assignment", b"assignment", "checkpoint_directory", b"checkpoint_directory", "completed_iterations", b"completed_iterations", "pull_parameters", b"pull_parameters", "routing_epoch", b"routing_epoch", "shards", b"shards"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "assignment", b"assignment", "checkpoint_directory", b"checkpoint_directory", "completed_iterations", b"completed_iterations", "coordinator_epoch", b"coordinator_epoch", "pull_parameters", b"pull_parameters", "routing_epoch", b"routing_epoch", "shards", b"shards"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1298,6 +1304,7 @@ class ConfigureShardRequest(_message.Message):
     REPLICA_FIELD_NUMBER: _builtins.int
     BACKUP_ADDRESS_FIELD_NUMBER: _builtins.int
     ABSORB_REPLICAS_FIELD_NUMBER: _builtins.int
+    COORDINATOR_EPOCH_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     shard_index: _builtins.int
@@ -1314,6 +1321,8 @@ class ConfigureShardRequest(_message.Message):
     """For a shard's own slice: the address of the shard that keeps its replica; empty when the
     job's slices are not replicated.
     """
+    coordinator_epoch: _builtins.int
+    """The sender's coordinator epoch (see ResolveIterationRequest.coordinator_epoch)."""
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]:
         """The tensors (parameters and buffers) this shard holds, with the model's flat layout."""
@@ -1340,10 +1349,11 @@ class ConfigureShardRequest(_message.Message):
         replica: _builtins.bool = ...,
         backup_address: _builtins.str = ...,
         absorb_replicas: _abc.Iterable[_builtins.int] | None = ...,
+        coordinator_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["absorb_replicas", b"absorb_replicas", "active_shards", b"active_shards", "backup_address", b"backup_address", "coordinator_address", b"coordinator_address", "job_id", b"job_id", "optimizer", b"optimizer", "replica", b"replica", "shard_index", b"shard_index", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["absorb_replicas", b"absorb_replicas", "active_shards", b"active_shards", "backup_address", b"backup_address", "coordinator_address", b"coordinator_address", "coordinator_epoch", b"coordinator_epoch", "job_id", b"job_id", "optimizer", b"optimizer", "replica", b"replica", "shard_index", b"shard_index", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1434,6 +1444,7 @@ class ResolveIterationRequest(_message.Message):
     ITERATION_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
     GRAD_NORM_FIELD_NUMBER: _builtins.int
+    COORDINATOR_EPOCH_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     generation: _builtins.int
@@ -1446,6 +1457,10 @@ class ResolveIterationRequest(_message.Message):
     """With commit, when the job clips its gradient: the 2-norm of the iteration's whole mean
     gradient (the square root of the sum of the shards' grad_sq_norm; +inf when not finite).
     """
+    coordinator_epoch: _builtins.int
+    """The sender's coordinator epoch (0: the job's first coordinator); refused when lower than
+    one the shard was told of (SetCoordinator).
+    """
     def __init__(
         self,
         *,
@@ -1454,10 +1469,11 @@ class ResolveIterationRequest(_message.Message):
         iteration: _builtins.int = ...,
         commit: _builtins.bool = ...,
         grad_norm: _builtins.float = ...,
+        coordinator_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "generation", b"generation", "grad_norm", b"grad_norm", "iteration", b"iteration", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "coordinator_epoch", b"coordinator_epoch", "generation", b"generation", "grad_norm", b"grad_norm", "iteration", b"iteration", "job_id", b"job_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1489,22 +1505,26 @@ class SaveShardRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     DIRECTORY_FIELD_NUMBER: _builtins.int
     GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    COORDINATOR_EPOCH_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     directory: _builtins.str
     """The checkpoint directory (an fsspec URI)."""
     global_iteration: _builtins.int
     """The global iteration the parameters are at (checked against the shard's)."""
+    coordinator_epoch: _builtins.int
+    """The sender's coordinator epoch (see ResolveIterationRequest.coordinator_epoch)."""
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         directory: _builtins.str = ...,
         global_iteration: _builtins.int = ...,
+        coordinator_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["directory", b"directory", "global_iteration", b"global_iteration", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_epoch", b"coordinator_epoch", "directory", b"directory", "global_iteration", b"global_iteration", "job_id", b"job_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1726,6 +1746,7 @@ class TransferSliceRequest(_message.Message):
     TARGET_ADDRESS_FIELD_NUMBER: _builtins.int
     TARGET_REPLICA_FIELD_NUMBER: _builtins.int
     GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    COORDINATOR_EPOCH_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     shard_index: _builtins.int
@@ -1738,6 +1759,8 @@ class TransferSliceRequest(_message.Message):
     """True: the target keeps it as its replica; false: as its own slice."""
     global_iteration: _builtins.int
     """The iteration the slice must be at (the coordinator's completed iterations)."""
+    coordinator_epoch: _builtins.int
+    """The sender's coordinator epoch (see ResolveIterationRequest.coordinator_epoch)."""
     def __init__(
         self,
         *,
@@ -1747,10 +1770,11 @@ class TransferSliceRequest(_message.Message):
         target_address: _builtins.str = ...,
         target_replica: _builtins.bool = ...,
         global_iteration: _builtins.int = ...,
+        coordinator_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_replica", b"from_replica", "global_iteration", b"global_iteration", "job_id", b"job_id", "shard_index", b"shard_index", "target_address", b"target_address", "target_replica", b"target_replica"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_epoch", b"coordinator_epoch", "from_replica", b"from_replica", "global_iteration", b"global_iteration", "job_id", b"job_id", "shard_index", b"shard_index", "target_address", b"target_address", "target_replica", b"target_replica"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1777,3 +1801,187 @@ class TransferSliceResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TransferSliceResponse: _TypeAlias = TransferSliceResponse  # noqa: Y015
+
+@_typing.final
+class TakeOverJobRequest(_message.Message):
+    """TakeOverJobRequest moves a job's coordinator role to the receiving shard."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    SPEC_FIELD_NUMBER: _builtins.int
+    STORAGE_URI_FIELD_NUMBER: _builtins.int
+    SHARD_ADDRESSES_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    LOST_SHARD_INDEX_FIELD_NUMBER: _builtins.int
+    COORDINATOR_EPOCH_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    storage_uri: _builtins.str
+    """The fsspec URI under which the job's checkpoints and metrics are stored."""
+    owner: _builtins.str
+    """The principal that owns the job."""
+    lost_shard_index: _builtins.int
+    """The index of the lost coordinator's shard."""
+    coordinator_epoch: _builtins.int
+    """The new coordinator epoch: greater than every earlier one of the job."""
+    @_builtins.property
+    def spec(self) -> _job_pb2.JobSpec:
+        """The job's spec (as for OpenJob)."""
+
+    @_builtins.property
+    def shard_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The addresses of all parameter-sync shards, in shard-index order."""
+
+    @_builtins.property
+    def fencing_token(self) -> _resources_pb2.FencingToken:
+        """The scheduler's leadership token."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        spec: _job_pb2.JobSpec | None = ...,
+        storage_uri: _builtins.str = ...,
+        shard_addresses: _abc.Iterable[_builtins.str] | None = ...,
+        fencing_token: _resources_pb2.FencingToken | None = ...,
+        owner: _builtins.str = ...,
+        lost_shard_index: _builtins.int = ...,
+        coordinator_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_epoch", b"coordinator_epoch", "fencing_token", b"fencing_token", "job_id", b"job_id", "lost_shard_index", b"lost_shard_index", "owner", b"owner", "shard_addresses", b"shard_addresses", "spec", b"spec", "storage_uri", b"storage_uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TakeOverJobRequest: _TypeAlias = TakeOverJobRequest  # noqa: Y015
+
+@_typing.final
+class TakeOverJobResponse(_message.Message):
+    """TakeOverJobResponse returns the progress the new coordinator continues from."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def progress(self) -> _job_pb2.JobProgress:
+        """The progress (the iterations every shard left has committed)."""
+
+    def __init__(
+        self,
+        *,
+        progress: _job_pb2.JobProgress | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TakeOverJobResponse: _TypeAlias = TakeOverJobResponse  # noqa: Y015
+
+@_typing.final
+class SetCoordinatorRequest(_message.Message):
+    """SetCoordinatorRequest names a job's coordinator from now on."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    COORDINATOR_ADDRESS_FIELD_NUMBER: _builtins.int
+    COORDINATOR_EPOCH_FIELD_NUMBER: _builtins.int
+    MIN_GENERATION_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    coordinator_address: _builtins.str
+    """The coordinator's address (host:port)."""
+    coordinator_epoch: _builtins.int
+    """Its epoch: greater than or equal to every epoch the shard was told of."""
+    min_generation: _builtins.int
+    """Generations below this one are superseded (the old coordinator's)."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        coordinator_address: _builtins.str = ...,
+        coordinator_epoch: _builtins.int = ...,
+        min_generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_address", b"coordinator_address", "coordinator_epoch", b"coordinator_epoch", "job_id", b"job_id", "min_generation", b"min_generation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetCoordinatorRequest: _TypeAlias = SetCoordinatorRequest  # noqa: Y015
+
+@_typing.final
+class SetCoordinatorResponse(_message.Message):
+    """SetCoordinatorResponse acknowledges a coordinator move."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPLETED_ITERATIONS_FIELD_NUMBER: _builtins.int
+    completed_iterations: _builtins.int
+    """The iterations this shard's slice has committed (-1 without a slice)."""
+    def __init__(
+        self,
+        *,
+        completed_iterations: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetCoordinatorResponse: _TypeAlias = SetCoordinatorResponse  # noqa: Y015
+
+@_typing.final
+class FindCoordinatorRequest(_message.Message):
+    """FindCoordinatorRequest names a job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FindCoordinatorRequest: _TypeAlias = FindCoordinatorRequest  # noqa: Y015
+
+@_typing.final
+class FindCoordinatorResponse(_message.Message):
+    """FindCoordinatorResponse says where the job's coordinator is."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COORDINATOR_ADDRESS_FIELD_NUMBER: _builtins.int
+    COORDINATOR_EPOCH_FIELD_NUMBER: _builtins.int
+    coordinator_address: _builtins.str
+    """The coordinator's address; empty when this shard knows of none."""
+    coordinator_epoch: _builtins.int
+    """Its epoch (0: the job's first coordinator)."""
+    def __init__(
+        self,
+        *,
+        coordinator_address: _builtins.str = ...,
+        coordinator_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_address", b"coordinator_address", "coordinator_epoch", b"coordinator_epoch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FindCoordinatorResponse: _TypeAlias = FindCoordinatorResponse  # noqa: Y015

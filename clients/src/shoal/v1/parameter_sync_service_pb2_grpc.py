@@ -145,6 +145,21 @@ class ParameterSyncServiceStub:
                 request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.TransferSliceRequest.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.TransferSliceResponse.FromString,
                 _registered_method=True)
+        self.TakeOverJob = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/TakeOverJob',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.TakeOverJobRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.TakeOverJobResponse.FromString,
+                _registered_method=True)
+        self.SetCoordinator = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/SetCoordinator',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.SetCoordinatorRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.SetCoordinatorResponse.FromString,
+                _registered_method=True)
+        self.FindCoordinator = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/FindCoordinator',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.FindCoordinatorRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.FindCoordinatorResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterSyncServiceServicer:
@@ -356,6 +371,37 @@ class ParameterSyncServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TakeOverJob(self, request, context):
+        """TakeOverJob makes this shard the coordinator of a job whose coordinator shard is lost
+        (scheduler to the successor shard), without a rewind when the shards left hold a
+        consistent state: it fences the other shards with a higher coordinator epoch
+        (SetCoordinator), and the learners that re-join form a fresh generation; the lost shard's
+        slice is promoted from its replica. Returns FAILED_PRECONDITION when the shards left are
+        not at one iteration (the caller falls back to the checkpoint), UNAVAILABLE when a shard
+        left does not answer, FAILED_PRECONDITION (ERROR_REASON_FENCED_OUT) for a stale epoch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetCoordinator(self, request, context):
+        """SetCoordinator tells a shard that a job's coordinator moved (new coordinator to shard):
+        it keeps the address and epoch, drops an iteration in flight, and from now on refuses
+        ResolveIteration, ConfigureShard, SaveShard and TransferSlice carrying a lower
+        coordinator epoch (ERROR_REASON_FENCED_OUT).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FindCoordinator(self, request, context):
+        """FindCoordinator says where a job's coordinator is, as far as this shard knows (learner to
+        any shard, when its coordinator does not answer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterSyncServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -463,6 +509,21 @@ def add_ParameterSyncServiceServicer_to_server(servicer, server):
                     servicer.TransferSlice,
                     request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.TransferSliceRequest.FromString,
                     response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.TransferSliceResponse.SerializeToString,
+            ),
+            'TakeOverJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeOverJob,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.TakeOverJobRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.TakeOverJobResponse.SerializeToString,
+            ),
+            'SetCoordinator': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetCoordinator,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.SetCoordinatorRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.SetCoordinatorResponse.SerializeToString,
+            ),
+            'FindCoordinator': grpc.unary_unary_rpc_method_handler(
+                    servicer.FindCoordinator,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.FindCoordinatorRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.FindCoordinatorResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1038,6 +1099,87 @@ class ParameterSyncService:
             '/shoal.v1.ParameterSyncService/TransferSlice',
             shoal_dot_v1_dot_parameter__sync__service__pb2.TransferSliceRequest.SerializeToString,
             shoal_dot_v1_dot_parameter__sync__service__pb2.TransferSliceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeOverJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/TakeOverJob',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.TakeOverJobRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.TakeOverJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetCoordinator(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/SetCoordinator',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.SetCoordinatorRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.SetCoordinatorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FindCoordinator(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/FindCoordinator',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.FindCoordinatorRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.FindCoordinatorResponse.FromString,
             options,
             channel_credentials,
             insecure,

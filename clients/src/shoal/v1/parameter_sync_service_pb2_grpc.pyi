@@ -155,6 +155,25 @@ class ParameterSyncServiceStub:
     is restored). Returns FAILED_PRECONDITION (the slice is not at the expected iteration),
     NOT_FOUND, UNAVAILABLE (the target is down), UNAUTHENTICATED, PERMISSION_DENIED.
     """
+    TakeOverJob: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.TakeOverJobRequest, _parameter_sync_service_pb2.TakeOverJobResponse]
+    """TakeOverJob makes this shard the coordinator of a job whose coordinator shard is lost
+    (scheduler to the successor shard), without a rewind when the shards left hold a
+    consistent state: it fences the other shards with a higher coordinator epoch
+    (SetCoordinator), and the learners that re-join form a fresh generation; the lost shard's
+    slice is promoted from its replica. Returns FAILED_PRECONDITION when the shards left are
+    not at one iteration (the caller falls back to the checkpoint), UNAVAILABLE when a shard
+    left does not answer, FAILED_PRECONDITION (ERROR_REASON_FENCED_OUT) for a stale epoch.
+    """
+    SetCoordinator: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.SetCoordinatorRequest, _parameter_sync_service_pb2.SetCoordinatorResponse]
+    """SetCoordinator tells a shard that a job's coordinator moved (new coordinator to shard):
+    it keeps the address and epoch, drops an iteration in flight, and from now on refuses
+    ResolveIteration, ConfigureShard, SaveShard and TransferSlice carrying a lower
+    coordinator epoch (ERROR_REASON_FENCED_OUT).
+    """
+    FindCoordinator: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.FindCoordinatorRequest, _parameter_sync_service_pb2.FindCoordinatorResponse]
+    """FindCoordinator says where a job's coordinator is, as far as this shard knows (learner to
+    any shard, when its coordinator does not answer).
+    """
 
 @_typing.type_check_only
 class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
@@ -282,6 +301,25 @@ class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
     of another shard's) to another shard with Replicate (coordinator to shard, when a shard
     is restored). Returns FAILED_PRECONDITION (the slice is not at the expected iteration),
     NOT_FOUND, UNAVAILABLE (the target is down), UNAUTHENTICATED, PERMISSION_DENIED.
+    """
+    TakeOverJob: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.TakeOverJobRequest, _parameter_sync_service_pb2.TakeOverJobResponse]  # type: ignore[assignment]
+    """TakeOverJob makes this shard the coordinator of a job whose coordinator shard is lost
+    (scheduler to the successor shard), without a rewind when the shards left hold a
+    consistent state: it fences the other shards with a higher coordinator epoch
+    (SetCoordinator), and the learners that re-join form a fresh generation; the lost shard's
+    slice is promoted from its replica. Returns FAILED_PRECONDITION when the shards left are
+    not at one iteration (the caller falls back to the checkpoint), UNAVAILABLE when a shard
+    left does not answer, FAILED_PRECONDITION (ERROR_REASON_FENCED_OUT) for a stale epoch.
+    """
+    SetCoordinator: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.SetCoordinatorRequest, _parameter_sync_service_pb2.SetCoordinatorResponse]  # type: ignore[assignment]
+    """SetCoordinator tells a shard that a job's coordinator moved (new coordinator to shard):
+    it keeps the address and epoch, drops an iteration in flight, and from now on refuses
+    ResolveIteration, ConfigureShard, SaveShard and TransferSlice carrying a lower
+    coordinator epoch (ERROR_REASON_FENCED_OUT).
+    """
+    FindCoordinator: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.FindCoordinatorRequest, _parameter_sync_service_pb2.FindCoordinatorResponse]  # type: ignore[assignment]
+    """FindCoordinator says where a job's coordinator is, as far as this shard knows (learner to
+    any shard, when its coordinator does not answer).
     """
 
 class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -533,6 +571,43 @@ class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         of another shard's) to another shard with Replicate (coordinator to shard, when a shard
         is restored). Returns FAILED_PRECONDITION (the slice is not at the expected iteration),
         NOT_FOUND, UNAVAILABLE (the target is down), UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+
+    @_abc_1.abstractmethod
+    def TakeOverJob(
+        self,
+        request: _parameter_sync_service_pb2.TakeOverJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.TakeOverJobResponse, _abc.Awaitable[_parameter_sync_service_pb2.TakeOverJobResponse]]:
+        """TakeOverJob makes this shard the coordinator of a job whose coordinator shard is lost
+        (scheduler to the successor shard), without a rewind when the shards left hold a
+        consistent state: it fences the other shards with a higher coordinator epoch
+        (SetCoordinator), and the learners that re-join form a fresh generation; the lost shard's
+        slice is promoted from its replica. Returns FAILED_PRECONDITION when the shards left are
+        not at one iteration (the caller falls back to the checkpoint), UNAVAILABLE when a shard
+        left does not answer, FAILED_PRECONDITION (ERROR_REASON_FENCED_OUT) for a stale epoch.
+        """
+
+    @_abc_1.abstractmethod
+    def SetCoordinator(
+        self,
+        request: _parameter_sync_service_pb2.SetCoordinatorRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.SetCoordinatorResponse, _abc.Awaitable[_parameter_sync_service_pb2.SetCoordinatorResponse]]:
+        """SetCoordinator tells a shard that a job's coordinator moved (new coordinator to shard):
+        it keeps the address and epoch, drops an iteration in flight, and from now on refuses
+        ResolveIteration, ConfigureShard, SaveShard and TransferSlice carrying a lower
+        coordinator epoch (ERROR_REASON_FENCED_OUT).
+        """
+
+    @_abc_1.abstractmethod
+    def FindCoordinator(
+        self,
+        request: _parameter_sync_service_pb2.FindCoordinatorRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.FindCoordinatorResponse, _abc.Awaitable[_parameter_sync_service_pb2.FindCoordinatorResponse]]:
+        """FindCoordinator says where a job's coordinator is, as far as this shard knows (learner to
+        any shard, when its coordinator does not answer).
         """
 
 def add_ParameterSyncServiceServicer_to_server(servicer: ParameterSyncServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

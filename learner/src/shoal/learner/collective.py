@@ -179,7 +179,7 @@ class CollectiveBackend(GrpcBackend):
             generation, completed, loss_sum, n, iteration_failed=failed
         )
         while True:
-            reply = await self._control(self._coordinator_stub().Boundary, request, md)
+            reply = await self._control("Boundary", request, md)
             if reply.action != ps_pb2.BOUNDARY_ACTION_CHECKPOINT:
                 return reply
             report = await self._loop.run_in_executor(None, self._write_checkpoint, reply)

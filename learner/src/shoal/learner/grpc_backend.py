@@ -149,6 +149,7 @@ class GrpcBackend(SyncBackend):
         retry_s: float = 30.0,
         channel_options: Sequence[tuple[str, Any]] = (),
         tls: TLSFiles | None = None,
+        sync_endpoints: Sequence[str] = (),
     ) -> None:
         for name, value in (
             ("job_id", job_id),
@@ -160,6 +161,13 @@ class GrpcBackend(SyncBackend):
         self.job_id = job_id
         self.learner_id = learner_id
         self.coordinator = coordinator
+        # Every shard (SHOAL_SYNC_ENDPOINTS): asked where the coordinator is when it does not
+        # answer (its shard was lost and another took the role over, FindCoordinator).
+        self._endpoints = tuple(sync_endpoints)
+        self._coordinator_epoch = 0
+        # A shard refused this learner's generation: the coordinator that issued it may have
+        # been replaced (and fenced); the next control call asks the shards first.
+        self._recheck_coordinator = False
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._tls = tls
         self._chunk_bytes = chunk_bytes
@@ -201,6 +209,7 @@ class GrpcBackend(SyncBackend):
             coordinator=env.coordinator,
             token=env.token,
             tls=TLSFiles(env.tls_ca, env.tls_cert, env.tls_key) if env.tls_ca else None,
+            sync_endpoints=env.sync_endpoints,
         )
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -230,19 +239,71 @@ class GrpcBackend(SyncBackend):
         recording (the join, a sampled iteration: ``shoal.learner.tracing``)."""
         return self._metadata + trace_metadata()
 
-    async def _control(self, call: Any, request: Any, metadata: Any = None) -> Any:
-        """A unary control call, retried while the coordinator is unreachable."""
+    async def _control(self, method: str, request: Any, metadata: Any = None) -> Any:
+        """A unary control call to the coordinator, retried while it is unreachable. Meanwhile
+        the other shards are asked whether the coordinator moved (its shard was lost and
+        another took the role over): then the learner joins the new one and asks it. An answer
+        from a coordinator older than one already followed is refused (it was fenced)."""
         deadline = time.monotonic() + self._retry_s
         delay = 0.1
+        if self._recheck_coordinator:
+            self._recheck_coordinator = False
+            if await self._find_coordinator(metadata) and method != "Join" and self._setup:
+                await self._join(self._setup, metadata)
         while True:
             try:
-                return await call(request, metadata=metadata or self._metadata)
+                call = getattr(self._coordinator_stub(), method)
+                reply = await call(request, metadata=metadata or self._metadata)
             except aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE or time.monotonic() > deadline:
                     raise _translate(exc) from exc
-                log.warning("%s; retrying in %.1f s", exc.details(), delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                why = exc.details()
+            else:
+                epoch = getattr(reply, "coordinator_epoch", None)
+                if epoch is None or epoch >= self._coordinator_epoch:
+                    if epoch is not None:
+                        self._coordinator_epoch = epoch
+                    return reply
+                why = (
+                    f"coordinator {self.coordinator} answered from epoch {epoch}, older than "
+                    f"{self._coordinator_epoch}"
+                )
+            if await self._find_coordinator(metadata):
+                deadline = time.monotonic() + self._retry_s
+                if method != "Join" and self._setup is not None:
+                    await self._join(self._setup, metadata)
+                continue
+            log.warning("%s; retrying in %.1f s", why, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _find_coordinator(self, metadata: Any = None) -> bool:
+        """Ask the other shards where the job's coordinator is; switch to it (True) when one
+        names a newer coordinator than the one followed."""
+        candidates = dict.fromkeys([*(s.address for s in self._shards), *self._endpoints])
+        candidates.pop(self.coordinator, None)
+        request = ps_pb2.FindCoordinatorRequest(job_id=self.job_id)
+        for address in candidates:
+            stub = ps_grpc.ParameterSyncServiceStub(self._channel(address))
+            try:
+                reply = await stub.FindCoordinator(
+                    request, metadata=metadata or self._metadata, timeout=5.0
+                )
+            except aio.AioRpcError as exc:
+                log.info("FindCoordinator on %s: %s", address, exc.details())
+                continue
+            if reply.coordinator_epoch > self._coordinator_epoch and reply.coordinator_address:
+                log.warning(
+                    "coordinator moved: %s -> %s (epoch %d)",
+                    self.coordinator,
+                    reply.coordinator_address,
+                    reply.coordinator_epoch,
+                )
+                self.coordinator = reply.coordinator_address
+                self._coordinator_epoch = reply.coordinator_epoch
+                self._routing_epoch = 0  # the new coordinator's routing starts afresh
+                return True
+        return False
 
     # -- initialize ---------------------------------------------------------------------------
 
@@ -295,7 +356,7 @@ class GrpcBackend(SyncBackend):
     async def _completed(self, md: Any = None) -> int:
         request = ps_pb2.GetJobProgressRequest(job_id=self.job_id)
         try:
-            reply = await self._control(self._coordinator_stub().GetJobProgress, request, md)
+            reply = await self._control("GetJobProgress", request, md)
         except Exception:  # informational only
             return 0
         return int(reply.progress.completed_iterations)
@@ -314,7 +375,7 @@ class GrpcBackend(SyncBackend):
             dataset_size=setup.plan.num_samples,
             sync_mode=self.SYNC_MODE,  # type: ignore[arg-type]
         )
-        reply = await self._control(self._coordinator_stub().Join, request, md)
+        reply = await self._control("Join", request, md)
         self._route(reply.shards)
         return reply
 
@@ -393,7 +454,7 @@ class GrpcBackend(SyncBackend):
 
     async def _boundary(self, md: Any = None) -> ps_pb2.BoundaryResponse:
         request = self._boundary_request(*self._report)
-        reply = await self._control(self._coordinator_stub().Boundary, request, md)
+        reply = await self._control("Boundary", request, md)
         if reply.routing_epoch > self._routing_epoch and reply.shards:
             # A lost shard's slice moved to its backup: send and pull there from now on.
             self._route(reply.shards)
@@ -588,6 +649,8 @@ class GrpcBackend(SyncBackend):
             for t in tasks:
                 t.cancel()
             error = _translate(exc)
+            if isinstance(error, LearnerEvicted):
+                self._recheck_coordinator = True  # a stale generation: was it a fenced one's?
             if exc.code() in _SHARD_LOST:
                 await asyncio.sleep(_SHARD_LOST_PAUSE_S)
             if isinstance(error, IterationAborted | LearnerEvicted) or exc.code() in _SHARD_LOST:
@@ -605,7 +668,7 @@ class GrpcBackend(SyncBackend):
             job_id=self.job_id, learner_id=self.learner_id, epoch=report.epoch, values=values
         )
         try:
-            self._run(self._control(self._coordinator_stub().ReportEpochMetrics, request))
+            self._run(self._control("ReportEpochMetrics", request))
         except Exception as exc:  # metrics are best effort: never stop training for them
             log.warning("epoch %d metrics not recorded: %s", report.epoch, exc)
 

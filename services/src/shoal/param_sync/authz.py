@@ -51,6 +51,7 @@ LEARNER_METHODS = frozenset(
         "ReportEpochMetrics",
         "GetJobProgress",
         "GetMembership",
+        "FindCoordinator",
     }
 )
 #: What a user may call, for the jobs it owns.
@@ -70,6 +71,8 @@ SERVICE_METHODS = frozenset(
         "GetShardStatus",
         "Replicate",
         "TransferSlice",
+        "TakeOverJob",
+        "SetCoordinator",
     }
 )
 

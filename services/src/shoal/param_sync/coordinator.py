@@ -260,6 +260,9 @@ class _IterationInfo:
     expected: set[str]
     reports: dict[str, tuple[float, int]] = field(default_factory=dict)
     user: dict[str, UserMetrics] = field(default_factory=dict)  # trainer.log, per member
+    #: The last iteration a lost coordinator committed (:meth:`Coordinator.take_over`): its
+    #: members are not known here, so any learner's report counts, until the next commit.
+    late: bool = False
 
 
 class Coordinator:
@@ -472,6 +475,12 @@ class Coordinator:
                     self._commit()
             return
         info = self._collecting.get(completed_iteration)
+        if info is not None and info.late and learner not in info.reports:
+            info.reports[learner] = (float(loss_sum), int(n))
+            info.expected.add(learner)
+            if user:
+                info.user[learner] = user
+            return  # finished at the next commit (:meth:`_commit`)
         if info is None or info.generation != generation or learner not in info.expected:
             return
         if learner in info.reports:
@@ -840,6 +849,16 @@ class Coordinator:
     def _commit(self) -> ResolveTask:
         g, k = self.generation, self.completed
         now = self._clock()
+        for late in [v for v in self._collecting.values() if v.late]:
+            # The reports of a lost coordinator's last iteration that came: recorded now
+            # (none came: its learners had reported it to the lost coordinator, which recorded
+            # it, or they are gone).
+            if not late.reports:
+                del self._collecting[late.global_iteration]
+                continue
+            late.seconds = max(now - late.time, 1e-9)
+            late.world_size = len(late.reports)
+            self._maybe_finish(late)
         # Throughput counts from the previous commit (boundary time included), or from the
         # freeze when the job had no iteration just before (start, resume, no members).
         if self._last_commit_time is None or self._paused:
@@ -985,6 +1004,58 @@ class Coordinator:
 
     def _touch(self) -> None:
         self.update_time = self._clock()
+
+    # -- coordinator failover -----------------------------------------------------------------
+
+    def take_over(
+        self,
+        *,
+        layout: Sequence[TensorMeta],
+        optimizer: OptimizerConfig,
+        dataset_size: int,
+        completed: int,
+        generation: int,
+        last_checkpoint: int,
+        lost_shard: int,
+        collect_last: bool = True,
+    ) -> list[Task]:
+        """Become the coordinator of a parameter-server job whose coordinator shard was lost
+        (shard ``lost_shard``), at ``completed`` iterations, which every shard left holds: the
+        layout comes from the first learner that re-joins, generations continue from
+        ``generation`` (above every generation of the lost coordinator), every learner pulls,
+        and the lost shard's slice is recovered as for any lost shard (the returned tasks:
+        :meth:`shard_lost`). The report of the last committed iteration, which went to the lost
+        coordinator, is collected again from whoever sends it, until the next commit, unless
+        ``collect_last`` is false (it is recorded already)."""
+        self.restore(
+            layout=layout,
+            optimizer=optimizer,
+            dataset_size=dataset_size,
+            completed=completed,
+            samples_processed=0,
+            generation=generation,
+        )
+        self.set_mode(False)
+        self.resumed = False
+        self.initialized = True
+        self.samples_processed = sum(self.batch_samples(k) for k in range(completed))
+        self.last_checkpoint = last_checkpoint
+        if completed > 0 and collect_last:
+            k = completed - 1
+            epoch, iteration = divmod(k, self.iterations_per_epoch)
+            self._collecting[k] = _IterationInfo(
+                global_iteration=k,
+                epoch=epoch,
+                iteration=iteration,
+                generation=-1,
+                world_size=0,
+                samples=self.batch_samples(k),
+                seconds=1e-9,
+                time=self._clock(),
+                expected=set(),
+                late=True,
+            )
+        return self.shard_lost(lost_shard, "lost (it was the coordinator)")
 
     # -- resume -------------------------------------------------------------------------------
 

@@ -128,6 +128,7 @@ ROLES = MethodRoles(
                 "PullParameters",
                 "CreateCheckpoint",
                 "ReportEpochMetrics",
+                "FindCoordinator",
             )
         },
         "GetJobProgress": LEARNERS | USERS_AND_SERVICES,
@@ -198,6 +199,9 @@ def add_servicer(servicer: object, server: aio.Server) -> None:
         "LoadShard": (ps_pb2.LoadShardRequest, ps_pb2.LoadShardResponse),
         "GetShardStatus": (ps_pb2.GetShardStatusRequest, ps_pb2.GetShardStatusResponse),
         "TransferSlice": (ps_pb2.TransferSliceRequest, ps_pb2.TransferSliceResponse),
+        "TakeOverJob": (ps_pb2.TakeOverJobRequest, ps_pb2.TakeOverJobResponse),
+        "SetCoordinator": (ps_pb2.SetCoordinatorRequest, ps_pb2.SetCoordinatorResponse),
+        "FindCoordinator": (ps_pb2.FindCoordinatorRequest, ps_pb2.FindCoordinatorResponse),
     }
     handlers: dict[str, grpc.RpcMethodHandler] = {
         name: grpc.unary_unary_rpc_method_handler(
@@ -267,6 +271,23 @@ class _CoordinatedJob:
     checkpoint_files: dict[int, asyncio.Future[ps_pb2.CheckpointFile]] = field(default_factory=dict)
     # Parameter-server mode: the probe of the other shards (started by OpenJob).
     watchdog: asyncio.Task[None] | None = None
+    # The coordinator epoch this shard coordinates the job in (0: opened by OpenJob; a
+    # TakeOverJob's otherwise). Sent with every coordinator-to-shard call that changes state.
+    epoch: int = 0
+    # A takeover waiting for the first learner's Join (which brings the layout).
+    takeover: _TakeOver | None = None
+    # Another shard took the role over at a higher epoch (SetCoordinator): every waiting
+    # Boundary fails UNAVAILABLE, so that its learner looks for the new coordinator.
+    deposed: bool = False
+
+
+@dataclass(frozen=True)
+class _TakeOver:
+    lost: int  # the lost coordinator's shard
+    completed: int  # the iterations every shard left holds
+    last_checkpoint: int  # the latest checkpoint's iteration (-1: none)
+    generation: int  # the first generation number of the new coordinator
+    collect_last: bool  # the last committed iteration is not in iterations.jsonl yet
 
 
 @dataclass
@@ -302,6 +323,8 @@ class ParameterSyncServicer:
         # Replicas this shard keeps of other shards' slices: (job, whose index) -> state.
         self._replicas: dict[tuple[str, int], ShardJob] = {}
         self._fences: dict[tuple[str, str], int] = {}
+        # Where each job's coordinator is, as told by SetCoordinator: (address, epoch).
+        self._coordinator_at: dict[str, tuple[str, int]] = {}
         self._open_lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-sync")
         self._channels: dict[str, tuple[aio.Channel, ps_grpc.ParameterSyncServiceStub]] = {}
@@ -412,6 +435,18 @@ class ParameterSyncServicer:
             )
         self._fences[key] = token.revision
 
+    def _check_coordinator_epoch(self, job_id: str, epoch: int) -> None:
+        """Refuse a coordinator's call from an epoch older than the job's current coordinator
+        (a paused old coordinator that woke up after the role moved: it must not commit)."""
+        if epoch < 0:
+            raise InvalidField("coordinator_epoch", epoch, "must be >= 0")
+        address, known = self._coordinator_at.get(job_id, ("", 0))
+        if epoch < known:
+            raise FencedOut(
+                f"coordinator_epoch ({epoch}) of job {job_id!r} is older than the current "
+                f"coordinator's ({known}, {address})"
+            )
+
     # -- OpenJob / CloseJob -------------------------------------------------------------------
 
     async def OpenJob(self, request: ps_pb2.OpenJobRequest, context: Any) -> Any:
@@ -444,9 +479,11 @@ class ParameterSyncServicer:
                     progress=_progress_proto(coord.progress()), resumed=coord.resumed
                 )
             job = _CoordinatedJob(Coordinator(settings, clock=self._clock), owner=request.owner)
+            await self._fence_the_shards(job)
             found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
             if found is not None:
                 await self._resume(job, *found)
+            job.coord.generation = max(job.coord.generation, job.epoch << 32)
             self._coordinated[request.job_id] = job
             job.watchdog = asyncio.create_task(self._watch_shards(job))
             log.info(
@@ -458,6 +495,277 @@ class ParameterSyncServicer:
             return ps_pb2.OpenJobResponse(
                 progress=_progress_proto(job.coord.progress()), resumed=job.coord.resumed
             )
+
+    # -- coordinator failover -----------------------------------------------------------------
+
+    async def _fence_the_shards(self, job: _CoordinatedJob) -> None:
+        """A job opened anew (OpenJob) where the coordinator role had moved before (a takeover,
+        then the checkpoint path or a lost successor): the shards that still fence the job at
+        an epoch would refuse this coordinator's calls. Take the next epoch on every shard that
+        answers (none had one: nothing to do, epoch 0), with generations above its floor."""
+        s = job.coord.settings
+        request = ps_pb2.FindCoordinatorRequest(job_id=s.job_id)
+        me = self.options.shard_index
+
+        async def epoch_of(i: int) -> int:
+            if i == me:
+                return self._coordinator_at.get(s.job_id, ("", 0))[1]
+            reply = await self._peer_call(s.shard_addresses[i], "FindCoordinator", request, 2.0)
+            return int(reply.coordinator_epoch)
+
+        found = await asyncio.gather(
+            *(epoch_of(i) for i in range(s.num_shards)), return_exceptions=True
+        )
+        top = max((e for e in found if isinstance(e, int)), default=0)
+        if top == 0:
+            return
+        job.epoch = top + 1
+        move = ps_pb2.SetCoordinatorRequest(
+            job_id=s.job_id,
+            coordinator_address=s.shard_addresses[me],
+            coordinator_epoch=job.epoch,
+            min_generation=job.epoch << 32,
+        )
+        await asyncio.gather(
+            *(self._call_shard(s, i, "SetCoordinator", move) for i in range(s.num_shards)),
+            return_exceptions=True,
+        )
+        log.warning("job %s: opened at coordinator epoch %d", s.job_id, job.epoch)
+
+    async def TakeOverJob(self, request: ps_pb2.TakeOverJobRequest, context: Any) -> Any:
+        """Become the coordinator of a job whose coordinator shard is lost (see the proto):
+        fence the shards left with the new epoch, check they hold one state, and wait for the
+        learners to re-join (the first Join brings the layout: :meth:`_complete_takeover`)."""
+        authorize(current_principal(), "TakeOverJob", job_id=request.job_id)
+        if not request.job_id:
+            raise InvalidField("job_id", "", "must not be empty")
+        spec = request.spec
+        storage = check_storage_uri(request.storage_uri, self.options.storage_uri)
+        settings = JobSettings(
+            job_id=request.job_id,
+            batch_size=spec.batch_size,
+            epochs=spec.epochs,
+            seed=spec.seed,
+            checkpoint_every=spec.checkpoint_every,
+            storage_uri=storage,
+            shard_addresses=tuple(request.shard_addresses),
+        )
+        me = self.options.shard_index
+        if len(settings.shard_addresses) <= me:
+            raise InvalidField(
+                "shard_addresses",
+                list(settings.shard_addresses),
+                f"must include this shard (index {me})",
+            )
+        lost = request.lost_shard_index
+        if not 0 <= lost < settings.num_shards or lost == me:
+            raise InvalidField(
+                "lost_shard_index", lost, f"must be another shard of the {settings.num_shards}"
+            )
+        epoch = request.coordinator_epoch
+        if epoch < 1:
+            raise InvalidField("coordinator_epoch", epoch, "must be >= 1")
+        async with self._open_lock:
+            self._check_fence(request.job_id, request.fencing_token)
+            existing = self._coordinated.get(request.job_id)
+            if existing is not None:
+                if existing.epoch == epoch:  # a retried call
+                    return ps_pb2.TakeOverJobResponse(
+                        progress=_progress_proto(existing.coord.progress())
+                    )
+                if existing.epoch > epoch:
+                    raise FencedOut(
+                        f"coordinator_epoch ({epoch}) of job {request.job_id!r} is older than "
+                        f"this shard's ({existing.epoch})"
+                    )
+                raise FailedPrecondition(
+                    f"shard {me} coordinates job {request.job_id!r} already (epoch "
+                    f"{existing.epoch}): close it first"
+                )
+            self._check_coordinator_epoch(request.job_id, epoch)
+            generation = epoch << 32  # above every generation of an earlier coordinator
+            move = ps_pb2.SetCoordinatorRequest(
+                job_id=request.job_id,
+                coordinator_address=settings.shard_addresses[me],
+                coordinator_epoch=epoch,
+                min_generation=generation,
+            )
+            others = [i for i in range(settings.num_shards) if i != lost]
+            results = await asyncio.gather(
+                *(self._call_shard(settings, i, "SetCoordinator", move) for i in others),
+                return_exceptions=True,
+            )
+            for i, result in zip(others, results, strict=True):
+                if isinstance(result, BaseException):
+                    log.warning(
+                        "job %s: takeover: shard %d did not accept the move: %s",
+                        request.job_id,
+                        i,
+                        result,
+                    )
+                    raise result
+            at = {
+                i: int(r.completed_iterations)
+                for i, r in zip(others, results, strict=True)
+                if r.completed_iterations >= 0
+            }
+            if len(set(at.values())) != 1:
+                raise FailedPrecondition(
+                    f"the shards left of job {request.job_id!r} do not hold one state "
+                    f"(iterations by shard: {at or 'none'}); resume it from its latest "
+                    "checkpoint instead"
+                )
+            completed = next(iter(at.values()))
+            found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
+            last_checkpoint = int(found[1]["iteration"]) if found is not None else -1
+            recorded = await asyncio.to_thread(self._last_recorded, settings)
+            coord = Coordinator(settings, clock=self._clock)
+            coord.completed = completed  # reported before the first learner re-joins
+            job = _CoordinatedJob(coord, owner=request.owner, epoch=epoch)
+            job.takeover = _TakeOver(
+                lost, completed, last_checkpoint, generation, recorded < completed - 1
+            )
+            coord.recovering = (
+                f"coordinator shard {lost} lost at iteration {completed}; shard {me} took "
+                "over, waiting for the learners to re-join"
+            )
+            self._coordinated[request.job_id] = job
+            job.watchdog = asyncio.create_task(self._watch_shards(job))
+            deposer = asyncio.create_task(self._depose(job, lost))
+            job.background.add(deposer)
+            deposer.add_done_callback(job.background.discard)
+            log.warning(
+                "job %s: took over as coordinator (epoch %d) from lost shard %d at iteration %d",
+                request.job_id,
+                epoch,
+                lost,
+                completed,
+            )
+            return ps_pb2.TakeOverJobResponse(progress=_progress_proto(coord.progress()))
+
+    async def _depose(self, job: _CoordinatedJob, lost: int) -> None:
+        """Tell the lost coordinator's shard, once it answers again (it was paused or
+        partitioned rather than dead), that the role moved: it steps down, and the learners
+        still waiting on it look for this coordinator. Until then its calls are fenced."""
+        s = job.coord.settings
+        while self._coordinated.get(s.job_id) is job and not job.coord.done:
+            request = ps_pb2.SetCoordinatorRequest(
+                job_id=s.job_id,
+                coordinator_address=s.shard_addresses[self.options.shard_index],
+                coordinator_epoch=job.epoch,
+                min_generation=job.coord.generation,
+            )
+            try:
+                await self._peer_call(s.shard_addresses[lost], "SetCoordinator", request, 2.0)
+            except ShoalError:
+                await asyncio.sleep(self.options.shard_probe_s)
+                continue
+            log.info(
+                "job %s: the lost coordinator shard %d answered; it stepped down", s.job_id, lost
+            )
+            return
+
+    async def _complete_takeover(
+        self,
+        job: _CoordinatedJob,
+        layout: Sequence[TensorMeta],
+        optimizer: OptimizerConfig,
+        dataset_size: int,
+    ) -> None:
+        """The first learner re-joined a taken-over job: with its layout, check that the shards
+        left are configured as the job's sharding says (same tensors, same optimizer; they
+        refuse otherwise), point them at this coordinator, and recover the lost shard's slice
+        (its replica is promoted, or it is restored if it came back)."""
+        takeover = job.takeover
+        assert takeover is not None
+        coord = job.coord
+        sharding = coord.plan_sharding(layout, optimizer, dataset_size)
+        build_optimizer(optimizer, [])
+        await self._configure_all(
+            coord.settings, layout, optimizer, sharding, skip=frozenset({takeover.lost})
+        )
+        async with job.cond:
+            tasks = coord.take_over(
+                layout=layout,
+                optimizer=optimizer,
+                dataset_size=dataset_size,
+                completed=takeover.completed,
+                generation=takeover.generation - 1,
+                last_checkpoint=takeover.last_checkpoint,
+                lost_shard=takeover.lost,
+                collect_last=takeover.collect_last,
+            )
+            job.takeover = None
+            log.warning("job %s: takeover: %s; recovering", coord.job_id, coord.recovering)
+            del tasks
+            self._kick(job)
+            job.cond.notify_all()
+
+    async def SetCoordinator(self, request: ps_pb2.SetCoordinatorRequest, context: Any) -> Any:
+        authorize(current_principal(), "SetCoordinator", job_id=request.job_id)
+        return await self._local_SetCoordinator(request)
+
+    async def _local_SetCoordinator(self, request: ps_pb2.SetCoordinatorRequest) -> Any:
+        if not request.coordinator_address or ":" not in request.coordinator_address:
+            raise InvalidField(
+                "coordinator_address", request.coordinator_address, "must be 'host:port'"
+            )
+        self._check_coordinator_epoch(request.job_id, request.coordinator_epoch)
+        self._coordinator_at[request.job_id] = (
+            request.coordinator_address,
+            request.coordinator_epoch,
+        )
+        mine = self._coordinated.get(request.job_id)
+        if mine is not None and mine.epoch < request.coordinator_epoch:
+            # This shard coordinated the job before (it was paused or partitioned, and the
+            # role moved meanwhile): step down; its learners find the new coordinator.
+            log.warning(
+                "job %s: coordinator role moved to %s (epoch %d); stepping down (epoch %d)",
+                request.job_id,
+                request.coordinator_address,
+                request.coordinator_epoch,
+                mine.epoch,
+            )
+            del self._coordinated[request.job_id]
+            if mine.watchdog is not None:
+                mine.watchdog.cancel()
+            async with mine.cond:
+                mine.deposed = True
+                mine.cond.notify_all()
+        part = self._slices.get(request.job_id)
+        if part is None:
+            return ps_pb2.SetCoordinatorResponse(completed_iterations=-1)
+        sj = part.job
+        sj.coordinator_address = request.coordinator_address
+        pending = sj.pending
+        if pending is not None:  # never committed: the new coordinator runs it again
+            await self._compute(sj.abort, pending.generation, pending.iteration)
+        sj.min_generation = max(sj.min_generation, request.min_generation)
+        part.memberships.clear()
+        self._fail_waiters(
+            part, Aborted(f"job {request.job_id!r}: its coordinator moved; ask Boundary again")
+        )
+        return ps_pb2.SetCoordinatorResponse(
+            completed_iterations=sj.completed if sj.initialized else -1
+        )
+
+    async def FindCoordinator(self, request: ps_pb2.FindCoordinatorRequest, context: Any) -> Any:
+        authorize(current_principal(), "FindCoordinator", job_id=request.job_id)
+        job = self._coordinated.get(request.job_id)
+        if job is not None:
+            me = job.coord.settings.shard_addresses[self.options.shard_index]
+            return ps_pb2.FindCoordinatorResponse(
+                coordinator_address=me, coordinator_epoch=job.epoch
+            )
+        known = self._coordinator_at.get(request.job_id)
+        if known is not None:
+            return ps_pb2.FindCoordinatorResponse(
+                coordinator_address=known[0], coordinator_epoch=known[1]
+            )
+        part = self._slices.get(request.job_id)
+        if part is not None:
+            return ps_pb2.FindCoordinatorResponse(coordinator_address=part.job.coordinator_address)
+        return ps_pb2.FindCoordinatorResponse()
 
     async def _resume(self, job: _CoordinatedJob, directory: str, manifest: dict[str, Any]) -> None:
         coord = job.coord
@@ -495,6 +803,19 @@ class ParameterSyncServicer:
         )
 
     @staticmethod
+    def _last_recorded(settings: JobSettings) -> int:
+        """The highest global iteration in the job's iterations.jsonl (-1: none)."""
+        uri = ckpt.job_uri(settings.storage_uri, settings.job_id, "metrics", "iterations.jsonl")
+        data = ckpt.read_bytes(uri)
+        last = -1
+        for line in (data or b"").decode(errors="replace").splitlines():
+            try:
+                last = max(last, int(json.loads(line).get("global_iteration", -1)))
+            except (ValueError, AttributeError):
+                continue
+        return last
+
+    @staticmethod
     def _truncate_metrics(settings: JobSettings, completed: int, epochs_done: int) -> None:
         """After a resume, drop the records of the iterations (and epoch evaluations) that
         will be run again, so that each is recorded once."""
@@ -520,6 +841,7 @@ class ParameterSyncServicer:
         self._check_fence(request.job_id, request.fencing_token)
         job = self._coordinated.pop(request.job_id, None)
         part = self._slices.pop(request.job_id, None)
+        self._coordinator_at.pop(request.job_id, None)
         replicas = [key for key in self._replicas if key[0] == request.job_id]
         for key in replicas:
             del self._replicas[key]
@@ -552,6 +874,9 @@ class ParameterSyncServicer:
     async def _call_shard(
         self, settings: JobSettings, index: int, method: str, request: Any
     ) -> Any:
+        job = self._coordinated.get(settings.job_id)
+        if job is not None and "coordinator_epoch" in request.DESCRIPTOR.fields_by_name:
+            request.coordinator_epoch = job.epoch  # fenced on the shard (SetCoordinator)
         if index == self.options.shard_index:
             local = getattr(self, f"_local_{method}")
             return await local(request)
@@ -584,13 +909,15 @@ class ParameterSyncServicer:
                 active_shards=sharding.active_shards,
             )
             b = backups.get(i)
-            if b is not None:
+            if b is not None and b not in skip:
                 request.backup_address = settings.shard_addresses[b]
                 replica = ps_pb2.ConfigureShardRequest()
                 replica.CopyFrom(request)
                 replica.replica = True
                 replica.backup_address = ""
                 calls.append(self._call_shard(settings, b, "ConfigureShard", replica))
+            elif b is not None:
+                request.backup_address = settings.shard_addresses[b]
             calls.append(self._call_shard(settings, i, "ConfigureShard", request))
         await asyncio.gather(*calls)
 
@@ -640,6 +967,13 @@ class ParameterSyncServicer:
         collective = request.sync_mode == job_pb2.SYNC_MODE_COLLECTIVE
         async with job.configure_lock:
             sharding = coord.plan_sharding(layout, optimizer, request.dataset_size)
+            if job.takeover is not None and coord.layout is None:
+                if collective:
+                    raise FailedPrecondition(
+                        f"job {request.job_id!r} was taken over from a lost coordinator in "
+                        "parameter-server mode; a collective job resumes from its checkpoint"
+                    )
+                await self._complete_takeover(job, layout, optimizer, request.dataset_size)
             coord.set_mode(collective)
             if coord.layout is None:
                 build_optimizer(optimizer, [])  # refuse a bad optimizer before any state
@@ -747,6 +1081,11 @@ class ParameterSyncServicer:
             if request.HasField("checkpoint_file"):
                 self._checkpoint_file(job, request.learner_id, request.checkpoint_file)
             while True:
+                if job.deposed:
+                    raise Unavailable(
+                        f"shard {self.options.shard_index} no longer coordinates job "
+                        f"{request.job_id!r}: ask the other shards (FindCoordinator)"
+                    )
                 decision = coord.decide(request.learner_id)
                 self._kick(job)
                 # A decision may have frozen a generation or marked the job initialized:
@@ -757,7 +1096,9 @@ class ParameterSyncServicer:
                 await job.cond.wait()
         await self._flush_metrics(job)
         response = ps_pb2.BoundaryResponse(
-            pull_parameters=decision.pull, completed_iterations=coord.completed
+            pull_parameters=decision.pull,
+            completed_iterations=coord.completed,
+            coordinator_epoch=job.epoch,
         )
         s = coord.settings
         if decision.action is Action.CHECKPOINT:
@@ -1166,6 +1507,20 @@ class ParameterSyncServicer:
                         return
                     raise
                 since = None
+                if job.epoch > 0:
+                    # After a takeover the lost shard may be the old coordinator, paused and
+                    # back: it steps down and points its slice here before it takes part.
+                    await self._call_shard(
+                        s,
+                        task.shard_index,
+                        "SetCoordinator",
+                        ps_pb2.SetCoordinatorRequest(
+                            job_id=s.job_id,
+                            coordinator_address=s.shard_addresses[self.options.shard_index],
+                            coordinator_epoch=job.epoch,
+                            min_generation=coord.generation,
+                        ),
+                    )
                 if status.holds_job and status.initialized:
                     if status.completed_iterations == coord.completed:
                         async with job.cond:
@@ -1606,6 +1961,7 @@ class ParameterSyncServicer:
         return await self._local_ConfigureShard(request)
 
     async def _local_ConfigureShard(self, request: ps_pb2.ConfigureShardRequest) -> Any:
+        self._check_coordinator_epoch(request.job_id, request.coordinator_epoch)
         if request.replica:
             return await self._configure_replica(request)
         if request.shard_index != self.options.shard_index:
@@ -1623,6 +1979,8 @@ class ParameterSyncServicer:
         if existing is not None:
             if existing.job.same_configuration(tensors, optimizer):
                 existing.backup_address = request.backup_address
+                if request.coordinator_address:
+                    existing.job.coordinator_address = request.coordinator_address
                 return ps_pb2.ConfigureShardResponse()
             if existing.job.initialized:
                 raise FailedPrecondition(
@@ -1817,6 +2175,7 @@ class ParameterSyncServicer:
         return await self._local_TransferSlice(request)
 
     async def _local_TransferSlice(self, request: ps_pb2.TransferSliceRequest) -> Any:
+        self._check_coordinator_epoch(request.job_id, request.coordinator_epoch)
         if request.from_replica:
             source = self._replica(request.job_id, request.shard_index)
             await self._compute(source.settle, request.global_iteration)
@@ -1857,6 +2216,7 @@ class ParameterSyncServicer:
         return await self._local_ResolveIteration(request)
 
     async def _local_ResolveIteration(self, request: ps_pb2.ResolveIterationRequest) -> Any:
+        self._check_coordinator_epoch(request.job_id, request.coordinator_epoch)
         part = self._slice(request.job_id)
         sj = part.job
         key = (request.generation, request.iteration)
@@ -1884,6 +2244,7 @@ class ParameterSyncServicer:
         return await self._local_SaveShard(request)
 
     async def _local_SaveShard(self, request: ps_pb2.SaveShardRequest) -> Any:
+        self._check_coordinator_epoch(request.job_id, request.coordinator_epoch)
         sj = self._slice(request.job_id).job
         uri, size, digest = await self._compute(
             sj.save, request.directory, request.global_iteration

@@ -39,7 +39,12 @@ class HealthConfig:
     max_recoveries: int = 3
     """Automatic retries from the latest checkpoint before the job goes FAILED."""
     unreachable_grace_s: float = 2.0
-    """A coordinator unreachable for this long puts its job in RECOVERING."""
+    """A coordinator unreachable for this long puts its job in RECOVERING (and, with
+    ``coordinator_failover``, moves a parameter-server job's coordinator role to another
+    shard first)."""
+    coordinator_failover: bool = True
+    """Move the coordinator role of a parameter-server job to the next shard when its shard is
+    unreachable for the grace (``--coordinator-failover``); off: the checkpoint path."""
 
     def __post_init__(self) -> None:
         if not self.stall_timeout_s >= 0:

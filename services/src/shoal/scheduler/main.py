@@ -30,6 +30,9 @@ flag                        variable                   meaning (default)
 --max-recoveries            SHOAL_MAX_RECOVERIES       such automatic retries before FAILED (3)
 --coordinator-grace         SHOAL_COORDINATOR_GRACE_S  a job whose coordinator shard is
                                                        unreachable this long is RECOVERING, s (2)
+--coordinator-failover      SHOAL_COORDINATOR_FAILOVER on (default): then the next shard takes
+                                                       a parameter-server job's coordinator role
+                                                       over, no rewind; off: latest checkpoint
 --learner-signing-key       SHOAL_LEARNER_SIGNING_KEY  Ed25519 private key (PEM) that signs each
                                                        learner's credential (default: a new key
                                                        per process, published in etcd)
@@ -95,6 +98,13 @@ log = logging.getLogger(__name__)
 SERVICE = "job-scheduler"
 
 
+def _on_off(name: str, value: str) -> bool:
+    text = (value or "").strip().lower()
+    if text not in ("on", "off"):
+        raise InvalidField(name, value, "must be 'on' or 'off'")
+    return text == "on"
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Everything the job-scheduler process needs; validated on construction."""
@@ -118,6 +128,7 @@ class SchedulerConfig:
     stall_timeout_s: float = 300.0
     max_recoveries: int = 3
     coordinator_grace_s: float = 2.0
+    coordinator_failover: bool = True
     learner_signing_key: str | None = None
     learner_token_ttl_s: float = DEFAULT_LEARNER_TOKEN_TTL_S
     artifact_quota_bytes: int = 10 * 1024 * MiB
@@ -219,6 +230,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "coordinator unreachable this long: RECOVERING, seconds",
     )
     flag(
+        "--coordinator-failover",
+        "SHOAL_COORDINATOR_FAILOVER",
+        "on",
+        "on: another shard takes a lost coordinator's role over; off: latest checkpoint",
+    )
+    flag(
         "--learner-signing-key",
         "SHOAL_LEARNER_SIGNING_KEY",
         "",
@@ -272,6 +289,7 @@ def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         stall_timeout_s=float(parse_number("stall_timeout_s", ns.stall_timeout, float)),
         max_recoveries=int(parse_number("max_recoveries", ns.max_recoveries, int)),
         coordinator_grace_s=float(parse_number("coordinator_grace_s", ns.coordinator_grace, float)),
+        coordinator_failover=_on_off("coordinator_failover", ns.coordinator_failover),
         learner_signing_key=(ns.learner_signing_key or "").strip() or None,
         learner_token_ttl_s=float(parse_number("learner_token_ttl_s", ns.learner_token_ttl, float)),
         artifact_quota_bytes=int(
@@ -365,6 +383,7 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
                 stall_timeout_s=config.stall_timeout_s,
                 max_recoveries=config.max_recoveries,
                 unreachable_grace_s=config.coordinator_grace_s,
+                coordinator_failover=config.coordinator_failover,
             ),
         ),
         metrics=scheduler_metrics,

@@ -51,7 +51,9 @@ from shoal.contract.data_plane import (
     SHARDS_PREFIX,
     CoordinatorRecord,
     InvalidCoordinatorRecord,
+    coordinator_key,
     decode_coordinator,
+    encode_coordinator,
 )
 from shoal.runtime import telemetry
 from shoal.runtime.channels import connect
@@ -656,6 +658,7 @@ class Reconciler:
         self.health: dict[str, JobHealth] = {}
         self.moves = CoordinatorMoves(table.store, self._coordinator_moved)
         self._moved: set[str] = set()
+        self._takeover_tried: dict[str, float] = {}
         self.cycles = 0
         self.rescales = RescaleTracker(clock=clock)
         self._triggered_at: float | None = None
@@ -676,6 +679,7 @@ class Reconciler:
         self.health = {}
         self.moves = CoordinatorMoves(self.table.store, self._coordinator_moved)
         self._moved = set()
+        self._takeover_tried = {}
 
     # -- triggers -------------------------------------------------------------------------------
 
@@ -1710,6 +1714,12 @@ class Reconciler:
         if record.job_id in self._busy:
             return
         health = self._health(record)
+        if (
+            health.unreachable_since is not None
+            and self.clock() - health.unreachable_since >= self.config.health.unreachable_grace_s
+            and await self._take_over(record)
+        ):
+            return
         verdict = assess(
             record.state,
             health,
@@ -1738,6 +1748,78 @@ class Reconciler:
                 self._run_worker(record, JobWork(retry=verdict.reason), []),
                 f"scheduler-job-{record.job_id}",
             )
+
+    async def _take_over(self, record: JobRecord) -> bool:
+        """Coordinator failover: the job's coordinator shard has been unreachable for the
+        grace. Make the next shard after it that answers the job's coordinator (TakeOverJob,
+        coordinator epoch + 1): it fences the shards left, rebuilds the coordinator's state and
+        promotes the lost slice's replica, with no rewind. Then publish the move in etcd
+        (``shoal.contract.data_plane``, fenced by this scheduler's leadership); the watch
+        re-points the job. False (the checkpoint path goes on) in collective mode, with
+        failover off, when no shard could take over (their states differ, all unreachable),
+        or when tried less than a grace ago."""
+        job_id = record.job_id
+        if (
+            not self.config.health.coordinator_failover
+            or not record.opened
+            or record.coordinator_index < 0
+            or record.job.effective_sync_mode != job_pb2.SYNC_MODE_PARAMETER_SERVER
+        ):
+            return False
+        now = self.clock()
+        if now - self._takeover_tried.get(job_id, -1e18) < max(
+            2.0, self.config.health.unreachable_grace_s
+        ):
+            return False
+        self._takeover_tried[job_id] = now
+        shards = self.shards()
+        lost = record.coordinator_index
+        if len(shards) < 2 or lost >= len(shards):
+            return False
+        known = self.moves.get(job_id)
+        epoch = (known.epoch if known is not None else 0) + 1
+        request = ps_pb2.TakeOverJobRequest(
+            job_id=job_id,
+            spec=record.job.spec,
+            storage_uri=self.storage.uri,
+            shard_addresses=list(shards),
+            fencing_token=self._token,
+            owner=record.owner,
+            lost_shard_index=lost,
+            coordinator_epoch=epoch,
+        )
+        for step in range(1, len(shards)):
+            index = (lost + step) % len(shards)
+            try:
+                await self.peers.shard(shards[index]).TakeOverJob(
+                    request, timeout=self.config.call_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _UNREACHABLE:
+                    continue
+                log.warning(
+                    "job %s: shard %d cannot take the coordinator role over: %s",
+                    job_id,
+                    index,
+                    _describe(exc),
+                )
+                return False
+            moved = CoordinatorRecord(address=shards[index], index=index, epoch=epoch)
+            value = encode_coordinator(moved)
+            try:
+                await self.table.store.put(coordinator_key(job_id), value, fence=self.table.fence)
+            except StoreError as exc:  # this leader follows it anyway; the next finds the shard
+                log.warning("job %s: coordinator move not published: %s", job_id, exc)
+            log.warning(
+                "job %s: coordinator shard %d lost; shard %d took the role over (epoch %d)",
+                job_id,
+                lost,
+                index,
+                epoch,
+            )
+            self.moves.apply(coordinator_key(job_id), value)
+            return True
+        return False
 
     async def _retry(self, record: JobRecord, reason: str) -> None:
         """A stalled job starts over from its latest checkpoint: stop its learners, close its

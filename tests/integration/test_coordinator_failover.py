@@ -1,0 +1,146 @@
+"""The coordinator role fails over (issue 12, item 2), on real processes: three shard
+processes with replication on (the default), two learner processes (the digits MLP through the
+"grpc" backend), this test acting as the scheduler (it calls TakeOverJob on the successor, as
+the scheduler does once the coordinator is unreachable for its grace).
+
+Shard 0, the job's coordinator, is SIGKILLed mid-epoch, before any checkpoint. Shard 1 takes
+the role over at coordinator epoch 1: the shards left are fenced (a call from epoch 0 is
+refused), the learners find the new coordinator through the other shards (FindCoordinator)
+without a restart, re-join, and the lost shard's slice is promoted from its replica on shard 1.
+No rewind: the job completes, each iteration is recorded once, no learner completes an
+iteration twice, and the final model equals single-process training within 1e-5.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+
+from shoal.v1 import (
+    parameter_sync_service_pb2 as ps_pb2,
+    parameter_sync_service_pb2_grpc as ps_grpc,
+)
+from tests.integration._param_sync_cluster import DataPlane
+from tests.integration.test_elastic_training import (
+    BATCH,
+    assert_each_iteration_recorded_once,
+    assert_matches_reference,
+    iterations_per_epoch,
+)
+from tests.support import make_tokens, wait_until
+
+
+@pytest.mark.slow
+def test_a_killed_coordinator_shard_is_taken_over_without_a_rewind(tmp_path: Path):
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=3)
+    job, epochs = "coordloss", 2
+    ipe = iterations_per_epoch()
+    total = epochs * ipe
+    try:
+        plane.start_shards(["--shard-probe", "0.5"])
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            for n in ("c0", "c1")
+        }
+        wait_until(
+            lambda: plane.progress(job).progress.completed_iterations >= ipe // 2,
+            timeout=180,
+            what=f"{ipe // 2} iterations (before any checkpoint)",
+        )
+        plane.shards[0].kill()  # the coordinator (and a slice, whose replica is on shard 1)
+        reply = plane.take_over(
+            job, 1, lost=0, epoch=1, batch=BATCH, epochs=epochs, checkpoint_every=1
+        )
+        taken_at = reply.progress.completed_iterations
+        assert 0 < taken_at < total
+
+        # Fenced: a coordinator call from the old epoch is refused by the shards left.
+        channel = grpc.insecure_channel(plane.addresses[2])
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                ps_grpc.ParameterSyncServiceStub(channel).ResolveIteration(
+                    ps_pb2.ResolveIterationRequest(
+                        job_id=job, generation=1, iteration=taken_at, commit=True
+                    ),
+                    metadata=(("authorization", f"Bearer {tokens['service']}"),),
+                    timeout=30,
+                )
+            found = ps_grpc.ParameterSyncServiceStub(channel).FindCoordinator(
+                ps_pb2.FindCoordinatorRequest(job_id=job),
+                metadata=(("authorization", f"Bearer {tokens['service']}"),),
+                timeout=30,
+            )
+        finally:
+            channel.close()
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "coordinator_epoch (0)" in refused.value.details()
+        assert (found.coordinator_address, found.coordinator_epoch) == (plane.addresses[1], 1)
+
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+        assert plane.progress(job).done
+    finally:
+        plane.kill_all()
+
+    assert_taken_over_without_loss(plane, job, learners, epochs)
+
+
+def assert_taken_over_without_loss(plane: DataPlane, job: str, learners: dict, epochs: int) -> None:
+    total = epochs * iterations_per_epoch()
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    successor_log = plane.shards[1].text()
+    assert "took over as coordinator (epoch 1) from lost shard 0" in successor_log
+    assert "shard 1 promoted to hold the slice of shard 0" in successor_log, successor_log[-3000:]
+    assert "rewound to the checkpoint" not in successor_log
+    for name, proc in learners.items():
+        steps = [r["step"] for r in plane.history(name)["history"]]
+        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)
+        assert "coordinator moved" in proc.text()
+
+
+@pytest.mark.slow
+def test_a_paused_coordinator_that_wakes_after_the_takeover_cannot_commit(tmp_path: Path):
+    """SIGSTOP of the coordinator for longer than the takeover and the promotion of its
+    slice, then SIGCONT: the learners that were waiting on it get its answers, but the shards
+    refuse its generation (and would refuse its commits: fenced), so they look for the new
+    coordinator and follow it. The job completes as if the old one had died."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=3)
+    job, epochs = "coordpause", 2
+    ipe = iterations_per_epoch()
+    try:
+        plane.start_shards(["--shard-probe", "0.5"])
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            for n in ("p0", "p1")
+        }
+        wait_until(
+            lambda: plane.progress(job).progress.completed_iterations >= ipe // 2,
+            timeout=180,
+            what=f"{ipe // 2} iterations",
+        )
+        old = plane.shards[0]
+        old.popen.send_signal(signal.SIGSTOP)
+        try:
+            plane.take_over(job, 1, lost=0, epoch=1, batch=BATCH, epochs=epochs, checkpoint_every=1)
+            # Its slice is promoted while it sleeps (it does not answer the probes).
+            plane.shards[1].wait_for("promoted to hold the slice of shard 0", timeout=120)
+        finally:
+            old.popen.send_signal(signal.SIGCONT)
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+        assert plane.progress(job).done
+        assert old.popen.poll() is None  # it lives on, and harms nothing
+    finally:
+        plane.kill_all()
+    # Once it answered, the new coordinator told it the role moved (SetCoordinator epoch 1).
+    assert "stepping down (epoch 0)" in old.text(), old.text()[-3000:]
+
+    assert_taken_over_without_loss(plane, job, learners, epochs)
