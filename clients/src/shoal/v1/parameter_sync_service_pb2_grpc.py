@@ -388,7 +388,8 @@ class ParameterSyncServiceServicer:
         """SetCoordinator tells a shard that a job's coordinator moved (new coordinator to shard):
         it keeps the address and epoch, drops an iteration in flight, and from now on refuses
         ResolveIteration, ConfigureShard, SaveShard and TransferSlice carrying a lower
-        coordinator epoch (ERROR_REASON_FENCED_OUT).
+        coordinator epoch (ERROR_REASON_FENCED_OUT). Returns FAILED_PRECONDITION (a lower epoch
+        than one it was told), INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -396,7 +397,8 @@ class ParameterSyncServiceServicer:
 
     def FindCoordinator(self, request, context):
         """FindCoordinator says where a job's coordinator is, as far as this shard knows (learner to
-        any shard, when its coordinator does not answer).
+        any shard, when its coordinator does not answer). Returns UNAUTHENTICATED,
+        PERMISSION_DENIED (a learner of another job).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

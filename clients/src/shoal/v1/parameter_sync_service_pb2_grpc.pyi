@@ -168,11 +168,13 @@ class ParameterSyncServiceStub:
     """SetCoordinator tells a shard that a job's coordinator moved (new coordinator to shard):
     it keeps the address and epoch, drops an iteration in flight, and from now on refuses
     ResolveIteration, ConfigureShard, SaveShard and TransferSlice carrying a lower
-    coordinator epoch (ERROR_REASON_FENCED_OUT).
+    coordinator epoch (ERROR_REASON_FENCED_OUT). Returns FAILED_PRECONDITION (a lower epoch
+    than one it was told), INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED.
     """
     FindCoordinator: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.FindCoordinatorRequest, _parameter_sync_service_pb2.FindCoordinatorResponse]
     """FindCoordinator says where a job's coordinator is, as far as this shard knows (learner to
-    any shard, when its coordinator does not answer).
+    any shard, when its coordinator does not answer). Returns UNAUTHENTICATED,
+    PERMISSION_DENIED (a learner of another job).
     """
 
 @_typing.type_check_only
@@ -315,11 +317,13 @@ class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
     """SetCoordinator tells a shard that a job's coordinator moved (new coordinator to shard):
     it keeps the address and epoch, drops an iteration in flight, and from now on refuses
     ResolveIteration, ConfigureShard, SaveShard and TransferSlice carrying a lower
-    coordinator epoch (ERROR_REASON_FENCED_OUT).
+    coordinator epoch (ERROR_REASON_FENCED_OUT). Returns FAILED_PRECONDITION (a lower epoch
+    than one it was told), INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED.
     """
     FindCoordinator: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.FindCoordinatorRequest, _parameter_sync_service_pb2.FindCoordinatorResponse]  # type: ignore[assignment]
     """FindCoordinator says where a job's coordinator is, as far as this shard knows (learner to
-    any shard, when its coordinator does not answer).
+    any shard, when its coordinator does not answer). Returns UNAUTHENTICATED,
+    PERMISSION_DENIED (a learner of another job).
     """
 
 class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -597,7 +601,8 @@ class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         """SetCoordinator tells a shard that a job's coordinator moved (new coordinator to shard):
         it keeps the address and epoch, drops an iteration in flight, and from now on refuses
         ResolveIteration, ConfigureShard, SaveShard and TransferSlice carrying a lower
-        coordinator epoch (ERROR_REASON_FENCED_OUT).
+        coordinator epoch (ERROR_REASON_FENCED_OUT). Returns FAILED_PRECONDITION (a lower epoch
+        than one it was told), INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED.
         """
 
     @_abc_1.abstractmethod
@@ -607,7 +612,8 @@ class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_sync_service_pb2.FindCoordinatorResponse, _abc.Awaitable[_parameter_sync_service_pb2.FindCoordinatorResponse]]:
         """FindCoordinator says where a job's coordinator is, as far as this shard knows (learner to
-        any shard, when its coordinator does not answer).
+        any shard, when its coordinator does not answer). Returns UNAUTHENTICATED,
+        PERMISSION_DENIED (a learner of another job).
         """
 
 def add_ParameterSyncServiceServicer_to_server(servicer: ParameterSyncServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

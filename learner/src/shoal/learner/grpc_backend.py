@@ -89,6 +89,17 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 #: next boundary says what to run; the learner waits a moment so that it does not spin.
 _SHARD_LOST = (*_RETRYABLE, grpc.StatusCode.NOT_FOUND)
 _SHARD_LOST_PAUSE_S = 0.5
+#: What grpc.aio's client reports instead of the server's status when the server ends a
+#: client-streaming call before the client finished writing (grpc/grpc#36066): a shard that
+#: refused or dropped the stream (it lost the job), not a fault of the request.
+_CORE_MASKED = "Internal error from Core"
+
+
+def _shard_lost(exc: aio.AioRpcError) -> bool:
+    """Whether a tensor stream failed because its shard is down or lost the job."""
+    if exc.code() in _SHARD_LOST:
+        return True
+    return exc.code() == grpc.StatusCode.INTERNAL and (exc.details() or "") == _CORE_MASKED
 
 
 class LearnerEvicted(RuntimeError):
@@ -520,7 +531,7 @@ class GrpcBackend(SyncBackend):
         try:
             await asyncio.gather(*(one(s) for s in self._shards))
         except aio.AioRpcError as exc:
-            if exc.code() in _SHARD_LOST:
+            if _shard_lost(exc):
                 await asyncio.sleep(_SHARD_LOST_PAUSE_S)
                 raise IterationAborted(exc.details() or str(exc.code())) from exc
             raise _translate(exc) from exc
@@ -651,9 +662,10 @@ class GrpcBackend(SyncBackend):
             error = _translate(exc)
             if isinstance(error, LearnerEvicted):
                 self._recheck_coordinator = True  # a stale generation: was it a fenced one's?
-            if exc.code() in _SHARD_LOST:
+            lost = _shard_lost(exc)
+            if lost:
                 await asyncio.sleep(_SHARD_LOST_PAUSE_S)
-            if isinstance(error, IterationAborted | LearnerEvicted) or exc.code() in _SHARD_LOST:
+            if isinstance(error, IterationAborted | LearnerEvicted) or lost:
                 raise IterationAborted(exc.details() or str(exc.code())) from exc
             raise error from exc
         finally:
