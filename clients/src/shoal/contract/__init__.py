@@ -10,6 +10,8 @@ part of the contract:
   coordinator) and the coordinator record's JSON codec.
 * ``wire`` -- the tensor-bundle wire codec of the gradient and parameter streams (learner and
   shard both speak it).
+* ``user_metrics`` -- the names a training script may log (``trainer.log``), checked by the
+  learner and by the coordinator.
 
 Planned here (issue 15): the etcd key schema, the learner environment variable names, the
 error-reason trailer.

@@ -17,14 +17,14 @@ values are finite numbers (a one-element tensor is read with ``float``). Anythin
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
+from shoal.contract import user_metrics as contract
+
 __all__ = ["MAX_NAMES", "MetricLog", "StepMetrics", "means"]
 
-MAX_NAMES = 32
-_NAME = re.compile(r"[A-Za-z0-9_./-]{1,64}")
+MAX_NAMES = contract.MAX_NAMES
 
 #: One iteration's values of one learner: name -> (sum of value x samples, samples).
 StepMetrics = dict[str, tuple[float, int]]
@@ -40,10 +40,8 @@ def _checked(values: Mapping[str, Any]) -> dict[str, float]:
         raise ValueError(f"trainer.log: values ({values!r}) must be a mapping of name to number")
     out: dict[str, float] = {}
     for name, value in values.items():
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ValueError(
-                f"trainer.log: metric name ({name!r}) must be 1-64 characters of [A-Za-z0-9_./-]"
-            )
+        if not isinstance(name, str) or not contract.NAME_PATTERN.fullmatch(name):
+            raise ValueError(f"trainer.log: metric name ({name!r}) must be {contract.NAME_RULE}")
         try:
             number = float(value)
         except (TypeError, ValueError, RuntimeError):

@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import enum
 import math
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.contract import user_metrics
 from shoal.contract.wire import TensorMeta, validate_layout
 from shoal.param_sync.sharding import Sharding, assign_shards
 from shoal.runtime.errors import FailedPrecondition, InvalidField, StaleGeneration
@@ -206,8 +206,7 @@ UserMetrics = Mapping[str, tuple[float, int]]
 samples)."""
 
 #: At most this many names per report; a name is 1-64 characters of ``[A-Za-z0-9_./-]``.
-MAX_USER_METRICS = 32
-_METRIC_NAME = re.compile(r"[A-Za-z0-9_./-]{1,64}")
+MAX_USER_METRICS = user_metrics.MAX_NAMES
 
 
 def check_user_metrics(sums: Mapping[str, float], samples: Mapping[str, int]) -> UserMetrics:
@@ -225,8 +224,8 @@ def check_user_metrics(sums: Mapping[str, float], samples: Mapping[str, int]) ->
         )
     out: dict[str, tuple[float, int]] = {}
     for name, total in sums.items():
-        if not _METRIC_NAME.fullmatch(name):
-            raise InvalidField("metric_sums", name, "names are 1-64 of [A-Za-z0-9_./-]")
+        if not user_metrics.NAME_PATTERN.fullmatch(name):
+            raise InvalidField("metric_sums", name, f"names are {user_metrics.NAME_RULE}")
         count = samples[name]
         if count < 1 or not math.isfinite(total):
             raise InvalidField(f"metric_sums[{name}]", (total, count), "must be finite, >= 1")
