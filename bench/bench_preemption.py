@@ -17,12 +17,18 @@ reconcile pass), all on one host (one clock):
 * **released**: polling ``ListHosts`` (~20 ms apart plus the calls' own time), the first poll
   where job 1 holds only its new share of devices (the others free or already job 2's);
 * **job 2 allocated**: the first poll where job 2 holds its devices;
-* **job 2 trains**: job 2's ``progress.world_size`` reaches its share.
+* **job 2 trains**: job 2's ``progress.world_size`` reaches its share;
+* **job 2 granted -> first iteration**: from job 2's allocation event (the devices granted) to
+  the completion time of its first committed iteration (``GetJobMetrics``): what a new learner
+  costs, with ``--warm-learners 0`` (every learner a new interpreter) or ``auto`` (one warm
+  learner process per device, shoal.host_agent.warm).
+
+With ``--state-dir DIR`` the cluster's files (``DIR/logs/*.log``) are kept for a breakdown.
 
 Job 1's iteration time: consecutive ``GetJobMetrics`` iteration timestamps at world size 4
 before the submit.
 
-    .venv/bin/python bench/bench_preemption.py [--repeats 3]
+    .venv/bin/python bench/bench_preemption.py [--repeats 3] [--warm-learners 0|auto|N]
 """
 
 from __future__ import annotations
@@ -124,6 +130,15 @@ def one_preemption(client: Any, artifact: str, job1: str, repeat: int) -> dict[s
     decision = ts(shrink[0].time) - t0 if shrink else float("nan")
     ev2 = [e for e in client.allocation_history(job2) if e.workers > 0]
     ev2_first = ts(ev2[0].time) - t0 if ev2 else float("nan")
+    first_iteration = float("nan")
+    its2 = []
+    deadline = time.monotonic() + 60
+    while not its2 and time.monotonic() < deadline:
+        its2 = client.get_metrics(job2).iterations
+        if not its2:
+            time.sleep(0.05)
+    if its2:
+        first_iteration = min(ts(m.time) for m in its2) - t0
     result = {
         "iteration_s": t_iter,
         "gaps": n_gaps,
@@ -132,6 +147,7 @@ def one_preemption(client: Any, artifact: str, job1: str, repeat: int) -> dict[s
         "job2_event_s": ev2_first,
         "job2_allocated_poll_s": allocated if allocated is not None else float("nan"),
         "job2_trains_s": trains if trains is not None else float("nan"),
+        "job2_first_iteration_s": first_iteration,
         "preempted": float(share2 or 0),
         "events": [(round(ts(e.time) - t0, 3), e.workers, e.reason) for e in events],
     }
@@ -150,7 +166,12 @@ def one_preemption(client: Any, artifact: str, job1: str, repeat: int) -> dict[s
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--warm-learners", default="0", help="the host agent's --warm-learners (0, auto or N)"
+    )
+    parser.add_argument("--state-dir", help="keep the cluster's files here (default: a temp dir)")
     args = parser.parse_args()
+    warm = None if args.warm_learners == "auto" else int(args.warm_learners)
     from shoal.client import Client
     from shoal.cluster.local import ClusterSpec, LocalCluster
     from shoal.cluster.scenario import job_spec
@@ -162,7 +183,15 @@ def main() -> int:
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="shoal-preempt-") as tmp:
-        spec = ClusterSpec(state_dir=Path(tmp), hosts=1, gpus_per_host=HOLD, shards=1, replicas=1)
+        state = Path(args.state_dir) if args.state_dir else Path(tmp)
+        spec = ClusterSpec(
+            state_dir=state,
+            hosts=1,
+            gpus_per_host=HOLD,
+            shards=1,
+            replicas=1,
+            warm_learners=warm,
+        )
         t_start = time.monotonic()
         with LocalCluster(spec) as cluster, Client(cluster.client_config()) as client:
             print(f"cluster up in {time.monotonic() - t_start:.1f} s", flush=True)
@@ -185,25 +214,28 @@ def main() -> int:
                     f"released (poll) +{row['released_poll_s']:.3f} s, job 2 event "
                     f"+{row['job2_event_s']:.3f} s, job 2 allocated (poll) "
                     f"+{row['job2_allocated_poll_s']:.3f} s, job 2 trains "
-                    f"+{row['job2_trains_s']:.3f} s",
+                    f"+{row['job2_trains_s']:.3f} s, job 2 first iteration "
+                    f"+{row['job2_first_iteration_s']:.3f} s",
                     flush=True,
                 )
                 for event in row["events"]:
                     print(f"      job 1 event {event}", flush=True)
             client.cancel_job(job1)
-    print()
+    print(f"\nwarm learners: {args.warm_learners}")
     print(
         "| repeat | job 1 iteration (ms) | preempted | decision event (s) | job 1's devices "
-        "released, poll (s) | released / iteration | job 2 allocated (s) | job 2 trains (s) |"
+        "released, poll (s) | released / iteration | job 2 allocated (s) | job 2 trains (s) | "
+        "job 2 granted -> first iteration (s) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r, row in enumerate(rows):
         print(
             f"| {r} | {row['iteration_s'] * 1e3:.0f} | {row['preempted']:.0f} | "
             f"{row['decision_event_s']:.3f} | "
             f"{row['released_poll_s']:.3f} | "
             f"{row['released_poll_s'] / row['iteration_s']:.1f} | "
-            f"{row['job2_allocated_poll_s']:.3f} | {row['job2_trains_s']:.3f} |"
+            f"{row['job2_allocated_poll_s']:.3f} | {row['job2_trains_s']:.3f} | "
+            f"{row['job2_first_iteration_s'] - row['job2_event_s']:.3f} |"
         )
     print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     return 0

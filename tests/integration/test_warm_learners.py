@@ -250,3 +250,40 @@ async def test_a_closed_agent_leaves_no_warm_process(tmp_path):
         await async_wait_until(lambda pid=pid: not alive(pid), timeout=10, what="warm gone")
     assert list((tmp_path / "agent" / "warm").glob("*.json")) == []
     await asyncio.sleep(0)
+
+
+# What the interpreter does at exit must still happen with the runner's fast exit.
+AT_EXIT = """
+import atexit, concurrent.futures, sys, threading, time
+atexit.register(lambda: print("atexit ran", flush=True))
+left_open = open("left-open.txt", "w")
+left_open.write("all of it")  # never closed nor flushed by the script
+pool = concurrent.futures.ThreadPoolExecutor(1)  # never shut down
+pool.submit(time.sleep, 0.2)
+
+def late():
+    time.sleep(0.3)
+    print("thread done", flush=True)
+
+threading.Thread(target=late).start()  # a non-daemon thread outlives the script
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+async def test_the_fast_exit_keeps_threads_atexit_open_files_and_the_code(tmp_path, warm):
+    bed = await WarmBed(tmp_path, warm=1 if warm else 0).start()
+    try:
+        if warm:
+            await bed.ready()
+        artifact = pack_artifact(bed.artifacts, {"main.py": AT_EXIT})
+        stub = bed.stub()
+        await stub.StartLearner(start_request(artifact, args=["5"]))
+        lines = [x.text for x in await log_lines(stub, "l1")]
+        assert lines == ["thread done", "atexit ran"]
+        learner = bed.agent.processes.get("l1")
+        assert bool(learner.warm_token) is warm
+        assert learner.exit_code == 5 and learner.exit_reason == "exited with code 5"
+        assert (learner.directory / "work" / "left-open.txt").read_text() == "all of it"
+    finally:
+        await bed.close()

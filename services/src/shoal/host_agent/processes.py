@@ -46,6 +46,7 @@ from pathlib import Path
 from google.protobuf import timestamp_pb2
 
 from shoal.contract import ids
+from shoal.host_agent import warm_boot
 from shoal.host_agent.artifacts import (
     ARTIFACT_ID_RE,
     ArtifactCache,
@@ -72,7 +73,7 @@ from shoal.host_agent.logs import (
     describe_exit,
     read_log,
 )
-from shoal.host_agent.warm import WarmPool, WarmProcess, accepts as warm_accepts
+from shoal.host_agent.warm import BOOT_SOURCE, WarmPool, WarmProcess, accepts as warm_accepts
 from shoal.runtime import telemetry
 from shoal.runtime.errors import FailedPrecondition, FencedOut, InvalidField, NotFound
 from shoal.runtime.procs import die_with_parent
@@ -495,7 +496,10 @@ class ProcessManager:
                 await learner.writer.write(STDOUT, line)
         else:
             warm = None
-            process = await self._exec(learner, request, argv, env, work)
+            command = argv
+            if entry.suffix == ".py":  # through the runner: its fast exit (warm_boot)
+                command = [python, "-c", BOOT_SOURCE, warm_boot.RUN, str(entry), *request.args]
+            process = await self._exec(learner, request, command, env, work)
         learner.process = process
         learner.pid = process.pid
         learner.start_time = time.time()

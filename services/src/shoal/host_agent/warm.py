@@ -47,7 +47,14 @@ from shoal.host_agent import warm_boot
 from shoal.host_agent.groups import kill_marked
 from shoal.runtime.procs import die_with_parent
 
-__all__ = ["IMPORT_TIME_ENV_PREFIXES", "TOKEN_ENV", "WarmPool", "WarmProcess", "reap_warm"]
+__all__ = [
+    "BOOT_SOURCE",
+    "IMPORT_TIME_ENV_PREFIXES",
+    "TOKEN_ENV",
+    "WarmPool",
+    "WarmProcess",
+    "reap_warm",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +77,7 @@ IMPORT_TIME_ENV_PREFIXES = (
 HAND_OVER_TIMEOUT_S = 30.0  # a taken process must acknowledge the job's line by then
 READY_TIMEOUT_S = 300.0  # a warm process that is not ready by then is killed and replaced
 _BACKOFF_FIRST_S, _BACKOFF_MAX_S = 1.0, 60.0
-_BOOT_SOURCE = Path(warm_boot.__file__).read_text()
+BOOT_SOURCE = Path(warm_boot.__file__).read_text()  # also runs cold .py learners
 
 
 @dataclass
@@ -210,7 +217,7 @@ class WarmPool:
         token = secrets.token_hex(8)
         try:
             process = await asyncio.create_subprocess_exec(
-                *die_with_parent([self.python, "-c", _BOOT_SOURCE], any_thread=True),
+                *die_with_parent([self.python, "-c", BOOT_SOURCE], any_thread=True),
                 cwd=str(self.directory),
                 env={**self.env, TOKEN_ENV: token},
                 stdin=asyncio.subprocess.PIPE,

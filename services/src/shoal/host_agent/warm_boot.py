@@ -1,15 +1,27 @@
-"""The program of a warm learner process (run as ``python -c <this file's source>``).
+"""The program that runs a learner's ``.py`` entry point (as ``python -c <this file's source>``),
+warm or cold.
 
-It imports what every learner imports (torch, the learner package), tells the agent it is
-ready (:data:`READY` on stdout), then waits on stdin for exactly one job: one JSON line
-``{"argv": [python, script, *args], "env": {...}, "cwd": "..."}``, which it acknowledges
-(:data:`TAKEN` on stdout: the agent knows it is alive and the learner). It then becomes that
-learner: the environment is replaced by the job's, stdin is /dev/null, the working directory and
-``sys.argv``/``sys.path[0]`` are those of ``python script args``, and the script runs as
-``__main__``. An uncaught exception prints its traceback and exits 1, ``sys.exit(n)`` exits n,
-as a cold ``python script`` would. A warm process serves one learner and never another: no job's
-code, data or credential exists in it before the line arrives, and it exits with the learner.
-stdin closed without a line (the agent retires the process): exit 0 at once.
+**Warm** (no arguments): it imports what every learner imports (torch, the learner package),
+tells the agent it is ready (:data:`READY` on stdout), then waits on stdin for exactly one job:
+one JSON line ``{"argv": [python, script, *args], "env": {...}, "cwd": "..."}``, which it
+acknowledges (:data:`TAKEN` on stdout: the agent knows it is alive and the learner). It then
+becomes that learner: the environment is replaced by the job's, stdin is /dev/null, the working
+directory and ``sys.argv``/``sys.path[0]`` are those of ``python script args``, and the script
+runs as ``__main__``. A warm process serves one learner and never another: no job's code, data
+or credential exists in it before the line arrives, and it exits with the learner. stdin closed
+without a line (the agent retires the process): exit 0 at once.
+
+**Cold** (``--run script args...``): the agent started it with the job's environment and
+working directory; the script runs as ``__main__`` the same way, without the preload.
+
+**Exit** (both): an uncaught exception prints its traceback and exits 1, ``sys.exit(n)`` exits
+n, as ``python script`` would. What the interpreter does at exit is done: non-daemon threads are
+joined (``threading._shutdown``, which also ends thread-pool executors), ``atexit`` handlers
+run, every open file is flushed, stdout and stderr too; then the process ends with
+``os._exit`` instead of tearing down every module (1-2.5 s for a process with torch loaded on a
+busy 2-core machine, seconds that a retired learner's device would stay busy). A job that needs
+the full teardown (``__del__`` side effects at exit) sets ``SHOAL_LEARNER_FULL_EXIT=1``.
+KeyboardInterrupt keeps Python's own handling.
 
 Nothing here touches CUDA: ``CUDA_VISIBLE_DEVICES`` of the job's device, read when CUDA is first
 initialized, is part of the job's environment.
@@ -17,13 +29,15 @@ initialized, is part of the job's environment.
 No import of the host agent: this runs in the learner's interpreter.
 """
 
-import json
 import os
 import runpy
 import sys
+import threading
 
 READY = "\0shoal-warm-ready"
 TAKEN = "\0shoal-warm-taken"  # the job's line arrived: the agent now counts it as the learner
+RUN = "--run"  # a cold start: ``--run script args...``
+FULL_EXIT_ENV = "SHOAL_LEARNER_FULL_EXIT"
 
 
 def _preload() -> None:
@@ -32,22 +46,84 @@ def _preload() -> None:
     import shoal.learner  # noqa: F401
 
 
-def _become(spec: dict) -> None:
+def _become(spec: dict) -> list[str]:
     argv = [str(a) for a in spec["argv"]]
     env = {str(k): str(v) for k, v in spec["env"].items()}
-    script = argv[1]
     os.chdir(spec["cwd"])
     os.environ.clear()
     os.environ.update(env)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    sys.argv = argv[1:]
+    return argv[1:]
+
+
+def _flush_open_files() -> None:
+    """Flush what finalization would have (files the script left open)."""
+    import gc
+    import io
+    import warnings
+
+    # By exact type (no isinstance: an ABC check on every object can run lazy modules' hooks).
+    writers = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper, io.BufferedRWPair)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if issubclass(type(obj), writers):
+                try:
+                    if not obj.closed and obj.writable():
+                        obj.flush()
+                except Exception:
+                    pass
+
+
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run(argv: list[str]) -> None:
+    script = argv[0]
+    sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    shutdown = getattr(threading, "_shutdown", None)
+    if os.environ.get(FULL_EXIT_ENV, "") not in ("", "0") or shutdown is None:
+        runpy.run_path(script, run_name="__main__")
+        return
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        shutdown()
+        import atexit
+
+        atexit._run_exitfuncs()
+        _flush_open_files()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+    finally:
+        os._exit(code)
 
 
 def main() -> None:
+    if sys.argv[1:2] == [RUN]:
+        _run(sys.argv[2:])
+        return
+    import json
+
     _preload()
     sys.stdout.write(READY + "\n")
     sys.stdout.flush()
@@ -57,7 +133,7 @@ def main() -> None:
     spec = json.loads(line)
     sys.stdout.write(TAKEN + "\n")
     sys.stdout.flush()
-    _become(spec)
+    _run(_become(spec))
 
 
 if __name__ == "__main__":
