@@ -28,7 +28,8 @@ With ``--state-dir DIR`` the cluster's files (``DIR/logs/*.log``) are kept for a
 Job 1's iteration time: consecutive ``GetJobMetrics`` iteration timestamps at world size 4
 before the submit.
 
-    .venv/bin/python bench/bench_preemption.py [--repeats 3] [--warm-learners 0|auto|N]
+    .venv/bin/python bench/bench_preemption.py [--repeats 3] [--warm-learners 0|auto|N] \
+        [--full-exit] [--state-dir DIR]
 """
 
 from __future__ import annotations
@@ -96,15 +97,29 @@ def iteration_time(client: Any, job: str, before: float) -> tuple[float, int]:
     return (statistics.mean(gaps) if gaps else float("nan")), len(gaps)
 
 
-def one_preemption(client: Any, artifact: str, job1: str, repeat: int) -> dict[str, float]:
+def spec_of(name: str, artifact: str, env: dict[str, str], **kw: Any) -> Any:
     from shoal.cluster.scenario import job_spec
 
+    spec = job_spec(name, artifact, **kw)
+    spec.env.update(env)
+    return spec
+
+
+def one_preemption(
+    client: Any, artifact: str, job1: str, repeat: int, env: dict[str, str]
+) -> dict[str, float]:
     t_iter, n_gaps = iteration_time(client, job1, time.time())
     hist_before = len(client.allocation_history(job1))
     t0 = time.time()
     job2 = client.submit_job(
-        job_spec(
-            f"job-2-{repeat}", artifact, epochs=500, batch_size=64, max_workers=HOLD, priority=10000
+        spec_of(
+            f"job-2-{repeat}",
+            artifact,
+            env,
+            epochs=500,
+            batch_size=64,
+            max_workers=HOLD,
+            priority=10000,
         )
     ).job_id
     released = allocated = trains = None
@@ -170,11 +185,18 @@ def main() -> int:
         "--warm-learners", default="0", help="the host agent's --warm-learners (0, auto or N)"
     )
     parser.add_argument("--state-dir", help="keep the cluster's files here (default: a temp dir)")
+    parser.add_argument(
+        "--full-exit",
+        action="store_true",
+        help="learners tear the interpreter down at exit (LEARNER_FULL_EXIT=1: as before "
+        "the fast exit)",
+    )
     args = parser.parse_args()
     warm = None if args.warm_learners == "auto" else int(args.warm_learners)
     from shoal.client import Client
     from shoal.cluster.local import ClusterSpec, LocalCluster
-    from shoal.cluster.scenario import job_spec
+
+    env = {"LEARNER_FULL_EXIT": "1"} if args.full_exit else {}
 
     print(
         f"machine: {cpu_model()}, {os.cpu_count()} cores, load average "
@@ -197,7 +219,7 @@ def main() -> int:
             print(f"cluster up in {time.monotonic() - t_start:.1f} s", flush=True)
             artifact = client.upload_directory(REPO / "examples" / "digits")
             job1 = client.submit_job(
-                job_spec("job-1", artifact, epochs=2000, batch_size=64, max_workers=HOLD)
+                spec_of("job-1", artifact, env, epochs=2000, batch_size=64, max_workers=HOLD)
             ).job_id
             wait(
                 "job 1 on 4 learners",
@@ -206,7 +228,7 @@ def main() -> int:
             )
             time.sleep(3)  # some iterations at 4 for the iteration time
             for r in range(args.repeats):
-                row = one_preemption(client, artifact, job1, r)
+                row = one_preemption(client, artifact, job1, r, env)
                 rows.append(row)
                 print(
                     f"  [{r}] iteration {row['iteration_s'] * 1e3:.0f} ms "
@@ -221,7 +243,7 @@ def main() -> int:
                 for event in row["events"]:
                     print(f"      job 1 event {event}", flush=True)
             client.cancel_job(job1)
-    print(f"\nwarm learners: {args.warm_learners}")
+    print(f"\nwarm learners: {args.warm_learners}; full exit: {args.full_exit}")
     print(
         "| repeat | job 1 iteration (ms) | preempted | decision event (s) | job 1's devices "
         "released, poll (s) | released / iteration | job 2 allocated (s) | job 2 trains (s) | "

@@ -20,7 +20,7 @@ joined (``threading._shutdown``, which also ends thread-pool executors), ``atexi
 run, every open file is flushed, stdout and stderr too; then the process ends with
 ``os._exit`` instead of tearing down every module (1-2.5 s for a process with torch loaded on a
 busy 2-core machine, seconds that a retired learner's device would stay busy). A job that needs
-the full teardown (``__del__`` side effects at exit) sets ``SHOAL_LEARNER_FULL_EXIT=1``.
+the full teardown (``__del__`` side effects at exit) sets ``LEARNER_FULL_EXIT=1``.
 KeyboardInterrupt keeps Python's own handling.
 
 Nothing here touches CUDA: ``CUDA_VISIBLE_DEVICES`` of the job's device, read when CUDA is first
@@ -37,7 +37,7 @@ import threading
 READY = "\0shoal-warm-ready"
 TAKEN = "\0shoal-warm-taken"  # the job's line arrived: the agent now counts it as the learner
 RUN = "--run"  # a cold start: ``--run script args...``
-FULL_EXIT_ENV = "SHOAL_LEARNER_FULL_EXIT"
+FULL_EXIT_ENV = "LEARNER_FULL_EXIT"
 
 
 def _preload() -> None:
