@@ -258,6 +258,9 @@ import atexit, concurrent.futures, sys, threading, time
 atexit.register(lambda: print("atexit ran", flush=True))
 left_open = open("left-open.txt", "w")
 left_open.write("all of it")  # never closed nor flushed by the script
+from pathlib import Path
+by_path = Path("path-open.txt").open("w")
+by_path.write("this too")
 pool = concurrent.futures.ThreadPoolExecutor(1)  # never shut down
 pool.submit(time.sleep, 0.2)
 
@@ -285,5 +288,6 @@ async def test_the_fast_exit_keeps_threads_atexit_open_files_and_the_code(tmp_pa
         assert bool(learner.warm_token) is warm
         assert learner.exit_code == 5 and learner.exit_reason == "exited with code 5"
         assert (learner.directory / "work" / "left-open.txt").read_text() == "all of it"
+        assert (learner.directory / "work" / "path-open.txt").read_text() == "this too"
     finally:
         await bed.close()

@@ -17,7 +17,8 @@ working directory; the script runs as ``__main__`` the same way, without the pre
 **Exit** (both): an uncaught exception prints its traceback and exits 1, ``sys.exit(n)`` exits
 n, as ``python script`` would. What the interpreter does at exit is done: non-daemon threads are
 joined (``threading._shutdown``, which also ends thread-pool executors), ``atexit`` handlers
-run, every open file is flushed, stdout and stderr too; then the process ends with
+run, every file the script opened for writing (``open``, tracked weakly) and left open is
+flushed, stdout and stderr too; then the process ends with
 ``os._exit`` instead of tearing down every module (1-2.5 s for a process with torch loaded on a
 busy 2-core machine, seconds that a retired learner's device would stay busy). A job that needs
 the full teardown (``__del__`` side effects at exit) sets ``LEARNER_FULL_EXIT=1``.
@@ -33,6 +34,7 @@ import os
 import runpy
 import sys
 import threading
+import weakref
 
 READY = "\0shoal-warm-ready"
 TAKEN = "\0shoal-warm-taken"  # the job's line arrived: the agent now counts it as the learner
@@ -58,23 +60,40 @@ def _become(spec: dict) -> list[str]:
     return argv[1:]
 
 
+_written: weakref.WeakSet = weakref.WeakSet()  # files the script opened for writing
+
+
+def _track_open() -> None:
+    """Remember the files the script opens for writing (``open``, ``io.open``, ``Path.open``,
+    ``os.fdopen``), weakly, so that the exit can flush those it left open, as finalization
+    would have, without scanning every object of the process (a second and more on a busy
+    machine)."""
+    import builtins
+    import io
+
+    real = io.open
+
+    def open(file, mode="r", *args, **kwargs):  # the point: replace open
+        handle = real(file, mode, *args, **kwargs)
+        if any(c in mode for c in "wax+"):
+            try:
+                _written.add(handle)
+            except TypeError:
+                pass
+        return handle
+
+    open.__doc__ = real.__doc__
+    builtins.open = io.open = open
+
+
 def _flush_open_files() -> None:
     """Flush what finalization would have (files the script left open)."""
-    import gc
-    import io
-    import warnings
-
-    # By exact type (no isinstance: an ABC check on every object can run lazy modules' hooks).
-    writers = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper, io.BufferedRWPair)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            if issubclass(type(obj), writers):
-                try:
-                    if not obj.closed and obj.writable():
-                        obj.flush()
-                except Exception:
-                    pass
+    for handle in list(_written):
+        try:
+            if not handle.closed:
+                handle.flush()
+        except Exception:
+            pass
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -95,6 +114,7 @@ def _run(argv: list[str]) -> None:
     if os.environ.get(FULL_EXIT_ENV, "") not in ("", "0") or shutdown is None:
         runpy.run_path(script, run_name="__main__")
         return
+    _track_open()
     try:
         runpy.run_path(script, run_name="__main__")
         code = 0
