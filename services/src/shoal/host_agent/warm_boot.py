@@ -106,25 +106,40 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def _print_traceback(exc: BaseException, script: str) -> None:
+    """The traceback ``python script`` prints: from the script's first frame (not this
+    runner's nor runpy's), so the exit reason names the script's own lines."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != script:
+        tb = tb.tb_next
+    if tb is not None:
+        exc = exc.with_traceback(tb)  # the default hook prints the exception's own traceback
+    sys.excepthook(type(exc), exc, exc.__traceback__)
+
+
 def _run(argv: list[str]) -> None:
     script = argv[0]
     sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     shutdown = getattr(threading, "_shutdown", None)
-    if os.environ.get(FULL_EXIT_ENV, "") not in ("", "0") or shutdown is None:
-        runpy.run_path(script, run_name="__main__")
-        return
-    _track_open()
+    full = os.environ.get(FULL_EXIT_ENV, "") not in ("", "0") or shutdown is None
+    if not full:
+        _track_open()
     try:
         runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as exc:
+        if full:
+            raise
         code = _exit_code(exc)
     except KeyboardInterrupt:
         raise
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
+    except BaseException as exc:
+        _print_traceback(exc, script)
         code = 1
+    if full:
+        sys.exit(code)  # the interpreter's own teardown
+    assert shutdown is not None
     try:
         shutdown()
         import atexit
