@@ -146,7 +146,7 @@ def one_preemption(
     ev2 = [e for e in client.allocation_history(job2) if e.workers > 0]
     ev2_first = ts(ev2[0].time) - t0 if ev2 else float("nan")
     first_iteration = float("nan")
-    its2 = []
+    its2: list[Any] = []
     deadline = time.monotonic() + 60
     while not its2 and time.monotonic() < deadline:
         its2 = client.get_metrics(job2).iterations
