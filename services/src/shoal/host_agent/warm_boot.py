@@ -18,7 +18,7 @@ working directory; the script runs as ``__main__`` the same way, without the pre
 n, as ``python script`` would. What the interpreter does at exit is done: non-daemon threads are
 joined (``threading._shutdown``, which also ends thread-pool executors), ``atexit`` handlers
 run, every file the script opened for writing (``open``, tracked weakly) and left open is
-flushed, stdout and stderr too; then the process ends with
+flushed, stdout and stderr too (and C stdio, ``fflush(NULL)``); then the process ends with
 ``os._exit`` instead of tearing down every module (1-2.5 s for a process with torch loaded on a
 busy 2-core machine, seconds that a retired learner's device would stay busy). A job that needs
 the full teardown (``__del__`` side effects at exit) sets ``LEARNER_FULL_EXIT=1``.
@@ -96,6 +96,17 @@ def _flush_open_files() -> None:
             pass
 
 
+def _flush_c_stdio() -> None:
+    """``fflush(NULL)``: what C code printed with stdio (block-buffered on a pipe), which
+    ``exit()`` would flush and ``os._exit`` does not."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except Exception:
+        pass
+
+
 def _exit_code(exc: SystemExit) -> int:
     code = exc.code
     if code is None:
@@ -149,6 +160,7 @@ def _run(argv: list[str]) -> None:
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
                 stream.flush()
+        _flush_c_stdio()
     finally:
         os._exit(code)
 
