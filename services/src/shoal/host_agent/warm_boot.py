@@ -157,7 +157,7 @@ def _run(argv: list[str]) -> None:
 
         atexit._run_exitfuncs()
         _flush_open_files()
-        for stream in (sys.stdout, sys.stderr):
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
             if stream is not None:
                 stream.flush()
         _flush_c_stdio()
