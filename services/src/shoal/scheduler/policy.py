@@ -38,6 +38,35 @@ Sticky rounding (``sticky_rounding=True``, the default)
     rounding would keep 2/2). Churn avoidance only chooses between roundings when no weight
     changed (a job ended, capacity moved).
 
+GOODPUT (goodput-aware shares)
+    Admission is PRIORITY's. Every admitted job first gets its *fairness floor*
+    ``max(min_workers, floor(fair_fraction * s_i))``, where ``s_i`` is its PRIORITY
+    water-filling share (plain largest remainder), capped at its max: with the default
+    ``fair_fraction`` 0.5 no job falls below half its fair share. The devices left go one at
+    a time to the job with the largest weighted gain ``weight_i * (log S_i(k + 1) - log
+    S_i(k))``, where ``S_i`` is the job's predicted speedup (``JobDemand.throughput``, the
+    online model of ``shoal.scheduler.throughput``; linear without one), taken over the upper
+    concave hull of the curve (a sync cost paid once from 2 learners on is spread over the
+    steps it pays for). This greedily maximises ``sum(weight_i * log S_i)`` (weighted
+    proportional fairness over speedups; Pollux, OSDI'21, uses a generalised mean of speedups
+    for the same purpose): when jobs scale linearly the shares follow the weights as under
+    PRIORITY (a 10000 job gets about twice the share of a 5000 job); a device goes elsewhere
+    when it speeds its job up less. A device whose best gain is not positive stays free: a job
+    that stops scaling stops growing. Ties go to the job least served for its weight, then to
+    rank order, so equal jobs differ by at most one. Sticky rounding does not apply (no
+    rounding); holds do, with PRIORITY's donors.
+
+Attained service (``service_thresholds``, ``service_decay``; FAIRSHARE, PRIORITY, GOODPUT)
+    Tiresias-like least attained service, expressed through the weights: a job's class is the
+    number of thresholds (device-seconds, increasing) its ``attained_service`` has reached,
+    and its weight is multiplied by ``service_decay ** (len(thresholds) - class)``. A job that
+    has received little service therefore gets a larger share, and a long job's weight drops
+    by ``service_decay`` at each threshold. Bounds: a job changes class at most
+    ``len(thresholds)`` times (classes only go up, so shares do not thrash), and a job's weight
+    is never less than ``service_decay ** -len(thresholds)`` of a fresh job of the same
+    priority (defaults 2 and no thresholds: the rule is off); every admitted job keeps its
+    min, so no long job is starved. Admission is unchanged (priority, then submit order).
+
 Anti-thrash (hold time): the exact rule
     A job is *held* when ``last_shrunk_at`` is set, ``now - last_shrunk_at < hold_time`` and its
     water-filling share is below ``min(current, max_workers)``. Held jobs are visited in rank
@@ -59,10 +88,22 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Allocation", "JobDemand", "Policy", "admission_key", "compute_shares", "rank_key"]
+from shoal.scheduler.throughput import ThroughputCurve
+
+__all__ = [
+    "Allocation",
+    "JobDemand",
+    "Policy",
+    "admission_key",
+    "compute_shares",
+    "rank_key",
+    "service_class",
+]
 
 
 class Policy(enum.Enum):
@@ -74,6 +115,8 @@ class Policy(enum.Enum):
     """Equal weights: max-min fair shares."""
     PRIORITY = "priority"
     """Weights proportional to the jobs' priorities."""
+    GOODPUT = "goodput"
+    """Devices to the jobs they speed up most (weighted by priority), above a fairness floor."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +134,10 @@ class JobDemand:
             ``now``), or None if never.
         previous_priority: the priority its current share was decided with, or None when
             unknown (a change of it turns sticky rounding off for that computation).
+        throughput: the job's predicted iteration time per world size (GOODPUT reads its
+            speedups; None: linear speedup, as if the job scaled perfectly).
+        attained_service: device-seconds the job has held so far (the attained-service
+            classes read it; >= 0).
     """
 
     job_id: str
@@ -101,6 +148,8 @@ class JobDemand:
     current: int = 0
     last_shrunk_at: float | None = None
     previous_priority: int | None = None
+    throughput: ThroughputCurve | None = None
+    attained_service: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -119,6 +168,8 @@ class JobDemand:
             raise ValueError(f"current ({self.current}) must be >= 0 {who}")
         if self.previous_priority is not None and self.previous_priority <= 0:
             raise ValueError(f"previous_priority ({self.previous_priority}) must be > 0 {who}")
+        if not (self.attained_service >= 0 and math.isfinite(self.attained_service)):
+            raise ValueError(f"attained_service ({self.attained_service}) must be >= 0 {who}")
 
     @property
     def priority_changed(self) -> bool:
@@ -167,6 +218,9 @@ def compute_shares(
     now: float = 0.0,
     hold_time: float = 0.0,
     sticky_rounding: bool = True,
+    fair_fraction: float = 0.5,
+    service_thresholds: Sequence[float] = (),
+    service_decay: int = 2,
 ) -> Allocation:
     """Target worker counts for ``jobs`` on ``capacity`` devices under ``policy``.
 
@@ -174,14 +228,22 @@ def compute_shares(
     hold-time rule.
     Deterministic: the same input gives the same output, whatever the order of ``jobs``.
 
+    ``fair_fraction`` is GOODPUT's fairness floor; ``service_thresholds`` and
+    ``service_decay`` are the attained-service classes (see the module docstring).
+
     Raises:
-        ValueError: capacity < 0, hold_time < 0, or a job id given twice (the message names
-            the field and the value). Invalid jobs are rejected when ``JobDemand`` is built.
+        ValueError: capacity < 0, hold_time < 0, fair_fraction outside [0, 1], thresholds not
+            positive and increasing, service_decay < 1, or a job id given twice (the message
+            names the field and the value). Invalid jobs are rejected when ``JobDemand`` is
+            built.
     """
     if capacity < 0:
         raise ValueError(f"capacity ({capacity}) must be >= 0")
     if hold_time < 0:
         raise ValueError(f"hold_time ({hold_time}) must be >= 0")
+    if not 0.0 <= fair_fraction <= 1.0:
+        raise ValueError(f"fair_fraction ({fair_fraction}) must be in [0, 1]")
+    _check_service_classes(service_thresholds, service_decay)
     seen: set[str] = set()
     for job in jobs:
         if job.job_id in seen:
@@ -204,14 +266,157 @@ def compute_shares(
         ideal = _fifo_fill(admitted, capacity)
         weights = [1] * len(admitted)
     else:
-        weights = [j.priority if policy is Policy.PRIORITY else 1 for j in admitted]
-        reweighted = policy is Policy.PRIORITY and any(j.priority_changed for j in admitted)
-        ideal = _water_fill(admitted, weights, capacity, sticky_rounding and not reweighted)
+        by_priority = policy in (Policy.PRIORITY, Policy.GOODPUT)
+        weights = [j.priority if by_priority else 1 for j in admitted]
+        if service_thresholds:
+            top = len(service_thresholds)
+            weights = [
+                w * service_decay ** (top - service_class(j.attained_service, service_thresholds))
+                for w, j in zip(weights, admitted, strict=True)
+            ]
+        reweighted = by_priority and any(j.priority_changed for j in admitted)
+        if policy is Policy.GOODPUT:
+            fair = _water_fill(admitted, weights, capacity, sticky=False)
+            ideal = _goodput_fill(admitted, weights, fair, capacity, fair_fraction)
+        else:
+            ideal = _water_fill(admitted, weights, capacity, sticky_rounding and not reweighted)
 
     final, held = _apply_holds(admitted, weights, ideal, policy, now, hold_time)
     shares = dict.fromkeys(queue, 0)
     shares.update((j.job_id, s) for j, s in zip(admitted, final, strict=True))
     return Allocation(shares=shares, queue=queue, held=frozenset(held))
+
+
+def service_class(attained: float, thresholds: Sequence[float]) -> int:
+    """The attained-service class of a job: how many of ``thresholds`` it has reached."""
+    return sum(1 for t in thresholds if attained >= t)
+
+
+def _check_service_classes(thresholds: Sequence[float], decay: int) -> None:
+    previous = 0.0
+    for i, t in enumerate(thresholds):
+        if not (math.isfinite(t) and t > previous):
+            raise ValueError(
+                f"service_thresholds[{i}] ({t}) must be finite, > 0 and greater than the one before"
+            )
+        previous = t
+    if isinstance(decay, bool) or not isinstance(decay, int) or decay < 1:
+        raise ValueError(f"service_decay ({decay!r}) must be an integer >= 1")
+
+
+def _speedups(job: JobDemand, low: int, high: int) -> list[float]:
+    """log speedup of ``job`` at world sizes low..high (linear speedup without a curve)."""
+    curve = job.throughput
+    if curve is None:
+        return [math.log(k) for k in range(low, high + 1)]
+    t1 = curve.iteration_time(1)
+    return [math.log(t1 / curve.iteration_time(k)) for k in range(low, high + 1)]
+
+
+def _hull(values: list[float]) -> tuple[list[float], list[int]]:
+    """Per-unit gains of the upper concave hull of the points (i, values[i]), and its vertices.
+
+    ``gains[i]`` is the gain of the unit from i to i + 1: non-increasing, so a unit that only
+    pays off together with later ones (a sync cost paid once from 2 learners on) is priced at
+    the average gain of the whole step.
+    """
+    hull: list[int] = []
+    for i in range(len(values)):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # b is not above the chord from a to i: drop it.
+            if (values[b] - values[a]) * (i - a) <= (values[i] - values[a]) * (b - a):
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    gains: list[float] = []
+    for a, b in itertools.pairwise(hull):
+        slope = (values[b] - values[a]) / (b - a)
+        gains.extend([slope] * (b - a))
+    return gains, hull
+
+
+def _goodput_fill(
+    admitted: list[JobDemand],
+    weights: list[int],
+    fair: list[int],
+    capacity: int,
+    fair_fraction: float,
+) -> list[int]:
+    """GOODPUT shares: the fairness floor, then each unit to the largest weighted gain.
+
+    Maximises sum(weight_i * log speedup_i(share_i)) greedily over the concave hulls of the
+    jobs' curves (weighted proportional fairness: with linear speedups it gives shares in
+    proportion to the weights, like PRIORITY), starting from each job's floor
+    max(min, floor(fair_fraction * fair share)). A unit whose best gain is <= 0 is left free:
+    a job that stops scaling stops growing. A job the devices ran out on in the middle of a
+    hull step (its share slower than the step's start) goes back to the step's start and stops
+    growing, and what it gave back goes on to the others.
+    """
+    floors = [
+        min(j.max_workers, max(j.min_workers, math.floor(fair_fraction * f)))
+        for j, f in zip(admitted, fair, strict=True)
+    ]
+    shares = list(floors)
+    left = capacity - sum(shares)
+    if left <= 0:
+        return shares
+    scale = _ratio_key_scale(weights)
+    gains: list[list[float]] = []
+    vertices: list[list[int]] = []
+    for i, job in enumerate(admitted):
+        high = min(job.max_workers, floors[i] + left)
+        g, v = _hull(_speedups(job, floors[i], high)) if high > floors[i] else ([], [0])
+        gains.append(g)
+        vertices.append(v)
+    frozen: set[int] = set()
+    while True:
+        heap = [
+            _unit_key(gains[i][shares[i] - floors[i]], shares[i], weights[i], scale, job, i)
+            for i, job in enumerate(admitted)
+            if i not in frozen and shares[i] - floors[i] < len(gains[i])
+        ]
+        heapq.heapify(heap)
+        while left > 0 and heap:
+            key = heapq.heappop(heap)
+            if key[0] >= 0:
+                break  # the best gain left is not positive
+            i = key[-1]
+            shares[i] += 1
+            left -= 1
+            step = shares[i] - floors[i]
+            if step < len(gains[i]):
+                heapq.heappush(
+                    heap, _unit_key(gains[i][step], shares[i], weights[i], scale, admitted[i], i)
+                )
+        cut = False
+        for i in range(len(admitted)):
+            step = shares[i] - floors[i]
+            if i in frozen or step in vertices[i]:
+                continue
+            back = max(v for v in vertices[i] if v < step)
+            left += step - back
+            shares[i] = floors[i] + back
+            frozen.add(i)
+            cut = True
+        if not cut or left <= 0:
+            return shares
+
+
+def _unit_key(
+    gain: float, share: int, weight: int, scale: int, job: JobDemand, i: int
+) -> tuple[float, int, int, int, str, int]:
+    # Largest weighted gain first (rounded so that equal curves tie exactly), then the job
+    # least served for its weight (equal jobs differ by at most one), then rank order.
+    return (
+        -round(gain * weight, 9),
+        (share * scale) // weight,
+        -job.priority,
+        job.submit_seq,
+        job.job_id,
+        i,
+    )
 
 
 def _fifo_fill(admitted: list[JobDemand], capacity: int) -> list[int]:
