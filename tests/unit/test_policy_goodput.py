@@ -66,8 +66,8 @@ def job(
             [job("j1", curve=FLAT), job("j2", curve=SCALES)],
             8,
             {},
-            {"j1": 2, "j2": 6},
-            id="flat_job_kept_at_its_fairness_floor_half_of_4",
+            {"j1": 1, "j2": 7},
+            id="flat_job_gets_the_fastest_size_within_its_floor",
         ),
         pytest.param(
             [job("j1", curve=FLAT), job("j2", curve=SCALES)],
@@ -80,8 +80,8 @@ def job(
             [job("j1", curve=FLAT), job("j2", curve=SCALES)],
             8,
             {"fair_fraction": 1.0},
-            {"j1": 4, "j2": 4},
-            id="floor_1_is_the_priority_share",
+            {"j1": 1, "j2": 7},
+            id="even_a_full_floor_gives_no_device_that_slows_a_job",
         ),
         pytest.param(
             [job("j1", curve=STOPS, hi=16), job("j2", curve=SCALES, hi=16)],
@@ -94,15 +94,15 @@ def job(
             [job("j1", curve=FLAT, hi=16)],
             16,
             {},
-            {"j1": 8},
-            id="alone_a_flat_job_gets_its_floor_and_the_rest_stays_free",
+            {"j1": 1},
+            id="alone_a_flat_job_keeps_its_fastest_size_the_rest_stays_free",
         ),
         pytest.param(
-            [job("j1", curve=FLAT, hi=16)],
+            [job("j1", curve=STOPS, hi=16), job("j2", curve=STOPS, hi=16)],
             16,
-            {"fair_fraction": 0.0},
-            {"j1": 1},
-            id="no_floor_a_flat_job_alone_keeps_one",
+            {"fair_fraction": 1.0},
+            {"j1": 4, "j2": 4},
+            id="a_full_floor_stops_at_the_best_size_too",
         ),
         pytest.param(
             [job("j1", curve=STEP, hi=4), job("j2", curve=FLAT, hi=4)],
@@ -298,7 +298,14 @@ def test_goodput_shares_respect_capacity_min_max_and_the_floor(
             assert share == 0
             continue
         assert j.min_workers <= share <= j.max_workers
-        assert share >= int(fraction * fair.shares[j.job_id])  # the fairness floor
+        # The fairness floor, in throughput: at least as fast as on any size from min to
+        # fraction * its PRIORITY share (linear speedup without a curve: that many devices).
+        bound = min(j.max_workers, max(j.min_workers, int(fraction * fair.shares[j.job_id])))
+        if j.throughput is None:
+            assert share >= bound
+        else:
+            best = min(j.throughput.iteration_time(k) for k in range(j.min_workers, bound + 1))
+            assert j.throughput.iteration_time(share) <= best * (1 + 1e-9)
 
 
 @settings(max_examples=150, deadline=None)

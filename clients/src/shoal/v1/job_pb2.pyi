@@ -121,6 +121,8 @@ class _SchedulingPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Sche
     """Equal shares (weighted max-min with equal weights)."""
     SCHEDULING_POLICY_PRIORITY: _SchedulingPolicy.ValueType  # 3
     """Shares proportional to priority."""
+    SCHEDULING_POLICY_GOODPUT: _SchedulingPolicy.ValueType  # 4
+    """Devices to the jobs they speed up most, weighted by priority, above a fairness floor."""
 
 class SchedulingPolicy(_SchedulingPolicy, metaclass=_SchedulingPolicyEnumTypeWrapper):
     """SchedulingPolicy is how the scheduler shares devices among running jobs."""
@@ -133,6 +135,8 @@ SCHEDULING_POLICY_FAIRSHARE: SchedulingPolicy.ValueType  # 2
 """Equal shares (weighted max-min with equal weights)."""
 SCHEDULING_POLICY_PRIORITY: SchedulingPolicy.ValueType  # 3
 """Shares proportional to priority."""
+SCHEDULING_POLICY_GOODPUT: SchedulingPolicy.ValueType  # 4
+"""Devices to the jobs they speed up most, weighted by priority, above a fairness floor."""
 Global___SchedulingPolicy: _TypeAlias = SchedulingPolicy  # noqa: Y015
 
 class _JobEventKind:

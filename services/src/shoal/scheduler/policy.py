@@ -41,8 +41,10 @@ Sticky rounding (``sticky_rounding=True``, the default)
 GOODPUT (goodput-aware shares)
     Admission is PRIORITY's. Every admitted job first gets its *fairness floor*
     ``max(min_workers, floor(fair_fraction * s_i))``, where ``s_i`` is its PRIORITY
-    water-filling share (plain largest remainder), capped at its max: with the default
-    ``fair_fraction`` 0.5 no job falls below half its fair share. The devices left go one at
+    water-filling share (plain largest remainder), capped at its max, or fewer devices where
+    fewer are faster: the floor is the world size from min to that bound with the shortest
+    predicted iteration. The guarantee is in throughput: with the default ``fair_fraction``
+    0.5 no job runs slower than it would on half its fair share. The devices left go one at
     a time to the job with the largest weighted gain ``weight_i * (log S_i(k + 1) - log
     S_i(k))``, where ``S_i`` is the job's predicted speedup (``JobDemand.throughput``, the
     online model of ``shoal.scheduler.throughput``; linear without one), taken over the upper
@@ -337,6 +339,18 @@ def _hull(values: list[float]) -> tuple[list[float], list[int]]:
     return gains, hull
 
 
+def _floor(job: JobDemand, guaranteed: float) -> int:
+    """GOODPUT's fairness floor: the fastest world size from min to ``floor(guaranteed)``
+    (the smallest of equals; linear speedup without a curve: the top of the range)."""
+    top = min(job.max_workers, max(job.min_workers, math.floor(guaranteed)))
+    if job.throughput is None or top == job.min_workers:
+        return top
+    times = {
+        k: round(job.throughput.iteration_time(k), 12) for k in range(job.min_workers, top + 1)
+    }
+    return min(times, key=lambda k: (times[k], k))
+
+
 def _goodput_fill(
     admitted: list[JobDemand],
     weights: list[int],
@@ -348,16 +362,13 @@ def _goodput_fill(
 
     Maximises sum(weight_i * log speedup_i(share_i)) greedily over the concave hulls of the
     jobs' curves (weighted proportional fairness: with linear speedups it gives shares in
-    proportion to the weights, like PRIORITY), starting from each job's floor
-    max(min, floor(fair_fraction * fair share)). A unit whose best gain is <= 0 is left free:
+    proportion to the weights, like PRIORITY), starting from each job's floor (``_floor``).
+    A unit whose best gain is <= 0 is left free:
     a job that stops scaling stops growing. A job the devices ran out on in the middle of a
     hull step (its share slower than the step's start) goes back to the step's start and stops
     growing, and what it gave back goes on to the others.
     """
-    floors = [
-        min(j.max_workers, max(j.min_workers, math.floor(fair_fraction * f)))
-        for j, f in zip(admitted, fair, strict=True)
-    ]
+    floors = [_floor(j, fair_fraction * f) for j, f in zip(admitted, fair, strict=True)]
     shares = list(floors)
     left = capacity - sum(shares)
     if left <= 0:
