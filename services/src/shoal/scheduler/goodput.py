@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from shoal.scheduler.policy import JobDemand
-from shoal.scheduler.throughput import ThroughputCurve, ThroughputModel
+from shoal.scheduler.throughput import PRIOR, ThroughputCurve, ThroughputModel
 from shoal.v1 import job_pb2
 
 __all__ = ["MAX_POINTS", "GoodputTracker", "describe"]
@@ -100,7 +100,8 @@ class GoodputTracker:
             job.throughput.CopyFrom(model)
 
     def annotate(self, demands: Sequence[JobDemand]) -> list[JobDemand]:
-        """``demands`` with each job's predicted curve and attained service filled in; the
+        """``demands`` with each job's predicted curve and attained service filled in (a job
+        not polled yet: the prior curve and no service, as ``shoal simulate`` assumes); the
         models of jobs no longer among them are dropped (the jobs ended)."""
         wanted = {d.job_id for d in demands}
         for job_id in [j for j in self._jobs if j not in wanted]:
@@ -108,9 +109,7 @@ class GoodputTracker:
         out: list[JobDemand] = []
         for d in demands:
             curve, service = self.demand(d.job_id)
-            if curve is not None:
-                d = replace(d, throughput=curve, attained_service=service)
-            out.append(d)
+            out.append(replace(d, throughput=curve or PRIOR, attained_service=service))
         return out
 
     def demand(self, job_id: str) -> tuple[ThroughputCurve | None, float]:
