@@ -11,10 +11,14 @@ user asked for, whether or not the job scales); one job in six has priority 1000
 5000; the rescale pause is 10 to 30 s.
 
     python bench/traces/make_synthetic.py > bench/traces/synthetic-16gpu.csv
+    python bench/traces/make_synthetic.py --kinds scales > bench/traces/scales-16gpu.csv
+    python bench/traces/make_synthetic.py --kinds poor > bench/traces/poor-16gpu.csv
+    python bench/traces/make_synthetic.py --kinds flat > bench/traces/flat-16gpu.csv
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import sys
@@ -25,14 +29,20 @@ COLUMNS = (
 )
 
 
-def main(seed: int = 17, jobs: int = 60) -> None:
+KINDS = ("scales", "poor", "flat")
+
+
+def main(seed: int = 17, jobs: int = 60, kinds: tuple[str, ...] = KINDS) -> None:
     rng = random.Random(seed)
     out = sys.stdout
-    out.write(f"# synthetic workload, seed {seed}: bench/traces/make_synthetic.py\n")
+    out.write(
+        f"# synthetic workload, seed {seed}, kinds {','.join(kinds)}: "
+        "bench/traces/make_synthetic.py\n"
+    )
     out.write(COLUMNS + "\n")
     t = 0.0
     for i in range(jobs):
-        kind = ("scales", "poor", "flat")[i % 3]
+        kind = kinds[i % len(kinds)]
         if kind == "scales":
             overhead, compute = 0.01, rng.uniform(1.0, 3.0)
             sync, per = 0.03 * compute, 0.001 * compute
@@ -58,4 +68,13 @@ def main(seed: int = 17, jobs: int = 60) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description="a seeded synthetic workload for shoal simulate")
+    parser.add_argument("--seed", type=int, default=17)
+    parser.add_argument("--jobs", type=int, default=60)
+    parser.add_argument("--kinds", default="scales,poor,flat", help="comma list of kinds")
+    ns = parser.parse_args()
+    chosen = tuple(k.strip() for k in ns.kinds.split(",") if k.strip())
+    unknown = [k for k in chosen if k not in ("scales", "poor", "flat")]
+    if unknown or not chosen:
+        parser.error(f"--kinds ({ns.kinds!r}) must name scales, poor or flat")
+    main(ns.seed, ns.jobs, chosen)
