@@ -388,8 +388,16 @@ def _scheduler_config(*flags: str):  # type: ignore[no-untyped-def]
 
 def test_scheduler_flags_select_goodput_and_service_classes() -> None:
     config = _scheduler_config(
-        "--policy", "goodput", "--fair-fraction", "0.25", "--service-thresholds", "3600, 36000"
+        "--policy",
+        "goodput",
+        "--fair-fraction",
+        "0.25",
+        "--service-thresholds",
+        "3600, 36000",
+        "--rescale-horizon",
+        "900",
     )
+    assert config.rescale_horizon_s == 900.0
     assert config.policy is GOOD
     assert config.fair_fraction == 0.25
     assert config.service_thresholds == (3600.0, 36000.0)
@@ -407,6 +415,7 @@ def test_scheduler_flags_select_goodput_and_service_classes() -> None:
         (["--service-thresholds", "100,50"], r"service_thresholds \('100,50'\)"),
         (["--service-thresholds", "100,x"], r"service_thresholds \('x'\)"),
         (["--service-decay", "0"], r"service_decay \(0\)"),
+        (["--rescale-horizon", "-5"], r"rescale_horizon_s \(-5.0\)"),
     ],
 )
 def test_scheduler_flags_refuse_bad_values(flags: list[str], message: str) -> None:
@@ -414,3 +423,88 @@ def test_scheduler_flags_refuse_bad_values(flags: list[str], message: str) -> No
 
     with pytest.raises(InvalidField, match=message):
         _scheduler_config(*flags)
+
+
+# --- rescale cost ------------------------------------------------------------------------------
+
+
+def running(job_id: str, cur: int, pause: float, curve: ThroughputCurve | None = SCALES, **kw):  # type: ignore[no-untyped-def]
+    seq = int("".join(c for c in job_id if c.isdigit()) or 0)
+    return JobDemand(
+        job_id=job_id,
+        priority=kw.get("prio", 5000),
+        submit_seq=seq,
+        max_workers=kw.get("hi", 8),
+        current=cur,
+        throughput=curve,
+        rescale_pause_s=pause,
+    )
+
+
+@pytest.mark.parametrize(
+    ("jobs", "horizon", "expected"),
+    [
+        pytest.param(
+            [running("j1", 6, 30.0), running("j2", 2, 30.0)],
+            0.0,
+            {"j1": 4, "j2": 4},
+            id="without_a_horizon_the_shares_are_rebalanced",
+        ),
+        pytest.param(
+            [running("j1", 6, 30.0), running("j2", 2, 30.0)],
+            600.0,
+            {"j1": 4, "j2": 4},
+            id="a_long_horizon_pays_for_the_pause",
+        ),
+        pytest.param(
+            [running("j1", 6, 30.0), running("j2", 2, 30.0)],
+            60.0,
+            {"j1": 6, "j2": 2},
+            id="a_short_horizon_does_not_pay_for_a_30_s_pause",
+        ),
+        pytest.param(
+            [running("j1", 5, 1.0), running("j2", 3, 1.0)],
+            60.0,
+            {"j1": 4, "j2": 4},
+            id="a_cheap_pause_is_paid",
+        ),
+        pytest.param(
+            [running("j1", 6, 30.0), running("j2", 2, 30.0), job("j3", curve=SCALES)],
+            60.0,
+            {"j1": 3, "j2": 2, "j3": 3},
+            id="a_job_that_must_change_anyway_is_shared_as_if_new",
+        ),
+        pytest.param(
+            [running("j1", 6, 30.0, hi=4), running("j2", 2, 30.0)],
+            60.0,
+            {"j1": 4, "j2": 4},
+            id="a_lowered_max_is_obeyed_whatever_the_pause",
+        ),
+    ],
+)
+def test_rescale_cost(jobs: list[JobDemand], horizon: float, expected: dict[str, int]) -> None:
+    alloc = compute_shares(jobs, 8, GOOD, rescale_horizon=horizon, fair_fraction=0.0)
+    assert dict(alloc.shares) == expected
+
+
+def test_invalid_rescale_settings() -> None:
+    with pytest.raises(ValueError, match=r"rescale_horizon \(-1.0\) must be >= 0"):
+        compute_shares([job("j1")], 4, GOOD, rescale_horizon=-1.0)
+    with pytest.raises(ValueError, match=r"rescale_pause_s \(-1.0\) must be >= 0 for job j1"):
+        running("j1", 1, -1.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(goodput_jobs(), st.integers(0, 48), st.sampled_from([0.0, 60.0, 600.0]))
+def test_rescale_cost_keeps_the_bounds(
+    jobs: list[JobDemand], capacity: int, horizon: float
+) -> None:
+    jobs = [
+        JobDemand(**{**{f: getattr(j, f) for f in j.__dataclass_fields__}, "rescale_pause_s": 20.0})
+        for j in jobs
+    ]
+    alloc = compute_shares(jobs, capacity, GOOD, rescale_horizon=horizon)
+    assert sum(alloc.shares.values()) <= capacity
+    for j in jobs:
+        if j.job_id not in alloc.queue:
+            assert j.min_workers <= alloc.shares[j.job_id] <= j.max_workers

@@ -194,3 +194,12 @@ def test_jobs_get_lines_show_measured_and_predicted_throughput() -> None:
     assert "8: " in lines[0] and "?" in lines[0]
     assert "rescale pause 10 s (prior)" in lines[1] and "attained 120 device-s" in lines[1]
     assert throughput_lines(job_pb2.Job(job_id="j")) == []
+
+
+def test_the_rescale_horizon_saves_rescales() -> None:
+    jobs = read_trace(SHIPPED.read_text())[:20]
+    run = PolicyRun("goodput", Policy.GOODPUT)
+    free = replay(jobs, run, gpus=16)
+    costed = replay(jobs, run, gpus=16, rescale_horizon_s=1800.0)
+    assert costed.rescales < free.rescales
+    assert costed.mean_jct <= free.mean_jct * 1.02

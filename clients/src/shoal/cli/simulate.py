@@ -63,6 +63,10 @@ def simulate(
     service_thresholds: Annotated[
         str, typer.Option(help="+las: attained-service thresholds, device-seconds, comma list.")
     ] = "3600,36000",
+    rescale_horizon: Annotated[
+        float,
+        typer.Option(help="GOODPUT: resize only if the gain over this many s beats the pause."),
+    ] = 0.0,
 ) -> None:
     """Replay a workload through each policy; print JCT and utilisation side by side."""
     from shoal.cli.main import Output, err_console, print_data, state
@@ -103,6 +107,7 @@ def simulate(
                 interval_s=interval,
                 hold_time_s=hold_time,
                 fair_fraction=fair_fraction,
+                rescale_horizon_s=rescale_horizon,
             )
             for run in runs
         ]

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from shoal.scheduler.policy import JobDemand
-from shoal.scheduler.throughput import PRIOR, ThroughputCurve, ThroughputModel
+from shoal.scheduler.throughput import PRIOR, PRIOR_PAUSE_S, ThroughputCurve, ThroughputModel
 from shoal.v1 import job_pb2
 
 __all__ = ["MAX_POINTS", "GoodputTracker", "describe"]
@@ -100,8 +100,9 @@ class GoodputTracker:
             job.throughput.CopyFrom(model)
 
     def annotate(self, demands: Sequence[JobDemand]) -> list[JobDemand]:
-        """``demands`` with each job's predicted curve and attained service filled in (a job
-        not polled yet: the prior curve and no service, as ``shoal simulate`` assumes); the
+        """``demands`` with each job's predicted curve, attained service and rescale pause
+        filled in (a job not polled yet: the priors and no service, as ``shoal simulate``
+        assumes); the
         models of jobs no longer among them are dropped (the jobs ended)."""
         wanted = {d.job_id for d in demands}
         for job_id in [j for j in self._jobs if j not in wanted]:
@@ -109,7 +110,13 @@ class GoodputTracker:
         out: list[JobDemand] = []
         for d in demands:
             curve, service = self.demand(d.job_id)
-            out.append(replace(d, throughput=curve or PRIOR, attained_service=service))
+            track = self._jobs.get(d.job_id)
+            pause = track.model.pause_s if track is not None else PRIOR_PAUSE_S
+            out.append(
+                replace(
+                    d, throughput=curve or PRIOR, attained_service=service, rescale_pause_s=pause
+                )
+            )
         return out
 
     def demand(self, job_id: str) -> tuple[ThroughputCurve | None, float]:

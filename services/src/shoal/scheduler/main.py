@@ -16,6 +16,7 @@ flag                        variable                   meaning (default)
 --fair-fraction             SHOAL_FAIR_FRACTION        GOODPUT: least share of PRIORITY's (0.5)
 --service-thresholds        SHOAL_SERVICE_THRESHOLDS   attained-service classes, device-s ("")
 --service-decay             SHOAL_SERVICE_DECAY        weight divisor per class reached (2)
+--rescale-horizon           SHOAL_RESCALE_HORIZON_S    GOODPUT: resize if gain beats pause, s (0)
 --hold-time                 SHOAL_HOLD_TIME_S          anti-thrash hold after a shrink, s (30)
 --resync-interval           SHOAL_RESYNC_INTERVAL_S    periodic reconcile and progress poll, s (1)
 --election-ttl              SHOAL_ELECTION_TTL_S       leader lease TTL, s (5)
@@ -122,6 +123,7 @@ class SchedulerConfig:
     fair_fraction: float = 0.5
     service_thresholds: tuple[float, ...] = ()
     service_decay: int = 2
+    rescale_horizon_s: float = 0.0
     resync_interval_s: float = 1.0
     election_ttl_s: float = 5.0
     max_artifact_bytes: int = 1024 * MiB
@@ -176,6 +178,7 @@ class SchedulerConfig:
             raise InvalidField("service_decay", self.service_decay, "must be in 1..1000")
         for name, low, high in (
             ("hold_time_s", 0.0, 86400.0),
+            ("rescale_horizon_s", 0.0, 7 * 86400.0),
             ("resync_interval_s", 0.01, 3600.0),
             ("election_ttl_s", 1.0, 600.0),
             ("stop_grace_s", 0.0, 3600.0),
@@ -233,6 +236,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "attained-service class thresholds, device-seconds, increasing (empty: off)",
     )
     flag("--service-decay", "SHOAL_SERVICE_DECAY", "2", "weight divisor per service class")
+    flag(
+        "--rescale-horizon",
+        "SHOAL_RESCALE_HORIZON_S",
+        "0",
+        "GOODPUT: resize a job only if the gain over this many seconds beats its pause (0: off)",
+    )
     flag("--hold-time", "SHOAL_HOLD_TIME_S", "30", "anti-thrash hold time, seconds")
     flag("--resync-interval", "SHOAL_RESYNC_INTERVAL_S", "1", "resync interval, seconds")
     flag("--election-ttl", "SHOAL_ELECTION_TTL_S", "5", "leader lease TTL, seconds")
@@ -310,6 +319,7 @@ def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         fair_fraction=float(parse_number("fair_fraction", ns.fair_fraction, float)),
         service_thresholds=_thresholds(ns.service_thresholds),
         service_decay=int(parse_number("service_decay", ns.service_decay, int)),
+        rescale_horizon_s=float(parse_number("rescale_horizon_s", ns.rescale_horizon, float)),
         resync_interval_s=float(parse_number("resync_interval_s", ns.resync_interval, float)),
         election_ttl_s=float(parse_number("election_ttl_s", ns.election_ttl, float)),
         max_artifact_bytes=int(parse_number("max_artifact_mb", ns.max_artifact_mb, float) * MiB),
@@ -411,6 +421,7 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
                 fair_fraction=config.fair_fraction,
                 service_thresholds=config.service_thresholds,
                 service_decay=config.service_decay,
+                rescale_horizon=config.rescale_horizon_s,
             ),
             resync_interval_s=config.resync_interval_s,
             call_timeout_s=config.call_timeout_s,

@@ -137,6 +137,9 @@ class PlacementConfig:
     """Attained-service classes, device-seconds (empty: off; see policy.py)."""
     service_decay: int = 2
     """Weight divisor per attained-service class reached (see policy.py)."""
+    rescale_horizon: float = 0.0
+    """GOODPUT: resize a running job only if the gain over this many seconds beats its pause
+    (0: off; see policy.py)."""
 
     def __post_init__(self) -> None:
         if self.hold_time < 0:
@@ -149,6 +152,7 @@ class PlacementConfig:
             fair_fraction=self.fair_fraction,
             service_thresholds=self.service_thresholds,
             service_decay=self.service_decay,
+            rescale_horizon=self.rescale_horizon,
         )
 
 
@@ -337,6 +341,7 @@ def plan(
         fair_fraction=config.fair_fraction,
         service_thresholds=config.service_thresholds,
         service_decay=config.service_decay,
+        rescale_horizon=config.rescale_horizon,
     )
     order = sorted(observed, key=admission_key(config.policy))
 

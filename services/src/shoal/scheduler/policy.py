@@ -57,6 +57,12 @@ GOODPUT (goodput-aware shares)
     that stops scaling stops growing. Ties go to the job least served for its weight, then to
     rank order, so equal jobs differ by at most one. Sticky rounding does not apply (no
     rounding); holds do, with PRIORITY's donors.
+    Rescale cost (``rescale_horizon`` > 0): a change of a running job's world size costs it its
+    ``rescale_pause_s``, so over the horizon H it runs ``H - pause`` seconds at the new size.
+    The size the job holds is therefore valued ``-log(1 - pause / H)`` above its predicted log
+    speedup (in the floor and in the hull): a job is resized only when the predicted gain over
+    the horizon exceeds the pause (or when min, max, capacity or the other jobs' floors force
+    it). ``rescale_horizon`` 0 (the default) turns this off.
 
 Attained service (``service_thresholds``, ``service_decay``; FAIRSHARE, PRIORITY, GOODPUT)
     Tiresias-like least attained service, expressed through the weights: a job's class is the
@@ -140,6 +146,8 @@ class JobDemand:
             speedups; None: linear speedup, as if the job scaled perfectly).
         attained_service: device-seconds the job has held so far (the attained-service
             classes read it; >= 0).
+        rescale_pause_s: the seconds a change of the job's world size costs it (measured;
+            GOODPUT with a rescale horizon reads it; >= 0).
     """
 
     job_id: str
@@ -152,6 +160,7 @@ class JobDemand:
     previous_priority: int | None = None
     throughput: ThroughputCurve | None = None
     attained_service: float = 0.0
+    rescale_pause_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -172,6 +181,8 @@ class JobDemand:
             raise ValueError(f"previous_priority ({self.previous_priority}) must be > 0 {who}")
         if not (self.attained_service >= 0 and math.isfinite(self.attained_service)):
             raise ValueError(f"attained_service ({self.attained_service}) must be >= 0 {who}")
+        if not (self.rescale_pause_s >= 0 and math.isfinite(self.rescale_pause_s)):
+            raise ValueError(f"rescale_pause_s ({self.rescale_pause_s}) must be >= 0 {who}")
 
     @property
     def priority_changed(self) -> bool:
@@ -223,6 +234,7 @@ def compute_shares(
     fair_fraction: float = 0.5,
     service_thresholds: Sequence[float] = (),
     service_decay: int = 2,
+    rescale_horizon: float = 0.0,
 ) -> Allocation:
     """Target worker counts for ``jobs`` on ``capacity`` devices under ``policy``.
 
@@ -230,8 +242,9 @@ def compute_shares(
     hold-time rule.
     Deterministic: the same input gives the same output, whatever the order of ``jobs``.
 
-    ``fair_fraction`` is GOODPUT's fairness floor; ``service_thresholds`` and
-    ``service_decay`` are the attained-service classes (see the module docstring).
+    ``fair_fraction`` is GOODPUT's fairness floor and ``rescale_horizon`` its rescale cost;
+    ``service_thresholds`` and ``service_decay`` are the attained-service classes (see the
+    module docstring).
 
     Raises:
         ValueError: capacity < 0, hold_time < 0, fair_fraction outside [0, 1], thresholds not
@@ -245,6 +258,8 @@ def compute_shares(
         raise ValueError(f"hold_time ({hold_time}) must be >= 0")
     if not 0.0 <= fair_fraction <= 1.0:
         raise ValueError(f"fair_fraction ({fair_fraction}) must be in [0, 1]")
+    if not (rescale_horizon >= 0 and math.isfinite(rescale_horizon)):
+        raise ValueError(f"rescale_horizon ({rescale_horizon}) must be >= 0")
     _check_service_classes(service_thresholds, service_decay)
     seen: set[str] = set()
     for job in jobs:
@@ -279,7 +294,7 @@ def compute_shares(
         reweighted = by_priority and any(j.priority_changed for j in admitted)
         if policy is Policy.GOODPUT:
             fair = _water_fill(admitted, weights, capacity, sticky=False)
-            ideal = _goodput_fill(admitted, weights, fair, capacity, fair_fraction)
+            ideal = _goodput_fill(admitted, weights, fair, capacity, fair_fraction, rescale_horizon)
         else:
             ideal = _water_fill(admitted, weights, capacity, sticky_rounding and not reweighted)
 
@@ -306,13 +321,26 @@ def _check_service_classes(thresholds: Sequence[float], decay: int) -> None:
         raise ValueError(f"service_decay ({decay!r}) must be an integer >= 1")
 
 
-def _speedups(job: JobDemand, low: int, high: int) -> list[float]:
-    """log speedup of ``job`` at world sizes low..high (linear speedup without a curve)."""
+def _stay_bonus(job: JobDemand, horizon: float) -> float:
+    """The log-throughput a running job loses over ``horizon`` seconds if its size changes:
+    it runs ``horizon - pause`` of them (0 without a horizon or for a job holding nothing)."""
+    if horizon <= 0 or job.current <= 0:
+        return 0.0
+    return -math.log(max(1.0 - job.rescale_pause_s / horizon, 1e-9))
+
+
+def _speedups(job: JobDemand, low: int, high: int, bonus: float = 0.0) -> list[float]:
+    """log speedup of ``job`` at world sizes low..high (linear speedup without a curve), plus
+    ``bonus`` at the size it holds now."""
     curve = job.throughput
     if curve is None:
-        return [math.log(k) for k in range(low, high + 1)]
-    t1 = curve.iteration_time(1)
-    return [math.log(t1 / curve.iteration_time(k)) for k in range(low, high + 1)]
+        values = [math.log(k) for k in range(low, high + 1)]
+    else:
+        t1 = curve.iteration_time(1)
+        values = [math.log(t1 / curve.iteration_time(k)) for k in range(low, high + 1)]
+    if bonus and low <= job.current <= high:
+        values[job.current - low] += bonus
+    return values
 
 
 def _hull(values: list[float]) -> tuple[list[float], list[int]]:
@@ -339,16 +367,16 @@ def _hull(values: list[float]) -> tuple[list[float], list[int]]:
     return gains, hull
 
 
-def _floor(job: JobDemand, guaranteed: float) -> int:
+def _floor(job: JobDemand, guaranteed: float, bonus: float) -> int:
     """GOODPUT's fairness floor: the fastest world size from min to ``floor(guaranteed)``
-    (the smallest of equals; linear speedup without a curve: the top of the range)."""
+    (the smallest of equals; linear speedup without a curve: the top of the range), counting
+    the size the job holds as faster by ``bonus`` (the pause it saves)."""
     top = min(job.max_workers, max(job.min_workers, math.floor(guaranteed)))
-    if job.throughput is None or top == job.min_workers:
+    if top == job.min_workers:
         return top
-    times = {
-        k: round(job.throughput.iteration_time(k), 12) for k in range(job.min_workers, top + 1)
-    }
-    return min(times, key=lambda k: (times[k], k))
+    values = _speedups(job, job.min_workers, top, bonus)
+    best = max(range(len(values)), key=lambda i: (round(values[i], 12), -i))
+    return job.min_workers + best
 
 
 def _goodput_fill(
@@ -357,6 +385,7 @@ def _goodput_fill(
     fair: list[int],
     capacity: int,
     fair_fraction: float,
+    horizon: float = 0.0,
 ) -> list[int]:
     """GOODPUT shares: the fairness floor, then each unit to the largest weighted gain.
 
@@ -368,17 +397,26 @@ def _goodput_fill(
     hull step (its share slower than the step's start) goes back to the step's start and stops
     growing, and what it gave back goes on to the others.
     """
-    floors = [_floor(j, fair_fraction * f) for j, f in zip(admitted, fair, strict=True)]
+    bonuses = [_stay_bonus(j, horizon) for j in admitted]
+    floors = [
+        _floor(j, fair_fraction * f, b) for j, f, b in zip(admitted, fair, bonuses, strict=True)
+    ]
     shares = list(floors)
     left = capacity - sum(shares)
     if left <= 0:
         return shares
     scale = _ratio_key_scale(weights)
+    highs = [min(j.max_workers, floors[i] + left) for i, j in enumerate(admitted)]
+
+    def hull_of(i: int) -> tuple[list[float], list[int]]:
+        if highs[i] <= floors[i]:
+            return [], [0]
+        return _hull(_speedups(admitted[i], floors[i], highs[i], bonuses[i]))
+
     gains: list[list[float]] = []
     vertices: list[list[int]] = []
-    for i, job in enumerate(admitted):
-        high = min(job.max_workers, floors[i] + left)
-        g, v = _hull(_speedups(job, floors[i], high)) if high > floors[i] else ([], [0])
+    for i in range(len(admitted)):
+        g, v = hull_of(i)
         gains.append(g)
         vertices.append(v)
     frozen: set[int] = set()
@@ -401,18 +439,25 @@ def _goodput_fill(
                 heapq.heappush(
                     heap, _unit_key(gains[i][step], shares[i], weights[i], scale, admitted[i], i)
                 )
-        cut = False
-        for i in range(len(admitted)):
+        stuck = [i for i in range(len(admitted)) if shares[i] - floors[i] not in vertices[i]]
+        dropped = [i for i in stuck if bonuses[i]]
+        if dropped:
+            # These cannot reach the size they hold (that step needs more than is left): they
+            # pay the pause anyway, so their curves lose the bonus and the fill starts over.
+            for i in dropped:
+                bonuses[i] = 0.0
+                gains[i], vertices[i] = hull_of(i)
+            shares = list(floors)
+            left = capacity - sum(shares)
+            continue
+        for i in stuck:
             step = shares[i] - floors[i]
-            if i in frozen or step in vertices[i]:
-                continue
             back = max(v for v in vertices[i] if v < step)
             left += step - back
             shares[i] = floors[i] + back
             frozen.add(i)
-            cut = True
-        if not cut or left <= 0:
-            return shares
+        if not stuck or left <= 0:
+            return shares  # every job at a vertex of its hull, or nothing left to give
 
 
 def _unit_key(

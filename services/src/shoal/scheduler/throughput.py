@@ -192,7 +192,8 @@ def fit_curve(
                 best = (err, theta)
     if best is None:
         return None
-    return ThroughputCurve(*best[1], batch=batch)
+    overhead, compute, sync, per = best[1]
+    return ThroughputCurve(overhead, compute, sync, per, batch=batch)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from shoal.scheduler.placement import HostView, PlacementConfig
@@ -273,6 +273,7 @@ def replay(
     interval_s: float = 60.0,
     hold_time_s: float = 30.0,
     fair_fraction: float = 0.5,
+    rescale_horizon_s: float = 0.0,
     max_events: int = 1_000_000,
 ) -> TraceResult:
     """Replay ``jobs`` under ``run`` on ``gpus`` devices (hosts of ``gpus_per_host``)."""
@@ -294,6 +295,7 @@ def replay(
         hold_time=hold_time_s,
         fair_fraction=fair_fraction,
         service_thresholds=run.service_thresholds,
+        rescale_horizon=rescale_horizon_s,
     )
     sim = Simulator({h.host_id: h for h in hosts}, config)
     pending = sorted(jobs, key=lambda j: (j.submit_s, j.job_id))
@@ -318,7 +320,10 @@ def replay(
             )
         for job_id, r in running.items():
             sim.jobs[job_id] = replace(
-                sim.jobs[job_id], throughput=r.model.curve(), attained_service=r.service
+                sim.jobs[job_id],
+                throughput=r.model.curve(),
+                attained_service=r.service,
+                rescale_pause_s=r.model.pause_s,
             )
         sample = sim.settle(now)
         for job_id, r in running.items():
@@ -377,10 +382,3 @@ def replay(
         rescales=rescales,
         worst_slowdown=max(slowdowns, default=0.0),
     )
-
-
-def replay_all(
-    jobs: Sequence[TraceJob], runs: Iterable[PolicyRun], **kwargs: float
-) -> list[TraceResult]:
-    """``replay`` once per run, same workload and cluster."""
-    return [replay(jobs, run, **kwargs) for run in runs]  # type: ignore[arg-type]
