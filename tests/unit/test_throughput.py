@@ -270,3 +270,19 @@ def test_describe_bounds_the_points() -> None:
     out = describe(model, 100_000)
     assert len(out.points) == MAX_POINTS
     assert out.points[-1].world_size == 1000 and out.points[-1].observed
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.floats(0.0, 10.0),
+    st.floats(1e-3, 10.0),
+    st.floats(0.0, 10.0),
+    st.floats(0.0, 10.0) | st.just(5e-324),
+    st.integers(1, 300),
+)
+def test_best_world_size_is_the_fastest(
+    overhead: float, compute: float, sync: float, per: float, limit: int
+) -> None:
+    c = ThroughputCurve(overhead, compute, sync, per)
+    brute = min(range(1, limit + 1), key=lambda w: (c.iteration_time(w), w))
+    assert c.iteration_time(c.best_world_size(limit)) <= c.iteration_time(brute) * (1 + 1e-12)

@@ -407,6 +407,13 @@ def _goodput_fill(
         return shares
     scale = _ratio_key_scale(weights)
     highs = [min(j.max_workers, floors[i] + left) for i, j in enumerate(admitted)]
+    for i, job in enumerate(admitted):
+        if job.throughput is not None and highs[i] > floors[i]:
+            # Past its fastest size a job's curve only falls: no unit there is ever given
+            # (only the size it holds may be worth keeping, for its pause).
+            best = job.throughput.best_world_size(highs[i])
+            keep = job.current if bonuses[i] else 0
+            highs[i] = max(floors[i], min(highs[i], max(best, keep)))
 
     def hull_of(i: int) -> tuple[list[float], list[int]]:
         if highs[i] <= floors[i]:

@@ -106,7 +106,14 @@ class ThroughputCurve:
         """The world size in 1..limit with the highest throughput (the smallest on ties)."""
         if limit < 1:
             raise ValueError(f"limit ({limit}) must be >= 1")
-        return min(range(1, limit + 1), key=lambda w: (self.iteration_time(w), w))
+        # T(w) for w >= 2 is convex with its minimum at sqrt(compute / sync_per_worker).
+        candidates = {1, 2, limit}
+        if self.sync_per_worker > 0 and self.compute < self.sync_per_worker * (limit + 1) ** 2:
+            peak = math.sqrt(self.compute / self.sync_per_worker)  # < limit + 1: finite
+            candidates |= {math.floor(peak), math.ceil(peak)}
+        return min(
+            (w for w in candidates if 1 <= w <= limit), key=lambda w: (self.iteration_time(w), w)
+        )
 
     def scaled(self, factor: float) -> ThroughputCurve:
         return ThroughputCurve(
