@@ -91,6 +91,93 @@ def test_a_killed_coordinator_shard_is_taken_over_without_a_rewind(tmp_path: Pat
     assert_taken_over_without_loss(plane, job, learners, epochs)
 
 
+@pytest.mark.slow
+def test_a_coordinator_lost_in_the_middle_of_a_commit_is_taken_over_past_that_commit(
+    tmp_path: Path,
+):
+    """The coordinator shard delivers iteration k's commit to shard 1 only and is SIGKILLed
+    (the test fault ``commit-partial``, shoal.param_sync.faults): shard 1 stepped k, shard 2
+    still holds k's sums, the lost shard's replica (on shard 1) holds them too. The successor
+    commits k on shard 2 (the old coordinator had decided it), promotes the replica settled at
+    k + 1, and the job goes on from k + 1: nothing committed is lost or run twice."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=3)
+    job, epochs = "midcommit", 2
+    ipe = iterations_per_epoch()
+    at = ipe // 2
+    try:
+        plane.start_shards(
+            ["--shard-probe", "0.5"], env={0: {"SHOAL_TEST_FAULT": f"commit-partial@{at}"}}
+        )
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            for n in ("m0", "m1")
+        }
+        assert plane.shards[0].popen.wait(timeout=300) == -signal.SIGKILL
+        assert "test fault commit-partial: SIGKILL" in plane.shards[0].text()
+        reply = plane.take_over(
+            job, 1, lost=0, epoch=1, batch=BATCH, epochs=epochs, checkpoint_every=1
+        )
+        assert reply.progress.completed_iterations == at + 1  # past the partial commit
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+        assert plane.progress(job).done
+    finally:
+        plane.kill_all()
+    assert "committed it on shard(s) [2] too" in plane.shards[1].text()
+    assert_taken_over_without_loss(plane, job, learners, epochs)
+
+
+@pytest.mark.slow
+def test_a_coordinator_lost_after_an_earlier_promotion_is_taken_over_without_a_rewind(
+    tmp_path: Path,
+):
+    """Shard 2 is SIGKILLed and stays down: its slice is promoted onto its backup, shard 0 (the
+    coordinator), and re-replicated. Then shard 0 is SIGKILLed too: the sharding is not the
+    hash rule's any more and shard 2 does not answer. The successor (shard 1) learns the
+    sharding from the shards left (SetCoordinator's tensor_names: shard 0 held its tensors and
+    shard 2's), promotes shard 0's slice from its replica, and the job ends on shard 1 alone,
+    with nothing committed lost."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=3)
+    job, epochs = "promoted", 2
+    ipe = iterations_per_epoch()
+    total = epochs * ipe
+    try:
+        plane.start_shards(["--shard-probe", "0.5"])
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            for n in ("q0", "q1")
+        }
+        wait_until(
+            lambda: plane.progress(job).progress.completed_iterations >= ipe // 3,
+            timeout=180,
+            what=f"{ipe // 3} iterations",
+        )
+        plane.shards[2].kill()
+        plane.shards[0].wait_for("shard 0 promoted to hold the slice of shard 2", timeout=120)
+        promoted_at = plane.progress(job).progress.completed_iterations
+        wait_until(
+            lambda: plane.progress(job).progress.completed_iterations >= promoted_at + 3,
+            timeout=180,
+            what="training on two shards",
+        )
+        plane.shards[0].kill()
+        reply = plane.take_over(
+            job, 1, lost=0, epoch=1, batch=BATCH, epochs=epochs, checkpoint_every=1
+        )
+        assert promoted_at < reply.progress.completed_iterations < total
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+        assert plane.progress(job).done
+    finally:
+        plane.kill_all()
+    assert "takeover: shard 2 is down" in plane.shards[1].text()
+    assert_taken_over_without_loss(plane, job, learners, epochs)
+
+
 def wait_for_the_grace(plane: DataPlane, index: int, job: str, *, grace: float) -> None:
     """Wait as the scheduler does before a takeover: until shard ``index`` (the job's
     coordinator) has answered no progress poll for ``grace`` seconds."""
