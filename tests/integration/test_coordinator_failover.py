@@ -102,7 +102,7 @@ def test_a_coordinator_lost_in_the_middle_of_a_commit_is_taken_over_past_that_co
     k + 1, and the job goes on from k + 1: nothing committed is lost or run twice."""
     tokens = make_tokens(tmp_path / "tokens")
     plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=3)
-    job, epochs = "midcommit", 2
+    job, epochs = "midcommit", 1
     ipe = iterations_per_epoch()
     at = ipe // 2
     try:
@@ -141,7 +141,7 @@ def test_a_coordinator_lost_after_an_earlier_promotion_is_taken_over_without_a_r
     with nothing committed lost."""
     tokens = make_tokens(tmp_path / "tokens")
     plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=3)
-    job, epochs = "promoted", 2
+    job, epochs = "promoted", 1
     ipe = iterations_per_epoch()
     total = epochs * ipe
     try:

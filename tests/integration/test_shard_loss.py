@@ -251,7 +251,7 @@ def test_a_shard_killed_during_a_rescale_loses_nothing_and_the_shares_still_tile
     equal to single-process training."""
     tokens = make_tokens(tmp_path / "tokens")
     plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
-    job, epochs = "rescalekill", 2
+    job, epochs = "rescalekill", 1
     total = epochs * iterations_per_epoch()
     pauses = tmp_path / "pauses"
     pauses.mkdir()
