@@ -17,9 +17,11 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from shoal.cli import main as cli
-from shoal.cli.main import TracebackFolder, app
+from shoal.cli import jobs as cli_jobs
+from shoal.cli.follow import TracebackFolder
+from shoal.cli.main import app
 from shoal.cli.output import hoist_output_option, message_to_dict
+from shoal.client import AsyncClient
 from shoal.client.config import ConfigError, load_config, set_context
 from shoal.runtime.auth import USERS_AND_SERVICES, MethodRoles
 from shoal.runtime.config import ServerConfig
@@ -155,7 +157,7 @@ async def test_output_after_the_subcommand_gives_json_with_numbers(scheduler):
 
 async def test_a_narrow_table_never_cuts_an_id_and_shows_age(scheduler, monkeypatch):
     scheduler.add(LONG_ID, job_pb2.JOB_STATE_COMPLETED)
-    monkeypatch.setattr(cli, "console", Console(width=40))
+    monkeypatch.setattr(cli_jobs, "console", Console(width=40))
     result = await invoke(["jobs", "list"])
     assert result.exit_code == 0, result.output
     assert LONG_ID in result.stdout
@@ -203,7 +205,7 @@ async def test_download_honours_output_json(scheduler, tmp_path, monkeypatch):
         dest.write_bytes(b"abc")
         return 3
 
-    monkeypatch.setattr(cli.AsyncClient, "download_model", download_model)
+    monkeypatch.setattr(AsyncClient, "download_model", download_model)
     result = await invoke(
         ["jobs", "download", "job-1", "--out", str(tmp_path / "m.st"), "-o", "json"]
     )
