@@ -401,3 +401,25 @@ def test_cluster_status_and_down_find_the_current_contexts_cluster(tmp_path, mon
     (second / "cluster.json").write_text("{}")
     assert _free_context_name("local", second / "cluster.json") == "local-2"
     assert _found_state_dir(None) == Path(".shoal")  # a cluster in this directory wins
+
+
+async def test_submit_resume_from_and_keep_checkpoints_reach_the_spec(scheduler, tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "train.py").write_text("print('hi')\n")
+    for given, sent in (
+        ("job-3c0e5b9a41d2@14", "job-3c0e5b9a41d2/iter-14"),
+        ("job-3c0e5b9a41d2/14", "job-3c0e5b9a41d2/iter-14"),
+        ("job-3c0e5b9a41d2/iter-7", "job-3c0e5b9a41d2/iter-7"),
+        ("job-3c0e5b9a41d2", "job-3c0e5b9a41d2"),
+    ):
+        result = await invoke(
+            ["submit", str(tmp_path / "m"), "--resume-from", given, "--keep-checkpoints", "5"]
+        )
+        assert result.exit_code == 0, result.output
+        assert f"resuming from {sent}" in result.stdout
+        job = list(scheduler.jobs.values())[-1]
+        assert (job.spec.resume_from, job.spec.keep_checkpoints) == (sent, 5)
+    count = len(scheduler.jobs)
+    bad = await invoke(["submit", str(tmp_path / "m"), "--resume-from", "job-1@"])
+    assert bad.exit_code == 2 and "--resume-from ('job-1@')" in bad.output, bad.output
+    assert len(scheduler.jobs) == count  # nothing uploaded or submitted

@@ -96,6 +96,20 @@ def submit(
         int, typer.Option(help="Checkpoint every N epochs (0: at the end).")
     ] = 1,
     seed: Annotated[int, typer.Option(help="Seed of the data order.")] = 0,
+    keep_checkpoints: Annotated[
+        int,
+        typer.Option(
+            help="Keep the job's newest N complete checkpoints, delete older ones (0: 3)."
+        ),
+    ] = 0,
+    resume_from: Annotated[
+        str | None,
+        typer.Option(
+            help="Start from another job's checkpoint: JOB (its newest), JOB/iter-K, JOB/K or "
+            "JOB@K (see `shoal jobs checkpoints JOB`); --batch-size and --seed must be the same.",
+            metavar="JOB[/CHECKPOINT]",
+        ),
+    ] = None,
     arg: Annotated[
         list[str] | None, typer.Option(help="Argument for the script (repeatable).")
     ] = None,
@@ -122,6 +136,7 @@ def submit(
         )
         raise typer.Exit(1)
 
+    resume = resume_spec(resume_from) if resume_from is not None else ""
     silent = quiet()
     bars = not silent and err_console.is_terminal
 
@@ -166,6 +181,8 @@ def submit(
             sync_mode=SYNC_MODES[sync_mode],
             checkpoint_every=checkpoint_every,
             seed=seed,
+            keep_checkpoints=keep_checkpoints,
+            resume_from=resume,
         )
         return await client.submit_job(spec)
 
@@ -173,12 +190,26 @@ def submit(
     emit(
         job,
         lambda: console.print(
-            f"submitted [bold]{job.job_id}[/bold] ({job.spec.name}), {state_name(job.state)}",
+            f"submitted [bold]{job.job_id}[/bold] ({job.spec.name}), {state_name(job.state)}"
+            + (f", resuming from {job.spec.resume_from}" if job.spec.resume_from else ""),
             highlight=False,
         ),
     )
     if wait or follow:
         finish(job.job_id, run(lambda c: follow_job(c, job.job_id, logs=follow)))
+
+
+def resume_spec(text: str) -> str:
+    """``--resume-from`` as JobSpec.resume_from: "JOB" or "JOB/iter-K" (``JOB/K`` and
+    ``JOB@K`` are accepted too)."""
+    job_id, sep, which = text.replace("@", "/", 1).partition("/")
+    if not job_id or (sep and not which):
+        raise typer.BadParameter(
+            f"--resume-from ({text!r}) must be JOB, JOB/iter-K or JOB@K", param_hint="--resume-from"
+        )
+    if which.isdigit():
+        which = f"iter-{int(which)}"
+    return f"{job_id}/{which}" if which else job_id
 
 
 @jobs_app.command("list")
