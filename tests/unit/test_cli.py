@@ -423,3 +423,24 @@ async def test_submit_resume_from_and_keep_checkpoints_reach_the_spec(scheduler,
     bad = await invoke(["submit", str(tmp_path / "m"), "--resume-from", "job-1@"])
     assert bad.exit_code == 2 and "--resume-from ('job-1@')" in bad.output, bad.output
     assert len(scheduler.jobs) == count  # nothing uploaded or submitted
+
+
+async def test_a_unique_prefix_of_a_job_id_is_accepted_and_an_ambiguous_one_named(scheduler):
+    for job_id in ("job-35eea1039ba5", "job-35e0000000aa", "job-7f3a00000000"):
+        scheduler.add(job_id, job_pb2.JOB_STATE_COMPLETED)
+
+    for prefix in ("7f3", "job-7f", "job-7f3a00000000"):
+        got = await invoke(["jobs", "get", prefix, "-o", "json"])
+        assert got.exit_code == 0, got.output
+        assert json.loads(got.stdout)["job_id"] == "job-7f3a00000000"
+    got = await invoke(["jobs", "watch", "35ee"])  # another command taking a job id
+    assert got.exit_code == 0 and "job-35eea1039ba5: completed" in got.stdout, got.output
+
+    ambiguous = await invoke(["jobs", "get", "job-35e"])
+    assert ambiguous.exit_code == 1
+    assert "job id prefix ('job-35e') is ambiguous" in ambiguous.stderr, ambiguous.stderr
+    assert "job-35e0000000aa, job-35eea1039ba5" in ambiguous.stderr
+    assert len(ambiguous.stderr.strip().splitlines()) == 1
+
+    unknown = await invoke(["jobs", "get", "zzz"])  # the server's own NOT_FOUND
+    assert unknown.exit_code == 1 and "zzz" in unknown.stderr, unknown.output

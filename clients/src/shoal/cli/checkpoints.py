@@ -8,7 +8,16 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-from shoal.cli.common import console, emit, err_console, human_size, jobs_app, quiet, run
+from shoal.cli.common import (
+    console,
+    emit,
+    err_console,
+    human_size,
+    job_ref,
+    jobs_app,
+    quiet,
+    run,
+)
 from shoal.cli.output import age, plain_table, print_table, timestamp_seconds
 from shoal.client import AsyncClient, ShoalClientError
 
@@ -32,6 +41,7 @@ def jobs_download(
     ] = None,
 ) -> None:
     """Download a job's final model (one safetensors file), or one of its checkpoints."""
+    job_id = job_ref(job_id)
     silent = quiet()
     bars = not silent and err_console.is_terminal
     if checkpoint is not None:
@@ -122,6 +132,7 @@ def _download_checkpoint(job_id: str, wanted: str, out: Path | None, bars: bool)
 @jobs_app.command("checkpoints")
 def jobs_checkpoints(job_id: str) -> None:
     """List a job's complete checkpoints and their files."""
+    job_id = job_ref(job_id)
     checkpoints = run(lambda c: c.list_checkpoints(job_id))
 
     def render() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from collections.abc import Callable
 from enum import StrEnum
@@ -210,3 +211,38 @@ def human_size(n: int) -> str:
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024  # type: ignore[assignment]
     return f"{n} B"
+
+
+# A job id as the scheduler makes it: used as is, without asking the cluster.
+_FULL_JOB_ID = re.compile(r"job-[0-9a-f]{12}")
+_AMBIGUOUS_SHOWN = 10
+
+
+async def resolve_job_id(client: AsyncClient, text: str) -> str:
+    """The job id that ``text`` names: a whole id, or a unique prefix of one among the jobs
+    the caller can see, with or without ``job-`` (docker's and git's habit: ``job-35e`` or
+    ``35e``). An exact id wins over a prefix; none matching leaves ``text`` as it is (the
+    server says it is not found); several matching is an error naming them."""
+    if not text or _FULL_JOB_ID.fullmatch(text):
+        return text
+    ids = [j.job_id async for j in client.list_jobs()]
+    if text in ids:
+        return text
+    matches = sorted({i for i in ids if i.startswith(text) or i.startswith(f"job-{text}")})
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        return text
+    shown = ", ".join(matches[:_AMBIGUOUS_SHOWN])
+    more = f" and {len(matches) - _AMBIGUOUS_SHOWN} more" if len(matches) > _AMBIGUOUS_SHOWN else ""
+    raise ShoalClientError(
+        "INVALID_ARGUMENT",
+        f"job id prefix ({text!r}) is ambiguous: it matches {shown}{more}; give more characters",
+    )
+
+
+def job_ref(text: str) -> str:
+    """:func:`resolve_job_id` for a command's JOB argument (errors are one line, exit 1)."""
+    if _FULL_JOB_ID.fullmatch(text):
+        return text
+    return str(run(lambda c: resolve_job_id(c, text)))

@@ -20,6 +20,7 @@ from shoal.cli.common import (
     Output,
     console,
     err_console,
+    job_ref,
     jobs_app,
     run,
     state,
@@ -119,6 +120,7 @@ def jobs_watch(
 ) -> None:
     """Follow a job live until it ends; exit 0 if it completed, 1 if it failed (the reason on
     stderr), 3 if it was cancelled."""
+    job_id = job_ref(job_id)
     finish(job_id, run(lambda c: follow_job(c, job_id, logs=logs)))
 
 
@@ -242,6 +244,7 @@ def jobs_logs(
     """Print the job's learners' logs merged by the time each line was written (UTC time,
     learner id, text). A traceback repeated by several learners or attempts is printed once,
     then counted."""
+    job_id = job_ref(job_id)
     if grep:
         try:
             re.compile(grep)

@@ -19,6 +19,7 @@ from shoal.cli.common import (
     emit,
     err_console,
     human_size,
+    job_ref,
     jobs_app,
     quiet,
     run,
@@ -209,6 +210,7 @@ def resume_spec(text: str) -> str:
         )
     if which.isdigit():
         which = f"iter-{int(which)}"
+    job_id = job_ref(job_id)
     return f"{job_id}/{which}" if which else job_id
 
 
@@ -247,6 +249,7 @@ def jobs_list(
 @jobs_app.command("get")
 def jobs_get(job_id: str) -> None:
     """Show one job."""
+    job_id = job_ref(job_id)
     job = run(lambda c: c.get_job(job_id))
 
     def render(wide: bool = False) -> None:
@@ -260,6 +263,7 @@ def jobs_get(job_id: str) -> None:
 @jobs_app.command("priority")
 def jobs_priority(job_id: str, priority: int) -> None:
     """Change a job's priority; shares follow at the next iteration boundaries."""
+    job_id = job_ref(job_id)
     job = run(lambda c: c.update_job(job_id, priority=priority))
     emit(job, lambda: console.print(f"{job_id}: priority {job.spec.priority}"))
 
@@ -267,6 +271,7 @@ def jobs_priority(job_id: str, priority: int) -> None:
 @jobs_app.command("scale")
 def jobs_scale(job_id: str, max_workers: int) -> None:
     """Change a job's max workers."""
+    job_id = job_ref(job_id)
     job = run(lambda c: c.update_job(job_id, max_workers=max_workers))
     emit(job, lambda: console.print(f"{job_id}: max workers {job.spec.max_workers}"))
 
@@ -274,5 +279,6 @@ def jobs_scale(job_id: str, max_workers: int) -> None:
 @jobs_app.command("cancel")
 def jobs_cancel(job_id: str) -> None:
     """Cancel a job: its learners stop and its devices are freed."""
+    job_id = job_ref(job_id)
     job = run(lambda c: c.cancel_job(job_id))
     emit(job, lambda: console.print(f"{job_id}: {state_name(job.state)}"))

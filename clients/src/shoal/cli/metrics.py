@@ -12,7 +12,16 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from shoal.cli.common import FINAL_STATES, Output, console, err_console, jobs_app, run, state
+from shoal.cli.common import (
+    FINAL_STATES,
+    Output,
+    console,
+    err_console,
+    job_ref,
+    jobs_app,
+    run,
+    state,
+)
 from shoal.client import AsyncClient
 
 
@@ -29,6 +38,7 @@ def jobs_chart(
     ),
 ) -> None:
     """Draw GPUs per job over time, and the jobs' loss curves, as PNG files."""
+    job_ids = [job_ref(j) for j in job_ids or []]
     from shoal.client import charts
 
     async def body(client: AsyncClient) -> tuple[Path, Path]:
@@ -72,6 +82,7 @@ def jobs_metrics(
 ) -> None:
     """Print a job's metrics: per epoch (evaluation) and per iteration (loss, throughput and
     every other metric the job reports). `-o json` both; `-o csv --per iteration|epoch` one."""
+    job_id = job_ref(job_id)
     import csv
     import datetime as dt
 
@@ -143,6 +154,7 @@ def jobs_tensorboard(
     interval: Annotated[float, typer.Option(help="Seconds between reads with --follow.")] = 5.0,
 ) -> None:
     """Write a job's metrics and rescale events as TensorBoard event files."""
+    job_id = job_ref(job_id)
     from shoal.client.tensorboard import EventWriter
 
     async def body(client: AsyncClient) -> tuple[Path, int]:
