@@ -362,6 +362,57 @@ def test_uploads_honour_gitignore_and_shoalignore(tmp_path):
     assert pack_directory(root) == packed.data
 
 
+def test_uploads_honour_gitignore_files_in_subdirectories_as_git_does(tmp_path):
+    import io
+    import tarfile
+
+    from shoal.client.packing import pack
+
+    root = tmp_path / "m"
+    files = {
+        "train.py": "t",
+        "notes.txt": "top",  # the top's *.txt
+        ".gitignore": "*.txt\n",
+        "src/.gitignore": "*.ckpt\n!keep.txt\nbuild/\n/only-here.py\n",
+        "src/keep.txt": "re-included by the deeper file",
+        "src/other.txt": "still the top's *.txt",
+        "src/model.ckpt": "src's *.ckpt",
+        "src/only-here.py": "anchored to src/",
+        "src/build/out.bin": "src's build/",
+        "src/deep/only-here.py": "not src/only-here.py: kept",
+        "src/deep/x.ckpt": "src's *.ckpt applies below src too",
+        "src/deep/.shoalignore": "!x.ckpt\n",  # ... unless a deeper file re-includes it
+        "model.ckpt": "src's patterns do not apply above src",
+        "data/.gitignore": "!*.txt\n",
+        "data/a.txt": "re-included by data/.gitignore",
+        "logs/.gitignore": "!x.log\n",  # cannot re-include inside an ignored directory
+        "logs/x.log": "l",
+    }
+    files[".shoalignore"] = "logs/\n"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    packed = pack(root)
+    with tarfile.open(fileobj=io.BytesIO(packed.data)) as tar:
+        names = sorted(n for n in tar.getnames() if not tar.getmember(n).isdir())
+    assert names == [
+        ".gitignore",
+        ".shoalignore",
+        "data/.gitignore",
+        "data/a.txt",
+        "model.ckpt",
+        "src/.gitignore",
+        "src/deep/.shoalignore",
+        "src/deep/only-here.py",
+        "src/deep/x.ckpt",
+        "src/keep.txt",
+        "train.py",
+    ]
+    # notes.txt, src/other.txt, src/model.ckpt, src/only-here.py, src/build/out.bin, and the
+    # 2 files of logs/
+    assert packed.ignored == 7
+
+
 async def test_log_lines_carry_written_time_learner_and_host_and_filter(scheduler):
     result = await invoke(["jobs", "logs", "job-1"])
     assert result.exit_code == 0, result.output
