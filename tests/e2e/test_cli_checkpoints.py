@@ -2,12 +2,15 @@
 the `shoal` command: a job keeps only its newest `--keep-checkpoints` checkpoints, `shoal jobs
 checkpoints` lists what is left, one downloads with `jobs download --checkpoint`, and `shoal
 submit --resume-from JOB@K` starts a new job from a checkpoint that ends with the same model as
-the job that never stopped. Bad `--resume-from` values are refused naming what is wrong."""
+the job that never stopped. Bad `--resume-from` values are refused naming what is wrong. A job
+that carries requirements.txt shows its environment's build in `shoal jobs logs` (issue 19);
+it shares this test's cluster, which is the costly part."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.integration.test_host_agent import tiny_wheel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -133,5 +138,18 @@ def test_retention_listing_download_and_resume_from_a_checkpoint(tmp_path):
             )
         ]
         assert names[0] == "iter-14" and names[-1] == "iter-21", names
+
+        # A job that brings its own package (issue 19): the environment's build is in its logs.
+        wheel_name, wheel = tiny_wheel()
+        (tmp_path / "withenv" / "wheels").mkdir(parents=True)
+        (tmp_path / "withenv" / "wheels" / wheel_name).write_bytes(wheel)
+        (tmp_path / "withenv" / "requirements.txt").write_text(f"./wheels/{wheel_name}\n")
+        (tmp_path / "withenv" / "train.py").write_text("import shoal_tinypkg\n" + TRAIN)
+        third = shoal("submit", "withenv", "--epochs", "1", "--wait", env=env, cwd=tmp_path)
+        logs = shoal("jobs", "logs", third.stdout.split()[1], env=env, cwd=tmp_path).stdout
+        built = [line for line in logs.splitlines() if "] [shoal env] " in line]
+        assert "(requirements.txt): building" in built[0], logs
+        assert any(line.endswith("Successfully installed shoal-tinypkg-0.1") for line in built)
+        assert re.search(r"\[shoal env\] environment [0-9a-f]{12}: ready in [0-9.]+ s", logs)
     finally:
         shoal("cluster", "down", env=env, cwd=tmp_path, check=False)
