@@ -25,7 +25,6 @@ from shoal.cli.common import (
     run,
     state_name,
 )
-from shoal.cli.follow import finish, follow_job
 from shoal.cli.output import age, iso_time, plain_table, print_table, timestamp_seconds
 from shoal.client import AsyncClient
 from shoal.client.packing import pack
@@ -197,6 +196,8 @@ def submit(
         ),
     )
     if wait or follow:
+        from shoal.cli.follow import finish, follow_job  # registers its commands after these
+
         finish(job.job_id, run(lambda c: follow_job(c, job.job_id, logs=follow)))
 
 

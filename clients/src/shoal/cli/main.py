@@ -6,21 +6,26 @@ are numbers. ``watch`` and ``submit --wait`` exit with the job's outcome: 0 COMP
 1 FAILED, 3 CANCELLED (the reason on stderr).
 
 Where the commands are: ``shoal.cli.common`` holds ``app``, its groups (``jobs_app``,
-``hosts_app``, ``config_app``), the global options and ``run``/``emit``. Each module imported
-below registers its commands on them with ``@app.command()`` / ``@jobs_app.command(...)`` when
-imported. A new command: a function in one of these modules (or a new module, added to the
-import below); a new group: ``app.add_typer(group, name=...)`` in its module.
+``hosts_app``, ``config_app``), the global options and ``run``/``emit``. Each module named in
+``COMMAND_MODULES`` registers its commands on them with ``@app.command()`` /
+``@jobs_app.command(...)`` when imported, in that order (the order of ``--help``). A new
+command: a function in one of these modules, or a new module ``shoal.cli.<name>`` added to
+``COMMAND_MODULES``; a new group: ``app.add_typer(group, name=...)`` in its module.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import typer
 
-# Imported for the commands they register on ``app`` (see above).
-from shoal.cli import checkpoints, contexts, follow, hosts, jobs, metrics  # noqa: F401
 from shoal.cli.common import app
+
+# The modules of shoal.cli that register commands (see above), in --help's order.
+COMMAND_MODULES = ("jobs", "follow", "checkpoints", "metrics", "hosts", "contexts")
+for _name in COMMAND_MODULES:
+    importlib.import_module(f"shoal.cli.{_name}")
 
 
 def _cluster_app() -> typer.Typer | None:
@@ -44,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["app", "main"]
+__all__ = ["COMMAND_MODULES", "app", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())
