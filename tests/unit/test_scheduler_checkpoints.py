@@ -247,7 +247,7 @@ async def test_resume_from_copies_the_checkpoint_into_the_new_job(bed: Bed) -> N
     files = write_checkpoint(bed, source.job_id, 20, batch_size=64, seed=0)
     write_checkpoint(bed, source.job_id, 40, batch_size=64, seed=0)
 
-    job = await submit(bed, artifact, resume_from=f"{source.job_id}/iter-20")
+    job = await submit(bed, artifact, epochs=5, resume_from=f"{source.job_id}/iter-20")
     assert job.spec.resume_from == f"{source.job_id}/iter-20"
     assert await names(bed, job.job_id) == ["iter-20"]
     found = ckpt.latest_checkpoint(bed.storage.uri, job.job_id)
@@ -255,17 +255,18 @@ async def test_resume_from_copies_the_checkpoint_into_the_new_job(bed: Bed) -> N
     for name, data in files.items():
         got = b"".join(m.chunk for m in await download(bed, job.job_id, "iter-20", name) if m.chunk)
         assert got == data
-    newest = await submit(bed, artifact, resume_from=source.job_id)  # the newest: iter-40
+    newest = await submit(bed, artifact, epochs=5, resume_from=source.job_id)  # iter-40
     assert await names(bed, newest.job_id) == ["iter-40"]
 
 
 @pytest.mark.parametrize(
     ("value", "code", "words"),
     [
-        ("{job}/iter-99", "NOT_FOUND", ["'iter-99' of job", "(it has: iter-20)"]),
+        ("{job}/iter-99", "NOT_FOUND", ["'iter-99' of job", "(it has: iter-20, iter-40)"]),
         ("job-nope", "NOT_FOUND", ["job-nope"]),
         ("{job}/latest", "INVALID_ARGUMENT", ["spec.resume_from", "iter-120"]),
         ("{job}/iter-20", "INVALID_ARGUMENT", ["spec.batch_size", "(32)"]),
+        ("{job}/iter-40", "INVALID_ARGUMENT", ["spec.epochs (3)", "the 4 epochs", "iter-40"]),
     ],
 )
 async def test_a_bad_resume_from_is_refused_and_creates_nothing(
@@ -274,9 +275,10 @@ async def test_a_bad_resume_from_is_refused_and_creates_nothing(
     artifact = await upload(bed)
     source = await submit(bed, artifact)
     write_checkpoint(bed, source.job_id, 20, batch_size=32, seed=0)
+    write_checkpoint(bed, source.job_id, 40, batch_size=64, seed=0)  # epoch 4
     before = await bed.stub("admin").ListJobs(js.ListJobsRequest(page_size=100))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await submit(bed, artifact, resume_from=value.format(job=source.job_id))
+        await submit(bed, artifact, epochs=3, resume_from=value.format(job=source.job_id))
     assert caught.value.code().name == code, caught.value.details()
     for word in words:
         assert word in caught.value.details(), caught.value.details()

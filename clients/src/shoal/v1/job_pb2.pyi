@@ -241,7 +241,8 @@ class JobSpec(_message.Message):
     """Start from another job's checkpoint: "JOB_ID" (its newest complete checkpoint) or
     "JOB_ID/iter-K". The checkpoint is copied into this job's checkpoints at submit and the
     job resumes from it as a recovered job would; batch_size and seed must equal the
-    checkpoint's. Set only at submit; the job's owner must be able to see JOB_ID.
+    checkpoint's and epochs exceed the epochs it has done. Set only at submit; the job's
+    owner must be able to see JOB_ID.
     """
     @_builtins.property
     def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:

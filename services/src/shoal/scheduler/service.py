@@ -235,9 +235,10 @@ class JobApi:
         self, principal: Principal, spec: job_pb2.JobSpec
     ) -> tuple[str, job_pb2.JobCheckpoint]:
         """The job and checkpoint ``spec.resume_from`` names, checked: the caller must see
-        the job (NOT_FOUND otherwise, as for any job), the checkpoint must be complete, and the
+        the job (NOT_FOUND otherwise, as for any job), the checkpoint must be complete, the
         new job's batch size and seed must be the checkpoint's (the data order depends on
-        them)."""
+        them), and its epochs more than the checkpoint has done (else nothing is left to
+        train)."""
         source, name = checkpoints.parse_resume_from(spec.resume_from)
         await self.visible(principal, source)
         checkpoint, manifest = await checkpoints.choose_checkpoint(self.storage, source, name)
@@ -249,6 +250,13 @@ class JobApi:
                     mine,
                     f"must equal that of checkpoint {source}/{checkpoint.name} ({theirs})",
                 )
+        if checkpoint.epoch >= spec.epochs:
+            raise InvalidField(
+                "spec.epochs",
+                spec.epochs,
+                f"must be more than the {checkpoint.epoch} epochs checkpoint "
+                f"{source}/{checkpoint.name} has done",
+            )
         return source, checkpoint
 
     async def get(self, principal: Principal, job_id: str) -> job_pb2.Job:
