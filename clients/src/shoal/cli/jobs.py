@@ -13,6 +13,7 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
+from shoal.cli import simulate
 from shoal.cli.common import (
     app,
     console,
@@ -257,6 +258,8 @@ def jobs_get(job_id: str) -> None:
         print_table(console, jobs_table([job], wide=wide))
         if job.state_reason:
             console.print(f"reason: {job.state_reason}", highlight=False, soft_wrap=True)
+        for line in simulate.throughput_lines(job):  # the scheduler's throughput model
+            console.print(line, highlight=False, soft_wrap=True)
 
     emit(job, render, wide=lambda: render(True))
 

@@ -10,7 +10,8 @@ Where the commands are: ``shoal.cli.common`` holds ``app``, its groups (``jobs_a
 ``COMMAND_MODULES`` registers its commands on them with ``@app.command()`` /
 ``@jobs_app.command(...)`` when imported, in that order (the order of ``--help``). A new
 command: a function in one of these modules, or a new module ``shoal.cli.<name>`` added to
-``COMMAND_MODULES``; a new group: ``app.add_typer(group, name=...)`` in its module.
+``COMMAND_MODULES``; a new group: ``app.add_typer(group, name=...)`` in its module. A module
+that registers through a function instead (``simulate.register(app)``) is called below.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 
 import typer
 
+from shoal.cli import simulate
 from shoal.cli.common import app
 
 # The modules of shoal.cli that register commands (see above), in --help's order.
@@ -39,6 +41,7 @@ def _cluster_app() -> typer.Typer | None:
 _cluster = _cluster_app()
 if _cluster is not None:
     app.add_typer(_cluster, name="cluster")
+simulate.register(app)  # `shoal simulate` (shoal/cli/simulate.py)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,7 @@ from shoal.runtime.errors import (
 )
 from shoal.runtime.store import Store, StoreError
 from shoal.scheduler.artifacts import Storage
+from shoal.scheduler.goodput import GoodputTracker
 from shoal.scheduler.health import HealthConfig, JobHealth, VerdictKind, assess, lost_reason
 from shoal.scheduler.jobs import (
     HOLDING,
@@ -661,6 +662,7 @@ class Reconciler:
         self._takeover_tried: dict[str, float] = {}
         self.cycles = 0
         self.rescales = RescaleTracker(clock=clock)
+        self.goodput = GoodputTracker()  # throughput models and attained service (goodput.py)
         self._triggered_at: float | None = None
 
     def _reset(self) -> None:
@@ -845,6 +847,7 @@ class Reconciler:
             for r in records.values()
             if r.active
         ]
+        demands = self.goodput.annotate(demands)
         # Placement must not see a device twice; lost learners were left out above.
         targets_before = {r.job_id: r.job.target_workers for r in records.values()}
         decided = plan(
@@ -1654,6 +1657,8 @@ class Reconciler:
         self.rescales.observe(
             record, response.member_learner_ids, response.progress.completed_iterations
         )
+        if response.HasField("progress"):
+            self.goodput.observe_job(record.job, response.progress, self.clock())
         if response.HasField("progress") and response.progress != record.job.progress:
             if response.progress.completed_iterations > record.job.progress.completed_iterations:
                 record.failures = 0
