@@ -69,7 +69,7 @@ def simulate(
     ] = 0.0,
 ) -> None:
     """Replay a workload through each policy; print JCT and utilisation side by side."""
-    from shoal.cli.main import Output, err_console, print_data, state
+    from shoal.cli.common import Output, err_console, print_data, state
 
     try:
         from shoal.scheduler import tracesim

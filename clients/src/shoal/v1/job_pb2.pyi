@@ -208,6 +208,8 @@ class JobSpec(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     MAX_BATCH_PER_DEVICE_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
+    KEEP_CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    RESUME_FROM_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """A human-readable name (1 to 128 characters)."""
     entry_point: _builtins.str
@@ -233,6 +235,18 @@ class JobSpec(_message.Message):
     max_batch_per_device: _builtins.int
     """The largest number of samples a device processes at once; larger shares are
     accumulated in micro-batches (0: no limit).
+    """
+    keep_checkpoints: _builtins.int
+    """How many of the job's newest complete checkpoints to keep (0: the default, 3); older
+    ones are deleted after each new checkpoint. The newest complete checkpoint (the one the
+    job resumes from) is never deleted.
+    """
+    resume_from: _builtins.str
+    """Start from another job's checkpoint: "JOB_ID" (its newest complete checkpoint) or
+    "JOB_ID/iter-K". The checkpoint is copied into this job's checkpoints at submit and the
+    job resumes from it as a recovered job would; batch_size and seed must equal the
+    checkpoint's and epochs exceed the epochs it has done. Set only at submit; the job's
+    owner must be able to see JOB_ID.
     """
     @_builtins.property
     def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -264,10 +278,12 @@ class JobSpec(_message.Message):
         seed: _builtins.int = ...,
         max_batch_per_device: _builtins.int = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        keep_checkpoints: _builtins.int = ...,
+        resume_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "artifact_id", b"artifact_id", "batch_size", b"batch_size", "checkpoint_every", b"checkpoint_every", "dataset_uris", b"dataset_uris", "entry_point", b"entry_point", "env", b"env", "epochs", b"epochs", "max_batch_per_device", b"max_batch_per_device", "max_workers", b"max_workers", "min_workers", b"min_workers", "name", b"name", "priority", b"priority", "seed", b"seed", "sync_mode", b"sync_mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "artifact_id", b"artifact_id", "batch_size", b"batch_size", "checkpoint_every", b"checkpoint_every", "dataset_uris", b"dataset_uris", "entry_point", b"entry_point", "env", b"env", "epochs", b"epochs", "keep_checkpoints", b"keep_checkpoints", "max_batch_per_device", b"max_batch_per_device", "max_workers", b"max_workers", "min_workers", b"min_workers", "name", b"name", "priority", b"priority", "resume_from", b"resume_from", "seed", b"seed", "sync_mode", b"sync_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

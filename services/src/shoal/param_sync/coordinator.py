@@ -80,6 +80,7 @@ class JobSettings:
     epochs: int
     seed: int = 0
     checkpoint_every: int = 0  # epochs; 0: only at the end
+    keep_checkpoints: int = 0  # complete checkpoints kept; 0: checkpoint.DEFAULT_KEEP
     storage_uri: str = ""
     shard_addresses: tuple[str, ...] = ()
 
@@ -94,6 +95,8 @@ class JobSettings:
             raise InvalidField("spec.seed", self.seed, "must be >= 0")
         if self.checkpoint_every < 0:
             raise InvalidField("spec.checkpoint_every", self.checkpoint_every, "must be >= 0")
+        if self.keep_checkpoints < 0:
+            raise InvalidField("spec.keep_checkpoints", self.keep_checkpoints, "must be >= 0")
         if not self.shard_addresses:
             raise InvalidField("shard_addresses", [], "must name at least one shard")
 

@@ -468,6 +468,7 @@ class ParameterSyncServicer:
             epochs=spec.epochs,
             seed=spec.seed,
             checkpoint_every=spec.checkpoint_every,
+            keep_checkpoints=spec.keep_checkpoints,
             storage_uri=storage,
             shard_addresses=tuple(request.shard_addresses),
         )
@@ -554,6 +555,7 @@ class ParameterSyncServicer:
             epochs=spec.epochs,
             seed=spec.seed,
             checkpoint_every=spec.checkpoint_every,
+            keep_checkpoints=spec.keep_checkpoints,
             storage_uri=storage,
             shard_addresses=tuple(request.shard_addresses),
         )
@@ -1722,9 +1724,29 @@ class ParameterSyncServicer:
             }
             await asyncio.to_thread(ckpt.write_manifest_and_latest, directory, manifest)
             log.info("job %s: checkpoint %s written", s.job_id, directory)
+            await self._prune_checkpoints(s)
         if task.final:
             await asyncio.to_thread(self._write_model, s, directory, manifest)
         return directory, task.iteration
+
+    @staticmethod
+    async def _prune_checkpoints(s: JobSettings) -> None:
+        """Retention (JobSpec.keep_checkpoints): a failure to delete never fails the job."""
+        try:
+            deleted, reclaimed = await asyncio.to_thread(
+                ckpt.prune_checkpoints, s.storage_uri, s.job_id, s.keep_checkpoints
+            )
+        except (ckpt.StorageError, OSError) as exc:
+            log.warning("job %s: old checkpoints not deleted: %s", s.job_id, exc)
+            return
+        if deleted:
+            log.info(
+                "job %s: deleted checkpoints %s (keeping %d), %d bytes reclaimed",
+                s.job_id,
+                ", ".join(deleted),
+                s.keep_checkpoints or ckpt.DEFAULT_KEEP,
+                reclaimed,
+            )
 
     @staticmethod
     def _write_model(settings: JobSettings, directory: str, manifest: dict[str, Any]) -> None:
