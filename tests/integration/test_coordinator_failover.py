@@ -14,6 +14,7 @@ iteration twice, and the final model equals single-process training within 1e-5.
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -90,6 +91,119 @@ def test_a_killed_coordinator_shard_is_taken_over_without_a_rewind(tmp_path: Pat
     assert_taken_over_without_loss(plane, job, learners, epochs)
 
 
+@pytest.mark.slow
+def test_a_coordinator_lost_in_the_middle_of_a_commit_is_taken_over_past_that_commit(
+    tmp_path: Path,
+):
+    """The coordinator shard delivers iteration k's commit to shard 1 only and is SIGKILLed
+    (the test fault ``commit-partial``, shoal.param_sync.faults): shard 1 stepped k, shard 2
+    still holds k's sums, the lost shard's replica (on shard 1) holds them too. The successor
+    commits k on shard 2 (the old coordinator had decided it), promotes the replica settled at
+    k + 1, and the job goes on from k + 1: nothing committed is lost or run twice."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=3)
+    job, epochs = "midcommit", 1
+    ipe = iterations_per_epoch()
+    at = ipe // 2
+    try:
+        plane.start_shards(
+            ["--shard-probe", "0.5"], env={0: {"SHOAL_TEST_FAULT": f"commit-partial@{at}"}}
+        )
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            for n in ("m0", "m1")
+        }
+        assert plane.shards[0].popen.wait(timeout=300) == -signal.SIGKILL
+        assert "test fault commit-partial: SIGKILL" in plane.shards[0].text()
+        reply = plane.take_over(
+            job, 1, lost=0, epoch=1, batch=BATCH, epochs=epochs, checkpoint_every=1
+        )
+        assert reply.progress.completed_iterations == at + 1  # past the partial commit
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+        assert plane.progress(job).done
+    finally:
+        plane.kill_all()
+    assert "committed it on shard(s) [2] too" in plane.shards[1].text()
+    assert_taken_over_without_loss(plane, job, learners, epochs)
+
+
+@pytest.mark.slow
+def test_a_coordinator_lost_after_an_earlier_promotion_is_taken_over_without_a_rewind(
+    tmp_path: Path,
+):
+    """Shard 2 is SIGKILLed and stays down: its slice is promoted onto its backup, shard 0 (the
+    coordinator), and re-replicated. Then shard 0 is SIGKILLed too: the sharding is not the
+    hash rule's any more and shard 2 does not answer. The successor (shard 1) learns the
+    sharding from the shards left (SetCoordinator's tensor_names: shard 0 held its tensors and
+    shard 2's), promotes shard 0's slice from its replica, and the job ends on shard 1 alone,
+    with nothing committed lost."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=3)
+    job, epochs = "promoted", 1
+    ipe = iterations_per_epoch()
+    total = epochs * ipe
+    try:
+        plane.start_shards(["--shard-probe", "0.5"])
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            for n in ("q0", "q1")
+        }
+        wait_until(
+            lambda: plane.progress(job).progress.completed_iterations >= ipe // 3,
+            timeout=180,
+            what=f"{ipe // 3} iterations",
+        )
+        plane.shards[2].kill()
+        plane.shards[0].wait_for("shard 0 promoted to hold the slice of shard 2", timeout=120)
+        promoted_at = plane.progress(job).progress.completed_iterations
+        wait_until(
+            lambda: plane.progress(job).progress.completed_iterations >= promoted_at + 3,
+            timeout=180,
+            what="training on two shards",
+        )
+        plane.shards[0].kill()
+        reply = plane.take_over(
+            job, 1, lost=0, epoch=1, batch=BATCH, epochs=epochs, checkpoint_every=1
+        )
+        assert promoted_at < reply.progress.completed_iterations < total
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+        assert plane.progress(job).done
+    finally:
+        plane.kill_all()
+    assert "takeover: shard 2 is down" in plane.shards[1].text()
+    assert_taken_over_without_loss(plane, job, learners, epochs)
+
+
+def wait_for_the_grace(plane: DataPlane, index: int, job: str, *, grace: float) -> None:
+    """Wait as the scheduler does before a takeover: until shard ``index`` (the job's
+    coordinator) has answered no progress poll for ``grace`` seconds."""
+    channel = grpc.insecure_channel(plane.addresses[index])
+    stub = ps_grpc.ParameterSyncServiceStub(channel)
+    metadata = (("authorization", f"Bearer {plane.tokens['service']}"),)
+    silent_since: float | None = None
+
+    def silent_for_the_grace() -> bool:
+        nonlocal silent_since
+        try:
+            stub.GetJobProgress(
+                ps_pb2.GetJobProgressRequest(job_id=job), metadata=metadata, timeout=0.5
+            )
+        except grpc.RpcError:
+            silent_since = silent_since or time.monotonic()
+            return time.monotonic() - silent_since >= grace
+        silent_since = None
+        return False
+
+    try:
+        wait_until(silent_for_the_grace, timeout=60, interval=0.2, what="the coordinator grace")
+    finally:
+        channel.close()
+
+
 def assert_taken_over_without_loss(plane: DataPlane, job: str, learners: dict, epochs: int) -> None:
     total = epochs * iterations_per_epoch()
     assert_each_iteration_recorded_once(plane, job, total)
@@ -105,18 +219,15 @@ def assert_taken_over_without_loss(plane: DataPlane, job: str, learners: dict, e
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="known gap: a learner blocked in a Boundary call on the frozen coordinator (its "
-    "connection stays open) waits for it instead of asking the shards where the coordinator "
-    "went; whether the learners are in that call when the freeze comes is timing (it failed "
-    "so in CI on 2026-11-26: the promotion waits for their re-join)",
-)
 def test_a_paused_coordinator_that_wakes_after_the_takeover_cannot_commit(tmp_path: Path):
     """SIGSTOP of the coordinator for longer than the takeover and the promotion of its
-    slice, then SIGCONT: the learners that were waiting on it get its answers, but the shards
-    refuse its generation (and would refuse its commits: fenced), so they look for the new
-    coordinator and follow it. The job completes as if the old one had died."""
+    slice, then SIGCONT. The takeover comes, as from the scheduler, once the coordinator has
+    not answered for the grace (2 s): by then every learner waits on it (in Boundary, whose
+    connection stays open, or in a stream the new coordinator aborts, then Boundary), and
+    nothing but the learners' liveness probes (FindCoordinator on the other shards while a
+    call hangs) gets them to the new coordinator; the promotion of the frozen shard's slice
+    waits for their re-join. Once awake, the old coordinator is refused by the shards
+    (fenced) and steps down. The job completes as if the old one had died."""
     tokens = make_tokens(tmp_path / "tokens")
     plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=3)
     job, epochs = "coordpause", 2
@@ -136,9 +247,13 @@ def test_a_paused_coordinator_that_wakes_after_the_takeover_cannot_commit(tmp_pa
         old = plane.shards[0]
         old.popen.send_signal(signal.SIGSTOP)
         try:
+            wait_for_the_grace(plane, 0, job, grace=2.0)
             plane.take_over(job, 1, lost=0, epoch=1, batch=BATCH, epochs=epochs, checkpoint_every=1)
-            # Its slice is promoted while it sleeps (it does not answer the probes).
+            taken = time.monotonic()
+            # Its slice is promoted while it sleeps (it does not answer the probes), once the
+            # learners re-joined the new coordinator.
             plane.shards[1].wait_for("promoted to hold the slice of shard 0", timeout=120)
+            promoted_after = time.monotonic() - taken
         finally:
             old.popen.send_signal(signal.SIGCONT)
         for name, proc in learners.items():
@@ -149,5 +264,9 @@ def test_a_paused_coordinator_that_wakes_after_the_takeover_cannot_commit(tmp_pa
         plane.kill_all()
     # Once it answered, the new coordinator told it the role moved (SetCoordinator epoch 1).
     assert "stepping down (epoch 0)" in old.text(), old.text()[-3000:]
+    # Every learner was stuck on the frozen coordinator and got out by its liveness probes.
+    for name, proc in learners.items():
+        assert "which hangs, after the role moved" in proc.text(), (name, proc.text()[-3000:])
+    print(f"slice promoted {promoted_after:.1f} s after the takeover")
 
     assert_taken_over_without_loss(plane, job, learners, epochs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -540,11 +541,28 @@ async def test_an_artifact_with_requirements_runs_in_its_own_environment_built_o
     }
     artifact = pack_artifact(bed.artifacts, files)
     stub = bed.stub()
+    env_lines = {}
     for learner_id, device in (("l1", "gpu0"), ("l2", "gpu1")):
         await stub.StartLearner(start_request(artifact, learner_id, device), timeout=300)
-        lines = [x.text for x in await log_lines(stub, learner_id)]
-        assert lines[:2] == ["hello from the job environment", "own venv True"], lines
-        assert lines[2].startswith("torch ")  # inherited from the agent's environment
+        got = await log_lines(stub, learner_id)
+        own = [x.text for x in got if not x.text.startswith("[shoal env] ")]
+        assert own[:2] == ["hello from the job environment", "own venv True"], own
+        assert own[2].startswith("torch ")  # inherited from the agent's environment
+        # The build's progress comes first in the learner's log, on stderr, with the times
+        # its lines were written.
+        env_lines[learner_id] = [x for x in got if x.text.startswith("[shoal env] ")]
+        assert got[: len(env_lines[learner_id])] == env_lines[learner_id]
+        assert all(x.stream == resources_pb2.LOG_STREAM_STDERR for x in env_lines[learner_id])
+    built = [x.text.removeprefix("[shoal env] ") for x in env_lines["l1"]]
+    key = built[0].split()[1]
+    assert built[0] == f"environment {key} (requirements.txt): building", built
+    assert f"environment {key}: pip install -r requirements.txt" in built
+    assert "Successfully installed shoal-tinypkg-0.1" in built, built  # pip's own lines
+    assert re.fullmatch(rf"environment {key}: ready in \d+\.\d s", built[-1]), built
+    times = [x.time.ToMilliseconds() for x in env_lines["l1"]]
+    assert times == sorted(times) and times[0] > 0
+    reused = [x.text for x in env_lines["l2"]]
+    assert reused == [f"[shoal env] environment {key} (requirements.txt): reused"], reused
     # Built once for both learners (same requirements), kept under the agent's envs/.
     assert bed.agent.processes.envs.builds == 1
     (env_dir,) = (bed.config.work_dir / "envs").iterdir()

@@ -1,10 +1,13 @@
 """Datasets from object storage: a real S3-compatible server (moto's server mode, a separate
 process on loopback started by this test), the job's dataset URIs as the host agent passes
 them (SHOAL_DATASET_URIS), read by the learner through fsspec's s3fs. Nothing is mocked on the
-client side: s3fs speaks HTTP to the server."""
+client side: s3fs speaks HTTP to the server. The same for gs:// URIs, through gcsfs against
+gcp-storage-emulator (a GCS JSON-API server from PyPI, a separate process on loopback; gcsfs
+finds it through STORAGE_EMULATOR_HOST, as it would find a fake-gcs-server)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import urllib.request
@@ -22,37 +25,47 @@ from tests.support import free_port, wait_until
 REPO = Path(__file__).resolve().parents[2]
 BUCKET = "datasets"
 
+# gcsfs's experimental zonal/HNS support (on by default, read when gcsfs is imported) asks the
+# Storage Control gRPC API for each bucket's type; the emulator speaks only the JSON API, so
+# each new client would spend ~100 s in gRPC retries before falling back to the plain
+# GCSFileSystem it then uses anyway. Real GCS answers that call.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = (tmp_path_factory.mktemp("moto") / "moto.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
+def _server(argv: list[str], probe: str, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A server process on loopback, up once ``probe`` answers; stopped after."""
+    log = log_path.open("w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
     def up() -> bool:
         try:
-            with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2):
+            with urllib.request.urlopen(probe, timeout=2):
                 return True
         except OSError:
             return proc.poll() is not None  # fail fast below when it died
 
     try:
-        wait_until(up, timeout=60, what="moto server up")
-        assert proc.poll() is None, "moto server exited"
-        yield endpoint
+        wait_until(up, timeout=60, what=f"{argv[2]} up")
+        assert proc.poll() is None, f"{argv[2]} exited: {log_path.read_text()[-2000:]}"
+        yield proc
     finally:
         proc.terminate()
         proc.wait(timeout=10)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    for _ in _server(argv, f"{endpoint}/moto-api/", log):
+        yield endpoint
 
 
 @pytest.fixture
@@ -124,3 +137,52 @@ def test_bad_dataset_uris_are_refused_naming_the_variable() -> None:
         LearnerEnv.from_environ({"SHOAL_DATASET_URIS": "s3://a,relative/path"})
     with pytest.raises(ValueError, match=r"dataset URI \('data.bin'\) must name a scheme"):
         data.read_bytes("data.bin")
+
+
+@pytest.fixture(scope="module")
+def gcs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    pytest.importorskip("gcsfs")
+    pytest.importorskip("gcp_storage_emulator")
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    argv = [
+        sys.executable,
+        "-m",
+        "gcp_storage_emulator",
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--in-memory",
+        "--default-bucket",
+        BUCKET,
+    ]
+    log = tmp_path_factory.mktemp("gcs") / "gcs.log"
+    for _ in _server(argv, f"{endpoint}/storage/v1/b", log):
+        yield endpoint
+
+
+@pytest.fixture
+def gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch):
+    import fsspec
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_endpoint)
+    fsspec.filesystem("gs").clear_instance_cache()
+    return fsspec.filesystem("gs", token="anon", skip_instance_cache=True)
+
+
+def test_a_job_trains_on_datasets_read_from_a_gcs_server(gcs) -> None:
+    train_set, test_set = digits()
+    for key, ds in (("digits/train.safetensors", train_set), ("digits/test.safetensors", test_set)):
+        x, y = ds.tensors
+        gcs.pipe_file(f"{BUCKET}/{key}", safetensors.torch.save({"x": x, "y": y}))
+    uris = f"gs://{BUCKET}/digits/train.safetensors,gs://{BUCKET}/digits/test.safetensors"
+    env = LearnerEnv.from_environ({"SHOAL_DATASET_URIS": uris})
+
+    from_gcs = train(get_datasets, env)
+    from_memory = train(lambda: (train_set, test_set), LearnerEnv())
+    assert from_gcs.keys() == from_memory.keys()
+    assert all(torch.equal(from_gcs[k], from_memory[k]) for k in from_gcs)
+    with pytest.raises(FileNotFoundError, match="nothing-here"):
+        data.read_bytes(f"gs://{BUCKET}/nothing-here.safetensors")

@@ -502,6 +502,88 @@ async def test_a_lost_coordinator_shard_is_replaced_by_the_next_shard_and_the_mo
     assert not any("checkpoint" in r for r in reasons), reasons
 
 
+async def test_a_jobs_coordinator_record_is_deleted_when_it_ends_in_any_terminal_state(
+    etcd: EtcdServer, tmp_path: Path
+) -> None:
+    """Where a job's coordinator moved (``/shoal/v1/parameter-sync/coordinators/<job_id>``)
+    is deleted from etcd when the job is COMPLETED, CANCELLED or FAILED; one left by an earlier
+    leader for a job that had ended is deleted as soon as it is seen. On a real etcd."""
+    cluster = await FakeCluster.start(hosts=2, gpus=4, shards=2)
+    store = EtcdStore(etcd.endpoints, timeout=3.0)
+    storage = Storage((tmp_path / "storage").as_uri())
+    table, reconciler, api, task = await start_loop(store, cluster, storage, max_failures=2)
+
+    async def stored(job_id: str) -> bool:
+        return await store.get(coordinator_key(job_id)) is not None
+
+    async def gone(job_id: str, what: str) -> None:
+        for _ in range(200):
+            if not await stored(job_id):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the coordinator record of {what} is still in etcd")
+
+    try:
+        info = await api.artifacts.upload(
+            name="m", declared_size=0, declared_sha256="", chunks=chunked(b"x" * 64), owner=ALICE
+        )
+        jobs = [
+            (await api.submit(ALICE, "", spec(info.artifact_id, max_workers=2))).job_id
+            for _ in range(3)
+        ]
+        await async_wait_until(
+            lambda: all(cluster.workers(j) == 2 for j in jobs), what="3 jobs on 2 learners each"
+        )
+        for j in jobs:  # the data plane moved every job's coordinator to the other shard
+            new = 1 - table.records[j].coordinator_index
+            moved = CoordinatorRecord(address=cluster.shard_addresses[new], index=new, epoch=1)
+            await store.put(coordinator_key(j), encode_coordinator(moved))
+        await async_wait_until(
+            lambda: all(reconciler.moves.get(j) is not None for j in jobs), what="moves seen"
+        )
+        assert [await stored(j) for j in jobs] == [True, True, True]
+        completed, cancelled, failed = jobs
+
+        cluster.sync.finish(completed)
+        await async_wait_until(
+            lambda: table.records[completed].state == S.JOB_STATE_COMPLETED, what="COMPLETED"
+        )
+        await gone(completed, "a COMPLETED job")
+        await async_wait_until(lambda: cluster.sync.jobs[completed].closed, what="closed")
+        assert cluster.sync.jobs[completed].closed  # CloseJob still reached its coordinator
+
+        await api.cancel(ALICE, cancelled, "")
+        await async_wait_until(
+            lambda: table.records[cancelled].state == S.JOB_STATE_CANCELLED, what="CANCELLED"
+        )
+        await gone(cancelled, "a CANCELLED job")
+
+        cluster.tick_interval = 3600  # no progress: learner failures fail the job
+        for _ in range(40):
+            if table.records[failed].state == S.JOB_STATE_FAILED:
+                break
+            running = cluster.running(failed)
+            if running:
+                cluster.exit_learner(running[0].learner.learner_id, 1, "Traceback: boom")
+            await asyncio.sleep(0.1)
+        await async_wait_until(
+            lambda: table.records[failed].state == S.JOB_STATE_FAILED, what="FAILED"
+        )
+        await gone(failed, "a FAILED job")
+        assert all(reconciler.moves.get(j) is None for j in jobs)
+
+        # A record of an ended job (left by a leader that died before deleting it): deleted
+        # as soon as the watch brings it.
+        stale = CoordinatorRecord(address=cluster.shard_addresses[0], index=0, epoch=7)
+        await store.put(coordinator_key(completed), encode_coordinator(stale))
+        await gone(completed, "an ended job, written again")
+    finally:
+        await stop_task(task)
+        await reconciler.peers.close()
+        await cluster.stop()
+        await store.close()
+
+
 async def test_a_job_without_progress_is_retried_from_its_checkpoint_then_fails_with_the_reason(
     tmp_path: Path,
 ) -> None:

@@ -14,6 +14,9 @@ single-process training within the equivalence tests' 1e-5.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import signal
 import time
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from tests.integration.test_elastic_training import (
     BATCH,
     assert_each_iteration_recorded_once,
     assert_matches_reference,
+    assert_shares_tile_every_batch,
     iterations_per_epoch,
 )
 from tests.support import make_tokens, wait_until
@@ -186,3 +190,100 @@ def test_two_shards_lost_one_after_the_other_on_three_are_each_replaced_without_
     for name in learners:
         steps = [r["step"] for r in plane.history(name)["history"]]
         assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)
+
+
+@pytest.mark.slow
+def test_a_shard_killed_while_it_writes_a_checkpoint_leaves_no_partial_one_and_loses_nothing(
+    tmp_path: Path,
+):
+    """Shard 1 SIGKILLs itself when asked to write its file of the epoch-1 checkpoint (the test
+    fault ``save-shard``, shoal.param_sync.faults): the coordinator's checkpoint waits, the
+    probe finds the shard lost, its backup takes its slice over, and that checkpoint is dropped,
+    never taken for written (no manifest, ``latest`` never names it). The job completes with
+    nothing committed lost, and its final checkpoint is whole."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
+    job, epochs = "ckptkill", 2
+    ipe = iterations_per_epoch()
+    total = epochs * ipe
+    try:
+        plane.start_shards(
+            ["--shard-probe", "0.5"], env={1: {"SHOAL_TEST_FAULT": f"save-shard@{ipe}"}}
+        )
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            for n in ("w0", "w1")
+        }
+        assert plane.shards[1].popen.wait(timeout=300) == -signal.SIGKILL
+        assert "test fault save-shard: SIGKILL" in plane.shards[1].text()
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+    finally:
+        plane.kill_all()
+
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    assert "shard 0 promoted to hold the slice of shard 1" in plane.shards[0].text()
+    checkpoints = plane.job_dir(job) / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == f"iter-{total}"
+    for directory in checkpoints.glob("iter-*"):
+        manifest = directory / "manifest.json"
+        if not manifest.exists():
+            assert directory.name == f"iter-{ipe}", directory  # only the interrupted one
+            continue
+        for entry in json.loads(manifest.read_text())["shards"]:  # a manifest: whole
+            data = (directory / entry["file"]).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == entry["sha256"], entry
+    for name in learners:
+        steps = [r["step"] for r in plane.history(name)["history"]]
+        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)
+
+
+@pytest.mark.slow
+def test_a_shard_killed_during_a_rescale_loses_nothing_and_the_shares_still_tile(
+    tmp_path: Path,
+):
+    """Three learners are paused inside iteration 6; one is retired and a fourth has joined
+    (both take effect at the next freeze) when shard 1 is SIGKILLed. The iteration in flight
+    is aborted, the slice promoted onto shard 0, and the survivors and the joiner re-run it in
+    the new generation: COMPLETED, each iteration recorded once, every batch's shares tile it,
+    equal to single-process training."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
+    job, epochs = "rescalekill", 1
+    total = epochs * iterations_per_epoch()
+    pauses = tmp_path / "pauses"
+    pauses.mkdir()
+    first, later = ["k0", "k1", "k2"], ["k3"]
+    gates = {n: tmp_path / f"{'first' if n in first else 'later'}.gate" for n in first + later}
+    try:
+        plane.start_shards(["--shard-probe", "0.5"])
+        plane.open_job(job, batch=BATCH, epochs=epochs)
+        procs = {
+            n: plane.start_learner(
+                job, n, epochs=epochs, batch=BATCH, gate=gates[n], pause_at="6", pause_dir=pauses
+            )
+            for n in first + later
+        }
+        for proc in procs.values():
+            proc.wait_for("READY", timeout=120)
+        gates["k0"].touch()
+        for n in first:
+            procs[n].wait_for("PAUSED at step 6", timeout=120)
+        plane.retire(job, "k2")
+        gates["k3"].touch()
+        procs["k3"].wait_for("training", timeout=60)  # joined, waiting to be admitted
+        plane.shards[1].kill()  # the rescale is pending: a retire and a joiner
+        (pauses / "release-6").touch()
+        for name, proc in procs.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+    finally:
+        plane.kill_all()
+
+    assert plane.history("k2")["retired"]
+    records = assert_each_iteration_recorded_once(plane, job, total)
+    assert records[-1]["world_size"] == 3  # k0, k1 and the joiner k3
+    assert_matches_reference(plane.final_model(job), epochs)
+    assert_shares_tile_every_batch(plane, [*first, *later], range(total))
+    assert "shard 0 promoted to hold the slice of shard 1" in plane.shards[0].text()

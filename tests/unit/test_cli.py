@@ -17,9 +17,11 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from shoal.cli import main as cli
-from shoal.cli.main import TracebackFolder, app
+from shoal.cli import jobs as cli_jobs
+from shoal.cli.follow import TracebackFolder
+from shoal.cli.main import app
 from shoal.cli.output import hoist_output_option, message_to_dict
+from shoal.client import AsyncClient
 from shoal.client.config import ConfigError, load_config, set_context
 from shoal.runtime.auth import USERS_AND_SERVICES, MethodRoles
 from shoal.runtime.config import ServerConfig
@@ -155,7 +157,7 @@ async def test_output_after_the_subcommand_gives_json_with_numbers(scheduler):
 
 async def test_a_narrow_table_never_cuts_an_id_and_shows_age(scheduler, monkeypatch):
     scheduler.add(LONG_ID, job_pb2.JOB_STATE_COMPLETED)
-    monkeypatch.setattr(cli, "console", Console(width=40))
+    monkeypatch.setattr(cli_jobs, "console", Console(width=40))
     result = await invoke(["jobs", "list"])
     assert result.exit_code == 0, result.output
     assert LONG_ID in result.stdout
@@ -203,7 +205,7 @@ async def test_download_honours_output_json(scheduler, tmp_path, monkeypatch):
         dest.write_bytes(b"abc")
         return 3
 
-    monkeypatch.setattr(cli.AsyncClient, "download_model", download_model)
+    monkeypatch.setattr(AsyncClient, "download_model", download_model)
     result = await invoke(
         ["jobs", "download", "job-1", "--out", str(tmp_path / "m.st"), "-o", "json"]
     )
@@ -360,6 +362,57 @@ def test_uploads_honour_gitignore_and_shoalignore(tmp_path):
     assert pack_directory(root) == packed.data
 
 
+def test_uploads_honour_gitignore_files_in_subdirectories_as_git_does(tmp_path):
+    import io
+    import tarfile
+
+    from shoal.client.packing import pack
+
+    root = tmp_path / "m"
+    files = {
+        "train.py": "t",
+        "notes.txt": "top",  # the top's *.txt
+        ".gitignore": "*.txt\n",
+        "src/.gitignore": "*.ckpt\n!keep.txt\nbuild/\n/only-here.py\n",
+        "src/keep.txt": "re-included by the deeper file",
+        "src/other.txt": "still the top's *.txt",
+        "src/model.ckpt": "src's *.ckpt",
+        "src/only-here.py": "anchored to src/",
+        "src/build/out.bin": "src's build/",
+        "src/deep/only-here.py": "not src/only-here.py: kept",
+        "src/deep/x.ckpt": "src's *.ckpt applies below src too",
+        "src/deep/.shoalignore": "!x.ckpt\n",  # ... unless a deeper file re-includes it
+        "model.ckpt": "src's patterns do not apply above src",
+        "data/.gitignore": "!*.txt\n",
+        "data/a.txt": "re-included by data/.gitignore",
+        "logs/.gitignore": "!x.log\n",  # cannot re-include inside an ignored directory
+        "logs/x.log": "l",
+    }
+    files[".shoalignore"] = "logs/\n"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    packed = pack(root)
+    with tarfile.open(fileobj=io.BytesIO(packed.data)) as tar:
+        names = sorted(n for n in tar.getnames() if not tar.getmember(n).isdir())
+    assert names == [
+        ".gitignore",
+        ".shoalignore",
+        "data/.gitignore",
+        "data/a.txt",
+        "model.ckpt",
+        "src/.gitignore",
+        "src/deep/.shoalignore",
+        "src/deep/only-here.py",
+        "src/deep/x.ckpt",
+        "src/keep.txt",
+        "train.py",
+    ]
+    # notes.txt, src/other.txt, src/model.ckpt, src/only-here.py, src/build/out.bin, and the
+    # 2 files of logs/
+    assert packed.ignored == 7
+
+
 async def test_log_lines_carry_written_time_learner_and_host_and_filter(scheduler):
     result = await invoke(["jobs", "logs", "job-1"])
     assert result.exit_code == 0, result.output
@@ -399,3 +452,46 @@ def test_cluster_status_and_down_find_the_current_contexts_cluster(tmp_path, mon
     (second / "cluster.json").write_text("{}")
     assert _free_context_name("local", second / "cluster.json") == "local-2"
     assert _found_state_dir(None) == Path(".shoal")  # a cluster in this directory wins
+
+
+async def test_submit_resume_from_and_keep_checkpoints_reach_the_spec(scheduler, tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "train.py").write_text("print('hi')\n")
+    for given, sent in (
+        ("job-3c0e5b9a41d2@14", "job-3c0e5b9a41d2/iter-14"),
+        ("job-3c0e5b9a41d2/14", "job-3c0e5b9a41d2/iter-14"),
+        ("job-3c0e5b9a41d2/iter-7", "job-3c0e5b9a41d2/iter-7"),
+        ("job-3c0e5b9a41d2", "job-3c0e5b9a41d2"),
+    ):
+        result = await invoke(
+            ["submit", str(tmp_path / "m"), "--resume-from", given, "--keep-checkpoints", "5"]
+        )
+        assert result.exit_code == 0, result.output
+        assert f"resuming from {sent}" in result.stdout
+        job = list(scheduler.jobs.values())[-1]
+        assert (job.spec.resume_from, job.spec.keep_checkpoints) == (sent, 5)
+    count = len(scheduler.jobs)
+    bad = await invoke(["submit", str(tmp_path / "m"), "--resume-from", "job-1@"])
+    assert bad.exit_code == 2 and "--resume-from ('job-1@')" in bad.output, bad.output
+    assert len(scheduler.jobs) == count  # nothing uploaded or submitted
+
+
+async def test_a_unique_prefix_of_a_job_id_is_accepted_and_an_ambiguous_one_named(scheduler):
+    for job_id in ("job-35eea1039ba5", "job-35e0000000aa", "job-7f3a00000000"):
+        scheduler.add(job_id, job_pb2.JOB_STATE_COMPLETED)
+
+    for prefix in ("7f3", "job-7f", "job-7f3a00000000"):
+        got = await invoke(["jobs", "get", prefix, "-o", "json"])
+        assert got.exit_code == 0, got.output
+        assert json.loads(got.stdout)["job_id"] == "job-7f3a00000000"
+    got = await invoke(["jobs", "watch", "35ee"])  # another command taking a job id
+    assert got.exit_code == 0 and "job-35eea1039ba5: completed" in got.stdout, got.output
+
+    ambiguous = await invoke(["jobs", "get", "job-35e"])
+    assert ambiguous.exit_code == 1
+    assert "job id prefix ('job-35e') is ambiguous" in ambiguous.stderr, ambiguous.stderr
+    assert "job-35e0000000aa, job-35eea1039ba5" in ambiguous.stderr
+    assert len(ambiguous.stderr.strip().splitlines()) == 1
+
+    unknown = await invoke(["jobs", "get", "zzz"])  # the server's own NOT_FOUND
+    assert unknown.exit_code == 1 and "zzz" in unknown.stderr, unknown.output

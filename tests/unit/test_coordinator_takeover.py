@@ -5,7 +5,11 @@ coordinator's last iteration is recorded once, from whoever re-sends it."""
 
 from __future__ import annotations
 
+import pytest
+
 from shoal.param_sync.coordinator import Action, Coordinator, JobSettings, RecoverTask
+from shoal.param_sync.takeover import sharding_after_takeover
+from shoal.runtime.errors import InvalidField
 from tests.unit.test_coordinator import LAYOUT, SGD, Clock, active, finish_iteration, runs
 
 
@@ -75,3 +79,43 @@ def test_nothing_is_recorded_again_when_the_lost_coordinator_recorded_it() -> No
     runs(coord, "a")
     finish_iteration(coord)
     assert coord.take_metrics() == []
+
+
+def test_a_successor_takes_the_sharding_the_shards_hold_after_an_earlier_promotion() -> None:
+    """Three shards; shard 2's slice had been promoted onto shard 0, then shard 0 was lost:
+    the successor's sharding is what the shards left hold, shard 0 holding the rest."""
+    settings = JobSettings(
+        job_id="job-1",
+        batch_size=4,
+        epochs=2,
+        seed=3,
+        storage_uri="memory://x",
+        shard_addresses=("s0:1", "s1:1", "s2:1"),
+    )
+    held = sharding_after_takeover(LAYOUT, {1: ("b",)}, 0, 3)
+    coord = Coordinator(settings, clock=Clock())
+    tasks = coord.take_over(
+        layout=LAYOUT,
+        optimizer=SGD,
+        dataset_size=10,
+        completed=3,
+        generation=(1 << 32) - 1,
+        last_checkpoint=-1,
+        lost_shard=0,
+        sharding=held,
+    )
+    assert tasks == [RecoverTask(0, "lost (it was the coordinator)")]
+    assert coord.sharding == held
+    assert coord.sharding.tensors == (("w", "bn.running_mean"), ("b",), ())
+    assert coord.promote(0, 1).tensors == ((), ("w", "b", "bn.running_mean"), ())
+    with pytest.raises(InvalidField, match="must have 3 shards"):
+        Coordinator(settings, clock=Clock()).take_over(
+            layout=LAYOUT,
+            optimizer=SGD,
+            dataset_size=10,
+            completed=3,
+            generation=1,
+            last_checkpoint=-1,
+            lost_shard=0,
+            sharding=sharding_after_takeover(LAYOUT, {1: ("b",)}, 0, 2),
+        )

@@ -1,7 +1,9 @@
 """JobSchedulerService's GetCallerIdentity, ListCheckpoints and DownloadCheckpoint, in process
 (port 0, MemoryStore, real auth), over checkpoints written by the data plane's own writer
 (shoal.param_sync.checkpoint): complete ones are listed with their files, incomplete ones are
-not, and only the files a manifest names can be downloaded, by the job's owner or an admin."""
+not, and only the files a manifest names can be downloaded, by the job's owner or an admin.
+Retention (``prune_checkpoints``) keeps the newest N complete checkpoints and never the one
+``latest`` names nor one being written; ``resume_from`` copies a checkpoint into a new job."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from tests.unit.test_scheduler_service import Bed, bed, submit, upload
 __all__ = ["bed"]  # the fixture, imported for the tests below
 
 
-def write_checkpoint(b: Bed, job_id: str, iteration: int, *, shards: int = 2) -> dict[str, bytes]:
+def write_checkpoint(
+    b: Bed, job_id: str, iteration: int, *, shards: int = 2, **extra: object
+) -> dict[str, bytes]:
     """A complete checkpoint as the coordinator writes it: shard files, manifest, latest."""
     directory = ckpt.job_uri(b.storage.uri, job_id, "checkpoints", ckpt.checkpoint_name(iteration))
     files: dict[str, bytes] = {}
@@ -42,6 +46,7 @@ def write_checkpoint(b: Bed, job_id: str, iteration: int, *, shards: int = 2) ->
         "generation": 3,
         "shards": entries,
         "time": 1_735_689_600.0 + iteration,
+        **extra,
     }
     ckpt.write_manifest_and_latest(directory, manifest)
     return files
@@ -184,3 +189,106 @@ async def test_a_job_without_checkpoints_lists_none(bed: Bed) -> None:
     job = await submit(bed, await upload(bed))
     got = await bed.stub().ListCheckpoints(js.ListCheckpointsRequest(job_id=job.job_id))
     assert list(got.checkpoints) == []
+
+
+async def names(b: Bed, job_id: str) -> list[str]:
+    reply = await b.stub("user").ListCheckpoints(js.ListCheckpointsRequest(job_id=job_id))
+    return [c.name for c in reply.checkpoints]
+
+
+async def test_retention_keeps_the_newest_complete_ones_and_never_one_being_written(
+    bed: Bed,
+) -> None:
+    job = await submit(bed, await upload(bed))
+    for k in (10, 20, 30, 40, 50):
+        write_checkpoint(bed, job.job_id, k)
+    root = ckpt.job_uri(bed.storage.uri, job.job_id, "checkpoints")
+    ckpt.atomic_write(ckpt.join_uri(root, "iter-5", "shard-0.safetensors"), b"interrupted")
+    ckpt.atomic_write(ckpt.join_uri(root, "iter-60", "shard-0.safetensors"), b"being written")
+
+    deleted, reclaimed = ckpt.prune_checkpoints(bed.storage.uri, job.job_id, 2)
+    assert deleted == ["iter-5", "iter-10", "iter-20", "iter-30"]
+    assert reclaimed > 3 * 3000
+    assert await names(bed, job.job_id) == ["iter-40", "iter-50"]
+    assert (
+        ckpt.read_bytes(ckpt.join_uri(root, "iter-60", "shard-0.safetensors")) == b"being written"
+    )
+    assert ckpt.prune_checkpoints(bed.storage.uri, job.job_id, 2) == ([], 0)  # nothing more
+
+    # 0 is the default (3); the checkpoint `latest` names is kept even when it is older.
+    other = await submit(bed, await upload(bed))
+    for k in (1, 2, 3, 4, 5):
+        write_checkpoint(bed, other.job_id, k)
+    ckpt.atomic_write(
+        ckpt.join_uri(ckpt.job_uri(bed.storage.uri, other.job_id, "checkpoints"), "latest"),
+        b"iter-1",
+    )
+    deleted, _ = ckpt.prune_checkpoints(bed.storage.uri, other.job_id, 0)
+    assert deleted == []  # iter-1 is kept (latest), so nothing older than it goes
+    ckpt.atomic_write(
+        ckpt.join_uri(ckpt.job_uri(bed.storage.uri, other.job_id, "checkpoints"), "latest"),
+        b"iter-5",
+    )
+    deleted, _ = ckpt.prune_checkpoints(bed.storage.uri, other.job_id, 0)
+    assert deleted == ["iter-1", "iter-2"]
+    assert await names(bed, other.job_id) == ["iter-3", "iter-4", "iter-5"]
+
+
+async def test_a_negative_keep_checkpoints_is_refused_naming_the_field(bed: Bed) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await submit(bed, await upload(bed), keep_checkpoints=-1)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.keep_checkpoints" in caught.value.details() and "-1" in caught.value.details()
+
+
+async def test_resume_from_copies_the_checkpoint_into_the_new_job(bed: Bed) -> None:
+    artifact = await upload(bed)
+    source = await submit(bed, artifact)
+    files = write_checkpoint(bed, source.job_id, 20, batch_size=64, seed=0)
+    write_checkpoint(bed, source.job_id, 40, batch_size=64, seed=0)
+
+    job = await submit(bed, artifact, epochs=5, resume_from=f"{source.job_id}/iter-20")
+    assert job.spec.resume_from == f"{source.job_id}/iter-20"
+    assert await names(bed, job.job_id) == ["iter-20"]
+    found = ckpt.latest_checkpoint(bed.storage.uri, job.job_id)
+    assert found is not None and found[1]["iteration"] == 20  # what the data plane resumes from
+    for name, data in files.items():
+        got = b"".join(m.chunk for m in await download(bed, job.job_id, "iter-20", name) if m.chunk)
+        assert got == data
+    newest = await submit(bed, artifact, epochs=5, resume_from=source.job_id)  # iter-40
+    assert await names(bed, newest.job_id) == ["iter-40"]
+
+
+@pytest.mark.parametrize(
+    ("value", "code", "words"),
+    [
+        ("{job}/iter-99", "NOT_FOUND", ["'iter-99' of job", "(it has: iter-20, iter-40)"]),
+        ("job-nope", "NOT_FOUND", ["job-nope"]),
+        ("{job}/latest", "INVALID_ARGUMENT", ["spec.resume_from", "iter-120"]),
+        ("{job}/iter-20", "INVALID_ARGUMENT", ["spec.batch_size", "(32)"]),
+        ("{job}/iter-40", "INVALID_ARGUMENT", ["spec.epochs (3)", "the 4 epochs", "iter-40"]),
+    ],
+)
+async def test_a_bad_resume_from_is_refused_and_creates_nothing(
+    bed: Bed, value: str, code: str, words: list[str]
+) -> None:
+    artifact = await upload(bed)
+    source = await submit(bed, artifact)
+    write_checkpoint(bed, source.job_id, 20, batch_size=32, seed=0)
+    write_checkpoint(bed, source.job_id, 40, batch_size=64, seed=0)  # epoch 4
+    before = await bed.stub("admin").ListJobs(js.ListJobsRequest(page_size=100))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await submit(bed, artifact, epochs=3, resume_from=value.format(job=source.job_id))
+    assert caught.value.code().name == code, caught.value.details()
+    for word in words:
+        assert word in caught.value.details(), caught.value.details()
+    after = await bed.stub("admin").ListJobs(js.ListJobsRequest(page_size=100))
+    assert len(after.jobs) == len(before.jobs)
+
+
+async def test_another_users_job_cannot_be_resumed_from(bed: Bed) -> None:
+    source = await submit(bed, await upload(bed))
+    write_checkpoint(bed, source.job_id, 20)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await submit(bed, await upload(bed, who="other"), who="other", resume_from=source.job_id)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND

@@ -10,7 +10,8 @@ coordinator's shard was lost and a successor took over: the scheduler's leader c
 
 ``epoch`` increases by at least one on each move; a reader keeps the entry with the highest
 epoch it has seen and ignores older ones. The scheduler reads (and watches) the key and falls
-back to its hash rule when the key is absent. The value is UTF-8 JSON; :func:`decode_coordinator`
+back to its hash rule when the key is absent, and deletes it when the job ends (COMPLETED,
+FAILED, CANCELLED). The value is UTF-8 JSON; :func:`decode_coordinator`
 rejects anything else with an error naming the field and the value.
 
 This module imports neither grpc nor torch.

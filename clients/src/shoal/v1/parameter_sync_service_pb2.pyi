@@ -1892,6 +1892,7 @@ class SetCoordinatorRequest(_message.Message):
     COORDINATOR_ADDRESS_FIELD_NUMBER: _builtins.int
     COORDINATOR_EPOCH_FIELD_NUMBER: _builtins.int
     MIN_GENERATION_FIELD_NUMBER: _builtins.int
+    KEEP_PENDING_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     coordinator_address: _builtins.str
@@ -1900,6 +1901,12 @@ class SetCoordinatorRequest(_message.Message):
     """Its epoch: greater than or equal to every epoch the shard was told of."""
     min_generation: _builtins.int
     """Generations below this one are superseded (the old coordinator's)."""
+    keep_pending: _builtins.bool
+    """True (a takeover): keep the sums of an iteration in flight instead of dropping them, and
+    report them (pending_generation, pending_iteration): the old coordinator may have
+    committed that iteration on other shards before it was lost, and then the successor
+    commits it here too (ResolveIteration); otherwise it aborts it.
+    """
     def __init__(
         self,
         *,
@@ -1907,10 +1914,11 @@ class SetCoordinatorRequest(_message.Message):
         coordinator_address: _builtins.str = ...,
         coordinator_epoch: _builtins.int = ...,
         min_generation: _builtins.int = ...,
+        keep_pending: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_address", b"coordinator_address", "coordinator_epoch", b"coordinator_epoch", "job_id", b"job_id", "min_generation", b"min_generation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_address", b"coordinator_address", "coordinator_epoch", b"coordinator_epoch", "job_id", b"job_id", "keep_pending", b"keep_pending", "min_generation", b"min_generation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1923,16 +1931,38 @@ class SetCoordinatorResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     COMPLETED_ITERATIONS_FIELD_NUMBER: _builtins.int
+    TENSOR_NAMES_FIELD_NUMBER: _builtins.int
+    PENDING_ITERATION_FIELD_NUMBER: _builtins.int
+    PENDING_GENERATION_FIELD_NUMBER: _builtins.int
+    LAST_GRAD_NORM_FIELD_NUMBER: _builtins.int
     completed_iterations: _builtins.int
     """The iterations this shard's slice has committed (-1 without a slice)."""
+    pending_iteration: _builtins.int
+    """The iteration whose sums the slice holds (kept: keep_pending), -1 when none."""
+    pending_generation: _builtins.int
+    """The generation of those sums."""
+    last_grad_norm: _builtins.float
+    """The global gradient norm of the slice's last commit (what a clipping job's commit of the
+    same iteration on another shard must use).
+    """
+    @_builtins.property
+    def tensor_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The tensors of this shard's slice, in layout order (empty without a slice): after an
+        earlier promotion the sharding is not the hash rule's, and a successor learns it here.
+        """
+
     def __init__(
         self,
         *,
         completed_iterations: _builtins.int = ...,
+        tensor_names: _abc.Iterable[_builtins.str] | None = ...,
+        pending_iteration: _builtins.int = ...,
+        pending_generation: _builtins.int = ...,
+        last_grad_norm: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "last_grad_norm", b"last_grad_norm", "pending_generation", b"pending_generation", "pending_iteration", b"pending_iteration", "tensor_names", b"tensor_names"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -30,7 +30,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -68,6 +68,7 @@ from shoal.learner.backend import (
     registered_backends,
 )
 from shoal.learner.env import LearnerEnv
+from shoal.learner.liveness import WATCH_AFTER_S, WATCH_EVERY_S, CoordinatorMoved, watched
 from shoal.learner.tracing import trace_metadata
 from shoal.v1 import (
     job_pb2,
@@ -148,6 +149,10 @@ class GrpcBackend(SyncBackend):
 
     #: The mode this backend joins a job in (the first Join fixes the job's).
     SYNC_MODE: int = job_pb2.SYNC_MODE_PARAMETER_SERVER
+    #: A call pending on the coordinator this long starts the liveness probes, one each
+    #: ``watch_every_s`` (``shoal.learner.liveness``).
+    watch_after_s: float = WATCH_AFTER_S
+    watch_every_s: float = WATCH_EVERY_S
 
     def __init__(
         self,
@@ -179,6 +184,10 @@ class GrpcBackend(SyncBackend):
         # A shard refused this learner's generation: the coordinator that issued it may have
         # been replaced (and fenced); the next control call asks the shards first.
         self._recheck_coordinator = False
+        # The coordinator moved (FindCoordinator named a newer one): Join it before any other
+        # control call; and which shard the next liveness probe asks (shoal.learner.liveness).
+        self._rejoin = False
+        self._probe_turn = 0
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._tls = tls
         self._chunk_bytes = chunk_bytes
@@ -254,17 +263,23 @@ class GrpcBackend(SyncBackend):
         """A unary control call to the coordinator, retried while it is unreachable. Meanwhile
         the other shards are asked whether the coordinator moved (its shard was lost and
         another took the role over): then the learner joins the new one and asks it. An answer
-        from a coordinator older than one already followed is refused (it was fenced)."""
+        from a coordinator older than one already followed is refused (it was fenced). A call
+        that hangs (a frozen coordinator) is watched: the shards are asked where the
+        coordinator is while it waits, and it is dropped for the new one (``_watch``)."""
         deadline = time.monotonic() + self._retry_s
         delay = 0.1
         if self._recheck_coordinator:
             self._recheck_coordinator = False
-            if await self._find_coordinator(metadata) and method != "Join" and self._setup:
-                await self._join(self._setup, metadata)
+            await self._find_coordinator(metadata)
         while True:
+            if self._rejoin and method != "Join" and self._setup is not None:
+                await self._join(self._setup, metadata)
             try:
                 call = getattr(self._coordinator_stub(), method)
-                reply = await call(request, metadata=metadata or self._metadata)
+                reply = await self._watch(call(request, metadata=metadata or self._metadata))
+            except CoordinatorMoved:
+                deadline = time.monotonic() + self._retry_s
+                continue
             except aio.AioRpcError as exc:
                 if exc.code() not in _RETRYABLE or time.monotonic() > deadline:
                     raise _translate(exc) from exc
@@ -279,42 +294,80 @@ class GrpcBackend(SyncBackend):
                     f"coordinator {self.coordinator} answered from epoch {epoch}, older than "
                     f"{self._coordinator_epoch}"
                 )
-            if await self._find_coordinator(metadata):
+            if await self._find_coordinator(metadata) or (self._rejoin and method != "Join"):
                 deadline = time.monotonic() + self._retry_s
-                if method != "Join" and self._setup is not None:
-                    await self._join(self._setup, metadata)
                 continue
             log.warning("%s; retrying in %.1f s", why, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
+    async def _watch(self, call: Awaitable[T]) -> T:
+        """``call`` (an RPC, or a gather of streams) watched for a coordinator that hangs
+        (``shoal.learner.liveness``): raises CoordinatorMoved once the shards name a new one."""
+        waited_on = self.coordinator
+        try:
+            return await watched(
+                call,
+                self._probe_coordinator,
+                after_s=self.watch_after_s,
+                every_s=self.watch_every_s,
+            )
+        except CoordinatorMoved:
+            log.warning(
+                "a call waited on coordinator %s, which hangs, after the role moved: dropped it "
+                "to follow %s",
+                waited_on,
+                self.coordinator,
+            )
+            raise
+
+    def _candidates(self) -> list[str]:
+        """The shards to ask where the coordinator is: all known but the one followed."""
+        candidates = dict.fromkeys([*(s.address for s in self._shards), *self._endpoints])
+        candidates.pop(self.coordinator, None)
+        return list(candidates)
+
+    async def _probe_coordinator(self) -> bool:
+        """One liveness probe while a call waits on the coordinator: ask one other shard (in
+        turn) where the coordinator is; True if it named a newer one (now followed)."""
+        candidates = self._candidates()
+        if not candidates:
+            return False
+        address = candidates[self._probe_turn % len(candidates)]
+        self._probe_turn += 1
+        return await self._ask_where(address, self._metadata, timeout=2.0)
+
     async def _find_coordinator(self, metadata: Any = None) -> bool:
         """Ask the other shards where the job's coordinator is; switch to it (True) when one
         names a newer coordinator than the one followed."""
-        candidates = dict.fromkeys([*(s.address for s in self._shards), *self._endpoints])
-        candidates.pop(self.coordinator, None)
-        request = ps_pb2.FindCoordinatorRequest(job_id=self.job_id)
-        for address in candidates:
-            stub = ps_grpc.ParameterSyncServiceStub(self._channel(address))
-            try:
-                reply = await stub.FindCoordinator(
-                    request, metadata=metadata or self._metadata, timeout=5.0
-                )
-            except aio.AioRpcError as exc:
-                log.info("FindCoordinator on %s: %s", address, exc.details())
-                continue
-            if reply.coordinator_epoch > self._coordinator_epoch and reply.coordinator_address:
-                log.warning(
-                    "coordinator moved: %s -> %s (epoch %d)",
-                    self.coordinator,
-                    reply.coordinator_address,
-                    reply.coordinator_epoch,
-                )
-                self.coordinator = reply.coordinator_address
-                self._coordinator_epoch = reply.coordinator_epoch
-                self._routing_epoch = 0  # the new coordinator's routing starts afresh
+        for address in self._candidates():
+            if await self._ask_where(address, metadata or self._metadata, timeout=5.0):
                 return True
         return False
+
+    async def _ask_where(self, address: str, metadata: Any, *, timeout: float) -> bool:
+        """FindCoordinator on the shard at ``address``; follow a newer coordinator it names
+        (True: Join it before the next control call)."""
+        stub = ps_grpc.ParameterSyncServiceStub(self._channel(address))
+        request = ps_pb2.FindCoordinatorRequest(job_id=self.job_id)
+        try:
+            reply = await stub.FindCoordinator(request, metadata=metadata, timeout=timeout)
+        except aio.AioRpcError as exc:
+            log.info("FindCoordinator on %s: %s", address, exc.details())
+            return False
+        if reply.coordinator_epoch <= self._coordinator_epoch or not reply.coordinator_address:
+            return False
+        log.warning(
+            "coordinator moved: %s -> %s (epoch %d)",
+            self.coordinator,
+            reply.coordinator_address,
+            reply.coordinator_epoch,
+        )
+        self.coordinator = reply.coordinator_address
+        self._coordinator_epoch = reply.coordinator_epoch
+        self._routing_epoch = 0  # the new coordinator's routing starts afresh
+        self._rejoin = self._setup is not None
+        return True
 
     # -- initialize ---------------------------------------------------------------------------
 
@@ -387,6 +440,7 @@ class GrpcBackend(SyncBackend):
             sync_mode=self.SYNC_MODE,  # type: ignore[arg-type]
         )
         reply = await self._control("Join", request, md)
+        self._rejoin = False
         self._route(reply.shards)
         return reply
 
@@ -529,7 +583,9 @@ class GrpcBackend(SyncBackend):
             await self._receive(shard, call)
 
         try:
-            await asyncio.gather(*(one(s) for s in self._shards))
+            await self._watch(asyncio.gather(*(one(s) for s in self._shards)))
+        except CoordinatorMoved as exc:  # a frozen coordinator's shard may be one of them
+            raise IterationAborted("the job's coordinator moved") from exc
         except aio.AioRpcError as exc:
             if _shard_lost(exc):
                 await asyncio.sleep(_SHARD_LOST_PAUSE_S)
@@ -655,7 +711,9 @@ class GrpcBackend(SyncBackend):
 
         tasks = [asyncio.ensure_future(one(s)) for s in self._shards]
         try:
-            return list(await asyncio.gather(*tasks))
+            return list(await self._watch(asyncio.gather(*tasks)))
+        except CoordinatorMoved as exc:  # a frozen coordinator's shard may be one of them
+            raise IterationAborted("the job's coordinator moved") from exc
         except aio.AioRpcError as exc:
             for t in tasks:
                 t.cancel()

@@ -15,6 +15,12 @@ INVALID_ARGUMENT and pip's error (its last lines): the scheduler then fails the 
 reason (a transient failure, such as an unreachable package index, fails it too: resubmit).
 A build that outlasts the scheduler's StartLearner deadline goes on; the retried start waits for
 it and reuses it.
+
+Progress: ``python_for(work, progress=...)`` reports each step, every line pip prints (as it
+prints it) and the time the build took, or that the environment was reused or is being built
+by another learner of this host; the host agent writes these lines, prefixed ``[shoal env]``,
+at the top of the learner's log (so ``shoal jobs logs`` shows them, each with the time it was
+written).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 from shoal.runtime.errors import InvalidField
@@ -38,6 +44,8 @@ log = logging.getLogger("shoal.host_agent.envs")
 REQUIREMENTS_FILE = "requirements.txt"
 _READY = ".ready"
 _ERROR_TAIL = 2000  # characters of pip's output in the error
+
+Progress = Callable[[str], Awaitable[None]]
 
 
 # Run by the new venv's python with the agent's python as argument: a .pth file that adds the
@@ -80,24 +88,31 @@ class JobEnvironments:
     def python_of(self, key: str) -> Path:
         return self.root / key / "bin" / "python"
 
-    async def python_for(self, work: Path) -> str | None:
+    async def python_for(self, work: Path, *, progress: Progress | None = None) -> str | None:
         """The interpreter for an artifact unpacked in ``work``: its environment's when it
-        carries ``requirements.txt`` (built now if this host has none yet), else None."""
+        carries ``requirements.txt`` (built now if this host has none yet), else None.
+        ``progress`` is told what happens, a line at a time (see the module's docstring)."""
         path = work / REQUIREMENTS_FILE
         if not path.is_file():
             return None
         requirements = path.read_bytes()
         key = self.key(requirements)
+        say = _reporter(progress)
         lock = self._locks.setdefault(key, asyncio.Lock())
+        if lock.locked():
+            await say(f"environment {key[:12]}: waiting for its build by another learner")
         async with lock:
             directory = self.root / key
             if (directory / _READY).is_file():
                 log.info("environment %s: reused", key[:12])
+                await say(f"environment {key[:12]} ({REQUIREMENTS_FILE}): reused")
                 return str(self.python_of(key))
-            await self._build(key, directory, work)
+            await self._build(key, directory, work, say)
             return str(self.python_of(key))
 
-    async def _run(self, argv: list[str], cwd: Path, log_file: Path) -> tuple[int, str]:
+    async def _run(
+        self, argv: list[str], cwd: Path, log_file: Path, say: Progress | None = None
+    ) -> tuple[int, str]:
         with log_file.open("ab") as out:
             out.write(f"$ {' '.join(argv)}\n".encode())
             out.flush()
@@ -116,6 +131,8 @@ class JobEnvironments:
                     async for line in process.stdout:
                         out.write(line)
                         captured += line
+                        if say is not None:
+                            await say(line.decode(errors="replace").rstrip())
                     code = await process.wait()
             except TimeoutError:
                 process.kill()
@@ -126,7 +143,10 @@ class JobEnvironments:
                 )
         return code, captured.decode(errors="replace")
 
-    async def _build(self, key: str, directory: Path, work: Path) -> None:
+    async def _build(
+        self, key: str, directory: Path, work: Path, say: Progress | None = None
+    ) -> None:
+        say = say or _reporter(None)
         short = key[:12]
         if directory.exists():  # a build that did not finish (the agent died)
             await asyncio.to_thread(shutil.rmtree, directory, True)
@@ -156,13 +176,16 @@ class JobEnvironments:
                 ],
             ),
         ]
+        await say(f"environment {short} ({REQUIREMENTS_FILE}): building")
         for what, argv in steps:
             log.info("environment %s: %s", short, what)
-            code, output = await self._run(argv, work, build_log)
+            await say(f"environment {short}: {what}")
+            code, output = await self._run(argv, work, build_log, say)
             if code != 0:
                 await asyncio.to_thread(shutil.rmtree, directory, True)
                 tail = output.strip()[-_ERROR_TAIL:]
                 log.warning("environment %s: %s failed (exit %d)", short, what, code)
+                await say(f"environment {short}: {what} failed (exit {code})")
                 raise InvalidField(
                     f"artifact {REQUIREMENTS_FILE}",
                     short,
@@ -171,4 +194,20 @@ class JobEnvironments:
         (directory / _READY).write_text(f"{time.time()}\n")
         shutil.move(str(build_log), str(directory / "build.log"))
         self.builds += 1
-        log.info("environment %s: ready in %.1f s", short, time.monotonic() - started)
+        took = time.monotonic() - started
+        log.info("environment %s: ready in %.1f s", short, took)
+        await say(f"environment {short}: ready in {took:.1f} s")
+
+
+def _reporter(progress: Progress | None) -> Progress:
+    """``progress`` made safe: a failure to report never fails a build."""
+
+    async def say(text: str) -> None:
+        if progress is None:
+            return
+        try:
+            await progress(text)
+        except Exception as exc:  # a full disk, a closed log
+            log.debug("environment progress not reported: %s", exc)
+
+    return say

@@ -56,7 +56,7 @@ from shoal.host_agent.artifacts import (
     unpack,
 )
 from shoal.host_agent.devices import DeviceInfo, cuda_env
-from shoal.host_agent.envs import JobEnvironments
+from shoal.host_agent.envs import REQUIREMENTS_FILE, JobEnvironments
 from shoal.host_agent.groups import (
     group_alive,
     kill_group as _kill_group,
@@ -436,7 +436,7 @@ class ProcessManager:
                 raise InvalidField(
                     "entry_point", request.entry_point, "is neither a .py script nor executable"
                 )
-            python = await self.envs.python_for(work)
+            python = await self._environment_python(directory, work)
             learner = Learner(
                 learner_id=request.learner_id,
                 job_id=request.job_id,
@@ -452,6 +452,21 @@ class ProcessManager:
             raise
         self._learners[learner.learner_id] = learner
         return learner
+
+    async def _environment_python(self, directory: Path, work: Path) -> str | None:
+        """The job environment's interpreter (``envs.python_for``); its build's progress goes
+        to the top of the learner's log, as ``[shoal env] ...`` lines on stderr."""
+        if not (work / REQUIREMENTS_FILE).is_file():
+            return None
+        writer = _LogWriter(directory / "output.log")  # Learner.log_path; _spawn appends
+
+        async def progress(text: str) -> None:
+            await writer.write(STDERR, f"[shoal env] {text}".encode())
+
+        try:
+            return await self.envs.python_for(work, progress=progress)
+        finally:
+            writer.close()
 
     def _environment(self, learner: Learner, request: LaunchRequest) -> dict[str, str]:
         env = {

@@ -12,6 +12,11 @@ Storage layout under the storage URI (any fsspec URI; ``file://`` by default)::
         metrics/epochs.jsonl          one line per epoch evaluation (EpochMetric fields)
         model.safetensors             the whole final model (parameters and buffers by name)
 
+Retention (:func:`prune_checkpoints`, after each commit): a job keeps its newest
+``keep_checkpoints`` complete checkpoints (default :data:`DEFAULT_KEEP`); older directories,
+complete or interrupted, are deleted. The one ``latest`` names and any newer directory (a
+checkpoint being written) are never touched.
+
 Crash safety: every file is written to a temporary name and renamed into place (on object
 stores, where rename is not atomic, one ``put`` of the whole object is). The manifest names
 every shard file with its size and sha256 and is written only after all of them; ``latest`` is
@@ -25,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -35,6 +41,7 @@ from fsspec.implementations.local import LocalFileSystem
 from shoal.contract import ids
 
 __all__ = [
+    "DEFAULT_KEEP",
     "LATEST",
     "MANIFEST",
     "StorageError",
@@ -43,6 +50,7 @@ __all__ = [
     "job_uri",
     "join_uri",
     "latest_checkpoint",
+    "prune_checkpoints",
     "read_bytes",
     "read_manifest",
     "sha256_hex",
@@ -52,6 +60,9 @@ __all__ = [
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = 1
+# How many complete checkpoints a job keeps when its spec says 0 (JobSpec.keep_checkpoints).
+DEFAULT_KEEP = 3
+_ITER_NAME = re.compile(r"iter-(0|[1-9][0-9]{0,17})")
 
 
 class StorageError(RuntimeError):
@@ -162,3 +173,51 @@ def write_manifest_and_latest(directory: str, manifest: Mapping[str, Any]) -> No
     atomic_write(join_uri(directory, MANIFEST), body)
     root, name = directory.rstrip("/").rsplit("/", 1)
     atomic_write(join_uri(root, LATEST), name.encode())
+
+
+def prune_checkpoints(storage_uri: str, job_id: str, keep: int) -> tuple[list[str], int]:
+    """Delete the job's checkpoint directories older than its newest ``keep`` complete ones
+    (``keep`` <= 0: :data:`DEFAULT_KEEP`). Never deletes the checkpoint ``latest`` names
+    (the one a restarted job resumes from) nor anything newer than the oldest one kept (a
+    checkpoint being written has no manifest yet but a higher iteration). Returns the names
+    deleted and the bytes reclaimed. A directory that vanishes meanwhile is skipped."""
+    keep = keep if keep > 0 else DEFAULT_KEEP
+    root = job_uri(storage_uri, job_id, "checkpoints")
+    fs, path = fsspec.core.url_to_fs(root)
+    try:
+        entries = fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return [], 0
+    latest = (read_bytes(join_uri(root, LATEST)) or b"").decode(errors="replace").strip()
+    found: list[tuple[int, str]] = []
+    for entry in entries:
+        name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+        match = _ITER_NAME.fullmatch(name)
+        if match is not None:
+            found.append((int(match.group(1)), name))
+    complete = sorted(
+        ((k, n) for k, n in found if fs.exists(f"{path}/{n}/{MANIFEST}")), reverse=True
+    )
+    kept = {n for _, n in complete[:keep]} | {latest}
+    if len(complete) <= keep:
+        return [], 0
+    oldest_kept = min(k for k, n in complete if n in kept)
+    deleted: list[str] = []
+    reclaimed = 0
+    for k, name in sorted(found):
+        if k >= oldest_kept or name in kept:
+            continue
+        directory = f"{path}/{name}"
+        try:
+            size = int(fs.du(directory))
+            # The manifest first: a half-deleted checkpoint is never listed as complete.
+            if fs.exists(f"{directory}/{MANIFEST}"):
+                fs.rm(f"{directory}/{MANIFEST}")
+            fs.rm(directory, recursive=True)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise StorageError(f"cannot delete {join_uri(root, name)}: {exc}") from exc
+        deleted.append(name)
+        reclaimed += size
+    return deleted, reclaimed

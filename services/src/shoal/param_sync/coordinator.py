@@ -80,6 +80,7 @@ class JobSettings:
     epochs: int
     seed: int = 0
     checkpoint_every: int = 0  # epochs; 0: only at the end
+    keep_checkpoints: int = 0  # complete checkpoints kept; 0: checkpoint.DEFAULT_KEEP
     storage_uri: str = ""
     shard_addresses: tuple[str, ...] = ()
 
@@ -94,6 +95,8 @@ class JobSettings:
             raise InvalidField("spec.seed", self.seed, "must be >= 0")
         if self.checkpoint_every < 0:
             raise InvalidField("spec.checkpoint_every", self.checkpoint_every, "must be >= 0")
+        if self.keep_checkpoints < 0:
+            raise InvalidField("spec.keep_checkpoints", self.keep_checkpoints, "must be >= 0")
         if not self.shard_addresses:
             raise InvalidField("shard_addresses", [], "must name at least one shard")
 
@@ -1017,6 +1020,7 @@ class Coordinator:
         last_checkpoint: int,
         lost_shard: int,
         collect_last: bool = True,
+        sharding: Sharding | None = None,
     ) -> list[Task]:
         """Become the coordinator of a parameter-server job whose coordinator shard was lost
         (shard ``lost_shard``), at ``completed`` iterations, which every shard left holds: the
@@ -1025,7 +1029,9 @@ class Coordinator:
         and the lost shard's slice is recovered as for any lost shard (the returned tasks:
         :meth:`shard_lost`). The report of the last committed iteration, which went to the lost
         coordinator, is collected again from whoever sends it, until the next commit, unless
-        ``collect_last`` is false (it is recorded already)."""
+        ``collect_last`` is false (it is recorded already). ``sharding``: the one the shards
+        left hold (after an earlier promotion it is not the hash rule's; default: the hash
+        rule's)."""
         self.restore(
             layout=layout,
             optimizer=optimizer,
@@ -1034,6 +1040,12 @@ class Coordinator:
             samples_processed=0,
             generation=generation,
         )
+        if sharding is not None:
+            if sharding.num_shards != self.settings.num_shards:
+                raise InvalidField(
+                    "sharding", sharding.num_shards, f"must have {self.settings.num_shards} shards"
+                )
+            self.sharding = sharding
         self.set_mode(False)
         self.resumed = False
         self.initialized = True

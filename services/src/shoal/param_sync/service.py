@@ -41,7 +41,7 @@ from shoal.contract.wire import (
     frame_decoder,
     serialize,
 )
-from shoal.param_sync import checkpoint as ckpt
+from shoal.param_sync import checkpoint as ckpt, faults
 from shoal.param_sync.authz import (
     authorize,
     check_job_directory,
@@ -68,6 +68,12 @@ from shoal.param_sync.shard import (
     shard_file_name,
 )
 from shoal.param_sync.sharding import Sharding
+from shoal.param_sync.takeover import (
+    ShardState,
+    TakeoverPlan,
+    plan_takeover,
+    sharding_after_takeover,
+)
 from shoal.runtime.auth import (
     LEARNERS,
     SERVICES,
@@ -288,6 +294,7 @@ class _TakeOver:
     last_checkpoint: int  # the latest checkpoint's iteration (-1: none)
     generation: int  # the first generation number of the new coordinator
     collect_last: bool  # the last committed iteration is not in iterations.jsonl yet
+    held: dict[int, tuple[str, ...]]  # the tensors each shard left holds (not the lost one)
 
 
 @dataclass
@@ -461,6 +468,7 @@ class ParameterSyncServicer:
             epochs=spec.epochs,
             seed=spec.seed,
             checkpoint_every=spec.checkpoint_every,
+            keep_checkpoints=spec.keep_checkpoints,
             storage_uri=storage,
             shard_addresses=tuple(request.shard_addresses),
         )
@@ -547,6 +555,7 @@ class ParameterSyncServicer:
             epochs=spec.epochs,
             seed=spec.seed,
             checkpoint_every=spec.checkpoint_every,
+            keep_checkpoints=spec.keep_checkpoints,
             storage_uri=storage,
             shard_addresses=tuple(request.shard_addresses),
         )
@@ -589,14 +598,18 @@ class ParameterSyncServicer:
                 coordinator_address=settings.shard_addresses[me],
                 coordinator_epoch=epoch,
                 min_generation=generation,
+                keep_pending=True,
             )
             others = [i for i in range(settings.num_shards) if i != lost]
             results = await asyncio.gather(
                 *(self._call_shard(settings, i, "SetCoordinator", move) for i in others),
                 return_exceptions=True,
             )
+            states: dict[int, ShardState] = {}
             for i, result in zip(others, results, strict=True):
-                if isinstance(result, BaseException):
+                if isinstance(result, Unavailable):  # taken to hold nothing (takeover.py)
+                    log.warning("job %s: takeover: shard %d is down", request.job_id, i)
+                elif isinstance(result, BaseException):
                     log.warning(
                         "job %s: takeover: shard %d did not accept the move: %s",
                         request.job_id,
@@ -604,18 +617,11 @@ class ParameterSyncServicer:
                         result,
                     )
                     raise result
-            at = {
-                i: int(r.completed_iterations)
-                for i, r in zip(others, results, strict=True)
-                if r.completed_iterations >= 0
-            }
-            if len(set(at.values())) != 1:
-                raise FailedPrecondition(
-                    f"the shards left of job {request.job_id!r} do not hold one state "
-                    f"(iterations by shard: {at or 'none'}); resume it from its latest "
-                    "checkpoint instead"
-                )
-            completed = next(iter(at.values()))
+                else:
+                    states[i] = _shard_state(result)
+            plan = plan_takeover(request.job_id, states)
+            await self._settle_takeover(settings, epoch, plan)
+            completed = plan.completed
             found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
             last_checkpoint = int(found[1]["iteration"]) if found is not None else -1
             recorded = await asyncio.to_thread(self._last_recorded, settings)
@@ -623,7 +629,12 @@ class ParameterSyncServicer:
             coord.completed = completed  # reported before the first learner re-joins
             job = _CoordinatedJob(coord, owner=request.owner, epoch=epoch)
             job.takeover = _TakeOver(
-                lost, completed, last_checkpoint, generation, recorded < completed - 1
+                lost,
+                completed,
+                last_checkpoint,
+                generation,
+                recorded < completed - 1,
+                {i: st.tensors for i, st in states.items() if st.completed >= 0},
             )
             coord.recovering = (
                 f"coordinator shard {lost} lost at iteration {completed}; shard {me} took "
@@ -642,6 +653,37 @@ class ParameterSyncServicer:
                 completed,
             )
             return ps_pb2.TakeOverJobResponse(progress=_progress_proto(coord.progress()))
+
+    async def _settle_takeover(self, settings: JobSettings, epoch: int, plan: TakeoverPlan) -> None:
+        """Bring the shards left to one state (``takeover.plan_takeover``): commit an iteration
+        the lost coordinator committed on some of them only, drop sums nobody committed."""
+
+        def resolve(commit: bool, at: tuple[int, int]) -> ps_pb2.ResolveIterationRequest:
+            return ps_pb2.ResolveIterationRequest(
+                job_id=settings.job_id,
+                generation=at[0],
+                iteration=at[1],
+                commit=commit,
+                grad_norm=plan.grad_norm if commit else 0.0,
+                coordinator_epoch=epoch,
+            )
+
+        calls = [
+            self._call_shard(settings, i, "ResolveIteration", resolve(True, at))
+            for i, at in plan.commits.items()
+        ] + [
+            self._call_shard(settings, i, "ResolveIteration", resolve(False, at))
+            for i, at in plan.aborts.items()
+        ]
+        await asyncio.gather(*calls)
+        if plan.commits:
+            log.warning(
+                "job %s: takeover: iteration %d was committed on some shards only; committed it "
+                "on shard(s) %s too",
+                settings.job_id,
+                plan.completed - 1,
+                sorted(plan.commits),
+            )
 
     async def _depose(self, job: _CoordinatedJob, lost: int) -> None:
         """Tell the lost coordinator's shard, once it answers again (it was paused or
@@ -679,11 +721,12 @@ class ParameterSyncServicer:
         takeover = job.takeover
         assert takeover is not None
         coord = job.coord
-        sharding = coord.plan_sharding(layout, optimizer, dataset_size)
+        coord.plan_sharding(layout, optimizer, dataset_size)  # checks the layout
+        s = coord.settings
+        sharding = sharding_after_takeover(layout, takeover.held, takeover.lost, s.num_shards)
         build_optimizer(optimizer, [])
-        await self._configure_all(
-            coord.settings, layout, optimizer, sharding, skip=frozenset({takeover.lost})
-        )
+        empty = frozenset(i for i, names in enumerate(sharding.tensors) if not names)
+        await self._configure_all(s, layout, optimizer, sharding, skip=empty | {takeover.lost})
         async with job.cond:
             tasks = coord.take_over(
                 layout=layout,
@@ -694,6 +737,7 @@ class ParameterSyncServicer:
                 last_checkpoint=takeover.last_checkpoint,
                 lost_shard=takeover.lost,
                 collect_last=takeover.collect_last,
+                sharding=sharding,
             )
             job.takeover = None
             log.warning("job %s: takeover: %s; recovering", coord.job_id, coord.recovering)
@@ -734,11 +778,14 @@ class ParameterSyncServicer:
                 mine.cond.notify_all()
         part = self._slices.get(request.job_id)
         if part is None:
-            return ps_pb2.SetCoordinatorResponse(completed_iterations=-1)
+            return ps_pb2.SetCoordinatorResponse(completed_iterations=-1, pending_iteration=-1)
         sj = part.job
         sj.coordinator_address = request.coordinator_address
         pending = sj.pending
-        if pending is not None:  # never committed: the new coordinator runs it again
+        kept = (-1, -1)
+        if pending is not None and request.keep_pending:  # the successor resolves it
+            kept = (pending.generation, pending.iteration)
+        elif pending is not None:  # never committed: the new coordinator runs it again
             await self._compute(sj.abort, pending.generation, pending.iteration)
         sj.min_generation = max(sj.min_generation, request.min_generation)
         part.memberships.clear()
@@ -746,7 +793,11 @@ class ParameterSyncServicer:
             part, Aborted(f"job {request.job_id!r}: its coordinator moved; ask Boundary again")
         )
         return ps_pb2.SetCoordinatorResponse(
-            completed_iterations=sj.completed if sj.initialized else -1
+            completed_iterations=sj.completed if sj.initialized else -1,
+            tensor_names=sj.names if sj.initialized else [],
+            pending_generation=kept[0],
+            pending_iteration=kept[1],
+            last_grad_norm=sj.last_grad_norm,
         )
 
     async def FindCoordinator(self, request: ps_pb2.FindCoordinatorRequest, context: Any) -> Any:
@@ -1571,10 +1622,12 @@ class ParameterSyncServicer:
             commit=task.commit,
             grad_norm=task.grad_norm,
         )
-        calls = [
-            self._call_shard(coord.settings, i, "ResolveIteration", request)
-            for i in self._active(coord)
-        ]
+        active = self._active(coord)
+        if task.commit and faults.armed("commit-partial", task.iteration):
+            others = [i for i in active if i != self.options.shard_index]
+            await self._call_shard(coord.settings, others[0], "ResolveIteration", request)
+            faults.die("commit-partial")
+        calls = [self._call_shard(coord.settings, i, "ResolveIteration", request) for i in active]
         # The replicas are not told: each applies its sums when the next ones arrive, or is
         # settled when it is used (ShardJob.keep_pending, ShardJob.settle).
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -1671,9 +1724,29 @@ class ParameterSyncServicer:
             }
             await asyncio.to_thread(ckpt.write_manifest_and_latest, directory, manifest)
             log.info("job %s: checkpoint %s written", s.job_id, directory)
+            await self._prune_checkpoints(s)
         if task.final:
             await asyncio.to_thread(self._write_model, s, directory, manifest)
         return directory, task.iteration
+
+    @staticmethod
+    async def _prune_checkpoints(s: JobSettings) -> None:
+        """Retention (JobSpec.keep_checkpoints): a failure to delete never fails the job."""
+        try:
+            deleted, reclaimed = await asyncio.to_thread(
+                ckpt.prune_checkpoints, s.storage_uri, s.job_id, s.keep_checkpoints
+            )
+        except (ckpt.StorageError, OSError) as exc:
+            log.warning("job %s: old checkpoints not deleted: %s", s.job_id, exc)
+            return
+        if deleted:
+            log.info(
+                "job %s: deleted checkpoints %s (keeping %d), %d bytes reclaimed",
+                s.job_id,
+                ", ".join(deleted),
+                s.keep_checkpoints or ckpt.DEFAULT_KEEP,
+                reclaimed,
+            )
 
     @staticmethod
     def _write_model(settings: JobSettings, directory: str, manifest: dict[str, Any]) -> None:
@@ -2246,6 +2319,8 @@ class ParameterSyncServicer:
     async def _local_SaveShard(self, request: ps_pb2.SaveShardRequest) -> Any:
         self._check_coordinator_epoch(request.job_id, request.coordinator_epoch)
         sj = self._slice(request.job_id).job
+        if faults.armed("save-shard", request.global_iteration):
+            faults.die("save-shard")
         uri, size, digest = await self._compute(
             sj.save, request.directory, request.global_iteration
         )
@@ -2292,6 +2367,15 @@ class ParameterSyncServicer:
             initialized=part.job.initialized,
             completed_iterations=part.job.completed,
         )
+
+
+def _shard_state(reply: ps_pb2.SetCoordinatorResponse) -> ShardState:
+    pending = None
+    if reply.pending_iteration >= 0:
+        pending = (int(reply.pending_generation), int(reply.pending_iteration))
+    return ShardState(
+        int(reply.completed_iterations), tuple(reply.tensor_names), pending, reply.last_grad_norm
+    )
 
 
 def _optimizer_config(spec: ps_pb2.OptimizerSpec) -> OptimizerConfig:

@@ -14,18 +14,28 @@ No grpc here: :class:`~shoal.scheduler.service.JobApi` calls these and maps the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
 import logging
 import re
 from collections.abc import Sequence
 from typing import Any
 
-from shoal.runtime.errors import InvalidField, NotFound
+from shoal.contract import ids
+from shoal.runtime.errors import FailedPrecondition, InvalidField, NotFound, ShoalError
 from shoal.scheduler.artifacts import Storage
 from shoal.scheduler.jobs import timestamp, validate_page_size
 from shoal.v1 import job_scheduler_service_pb2 as js_pb2
 
-__all__ = ["MANIFEST", "checkpoint_file_path", "list_checkpoints", "page_checkpoints"]
+__all__ = [
+    "MANIFEST",
+    "checkpoint_file_path",
+    "copy_checkpoint",
+    "list_checkpoints",
+    "page_checkpoints",
+    "parse_resume_from",
+]
 
 log = logging.getLogger(__name__)
 
@@ -166,3 +176,88 @@ async def checkpoint_file_path(
     if file not in listed:
         raise NotFound(f"file of checkpoint {checkpoint!r}", file[:200])
     return f"{directory}/{file}", listed[file]
+
+
+class CheckpointNotFound(NotFound):
+    """NOT_FOUND for a checkpoint of a job, saying why or which ones there are."""
+
+    def __init__(self, job_id: str, name: str, why: str) -> None:
+        ShoalError.__init__(self, f"checkpoint {name!r} of job {job_id!r} not found ({why})")
+
+
+def parse_resume_from(value: str) -> tuple[str, str]:
+    """``JobSpec.resume_from`` -> (job id, checkpoint name or "" for the newest):
+    "JOB_ID" or "JOB_ID/iter-K"; INVALID_ARGUMENT naming the field otherwise."""
+    job_id, _, name = value.partition("/")
+    if not ids.is_valid(ids.IdKind.JOB, job_id):
+        raise InvalidField(
+            "spec.resume_from", value[:200], "must be JOB_ID or JOB_ID/iter-K (a job id first)"
+        )
+    if name:
+        _parse_name("spec.resume_from", name)
+    return job_id, name
+
+
+async def choose_checkpoint(
+    storage: Storage, job_id: str, name: str
+) -> tuple[js_pb2.JobCheckpoint, dict[str, Any]]:
+    """The complete checkpoint ``name`` of ``job_id`` (the newest with "") and its manifest;
+    NOT_FOUND naming the checkpoints there are otherwise."""
+    listed = await list_checkpoints(storage, job_id)
+    chosen = [c for c in listed if c.name == name] if name else listed[-1:]
+    if not chosen:
+        there = ", ".join(c.name for c in listed) or "none"
+        raise CheckpointNotFound(job_id, name or "newest", f"it has: {there}")
+    directory = f"{_checkpoints_dir(storage, job_id)}/{chosen[0].name}"
+    manifest = await asyncio.to_thread(_read_json, storage, f"{directory}/{MANIFEST}")
+    if manifest is None:  # deleted by the job's retention since it was listed
+        raise CheckpointNotFound(job_id, chosen[0].name, "deleted by the job's retention")
+    return chosen[0], manifest
+
+
+def _copy(storage: Storage, source_job: str, checkpoint: js_pb2.JobCheckpoint, job_id: str) -> int:
+    src = f"{_checkpoints_dir(storage, source_job)}/{checkpoint.name}"
+    root = _checkpoints_dir(storage, job_id)
+    dst = f"{root}/{checkpoint.name}"
+    fs = storage.fs
+    fs.makedirs(dst, exist_ok=True)
+    copied = 0
+    try:
+        # Shard files first, each checked against the manifest; the manifest, then
+        # ``latest``, last: the commit order of the data plane, so a copy cut short is an
+        # incomplete checkpoint that nothing resumes from.
+        for f in checkpoint.files:
+            if f.name == MANIFEST:
+                continue
+            data = fs.cat_file(f"{src}/{f.name}")
+            if len(data) != f.size_bytes or (
+                f.sha256 and hashlib.sha256(data).hexdigest() != f.sha256
+            ):
+                raise FailedPrecondition(
+                    f"checkpoint {checkpoint.name} of job {source_job!r}: {f.name} does not "
+                    "match its manifest"
+                )
+            fs.pipe_file(f"{dst}/{f.name}", data)
+            copied += len(data)
+        manifest = fs.cat_file(f"{src}/{MANIFEST}")
+        fs.pipe_file(f"{dst}/{MANIFEST}", manifest)
+        fs.pipe_file(f"{root}/{LATEST}", checkpoint.name.encode())
+    except FileNotFoundError:
+        fs.rm(root, recursive=True)
+        raise CheckpointNotFound(
+            source_job, checkpoint.name, "deleted by the job's retention while it was copied"
+        ) from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            fs.rm(root, recursive=True)
+        raise
+    return copied + len(manifest)
+
+
+async def copy_checkpoint(
+    storage: Storage, source_job: str, checkpoint: js_pb2.JobCheckpoint, job_id: str
+) -> int:
+    """Copy a complete checkpoint of ``source_job`` into the new job ``job_id``'s checkpoints
+    and point its ``latest`` at it, so that the new job starts as if it had recovered from it.
+    Returns the bytes copied."""
+    return await asyncio.to_thread(_copy, storage, source_job, checkpoint, job_id)

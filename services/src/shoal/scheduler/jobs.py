@@ -230,6 +230,10 @@ def validate_spec(
         )
     if spec.checkpoint_every < 0:
         raise InvalidField("spec.checkpoint_every", spec.checkpoint_every, "must be >= 0")
+    if spec.keep_checkpoints < 0:
+        raise InvalidField(
+            "spec.keep_checkpoints", spec.keep_checkpoints, "must be >= 0 (0: the default, 3)"
+        )
     if spec.max_batch_per_device < 0:
         raise InvalidField(
             "spec.max_batch_per_device", spec.max_batch_per_device, "must be >= 0 (0: no limit)"

@@ -68,6 +68,7 @@ from shoal.runtime.errors import (
 )
 from shoal.runtime.store import Store, StoreError
 from shoal.scheduler.artifacts import Storage
+from shoal.scheduler.goodput import GoodputTracker
 from shoal.scheduler.health import HealthConfig, JobHealth, VerdictKind, assess, lost_reason
 from shoal.scheduler.jobs import (
     HOLDING,
@@ -661,6 +662,7 @@ class Reconciler:
         self._takeover_tried: dict[str, float] = {}
         self.cycles = 0
         self.rescales = RescaleTracker(clock=clock)
+        self.goodput = GoodputTracker()  # throughput models and attained service (goodput.py)
         self._triggered_at: float | None = None
 
     def _reset(self) -> None:
@@ -845,6 +847,7 @@ class Reconciler:
             for r in records.values()
             if r.active
         ]
+        demands = self.goodput.annotate(demands)
         # Placement must not see a device twice; lost learners were left out above.
         targets_before = {r.job_id: r.job.target_workers for r in records.values()}
         decided = plan(
@@ -1003,7 +1006,10 @@ class Reconciler:
         """The parameter-sync tier moved a job's coordinator (a shard failed over): talk to
         the new one from now on (progress, retire, evict, close; new learners are told it)."""
         record = self.table.records.get(job_id)
-        if record is None or record.final:
+        if record is not None and record.final:  # left by a leader that died before deleting
+            self._spawn(self._forget_coordinator_move(job_id), f"forget-coordinator-{job_id}")
+            return
+        if record is None:
             return
         if (record.coordinator_address, record.coordinator_index) == (moved.address, moved.index):
             return
@@ -1602,6 +1608,25 @@ class Reconciler:
         await self.table.save(record)
         self.table.publish(record, S.JOB_EVENT_KIND_STATE)
         self.trigger(f"job {record.job_id} {state_name(target)}")
+        if record.final:
+            await self._forget_coordinator_move(record.job_id)
+
+    async def _forget_coordinator_move(self, job_id: str) -> None:
+        """A job ended (COMPLETED, FAILED, CANCELLED): delete where its coordinator moved
+        (``/shoal/v1/parameter-sync/coordinators/<job_id>``), which nothing reads any more (the
+        record keeps the address its CloseJob goes to). Fenced like every scheduler write; a
+        failed delete is retried when a leader lists the moves again (``_coordinator_moved``)."""
+        self._takeover_tried.pop(job_id, None)
+        if self.moves.records.pop(job_id, None) is None:
+            with contextlib.suppress(StoreError):
+                if await self.table.store.get(coordinator_key(job_id)) is None:
+                    return
+        try:
+            await self.table.store.delete(coordinator_key(job_id), fence=self.table.fence)
+        except StoreError as exc:
+            log.warning("job %s: coordinator record not deleted: %s", job_id, exc)
+            return
+        log.info("job %s: coordinator record deleted (the job ended)", job_id)
 
     async def _poll_progress(self, record: JobRecord) -> ps_pb2.GetJobProgressResponse | None:
         if not record.opened or not record.coordinator_address:
@@ -1654,6 +1679,8 @@ class Reconciler:
         self.rescales.observe(
             record, response.member_learner_ids, response.progress.completed_iterations
         )
+        if response.HasField("progress"):
+            self.goodput.observe_job(record.job, response.progress, self.clock())
         if response.HasField("progress") and response.progress != record.job.progress:
             if response.progress.completed_iterations > record.job.progress.completed_iterations:
                 record.failures = 0
@@ -1818,6 +1845,8 @@ class Reconciler:
                 epoch,
             )
             self.moves.apply(coordinator_key(job_id), value)
+            if record.final:  # it ended while the move was being made: nothing reads it
+                await self._forget_coordinator_move(job_id)
             return True
         return False
 

@@ -203,6 +203,9 @@ class JobApi:
             principal, spec.artifact_id
         ) or not await self.artifacts.exists(spec.artifact_id):
             raise ArtifactNotFound(spec.artifact_id)
+        resume = None
+        if spec.resume_from:
+            resume = await self._resume_source(principal, spec)
         record = new_job_record(
             spec,
             job_id=self.table.new_job_id(),
@@ -214,8 +217,47 @@ class JobApi:
         # The job's trace is its submit's: the scheduler's later work for it continues it.
         record.traceparent = telemetry.current_traceparent()
         trace.get_current_span().set_attribute("shoal.job_id", record.job_id)
+        if resume is not None:  # before the job exists: it never starts without it
+            copied = await checkpoints.copy_checkpoint(
+                self.storage, resume[0], resume[1], record.job_id
+            )
+            log.info(
+                "job %s resumes from %s/%s (%d bytes copied)",
+                record.job_id,
+                resume[0],
+                resume[1].name,
+                copied,
+            )
         created = await self.table.create(record)
         return record if created else None
+
+    async def _resume_source(
+        self, principal: Principal, spec: job_pb2.JobSpec
+    ) -> tuple[str, job_pb2.JobCheckpoint]:
+        """The job and checkpoint ``spec.resume_from`` names, checked: the caller must see
+        the job (NOT_FOUND otherwise, as for any job), the checkpoint must be complete, the
+        new job's batch size and seed must be the checkpoint's (the data order depends on
+        them), and its epochs more than the checkpoint has done (else nothing is left to
+        train)."""
+        source, name = checkpoints.parse_resume_from(spec.resume_from)
+        await self.visible(principal, source)
+        checkpoint, manifest = await checkpoints.choose_checkpoint(self.storage, source, name)
+        for field, mine in (("batch_size", spec.batch_size), ("seed", spec.seed)):
+            theirs = manifest.get(field)
+            if theirs is not None and int(theirs) != mine:
+                raise InvalidField(
+                    f"spec.{field}",
+                    mine,
+                    f"must equal that of checkpoint {source}/{checkpoint.name} ({theirs})",
+                )
+        if checkpoint.epoch >= spec.epochs:
+            raise InvalidField(
+                "spec.epochs",
+                spec.epochs,
+                f"must be more than the {checkpoint.epoch} epochs checkpoint "
+                f"{source}/{checkpoint.name} has done",
+            )
+        return source, checkpoint
 
     async def get(self, principal: Principal, job_id: str) -> job_pb2.Job:
         return (await self.visible(principal, job_id)).public()

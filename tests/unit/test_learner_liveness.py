@@ -1,0 +1,214 @@
+"""A learner's calls on a coordinator that hangs (issue 12): ``shoal.learner.liveness.watched``
+and the grpc backend's use of it, against real in-process gRPC servers: a coordinator whose
+Boundary never answers (a SIGSTOPped process looks so to its clients: the connection stays
+open) and a shard that says the role moved."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from grpc import aio
+
+from shoal.learner.grpc_backend import GrpcBackend
+from shoal.learner.liveness import CoordinatorMoved, watched
+from shoal.v1 import (
+    parameter_sync_service_pb2 as ps_pb2,
+    parameter_sync_service_pb2_grpc as ps_grpc,
+)
+
+# -- watched ------------------------------------------------------------------------------------
+
+
+def test_a_call_that_answers_is_never_probed() -> None:
+    probes = 0
+
+    async def moved() -> bool:
+        nonlocal probes
+        probes += 1
+        return True
+
+    async def call() -> str:
+        await asyncio.sleep(0.01)
+        return "answer"
+
+    assert asyncio.run(watched(call(), moved, after_s=1.0, every_s=1.0)) == "answer"
+    assert probes == 0
+
+
+def test_a_hanging_call_is_cancelled_once_the_coordinator_moved() -> None:
+    probes = 0
+    cancelled = False
+
+    async def moved() -> bool:
+        nonlocal probes
+        probes += 1
+        return probes == 3
+
+    async def hang() -> None:
+        nonlocal cancelled
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+
+    with pytest.raises(CoordinatorMoved):
+        asyncio.run(watched(hang(), moved, after_s=0.01, every_s=0.01))
+    assert (probes, cancelled) == (3, True)
+
+
+def test_a_call_that_finishes_while_probed_keeps_its_outcome() -> None:
+    done = asyncio.Event
+
+    async def main() -> str:
+        finished = done()
+
+        async def moved() -> bool:
+            finished.set()  # the call ends during the probe
+            await asyncio.sleep(0.05)
+            return True
+
+        async def call() -> str:
+            await finished.wait()
+            return "late answer"
+
+        return await watched(call(), moved, after_s=0.01, every_s=0.01)
+
+    assert asyncio.run(main()) == "late answer"
+
+
+def test_an_error_of_the_call_is_raised_as_is() -> None:
+    async def moved() -> bool:
+        return False
+
+    async def fail() -> None:
+        await asyncio.sleep(0.05)
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        asyncio.run(watched(fail(), moved, after_s=0.01, every_s=0.01))
+
+
+@pytest.mark.parametrize(("after", "every"), [(0.0, 1.0), (1.0, -1.0)])
+def test_watch_periods_must_be_positive(after: float, every: float) -> None:
+    async def moved() -> bool:
+        return False
+
+    async def main() -> None:
+        call = asyncio.sleep(0)
+        try:
+            await watched(call, moved, after_s=after, every_s=every)
+        finally:
+            call.close()
+
+    with pytest.raises(ValueError, match=f"after_s \\({after}\\) and every_s \\({every}\\)"):
+        asyncio.run(main())
+
+
+# -- the grpc backend on a frozen coordinator ---------------------------------------------------
+
+
+class _Frozen(ps_grpc.ParameterSyncServiceServicer):
+    """The old coordinator: takes the Boundary call and never answers it."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.cancelled = 0
+
+    async def Boundary(self, request, context):
+        self.waiting += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def FindCoordinator(self, request, context):
+        return ps_pb2.FindCoordinatorResponse()
+
+
+class _Successor(ps_grpc.ParameterSyncServiceServicer):
+    """A shard that took the role over at epoch 1 (after ``moved_after`` questions)."""
+
+    def __init__(self, moved_after: int) -> None:
+        self.address = ""
+        self.asked = 0
+        self.moved_after = moved_after
+        self.boundaries: list[ps_pb2.BoundaryRequest] = []
+
+    async def FindCoordinator(self, request, context):
+        self.asked += 1
+        if self.asked <= self.moved_after:
+            return ps_pb2.FindCoordinatorResponse(coordinator_address="old:1")
+        return ps_pb2.FindCoordinatorResponse(coordinator_address=self.address, coordinator_epoch=1)
+
+    async def Boundary(self, request, context):
+        self.boundaries.append(request)
+        return ps_pb2.BoundaryResponse(action=ps_pb2.BOUNDARY_ACTION_DONE, coordinator_epoch=1)
+
+
+async def _serve(servicer: ps_grpc.ParameterSyncServiceServicer) -> tuple[aio.Server, str]:
+    server = aio.server()
+    ps_grpc.add_ParameterSyncServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _backend_with(*servicers: ps_grpc.ParameterSyncServiceServicer):
+    """A grpc backend whose own event loop also serves ``servicers`` (one server each):
+    the backend's coordinator is the first, every server is a sync endpoint."""
+    backend = GrpcBackend(job_id="j", learner_id="l0", coordinator="unset:1")
+    served = [backend._run(_serve(s)) for s in servicers]
+    backend.coordinator = served[0][1]
+    backend._endpoints = tuple(address for _, address in served)
+    backend.watch_after_s = backend.watch_every_s = 0.1
+    return backend, [server for server, _ in served], [address for _, address in served]
+
+
+def _shutdown(backend: GrpcBackend, servers: list[aio.Server]) -> None:
+    for server in servers:
+        backend._run(server.stop(None))
+    backend.close()
+
+
+def test_a_boundary_blocked_on_a_frozen_coordinator_follows_the_successor() -> None:
+    """Without the watch this Boundary waits forever (the frozen server keeps the call)."""
+    frozen, successor = _Frozen(), _Successor(moved_after=2)
+    backend, servers, (_, new) = _backend_with(frozen, successor)
+    successor.address = new
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0", completed_iteration=7)
+        reply = backend._run(asyncio.wait_for(backend._control("Boundary", request), 60))
+        assert reply.action == ps_pb2.BOUNDARY_ACTION_DONE
+        assert (backend.coordinator, backend._coordinator_epoch) == (new, 1)
+        # The report the frozen coordinator never took reached the successor, once.
+        assert [b.completed_iteration for b in successor.boundaries] == [7]
+        assert frozen.waiting == 1
+        assert successor.asked == 3  # two probes saw no move, the third followed it
+    finally:
+        _shutdown(backend, servers)
+    assert frozen.cancelled == 1  # the learner dropped its call
+
+
+def test_a_slow_boundary_of_a_live_coordinator_is_not_dropped() -> None:
+    """Probes that find no move change nothing: the call waits for its answer."""
+
+    class Slow(_Successor):
+        async def Boundary(self, request, context):
+            await asyncio.sleep(0.8)
+            return await super().Boundary(request, context)
+
+    coordinator, other = Slow(moved_after=0), _Successor(moved_after=10**6)
+    backend, servers, (a, _) = _backend_with(coordinator, other)
+    coordinator.address = a
+    backend._coordinator_epoch = 1
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
+        reply = backend._run(asyncio.wait_for(backend._control("Boundary", request), 60))
+        assert reply.action == ps_pb2.BOUNDARY_ACTION_DONE
+        assert backend.coordinator == a
+        assert other.asked >= 2 and len(coordinator.boundaries) == 1
+    finally:
+        _shutdown(backend, servers)
