@@ -17,12 +17,19 @@ reconcile pass), all on one host (one clock):
 * **released**: polling ``ListHosts`` (~20 ms apart plus the calls' own time), the first poll
   where job 1 holds only its new share of devices (the others free or already job 2's);
 * **job 2 allocated**: the first poll where job 2 holds its devices;
-* **job 2 trains**: job 2's ``progress.world_size`` reaches its share.
+* **job 2 trains**: job 2's ``progress.world_size`` reaches its share;
+* **job 2 granted -> first iteration**: from job 2's allocation event (the devices granted) to
+  the completion time of its first committed iteration (``GetJobMetrics``): what a new learner
+  costs, with ``--warm-learners 0`` (every learner a new interpreter) or ``auto`` (one warm
+  learner process per device, shoal.host_agent.warm).
+
+With ``--state-dir DIR`` the cluster's files (``DIR/logs/*.log``) are kept for a breakdown.
 
 Job 1's iteration time: consecutive ``GetJobMetrics`` iteration timestamps at world size 4
 before the submit.
 
-    .venv/bin/python bench/bench_preemption.py [--repeats 3]
+    .venv/bin/python bench/bench_preemption.py [--repeats 3] [--warm-learners 0|auto|N] \
+        [--full-exit] [--state-dir DIR]
 """
 
 from __future__ import annotations
@@ -90,15 +97,29 @@ def iteration_time(client: Any, job: str, before: float) -> tuple[float, int]:
     return (statistics.mean(gaps) if gaps else float("nan")), len(gaps)
 
 
-def one_preemption(client: Any, artifact: str, job1: str, repeat: int) -> dict[str, float]:
+def spec_of(name: str, artifact: str, env: dict[str, str], **kw: Any) -> Any:
     from shoal.cluster.scenario import job_spec
 
+    spec = job_spec(name, artifact, **kw)
+    spec.env.update(env)
+    return spec
+
+
+def one_preemption(
+    client: Any, artifact: str, job1: str, repeat: int, env: dict[str, str]
+) -> dict[str, float]:
     t_iter, n_gaps = iteration_time(client, job1, time.time())
     hist_before = len(client.allocation_history(job1))
     t0 = time.time()
     job2 = client.submit_job(
-        job_spec(
-            f"job-2-{repeat}", artifact, epochs=500, batch_size=64, max_workers=HOLD, priority=10000
+        spec_of(
+            f"job-2-{repeat}",
+            artifact,
+            env,
+            epochs=500,
+            batch_size=64,
+            max_workers=HOLD,
+            priority=10000,
         )
     ).job_id
     released = allocated = trains = None
@@ -124,6 +145,15 @@ def one_preemption(client: Any, artifact: str, job1: str, repeat: int) -> dict[s
     decision = ts(shrink[0].time) - t0 if shrink else float("nan")
     ev2 = [e for e in client.allocation_history(job2) if e.workers > 0]
     ev2_first = ts(ev2[0].time) - t0 if ev2 else float("nan")
+    first_iteration = float("nan")
+    its2: list[Any] = []
+    deadline = time.monotonic() + 60
+    while not its2 and time.monotonic() < deadline:
+        its2 = client.get_metrics(job2).iterations
+        if not its2:
+            time.sleep(0.05)
+    if its2:
+        first_iteration = min(ts(m.time) for m in its2) - t0
     result = {
         "iteration_s": t_iter,
         "gaps": n_gaps,
@@ -132,6 +162,7 @@ def one_preemption(client: Any, artifact: str, job1: str, repeat: int) -> dict[s
         "job2_event_s": ev2_first,
         "job2_allocated_poll_s": allocated if allocated is not None else float("nan"),
         "job2_trains_s": trains if trains is not None else float("nan"),
+        "job2_first_iteration_s": first_iteration,
         "preempted": float(share2 or 0),
         "events": [(round(ts(e.time) - t0, 3), e.workers, e.reason) for e in events],
     }
@@ -150,10 +181,22 @@ def one_preemption(client: Any, artifact: str, job1: str, repeat: int) -> dict[s
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--warm-learners", default="0", help="the host agent's --warm-learners (0, auto or N)"
+    )
+    parser.add_argument("--state-dir", help="keep the cluster's files here (default: a temp dir)")
+    parser.add_argument(
+        "--full-exit",
+        action="store_true",
+        help="learners tear the interpreter down at exit (LEARNER_FULL_EXIT=1: as before "
+        "the fast exit)",
+    )
     args = parser.parse_args()
+    warm = None if args.warm_learners == "auto" else int(args.warm_learners)
     from shoal.client import Client
     from shoal.cluster.local import ClusterSpec, LocalCluster
-    from shoal.cluster.scenario import job_spec
+
+    env = {"LEARNER_FULL_EXIT": "1"} if args.full_exit else {}
 
     print(
         f"machine: {cpu_model()}, {os.cpu_count()} cores, load average "
@@ -162,13 +205,21 @@ def main() -> int:
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="shoal-preempt-") as tmp:
-        spec = ClusterSpec(state_dir=Path(tmp), hosts=1, gpus_per_host=HOLD, shards=1, replicas=1)
+        state = Path(args.state_dir) if args.state_dir else Path(tmp)
+        spec = ClusterSpec(
+            state_dir=state,
+            hosts=1,
+            gpus_per_host=HOLD,
+            shards=1,
+            replicas=1,
+            warm_learners=warm,
+        )
         t_start = time.monotonic()
         with LocalCluster(spec) as cluster, Client(cluster.client_config()) as client:
             print(f"cluster up in {time.monotonic() - t_start:.1f} s", flush=True)
             artifact = client.upload_directory(REPO / "examples" / "digits")
             job1 = client.submit_job(
-                job_spec("job-1", artifact, epochs=2000, batch_size=64, max_workers=HOLD)
+                spec_of("job-1", artifact, env, epochs=2000, batch_size=64, max_workers=HOLD)
             ).job_id
             wait(
                 "job 1 on 4 learners",
@@ -177,7 +228,7 @@ def main() -> int:
             )
             time.sleep(3)  # some iterations at 4 for the iteration time
             for r in range(args.repeats):
-                row = one_preemption(client, artifact, job1, r)
+                row = one_preemption(client, artifact, job1, r, env)
                 rows.append(row)
                 print(
                     f"  [{r}] iteration {row['iteration_s'] * 1e3:.0f} ms "
@@ -185,25 +236,28 @@ def main() -> int:
                     f"released (poll) +{row['released_poll_s']:.3f} s, job 2 event "
                     f"+{row['job2_event_s']:.3f} s, job 2 allocated (poll) "
                     f"+{row['job2_allocated_poll_s']:.3f} s, job 2 trains "
-                    f"+{row['job2_trains_s']:.3f} s",
+                    f"+{row['job2_trains_s']:.3f} s, job 2 first iteration "
+                    f"+{row['job2_first_iteration_s']:.3f} s",
                     flush=True,
                 )
                 for event in row["events"]:
                     print(f"      job 1 event {event}", flush=True)
             client.cancel_job(job1)
-    print()
+    print(f"\nwarm learners: {args.warm_learners}; full exit: {args.full_exit}")
     print(
         "| repeat | job 1 iteration (ms) | preempted | decision event (s) | job 1's devices "
-        "released, poll (s) | released / iteration | job 2 allocated (s) | job 2 trains (s) |"
+        "released, poll (s) | released / iteration | job 2 allocated (s) | job 2 trains (s) | "
+        "job 2 granted -> first iteration (s) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r, row in enumerate(rows):
         print(
             f"| {r} | {row['iteration_s'] * 1e3:.0f} | {row['preempted']:.0f} | "
             f"{row['decision_event_s']:.3f} | "
             f"{row['released_poll_s']:.3f} | "
             f"{row['released_poll_s'] / row['iteration_s']:.1f} | "
-            f"{row['job2_allocated_poll_s']:.3f} | {row['job2_trains_s']:.3f} |"
+            f"{row['job2_allocated_poll_s']:.3f} | {row['job2_trains_s']:.3f} | "
+            f"{row['job2_first_iteration_s'] - row['job2_event_s']:.3f} |"
         )
     print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     return 0

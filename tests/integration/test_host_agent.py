@@ -479,7 +479,9 @@ async def test_learner_exits_reach_the_resource_manager_once_and_untrusted_learn
         l1, rogue = exits
         assert l1.exit_code == 3 and l1.state == FAILED and l1.host_id == "h1"
         assert l1.exit_reason == "exited with code 3" and l1.host_incarnation == 1
-        assert rogue.exit_code == -9 and "no allocation" in rogue.exit_reason
+        # SIGKILL after the grace, or SIGTERM when the stop came before the script got to
+        # ignore it (the first heartbeat after the start can be that quick).
+        assert rogue.exit_code in (-9, -15) and "no allocation" in rogue.exit_reason
         listed = {
             x.learner_id: x
             for x in (await agent_stub.ListLearners(ha.ListLearnersRequest())).learners

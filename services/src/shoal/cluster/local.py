@@ -195,6 +195,9 @@ class ClusterSpec:
     supervise: bool = False  # restart crashed service processes (`shoal cluster up` does)
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     scheduler_flags: tuple[str, ...] = ()  # extra job-scheduler flags (--stall-timeout 30)
+    # Warm learner processes per host agent (--warm-learners; None: one per device). Off by
+    # default here: a local cluster shares its machine's cores with its own learners.
+    warm_learners: int | None = 0
 
     def __post_init__(self) -> None:
         for name, low, high in (
@@ -721,6 +724,8 @@ def service_flags(
             str(spec.gpus_per_host),
             "--work-dir",
             str(work_dir / svc.name),
+            "--warm-learners",
+            "auto" if spec.warm_learners is None else str(spec.warm_learners),
         ]
     raise ValueError(svc.kind)
 

@@ -20,6 +20,8 @@ flag                               variable                       default
 ``--learner-tls-cert FILE``        SHOAL_LEARNER_TLS_CERT         none; required with --tls-ca:
 ``--learner-tls-key FILE``         SHOAL_LEARNER_TLS_KEY          the certificate (kind learner)
                                                                   this host's learners present
+``--warm-learners N|auto``         SHOAL_WARM_LEARNERS            auto: one warm learner process
+                                                                  per device (0: all start cold)
 =================================  =============================  ===============================
 """
 
@@ -104,6 +106,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="client certificate of this host's learners (a 'learner' one, never the agent's)",
     )
     g.add_argument("--learner-tls-key", default=env.get("SHOAL_LEARNER_TLS_KEY"))
+    g.add_argument(
+        "--warm-learners",
+        default=env.get("SHOAL_WARM_LEARNERS", "auto"),
+        help="warm learner processes (torch imported) kept ready: N, or auto (one per device)",
+    )
     return parser
 
 
@@ -125,6 +132,9 @@ def parse_config(
     simulate = None
     if ns.simulate_gpus not in (None, ""):
         simulate = int(parse_number("simulate_gpus", ns.simulate_gpus, int))
+    warm: int | None = None
+    if str(ns.warm_learners).strip().lower() != "auto":
+        warm = int(parse_number("warm_learners", ns.warm_learners, int))
     work_dir = ns.work_dir or str(Path(tempfile.gettempdir()) / f"shoal-host-agent-{ns.host_id}")
     return HostAgentConfig(
         server=server_config_from_args(NAME, ns),
@@ -140,6 +150,7 @@ def parse_config(
         resource_group=ns.resource_group,
         learner_tls_cert=ns.learner_tls_cert or None,
         learner_tls_key=ns.learner_tls_key or None,
+        warm_learners=warm,
     )
 
 

@@ -30,34 +30,60 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import secrets
 import shutil
 import signal
 import sys
 import tarfile
 import time
 import urllib.parse
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import fsspec
 from google.protobuf import timestamp_pb2
 
 from shoal.contract import ids
+from shoal.host_agent import warm_boot
+from shoal.host_agent.artifacts import (
+    ARTIFACT_ID_RE,
+    ArtifactCache,
+    ArtifactNotFound,
+    ArtifactSource,
+    DirectorySource,
+    unpack,
+)
 from shoal.host_agent.devices import DeviceInfo, cuda_env
 from shoal.host_agent.envs import REQUIREMENTS_FILE, JobEnvironments
+from shoal.host_agent.groups import (
+    group_alive,
+    kill_group as _kill_group,
+    reap_orphans,
+)
+from shoal.host_agent.logs import (
+    NO_TRAIN,
+    STDERR,
+    STDOUT,
+    TRAIN_MARKER,
+    LogRecord,
+    _LogWriter,
+    crash_summary,
+    describe_exit,
+    read_log,
+)
+from shoal.host_agent.warm import BOOT_SOURCE, WarmPool, WarmProcess, accepts as warm_accepts
 from shoal.runtime import telemetry
 from shoal.runtime.errors import FailedPrecondition, FencedOut, InvalidField, NotFound
 from shoal.runtime.procs import die_with_parent
 from shoal.v1 import resources_pb2
 
 __all__ = [
+    "NO_TRAIN",
+    "STDERR",
+    "STDOUT",
+    "TRAIN_MARKER",
     "ArtifactCache",
     "ArtifactNotFound",
     "ArtifactSource",
@@ -67,16 +93,17 @@ __all__ = [
     "LaunchRequest",
     "Learner",
     "LearnerNotFound",
+    "LogRecord",
     "ProcessManager",
+    "crash_summary",
+    "describe_exit",
+    "group_alive",
     "read_log",
     "reap_orphans",
+    "unpack",
 ]
 
 log = logging.getLogger(__name__)
-
-STDOUT, STDERR = 1, 2
-ARTIFACT_ID_RE = ids.PATTERNS[ids.IdKind.ARTIFACT]  # use with fullmatch
-MAX_RECORD_TEXT = 64 * 1024  # longer lines are split into several records
 
 STARTING = resources_pb2.LEARNER_STATE_STARTING
 RUNNING = resources_pb2.LEARNER_STATE_RUNNING
@@ -106,279 +133,8 @@ class LearnerNotFound(NotFound):
         super().__init__("learner", learner_id)
 
 
-class ArtifactNotFound(NotFound):
-    reason = "ERROR_REASON_ARTIFACT_NOT_FOUND"
-
-    def __init__(self, artifact_id: str, where: str) -> None:
-        super().__init__("artifact", artifact_id)
-        self.args = (f"artifact {artifact_id!r} not found ({where})",)
-
-
 class DeviceBusy(FailedPrecondition):
     reason = "ERROR_REASON_DEVICE_BUSY"
-
-
-# --------------------------------------------------------------------------------------------
-# Artifacts
-# --------------------------------------------------------------------------------------------
-
-
-class ArtifactSource(ABC):
-    """Somewhere artifacts can be fetched from."""
-
-    @abstractmethod
-    async def fetch(self, artifact_id: str, dest: Path) -> bool:
-        """Write the artifact's bytes to ``dest``; False if this source does not have it."""
-
-    @abstractmethod
-    def describe(self) -> str: ...
-
-
-class DirectorySource(ArtifactSource):
-    """A directory or fsspec URI holding ``<sha256>.tar.gz`` files (``--artifact-dir``)."""
-
-    def __init__(self, uri: str) -> None:
-        self.uri = uri.rstrip("/")
-
-    def describe(self) -> str:
-        return self.uri
-
-    async def fetch(self, artifact_id: str, dest: Path) -> bool:
-        return await asyncio.to_thread(self._copy, f"{self.uri}/{artifact_id}.tar.gz", dest)
-
-    @staticmethod
-    def _copy(url: str, dest: Path) -> bool:
-        try:
-            with fsspec.open(url, "rb") as src, dest.open("wb") as out:
-                shutil.copyfileobj(src, out, 1024 * 1024)  # type: ignore[misc]
-        except FileNotFoundError:
-            return False
-        return True
-
-
-class ArtifactCache:
-    """Artifacts fetched once per host, verified by their sha256, kept under ``cache_dir``."""
-
-    def __init__(self, cache_dir: Path, sources: Sequence[ArtifactSource]) -> None:
-        self.cache_dir = cache_dir
-        self.sources = list(sources)
-        self._locks: dict[str, asyncio.Lock] = {}
-
-    def path(self, artifact_id: str) -> Path:
-        return self.cache_dir / f"{artifact_id}.tar.gz"
-
-    async def get(self, artifact_id: str) -> Path:
-        """The local path of the artifact, fetched from the first source that has it."""
-        if not ARTIFACT_ID_RE.fullmatch(artifact_id):
-            raise InvalidField("artifact_id", artifact_id, "must be a lowercase hex sha256")
-        lock = self._locks.setdefault(artifact_id, asyncio.Lock())
-        async with lock:
-            final = self.path(artifact_id)
-            if final.is_file():
-                return final
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            problems: list[str] = []
-            for source in self.sources:
-                tmp = self.cache_dir / f".{artifact_id}.{secrets.token_hex(4)}.part"
-                try:
-                    found = await source.fetch(artifact_id, tmp)
-                    if not found:
-                        problems.append(f"not in {source.describe()}")
-                        continue
-                    digest = await asyncio.to_thread(_sha256, tmp)
-                    if digest != artifact_id:
-                        problems.append(f"{source.describe()} sent bytes with sha256 {digest}")
-                        continue
-                    tmp.replace(final)
-                    log.info("artifact %s fetched from %s", artifact_id, source.describe())
-                    return final
-                except (OSError, ConnectionError) as exc:
-                    problems.append(f"{source.describe()} failed: {exc}")
-                finally:
-                    tmp.unlink(missing_ok=True)
-            where = "; ".join(problems) or "no artifact source is configured"
-            raise ArtifactNotFound(artifact_id, where)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1024 * 1024):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def unpack(archive: Path, dest: Path) -> None:
-    """Unpack a tar.gz safely (no absolute paths, no escaping links, no devices)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(archive, "r:*") as tar:
-        tar.extractall(dest, filter="data")
-
-
-# --------------------------------------------------------------------------------------------
-# Logs
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LogRecord:
-    offset: int  # byte offset of the record in output.log
-    stream: int  # STDOUT or STDERR
-    text: str
-    end: int  # offset just after the record
-    time: float = 0.0  # when the learner wrote it (Unix seconds; 0: unknown)
-
-
-def read_log(path: Path, offset: int, max_bytes: int = 1024 * 1024) -> list[LogRecord]:
-    """Complete records of ``path`` from ``offset``. An offset inside a record starts at the
-    next record, so "resume after a line" is ``line.offset + 1``."""
-    try:
-        fh = path.open("rb")
-    except FileNotFoundError:
-        return []
-    with fh:
-        if offset > 0:
-            fh.seek(offset - 1)
-            if fh.read(1) != b"\n":
-                fh.readline()  # skip the rest of the record we landed in
-        position = fh.tell()
-        data = fh.read(max_bytes)
-    records: list[LogRecord] = []
-    start = 0
-    while True:
-        newline = data.find(b"\n", start)
-        if newline < 0:
-            break
-        raw = data[start:newline]
-        stream = STDERR if raw[:1] == b"2" else STDOUT
-        header, _, rest = raw.partition(b" ")
-        written = 0.0
-        if header[1:2] == b"@" and header[2:].isdigit():
-            written = int(header[2:]) / 1000
-            text = rest.decode(errors="replace")
-        else:
-            text = raw[2:].decode(errors="replace")
-        records.append(LogRecord(position + start, stream, text, position + newline + 1, written))
-        start = newline + 1
-    return records
-
-
-class _LogWriter:
-    """Appends the records of both pipes to output.log and wakes followers."""
-
-    def __init__(self, path: Path) -> None:
-        self._fh = path.open("ab", buffering=0)
-        self.changed = asyncio.Condition()
-        self.version = 0  # bumped on every write
-
-    async def write(self, stream: int, line: bytes) -> None:
-        written = int(time.time() * 1000)
-        for i in range(0, max(len(line), 1), MAX_RECORD_TEXT):
-            chunk = line[i : i + MAX_RECORD_TEXT].replace(b"\n", b" ")
-            self._fh.write(b"%d@%d %s\n" % (stream, written, chunk))
-        self.version += 1
-        async with self.changed:
-            self.changed.notify_all()
-
-    async def pump(self, stream: int, reader: asyncio.StreamReader | None) -> None:
-        if reader is None:
-            return
-        pending = b""
-        while True:
-            chunk = await reader.read(64 * 1024)
-            if not chunk:
-                break
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                await self.write(stream, line.rstrip(b"\r"))
-            while len(pending) > MAX_RECORD_TEXT:
-                await self.write(stream, pending[:MAX_RECORD_TEXT])
-                pending = pending[MAX_RECORD_TEXT:]
-        if pending:
-            await self.write(stream, pending)
-
-    def close(self) -> None:
-        self._fh.close()
-
-
-# --------------------------------------------------------------------------------------------
-# Process groups
-# --------------------------------------------------------------------------------------------
-
-
-def _kill_group(pgid: int, sig: int) -> bool:
-    """Signal a process group; False if it no longer exists."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False
-    return True
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of the group exists (zombies included)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _proc_pgid(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    try:
-        return int(fields[2])  # field 5: pgrp
-    except (IndexError, ValueError):
-        return None
-
-
-def _proc_has_env(pid: int, name: str, value: str) -> bool:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
-    return f"{name}={value}".encode() in environ.split(b"\0")
-
-
-def reap_orphans(learners_dir: Path) -> int:
-    """Kill what is left of learners a previous agent started (their ``learner.json``), then
-    remove their directories. Only processes in the recorded process group whose environment
-    names the learner are killed, so a reused pid is never hit. Returns how many were killed."""
-    if not learners_dir.is_dir():
-        return 0
-    recorded: dict[int, str] = {}
-    for meta in learners_dir.glob("*/learner.json"):
-        try:
-            info = json.loads(meta.read_text())
-            recorded[int(info["pgid"])] = str(info["learner_id"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    killed = 0
-    if recorded and Path("/proc").is_dir():
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
-            pgid = _proc_pgid(pid)
-            if pgid in recorded and _proc_has_env(pid, "SHOAL_LEARNER_ID", recorded[pgid]):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-                    killed += 1
-    if killed:
-        log.warning("killed %d leftover process(es) of learners of a previous agent", killed)
-    for child in learners_dir.iterdir():
-        shutil.rmtree(child, ignore_errors=True)
-    return killed
 
 
 # --------------------------------------------------------------------------------------------
@@ -391,71 +147,6 @@ def _ts(seconds: float) -> timestamp_pb2.Timestamp:
     if seconds:
         ts.FromNanoseconds(int(seconds * 1e9))
     return ts
-
-
-TRAIN_MARKER = "train-called"  # the learner library touches it when the script calls train()
-NO_TRAIN = (
-    "exited with code 0 without calling Trainer.train() (nothing was trained: does the "
-    'script call train() when run on the cluster, e.g. under `if __name__ == "__main__"`?)'
-)
-
-
-def crash_summary(log_path: Path, work_dir: Path | None = None, frames: int = 3) -> str:
-    """The last Python traceback a learner printed, in one line: the exception type and
-    message, then its last ``frames`` frames (``file:line in function``, paths relative to
-    the learner's working directory); empty when its log has none."""
-    try:
-        size = log_path.stat().st_size
-    except OSError:
-        return ""
-    records = read_log(log_path, max(0, size - 64 * 1024), 64 * 1024)
-    lines = [r.text for r in records]
-    start = max(
-        (i for i, t in enumerate(lines) if t.startswith("Traceback (most recent call last):")),
-        default=-1,
-    )
-    if start < 0:
-        return ""
-    block = lines[start:]
-    exception = ""
-    where: list[str] = []
-    for text in block[1:]:
-        stripped = text.strip()
-        if text.startswith("  File "):
-            # '  File "/x/work/train.py", line 12, in forward'
-            try:
-                quoted, _, rest = stripped[len("File ") :].partition(", line ")
-                path = quoted.strip('"')
-                number, _, func = rest.partition(", in ")
-                if work_dir is not None and path.startswith(str(work_dir) + os.sep):
-                    path = path[len(str(work_dir)) + 1 :]
-                elif "site-packages" in path or path.startswith(sys.prefix):
-                    path = Path(path).name
-                where.append(f"{path}:{number} in {func}")
-            except ValueError:
-                continue
-        elif text and not text.startswith((" ", "\t")):
-            exception = stripped
-            if not exception.startswith(("During handling", "The above exception")):
-                break
-    if not exception:
-        return ""
-    if len(exception) > 300:
-        exception = exception[:297] + "..."
-    trail = ", ".join(where[-frames:])
-    return f"{exception} (at {trail})" if trail else exception
-
-
-def describe_exit(code: int, stop: str | None) -> str:
-    if code >= 0:
-        text = f"exited with code {code}"
-    else:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        text = f"killed by {name}"
-    return f"{text} ({stop})" if stop else text
 
 
 @dataclass
@@ -481,6 +172,7 @@ class Learner:
     # resource manager acknowledged it.
     exit_sent_seq: int | None = None
     exit_acked: bool = False
+    warm_token: str = ""  # the warm process it started in ("" for a cold start)
     process: asyncio.subprocess.Process | None = None
     writer: _LogWriter | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -562,6 +254,7 @@ class ProcessManager:
         on_exit: Callable[[Learner], None] | None = None,
         learner_env: Mapping[str, str] | None = None,
         envs: JobEnvironments | None = None,
+        warm_learners: int = 0,
     ) -> None:
         self.work_dir = work_dir
         self.learners_dir = work_dir / "learners"
@@ -592,6 +285,19 @@ class ProcessManager:
                     if not k.startswith(_PRIVATE_ENV_PREFIXES)
                 },
             )
+        )
+
+        # Warm learner processes (shoal.host_agent.warm): the same environment a cold learner
+        # starts from, minus what is the job's.
+        self.warm = WarmPool(
+            work_dir / "warm",
+            python=python,
+            env={
+                k: v
+                for k, v in self._base_env.items()
+                if not k.startswith(_PRIVATE_ENV_PREFIXES) and k not in _RESET_ENV
+            },
+            size=warm_learners,
         )
 
     # -- queries -------------------------------------------------------------------------------
@@ -795,21 +501,20 @@ class ProcessManager:
             argv = [str(entry), *request.args]
         env = self._environment(learner, request)
         learner.writer = _LogWriter(learner.log_path)
-        try:
-            process = await asyncio.create_subprocess_exec(
-                *die_with_parent(argv, any_thread=True),
-                cwd=str(work),
-                env=env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            learner.writer.close()
-            raise FailedPrecondition(
-                f"entry_point {request.entry_point!r} could not be started: {exc.strerror}"
-            ) from exc
+        warm: WarmProcess | None = None
+        if entry.suffix == ".py" and python == self.python and warm_accepts(request.env):
+            warm = self.warm.take()
+        if warm is not None and await warm.hand_over(argv, env, str(work)):
+            process = warm.process
+            learner.warm_token = warm.token
+            for line in warm.early_stdout:  # what it printed while importing
+                await learner.writer.write(STDOUT, line)
+        else:
+            warm = None
+            command = argv
+            if entry.suffix == ".py":  # through the runner: its fast exit (warm_boot)
+                command = [python, "-c", BOOT_SOURCE, warm_boot.RUN, str(entry), *request.args]
+            process = await self._exec(learner, request, command, env, work)
         learner.process = process
         learner.pid = process.pid
         learner.start_time = time.time()
@@ -824,6 +529,7 @@ class ProcessManager:
                     "device_id": learner.device.device_id,
                     "argv": argv,
                     "start_time": learner.start_time,
+                    "warm_token": learner.warm_token,
                 }
             )
         )
@@ -836,13 +542,40 @@ class ProcessManager:
         self._background.add(watcher)
         watcher.add_done_callback(self._background.discard)
         log.info(
-            "learner %r (job %r) started on %s: pid %d, %s",
+            "learner %r (job %r) started %s on %s: pid %d, %s",
             learner.learner_id,
             learner.job_id,
+            "warm" if warm is not None else "cold",
             learner.device.device_id,
             process.pid,
             " ".join(argv),
         )
+
+    async def _exec(
+        self,
+        learner: Learner,
+        request: LaunchRequest,
+        argv: list[str],
+        env: dict[str, str],
+        work: Path,
+    ) -> asyncio.subprocess.Process:
+        """A cold start: a new process of the entry point."""
+        try:
+            return await asyncio.create_subprocess_exec(
+                *die_with_parent(argv, any_thread=True),
+                cwd=str(work),
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            assert learner.writer is not None
+            learner.writer.close()
+            raise FailedPrecondition(
+                f"entry_point {request.entry_point!r} could not be started: {exc.strerror}"
+            ) from exc
 
     async def _watch(self, learner: Learner) -> None:
         assert learner.process is not None

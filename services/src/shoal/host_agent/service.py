@@ -37,6 +37,7 @@ from shoal.host_agent.processes import (
     ProcessManager,
     reap_orphans,
 )
+from shoal.host_agent.warm import reap_warm
 from shoal.runtime.auth import SERVICES, MethodRoles
 from shoal.runtime.channels import connect
 from shoal.runtime.config import ServerConfig, TLSConfig
@@ -81,6 +82,9 @@ class HostAgentConfig:
     """The client certificate (``learner:<host>``) and key given to this host's learners
     (SHOAL_TLS_CERT/KEY), with the cluster CA (SHOAL_TLS_CA): never the agent's own."""
     learner_tls_key: str | None = None
+    warm_learners: int | None = 0
+    """Warm learner processes kept ready (:mod:`shoal.host_agent.warm`); None: one per device,
+    0: none (every learner starts cold)."""
 
     def learner_env(self) -> dict[str, str]:
         """The variables of the learners' TLS (empty without TLS)."""
@@ -124,6 +128,8 @@ class HostAgentConfig:
                 raise InvalidField(name, value, "is not a readable file")
         if self.simulate_gpus is not None and not 0 <= self.simulate_gpus <= 1024:
             raise InvalidField("simulate_gpus", self.simulate_gpus, "must be in 0..1024")
+        if self.warm_learners is not None and not 0 <= self.warm_learners <= 1024:
+            raise InvalidField("warm_learners", self.warm_learners, "must be in 0..1024 or auto")
         if not 0 < self.stop_grace_s <= 3600:
             raise InvalidField("stop_grace_s", self.stop_grace_s, "must be in (0, 3600]")
         if self.retain_exited_s < 0:
@@ -471,6 +477,9 @@ class HostAgent:
             stop_grace_s=config.stop_grace_s,
             on_exit=self._learner_exited,
             learner_env=config.learner_env(),
+            warm_learners=(
+                len(self.devices) if config.warm_learners is None else config.warm_learners
+            ),
         )
         self.link = ResourceManagerLink(self, config.resource_managers, self.channels)
         self._tasks: list[asyncio.Task[Any]] = []
@@ -489,6 +498,8 @@ class HostAgent:
         self.address = address
         self.config.work_dir.mkdir(parents=True, exist_ok=True)
         reap_orphans(self.processes.learners_dir)
+        reap_warm(self.processes.warm.directory)
+        self.processes.warm.start()
         loop = asyncio.get_running_loop()
         if self.config.resource_managers:
             self._tasks.append(loop.create_task(self.link.run(), name="agent-link"))
@@ -517,6 +528,7 @@ class HostAgent:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self.processes.stop_all(grace_s)
+        await self.processes.warm.close()
         await self.channels.close()
         self.device_source.close()
 

@@ -1,0 +1,148 @@
+"""What a new learner costs before the user's code runs: cold (a new interpreter that imports
+torch and the learner package) against warm (a warm learner process of the host agent,
+shoal.host_agent.warm), alternating in one run on one machine.
+
+Two real ProcessManagers of the host agent (the code StartLearner runs), one with
+``warm_learners=1`` and one with 0, start the same learner script, in turns. The script is what
+every learner does first: ``import torch``, ``from shoal.learner import ElasticTrainer``, build
+a model (the digits MLP) and print the time. Measured: from ``ProcessManager.start`` being
+called to that line (its time stamp in the learner's log, one clock), and, for the warm start,
+whether a ready warm process was used. Before each warm sample the bench waits for the pool to
+be ready again (a grow or replacement on a host whose pool refilled since its last start).
+
+Anchor: a bare ``python -c "import torch"`` on the same machine, measured in the same run.
+
+    .venv/bin/python bench/bench_join.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SCRIPT = """
+import time
+import torch
+from torch import nn
+from shoal.learner import ElasticTrainer  # noqa: F401
+model = nn.Sequential(
+    nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10)
+)
+model(torch.zeros(1, 64))
+print(f"user code ran {time.time():.6f}", flush=True)
+"""
+
+
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+async def one(manager, devices, artifact: str, n: int) -> tuple[float, bool]:
+    from shoal.host_agent.processes import LaunchRequest, read_log
+
+    t0 = time.time()
+    learner = await manager.start(
+        LaunchRequest(
+            learner_id=f"l{n}",
+            job_id=f"j{n}",
+            device_id="gpu0",
+            artifact_id=artifact,
+            entry_point="main.py",
+        ),
+        devices,
+    )
+    await asyncio.wait_for(learner.exited.wait(), timeout=300)
+    for record in read_log(learner.log_path, 0):
+        if record.text.startswith("user code ran "):
+            if learner.exit_code != 0:
+                raise RuntimeError(f"learner failed: {learner.exit_reason}")
+            return float(record.text.split()[-1]) - t0, bool(learner.warm_token)
+    raise RuntimeError(f"the learner printed nothing: {learner.exit_reason}")
+
+
+async def main_async(repeats: int) -> None:
+    from shoal.host_agent.artifacts import ArtifactCache, DirectorySource
+    from shoal.host_agent.devices import SimulatedDevices
+    from shoal.host_agent.processes import ProcessManager
+    from tests.integration._shoal_processes import pack_artifact
+
+    with tempfile.TemporaryDirectory(prefix="shoal-join-") as tmp:
+        root = Path(tmp)
+        artifact = pack_artifact(root / "artifacts", {"main.py": SCRIPT})
+        devices = SimulatedDevices("h1", 1).discover()
+        managers = {}
+        for kind, warm in (("cold", 0), ("warm", 1)):
+            managers[kind] = ProcessManager(
+                root / kind,
+                ArtifactCache(root / kind / "cache", [DirectorySource(str(root / "artifacts"))]),
+                host_id="h1",
+                warm_learners=warm,
+            )
+            managers[kind].warm.start()
+        results: dict[str, list[float]] = {"cold": [], "warm": [], "import torch": []}
+        try:
+            for r in range(repeats):
+                pool = managers["warm"].warm
+                deadline = time.monotonic() + 300
+                while pool.ready() < 1 and time.monotonic() < deadline:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)  # a bench: the pool has no public ready event
+                for kind in ("warm", "cold"):
+                    seconds, was_warm = await one(managers[kind], devices, artifact, r)
+                    if was_warm != (kind == "warm"):
+                        raise RuntimeError(f"repeat {r}: the {kind} sample started otherwise")
+                    results[kind].append(seconds)
+                t = time.monotonic()
+                await asyncio.to_thread(
+                    subprocess.run, [sys.executable, "-c", "import torch"], check=True
+                )
+                results["import torch"].append(time.monotonic() - t)
+                print(
+                    f"  [{r}] warm {results['warm'][-1]:.3f} s, cold {results['cold'][-1]:.3f} s, "
+                    f"bare import torch {results['import torch'][-1]:.3f} s "
+                    f"(load {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
+        finally:
+            for manager in managers.values():
+                await manager.stop_all(1.0)
+                await manager.warm.close()
+    print()
+    print("| start | median (s) | min (s) | max (s) | samples |")
+    print("|---|---|---|---|---|")
+    for kind, values in results.items():
+        print(
+            f"| {kind} | {statistics.median(values):.3f} | {min(values):.3f} | "
+            f"{max(values):.3f} | {len(values)} |"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(
+        f"machine: {cpu_model()}, {os.cpu_count()} cores, load average "
+        f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}",
+        flush=True,
+    )
+    asyncio.run(main_async(args.repeats))
+    print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

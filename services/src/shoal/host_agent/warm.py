@@ -1,0 +1,294 @@
+"""Warm learner processes: interpreters with torch and the learner package already imported,
+waiting to become a job's learner (``--warm-learners``).
+
+A cold learner start pays for a new interpreter and ``import torch`` (~2.5 s on an idle 2-core
+machine, 8-10 s under load) before the user's code runs. The pool keeps up to ``size``
+processes of :mod:`shoal.host_agent.warm_boot` ready; :meth:`WarmPool.take` hands one to
+:class:`~shoal.host_agent.processes.ProcessManager`, which sends it the learner's argv,
+environment and working directory on stdin. The process then runs the script as ``__main__``.
+
+Safety: **a warm process serves one learner, never another** (a process per learner, never
+reused). It is started with the agent's environment minus the agent's own configuration and
+secrets (the ``SHOAL_`` variables), in an empty directory, before any job is known; it gets the
+job's environment (and with it any credential), working directory and artifact only when it is
+taken, and exits with its learner. A learner that leaves does not go back to the pool; the pool
+starts a fresh process instead. It is a child of the agent like a cold learner: its own
+session and process group, ``PR_SET_PDEATHSIG`` through the same wrapper, the agent waits for
+its exit code and reads its stdout and stderr into the learner's log, so stopping, logs and exit
+codes are exactly those of a cold start.
+
+Refilling: one process is started at a time (the pool must not starve the learners of CPU), as
+soon as one was taken or died. A warm process that dies before it was taken is dropped and
+replaced; if processes keep dying before they are ready (a broken torch), refilling backs off
+(1 s doubling to 60 s) and learners start cold meanwhile. A start never waits for the pool: with
+no ready process it is a cold start.
+
+Cold starts remain for what a warm process cannot give: an artifact with its own environment
+(``requirements.txt``: another interpreter), an entry point that is not a ``.py`` script, and a
+job environment that sets variables read when the interpreter or torch start
+(:data:`IMPORT_TIME_ENV_PREFIXES`, e.g. ``OMP_NUM_THREADS``, ``PYTHONPATH``, ``LD_PRELOAD``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shoal.host_agent import warm_boot
+from shoal.host_agent.groups import kill_marked
+from shoal.runtime.procs import die_with_parent
+
+__all__ = [
+    "BOOT_SOURCE",
+    "IMPORT_TIME_ENV_PREFIXES",
+    "TOKEN_ENV",
+    "WarmPool",
+    "WarmProcess",
+    "reap_warm",
+]
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "SHOAL_WARM_TOKEN"  # names a warm process (and its learner) in /proc/<pid>/environ
+# Variables read when the interpreter, the C libraries or torch start: a job that sets one of
+# them starts cold, so that it gets exactly what it asked for.
+IMPORT_TIME_ENV_PREFIXES = (
+    "PYTHON",
+    "LD_",
+    "MALLOC_",
+    "GLIBC_",
+    "OMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "GOTO",
+    "TORCH",
+    "PYTORCH",
+)
+HAND_OVER_TIMEOUT_S = 30.0  # a taken process must acknowledge the job's line by then
+READY_TIMEOUT_S = 300.0  # a warm process that is not ready by then is killed and replaced
+_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 1.0, 60.0
+BOOT_SOURCE = Path(warm_boot.__file__).read_text()  # also runs cold .py learners
+
+
+@dataclass
+class WarmProcess:
+    """One warm interpreter, ready (its READY line read) and not yet taken."""
+
+    process: asyncio.subprocess.Process
+    token: str
+    started: float
+    ready_at: float = 0.0
+    early_stdout: list[bytes] = field(default_factory=list)  # lines before READY
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def hand_over(self, argv: Sequence[str], env: Mapping[str, str], cwd: str) -> bool:
+        """Send the learner's spec and wait for the process to acknowledge it; False if it is
+        gone or does not answer (it is killed: start cold instead)."""
+        stdin, stdout = self.process.stdin, self.process.stdout
+        if stdin is None or stdout is None or self.process.returncode is not None:
+            return False
+        line = json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd}).encode() + b"\n"
+        answer = b""
+        try:
+            stdin.write(line)
+            await stdin.drain()
+            stdin.close()
+            answer = await asyncio.wait_for(stdout.readline(), timeout=HAND_OVER_TIMEOUT_S)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError, ValueError):
+            pass
+        if answer.rstrip(b"\r\n") == warm_boot.TAKEN.encode():
+            return True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        return False
+
+
+def accepts(env: Mapping[str, str]) -> bool:
+    """Whether a job environment can be given to a warm process (none of its variables is
+    read at interpreter or torch start)."""
+    return not any(key.startswith(IMPORT_TIME_ENV_PREFIXES) for key in env)
+
+
+def reap_warm(warm_dir: Path) -> int:
+    """Kill warm processes a previous agent left (their ``<token>.json``); remove the files."""
+    if not warm_dir.is_dir():
+        return 0
+    recorded: dict[int, list[tuple[str, str]]] = {}
+    for meta in warm_dir.glob("*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            info = json.loads(meta.read_text())
+            recorded[int(info["pgid"])] = [(TOKEN_ENV, str(info["token"]))]
+        meta.unlink(missing_ok=True)
+    killed = kill_marked(recorded)
+    if killed:
+        log.warning("killed %d warm learner process(es) of a previous agent", killed)
+    return killed
+
+
+class WarmPool:
+    """Up to ``size`` ready warm processes (see the module doc)."""
+
+    def __init__(self, directory: Path, *, python: str, env: Mapping[str, str], size: int) -> None:
+        self.directory = directory
+        self.python = python
+        self.env = {**env, "PYTHONUNBUFFERED": "1"}
+        self.size = max(size, 0)
+        self._ready: list[WarmProcess] = []
+        self._starting: WarmProcess | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._watchers: set[asyncio.Task[None]] = set()
+        self.started = 0  # processes started by the pool
+        self.taken = 0  # learners that started warm
+        self.died = 0  # warm processes that died before they were taken
+
+    def ready(self) -> int:
+        return sum(1 for w in self._ready if w.process.returncode is None)
+
+    def start(self) -> None:
+        if self.size <= 0 or self._task is not None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._task = asyncio.get_running_loop().create_task(self._fill(), name="warm-pool")
+
+    def take(self) -> WarmProcess | None:
+        """A ready warm process (removed from the pool), or None: start cold."""
+        while self._ready:
+            warm = self._ready.pop(0)
+            (self.directory / f"{warm.token}.json").unlink(missing_ok=True)
+            if warm.process.returncode is None:
+                self.taken += 1
+                self._wake.set()
+                return warm
+        return None
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        idle = list(self._ready)
+        self._ready.clear()
+        if self._starting is not None:
+            idle.append(self._starting)
+        for warm in idle:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(warm.pid, signal.SIGKILL)
+        for warm in idle:
+            with contextlib.suppress(Exception):
+                await warm.process.wait()
+            (self.directory / f"{warm.token}.json").unlink(missing_ok=True)
+        for task in list(self._watchers):
+            task.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+
+    # -- filling -------------------------------------------------------------------------------
+
+    async def _fill(self) -> None:
+        backoff = _BACKOFF_FIRST_S
+        while True:
+            self._ready = [w for w in self._ready if w.process.returncode is None]
+            if len(self._ready) >= self.size:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            warm = await self._spawn_one()
+            if warm is not None:
+                backoff = _BACKOFF_FIRST_S
+                continue
+            log.warning("a warm learner process died before it was ready; retry in %g s", backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    async def _spawn_one(self) -> WarmProcess | None:
+        token = secrets.token_hex(8)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *die_with_parent([self.python, "-c", BOOT_SOURCE], any_thread=True),
+                cwd=str(self.directory),
+                env={**self.env, TOKEN_ENV: token},
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            log.warning("cannot start a warm learner process: %s", exc)
+            return None
+        self.started += 1
+        warm = WarmProcess(process=process, token=token, started=time.time())
+        self._starting = warm
+        (self.directory / f"{token}.json").write_text(
+            json.dumps({"pgid": process.pid, "token": token})
+        )
+        try:
+            ok = await asyncio.wait_for(self._await_ready(warm), timeout=READY_TIMEOUT_S)
+        except TimeoutError:
+            ok = False
+        finally:
+            self._starting = None
+        if not ok:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            stderr = b""
+            if process.stderr is not None:
+                with contextlib.suppress(Exception):
+                    stderr = await asyncio.wait_for(process.stderr.read(4096), timeout=1.0)
+            await process.wait()
+            (self.directory / f"{token}.json").unlink(missing_ok=True)
+            self.died += 1
+            if stderr:
+                log.warning("warm learner process said: %s", stderr.decode(errors="replace"))
+            return None
+        warm.ready_at = time.time()
+        self._ready.append(warm)
+        watcher = asyncio.get_running_loop().create_task(self._watch_idle(warm))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+        log.info(
+            "warm learner process %d ready in %.1f s", process.pid, warm.ready_at - warm.started
+        )
+        return warm
+
+    @staticmethod
+    async def _await_ready(warm: WarmProcess) -> bool:
+        stdout = warm.process.stdout
+        assert stdout is not None
+        marker = warm_boot.READY.encode()
+        while True:
+            try:
+                line = await stdout.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                return False  # a line over 64 KiB: not ours
+            if not line:
+                return False  # exited before it was ready
+            if line.rstrip(b"\r\n") == marker:
+                return True
+            warm.early_stdout.append(line.rstrip(b"\r\n"))
+
+    async def _watch_idle(self, warm: WarmProcess) -> None:
+        """Drop a ready process that dies before it is taken (the pool replaces it)."""
+        await warm.process.wait()
+        if warm in self._ready:
+            self._ready.remove(warm)
+            (self.directory / f"{warm.token}.json").unlink(missing_ok=True)
+            self.died += 1
+            log.warning(
+                "warm learner process %d died while idle (%s); replacing it",
+                warm.pid,
+                warm.process.returncode,
+            )
+            self._wake.set()
