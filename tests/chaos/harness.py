@@ -267,3 +267,34 @@ def time_to(predicate: Callable[[], Any], timeout: float, what: str) -> float:
     start = time.monotonic()
     wait_for(predicate, timeout, what, period=0.05)
     return time.monotonic() - start
+
+
+def learner_pids(job_id: str) -> dict[str, int]:
+    """learner id -> pid of the job's learner processes running on this machine (found by the
+    SHOAL_JOB_ID / SHOAL_LEARNER_ID their host agent puts in their environment)."""
+    found: dict[str, int] = {}
+    job = f"SHOAL_JOB_ID={job_id}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            if job not in env or process_state(int(entry.name)) in ("Z", "X", ""):
+                continue
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"SHOAL_LEARNER_ID="):
+                learner = item.split(b"=", 1)[1].decode()
+                # the learner's own process (the lowest pid; its children share the env)
+                found[learner] = min(found.get(learner, 1 << 30), int(entry.name))
+    return found
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of a process (R, S, T for stopped, Z, ...); "" if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[0]

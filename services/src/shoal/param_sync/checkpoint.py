@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -87,11 +88,30 @@ def atomic_write(uri: str, data: bytes) -> None:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+            _chaos_stop_before_rename(path)
             os.replace(tmp, path)
         else:
             fs.pipe_file(path, data)
     except OSError as exc:
         raise StorageError(f"cannot write {uri}: {exc}") from exc
+
+
+def _chaos_stop_before_rename(path: str) -> None:
+    """A hook of the chaos suite (tests/chaos): with ``SHOAL_CHAOS_STOP_BEFORE_RENAME`` naming
+    a trigger file, and that file present and holding a part of a file name, the process stops
+    itself (SIGSTOP) when that file's temporary copy is written and synced but not yet renamed
+    into place, so that the test can SIGKILL it at exactly that point. Unset (always, outside
+    the chaos suite), it does nothing."""
+    trigger = os.environ.get("SHOAL_CHAOS_STOP_BEFORE_RENAME", "")
+    if not trigger:
+        return
+    try:
+        with open(trigger) as f:
+            part = f.read().strip()
+    except OSError:
+        return
+    if part and part in path.rsplit("/", 1)[-1]:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def append_line(uri: str, line: str) -> None:
