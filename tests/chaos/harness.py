@@ -298,3 +298,51 @@ def process_state(pid: int) -> str:
     except OSError:
         return ""
     return stat.rsplit(")", 1)[1].split()[0]
+
+
+def tiny_reference(epochs: int, batch: int = 64, seed: int = 0) -> dict[str, Any]:
+    """Plain single-process PyTorch training of tests/e2e/tiny_model (the same model seed, data,
+    data order per epoch, global batch and optimizer as the job): the state dict a COMPLETED
+    job of that model must end with, whatever faults it went through."""
+    import importlib.util
+
+    import torch
+
+    from shoal.learner import partition
+
+    spec = importlib.util.spec_from_file_location("shoal_tiny_model", TINY_MODEL / "train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    train, _ = module.get_datasets()
+    x, y = train.tensors
+    n = len(y)
+    torch.manual_seed(0)  # as the script does before building its model
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    mse = torch.nn.MSELoss()
+    for epoch in range(epochs):
+        order = partition.epoch_order(n, seed, epoch)
+        for start in range(0, partition.iterations_per_epoch(n, batch) * batch, batch):
+            idx = order[start : start + batch]
+            optimizer.zero_grad()
+            mse(model(x[idx]), y[idx]).backward()
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def model_difference(chaos: ChaosCluster, job_id: str, epochs: int, workdir: Path) -> float:
+    """The largest absolute difference between the job's final model (downloaded) and its
+    single-process reference; raises AssertionError if the tensors' names or shapes differ."""
+    from safetensors.torch import load_file
+
+    path = workdir / f"{job_id}.safetensors"
+    chaos.client.download_model(job_id, path)
+    model = load_file(str(path))
+    reference = tiny_reference(epochs)
+    assert set(model) == set(reference), f"{job_id}: tensors {sorted(model)} != {sorted(reference)}"
+    worst = 0.0
+    for name, value in reference.items():
+        assert model[name].shape == value.shape, f"{job_id}: {name} has shape {model[name].shape}"
+        worst = max(worst, float((model[name].float() - value.float()).abs().max()))
+    return worst

@@ -35,7 +35,7 @@ class LinkStats:
     delayed_chunks: int = 0  # "lost" and retransmitted
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity (kept in a set)
 class _Connection:
     writers: list[asyncio.StreamWriter] = field(default_factory=list)
     tasks: list[asyncio.Task] = field(default_factory=list)

@@ -233,10 +233,9 @@ def test_a_shard_sigkilled_mid_checkpoint_commits_nothing_partial(rig: Rig, reco
         wait_for(lambda: process_state(shard.pid) == "T", 180, "shard 1 stopped mid-write")
     finally:
         rig.trigger.unlink()
-    partial = list(
-        chaos.cluster.storage.glob("jobs/*/checkpoints/iter-*/shard-1.safetensors.tmp-*")
-    )
-    assert len(partial) == 1, partial
+    partial = list(chaos.cluster.storage.rglob("*.tmp-*"))
+    listing = sorted(str(p) for p in chaos.cluster.storage.rglob("*") if "artifacts" not in str(p))
+    assert len(partial) == 1, (partial, listing, chaos.log_text(SHARD)[-3000:])
     directory = partial[0].parent
     job = directory.parents[1].name
     chaos.kill(SHARD, signal.SIGKILL)
@@ -260,22 +259,6 @@ def test_a_shard_sigkilled_mid_checkpoint_commits_nothing_partial(rig: Rig, reco
     record.update(
         scenario="shard SIGKILL mid checkpoint write", killed_at=directory.name, recover_s=recover
     )
-
-
-def test_a_shard_sigkill_loses_no_committed_iteration(rig: Rig, record):
-    """SIGKILL shard 0 (it holds a slice of both jobs, and may coordinate them) and start it
-    again on its address: the slices come back from their replicas (or the coordinator role
-    moves); training goes on; the iteration record stays exact."""
-    chaos = rig.chaos
-    chaos.kill("parameter-sync-0", signal.SIGKILL)
-    start = time.monotonic()
-    chaos.start_again("parameter-sync-0")
-    for job in rig.jobs:
-        chaos.wait_training(job, 3, timeout=240)
-    recover = time.monotonic() - start
-    for job in rig.jobs:
-        chaos.assert_iterations_exact(job)
-    record.update(scenario="shard SIGKILL and restart", recover_s=recover)
 
 
 @full
@@ -303,3 +286,65 @@ def test_a_partition_past_the_grace_declares_the_host_lost_and_it_comes_back_fen
         chaos.wait_training(job, 3)
         chaos.assert_iterations_exact(job)
     record.update(scenario="partition 8 s", declared_lost_s=lost, back_s=back)
+
+
+def test_a_shard_sigkill_loses_no_committed_iteration(rig: Rig, record):
+    """SIGKILL shard 1 and start it again on its address. After the checkpoint scenario
+    above moved every coordinator role it had to shard 0, shard 1 holds a slice (and replicas)
+    of each job but coordinates none: its slices come back from their replicas, training goes
+    on, the iteration record stays exact."""
+    chaos = rig.chaos
+    chaos.kill(SHARD, signal.SIGKILL)
+    start = time.monotonic()
+    chaos.start_again(SHARD)
+    for job in rig.jobs:
+        chaos.wait_training(job, 3, timeout=240)
+    recover = time.monotonic() - start
+    for job in rig.jobs:
+        chaos.assert_iterations_exact(job)
+    record.update(scenario="shard SIGKILL and restart (not a coordinator)", recover_s=recover)
+
+
+def _flapping(chaos: ChaosCluster) -> str:
+    """A scheduler log line showing it stepped down because a shard fenced a coordinator
+    epoch (not its leadership), if any."""
+    for name in chaos.names("job-scheduler"):
+        for line in chaos.log_text(name).splitlines():
+            if "stepping down: job" in line and "coordinator_epoch" in line:
+                return line
+    return ""
+
+
+@full
+def test_losing_the_coordinator_shard_a_second_time_resumes_the_jobs(rig: Rig, record):
+    """Runs last (it may leave the cluster unusable). SIGKILL shard 0, which coordinates every
+    job since the checkpoint scenario took the role from shard 1, and start it again: the
+    jobs should resume (the role moves to shard 1, or the job resumes from its latest
+    checkpoint) with their iteration record exact.
+
+    Known bug (found by this test, 2026-11-26): the scheduler leader's OpenJob is refused by a
+    shard with FAILED_PRECONDITION ERROR_REASON_FENCED_OUT "coordinator_epoch (0) of job ... is
+    older than the current coordinator's (N, ...)"; the scheduler reads that reason as its own
+    leadership being fenced (reconcile.py ``_check_fenced`` -> ``FencedOutByPeer`` ->
+    ``_depose``) and steps down; the standby leads and does the same: both replicas flap
+    several times a second and the job never resumes. xfail while that holds."""
+    chaos = rig.chaos
+    chaos.kill("parameter-sync-0", signal.SIGKILL)
+    start = time.monotonic()
+    chaos.start_again("parameter-sync-0")
+
+    def resumed_or_flapping() -> str:
+        if _flapping(chaos):
+            return "flapping"
+        counts = [chaos.iterations_done(job) for job in rig.jobs]
+        return "resumed" if all(c >= n + 3 for c, n in zip(counts, base, strict=True)) else ""
+
+    base = [chaos.iterations_done(job) for job in rig.jobs]
+    outcome = wait_for(resumed_or_flapping, 240, "the jobs to resume after the second loss")
+    if outcome == "flapping":
+        pytest.xfail(f"the scheduler leadership flaps: {_flapping(chaos)}")
+    for job in rig.jobs:
+        chaos.assert_iterations_exact(job)
+    record.update(
+        scenario="coordinator shard SIGKILL, second time", recover_s=time.monotonic() - start
+    )

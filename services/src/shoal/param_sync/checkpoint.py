@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import signal
+import threading
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -111,7 +112,9 @@ def _chaos_stop_before_rename(path: str) -> None:
     except OSError:
         return
     if part and part in path.rsplit("/", 1)[-1]:
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # Directed at this thread, so that it stops before its next instruction: a SIGSTOP
+        # sent to the process may be taken by another thread, and this one renames meanwhile.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def append_line(uri: str, line: str) -> None:
