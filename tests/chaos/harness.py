@@ -17,6 +17,7 @@ etcd members), real learners training, faults by signal, and the checks every sc
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -346,3 +347,16 @@ def model_difference(chaos: ChaosCluster, job_id: str, epochs: int, workdir: Pat
         assert model[name].shape == value.shape, f"{job_id}: {name} has shape {model[name].shape}"
         worst = max(worst, float((model[name].float() - value.float()).abs().max()))
     return worst
+
+
+def longest_pause(chaos: ChaosCluster, job_id: str, since: float) -> float:
+    """The longest time (s) the job went without committing an iteration from ``since``
+    (epoch seconds, the fault) to its latest iteration: how long the fault stopped training
+    (0 if it did not slow it below its own pace)."""
+    times = sorted(
+        m.time.ToNanoseconds() / 1e9 for m in chaos.client.get_metrics(job_id).iterations
+    )
+    last_before = max((t for t in times if t < since), default=since)
+    after = [t for t in times if t >= since]
+    points = [last_before, *after]
+    return max((b - a for a, b in itertools.pairwise(points)), default=0.0)

@@ -13,6 +13,8 @@ learners inherit both. shard 1 runs with the checkpoint-write hook armed (a trig
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import time
@@ -30,6 +32,7 @@ from tests.chaos.harness import (
     faketime_env,
     job_spec,
     learner_pids,
+    longest_pause,
     process_state,
     time_to,
     wait_for,
@@ -75,7 +78,15 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         agent.args[agent.args.index("--resource-managers") + 1] = proxy.address
         clock = state / "host-1-clock"
         chaos.sigterm(HOST)
-        chaos.start_again(HOST, env={**faketime_env(clock), "FAKETIME_DONT_FAKE_MONOTONIC": "1"})
+        faketime = {
+            **faketime_env(clock),
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            # re-read the offset at most once a second: re-reading it at every clock call
+            # (FAKETIME_NO_CACHE) made the learners' gRPC about ten times slower
+            "FAKETIME_NO_CACHE": "0",
+            "FAKETIME_CACHE_DURATION": "1",
+        }
+        chaos.start_again(HOST, env=faketime)
         trigger = state / "checkpoint-trigger"
         chaos.sigterm(SHARD)
         chaos.start_again(SHARD, env={"SHOAL_CHAOS_STOP_BEFORE_RENAME": str(trigger)})
@@ -202,6 +213,7 @@ def test_a_learner_sigkill_is_replaced_and_no_committed_iteration_is_lost(rig: R
     job = rig.jobs[0]
     pids = wait_for(lambda: learner_pids(job) if len(learner_pids(job)) >= 2 else None, 60, "2")
     victim, pid = sorted(pids.items())[0]
+    since = time.time()
     os.kill(pid, signal.SIGKILL)
     recover = time_to(
         lambda: len(set(learner_pids(job)) - {victim}) >= 2,
@@ -211,7 +223,11 @@ def test_a_learner_sigkill_is_replaced_and_no_committed_iteration_is_lost(rig: R
     chaos.wait_training(job, 3)
     for j in rig.jobs:
         chaos.assert_iterations_exact(j)
-    record.update(scenario="learner SIGKILL", replaced_s=recover)
+    record.update(
+        scenario="learner SIGKILL",
+        replaced_s=recover,
+        training_paused_s=longest_pause(chaos, job, since),
+    )
 
 
 def _latest(rig: Rig, job: str) -> str:
@@ -219,73 +235,70 @@ def _latest(rig: Rig, job: str) -> str:
     return latest.read_text().strip() if latest.exists() else ""
 
 
+def _checkpoint_outcome(directory: Path) -> str:
+    """What became of a checkpoint directory whose write was interrupted: "abandoned" (no
+    manifest: never pointed at), or "completed without the killed file" when the coordinator
+    finished it another way (it checkpoints through a shard loss from the promoted replica).
+    A manifest must be whole: every file it names present with its size and sha256, every
+    tensor of the layout in one of them, the interrupted temporary file named by none."""
+    manifest = directory / "manifest.json"
+    if not manifest.exists():
+        return "abandoned"
+    m = json.loads(manifest.read_text())
+    tensors: set[str] = set()
+    for entry in m["shards"]:
+        data = (directory / entry["file"]).read_bytes()
+        assert len(data) == entry["size"], entry
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"], entry
+        assert ".tmp-" not in entry["file"], entry
+        tensors.update(entry["tensors"])
+    assert tensors == {t["name"] for t in m["layout"]}, (tensors, m["layout"])
+    return "completed without the killed file"
+
+
 def test_a_shard_sigkilled_mid_checkpoint_commits_nothing_partial(rig: Rig, record):
     """Arm the hook: shard 1 stops itself when its next checkpoint file is written to its
     temporary name and synced, before the rename. The test SIGKILLs it there and starts it
-    again: that checkpoint is never committed (no manifest; ``latest`` still names the one
-    before), training goes on (the slice is restored from its replica), the iteration record
-    stays exact, and a later checkpoint commits."""
+    again. Nothing partial is ever committed: that checkpoint is either abandoned (no manifest,
+    ``latest`` never names it) or finished by the coordinator without the killed file (the
+    slice promoted from its replica), whole and verified; training goes on, the iteration
+    record stays exact, and later checkpoints commit."""
     chaos = rig.chaos
     shard = chaos.cluster.services[SHARD]
-    before = {job: _latest(rig, job) for job in rig.jobs}
     rig.trigger.write_text("shard-1.safetensors")
     try:
         wait_for(lambda: process_state(shard.pid) == "T", 180, "shard 1 stopped mid-write")
     finally:
         rig.trigger.unlink()
-    partial = list(chaos.cluster.storage.rglob("*.tmp-*"))
-    listing = sorted(str(p) for p in chaos.cluster.storage.rglob("*") if "artifacts" not in str(p))
-    assert len(partial) == 1, (partial, listing, chaos.log_text(SHARD)[-3000:])
+    # (shard 0 may have its own file of that checkpoint in flight too: it is not stopped)
+    partial = list(chaos.cluster.storage.rglob("shard-1.safetensors.tmp-*"))
+    assert len(partial) == 1, partial
     directory = partial[0].parent
     job = directory.parents[1].name
-    chaos.kill(SHARD, signal.SIGKILL)
-    start = time.monotonic()
-    chaos.start_again(SHARD)
-    assert not (directory / "manifest.json").exists(), "a checkpoint was committed partially"
+    killed_at = int(directory.name.split("-")[1])
     assert _latest(rig, job) != directory.name
+    since = time.time()
+    chaos.kill(SHARD, signal.SIGKILL)
+    chaos.start_again(SHARD)
     for j in rig.jobs:
         chaos.wait_training(j, 3, timeout=240)
-    recover = time.monotonic() - start
+    paused = {j: longest_pause(chaos, j, since) for j in rig.jobs}
     wait_for(
-        lambda: (
-            _latest(rig, job) not in ("", before[job], directory.name)
-            and int(_latest(rig, job).split("-")[1]) > int(directory.name.split("-")[1])
-        ),
+        lambda: _latest(rig, job) and int(_latest(rig, job).split("-")[1]) > killed_at,
         240,
         f"a later checkpoint of {job} to commit",
     )
+    outcome = _checkpoint_outcome(directory)
+    latest = chaos.cluster.storage / "jobs" / job / "checkpoints" / _latest(rig, job)
+    assert _checkpoint_outcome(latest) != "abandoned"  # the one ``latest`` names is whole
     for j in rig.jobs:
         chaos.assert_iterations_exact(j)
     record.update(
-        scenario="shard SIGKILL mid checkpoint write", killed_at=directory.name, recover_s=recover
+        scenario="shard SIGKILL mid checkpoint write",
+        killed_at=directory.name,
+        outcome=outcome,
+        training_paused_s=paused,
     )
-
-
-@full
-def test_a_partition_past_the_grace_declares_the_host_lost_and_it_comes_back_fenced(
-    rig: Rig, record
-):
-    """host-1's link delivers nothing for 8 s (every packet dropped): the host IS unreachable
-    past the grace, so it is declared LOST and its learners evicted; healed, its agent
-    registers as a new incarnation, the jobs grow back, no iteration is lost or repeated."""
-    chaos, proxy = rig.chaos, rig.proxy
-    before = chaos.snapshot()
-    proxy.partition(True)
-    try:
-        lost = time_to(lambda: chaos.snapshot()[HOST][0] == HOST_LOST, 60, f"{HOST} lost")
-        time.sleep(max(0.0, 8 - lost))
-    finally:
-        proxy.partition(False)
-    back = time_to(
-        lambda: chaos.snapshot()[HOST] == (HOST_READY, before[HOST][1] + 1),
-        60,
-        f"{HOST} back as a new incarnation",
-    )
-    for job in rig.jobs:
-        chaos.wait_workers(job, 2, timeout=240)
-        chaos.wait_training(job, 3)
-        chaos.assert_iterations_exact(job)
-    record.update(scenario="partition 8 s", declared_lost_s=lost, back_s=back)
 
 
 def test_a_shard_sigkill_loses_no_committed_iteration(rig: Rig, record):
@@ -294,15 +307,17 @@ def test_a_shard_sigkill_loses_no_committed_iteration(rig: Rig, record):
     of each job but coordinates none: its slices come back from their replicas, training goes
     on, the iteration record stays exact."""
     chaos = rig.chaos
+    since = time.time()
     chaos.kill(SHARD, signal.SIGKILL)
-    start = time.monotonic()
     chaos.start_again(SHARD)
     for job in rig.jobs:
         chaos.wait_training(job, 3, timeout=240)
-    recover = time.monotonic() - start
+    paused = {job: longest_pause(chaos, job, since) for job in rig.jobs}
     for job in rig.jobs:
         chaos.assert_iterations_exact(job)
-    record.update(scenario="shard SIGKILL and restart (not a coordinator)", recover_s=recover)
+    record.update(
+        scenario="shard SIGKILL and restart (not a coordinator)", training_paused_s=paused
+    )
 
 
 def _flapping(chaos: ChaosCluster) -> str:
