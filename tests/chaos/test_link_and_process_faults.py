@@ -301,6 +301,36 @@ def test_a_shard_sigkilled_mid_checkpoint_commits_nothing_partial(rig: Rig, reco
     )
 
 
+@full
+def test_a_partition_past_the_grace_declares_the_host_lost_and_it_comes_back_fenced(
+    rig: Rig, record
+):
+    """host-1's link to the resource manager delivers nothing for 8 s (every packet dropped):
+    the host IS unreachable past the grace, so it is declared LOST and its learners evicted;
+    healed, its agent registers as a new incarnation, the jobs grow back, no iteration is lost
+    or repeated."""
+    chaos, proxy = rig.chaos, rig.proxy
+    before = chaos.snapshot()
+    proxy.partition(True)
+    try:
+        lost = time_to(lambda: chaos.snapshot()[HOST][0] == HOST_LOST, 60, f"{HOST} lost")
+        time.sleep(max(0.0, 8 - lost))  # a fixed-length outage is the scenario itself
+    finally:
+        proxy.partition(False)
+    back = time_to(
+        lambda: chaos.snapshot()[HOST] == (HOST_READY, before[HOST][1] + 1),
+        60,
+        f"{HOST} back as a new incarnation",
+    )
+    for job in rig.jobs:
+        chaos.wait_workers(job, 2, timeout=240)
+        chaos.wait_training(job, 3)
+        chaos.assert_iterations_exact(job)
+    others = {h: v for h, v in chaos.snapshot().items() if h != HOST}
+    assert others == {h: v for h, v in before.items() if h != HOST}
+    record.update(scenario="partition 8 s", declared_lost_s=lost, back_s=back)
+
+
 def test_a_shard_sigkill_loses_no_committed_iteration(rig: Rig, record):
     """SIGKILL shard 1 and start it again on its address. After the checkpoint scenario
     above moved every coordinator role it had to shard 0, shard 1 holds a slice (and replicas)
