@@ -56,6 +56,10 @@ def _echo(sock: socket.socket, data: bytes) -> bytes:
 def test_forwards_both_ways_and_counts(proxy: LinkProxy) -> None:
     with _connect(proxy) as sock:
         assert _echo(sock, b"hello") == b"hello"
+    # the proxy counts after its write returns, which can be just after the client has read
+    deadline = time.monotonic() + 10
+    while proxy.stats.down_bytes < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert proxy.stats.connections == 1
     assert proxy.stats.up_bytes == 5 and proxy.stats.down_bytes == 5
 
