@@ -3,7 +3,8 @@ a slow and a lossy link between a host agent and the resource manager (tests/cha
 an in-repo TCP proxy), a wall-clock jump on that host (libfaketime), a learner SIGKILL, a
 parameter-sync shard SIGKILL, and a SIGKILL of a shard in the middle of a checkpoint write.
 Each scenario asserts what was lost and measures the time to recover. Runs in `make test`
-(the short form) and in `make chaos` (SHOAL_CHAOS=full adds the partition past the grace).
+(the short form) and in `make chaos` (SHOAL_CHAOS=full adds the partition past the grace, a
+plain shard kill and a second loss of the coordinator shard).
 
 The cluster: one etcd, two replicas of the resource manager and of the job scheduler, two
 parameter-sync shards (replicated), two hosts x 2 simulated GPUs. host-1's agent reaches the
@@ -331,6 +332,7 @@ def test_a_partition_past_the_grace_declares_the_host_lost_and_it_comes_back_fen
     record.update(scenario="partition 8 s", declared_lost_s=lost, back_s=back)
 
 
+@full  # the short form has the shard kill mid checkpoint; tests/integration/test_shard_loss.py
 def test_a_shard_sigkill_loses_no_committed_iteration(rig: Rig, record):
     """SIGKILL shard 1 and start it again on its address. After the checkpoint scenario
     above moved every coordinator role it had to shard 0, shard 1 holds a slice (and replicas)
