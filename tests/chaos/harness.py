@@ -17,6 +17,7 @@ etcd members), real learners training, faults by signal, and the checks every sc
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -267,3 +268,95 @@ def time_to(predicate: Callable[[], Any], timeout: float, what: str) -> float:
     start = time.monotonic()
     wait_for(predicate, timeout, what, period=0.05)
     return time.monotonic() - start
+
+
+def learner_pids(job_id: str) -> dict[str, int]:
+    """learner id -> pid of the job's learner processes running on this machine (found by the
+    SHOAL_JOB_ID / SHOAL_LEARNER_ID their host agent puts in their environment)."""
+    found: dict[str, int] = {}
+    job = f"SHOAL_JOB_ID={job_id}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            if job not in env or process_state(int(entry.name)) in ("Z", "X", ""):
+                continue
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"SHOAL_LEARNER_ID="):
+                learner = item.split(b"=", 1)[1].decode()
+                # the learner's own process (the lowest pid; its children share the env)
+                found[learner] = min(found.get(learner, 1 << 30), int(entry.name))
+    return found
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of a process (R, S, T for stopped, Z, ...); "" if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def tiny_reference(epochs: int, batch: int = 64, seed: int = 0) -> dict[str, Any]:
+    """Plain single-process PyTorch training of tests/e2e/tiny_model (the same model seed, data,
+    data order per epoch, global batch and optimizer as the job): the state dict a COMPLETED
+    job of that model must end with, whatever faults it went through."""
+    import importlib.util
+
+    import torch
+
+    from shoal.learner import partition
+
+    spec = importlib.util.spec_from_file_location("shoal_tiny_model", TINY_MODEL / "train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    train, _ = module.get_datasets()
+    x, y = train.tensors
+    n = len(y)
+    torch.manual_seed(0)  # as the script does before building its model
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    mse = torch.nn.MSELoss()
+    for epoch in range(epochs):
+        order = partition.epoch_order(n, seed, epoch)
+        for start in range(0, partition.iterations_per_epoch(n, batch) * batch, batch):
+            idx = order[start : start + batch]
+            optimizer.zero_grad()
+            mse(model(x[idx]), y[idx]).backward()
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def model_difference(chaos: ChaosCluster, job_id: str, epochs: int, workdir: Path) -> float:
+    """The largest absolute difference between the job's final model (downloaded) and its
+    single-process reference; raises AssertionError if the tensors' names or shapes differ."""
+    from safetensors.torch import load_file
+
+    path = workdir / f"{job_id}.safetensors"
+    chaos.client.download_model(job_id, path)
+    model = load_file(str(path))
+    reference = tiny_reference(epochs)
+    assert set(model) == set(reference), f"{job_id}: tensors {sorted(model)} != {sorted(reference)}"
+    worst = 0.0
+    for name, value in reference.items():
+        assert model[name].shape == value.shape, f"{job_id}: {name} has shape {model[name].shape}"
+        worst = max(worst, float((model[name].float() - value.float()).abs().max()))
+    return worst
+
+
+def longest_pause(chaos: ChaosCluster, job_id: str, since: float) -> float:
+    """The longest time (s) the job went without committing an iteration from ``since``
+    (epoch seconds, the fault) to its latest iteration: how long the fault stopped training
+    (0 if it did not slow it below its own pace)."""
+    times = sorted(
+        m.time.ToNanoseconds() / 1e9 for m in chaos.client.get_metrics(job_id).iterations
+    )
+    last_before = max((t for t in times if t < since), default=since)
+    after = [t for t in times if t >= since]
+    points = [last_before, *after]
+    return max((b - a for a, b in itertools.pairwise(points)), default=0.0)

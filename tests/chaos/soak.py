@@ -13,11 +13,13 @@ At the end, with the faults stopped, it checks:
 * every job ends in exactly one terminal state (COMPLETED, FAILED or CANCELLED) within the
   drain time;
 * every COMPLETED job's iterations are contiguous from 0, each exactly once;
+* every COMPLETED job's final model equals its single-process reference (plain PyTorch
+  training of the same model, data, order and batch: ``harness.tiny_reference``) within
+  ``MODEL_ATOL``;
 * no host was declared lost except one the schedule made unreachable (an agent killed, or
   frozen for longer than the grace).
 
 Shard kills are left out: surviving them is the data plane's issue (replicated shard state).
-Comparing each COMPLETED job's model with its single-process reference is not done here yet.
 Exit status 0 when every check holds; the report (JSON) goes to ``--out``.
 """
 
@@ -35,9 +37,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from shoal.v1 import job_pb2
-from tests.chaos.harness import TERMINAL, TINY_MODEL, ChaosCluster, job_spec
+from tests.chaos.harness import TERMINAL, TINY_MODEL, ChaosCluster, job_spec, model_difference
 
 GRACE_S = 3.0
+# The job's model against plain single-process training: they differ only by the float
+# summation order of the per-learner gradients (see tests/integration/test_elastic_training.py).
+MODEL_ATOL = 1e-5
 
 
 @dataclass
@@ -183,9 +188,10 @@ def run(minutes: float, seed: int, out: Path, state_dir: Path) -> int:
     report: dict = {"minutes": minutes, "seed": seed, "schedule": [asdict(f) for f in plan]}
     try:
         artifact = chaos.client.upload_directory(TINY_MODEL)
+        specs = dict(jobs_for(artifact, minutes))
         jobs = {
             key: chaos.client.submit_job(spec, request_id=f"soak-{seed}-{key}").job_id
-            for key, spec in jobs_for(artifact, minutes)
+            for key, spec in specs.items()
         }
         t0 = time.monotonic()
         for fault in plan:
@@ -216,6 +222,13 @@ def run(minutes: float, seed: int, out: Path, state_dir: Path) -> int:
             if state == job_pb2.JOB_STATE_COMPLETED:
                 try:
                     entry["iterations"] = chaos.assert_iterations_exact(job_id)
+                    diff = model_difference(chaos, job_id, specs[key].epochs, state_dir)
+                    entry["model_max_abs_diff"] = diff
+                    if not diff <= MODEL_ATOL:
+                        problems.append(
+                            f"{key} ({job_id}): its model differs from the single-process "
+                            f"reference by {diff:.3g} (> {MODEL_ATOL:g})"
+                        )
                 except AssertionError as exc:
                     problems.append(str(exc))
             summary[key] = entry
