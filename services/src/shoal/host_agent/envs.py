@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from shoal.runtime.errors import InvalidField
+from shoal.contract.errors import InvalidField
 
 __all__ = ["REQUIREMENTS_FILE", "JobEnvironments"]
 

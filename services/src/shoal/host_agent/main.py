@@ -35,12 +35,12 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from shoal.contract.errors import InvalidField
 from shoal.host_agent.devices import make_device_source
 from shoal.host_agent.metrics import register_metrics
 from shoal.host_agent.service import ERRORS, HostAgent, HostAgentConfig, bindings
 from shoal.runtime import metrics, telemetry
 from shoal.runtime.config import add_server_flags, parse_number, server_config_from_args
-from shoal.runtime.errors import InvalidField
 from shoal.runtime.server import create_server, run_until_signalled
 
 log = logging.getLogger(__name__)

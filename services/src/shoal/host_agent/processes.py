@@ -50,10 +50,18 @@ import fsspec
 from google.protobuf import timestamp_pb2
 
 from shoal.contract import ids
+from shoal.contract.errors import (
+    ArtifactNotFound,
+    DeviceBusy,
+    DeviceNotFound,
+    FailedPrecondition,
+    FencedOut,
+    InvalidField,
+    LearnerNotFound,
+)
 from shoal.host_agent.devices import DeviceInfo, cuda_env
 from shoal.host_agent.envs import JobEnvironments
 from shoal.runtime import telemetry
-from shoal.runtime.errors import FailedPrecondition, FencedOut, InvalidField, NotFound
 from shoal.runtime.procs import die_with_parent
 from shoal.v1 import resources_pb2
 
@@ -91,31 +99,8 @@ TERMINAL = frozenset({SUCCEEDED, FAILED})
 # --------------------------------------------------------------------------------------------
 
 
-class DeviceNotFound(NotFound):
-    reason = "ERROR_REASON_DEVICE_NOT_FOUND"
-
-    def __init__(self, device_id: str, known: Sequence[str]) -> None:
-        super().__init__("device", device_id)
-        self.args = (f"device {device_id!r} not found on this host (it has: {', '.join(known)})",)
-
-
-class LearnerNotFound(NotFound):
-    reason = "ERROR_REASON_LEARNER_NOT_FOUND"
-
-    def __init__(self, learner_id: str) -> None:
-        super().__init__("learner", learner_id)
-
-
-class ArtifactNotFound(NotFound):
-    reason = "ERROR_REASON_ARTIFACT_NOT_FOUND"
-
-    def __init__(self, artifact_id: str, where: str) -> None:
-        super().__init__("artifact", artifact_id)
-        self.args = (f"artifact {artifact_id!r} not found ({where})",)
-
-
-class DeviceBusy(FailedPrecondition):
-    reason = "ERROR_REASON_DEVICE_BUSY"
+# DeviceNotFound, LearnerNotFound, ArtifactNotFound and DeviceBusy are defined in
+# shoal.contract.errors (imported above, exported here).
 
 
 # --------------------------------------------------------------------------------------------

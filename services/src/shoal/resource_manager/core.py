@@ -39,7 +39,16 @@ from typing import TypeVar
 from google.protobuf import timestamp_pb2
 
 from shoal.contract import ids
-from shoal.runtime.errors import FailedPrecondition, InvalidField, NotFound
+from shoal.contract.errors import (
+    DeviceBusy,
+    DeviceNotFound,
+    FailedPrecondition,
+    HostNotFound,
+    HostUnavailable,
+    InvalidField,
+    InvalidTransition,
+    StaleIncarnation,
+)
 from shoal.v1 import resource_manager_service_pb2 as rm_pb2, resources_pb2
 
 __all__ = [
@@ -89,43 +98,8 @@ _HISTORY_PER_HOST = 64
 # --------------------------------------------------------------------------------------------
 
 
-class HostNotFound(NotFound):
-    reason = "ERROR_REASON_HOST_NOT_FOUND"
-
-    def __init__(self, host_id: str) -> None:
-        super().__init__("host", host_id)
-        self.host_id = host_id
-
-
-class DeviceNotFound(NotFound):
-    reason = "ERROR_REASON_DEVICE_NOT_FOUND"
-
-    def __init__(self, host_id: str, device_id: str) -> None:
-        super().__init__(f"device on host {host_id!r}:", device_id)
-        self.host_id = host_id
-        self.device_id = device_id
-
-
-class DeviceBusy(FailedPrecondition):
-    reason = "ERROR_REASON_DEVICE_BUSY"
-
-
-class HostUnavailable(FailedPrecondition):
-    """The host is cordoned, draining or lost."""
-
-    reason = "ERROR_REASON_HOST_UNAVAILABLE"
-
-
-class StaleIncarnation(FailedPrecondition):
-    """A heartbeat names an incarnation that is not the host's current one, or a lost host."""
-
-    reason = "ERROR_REASON_WRONG_STATE"
-
-
-class InvalidTransition(FailedPrecondition):
-    """A state change the host's transition table does not allow."""
-
-    reason = "ERROR_REASON_WRONG_STATE"
+# HostNotFound, DeviceNotFound, DeviceBusy, HostUnavailable, StaleIncarnation and
+# InvalidTransition are defined in shoal.contract.errors (imported above, exported here).
 
 
 # --------------------------------------------------------------------------------------------
@@ -845,7 +819,7 @@ class Inventory:
             host = self.host(claim.host_id)
             device = host.device(claim.device_id)
             if device is None:
-                raise DeviceNotFound(claim.host_id, claim.device_id)
+                raise DeviceNotFound(claim.device_id, host_id=claim.host_id)
             if host.liveness is Liveness.LOST:
                 raise HostUnavailable(f"host {claim.host_id!r} is lost")
             if host.scheduling is not Scheduling.SCHEDULABLE:

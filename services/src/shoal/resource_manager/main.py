@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from shoal.contract.errors import InvalidField
 from shoal.resource_manager.metrics import register_metrics
 from shoal.resource_manager.service import (
     ERRORS,
@@ -36,7 +37,6 @@ from shoal.resource_manager.service import (
 )
 from shoal.runtime import metrics, telemetry
 from shoal.runtime.config import add_server_flags, etcd_store, server_config_from_args
-from shoal.runtime.errors import InvalidField
 from shoal.runtime.server import create_server, run_until_signalled
 from shoal.runtime.store import MemoryStore, Store
 

@@ -57,6 +57,8 @@ from typing import Literal, Self, TypeVar
 import grpc
 from aetcd import rpc
 
+from shoal.contract.errors import FencedOut, LeaseExpired, StoreError, StoreUnavailable
+
 __all__ = [
     "DeleteOp",
     "EtcdStore",
@@ -152,41 +154,8 @@ class Expect:
 Op = PutOp | DeleteOp
 
 
-class StoreError(Exception):
-    """Base of the store's errors."""
-
-
-class FencedOut(StoreError):
-    """A fenced write was refused: the fence's leader key is gone or belongs to a new leader."""
-
-    def __init__(self, fence: Fence, actual_create_revision: int | None) -> None:
-        now = (
-            "is gone"
-            if actual_create_revision is None
-            else f"has create_revision {actual_create_revision}"
-        )
-        super().__init__(
-            f"fenced out: leader key {fence.key!r} was expected with create_revision "
-            f"{fence.create_revision} but {now}"
-        )
-        self.fence = fence
-        self.actual_create_revision = actual_create_revision
-
-
-class StoreUnavailable(StoreError):
-    """The store could not be reached or did not answer in time; the caller may retry.
-
-    For a write the outcome is unknown: it may or may not have been applied.
-    """
-
-
-class LeaseExpired(StoreError):
-    """The lease does not exist (any more): it expired or was revoked."""
-
-    def __init__(self, lease_id: int, detail: str = "") -> None:
-        extra = f" ({detail})" if detail else ""
-        super().__init__(f"lease {lease_id:x} has expired or was revoked{extra}")
-        self.lease_id = lease_id
+# The store's errors live with every other shoal error in shoal.contract.errors (imported
+# above and re-exported here): StoreError, FencedOut, StoreUnavailable, LeaseExpired.
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,7 +341,7 @@ class MemoryStore(Store):
             return
         kv = self._kvs.get(fence.key)
         if kv is None or kv.create_revision != fence.create_revision:
-            raise FencedOut(fence, None if kv is None else kv.create_revision)
+            raise FencedOut.of_fence(fence, None if kv is None else kv.create_revision)
 
     def _expect_holds(self, expect: Expect) -> bool:
         kv = self._kvs.get(expect.key)
@@ -834,7 +803,7 @@ class EtcdStore(Store):
             found = response.responses[0].response_range.kvs
             actual = found[0].create_revision if found else None
             if actual != fence.create_revision:
-                raise FencedOut(fence, actual)
+                raise FencedOut.of_fence(fence, actual)
         return response
 
     # -- Store ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from shoal.runtime.errors import InvalidField, NotFound
+from shoal.contract.errors import InvalidField, NotFound
 from shoal.scheduler.artifacts import Storage
 from shoal.scheduler.jobs import timestamp, validate_page_size
 from shoal.v1 import job_scheduler_service_pb2 as js_pb2

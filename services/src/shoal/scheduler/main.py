@@ -62,6 +62,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.contract.errors import InvalidField
 from shoal.runtime import metrics, telemetry
 from shoal.runtime.auth import (
     DEFAULT_LEARNER_TOKEN_TTL_S,
@@ -78,7 +79,6 @@ from shoal.runtime.config import (
     server_config_from_args,
 )
 from shoal.runtime.election import LeaderElection
-from shoal.runtime.errors import InvalidField
 from shoal.runtime.server import create_server, run_until_signalled
 from shoal.runtime.store import MemoryStore, Store
 from shoal.scheduler.artifacts import ArtifactStore, Storage

@@ -55,18 +55,12 @@ from shoal.contract.data_plane import (
     decode_coordinator,
     encode_coordinator,
 )
+from shoal.contract.errors import NotLeader, ShoalError, StoreError, Unavailable, decode_rpc_error
 from shoal.runtime import telemetry
 from shoal.runtime.channels import connect
 from shoal.runtime.config import TLSConfig
 from shoal.runtime.election import Leadership, LeadershipLost
-from shoal.runtime.errors import (
-    LEADER_METADATA_KEY,
-    REASON_METADATA_KEY,
-    NotLeader,
-    ShoalError,
-    Unavailable,
-)
-from shoal.runtime.store import Store, StoreError
+from shoal.runtime.store import Store
 from shoal.scheduler.artifacts import Storage
 from shoal.scheduler.health import HealthConfig, JobHealth, VerdictKind, assess, lost_reason
 from shoal.scheduler.jobs import (
@@ -306,7 +300,7 @@ class Peers:
     def rm_failed(self, exc: grpc.aio.AioRpcError) -> bool:
         """Point at the leader named in a standby's answer, or at the next address. Returns
         whether retrying at once makes sense (a leader was named)."""
-        leader = _trailer(exc, LEADER_METADATA_KEY)
+        leader = decode_rpc_error(exc).leader
         if leader and leader != self.rm_address:
             self._rm_override = leader
             return True
@@ -364,13 +358,6 @@ class Peers:
                 await ch.close()
 
 
-def _trailer(exc: grpc.aio.AioRpcError, key: str) -> str | None:
-    for k, v in exc.trailing_metadata() or ():
-        if k == key:
-            return v.decode() if isinstance(v, bytes) else str(v)
-    return None
-
-
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
@@ -386,7 +373,7 @@ class PermanentFailure(Exception):
 
 
 def _check_fenced(exc: grpc.aio.AioRpcError) -> None:
-    if _trailer(exc, REASON_METADATA_KEY) == "ERROR_REASON_FENCED_OUT":
+    if decode_rpc_error(exc).reason == "ERROR_REASON_FENCED_OUT":
         raise FencedOutByPeer(_describe(exc)) from exc
 
 
