@@ -36,33 +36,22 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
-from grpc import aio
 from opentelemetry import context as otel_context, trace
 
-from shoal.contract import ids
 from shoal.contract.data_plane import (
-    COORDINATORS_PREFIX,
-    SHARDS_PREFIX,
     CoordinatorRecord,
-    InvalidCoordinatorRecord,
     coordinator_key,
-    decode_coordinator,
     encode_coordinator,
 )
-from shoal.contract.errors import NotLeader, ShoalError, StoreError, Unavailable, decode_rpc_error
-from shoal.runtime import telemetry
-from shoal.runtime.channels import connect
-from shoal.runtime.config import TLSConfig
+from shoal.contract.errors import NotLeader, ShoalError, StoreError, Unavailable
 from shoal.runtime.election import Leadership, LeadershipLost
-from shoal.runtime.store import Store
 from shoal.scheduler.artifacts import Storage
-from shoal.scheduler.health import HealthConfig, JobHealth, VerdictKind, assess, lost_reason
+from shoal.scheduler.health import JobHealth, VerdictKind, assess, lost_reason
 from shoal.scheduler.jobs import (
     HOLDING,
     LEAVING,
@@ -75,537 +64,45 @@ from shoal.scheduler.jobs import (
     state_name,
 )
 from shoal.scheduler.placement import (
-    DeviceView,
-    HostState,
-    HostView,
     LearnerView,
-    PlacementConfig,
     Start,
     plan,
 )
 from shoal.scheduler.policy import JobDemand
+from shoal.scheduler.reconcile.config import ELECTION, ReconcileConfig
+from shoal.scheduler.reconcile.inventory import Inventory
+from shoal.scheduler.reconcile.peers import (
+    TRANSIENT_CODES,
+    UNREACHABLE,
+    FencedOutByPeer,
+    Peers,
+    PermanentFailure,
+    check_fenced,
+    describe,
+)
+from shoal.scheduler.reconcile.registry import CoordinatorMoves, ShardRegistry
+from shoal.scheduler.reconcile.rules import coordinator_index, learner_env, resolve_sync_mode
+from shoal.scheduler.reconcile.work import Backoff, JobWork
 from shoal.scheduler.store import JobTable, StoreConflict
 from shoal.scheduler.tracing import RescaleTracker, job_context
 from shoal.v1 import (
     host_agent_service_pb2 as ha_pb2,
-    host_agent_service_pb2_grpc,
     job_pb2,
     parameter_sync_service_pb2 as ps_pb2,
-    parameter_sync_service_pb2_grpc,
     resource_manager_service_pb2 as rm_pb2,
-    resource_manager_service_pb2_grpc,
     resources_pb2,
 )
 
 if TYPE_CHECKING:
     from shoal.scheduler.metrics import SchedulerMetrics
 
-__all__ = [
-    "ELECTION",
-    "CoordinatorMoves",
-    "Inventory",
-    "JobWork",
-    "Peers",
-    "ReconcileConfig",
-    "Reconciler",
-    "ShardRegistry",
-    "coordinator_index",
-    "learner_env",
-    "resolve_sync_mode",
-]
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
 
 T = TypeVar("T")
 
-ELECTION = "job-scheduler"
-
-#: Status codes after which the same call may succeed later.
-TRANSIENT_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.FAILED_PRECONDITION,  # device busy, host cordoned: plan again
-    }
-)
-
 S = job_pb2
-
-#: Status codes that mean a shard could not be reached (dead, partitioned, overloaded).
-_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-
-# Learner environment: the backend names of the learner's registry.
-SYNC_BACKENDS = {
-    job_pb2.SYNC_MODE_PARAMETER_SERVER: "parameter_server",
-    job_pb2.SYNC_MODE_COLLECTIVE: "collective",
-}
-
-
-# --------------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ReconcileConfig:
-    """What the control loop needs; built once in ``main`` (validated there)."""
-
-    sync_shards: tuple[str, ...]
-    """The shards in shard order; empty: read the registry the shards keep in etcd."""
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    resync_interval_s: float = 1.0
-    call_timeout_s: float = 10.0
-    start_timeout_s: float = 60.0
-    stop_grace_s: float = 10.0
-    retire_timeout_s: float = 600.0
-    finish_grace_s: float = 30.0
-    max_learner_failures: int = 3
-    backoff_initial_s: float = 0.2
-    backoff_max_s: float = 10.0
-    progress_persist_s: float = 5.0
-    agent_sweep_s: float = 10.0
-    learner_credentials: Callable[[str, str, str], str] | None = None
-    """Mints each learner's SHOAL_TOKEN: (job id, learner id, allocation id) -> a credential
-    valid for that learner of that job only (``LearnerTokenSigner.mint``). None: learners get
-    no token (a cluster without auth)."""
-    rescale_poll_s: float = 0.1
-    """While a rescale waits on a coordinator (drain, join, first step), how often the job's
-    progress is polled: the precision of those phases' ends in the traces."""
-    trace_every: int | None = None
-    """SHOAL_TRACE_EVERY for the learners (None: their default)."""
-    collective_timeout_s: float | None = None
-    """SHOAL_COLLECTIVE_TIMEOUT_S for the learners (None: their default)."""
-    health: HealthConfig = field(default_factory=HealthConfig)
-    """When a job is RECOVERING, retried from its checkpoint, or FAILED for making no
-    progress (``shoal.scheduler.health``)."""
-
-
-# --------------------------------------------------------------------------------------------
-# Pure helpers
-# --------------------------------------------------------------------------------------------
-
-
-def coordinator_index(job_id: str, shards: int) -> int:
-    """The job's coordinator shard: a stable hash of the job id modulo the shard count."""
-    digest = hashlib.sha256(job_id.encode()).digest()
-    return int.from_bytes(digest[:8], "big") % shards
-
-
-def resolve_sync_mode(requested: int, devices: Sequence[tuple[str, bool]]) -> int:
-    """The sync mode in effect. AUTO (or unset): COLLECTIVE when every placed device is a real
-    GPU on one host, else PARAMETER_SERVER. ``devices``: (host id, simulated) per learner."""
-    if requested in (job_pb2.SYNC_MODE_PARAMETER_SERVER, job_pb2.SYNC_MODE_COLLECTIVE):
-        return requested
-    hosts = {host for host, _ in devices}
-    if devices and len(hosts) == 1 and not any(sim for _, sim in devices):
-        return job_pb2.SYNC_MODE_COLLECTIVE
-    return job_pb2.SYNC_MODE_PARAMETER_SERVER
-
-
-def learner_env(
-    record: JobRecord,
-    learner_id: str,
-    *,
-    shards: Sequence[str],
-    storage_uri: str,
-    token: str | None,
-    trace_every: int | None = None,
-    collective_timeout_s: float | None = None,
-) -> dict[str, str]:
-    """The environment contract of one learner (see docs/scheduler.md and
-    ``shoal.learner.env``); the job's own ``env`` first, so the contract wins."""
-    spec = record.job.spec
-    env = dict(spec.env)
-    env.update(
-        {
-            "SHOAL_JOB_ID": record.job_id,
-            "SHOAL_LEARNER_ID": learner_id,
-            "SHOAL_SYNC_ENDPOINTS": ",".join(shards),
-            "SHOAL_COORDINATOR": record.coordinator_address,
-            "SHOAL_STORAGE_URI": storage_uri,
-            "SHOAL_BATCH_SIZE": str(spec.batch_size),
-            "SHOAL_EPOCHS": str(spec.epochs),
-            "SHOAL_SEED": str(spec.seed),
-            "SHOAL_SYNC_BACKEND": SYNC_BACKENDS.get(
-                record.job.effective_sync_mode, SYNC_BACKENDS[job_pb2.SYNC_MODE_PARAMETER_SERVER]
-            ),
-        }
-    )
-    if spec.max_batch_per_device > 0:
-        env["SHOAL_MAX_BATCH_PER_DEVICE"] = str(spec.max_batch_per_device)
-    if spec.dataset_uris:
-        env["SHOAL_DATASET_URIS"] = ",".join(spec.dataset_uris)
-    if token:
-        env["SHOAL_TOKEN"] = token
-    if trace_every is not None:
-        env["SHOAL_TRACE_EVERY"] = str(trace_every)
-    if collective_timeout_s is not None:
-        env["SHOAL_COLLECTIVE_TIMEOUT_S"] = f"{collective_timeout_s:g}"
-    telemetry.inject_env(env)
-    return env
-
-
-# --------------------------------------------------------------------------------------------
-# Peers: the services the scheduler calls
-# --------------------------------------------------------------------------------------------
-
-
-class Peers:
-    """Channels to the resource-manager (following its leader), the host agents and the
-    parameter-sync shards, with the service token."""
-
-    def __init__(
-        self,
-        resource_managers: Sequence[str],
-        sync_shards: Sequence[str],
-        *,
-        token: str | None,
-        tls: TLSConfig | None = None,
-        channel_factory: Callable[[str], aio.Channel] | None = None,
-    ) -> None:
-        if not resource_managers:
-            raise ValueError("resource_managers ([]) must name at least one address")
-        self._rm_addresses = list(resource_managers)
-        self._rm_index = 0
-        self._rm_override: str | None = None
-        self.sync_shards = tuple(sync_shards)
-        self._token = token
-        self._factory = channel_factory or (lambda address: connect(address, token=token, tls=tls))
-        self._channels: dict[str, aio.Channel] = {}
-        self._closing: set[asyncio.Future[None]] = set()
-
-    def channel(self, address: str) -> aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = self._factory(address)
-        return ch
-
-    # -- resource-manager (leader-following) ----------------------------------------------------
-
-    @property
-    def rm_address(self) -> str:
-        return self._rm_override or self._rm_addresses[self._rm_index % len(self._rm_addresses)]
-
-    def rm(self) -> resource_manager_service_pb2_grpc.ResourceManagerServiceStub:
-        return resource_manager_service_pb2_grpc.ResourceManagerServiceStub(
-            self.channel(self.rm_address)
-        )
-
-    def rm_failed(self, exc: grpc.aio.AioRpcError) -> bool:
-        """Point at the leader named in a standby's answer, or at the next address. Returns
-        whether retrying at once makes sense (a leader was named)."""
-        leader = decode_rpc_error(exc).leader
-        if leader and leader != self.rm_address:
-            self._rm_override = leader
-            return True
-        self._rm_override = None
-        self._rm_index += 1
-        return False
-
-    async def rm_call(self, method: str, request: Any, timeout: float) -> Any:
-        attempts = len(self._rm_addresses) + 1
-        for attempt in range(attempts):
-            try:
-                return await getattr(self.rm(), method)(request, timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == attempts - 1:
-                    raise
-                self.rm_failed(exc)
-        raise AssertionError("unreachable")
-
-    # -- agents and shards ------------------------------------------------------------------------
-
-    def agent(self, address: str) -> host_agent_service_pb2_grpc.HostAgentServiceStub:
-        return host_agent_service_pb2_grpc.HostAgentServiceStub(self.channel(address))
-
-    def shard(self, address: str) -> parameter_sync_service_pb2_grpc.ParameterSyncServiceStub:
-        return parameter_sync_service_pb2_grpc.ParameterSyncServiceStub(self.channel(address))
-
-    def forget(self, address: str, *, close_after_s: float = 30.0) -> None:
-        """Drop the cached channel to ``address``: its peer came back (a host agent registered
-        again), and a channel that failed while it was down may still sit in gRPC's reconnect
-        backoff, where a new one connects at once. Calls in flight on the old channel finish;
-        it is closed ``close_after_s`` later."""
-        old = self._channels.pop(address, None)
-        if old is None:
-            return
-
-        async def close_later() -> None:
-            try:
-                await asyncio.sleep(close_after_s)
-            finally:  # also when the pool closes first
-                with contextlib.suppress(Exception):
-                    await old.close()
-
-        task = asyncio.ensure_future(close_later())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        closing = list(self._closing)
-        for task in closing:
-            task.cancel()
-        await asyncio.gather(*closing, return_exceptions=True)
-        for ch in channels:
-            with contextlib.suppress(Exception):
-                await ch.close()
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"
-
-
-class FencedOutByPeer(Exception):
-    """A peer refused our fencing token: a newer scheduler leads."""
-
-
-class PermanentFailure(Exception):
-    """A call failed in a way retrying will not fix; the job fails with this reason."""
-
-
-def _check_fenced(exc: grpc.aio.AioRpcError) -> None:
-    if decode_rpc_error(exc).reason == "ERROR_REASON_FENCED_OUT":
-        raise FencedOutByPeer(_describe(exc)) from exc
-
-
-# --------------------------------------------------------------------------------------------
-# Inventory: the resource-manager's view, kept from WatchInventory
-# --------------------------------------------------------------------------------------------
-
-
-class Inventory:
-    """Hosts and the allocation ledger, as the resource-manager last told them."""
-
-    def __init__(self) -> None:
-        self.hosts: dict[str, resources_pb2.Host] = {}
-        self.ledger: dict[str, resources_pb2.Allocation] = {}
-        self.synced = False
-
-    def reset(
-        self, hosts: Iterable[resources_pb2.Host], allocations: Iterable[resources_pb2.Allocation]
-    ) -> None:
-        self.hosts = {h.host_id: h for h in hosts}
-        self.ledger = {a.allocation_id: a for a in allocations}
-        # Allocations listed on the devices count too (a snapshot may carry them either way).
-        for host in self.hosts.values():
-            for device in host.devices:
-                if device.HasField("allocation") and device.allocation.allocation_id:
-                    self.ledger.setdefault(device.allocation.allocation_id, device.allocation)
-        self.synced = True
-
-    def put_host(self, host: resources_pb2.Host) -> None:
-        self.hosts[host.host_id] = host
-
-    def lose_host(self, host: resources_pb2.Host) -> None:
-        known = self.hosts.get(host.host_id)
-        lost = resources_pb2.Host()
-        lost.CopyFrom(known if known is not None else host)
-        lost.state = resources_pb2.HOST_STATE_LOST
-        self.hosts[host.host_id] = lost
-
-    def allocated(self, allocations: Iterable[resources_pb2.Allocation]) -> None:
-        for a in allocations:
-            self.ledger[a.allocation_id] = a
-
-    def released(self, allocation_ids: Iterable[str]) -> None:
-        for a in allocation_ids:
-            self.ledger.pop(a, None)
-
-    def device(self, host_id: str, device_id: str) -> resources_pb2.Device | None:
-        host = self.hosts.get(host_id)
-        if host is None:
-            return None
-        return next((d for d in host.devices if d.device_id == device_id), None)
-
-    def host_views(self) -> list[HostView]:
-        by_device = {(a.host_id, a.device_id): a.learner_id for a in self.ledger.values()}
-        views = []
-        for host in self.hosts.values():
-            if host.state == resources_pb2.HOST_STATE_LOST:
-                state = HostState.LOST
-            elif host.cordoned or host.draining:
-                state = HostState.CORDONED
-            else:
-                state = HostState.READY
-            devices = []
-            for d in host.devices:
-                owner = by_device.get((host.host_id, d.device_id))
-                if owner is None and d.health == resources_pb2.DEVICE_HEALTH_UNHEALTHY:
-                    owner = "<unhealthy>"  # never free, not capacity
-                devices.append(DeviceView(d.device_id, owner))
-            views.append(HostView(host.host_id, tuple(devices), state))
-        return views
-
-
-# --------------------------------------------------------------------------------------------
-# Parameter-sync shard registry
-# --------------------------------------------------------------------------------------------
-
-SHARD_REGISTRY = SHARDS_PREFIX  # written by the shards (param_sync/main.py)
-
-
-class ShardRegistry:
-    """The shard list from the registry the shards keep in etcd (``<prefix><index>`` = address
-    under a lease). The last known address of every index is kept (a shard that restarts keeps
-    its place in the order); the list is usable once the indices 0..S-1 are all known."""
-
-    def __init__(self, store: Store, prefix: str = SHARD_REGISTRY) -> None:
-        self.store = store
-        self.prefix = prefix
-        self.addresses: dict[int, str] = {}
-
-    def shards(self) -> tuple[str, ...]:
-        count = len(self.addresses)
-        if sorted(self.addresses) != list(range(count)):
-            return ()
-        return tuple(self.addresses[i] for i in range(count))
-
-    def _put(self, key: str, value: bytes) -> None:
-        try:
-            index = int(key.removeprefix(self.prefix))
-        except ValueError:
-            return
-        if index >= 0 and value:
-            self.addresses[index] = value.decode()
-
-    async def run(self) -> None:
-        await follow_prefix(self.store, self.prefix, self._put, what="shard registry")
-
-
-class CoordinatorMoves:
-    """Where the parameter-sync tier moved jobs' coordinators (``shoal.contract.data_plane``:
-    ``/shoal/v1/parameter-sync/coordinators/<job_id>`` = address, index, epoch), kept from an
-    etcd watch. Only a record with a higher epoch than the one known replaces it; each such
-    move is reported to ``on_move``. A job without a record keeps the hash rule
-    (:func:`coordinator_index`)."""
-
-    def __init__(
-        self,
-        store: Store,
-        on_move: Callable[[str, CoordinatorRecord], None],
-        prefix: str = COORDINATORS_PREFIX,
-    ) -> None:
-        self.store = store
-        self.on_move = on_move
-        self.prefix = prefix
-        self.records: dict[str, CoordinatorRecord] = {}
-
-    def get(self, job_id: str) -> CoordinatorRecord | None:
-        return self.records.get(job_id)
-
-    def apply(self, key: str, value: bytes) -> None:
-        """One stored value (a listing or a watch event)."""
-        job_id = key.removeprefix(self.prefix)
-        if not ids.is_valid(ids.IdKind.JOB, job_id):
-            log.warning("coordinator record %r: the key does not end in a job id", key)
-            return
-        try:
-            record = decode_coordinator(value)
-        except InvalidCoordinatorRecord as exc:
-            log.warning("coordinator record of %s ignored: %s", job_id, exc)
-            return
-        known = self.records.get(job_id)
-        if known is not None and record.epoch <= known.epoch:
-            return  # an older (or the same) move: the newest one wins
-        self.records[job_id] = record
-        self.on_move(job_id, record)
-
-    async def run(self) -> None:
-        await follow_prefix(
-            self.store,
-            self.prefix,
-            self.apply,
-            lambda key: self.records.pop(key.removeprefix(self.prefix), None),
-            what="coordinator records",
-        )
-
-
-async def follow_prefix(
-    store: Store,
-    prefix: str,
-    put: Callable[[str, bytes], object],
-    delete: Callable[[str], object] | None = None,
-    *,
-    what: str,
-) -> None:
-    """Mirror the keys under ``prefix`` forever: ``put(key, value)`` for each key listed and
-    each one written later (a watch from the listing's revision; a resync lists again),
-    ``delete(key)`` for each one deleted. An unreachable store is logged and retried every
-    second."""
-    while True:
-        try:
-            kvs, revision = await store.list(prefix)
-            for kv in kvs:
-                put(kv.key, kv.value)
-            async with contextlib.aclosing(store.watch(prefix, revision + 1)) as events:
-                async for event in events:
-                    if event.kind == "put":
-                        put(event.key, event.value)
-                    elif event.kind == "delete" and delete is not None:
-                        delete(event.key)
-                    elif event.kind == "resync":
-                        for kv in event.kvs:
-                            put(kv.key, kv.value)
-        except StoreError as exc:
-            log.info("%s: %s", what, exc)
-        await asyncio.sleep(1.0)
-
-
-# --------------------------------------------------------------------------------------------
-# Work of one job
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class JobWork:
-    """What one worker run does for one job (computed by the cycle)."""
-
-    exits: list[resources_pb2.Learner] = field(default_factory=list)
-    lost: list[tuple[str, str]] = field(default_factory=list)  # (learner id, why)
-    drop_pending: list[str] = field(default_factory=list)
-    retires: list[str] = field(default_factory=list)
-    stops: list[str] = field(default_factory=list)
-    starts: list[LearnerRecord] = field(default_factory=list)
-    restarts: list[str] = field(default_factory=list)  # STARTING learners to (re)start
-    finish: bool = False  # final / cancelling job without learners: close, CANCELLED
-    requeue: bool = False
-    save: bool = False  # only fields changed in memory (target, queue position)
-    retry: str = ""  # stalled: stop everything, re-open from the latest checkpoint (reason)
-
-    def empty(self) -> bool:
-        return not (
-            self.exits
-            or self.lost
-            or self.drop_pending
-            or self.retires
-            or self.stops
-            or self.starts
-            or self.restarts
-            or self.finish
-            or self.requeue
-            or self.save
-            or self.retry
-        )
-
-
-@dataclass
-class _Backoff:
-    until: float
-    delay: float
-
-
-# --------------------------------------------------------------------------------------------
-# The reconciler
-# --------------------------------------------------------------------------------------------
 
 
 class Reconciler:
@@ -634,7 +131,7 @@ class Reconciler:
         self._wake = asyncio.Event()
         self._causes: list[str] = []
         self._busy: dict[str, asyncio.Task[None]] = {}
-        self._backoff: dict[str, _Backoff] = {}
+        self._backoff: dict[str, Backoff] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._leadership: Leadership | None = None
         self._token = resources_pb2.FencingToken()
@@ -1099,7 +596,7 @@ class Reconciler:
             if not transient:
                 log.exception("job %s: reconcile failed", job_id)
             else:
-                log.info("job %s: transient failure, backing off: %s", job_id, _describe(exc))
+                log.info("job %s: transient failure, backing off: %s", job_id, describe(exc))
             self._note_backoff(job_id)
         finally:
             self._busy.pop(job_id, None)
@@ -1114,7 +611,7 @@ class Reconciler:
             if prev is None
             else min(prev.delay * 2, self.config.backoff_max_s)
         )
-        self._backoff[job_id] = _Backoff(self.clock() + delay, delay)
+        self._backoff[job_id] = Backoff(self.clock() + delay, delay)
         self._wake_at(self.clock() + delay)
 
     async def _note_allocation(
@@ -1215,7 +712,7 @@ class Reconciler:
         try:
             await self.peers.rm_call("ReleaseDevices", request, self.config.call_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            _check_fenced(exc)
+            check_fenced(exc)
             raise
         self.inventory.released(ids)
 
@@ -1230,12 +727,12 @@ class Reconciler:
                 request, timeout=self.config.call_timeout_s
             )
         except grpc.aio.AioRpcError as exc:
-            _check_fenced(exc)
-            if exc.code() in _UNREACHABLE:
+            check_fenced(exc)
+            if exc.code() in UNREACHABLE:
                 # The coordinator is down: its membership is gone with it (a re-open starts
                 # afresh). Waiting for it here would keep every exit unprocessed, and the job
                 # reported with learners that no longer run.
-                log.info("job %s: evict %s: %s", record.job_id, learner_id, _describe(exc))
+                log.info("job %s: evict %s: %s", record.job_id, learner_id, describe(exc))
                 self._unreachable(record, exc)
                 return
             if exc.code() != grpc.StatusCode.NOT_FOUND:
@@ -1339,7 +836,7 @@ class Reconciler:
                 request, timeout=self.config.call_timeout_s
             )
         except grpc.aio.AioRpcError as exc:
-            _check_fenced(exc)
+            check_fenced(exc)
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
             # Not members (yet): no iteration of theirs can be lost; stop them directly.
@@ -1378,7 +875,7 @@ class Reconciler:
                         exit_code=-1,
                         exit_reason="not running on its agent",
                     )
-                log.info("StopLearner %s: %s", lr.learner_id, _describe(exc))
+                log.info("StopLearner %s: %s", lr.learner_id, describe(exc))
                 return None
             learner = response.learner
             if learner.state in (
@@ -1428,14 +925,14 @@ class Reconciler:
                 request, timeout=self.config.call_timeout_s
             )
         except grpc.aio.AioRpcError as exc:
-            _check_fenced(exc)
-            if exc.code() in _UNREACHABLE and record.state in STARTED_STATES:
+            check_fenced(exc)
+            if exc.code() in UNREACHABLE and record.state in STARTED_STATES:
                 self._health(
                     record
                 ).last_error = f"OpenJob: {self._shard_name(record)} unreachable: {exc.code().name}"
             if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
                 raise PermanentFailure(
-                    f"OpenJob on {record.coordinator_address} failed: {_describe(exc)}"
+                    f"OpenJob on {record.coordinator_address} failed: {describe(exc)}"
                 ) from exc
             raise
         record.opened = True
@@ -1485,7 +982,7 @@ class Reconciler:
                     "AcquireDevices", request, self.config.call_timeout_s
                 )
             except grpc.aio.AioRpcError as exc:
-                _check_fenced(exc)
+                check_fenced(exc)
                 raise
         except PermanentFailure as exc:
             drop_pending()
@@ -1549,7 +1046,7 @@ class Reconciler:
                     request, timeout=self.config.start_timeout_s
                 )
             except grpc.aio.AioRpcError as exc:
-                _check_fenced(exc)
+                check_fenced(exc)
                 return exc
             if lr.phase is LearnerPhase.STARTING:
                 lr.set_phase(LearnerPhase.RUNNING, self.clock())
@@ -1574,8 +1071,7 @@ class Reconciler:
             ):
                 await self._fail(
                     record,
-                    f"StartLearner {lr.learner_id} on host {lr.host_id} failed: "
-                    f"{_describe(result)}",
+                    f"StartLearner {lr.learner_id} on host {lr.host_id} failed: {describe(result)}",
                 )
                 return
         errors = [r for r in results if r is not None]
@@ -1599,7 +1095,7 @@ class Reconciler:
                 timeout=self.config.call_timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in _UNREACHABLE and record.state in STARTED_STATES:
+            if exc.code() in UNREACHABLE and record.state in STARTED_STATES:
                 self._unreachable(record, exc)
                 return None
             if exc.code() == grpc.StatusCode.NOT_FOUND and record.active:
@@ -1782,13 +1278,13 @@ class Reconciler:
                     request, timeout=self.config.call_timeout_s
                 )
             except grpc.aio.AioRpcError as exc:
-                if exc.code() in _UNREACHABLE:
+                if exc.code() in UNREACHABLE:
                     continue
                 log.warning(
                     "job %s: shard %d cannot take the coordinator role over: %s",
                     job_id,
                     index,
-                    _describe(exc),
+                    describe(exc),
                 )
                 return False
             moved = CoordinatorRecord(address=shards[index], index=index, epoch=epoch)
@@ -1840,8 +1336,8 @@ class Reconciler:
                     request, timeout=min(5.0, self.config.call_timeout_s)
                 )
             except grpc.aio.AioRpcError as exc:
-                _check_fenced(exc)
-                log.debug("CloseJob %s on %s: %s", record.job_id, address, _describe(exc))
+                check_fenced(exc)
+                log.debug("CloseJob %s on %s: %s", record.job_id, address, describe(exc))
 
         addresses = dict.fromkeys([record.coordinator_address, *self.shards()])
         await asyncio.gather(*(close(a) for a in addresses if a))
@@ -1868,7 +1364,7 @@ class Reconciler:
                     timeout=self.config.call_timeout_s,
                 )
             except grpc.aio.AioRpcError as exc:
-                _check_fenced(exc)
+                check_fenced(exc)
                 if exc.code() != grpc.StatusCode.NOT_FOUND:
                     raise
             record.closed = True
@@ -1890,7 +1386,7 @@ class Reconciler:
                         await self._poll_progress(record)
                     await self._assess(record)
                 except (grpc.aio.AioRpcError, Unavailable, TimeoutError, StoreConflict) as exc:
-                    log.debug("progress of %s: %s", record.job_id, _describe(exc))
+                    log.debug("progress of %s: %s", record.job_id, describe(exc))
                 except (NotLeader, FencedOutByPeer, LeadershipLost) as exc:
                     self._depose(str(exc))
 
@@ -1914,7 +1410,7 @@ class Reconciler:
                     timeout=self.config.call_timeout_s,
                 )
             except grpc.aio.AioRpcError as exc:
-                log.debug("membership of %s: %s", record.job_id, _describe(exc))
+                log.debug("membership of %s: %s", record.job_id, describe(exc))
                 return
             self.rescales.observe(
                 record, response.member_learner_ids, response.progress.completed_iterations
@@ -1942,7 +1438,7 @@ class Reconciler:
                     log.info("inventory watch: following the resource-manager leader")
                     self.inventory.synced = False
                     continue
-                log.info("inventory watch interrupted: %s", _describe(exc))
+                log.info("inventory watch interrupted: %s", describe(exc))
             finally:
                 call.cancel()
             self.inventory.synced = False
@@ -2022,7 +1518,7 @@ class Reconciler:
             except FencedOutByPeer as exc:
                 self._depose(str(exc))
             except Exception as exc:
-                log.info("releasing orphans failed: %s", _describe(exc))
+                log.info("releasing orphans failed: %s", describe(exc))
             finally:
                 self._orphans_busy = False
 
@@ -2045,7 +1541,7 @@ class Reconciler:
                     ha_pb2.ListLearnersRequest(), timeout=self.config.call_timeout_s
                 )
             except grpc.aio.AioRpcError as exc:
-                log.debug("sweep of agent %s: %s", address, _describe(exc))
+                log.debug("sweep of agent %s: %s", address, describe(exc))
                 return
             seen = {learner.learner_id: learner for learner in response.learners}
             now = self.clock()
