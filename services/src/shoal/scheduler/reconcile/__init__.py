@@ -1,6 +1,7 @@
 """The scheduler's control loop, one module per part (the names are re-exported here).
 
 * ``loop`` -- :class:`Reconciler`: leadership, the cycle, the workers, the sweeps.
+* ``decide`` -- the cycle's observing and deciding, pure functions: records in, decisions out.
 * ``config`` -- :class:`ReconcileConfig` and the election name.
 * ``rules`` -- pure rules: a job's coordinator shard, its sync mode, a learner's environment.
 * ``work`` -- :class:`JobWork`, what one worker run does for one job.

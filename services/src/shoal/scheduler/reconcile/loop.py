@@ -6,7 +6,8 @@ HOST_UP, HOST_LOST, HOST_CHANGED, RELEASED, LEARNER_EXITED, a new SNAPSHOT) and 
 resync; every cycle recomputes the decisions from what it observes, so a missed event costs at
 most one resync interval.
 
-A cycle (:meth:`Reconciler.cycle`, synchronous, no I/O):
+A cycle (:meth:`Reconciler.cycle`, synchronous, no I/O; its observing and deciding are the
+pure functions of :mod:`shoal.scheduler.reconcile.decide`, which it applies):
 
 1. builds the observed state: the inventory (hosts, devices, the ledger) and every learner the
    jobs hold; learners on lost hosts (or on an older incarnation of their host) are lost;
@@ -64,11 +65,10 @@ from shoal.scheduler.jobs import (
     state_name,
 )
 from shoal.scheduler.placement import (
-    LearnerView,
     Start,
     plan,
 )
-from shoal.scheduler.policy import JobDemand
+from shoal.scheduler.reconcile import decide
 from shoal.scheduler.reconcile.config import ELECTION, ReconcileConfig
 from shoal.scheduler.reconcile.inventory import Inventory
 from shoal.scheduler.reconcile.peers import (
@@ -278,146 +278,47 @@ class Reconciler:
     # -- the cycle (pure decisions + dispatch) -------------------------------------------------
 
     def cycle(self) -> None:
-        """One reconcile cycle: observe, plan, dispatch (no I/O; see the module docstring)."""
+        """One reconcile cycle: observe, plan, dispatch (no I/O; see the module docstring).
+        The decisions are the pure functions of ``decide``; this applies them."""
         self.cycles += 1
         now = self.clock()
         causes, self._causes = self._causes, []
         decided_from, self._triggered_at = self._triggered_at or now, None
         records = self.table.records
         hosts = self.inventory.hosts
-        work: dict[str, JobWork] = {}
 
-        def w(job_id: str) -> JobWork:
-            return work.setdefault(job_id, JobWork())
-
-        # 1. Observe every learner.
-        current: list[LearnerView] = []
-        for record in records.values():
-            busy = record.job_id in self._busy
-            for lr in record.learners.values():
-                exit_ = self.exits.get(lr.learner_id)
-                host = hosts.get(lr.host_id)
-                if lr.phase is LearnerPhase.PENDING:
-                    if not busy:
-                        w(record.job_id).drop_pending.append(lr.learner_id)
-                        continue
-                    current.append(
-                        LearnerView(lr.learner_id, record.job_id, lr.host_id, lr.device_id)
-                    )
-                    continue
-                if exit_ is not None:
-                    w(record.job_id).exits.append(exit_)
-                    current.append(self._view(record, lr, retiring=True))
-                    continue
-                lost = self._lost_reason(lr, host)
-                if lost:
-                    w(record.job_id).lost.append((lr.learner_id, lost))
-                    continue
-                current.append(self._view(record, lr, retiring=lr.phase in LEAVING))
-
-        # 2. Policy + placement over the active jobs.
-        demands = [
-            JobDemand(
-                job_id=r.job_id,
-                priority=r.job.spec.priority,
-                submit_seq=r.submit_seq,
-                min_workers=r.job.spec.min_workers,
-                max_workers=r.job.spec.max_workers,
-                last_shrunk_at=r.last_shrunk_at,
-                previous_priority=r.decided_priority,
-            )
-            for r in records.values()
-            if r.active
-        ]
-        # Placement must not see a device twice; lost learners were left out above.
+        observed = decide.observe(records, hosts, self.exits, busy=self._busy)
+        demands = decide.demands(records)
+        # Placement must not see a device twice; lost learners were left out by observe.
         targets_before = {r.job_id: r.job.target_workers for r in records.values()}
         decided = plan(
-            demands, self.inventory.host_views(), current, self.config.placement, now=now
+            demands, self.inventory.host_views(), observed.current, self.config.placement, now=now
         )
-        for learner_id in decided.lost:
-            job_id = self._job_of(learner_id)
-            if job_id is not None:
-                w(job_id).lost.append((learner_id, "its device is no longer in the inventory"))
-        queue_pos = {job_id: i + 1 for i, job_id in enumerate(decided.queue)}
-        for record in records.values():
-            if not record.active:
-                continue
+        changed = []
+        for job_id, (target, position) in decide.targets(records, decided).items():
+            record = records[job_id]
             record.decided_priority = record.job.spec.priority
-            target = decided.shares.get(record.job_id, 0)
-            position = queue_pos.get(record.job_id, 0) if record.state == S.JOB_STATE_QUEUED else 0
             if self.metrics is not None:
-                self.metrics.target_changed(record.job_id, record.job.target_workers, target, now)
-            if record.job.target_workers != target or record.job.queue_position != position:
+                self.metrics.target_changed(job_id, record.job.target_workers, target, now)
+            if (record.job.target_workers, record.job.queue_position) != (target, position):
                 record.job.target_workers = target
                 record.job.queue_position = position
-                w(record.job_id).save = True
-        for retire in decided.retires:
-            # Learners of jobs that are not active are stopped below, not retired.
-            owner = records.get(retire.job_id)
-            chosen = owner.learners.get(retire.learner_id) if owner is not None else None
-            if (
-                owner is not None
-                and owner.active
-                and chosen is not None
-                and (chosen.phase in HOLDING)
-            ):
-                w(retire.job_id).retires.append(retire.learner_id)
-        starts_by_job: dict[str, list[Start]] = {}
-        for start in decided.starts:
-            starts_by_job.setdefault(start.job_id, []).append(start)
-
-        # 3. Housekeeping of each job.
-        for record in records.values():
-            job_id = record.job_id
-            jw = work.get(job_id)
-            gone = {lid for lid, _ in jw.lost} | {e.learner_id for e in jw.exits} if jw else set()
-            remaining = [lr for lr in record.learners.values() if lr.learner_id not in gone]
-            stopping_now = record.state in (
-                S.JOB_STATE_CANCELLING,
-                S.JOB_STATE_CANCELLED,
-                S.JOB_STATE_FAILED,
-            )
-            for lr in remaining:
-                if lr.phase is LearnerPhase.PENDING:
-                    continue
-                if stopping_now and lr.phase is not LearnerPhase.STOPPING:
-                    w(job_id).stops.append(lr.learner_id)
-                elif record.state == S.JOB_STATE_COMPLETED and lr.phase is not (
-                    LearnerPhase.STOPPING
-                ):
-                    if now - lr.phase_since >= self.config.finish_grace_s:
-                        w(job_id).stops.append(lr.learner_id)
-                elif lr.phase is LearnerPhase.RETIRING:
-                    if now - lr.phase_since >= self.config.retire_timeout_s:
-                        w(job_id).stops.append(lr.learner_id)
-                elif lr.phase is LearnerPhase.STOPPING:
-                    if now - lr.phase_since >= 2 * self.config.stop_grace_s + (
-                        self.config.call_timeout_s
-                    ):
-                        w(job_id).stops.append(lr.learner_id)
-                elif lr.phase is LearnerPhase.STARTING and record.active:
-                    w(job_id).restarts.append(lr.learner_id)
-                elif lr.phase in HOLDING and record.active:
-                    host = hosts.get(lr.host_id)
-                    retiring = work.get(job_id, JobWork()).retires
-                    if host is not None and host.draining and lr.learner_id not in retiring:
-                        w(job_id).retires.append(lr.learner_id)
-            if job_id in self._moved:
-                self._moved.discard(job_id)
-                w(job_id).save = True  # its coordinator moved: persist the new address
-            live = [lr for lr in remaining if lr.phase is not LearnerPhase.PENDING]
-            pending = [lr for lr in remaining if lr.phase is LearnerPhase.PENDING]
-            if not record.active and not live and not pending:
-                if record.state == S.JOB_STATE_CANCELLING or (record.opened and not record.closed):
-                    w(job_id).finish = True
-            if (
-                record.state in STARTED_STATES
-                and not live
-                and not pending
-                and not starts_by_job.get(job_id)
-                and not self._held(job_id)
-            ):
-                w(job_id).requeue = True
+                changed.append(job_id)
+        moved = self._moved & records.keys()
+        self._moved -= moved
+        held = {job_id for job_id, health in self.health.items() if health.down}
+        work = decide.decide(
+            records,
+            hosts,
+            observed,
+            decided,
+            self.config,
+            changed=changed,
+            moved=moved,
+            held=held,
+            now=now,
+        )
+        starts_by_job = decide.starts_by_job(decided)
 
         # Rescales (traces only): jobs whose target changed or whose learners change.
         self.rescales.decided(
@@ -512,27 +413,6 @@ class Reconciler:
         """Whether the job's coordinator is unreachable (no learner may start)."""
         health = self.health.get(job_id)
         return health is not None and health.down
-
-    def _view(self, record: JobRecord, lr: LearnerRecord, *, retiring: bool) -> LearnerView:
-        return LearnerView(lr.learner_id, record.job_id, lr.host_id, lr.device_id, retiring)
-
-    def _lost_reason(self, lr: LearnerRecord, host: resources_pb2.Host | None) -> str:
-        if host is None:
-            return f"host {lr.host_id} is not in the inventory"
-        if host.state == resources_pb2.HOST_STATE_LOST:
-            return f"host {lr.host_id} lost"
-        if lr.host_incarnation and host.incarnation > lr.host_incarnation:
-            return (
-                f"host {lr.host_id} restarted (incarnation {lr.host_incarnation} -> "
-                f"{host.incarnation})"
-            )
-        return ""
-
-    def _job_of(self, learner_id: str) -> str | None:
-        for record in self.table.records.values():
-            if learner_id in record.learners:
-                return record.job_id
-        return None
 
     def _pending_learners(
         self, record: JobRecord, starts: Sequence[Start], now: float
