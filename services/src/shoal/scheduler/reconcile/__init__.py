@@ -1,6 +1,8 @@
 """The scheduler's control loop, one module per part (the names are re-exported here).
 
-* ``loop`` -- :class:`Reconciler`: leadership, the cycle, the workers, the sweeps.
+* ``loop`` -- :class:`Reconciler`: the leadership term, the triggers, the cycle.
+* ``workers``, ``lifecycle``, ``watch`` -- the rest of :class:`Reconciler`, as mixins: the I/O
+  of one job's worker; a job's progress, health and end; the inventory watch and the sweeps.
 * ``decide`` -- the cycle's observing and deciding, pure functions: records in, decisions out.
 * ``config`` -- :class:`ReconcileConfig` and the election name.
 * ``rules`` -- pure rules: a job's coordinator shard, its sync mode, a learner's environment.
