@@ -5,6 +5,12 @@ real ``~/.config`` of whoever runs the suite."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
+
+# No test asserts wall-clock speed: hypothesis's per-example deadline (200 ms) is one, and it
+# fails property tests on a loaded 2-core CI machine. Examples are still bounded by max_examples.
+settings.register_profile("shoal", deadline=None)
+settings.load_profile("shoal")
 
 
 @pytest.fixture(autouse=True)

@@ -26,6 +26,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from rich.table import Table
 from typer.core import TyperGroup
 
+from shoal.cli import simulate
 from shoal.cli.output import (
     age,
     hoist_output_option,
@@ -411,6 +412,8 @@ def jobs_get(job_id: str) -> None:
         print_table(console, jobs_table([job], wide=wide))
         if job.state_reason:
             console.print(f"reason: {job.state_reason}", highlight=False, soft_wrap=True)
+        for line in simulate.throughput_lines(job):  # the scheduler's throughput model
+            console.print(line, highlight=False, soft_wrap=True)
 
     emit(job, render, wide=lambda: render(True))
 
@@ -1066,6 +1069,7 @@ def _cluster_app() -> typer.Typer | None:
 _cluster = _cluster_app()
 if _cluster is not None:
     app.add_typer(_cluster, name="cluster")
+simulate.register(app)  # `shoal simulate` (shoal/cli/simulate.py)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,6 +121,8 @@ class _SchedulingPolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Sche
     """Equal shares (weighted max-min with equal weights)."""
     SCHEDULING_POLICY_PRIORITY: _SchedulingPolicy.ValueType  # 3
     """Shares proportional to priority."""
+    SCHEDULING_POLICY_GOODPUT: _SchedulingPolicy.ValueType  # 4
+    """Devices to the jobs they speed up most, weighted by priority, above a fairness floor."""
 
 class SchedulingPolicy(_SchedulingPolicy, metaclass=_SchedulingPolicyEnumTypeWrapper):
     """SchedulingPolicy is how the scheduler shares devices among running jobs."""
@@ -133,6 +135,8 @@ SCHEDULING_POLICY_FAIRSHARE: SchedulingPolicy.ValueType  # 2
 """Equal shares (weighted max-min with equal weights)."""
 SCHEDULING_POLICY_PRIORITY: SchedulingPolicy.ValueType  # 3
 """Shares proportional to priority."""
+SCHEDULING_POLICY_GOODPUT: SchedulingPolicy.ValueType  # 4
+"""Devices to the jobs they speed up most, weighted by priority, above a fairness floor."""
 Global___SchedulingPolicy: _TypeAlias = SchedulingPolicy  # noqa: Y015
 
 class _JobEventKind:
@@ -348,6 +352,7 @@ class Job(_message.Message):
     PROGRESS_FIELD_NUMBER: _builtins.int
     EFFECTIVE_SYNC_MODE_FIELD_NUMBER: _builtins.int
     QUEUE_POSITION_FIELD_NUMBER: _builtins.int
+    THROUGHPUT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job's id, assigned at submit."""
     owner: _builtins.str
@@ -384,6 +389,12 @@ class Job(_message.Message):
     def progress(self) -> Global___JobProgress:
         """The training progress."""
 
+    @_builtins.property
+    def throughput(self) -> Global___ThroughputModel:
+        """The scheduler's model of the job's throughput, learned from its iteration times (unset
+        before the job's progress was first observed by this scheduler).
+        """
+
     def __init__(
         self,
         *,
@@ -400,14 +411,107 @@ class Job(_message.Message):
         progress: Global___JobProgress | None = ...,
         effective_sync_mode: Global___SyncMode.ValueType = ...,
         queue_position: _builtins.int = ...,
+        throughput: Global___ThroughputModel | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "progress", b"progress", "spec", b"spec", "start_time", b"start_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "progress", b"progress", "spec", b"spec", "start_time", b"start_time", "throughput", b"throughput"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_workers", b"allocated_workers", "create_time", b"create_time", "effective_sync_mode", b"effective_sync_mode", "end_time", b"end_time", "job_id", b"job_id", "owner", b"owner", "progress", b"progress", "queue_position", b"queue_position", "spec", b"spec", "start_time", b"start_time", "state", b"state", "state_reason", b"state_reason", "target_workers", b"target_workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_workers", b"allocated_workers", "create_time", b"create_time", "effective_sync_mode", b"effective_sync_mode", "end_time", b"end_time", "job_id", b"job_id", "owner", b"owner", "progress", b"progress", "queue_position", b"queue_position", "spec", b"spec", "start_time", b"start_time", "state", b"state", "state_reason", b"state_reason", "target_workers", b"target_workers", "throughput", b"throughput"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Job: _TypeAlias = Job  # noqa: Y015
+
+@_typing.final
+class ThroughputModel(_message.Message):
+    """ThroughputModel is the scheduler's online model of one job's iteration time as a function of
+    its world size w (docs/scheduling.md): seconds per iteration of the global batch =
+    overhead + compute / w + (w > 1 ? sync + sync_per_worker * (w - 1) : 0), fitted to the
+    iteration times measured at each world size, with a prior curve where none were measured.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OVERHEAD_SECONDS_FIELD_NUMBER: _builtins.int
+    COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    SYNC_SECONDS_FIELD_NUMBER: _builtins.int
+    SYNC_PER_WORKER_SECONDS_FIELD_NUMBER: _builtins.int
+    RESCALE_PAUSE_SECONDS_FIELD_NUMBER: _builtins.int
+    RESCALE_PAUSE_MEASURED_FIELD_NUMBER: _builtins.int
+    POINTS_FIELD_NUMBER: _builtins.int
+    ATTAINED_DEVICE_SECONDS_FIELD_NUMBER: _builtins.int
+    overhead_seconds: _builtins.float
+    """The part of an iteration that does not shrink with more learners, seconds."""
+    compute_seconds: _builtins.float
+    """The part of an iteration divided among the learners, seconds."""
+    sync_seconds: _builtins.float
+    """The gradient exchange's fixed cost from 2 learners on, seconds."""
+    sync_per_worker_seconds: _builtins.float
+    """The gradient exchange's cost per learner beyond the first, seconds."""
+    rescale_pause_seconds: _builtins.float
+    """The expected pause of a rescale (no progress around a change of world size), seconds."""
+    rescale_pause_measured: _builtins.bool
+    """Whether rescale_pause_seconds was measured on this job (false: the prior)."""
+    attained_device_seconds: _builtins.float
+    """Device-seconds the job has held (the attained-service classes read it)."""
+    @_builtins.property
+    def points(self) -> _containers.RepeatedCompositeFieldContainer[Global___ThroughputPoint]:
+        """The throughput at the world sizes measured and at predicted ones (1 .. max_workers, at
+        most 64 points), by world size.
+        """
+
+    def __init__(
+        self,
+        *,
+        overhead_seconds: _builtins.float = ...,
+        compute_seconds: _builtins.float = ...,
+        sync_seconds: _builtins.float = ...,
+        sync_per_worker_seconds: _builtins.float = ...,
+        rescale_pause_seconds: _builtins.float = ...,
+        rescale_pause_measured: _builtins.bool = ...,
+        points: _abc.Iterable[Global___ThroughputPoint] | None = ...,
+        attained_device_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attained_device_seconds", b"attained_device_seconds", "compute_seconds", b"compute_seconds", "overhead_seconds", b"overhead_seconds", "points", b"points", "rescale_pause_measured", b"rescale_pause_measured", "rescale_pause_seconds", b"rescale_pause_seconds", "sync_per_worker_seconds", b"sync_per_worker_seconds", "sync_seconds", b"sync_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ThroughputModel: _TypeAlias = ThroughputModel  # noqa: Y015
+
+@_typing.final
+class ThroughputPoint(_message.Message):
+    """ThroughputPoint is a job's throughput at one world size."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    SPEEDUP_FIELD_NUMBER: _builtins.int
+    OBSERVED_FIELD_NUMBER: _builtins.int
+    world_size: _builtins.int
+    """The number of learners."""
+    samples_per_second: _builtins.float
+    """Samples per second at that world size (measured mean, or predicted)."""
+    speedup: _builtins.float
+    """Throughput over the throughput with one learner, as the model predicts it."""
+    observed: _builtins.bool
+    """True when this world size was measured; false when only predicted."""
+    def __init__(
+        self,
+        *,
+        world_size: _builtins.int = ...,
+        samples_per_second: _builtins.float = ...,
+        speedup: _builtins.float = ...,
+        observed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["observed", b"observed", "samples_per_second", b"samples_per_second", "speedup", b"speedup", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ThroughputPoint: _TypeAlias = ThroughputPoint  # noqa: Y015
 
 @_typing.final
 class AllocationEvent(_message.Message):

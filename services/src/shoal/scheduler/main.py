@@ -12,7 +12,11 @@ flag                        variable                   meaning (default)
                                                        in etcd)
 --storage-uri               SHOAL_STORAGE_URI          fsspec URI of artifacts, models, metrics
                                                        (file://<cwd>/.shoal/storage)
---policy                    SHOAL_POLICY               FIFO, FAIRSHARE or PRIORITY (PRIORITY)
+--policy                    SHOAL_POLICY               FIFO, FAIRSHARE, PRIORITY, GOODPUT (PRIORITY)
+--fair-fraction             SHOAL_FAIR_FRACTION        GOODPUT: least share of PRIORITY's (0.5)
+--service-thresholds        SHOAL_SERVICE_THRESHOLDS   attained-service classes, device-s ("")
+--service-decay             SHOAL_SERVICE_DECAY        weight divisor per class reached (2)
+--rescale-horizon           SHOAL_RESCALE_HORIZON_S    GOODPUT: resize if gain beats pause, s (0)
 --hold-time                 SHOAL_HOLD_TIME_S          anti-thrash hold after a shrink, s (30)
 --resync-interval           SHOAL_RESYNC_INTERVAL_S    periodic reconcile and progress poll, s (1)
 --election-ttl              SHOAL_ELECTION_TTL_S       leader lease TTL, s (5)
@@ -55,6 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -115,6 +120,10 @@ class SchedulerConfig:
     storage_uri: str
     policy: Policy = Policy.PRIORITY
     hold_time_s: float = 30.0
+    fair_fraction: float = 0.5
+    service_thresholds: tuple[float, ...] = ()
+    service_decay: int = 2
+    rescale_horizon_s: float = 0.0
     resync_interval_s: float = 1.0
     election_ttl_s: float = 5.0
     max_artifact_bytes: int = 1024 * MiB
@@ -154,8 +163,22 @@ class SchedulerConfig:
             raise InvalidField("sync_shards", ",".join(self.sync_shards), "has duplicates")
         if not self.storage_uri:
             raise InvalidField("storage_uri", self.storage_uri, "must not be empty")
+        if not 0.0 <= self.fair_fraction <= 1.0:
+            raise InvalidField("fair_fraction", self.fair_fraction, "must be in 0..1")
+        previous = 0.0
+        for t in self.service_thresholds:
+            if not (math.isfinite(t) and t > previous):
+                raise InvalidField(
+                    "service_thresholds",
+                    ",".join(f"{x:g}" for x in self.service_thresholds),
+                    "must be finite device-seconds > 0, each greater than the one before",
+                )
+            previous = t
+        if not 1 <= self.service_decay <= 1000:
+            raise InvalidField("service_decay", self.service_decay, "must be in 1..1000")
         for name, low, high in (
             ("hold_time_s", 0.0, 86400.0),
+            ("rescale_horizon_s", 0.0, 7 * 86400.0),
             ("resync_interval_s", 0.01, 3600.0),
             ("election_ttl_s", 1.0, 600.0),
             ("stop_grace_s", 0.0, 3600.0),
@@ -204,7 +227,21 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     flag("--resource-managers", "SHOAL_RESOURCE_MANAGERS", "", "resource-manager addresses")
     flag("--sync-shards", "SHOAL_SYNC_SHARDS", "", "parameter-sync shard addresses, in order")
     flag("--storage-uri", "SHOAL_STORAGE_URI", default_storage, "fsspec storage URI")
-    flag("--policy", "SHOAL_POLICY", "PRIORITY", "FIFO, FAIRSHARE or PRIORITY")
+    flag("--policy", "SHOAL_POLICY", "PRIORITY", "FIFO, FAIRSHARE, PRIORITY or GOODPUT")
+    flag("--fair-fraction", "SHOAL_FAIR_FRACTION", "0.5", "GOODPUT: least share of fair, 0..1")
+    flag(
+        "--service-thresholds",
+        "SHOAL_SERVICE_THRESHOLDS",
+        "",
+        "attained-service class thresholds, device-seconds, increasing (empty: off)",
+    )
+    flag("--service-decay", "SHOAL_SERVICE_DECAY", "2", "weight divisor per service class")
+    flag(
+        "--rescale-horizon",
+        "SHOAL_RESCALE_HORIZON_S",
+        "0",
+        "GOODPUT: resize a job only if the gain over this many seconds beats its pause (0: off)",
+    )
     flag("--hold-time", "SHOAL_HOLD_TIME_S", "30", "anti-thrash hold time, seconds")
     flag("--resync-interval", "SHOAL_RESYNC_INTERVAL_S", "1", "resync interval, seconds")
     flag("--election-ttl", "SHOAL_ELECTION_TTL_S", "5", "leader lease TTL, seconds")
@@ -262,7 +299,12 @@ def _policy(text: str) -> Policy:
     try:
         return Policy(text.strip().lower())
     except ValueError:
-        raise InvalidField("policy", text, "must be FIFO, FAIRSHARE or PRIORITY") from None
+        raise InvalidField("policy", text, "must be FIFO, FAIRSHARE, PRIORITY or GOODPUT") from None
+
+
+def _thresholds(text: str) -> tuple[float, ...]:
+    parts = [p.strip() for p in (text or "").split(",") if p.strip()]
+    return tuple(float(parse_number("service_thresholds", p, float)) for p in parts)
 
 
 def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
@@ -274,6 +316,10 @@ def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         storage_uri=ns.storage_uri,
         policy=_policy(ns.policy),
         hold_time_s=float(parse_number("hold_time_s", ns.hold_time, float)),
+        fair_fraction=float(parse_number("fair_fraction", ns.fair_fraction, float)),
+        service_thresholds=_thresholds(ns.service_thresholds),
+        service_decay=int(parse_number("service_decay", ns.service_decay, int)),
+        rescale_horizon_s=float(parse_number("rescale_horizon_s", ns.rescale_horizon, float)),
         resync_interval_s=float(parse_number("resync_interval_s", ns.resync_interval, float)),
         election_ttl_s=float(parse_number("election_ttl_s", ns.election_ttl, float)),
         max_artifact_bytes=int(parse_number("max_artifact_mb", ns.max_artifact_mb, float) * MiB),
@@ -363,7 +409,14 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
         storage,
         ReconcileConfig(
             sync_shards=config.sync_shards,
-            placement=PlacementConfig(policy=config.policy, hold_time=config.hold_time_s),
+            placement=PlacementConfig(
+                policy=config.policy,
+                hold_time=config.hold_time_s,
+                fair_fraction=config.fair_fraction,
+                service_thresholds=config.service_thresholds,
+                service_decay=config.service_decay,
+                rescale_horizon=config.rescale_horizon_s,
+            ),
             resync_interval_s=config.resync_interval_s,
             call_timeout_s=config.call_timeout_s,
             stop_grace_s=config.stop_grace_s,

@@ -131,10 +131,29 @@ class PlacementConfig:
     """Seconds during which a job just shrunk is not shrunk again (see policy.py)."""
     sticky_rounding: bool = True
     """Spare units of the rounding go first to jobs already holding them (see policy.py)."""
+    fair_fraction: float = 0.5
+    """GOODPUT: no job below this fraction of its PRIORITY share (see policy.py)."""
+    service_thresholds: tuple[float, ...] = ()
+    """Attained-service classes, device-seconds (empty: off; see policy.py)."""
+    service_decay: int = 2
+    """Weight divisor per attained-service class reached (see policy.py)."""
+    rescale_horizon: float = 0.0
+    """GOODPUT: resize a running job only if the gain over this many seconds beats its pause
+    (0: off; see policy.py)."""
 
     def __post_init__(self) -> None:
         if self.hold_time < 0:
             raise ValueError(f"hold_time ({self.hold_time}) must be >= 0")
+        # The same checks as compute_shares, made once, when the configuration is built.
+        compute_shares(
+            [],
+            0,
+            self.policy,
+            fair_fraction=self.fair_fraction,
+            service_thresholds=self.service_thresholds,
+            service_decay=self.service_decay,
+            rescale_horizon=self.rescale_horizon,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +338,10 @@ def plan(
         now=now,
         hold_time=config.hold_time,
         sticky_rounding=config.sticky_rounding,
+        fair_fraction=config.fair_fraction,
+        service_thresholds=config.service_thresholds,
+        service_decay=config.service_decay,
+        rescale_horizon=config.rescale_horizon,
     )
     order = sorted(observed, key=admission_key(config.policy))
 

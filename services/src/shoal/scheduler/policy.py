@@ -38,6 +38,43 @@ Sticky rounding (``sticky_rounding=True``, the default)
     rounding would keep 2/2). Churn avoidance only chooses between roundings when no weight
     changed (a job ended, capacity moved).
 
+GOODPUT (goodput-aware shares)
+    Admission is PRIORITY's. Every admitted job first gets its *fairness floor*
+    ``max(min_workers, floor(fair_fraction * s_i))``, where ``s_i`` is its PRIORITY
+    water-filling share (plain largest remainder), capped at its max, or fewer devices where
+    fewer are faster: the floor is the world size from min to that bound with the shortest
+    predicted iteration. The guarantee is in throughput: with the default ``fair_fraction``
+    0.5 no job runs slower than it would on half its fair share. The devices left go one at
+    a time to the job with the largest weighted gain ``weight_i * (log S_i(k + 1) - log
+    S_i(k))``, where ``S_i`` is the job's predicted speedup (``JobDemand.throughput``, the
+    online model of ``shoal.scheduler.throughput``; linear without one), taken over the upper
+    concave hull of the curve (a sync cost paid once from 2 learners on is spread over the
+    steps it pays for). This greedily maximises ``sum(weight_i * log S_i)`` (weighted
+    proportional fairness over speedups; Pollux, OSDI'21, uses a generalised mean of speedups
+    for the same purpose): when jobs scale linearly the shares follow the weights as under
+    PRIORITY (a 10000 job gets about twice the share of a 5000 job); a device goes elsewhere
+    when it speeds its job up less. A device whose best gain is not positive stays free: a job
+    that stops scaling stops growing. Ties go to the job least served for its weight, then to
+    rank order, so equal jobs differ by at most one. Sticky rounding does not apply (no
+    rounding); holds do, with PRIORITY's donors.
+    Rescale cost (``rescale_horizon`` > 0): a change of a running job's world size costs it its
+    ``rescale_pause_s``, so over the horizon H it runs ``H - pause`` seconds at the new size.
+    The size the job holds is therefore valued ``-log(1 - pause / H)`` above its predicted log
+    speedup (in the floor and in the hull): a job is resized only when the predicted gain over
+    the horizon exceeds the pause (or when min, max, capacity or the other jobs' floors force
+    it). ``rescale_horizon`` 0 (the default) turns this off.
+
+Attained service (``service_thresholds``, ``service_decay``; FAIRSHARE, PRIORITY, GOODPUT)
+    Tiresias-like least attained service, expressed through the weights: a job's class is the
+    number of thresholds (device-seconds, increasing) its ``attained_service`` has reached,
+    and its weight is multiplied by ``service_decay ** (len(thresholds) - class)``. A job that
+    has received little service therefore gets a larger share, and a long job's weight drops
+    by ``service_decay`` at each threshold. Bounds: a job changes class at most
+    ``len(thresholds)`` times (classes only go up, so shares do not thrash), and a job's weight
+    is never less than ``service_decay ** -len(thresholds)`` of a fresh job of the same
+    priority (defaults 2 and no thresholds: the rule is off); every admitted job keeps its
+    min, so no long job is starved. Admission is unchanged (priority, then submit order).
+
 Anti-thrash (hold time): the exact rule
     A job is *held* when ``last_shrunk_at`` is set, ``now - last_shrunk_at < hold_time`` and its
     water-filling share is below ``min(current, max_workers)``. Held jobs are visited in rank
@@ -59,10 +96,22 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Allocation", "JobDemand", "Policy", "admission_key", "compute_shares", "rank_key"]
+from shoal.scheduler.throughput import ThroughputCurve
+
+__all__ = [
+    "Allocation",
+    "JobDemand",
+    "Policy",
+    "admission_key",
+    "compute_shares",
+    "rank_key",
+    "service_class",
+]
 
 
 class Policy(enum.Enum):
@@ -74,6 +123,8 @@ class Policy(enum.Enum):
     """Equal weights: max-min fair shares."""
     PRIORITY = "priority"
     """Weights proportional to the jobs' priorities."""
+    GOODPUT = "goodput"
+    """Devices to the jobs they speed up most (weighted by priority), above a fairness floor."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +142,12 @@ class JobDemand:
             ``now``), or None if never.
         previous_priority: the priority its current share was decided with, or None when
             unknown (a change of it turns sticky rounding off for that computation).
+        throughput: the job's predicted iteration time per world size (GOODPUT reads its
+            speedups; None: linear speedup, as if the job scaled perfectly).
+        attained_service: device-seconds the job has held so far (the attained-service
+            classes read it; >= 0).
+        rescale_pause_s: the seconds a change of the job's world size costs it (measured;
+            GOODPUT with a rescale horizon reads it; >= 0).
     """
 
     job_id: str
@@ -101,6 +158,9 @@ class JobDemand:
     current: int = 0
     last_shrunk_at: float | None = None
     previous_priority: int | None = None
+    throughput: ThroughputCurve | None = None
+    attained_service: float = 0.0
+    rescale_pause_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -119,6 +179,10 @@ class JobDemand:
             raise ValueError(f"current ({self.current}) must be >= 0 {who}")
         if self.previous_priority is not None and self.previous_priority <= 0:
             raise ValueError(f"previous_priority ({self.previous_priority}) must be > 0 {who}")
+        if not (self.attained_service >= 0 and math.isfinite(self.attained_service)):
+            raise ValueError(f"attained_service ({self.attained_service}) must be >= 0 {who}")
+        if not (self.rescale_pause_s >= 0 and math.isfinite(self.rescale_pause_s)):
+            raise ValueError(f"rescale_pause_s ({self.rescale_pause_s}) must be >= 0 {who}")
 
     @property
     def priority_changed(self) -> bool:
@@ -167,6 +231,10 @@ def compute_shares(
     now: float = 0.0,
     hold_time: float = 0.0,
     sticky_rounding: bool = True,
+    fair_fraction: float = 0.5,
+    service_thresholds: Sequence[float] = (),
+    service_decay: int = 2,
+    rescale_horizon: float = 0.0,
 ) -> Allocation:
     """Target worker counts for ``jobs`` on ``capacity`` devices under ``policy``.
 
@@ -174,14 +242,25 @@ def compute_shares(
     hold-time rule.
     Deterministic: the same input gives the same output, whatever the order of ``jobs``.
 
+    ``fair_fraction`` is GOODPUT's fairness floor and ``rescale_horizon`` its rescale cost;
+    ``service_thresholds`` and ``service_decay`` are the attained-service classes (see the
+    module docstring).
+
     Raises:
-        ValueError: capacity < 0, hold_time < 0, or a job id given twice (the message names
-            the field and the value). Invalid jobs are rejected when ``JobDemand`` is built.
+        ValueError: capacity < 0, hold_time < 0, fair_fraction outside [0, 1], thresholds not
+            positive and increasing, service_decay < 1, or a job id given twice (the message
+            names the field and the value). Invalid jobs are rejected when ``JobDemand`` is
+            built.
     """
     if capacity < 0:
         raise ValueError(f"capacity ({capacity}) must be >= 0")
     if hold_time < 0:
         raise ValueError(f"hold_time ({hold_time}) must be >= 0")
+    if not 0.0 <= fair_fraction <= 1.0:
+        raise ValueError(f"fair_fraction ({fair_fraction}) must be in [0, 1]")
+    if not (rescale_horizon >= 0 and math.isfinite(rescale_horizon)):
+        raise ValueError(f"rescale_horizon ({rescale_horizon}) must be >= 0")
+    _check_service_classes(service_thresholds, service_decay)
     seen: set[str] = set()
     for job in jobs:
         if job.job_id in seen:
@@ -204,14 +283,203 @@ def compute_shares(
         ideal = _fifo_fill(admitted, capacity)
         weights = [1] * len(admitted)
     else:
-        weights = [j.priority if policy is Policy.PRIORITY else 1 for j in admitted]
-        reweighted = policy is Policy.PRIORITY and any(j.priority_changed for j in admitted)
-        ideal = _water_fill(admitted, weights, capacity, sticky_rounding and not reweighted)
+        by_priority = policy in (Policy.PRIORITY, Policy.GOODPUT)
+        weights = [j.priority if by_priority else 1 for j in admitted]
+        if service_thresholds:
+            top = len(service_thresholds)
+            weights = [
+                w * service_decay ** (top - service_class(j.attained_service, service_thresholds))
+                for w, j in zip(weights, admitted, strict=True)
+            ]
+        reweighted = by_priority and any(j.priority_changed for j in admitted)
+        if policy is Policy.GOODPUT:
+            fair = _water_fill(admitted, weights, capacity, sticky=False)
+            ideal = _goodput_fill(admitted, weights, fair, capacity, fair_fraction, rescale_horizon)
+        else:
+            ideal = _water_fill(admitted, weights, capacity, sticky_rounding and not reweighted)
 
     final, held = _apply_holds(admitted, weights, ideal, policy, now, hold_time)
     shares = dict.fromkeys(queue, 0)
     shares.update((j.job_id, s) for j, s in zip(admitted, final, strict=True))
     return Allocation(shares=shares, queue=queue, held=frozenset(held))
+
+
+def service_class(attained: float, thresholds: Sequence[float]) -> int:
+    """The attained-service class of a job: how many of ``thresholds`` it has reached."""
+    return sum(1 for t in thresholds if attained >= t)
+
+
+def _check_service_classes(thresholds: Sequence[float], decay: int) -> None:
+    previous = 0.0
+    for i, t in enumerate(thresholds):
+        if not (math.isfinite(t) and t > previous):
+            raise ValueError(
+                f"service_thresholds[{i}] ({t}) must be finite, > 0 and greater than the one before"
+            )
+        previous = t
+    if isinstance(decay, bool) or not isinstance(decay, int) or decay < 1:
+        raise ValueError(f"service_decay ({decay!r}) must be an integer >= 1")
+
+
+def _stay_bonus(job: JobDemand, horizon: float) -> float:
+    """The log-throughput a running job loses over ``horizon`` seconds if its size changes:
+    it runs ``horizon - pause`` of them (0 without a horizon or for a job holding nothing)."""
+    if horizon <= 0 or job.current <= 0:
+        return 0.0
+    return -math.log(max(1.0 - job.rescale_pause_s / horizon, 1e-9))
+
+
+def _speedups(job: JobDemand, low: int, high: int, bonus: float = 0.0) -> list[float]:
+    """log speedup of ``job`` at world sizes low..high (linear speedup without a curve), plus
+    ``bonus`` at the size it holds now."""
+    curve = job.throughput
+    if curve is None:
+        values = [math.log(k) for k in range(low, high + 1)]
+    else:
+        t1 = curve.iteration_time(1)
+        values = [math.log(t1 / curve.iteration_time(k)) for k in range(low, high + 1)]
+    if bonus and low <= job.current <= high:
+        values[job.current - low] += bonus
+    return values
+
+
+def _hull(values: list[float]) -> tuple[list[float], list[int]]:
+    """Per-unit gains of the upper concave hull of the points (i, values[i]), and its vertices.
+
+    ``gains[i]`` is the gain of the unit from i to i + 1: non-increasing, so a unit that only
+    pays off together with later ones (a sync cost paid once from 2 learners on) is priced at
+    the average gain of the whole step.
+    """
+    hull: list[int] = []
+    for i in range(len(values)):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # b is not above the chord from a to i: drop it.
+            if (values[b] - values[a]) * (i - a) <= (values[i] - values[a]) * (b - a):
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    gains: list[float] = []
+    for a, b in itertools.pairwise(hull):
+        slope = (values[b] - values[a]) / (b - a)
+        gains.extend([slope] * (b - a))
+    return gains, hull
+
+
+def _floor(job: JobDemand, guaranteed: float, bonus: float) -> int:
+    """GOODPUT's fairness floor: the fastest world size from min to ``floor(guaranteed)``
+    (the smallest of equals; linear speedup without a curve: the top of the range), counting
+    the size the job holds as faster by ``bonus`` (the pause it saves)."""
+    top = min(job.max_workers, max(job.min_workers, math.floor(guaranteed)))
+    if top == job.min_workers:
+        return top
+    values = _speedups(job, job.min_workers, top, bonus)
+    best = max(range(len(values)), key=lambda i: (round(values[i], 12), -i))
+    return job.min_workers + best
+
+
+def _goodput_fill(
+    admitted: list[JobDemand],
+    weights: list[int],
+    fair: list[int],
+    capacity: int,
+    fair_fraction: float,
+    horizon: float = 0.0,
+) -> list[int]:
+    """GOODPUT shares: the fairness floor, then each unit to the largest weighted gain.
+
+    Maximises sum(weight_i * log speedup_i(share_i)) greedily over the concave hulls of the
+    jobs' curves (weighted proportional fairness: with linear speedups it gives shares in
+    proportion to the weights, like PRIORITY), starting from each job's floor (``_floor``).
+    A unit whose best gain is <= 0 is left free:
+    a job that stops scaling stops growing. A job the devices ran out on in the middle of a
+    hull step (its share slower than the step's start) goes back to the step's start and stops
+    growing, and what it gave back goes on to the others.
+    """
+    bonuses = [_stay_bonus(j, horizon) for j in admitted]
+    floors = [
+        _floor(j, fair_fraction * f, b) for j, f, b in zip(admitted, fair, bonuses, strict=True)
+    ]
+    shares = list(floors)
+    left = capacity - sum(shares)
+    if left <= 0:
+        return shares
+    scale = _ratio_key_scale(weights)
+    highs = [min(j.max_workers, floors[i] + left) for i, j in enumerate(admitted)]
+    for i, job in enumerate(admitted):
+        if job.throughput is not None and highs[i] > floors[i]:
+            # Past its fastest size a job's curve only falls: no unit there is ever given
+            # (only the size it holds may be worth keeping, for its pause).
+            best = job.throughput.best_world_size(highs[i])
+            keep = job.current if bonuses[i] else 0
+            highs[i] = max(floors[i], min(highs[i], max(best, keep)))
+
+    def hull_of(i: int) -> tuple[list[float], list[int]]:
+        if highs[i] <= floors[i]:
+            return [], [0]
+        return _hull(_speedups(admitted[i], floors[i], highs[i], bonuses[i]))
+
+    gains: list[list[float]] = []
+    vertices: list[list[int]] = []
+    for i in range(len(admitted)):
+        g, v = hull_of(i)
+        gains.append(g)
+        vertices.append(v)
+    frozen: set[int] = set()
+    while True:
+        heap = [
+            _unit_key(gains[i][shares[i] - floors[i]], shares[i], weights[i], scale, job, i)
+            for i, job in enumerate(admitted)
+            if i not in frozen and shares[i] - floors[i] < len(gains[i])
+        ]
+        heapq.heapify(heap)
+        while left > 0 and heap:
+            key = heapq.heappop(heap)
+            if key[0] >= 0:
+                break  # the best gain left is not positive
+            i = key[-1]
+            shares[i] += 1
+            left -= 1
+            step = shares[i] - floors[i]
+            if step < len(gains[i]):
+                heapq.heappush(
+                    heap, _unit_key(gains[i][step], shares[i], weights[i], scale, admitted[i], i)
+                )
+        stuck = [i for i in range(len(admitted)) if shares[i] - floors[i] not in vertices[i]]
+        dropped = [i for i in stuck if bonuses[i]]
+        if dropped:
+            # These cannot reach the size they hold (that step needs more than is left): they
+            # pay the pause anyway, so their curves lose the bonus and the fill starts over.
+            for i in dropped:
+                bonuses[i] = 0.0
+                gains[i], vertices[i] = hull_of(i)
+            shares = list(floors)
+            left = capacity - sum(shares)
+            continue
+        for i in stuck:
+            step = shares[i] - floors[i]
+            back = max(v for v in vertices[i] if v < step)
+            left += step - back
+            shares[i] = floors[i] + back
+            frozen.add(i)
+        if not stuck or left <= 0:
+            return shares  # every job at a vertex of its hull, or nothing left to give
+
+
+def _unit_key(
+    gain: float, share: int, weight: int, scale: int, job: JobDemand, i: int
+) -> tuple[float, int, int, int, str, int]:
+    # Largest weighted gain first (rounded so that equal curves tie exactly), then the job
+    # least served for its weight (equal jobs differ by at most one), then rank order.
+    return (
+        -round(gain * weight, 9),
+        (share * scale) // weight,
+        -job.priority,
+        job.submit_seq,
+        job.job_id,
+        i,
+    )
 
 
 def _fifo_fill(admitted: list[JobDemand], capacity: int) -> list[int]:

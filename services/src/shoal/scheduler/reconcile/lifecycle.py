@@ -109,6 +109,8 @@ class JobLifecycle:
         self.rescales.observe(
             record, response.member_learner_ids, response.progress.completed_iterations
         )
+        if response.HasField("progress"):
+            self.goodput.observe_job(record.job, response.progress, self.clock())
         if response.HasField("progress") and response.progress != record.job.progress:
             if response.progress.completed_iterations > record.job.progress.completed_iterations:
                 record.failures = 0

@@ -46,6 +46,7 @@ from shoal.contract.data_plane import (
 )
 from shoal.runtime.election import Leadership, LeadershipLost
 from shoal.scheduler.artifacts import Storage
+from shoal.scheduler.goodput import GoodputTracker
 from shoal.scheduler.health import JobHealth
 from shoal.scheduler.jobs import (
     JobRecord,
@@ -122,6 +123,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self._takeover_tried: dict[str, float] = {}
         self.cycles = 0
         self.rescales = RescaleTracker(clock=clock)
+        self.goodput = GoodputTracker()  # throughput models and attained service (goodput.py)
         self._triggered_at: float | None = None
 
     def _reset(self) -> None:
@@ -265,7 +267,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         hosts = self.inventory.hosts
 
         observed = decide.observe(records, hosts, self.exits, busy=self._busy)
-        demands = decide.demands(records)
+        demands = self.goodput.annotate(decide.demands(records))
         # Placement must not see a device twice; lost learners were left out by observe.
         targets_before = {r.job_id: r.job.target_workers for r in records.values()}
         decided = plan(

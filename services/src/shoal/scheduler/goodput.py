@@ -1,0 +1,167 @@
+"""What the scheduler learns of each job's throughput from its progress polls. No grpc, no I/O.
+
+The reconcile loop polls every running job's coordinator (``GetJobProgress``) and hands the
+``JobProgress`` to :meth:`GoodputTracker.observe`. From successive polls the tracker derives:
+
+* iteration times: between two polls of the same generation and world size where the
+  completed iterations advanced, ``(update_time - previous update_time) / iterations``
+  seconds per iteration at that world size (``update_time`` is when the last iteration
+  committed, so idle gaps between polls do not count);
+* rescale pauses: when the generation (or the world size) changed between two polls that
+  both saw progress, the elapsed time less the iterations run at the new world size's
+  predicted time;
+* attained service: device-seconds, the world size reported integrated over time.
+
+A rewind (fewer completed iterations, a retry from a checkpoint) or a clock going back starts
+over from that poll without an observation. The models live in memory: a new scheduler leader
+learns them again from the next polls (the prior stands in until then).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from shoal.scheduler.policy import JobDemand
+from shoal.scheduler.throughput import PRIOR, PRIOR_PAUSE_S, ThroughputCurve, ThroughputModel
+from shoal.v1 import job_pb2
+
+__all__ = ["MAX_POINTS", "GoodputTracker", "describe"]
+
+MAX_POINTS = 64
+"""The most ThroughputPoints a Job carries (measured ones first, then predicted)."""
+
+
+@dataclass
+class _Anchor:
+    generation: int
+    world_size: int
+    iterations: int
+    at: float
+
+
+@dataclass
+class _Track:
+    model: ThroughputModel
+    anchor: _Anchor | None = None
+    service: float = 0.0
+    service_at: float | None = None
+    service_world: int = 0
+
+
+@dataclass
+class GoodputTracker:
+    """Per-job throughput models and attained service, fed by progress polls."""
+
+    _jobs: dict[str, _Track] = field(default_factory=dict)
+
+    def model(self, job_id: str) -> ThroughputModel | None:
+        track = self._jobs.get(job_id)
+        return None if track is None else track.model
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    def observe(self, job_id: str, batch: int, progress: job_pb2.JobProgress, now: float) -> None:
+        """One progress poll of ``job_id`` (global batch ``batch``) at ``now`` (unix s)."""
+        track = self._jobs.get(job_id)
+        if track is None:
+            track = self._jobs[job_id] = _Track(ThroughputModel(batch=max(1, batch)))
+        if track.service_at is not None and now > track.service_at:
+            track.service += track.service_world * (now - track.service_at)
+        track.service_at = now
+        track.service_world = max(0, progress.world_size)
+
+        at = progress.update_time.ToNanoseconds() / 1e9 if progress.HasField("update_time") else now
+        point = _Anchor(progress.generation, progress.world_size, progress.completed_iterations, at)
+        last = track.anchor
+        if point.world_size < 1 or not math.isfinite(at):
+            return
+        if last is None or point.iterations < last.iterations or at < last.at:
+            track.anchor = point  # first poll, a rewind or a clock step: start over
+            return
+        done = point.iterations - last.iterations
+        if done == 0:
+            return  # no progress since: keep the anchor (a pause is measured when it ends)
+        elapsed = at - last.at
+        if point.generation == last.generation and point.world_size == last.world_size:
+            track.model.observe(point.world_size, elapsed / done)
+        else:
+            expected = done * track.model.curve().iteration_time(point.world_size)
+            track.model.observe_pause(max(0.0, elapsed - expected))
+        track.anchor = point
+
+    def observe_job(self, job: job_pb2.Job, progress: job_pb2.JobProgress, now: float) -> None:
+        """The reconcile loop's hook: observe a poll of ``job`` and set ``job.throughput``."""
+        self.observe(job.job_id, job.spec.batch_size, progress, now)
+        model = self.describe(job.job_id, job.spec.max_workers)
+        if model is not None:
+            job.throughput.CopyFrom(model)
+
+    def annotate(self, demands: Sequence[JobDemand]) -> list[JobDemand]:
+        """``demands`` with each job's predicted curve, attained service and rescale pause
+        filled in (a job not polled yet: the priors and no service, as ``shoal simulate``
+        assumes); the
+        models of jobs no longer among them are dropped (the jobs ended)."""
+        wanted = {d.job_id for d in demands}
+        for job_id in [j for j in self._jobs if j not in wanted]:
+            del self._jobs[job_id]
+        out: list[JobDemand] = []
+        for d in demands:
+            curve, service = self.demand(d.job_id)
+            track = self._jobs.get(d.job_id)
+            pause = track.model.pause_s if track is not None else PRIOR_PAUSE_S
+            out.append(
+                replace(
+                    d, throughput=curve or PRIOR, attained_service=service, rescale_pause_s=pause
+                )
+            )
+        return out
+
+    def demand(self, job_id: str) -> tuple[ThroughputCurve | None, float]:
+        """(predicted curve, attained device-seconds) for the policy; (None, 0) if unknown."""
+        track = self._jobs.get(job_id)
+        if track is None:
+            return None, 0.0
+        return track.model.curve(), track.service
+
+    def describe(self, job_id: str, max_workers: int) -> job_pb2.ThroughputModel | None:
+        """The API view of the job's model (None before its first poll)."""
+        track = self._jobs.get(job_id)
+        if track is None:
+            return None
+        return describe(track.model, max_workers, attained=track.service)
+
+
+def describe(
+    model: ThroughputModel, max_workers: int, *, attained: float = 0.0
+) -> job_pb2.ThroughputModel:
+    """``model`` as a ThroughputModel message: the curve, the pause, and points at the world
+    sizes measured and at 1 .. max_workers predicted (at most ``MAX_POINTS`` in all)."""
+    curve = model.curve()
+    observed = model.observed()
+    sizes = list(observed)
+    for w in range(1, max(1, max_workers) + 1):
+        if len(sizes) >= MAX_POINTS:
+            break
+        if w not in observed:
+            sizes.append(w)
+    out = job_pb2.ThroughputModel(
+        overhead_seconds=curve.overhead,
+        compute_seconds=curve.compute,
+        sync_seconds=curve.sync,
+        sync_per_worker_seconds=curve.sync_per_worker,
+        rescale_pause_seconds=model.pause_s,
+        rescale_pause_measured=model.pause_measured,
+        attained_device_seconds=attained,
+    )
+    for w in sorted(sizes):
+        seen = observed.get(w)
+        out.points.add(
+            world_size=w,
+            samples_per_second=curve.batch / seen if seen else curve.samples_per_second(w),
+            speedup=curve.speedup(w),
+            observed=seen is not None,
+        )
+    return out
