@@ -264,6 +264,9 @@ async def test_cancel_stops_the_learners_frees_the_devices_and_closes_the_job(lo
     c = loop.cluster
     j = (await loop.api.submit(ALICE, "", spec(loop.artifact, max_workers=6))).job_id
     await loop.shares({j: 6})
+    # The learners run before the worker writes RUNNING: a cancel in between is of a QUEUED
+    # job, CANCELLED at once.
+    await loop.until(lambda: loop.state(j) == S.JOB_STATE_RUNNING, "running")
     job = await loop.api.cancel(ALICE, j, "c1")
     assert job.state == S.JOB_STATE_CANCELLING
     await loop.until(lambda: loop.state(j) == S.JOB_STATE_CANCELLED, "cancelled")

@@ -216,7 +216,7 @@ async def _drain(call) -> None:
 def test_store_errors_map_to_status_codes_with_their_reasons():
     from shoal.runtime import store
 
-    fenced = DEFAULT_TABLE.lookup(store.FencedOut(store.Fence("/k", 3), 5))
+    fenced = DEFAULT_TABLE.lookup(store.FencedOut.of_fence(store.Fence("/k", 3), 5))
     assert fenced.code == grpc.StatusCode.FAILED_PRECONDITION
     assert ("shoal-error-reason", "ERROR_REASON_FENCED_OUT") in fenced.metadata
     down = DEFAULT_TABLE.lookup(store.StoreUnavailable("etcd down"))

@@ -16,6 +16,7 @@ from grpc import aio
 from shoal.client.config import ClientConfig
 from shoal.client.errors import ShoalClientError
 from shoal.client.tls import channel_credentials
+from shoal.contract.errors import decode_rpc_error
 from shoal.v1 import (
     job_pb2,
     job_scheduler_service_pb2 as js,
@@ -81,7 +82,7 @@ class _Endpoints:
 
     def follow(self, err: aio.AioRpcError) -> bool:
         """Move to the leader named by the error, or to the next endpoint. True if moved."""
-        leader = dict(err.trailing_metadata() or ()).get("shoal-leader")
+        leader = decode_rpc_error(err).leader
         if leader:
             if leader not in self.addresses:
                 self.addresses.append(str(leader))
@@ -149,10 +150,7 @@ class AsyncClient:
                     request, timeout=self.timeout, metadata=self.metadata
                 )
             except aio.AioRpcError as err:
-                not_leader = (
-                    dict(err.trailing_metadata() or ()).get("shoal-error-reason")
-                    == "ERROR_REASON_NOT_LEADER"
-                )
+                not_leader = decode_rpc_error(err).reason == "ERROR_REASON_NOT_LEADER"
                 # A standby did nothing, so moving to the leader is safe for any call.
                 retry = err.code() in RETRYABLE and (idempotent or not_leader)
                 attempt += 1

@@ -8,6 +8,8 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from shoal.contract.errors import decode_rpc_error
+
 _ADDRESS = re.compile(r"(?:ipv4|ipv6|dns):(\[?[^\s\]]*\]?:\d+)")
 
 
@@ -28,10 +30,8 @@ class ShoalClientError(Exception):
     ) -> ShoalClientError:
         """The error of a failed call. With the client ``config``, a connection that failed
         because of TLS is explained in one line (``shoal.client.tls.explain_unavailable``)."""
-        code = err.code()  # type: ignore[union-attr]
-        trailing = dict(err.trailing_metadata() or ())  # type: ignore[union-attr]
-        details = err.details() or ""  # type: ignore[union-attr]
-        reason = str(trailing.get("shoal-error-reason", ""))
+        failed = decode_rpc_error(err)
+        code, details, reason = failed.code, failed.message, failed.reason
         if code == grpc.StatusCode.UNAVAILABLE and config is not None and not reason:
             found = _ADDRESS.search(details)
             if found:
@@ -45,4 +45,4 @@ class ShoalClientError(Exception):
                 )
                 if why:
                     return cls("UNAVAILABLE", why, "", method)
-        return cls(code.name if code else "UNKNOWN", details, reason, method)
+        return cls(failed.code_name, details, reason, method)

@@ -12,7 +12,8 @@ part of the contract:
   shard both speak it).
 * ``user_metrics`` -- the names a training script may log (``trainer.log``), checked by the
   learner and by the coordinator.
+* ``errors`` -- every domain error, once (standard library only), the error trailers
+  (``shoal-error-reason``, ``shoal-leader``) and ``decode_rpc_error``, their one decoder.
 
-Planned here (issue 15): the etcd key schema, the learner environment variable names, the
-error-reason trailer.
+Planned here (issue 15): the etcd key schema, the learner environment variable names.
 """

@@ -30,6 +30,8 @@ import enum
 import re
 from collections.abc import Mapping
 
+from shoal.contract.errors import InvalidIdentifier
+
 __all__ = [
     "FIELD_KINDS",
     "PATTERNS",
@@ -94,18 +96,7 @@ FIELD_KINDS: Mapping[str, IdKind] = {
 }
 
 
-class InvalidIdentifier(ValueError):
-    """An identifier does not match its kind's pattern. ``str()`` names the field and the value
-    (shortened when long) and the rule, like every shoal validation message."""
-
-    def __init__(self, field_name: str, value: object, rule: str) -> None:
-        shown = value
-        if isinstance(value, str) and len(value) > 64:
-            shown = value[:40] + f"...({len(value)} characters)"
-        super().__init__(f"{field_name} ({shown!r}) {rule}")
-        self.field_name = field_name
-        self.value = value
-        self.rule = rule
+# InvalidIdentifier is defined with the other errors, in shoal.contract.errors.
 
 
 def describe(kind: IdKind) -> str:

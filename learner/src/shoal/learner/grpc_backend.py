@@ -40,6 +40,7 @@ import torch
 from grpc import aio
 
 from shoal.client.tls import TLSFiles, channel_credentials
+from shoal.contract.errors import decode_rpc_error
 from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
     BundleReceiver,
@@ -784,7 +785,7 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
 def _translate(exc: aio.AioRpcError) -> Exception:
     """Map a failed call to the learner's exceptions."""
     code = exc.code()
-    reason = dict(exc.trailing_metadata() or ()).get("shoal-error-reason", "")
+    reason = decode_rpc_error(exc).reason
     text = exc.details() or str(code)
     if code == grpc.StatusCode.ABORTED:
         return IterationAborted(text)

@@ -44,8 +44,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shoal.contract.errors import InvalidField
 from shoal.runtime.auth import Role, new_token, write_tokens_file
-from shoal.runtime.errors import InvalidField
 from shoal.runtime.etcd_server import EtcdCluster, EtcdServer, EtcdTLS
 from shoal.runtime.pki import CertificateAuthority
 from shoal.runtime.procs import die_with_parent

@@ -16,7 +16,7 @@ from pathlib import Path
 import fsspec
 
 from shoal.contract import ids
-from shoal.runtime.errors import InvalidField, NotFound
+from shoal.contract.errors import ArtifactNotFound, InvalidField
 
 __all__ = [
     "ARTIFACT_ID_RE",
@@ -30,14 +30,6 @@ __all__ = [
 log = logging.getLogger("shoal.host_agent.processes")
 
 ARTIFACT_ID_RE = ids.PATTERNS[ids.IdKind.ARTIFACT]  # use with fullmatch
-
-
-class ArtifactNotFound(NotFound):
-    reason = "ERROR_REASON_ARTIFACT_NOT_FOUND"
-
-    def __init__(self, artifact_id: str, where: str) -> None:
-        super().__init__("artifact", artifact_id)
-        self.args = (f"artifact {artifact_id!r} not found ({where})",)
 
 
 class ArtifactSource(ABC):

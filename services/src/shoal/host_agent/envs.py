@@ -35,7 +35,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
-from shoal.runtime.errors import InvalidField
+from shoal.contract.errors import InvalidField
 
 __all__ = ["REQUIREMENTS_FILE", "JobEnvironments"]
 

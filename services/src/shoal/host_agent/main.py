@@ -37,13 +37,14 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from shoal.contract.errors import InvalidField
 from shoal.host_agent.devices import make_device_source
 from shoal.host_agent.metrics import register_metrics
 from shoal.host_agent.service import ERRORS, HostAgent, HostAgentConfig, bindings
 from shoal.runtime import metrics, telemetry
 from shoal.runtime.config import add_server_flags, parse_number, server_config_from_args
-from shoal.runtime.errors import InvalidField
-from shoal.runtime.server import create_server, run_until_signalled
+from shoal.runtime.server import RunningServer
+from shoal.runtime.service import run_service
 
 log = logging.getLogger(__name__)
 
@@ -160,18 +161,20 @@ async def serve(config: HostAgentConfig) -> None:
     agent = HostAgent(config, make_device_source(config.host_id, config.simulate_gpus))
     if endpoint is not None:
         register_metrics(agent)
-    running = await create_server(config.server, bindings(agent), errors=ERRORS)
-    address = config.server.advertise or running.address
-    agent.start(address)
-    log.info(
-        "host agent %r serving on %s with %d device(s)", config.host_id, address, len(agent.devices)
+
+    def started(running: RunningServer) -> None:
+        address = config.server.advertise or running.address
+        agent.start(address)
+        log.info(
+            "host agent %r serving on %s with %d device(s)",
+            config.host_id,
+            address,
+            len(agent.devices),
+        )
+
+    await run_service(
+        config.server, bindings(agent), errors=ERRORS, started=started, stopping=agent.close
     )
-    try:
-        await run_until_signalled(running, on_stop=agent.close)
-    finally:
-        await agent.close()
-        metrics.shutdown_metrics()
-        telemetry.shutdown_tracing()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

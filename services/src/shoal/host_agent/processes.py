@@ -46,11 +46,19 @@ from pathlib import Path
 from google.protobuf import timestamp_pb2
 
 from shoal.contract import ids
+from shoal.contract.errors import (
+    ArtifactNotFound,
+    DeviceBusy,
+    DeviceNotFound,
+    FailedPrecondition,
+    FencedOut,
+    InvalidField,
+    LearnerNotFound,
+)
 from shoal.host_agent import warm_boot
 from shoal.host_agent.artifacts import (
     ARTIFACT_ID_RE,
     ArtifactCache,
-    ArtifactNotFound,
     ArtifactSource,
     DirectorySource,
     unpack,
@@ -75,7 +83,6 @@ from shoal.host_agent.logs import (
 )
 from shoal.host_agent.warm import BOOT_SOURCE, WarmPool, WarmProcess, accepts as warm_accepts
 from shoal.runtime import telemetry
-from shoal.runtime.errors import FailedPrecondition, FencedOut, InvalidField, NotFound
 from shoal.runtime.procs import die_with_parent
 from shoal.v1 import resources_pb2
 
@@ -118,23 +125,8 @@ TERMINAL = frozenset({SUCCEEDED, FAILED})
 # --------------------------------------------------------------------------------------------
 
 
-class DeviceNotFound(NotFound):
-    reason = "ERROR_REASON_DEVICE_NOT_FOUND"
-
-    def __init__(self, device_id: str, known: Sequence[str]) -> None:
-        super().__init__("device", device_id)
-        self.args = (f"device {device_id!r} not found on this host (it has: {', '.join(known)})",)
-
-
-class LearnerNotFound(NotFound):
-    reason = "ERROR_REASON_LEARNER_NOT_FOUND"
-
-    def __init__(self, learner_id: str) -> None:
-        super().__init__("learner", learner_id)
-
-
-class DeviceBusy(FailedPrecondition):
-    reason = "ERROR_REASON_DEVICE_BUSY"
+# DeviceNotFound, LearnerNotFound, ArtifactNotFound and DeviceBusy are defined in
+# shoal.contract.errors (imported above, exported here).
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from google.protobuf import timestamp_pb2
 from grpc import aio
 
 from shoal.contract import ids
+from shoal.contract.errors import InvalidField, decode_rpc_error
 from shoal.host_agent.devices import DeviceInfo, DeviceSource
 from shoal.host_agent.processes import (
     STDERR,
@@ -41,7 +42,7 @@ from shoal.host_agent.warm import reap_warm
 from shoal.runtime.auth import SERVICES, MethodRoles
 from shoal.runtime.channels import connect
 from shoal.runtime.config import ServerConfig, TLSConfig
-from shoal.runtime.errors import DEFAULT_TABLE, LEADER_METADATA_KEY, ErrorTable, InvalidField
+from shoal.runtime.errors import DEFAULT_TABLE, ErrorTable
 from shoal.runtime.server import ServiceBinding
 from shoal.v1 import (
     host_agent_service_pb2 as ha_pb2,
@@ -141,10 +142,7 @@ class HostAgentConfig:
 
 
 def _leader_hint(exc: aio.AioRpcError) -> str | None:
-    for key, value in exc.trailing_metadata() or ():
-        if key == LEADER_METADATA_KEY:
-            return value.decode() if isinstance(value, bytes) else str(value)
-    return None
+    return decode_rpc_error(exc).leader or None
 
 
 class _Channels:

@@ -33,6 +33,7 @@ import safetensors.torch
 from google.protobuf import timestamp_pb2
 from grpc import aio
 
+from shoal.contract.errors import decode_rpc_error
 from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
     Frame,
@@ -406,8 +407,7 @@ class ParameterSyncServicer:
             if code == grpc.StatusCode.NOT_FOUND:
                 raise NotFound("job state on shard", address) from exc
             if code == grpc.StatusCode.FAILED_PRECONDITION:
-                reason = dict(exc.trailing_metadata() or ()).get("shoal-error-reason", "")
-                if reason == "ERROR_REASON_STALE_GENERATION":
+                if decode_rpc_error(exc).reason == "ERROR_REASON_STALE_GENERATION":
                     raise StaleGeneration(text) from exc
                 raise FailedPrecondition(text) from exc
             if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from shoal.contract.errors import InvalidField
 from shoal.resource_manager.metrics import register_metrics
 from shoal.resource_manager.service import (
     ERRORS,
@@ -36,8 +37,8 @@ from shoal.resource_manager.service import (
 )
 from shoal.runtime import metrics, telemetry
 from shoal.runtime.config import add_server_flags, etcd_store, server_config_from_args
-from shoal.runtime.errors import InvalidField
-from shoal.runtime.server import create_server, run_until_signalled
+from shoal.runtime.server import RunningServer
+from shoal.runtime.service import run_service
 from shoal.runtime.store import MemoryStore, Store
 
 log = logging.getLogger(__name__)
@@ -120,17 +121,20 @@ async def serve(config: ResourceManagerConfig) -> None:
     rm = ResourceManager(config, store)
     if endpoint is not None:
         register_metrics(rm)
-    running = await create_server(config.server, bindings(rm), errors=ERRORS)
-    address = config.server.advertise or running.address
-    rm.start(address)
-    log.info("%s replica %s campaigning for leadership", NAME, address)
-    try:
-        await run_until_signalled(running, on_stop=rm.close)
-    finally:
-        await rm.close()
-        await store.close()
-        metrics.shutdown_metrics()
-        telemetry.shutdown_tracing()
+
+    def started(running: RunningServer) -> None:
+        address = config.server.advertise or running.address
+        rm.start(address)
+        log.info("%s replica %s campaigning for leadership", NAME, address)
+
+    await run_service(
+        config.server,
+        bindings(rm),
+        errors=ERRORS,
+        started=started,
+        stopping=rm.close,
+        closed=store.close,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

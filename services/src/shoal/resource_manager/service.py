@@ -39,6 +39,7 @@ from shoal.runtime.errors import (
     NotLeader,
     Unavailable,
 )
+from shoal.runtime.service import follow_leader, lead_forever
 from shoal.runtime.store import (
     DeleteOp,
     Expect,
@@ -272,8 +273,20 @@ class ResourceManager:
         )
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._lead_forever(), name="rm-lead"),
-            loop.create_task(self._observe_leader(), name="rm-observe"),
+            loop.create_task(
+                lead_forever(
+                    self._election,
+                    self._term,
+                    step_down=lambda leadership: self._step_down(
+                        leadership.reason or "leadership lost"
+                    ),
+                    expected=(StoreError, LeadershipLost),
+                    retry_s=0.5,
+                    closing=lambda: self._closing,
+                ),
+                name="rm-lead",
+            ),
+            loop.create_task(follow_leader(self._election, self._set_leader), name="rm-observe"),
         ]
 
     async def close(self) -> None:
@@ -292,33 +305,12 @@ class ResourceManager:
     def is_leader(self) -> bool:
         return self._leadership is not None and self._leadership.is_leader
 
-    async def _observe_leader(self) -> None:
-        assert self._election is not None
-        while True:
-            try:
-                async with contextlib.aclosing(self._election.observe()) as leaders:  # type: ignore[type-var]
-                    async for leader in leaders:
-                        self.leader_address = leader
-            except StoreError as exc:
-                log.warning("observing the leader failed (retrying): %s", exc)
-                await asyncio.sleep(0.5)
+    def _set_leader(self, leader: str | None) -> None:
+        self.leader_address = leader
 
-    async def _lead_forever(self) -> None:
-        while not self._closing:
-            try:
-                await self._lead_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # never stop campaigning
-                log.exception("leadership term failed; campaigning again")
-                self._step_down("error")
-                await asyncio.sleep(0.5)
-
-    async def _lead_once(self) -> None:
-        """One term: campaign, take over, lead until leadership is lost. However the term ends,
-        the lease is given up so that another replica can lead."""
-        assert self._election is not None
-        leadership = await self._election.campaign()
+    async def _term(self, leadership: Leadership) -> None:
+        """One term (``shoal.runtime.service.lead_forever`` campaigns, steps down and gives
+        the lease up however it ends): take over, lead until leadership is lost."""
         checker: asyncio.Task[None] | None = None
         try:
             await self._take_over(leadership)
@@ -326,16 +318,10 @@ class ResourceManager:
                 self._check_liveness(leadership), name="rm-liveness"
             )
             await leadership.lost.wait()
-        except (StoreError, LeadershipLost) as exc:
-            log.warning("leadership term ended: %s", exc)
         finally:
             if checker is not None:
                 checker.cancel()
                 await asyncio.gather(checker, return_exceptions=True)
-            self._step_down(leadership.reason or "leadership lost")
-            if not leadership.lost.is_set():
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(leadership.resign())
 
     async def _take_over(self, leadership: Leadership) -> None:
         """Rebuild the inventory from the store; every READY host gets a fresh grace."""

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shoal.contract import ids
-from shoal.runtime.errors import InvalidField, Unauthenticated
+from shoal.contract.errors import InvalidField, Unauthenticated
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (

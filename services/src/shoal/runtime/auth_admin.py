@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from shoal.contract import ids
+from shoal.contract.errors import InvalidField
 from shoal.runtime.auth import (
     LEARNER_KEYS_PREFIX,
     TOKENS_PREFIX,
@@ -37,7 +38,6 @@ from shoal.runtime.auth import (
     token_digest,
 )
 from shoal.runtime.config import EtcdTLSConfig, ServerConfig, etcd_store
-from shoal.runtime.errors import InvalidField
 from shoal.runtime.store import StoreError
 from shoal.v1 import auth_pb2
 

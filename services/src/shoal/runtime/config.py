@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shoal.runtime.errors import InvalidField
+from shoal.contract.errors import InvalidField
 
 if TYPE_CHECKING:
     from shoal.runtime.store import EtcdStore

@@ -23,8 +23,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shoal.client.tls import channel_credentials
+from shoal.contract.errors import InvalidField
 from shoal.runtime.config import parse_host_port, parse_number
-from shoal.runtime.errors import InvalidField
 
 __all__ = ["build_parser", "check", "main"]
 

@@ -31,8 +31,8 @@ from typing import Any
 from opentelemetry import metrics as otel_metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
+from shoal.contract.errors import InvalidField
 from shoal.runtime.config import ServerConfig, parse_host_port
-from shoal.runtime.errors import InvalidField
 
 __all__ = [
     "DURATION_BUCKETS_S",

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from shoal.runtime.errors import REASON_METADATA_KEY, Overloaded
+from shoal.contract.errors import REASON_METADATA_KEY, Overloaded
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from shoal.contract import ids
-from shoal.runtime.errors import InvalidField
+from shoal.contract.errors import InvalidField
 
 __all__ = ["check_request_ids"]
 

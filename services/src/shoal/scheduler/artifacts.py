@@ -43,8 +43,8 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from shoal.contract import ids
+from shoal.contract.errors import InvalidField, QuotaExceeded, StorageFull, TooLarge
 from shoal.runtime.auth import Principal, Role
-from shoal.runtime.errors import InvalidField, QuotaExceeded, StorageFull, TooLarge
 from shoal.scheduler.jobs import ArtifactNotFound
 from shoal.v1 import job_pb2
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shoal.contract import ids
-from shoal.runtime.errors import FailedPrecondition, InvalidField, NotFound, ShoalError
+from shoal.contract.errors import FailedPrecondition, InvalidField, NotFound, ShoalError
 from shoal.scheduler.artifacts import Storage
 from shoal.scheduler.jobs import timestamp, validate_page_size
 from shoal.v1 import job_scheduler_service_pb2 as js_pb2

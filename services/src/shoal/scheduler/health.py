@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from shoal.runtime.errors import InvalidField
+from shoal.contract.errors import InvalidField
 from shoal.v1 import job_pb2
 
 __all__ = ["HealthConfig", "JobHealth", "Verdict", "VerdictKind", "assess", "lost_reason"]

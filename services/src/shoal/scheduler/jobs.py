@@ -23,8 +23,14 @@ from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from shoal.contract import ids
+from shoal.contract.errors import (
+    ArtifactNotFound,
+    FailedPrecondition,
+    InvalidField,
+    InvalidTransition,
+    PermissionDenied,
+)
 from shoal.runtime.auth import Principal, Role
-from shoal.runtime.errors import FailedPrecondition, InvalidField, NotFound, PermissionDenied
 from shoal.v1 import job_pb2
 
 __all__ = [
@@ -125,32 +131,26 @@ def state_name(state: int) -> str:
         return str(state)
 
 
-class InvalidTransition(FailedPrecondition):
-    """A job cannot go from its state to the one asked (FAILED_PRECONDITION, WRONG_STATE)."""
-
-    def __init__(self, job_id: str, current: int, target: int) -> None:
-        allowed = ", ".join(sorted(state_name(s) for s in TRANSITIONS.get(current, ()))) or "none"
-        super().__init__(
-            f"job {job_id!r} cannot go from {state_name(current)} to {state_name(target)} "
-            f"(allowed from {state_name(current)}: {allowed})"
-        )
-        self.current = current
-        self.target = target
+# InvalidTransition and ArtifactNotFound are defined in shoal.contract.errors (imported
+# above, exported here).
 
 
-class ArtifactNotFound(NotFound):
-    """The artifact named in a spec or a download does not exist (NOT_FOUND)."""
-
-    reason = "ERROR_REASON_ARTIFACT_NOT_FOUND"
-
-    def __init__(self, artifact_id: str) -> None:
-        super().__init__("artifact", artifact_id)
+def invalid_transition(job_id: str, current: int, target: int) -> InvalidTransition:
+    """The error of a job that cannot go from ``current`` to ``target`` (FAILED_PRECONDITION,
+    WRONG_STATE): the message names both states and the ones allowed."""
+    allowed = ", ".join(sorted(state_name(s) for s in TRANSITIONS.get(current, ()))) or "none"
+    return InvalidTransition(
+        f"job {job_id!r} cannot go from {state_name(current)} to {state_name(target)} "
+        f"(allowed from {state_name(current)}: {allowed})",
+        current=current,
+        target=target,
+    )
 
 
 def check_transition(job_id: str, current: int, target: int) -> None:
     """Raise :class:`InvalidTransition` unless ``current -> target`` is in the table."""
     if target not in TRANSITIONS.get(current, frozenset()):
-        raise InvalidTransition(job_id, current, target)
+        raise invalid_transition(job_id, current, target)
 
 
 # --------------------------------------------------------------------------------------------

@@ -58,15 +58,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.contract.errors import InvalidField
 from shoal.runtime import metrics, telemetry
 from shoal.runtime.auth import (
     DEFAULT_LEARNER_TOKEN_TTL_S,
@@ -82,9 +82,9 @@ from shoal.runtime.config import (
     parse_number,
     server_config_from_args,
 )
-from shoal.runtime.election import LeaderElection
-from shoal.runtime.errors import InvalidField
-from shoal.runtime.server import create_server, run_until_signalled
+from shoal.runtime.election import LeaderElection, Leadership
+from shoal.runtime.server import RunningServer
+from shoal.runtime.service import follow_leader, lead_forever, run_service
 from shoal.runtime.store import MemoryStore, Store
 from shoal.scheduler.artifacts import ArtifactStore, Storage
 from shoal.scheduler.health import HealthConfig
@@ -356,26 +356,20 @@ def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
 
 async def _lead_forever(election: LeaderElection, table: JobTable, reconciler: Reconciler) -> None:
     """Campaign; lead until the leadership is lost; step down; campaign again."""
-    while True:
-        leadership = await election.campaign()
-        try:
-            await table.become_leader(leadership.fence)
-            reconciler.trigger("became leader")
-            await reconciler.lead(leadership)
-        except Exception:
-            log.exception("leader term ended with an error")
-        finally:
-            table.step_down()
-            with contextlib.suppress(Exception):
-                await asyncio.shield(leadership.resign())
-        log.info("no longer the leader; campaigning again")
-        await asyncio.sleep(0.2)
+
+    async def term(leadership: Leadership) -> None:
+        await table.become_leader(leadership.fence)
+        reconciler.trigger("became leader")
+        await reconciler.lead(leadership)
+
+    await lead_forever(election, term, step_down=lambda _: table.step_down(), pause_s=0.2)
 
 
-async def _observe_leader(election: LeaderElection, table: JobTable) -> None:
-    async with contextlib.aclosing(election.observe()) as leaders:
-        async for leader in leaders:
-            table.leader_address = leader
+def _set_leader(table: JobTable) -> Callable[[str | None], None]:
+    def on_leader(leader: str | None) -> None:
+        table.leader_address = leader
+
+    return on_leader
 
 
 async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
@@ -450,37 +444,47 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
             user_priority_limit=config.max_user_priority, call_timeout_s=config.call_timeout_s
         ),
     )
-    running = await create_server(server, [binding(api)], errors=ERRORS, credentials_store=store)
-    candidate = server.advertise or running.address
-    if running.credentials is not None:
-        running.credentials.add_learner_key(signer.public_key_raw)
+    tasks: list[asyncio.Task[None]] = []
 
-    election = LeaderElection(store, ELECTION, candidate_id=candidate, ttl=config.election_ttl_s)
-    tasks = [
-        # Every service verifies learner credentials with the keys published here.
-        asyncio.create_task(
-            publish_learner_key(store, signer.public_key_raw, publisher=candidate),
-            name="publish-learner-key",
-        ),
-        asyncio.create_task(_lead_forever(election, table, reconciler), name="scheduler-lead"),
-        asyncio.create_task(_observe_leader(election, table), name="scheduler-observe"),
-    ]
-    print(f"LISTENING {running.port}", flush=True)
+    def started(running: RunningServer) -> None:
+        candidate = server.advertise or running.address
+        if running.credentials is not None:
+            running.credentials.add_learner_key(signer.public_key_raw)
+        election = LeaderElection(
+            store, ELECTION, candidate_id=candidate, ttl=config.election_ttl_s
+        )
+        tasks[:] = [
+            # Every service verifies learner credentials with the keys published here.
+            asyncio.create_task(
+                publish_learner_key(store, signer.public_key_raw, publisher=candidate),
+                name="publish-learner-key",
+            ),
+            asyncio.create_task(_lead_forever(election, table, reconciler), name="scheduler-lead"),
+            asyncio.create_task(
+                follow_leader(election, _set_leader(table)), name="scheduler-observe"
+            ),
+        ]
 
     async def on_stop() -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    try:
-        await run_until_signalled(running, on_stop=on_stop)
-    finally:
-        await on_stop()
+    async def closed() -> None:
         await peers.close()
         if own_store:
             await store.close()
-        metrics.shutdown_metrics()
-        telemetry.shutdown_tracing()
+
+    await run_service(
+        server,
+        [binding(api)],
+        errors=ERRORS,
+        credentials_store=store,
+        started=started,
+        stopping=on_stop,
+        closed=closed,
+        announce=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -68,7 +68,7 @@ from shoal.scheduler.jobs import (
     validate_spec,
     validate_update,
 )
-from shoal.scheduler.reconcile import Peers
+from shoal.scheduler.reconcile.peers import Peers
 from shoal.scheduler.store import SERVICE, STALE_AS_OF, JobTable, StoreConflict
 from shoal.v1 import (
     host_agent_service_pb2 as ha_pb2,
@@ -532,21 +532,16 @@ class JobApi:
             learner_id=learner_id, offset=max(after or 0, 0), follow=follow
         )
         timeout = None if follow else self.config.call_timeout_s
-        try:
-            async for response in self.peers.agent(address).StreamLearnerLogs(
-                request, timeout=timeout
-            ):
-                for line in response.lines:
-                    if after is not None and line.offset <= after:
-                        continue  # resumed at the last line seen: already sent
-                    if not line.learner_id:
-                        line.learner_id = learner_id
-                    if sink is not None:
-                        await sink.put(line)
-                    else:
-                        out.append(line)
-        except grpc.aio.AioRpcError as exc:
-            log.debug("logs of %s at %s: %s", learner_id, address, exc.code().name)
+        async for response in self.peers.learner_log_responses(address, request, timeout):
+            for line in response.lines:
+                if after is not None and line.offset <= after:
+                    continue  # resumed at the last line seen: already sent
+                if not line.learner_id:
+                    line.learner_id = learner_id
+                if sink is not None:
+                    await sink.put(line)
+                else:
+                    out.append(line)
         return out
 
 

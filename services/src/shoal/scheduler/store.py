@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from shoal.runtime.errors import NotLeader, ShoalError, Unavailable
+from shoal.contract.errors import NotLeader, StoreConflict, Unavailable
 from shoal.runtime.store import (
     DeleteOp,
     Expect,
@@ -66,10 +66,7 @@ ALLOCATIONS = PREFIX + "allocations/"
 SERVICE = "job-scheduler"
 
 
-class StoreConflict(ShoalError):
-    """A record changed in the store behind the leader's back (a bug, or a second writer)."""
-
-    reason = "ERROR_REASON_STORE_UNAVAILABLE"
+# StoreConflict is defined in shoal.contract.errors (imported above).
 
 
 def request_key(owner: str, request_id: str) -> str:

@@ -1,386 +1,55 @@
-"""The resource-manager's core: the inventory and the allocation ledger, without any I/O.
-
-The core holds hosts (with their devices, labels and resource group), the liveness of each host
-(from heartbeats, in memory) and the ledger of allocations (device -> learner of a job). It
-never talks to etcd or to the network: every mutation is computed as a :class:`Change` (what
-to write and which events to announce) *without* touching the state; the service persists the
-change (one fenced etcd transaction) and then calls :meth:`Inventory.apply`. If the write
-fails, nothing changed. Heartbeat bookkeeping (last seen, utilization, reported learners) is
-memory-only and applied at once.
-
-Hosts have two explicit state machines, each a transition table; any other transition is
-rejected with :class:`InvalidTransition` and every transition is recorded in the host's history:
-
-* liveness (decided by the resource manager): ``NEW -> READY`` on the first registration,
-  ``READY -> READY`` on a re-registration (same incarnation), ``READY -> LOST`` when the host
-  stays silent for longer than the grace, ``LOST -> READY`` when it comes back (a new
-  incarnation);
-* schedulability (decided by admins): ``SCHEDULABLE``, ``CORDONED`` (nothing new is placed on
-  it) and ``DRAINING`` (cordoned, and the scheduler moves its learners away). Admin intent
-  survives the loss and return of a host.
-
-Errors name the values: ``device 'gpu3' of host 'h1' is held by allocation 'a-1' (job 'j1',
-learner 'l1')``. Time comes from injected clocks (``clock``: monotonic seconds, for liveness;
-``wall_clock``: epoch seconds, for timestamps), so tests control it.
-"""
+"""The resource-manager core's :class:`Inventory`: hosts, liveness and the allocation ledger.
+Every mutation is computed as a :class:`Change` without touching the state; the service
+persists it, then calls :meth:`Inventory.apply` (see :mod:`shoal.resource_manager.core`)."""
 
 from __future__ import annotations
 
-import base64
-import binascii
-import enum
 import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TypeVar
 
-from google.protobuf import timestamp_pb2
-
 from shoal.contract import ids
-from shoal.runtime.errors import FailedPrecondition, InvalidField, NotFound
-from shoal.v1 import resource_manager_service_pb2 as rm_pb2, resources_pb2
-
-__all__ = [
-    "LIVENESS_TRANSITIONS",
-    "SCHEDULING_TRANSITIONS",
-    "AcquireRecord",
-    "AllocationRecord",
-    "Change",
-    "Claim",
-    "DeviceBusy",
-    "DeviceHealth",
-    "DeviceNotFound",
-    "DeviceRecord",
-    "DeviceStats",
-    "Event",
-    "EventKind",
-    "HeartbeatOutcome",
-    "HostNotFound",
-    "HostRecord",
-    "HostUnavailable",
-    "InvalidTransition",
-    "Inventory",
-    "LearnerReport",
-    "LearnerState",
-    "Liveness",
-    "Registration",
-    "Scheduling",
-    "StaleIncarnation",
-    "Transition",
-]
-
-#: The pattern of host ids (and, by ``shoal.contract.ids``, of device ids and resource
-#: groups): one shared place for every identifier that becomes a path or a key.
-HOST_ID_RE = ids.PATTERNS[ids.IdKind.HOST]
-DEFAULT_RESOURCE_GROUP = "default"
+from shoal.contract.errors import (
+    DeviceBusy,
+    DeviceNotFound,
+    FailedPrecondition,
+    HostNotFound,
+    HostUnavailable,
+    InvalidField,
+    InvalidTransition,
+    StaleIncarnation,
+)
+from shoal.resource_manager.core.codec import decode_page_token, encode_page_token
+from shoal.resource_manager.core.records import (
+    DEFAULT_RESOURCE_GROUP,
+    LIVENESS_TRANSITIONS,
+    SCHEDULING_TRANSITIONS,
+    AcquireOutcome,
+    AcquireRecord,
+    AllocationRecord,
+    Change,
+    Claim,
+    DeviceHealth,
+    DeviceStats,
+    Event,
+    EventKind,
+    HeartbeatOutcome,
+    HostRecord,
+    LearnerReport,
+    LearnerState,
+    Liveness,
+    Registration,
+    Scheduling,
+    Transition,
+)
 
 MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 100
-_PAGE_TOKEN_PREFIX = "h1:"
 _EXITED_MEMORY = 100_000  # learner ids whose exit was announced, for once-only LEARNER_EXITED
 _HISTORY_PER_HOST = 64
-
-
-# --------------------------------------------------------------------------------------------
-# Errors (mapped by the service's error table: NotFound -> NOT_FOUND, FailedPrecondition ->
-# FAILED_PRECONDITION, InvalidField -> INVALID_ARGUMENT; each carries its ErrorReason)
-# --------------------------------------------------------------------------------------------
-
-
-class HostNotFound(NotFound):
-    reason = "ERROR_REASON_HOST_NOT_FOUND"
-
-    def __init__(self, host_id: str) -> None:
-        super().__init__("host", host_id)
-        self.host_id = host_id
-
-
-class DeviceNotFound(NotFound):
-    reason = "ERROR_REASON_DEVICE_NOT_FOUND"
-
-    def __init__(self, host_id: str, device_id: str) -> None:
-        super().__init__(f"device on host {host_id!r}:", device_id)
-        self.host_id = host_id
-        self.device_id = device_id
-
-
-class DeviceBusy(FailedPrecondition):
-    reason = "ERROR_REASON_DEVICE_BUSY"
-
-
-class HostUnavailable(FailedPrecondition):
-    """The host is cordoned, draining or lost."""
-
-    reason = "ERROR_REASON_HOST_UNAVAILABLE"
-
-
-class StaleIncarnation(FailedPrecondition):
-    """A heartbeat names an incarnation that is not the host's current one, or a lost host."""
-
-    reason = "ERROR_REASON_WRONG_STATE"
-
-
-class InvalidTransition(FailedPrecondition):
-    """A state change the host's transition table does not allow."""
-
-    reason = "ERROR_REASON_WRONG_STATE"
-
-
-# --------------------------------------------------------------------------------------------
-# States and transition tables
-# --------------------------------------------------------------------------------------------
-
-
-class Liveness(enum.Enum):
-    """Whether a host's agent is alive, as the resource manager decides it."""
-
-    NEW = "new"  # never registered (only as the origin of the first transition)
-    READY = "ready"
-    LOST = "lost"
-
-
-class Scheduling(enum.Enum):
-    """Whether new learners may be placed on a host, as admins decide it."""
-
-    SCHEDULABLE = "schedulable"
-    CORDONED = "cordoned"
-    DRAINING = "draining"
-
-
-LIVENESS_TRANSITIONS: dict[Liveness, set[Liveness]] = {
-    Liveness.NEW: {Liveness.READY},
-    Liveness.READY: {Liveness.READY, Liveness.LOST},  # READY -> READY: a re-registration
-    Liveness.LOST: {Liveness.READY},  # comes back as a new incarnation
-}
-
-SCHEDULING_TRANSITIONS: dict[Scheduling, set[Scheduling]] = {
-    Scheduling.SCHEDULABLE: {Scheduling.CORDONED, Scheduling.DRAINING},
-    Scheduling.CORDONED: {Scheduling.SCHEDULABLE, Scheduling.DRAINING},
-    Scheduling.DRAINING: {Scheduling.SCHEDULABLE},
-}
-
-
-class DeviceHealth(enum.Enum):
-    UNKNOWN = resources_pb2.DEVICE_HEALTH_UNSPECIFIED
-    HEALTHY = resources_pb2.DEVICE_HEALTH_HEALTHY
-    UNHEALTHY = resources_pb2.DEVICE_HEALTH_UNHEALTHY
-
-
-class LearnerState(enum.Enum):
-    UNKNOWN = resources_pb2.LEARNER_STATE_UNSPECIFIED
-    STARTING = resources_pb2.LEARNER_STATE_STARTING
-    RUNNING = resources_pb2.LEARNER_STATE_RUNNING
-    STOPPING = resources_pb2.LEARNER_STATE_STOPPING
-    SUCCEEDED = resources_pb2.LEARNER_STATE_SUCCEEDED
-    FAILED = resources_pb2.LEARNER_STATE_FAILED
-
-    @property
-    def terminal(self) -> bool:
-        return self in (LearnerState.SUCCEEDED, LearnerState.FAILED)
-
-
-# --------------------------------------------------------------------------------------------
-# Records
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DeviceRecord:
-    """A device as registered (what is durable); utilization lives in :class:`DeviceStats`."""
-
-    device_id: str
-    index: int = 0
-    uuid: str = ""
-    model: str = ""
-    memory_bytes: int = 0
-    health: DeviceHealth = DeviceHealth.HEALTHY
-    simulated: bool = False
-
-
-@dataclass(frozen=True)
-class DeviceStats:
-    """The last sampled utilization and temperature of a device (memory only)."""
-
-    utilization_percent: float = 0.0
-    temperature_celsius: float = 0.0
-
-
-@dataclass(frozen=True)
-class HostRecord:
-    """A host as stored in etcd."""
-
-    host_id: str
-    agent_address: str
-    incarnation: int
-    liveness: Liveness
-    scheduling: Scheduling = Scheduling.SCHEDULABLE
-    labels: Mapping[str, str] = field(default_factory=dict)
-    resource_group: str = DEFAULT_RESOURCE_GROUP
-    devices: tuple[DeviceRecord, ...] = ()
-    register_time: float = 0.0  # epoch seconds
-
-    def device(self, device_id: str) -> DeviceRecord | None:
-        return next((d for d in self.devices if d.device_id == device_id), None)
-
-    @property
-    def cordoned(self) -> bool:
-        return self.scheduling is not Scheduling.SCHEDULABLE
-
-    @property
-    def draining(self) -> bool:
-        return self.scheduling is Scheduling.DRAINING
-
-
-@dataclass(frozen=True)
-class AllocationRecord:
-    """One row of the ledger: a device held for one learner of one job."""
-
-    allocation_id: str
-    job_id: str
-    learner_id: str
-    host_id: str
-    device_id: str
-    host_incarnation: int
-    create_time: float = 0.0  # epoch seconds
-
-    @property
-    def claim(self) -> Claim:
-        return Claim(self.job_id, self.learner_id, self.host_id, self.device_id)
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A request for one device for one learner."""
-
-    job_id: str
-    learner_id: str
-    host_id: str
-    device_id: str
-
-
-@dataclass(frozen=True)
-class AcquireRecord:
-    """What an AcquireDevices with a request id returned, so that a retry returns it again."""
-
-    request_id: str
-    allocations: tuple[AllocationRecord, ...]
-
-
-@dataclass(frozen=True)
-class LearnerReport:
-    """A learner as its host's agent reports it."""
-
-    learner_id: str
-    job_id: str = ""
-    host_id: str = ""
-    device_id: str = ""
-    state: LearnerState = LearnerState.UNKNOWN
-    pid: int = 0
-    exit_code: int = 0
-    exit_reason: str = ""
-    start_time: float = 0.0
-    end_time: float = 0.0
-    host_incarnation: int = 0
-
-
-@dataclass(frozen=True)
-class Registration:
-    """What RegisterHost carries (validated by :meth:`Inventory.register`)."""
-
-    host_id: str
-    agent_address: str
-    devices: tuple[DeviceRecord, ...] = ()
-    labels: Mapping[str, str] = field(default_factory=dict)
-    resource_group: str = ""
-    learners: tuple[LearnerReport, ...] = ()
-
-
-class EventKind(enum.Enum):
-    SNAPSHOT = rm_pb2.INVENTORY_EVENT_KIND_SNAPSHOT
-    HOST_UP = rm_pb2.INVENTORY_EVENT_KIND_HOST_UP
-    HOST_LOST = rm_pb2.INVENTORY_EVENT_KIND_HOST_LOST
-    HOST_CHANGED = rm_pb2.INVENTORY_EVENT_KIND_HOST_CHANGED
-    ALLOCATED = rm_pb2.INVENTORY_EVENT_KIND_ALLOCATED
-    RELEASED = rm_pb2.INVENTORY_EVENT_KIND_RELEASED
-    LEARNER_EXITED = rm_pb2.INVENTORY_EVENT_KIND_LEARNER_EXITED
-
-
-@dataclass(frozen=True)
-class Event:
-    """An inventory event as WatchInventory announces it. ``hosts`` are host ids (the service
-    renders them with their current devices and allocations)."""
-
-    kind: EventKind
-    hosts: tuple[str, ...] = ()
-    allocations: tuple[AllocationRecord, ...] = ()
-    learner: LearnerReport | None = None
-
-
-@dataclass(frozen=True)
-class Change:
-    """A mutation, computed but not applied: what to write to etcd, then the events to send."""
-
-    put_hosts: tuple[HostRecord, ...] = ()
-    put_allocations: tuple[AllocationRecord, ...] = ()
-    delete_allocations: tuple[AllocationRecord, ...] = ()
-    put_requests: tuple[AcquireRecord, ...] = ()
-    delete_requests: tuple[str, ...] = ()
-    events: tuple[Event, ...] = ()
-
-    @property
-    def empty(self) -> bool:
-        return not (
-            self.put_hosts
-            or self.put_allocations
-            or self.delete_allocations
-            or self.put_requests
-            or self.delete_requests
-            or self.events
-        )
-
-    @property
-    def writes(self) -> bool:
-        """Whether the change has anything to persist."""
-        return bool(
-            self.put_hosts
-            or self.put_allocations
-            or self.delete_allocations
-            or self.put_requests
-            or self.delete_requests
-        )
-
-
-@dataclass(frozen=True)
-class Transition:
-    """One recorded state change of a host."""
-
-    time: float  # epoch seconds
-    machine: str  # "liveness" or "scheduling"
-    source: str
-    target: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class HeartbeatOutcome:
-    """What a heartbeat produced: learners the agent must stop, learner-exit events (memory
-    only), and the devices whose health changed (to persist)."""
-
-    stop_learner_ids: tuple[str, ...]
-    events: tuple[Event, ...]
-    health_changes: tuple[tuple[str, DeviceHealth], ...] = ()
-
-
-@dataclass(frozen=True)
-class AcquireOutcome:
-    """The allocations for the claims (in order) and the change to persist (empty for a
-    retried request)."""
-
-    allocations: tuple[AllocationRecord, ...]
-    change: Change
-
 
 # --------------------------------------------------------------------------------------------
 # The inventory
@@ -845,7 +514,7 @@ class Inventory:
             host = self.host(claim.host_id)
             device = host.device(claim.device_id)
             if device is None:
-                raise DeviceNotFound(claim.host_id, claim.device_id)
+                raise DeviceNotFound(claim.device_id, host_id=claim.host_id)
             if host.liveness is Liveness.LOST:
                 raise HostUnavailable(f"host {claim.host_id!r} is lost")
             if host.scheduling is not Scheduling.SCHEDULABLE:
@@ -1009,211 +678,3 @@ class Inventory:
         for key in reg.labels:
             if not key:
                 raise InvalidField("labels", key, "keys must not be empty")
-
-
-# --------------------------------------------------------------------------------------------
-# Page tokens
-# --------------------------------------------------------------------------------------------
-
-
-def encode_page_token(last_host_id: str) -> str:
-    raw = (_PAGE_TOKEN_PREFIX + last_host_id).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def decode_page_token(token: str) -> str:
-    """The host id after which the page starts ("" for the first page)."""
-    if not token:
-        return ""
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        raw = ""
-    if not raw.startswith(_PAGE_TOKEN_PREFIX):
-        raise InvalidField("page_token", token, "is not a page token this service issued")
-    return raw[len(_PAGE_TOKEN_PREFIX) :]
-
-
-# --------------------------------------------------------------------------------------------
-# Protobuf conversion (the etcd values and the API messages)
-# --------------------------------------------------------------------------------------------
-
-
-def _ts(seconds: float) -> timestamp_pb2.Timestamp:
-    ts = timestamp_pb2.Timestamp()
-    if seconds:
-        ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
-
-
-def _seconds(ts: timestamp_pb2.Timestamp) -> float:
-    return ts.seconds + ts.nanos / 1e9
-
-
-def device_from_proto(pb: resources_pb2.Device) -> DeviceRecord:
-    return DeviceRecord(
-        device_id=pb.device_id,
-        index=pb.index,
-        uuid=pb.uuid,
-        model=pb.model,
-        memory_bytes=pb.memory_bytes,
-        health=DeviceHealth(pb.health),
-        simulated=pb.simulated,
-    )
-
-
-def device_stats_from_proto(pb: resources_pb2.Device) -> tuple[str, DeviceHealth, DeviceStats]:
-    return (
-        pb.device_id,
-        DeviceHealth(pb.health),
-        DeviceStats(pb.utilization_percent, pb.temperature_celsius),
-    )
-
-
-def host_to_proto(host: HostRecord, inventory: Inventory | None = None) -> resources_pb2.Host:
-    """The host as stored (``inventory`` None) or as listed (with allocations, utilization and
-    the last heartbeat time from ``inventory``)."""
-    pb = resources_pb2.Host(
-        host_id=host.host_id,
-        agent_address=host.agent_address,
-        incarnation=host.incarnation,
-        state=(
-            resources_pb2.HOST_STATE_LOST
-            if host.liveness is Liveness.LOST
-            else resources_pb2.HOST_STATE_READY
-        ),
-        cordoned=host.cordoned,
-        draining=host.draining,
-        labels=dict(host.labels),
-        resource_group=host.resource_group,
-        register_time=_ts(host.register_time),
-    )
-    for dev in host.devices:
-        d = pb.devices.add(
-            device_id=dev.device_id,
-            index=dev.index,
-            uuid=dev.uuid,
-            model=dev.model,
-            memory_bytes=dev.memory_bytes,
-            health=dev.health.value,
-            simulated=dev.simulated,
-        )
-        if inventory is not None:
-            stats = inventory.stats(host.host_id, dev.device_id)
-            d.utilization_percent = stats.utilization_percent
-            d.temperature_celsius = stats.temperature_celsius
-            alloc = inventory.allocation_of_device(host.host_id, dev.device_id)
-            if alloc is not None:
-                d.allocation.CopyFrom(allocation_to_proto(alloc))
-    if inventory is not None:
-        beat = inventory.last_heartbeat_time(host.host_id)
-        if beat is not None:
-            pb.last_heartbeat_time.CopyFrom(_ts(beat))
-    return pb
-
-
-def host_from_proto(pb: resources_pb2.Host) -> HostRecord:
-    liveness = Liveness.LOST if pb.state == resources_pb2.HOST_STATE_LOST else Liveness.READY
-    scheduling = (
-        Scheduling.DRAINING
-        if pb.draining
-        else Scheduling.CORDONED
-        if pb.cordoned
-        else Scheduling.SCHEDULABLE
-    )
-    return HostRecord(
-        host_id=pb.host_id,
-        agent_address=pb.agent_address,
-        incarnation=pb.incarnation,
-        liveness=liveness,
-        scheduling=scheduling,
-        labels=dict(pb.labels),
-        resource_group=pb.resource_group or DEFAULT_RESOURCE_GROUP,
-        devices=tuple(device_from_proto(d) for d in pb.devices),
-        register_time=_seconds(pb.register_time),
-    )
-
-
-def allocation_to_proto(alloc: AllocationRecord) -> resources_pb2.Allocation:
-    return resources_pb2.Allocation(
-        allocation_id=alloc.allocation_id,
-        job_id=alloc.job_id,
-        learner_id=alloc.learner_id,
-        host_id=alloc.host_id,
-        device_id=alloc.device_id,
-        host_incarnation=alloc.host_incarnation,
-        create_time=_ts(alloc.create_time),
-    )
-
-
-def allocation_from_proto(pb: resources_pb2.Allocation) -> AllocationRecord:
-    return AllocationRecord(
-        allocation_id=pb.allocation_id,
-        job_id=pb.job_id,
-        learner_id=pb.learner_id,
-        host_id=pb.host_id,
-        device_id=pb.device_id,
-        host_incarnation=pb.host_incarnation,
-        create_time=_seconds(pb.create_time),
-    )
-
-
-def request_to_proto(record: AcquireRecord) -> rm_pb2.AcquireDevicesResponse:
-    return rm_pb2.AcquireDevicesResponse(
-        allocations=[allocation_to_proto(a) for a in record.allocations]
-    )
-
-
-def request_from_proto(request_id: str, pb: rm_pb2.AcquireDevicesResponse) -> AcquireRecord:
-    return AcquireRecord(request_id, tuple(allocation_from_proto(a) for a in pb.allocations))
-
-
-def learner_from_proto(pb: resources_pb2.Learner) -> LearnerReport:
-    try:
-        state = LearnerState(pb.state)
-    except ValueError:
-        state = LearnerState.UNKNOWN
-    return LearnerReport(
-        learner_id=pb.learner_id,
-        job_id=pb.job_id,
-        host_id=pb.host_id,
-        device_id=pb.device_id,
-        state=state,
-        pid=pb.pid,
-        exit_code=pb.exit_code,
-        exit_reason=pb.exit_reason,
-        start_time=_seconds(pb.start_time),
-        end_time=_seconds(pb.end_time),
-        host_incarnation=pb.host_incarnation,
-    )
-
-
-def learner_to_proto(report: LearnerReport) -> resources_pb2.Learner:
-    return resources_pb2.Learner(
-        learner_id=report.learner_id,
-        job_id=report.job_id,
-        host_id=report.host_id,
-        device_id=report.device_id,
-        state=report.state.value,
-        pid=report.pid,
-        exit_code=report.exit_code,
-        exit_reason=report.exit_reason,
-        start_time=_ts(report.start_time),
-        end_time=_ts(report.end_time),
-        host_incarnation=report.host_incarnation,
-    )
-
-
-def claim_from_proto(pb: rm_pb2.DeviceClaim) -> Claim:
-    return Claim(pb.job_id, pb.learner_id, pb.host_id, pb.device_id)
-
-
-def registration_from_proto(pb: rm_pb2.RegisterHostRequest) -> Registration:
-    return Registration(
-        host_id=pb.host_id,
-        agent_address=pb.agent_address,
-        devices=tuple(device_from_proto(d) for d in pb.devices),
-        labels=dict(pb.labels),
-        resource_group=pb.resource_group,
-        learners=tuple(learner_from_proto(learner) for learner in pb.learners),
-    )

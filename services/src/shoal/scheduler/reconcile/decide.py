@@ -1,0 +1,284 @@
+"""The cycle's observing and deciding, as pure functions: records in, decisions out.
+
+Nothing here does I/O, reads a clock or changes its arguments; the loop
+(:meth:`shoal.scheduler.reconcile.loop.Reconciler.cycle`) calls them in order and applies what
+they return:
+
+1. :func:`observe` -- every learner the jobs hold, against the inventory and the exits the
+   agents reported: the learners placement must count (:class:`LearnerView`), and per job the
+   exits to process, the lost learners to evict and the PENDING learners a dead worker left.
+2. :func:`demands` -- the active jobs as the policy sees them; then the pure policy and
+   placement (``shoal.scheduler.placement.plan``) decide shares, starts and retires.
+3. :func:`targets` -- each active job's new target size and queue position.
+4. :func:`decide` -- the work of each job (:class:`JobWork`): the plan's lost learners and
+   retires, the saves, and each job's housekeeping (learners to stop, restart or retire from a
+   draining host; a job to finish or to requeue).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from shoal.scheduler.jobs import (
+    HOLDING,
+    LEAVING,
+    STARTED_STATES,
+    JobRecord,
+    LearnerPhase,
+    LearnerRecord,
+)
+from shoal.scheduler.placement import LearnerView, Plan, Start
+from shoal.scheduler.policy import JobDemand
+from shoal.scheduler.reconcile.config import ReconcileConfig
+from shoal.scheduler.reconcile.work import JobWork
+from shoal.v1 import job_pb2 as S, resources_pb2
+
+__all__ = [
+    "Observed",
+    "decide",
+    "demands",
+    "job_of",
+    "lost_reason",
+    "observe",
+    "starts_by_job",
+    "targets",
+]
+
+#: Job states in which every learner is stopped.
+_STOPPING_STATES = frozenset({S.JOB_STATE_CANCELLING, S.JOB_STATE_CANCELLED, S.JOB_STATE_FAILED})
+
+
+@dataclass
+class Observed:
+    """What :func:`observe` saw: the learners that hold (or are about to hold) a device, and
+    per job the exits, the lost learners and the PENDING learners to drop."""
+
+    current: list[LearnerView] = field(default_factory=list)
+    work: dict[str, JobWork] = field(default_factory=dict)
+
+
+def lost_reason(lr: LearnerRecord, host: resources_pb2.Host | None) -> str:
+    """Why a learner is lost (its host is gone, lost, or restarted since it started), or
+    ``""`` when it is not."""
+    if host is None:
+        return f"host {lr.host_id} is not in the inventory"
+    if host.state == resources_pb2.HOST_STATE_LOST:
+        return f"host {lr.host_id} lost"
+    if lr.host_incarnation and host.incarnation > lr.host_incarnation:
+        return (
+            f"host {lr.host_id} restarted (incarnation {lr.host_incarnation} -> {host.incarnation})"
+        )
+    return ""
+
+
+def _view(job_id: str, lr: LearnerRecord, *, retiring: bool) -> LearnerView:
+    return LearnerView(lr.learner_id, job_id, lr.host_id, lr.device_id, retiring)
+
+
+def observe(
+    records: Mapping[str, JobRecord],
+    hosts: Mapping[str, resources_pb2.Host],
+    exits: Mapping[str, resources_pb2.Learner],
+    busy: Collection[str],
+) -> Observed:
+    """Step 1: every learner of every job, as placement must count it. A PENDING learner of a
+    job whose worker is not running (``busy``: the job ids with a worker) was left by a worker
+    that failed: it is dropped; one of a busy job holds its device. A learner whose exit an
+    agent reported (``exits``, by learner id) is processed and still counts, as leaving; a
+    learner on a lost (or restarted) host is lost and does not count."""
+    seen = Observed()
+
+    def w(job_id: str) -> JobWork:
+        return seen.work.setdefault(job_id, JobWork())
+
+    for record in records.values():
+        job_busy = record.job_id in busy
+        for lr in record.learners.values():
+            if lr.phase is LearnerPhase.PENDING:
+                if not job_busy:
+                    w(record.job_id).drop_pending.append(lr.learner_id)
+                    continue
+                seen.current.append(
+                    LearnerView(lr.learner_id, record.job_id, lr.host_id, lr.device_id)
+                )
+                continue
+            exit_ = exits.get(lr.learner_id)
+            if exit_ is not None:
+                w(record.job_id).exits.append(exit_)
+                seen.current.append(_view(record.job_id, lr, retiring=True))
+                continue
+            lost = lost_reason(lr, hosts.get(lr.host_id))
+            if lost:
+                w(record.job_id).lost.append((lr.learner_id, lost))
+                continue
+            seen.current.append(_view(record.job_id, lr, retiring=lr.phase in LEAVING))
+    return seen
+
+
+def demands(records: Mapping[str, JobRecord]) -> list[JobDemand]:
+    """Step 2: the active jobs, as the share policy sees them."""
+    return [
+        JobDemand(
+            job_id=r.job_id,
+            priority=r.job.spec.priority,
+            submit_seq=r.submit_seq,
+            min_workers=r.job.spec.min_workers,
+            max_workers=r.job.spec.max_workers,
+            last_shrunk_at=r.last_shrunk_at,
+            previous_priority=r.decided_priority,
+        )
+        for r in records.values()
+        if r.active
+    ]
+
+
+def targets(records: Mapping[str, JobRecord], decided: Plan) -> dict[str, tuple[int, int]]:
+    """Step 3: job id -> (target workers, queue position) of every active job. The position
+    is 1-based in the plan's queue for a QUEUED job, 0 otherwise."""
+    queue_pos = {job_id: i + 1 for i, job_id in enumerate(decided.queue)}
+    out: dict[str, tuple[int, int]] = {}
+    for record in records.values():
+        if not record.active:
+            continue
+        target = decided.shares.get(record.job_id, 0)
+        position = queue_pos.get(record.job_id, 0) if record.state == S.JOB_STATE_QUEUED else 0
+        out[record.job_id] = (target, position)
+    return out
+
+
+def starts_by_job(decided: Plan) -> dict[str, list[Start]]:
+    """The plan's starts, grouped by job (in the plan's order)."""
+    out: dict[str, list[Start]] = {}
+    for start in decided.starts:
+        out.setdefault(start.job_id, []).append(start)
+    return out
+
+
+def job_of(records: Mapping[str, JobRecord], learner_id: str) -> str | None:
+    """The job that holds ``learner_id``, if any."""
+    for record in records.values():
+        if learner_id in record.learners:
+            return record.job_id
+    return None
+
+
+def _copy(work: JobWork) -> JobWork:
+    return JobWork(
+        exits=list(work.exits),
+        lost=list(work.lost),
+        drop_pending=list(work.drop_pending),
+        retires=list(work.retires),
+        stops=list(work.stops),
+        starts=list(work.starts),
+        restarts=list(work.restarts),
+        finish=work.finish,
+        requeue=work.requeue,
+        save=work.save,
+        retry=work.retry,
+    )
+
+
+def decide(
+    records: Mapping[str, JobRecord],
+    hosts: Mapping[str, resources_pb2.Host],
+    observed: Observed,
+    decided: Plan,
+    config: ReconcileConfig,
+    *,
+    changed: Iterable[str] = (),
+    moved: Collection[str] = (),
+    held: Collection[str] = (),
+    now: float,
+) -> dict[str, JobWork]:
+    """Step 4: the work of each job, in the order the jobs get it (the observed work first).
+
+    ``changed``: jobs whose target or queue position changed (saved); ``moved``: jobs whose
+    coordinator moved (saved, with the new address); ``held``: jobs whose coordinator is
+    unreachable (not requeued while their learners wait for it). The timeouts are the
+    config's: a COMPLETED job's learners are stopped after ``finish_grace_s``, a RETIRING
+    learner after ``retire_timeout_s``, a STOPPING one is stopped again after twice
+    ``stop_grace_s`` plus ``call_timeout_s``."""
+    work = {job_id: _copy(jw) for job_id, jw in observed.work.items()}
+
+    def w(job_id: str) -> JobWork:
+        return work.setdefault(job_id, JobWork())
+
+    for learner_id in decided.lost:
+        job_id = job_of(records, learner_id)
+        if job_id is not None:
+            w(job_id).lost.append((learner_id, "its device is no longer in the inventory"))
+    changed = set(changed)
+    for record in records.values():
+        if record.active and record.job_id in changed:
+            w(record.job_id).save = True
+    for retire in decided.retires:
+        # Learners of jobs that are not active are stopped below, not retired.
+        owner = records.get(retire.job_id)
+        chosen = owner.learners.get(retire.learner_id) if owner is not None else None
+        if owner is not None and owner.active and chosen is not None and chosen.phase in HOLDING:
+            w(retire.job_id).retires.append(retire.learner_id)
+    starts = starts_by_job(decided)
+
+    for record in records.values():
+        job_id = record.job_id
+        jw = work.get(job_id)
+        gone = {lid for lid, _ in jw.lost} | {e.learner_id for e in jw.exits} if jw else set()
+        remaining = [lr for lr in record.learners.values() if lr.learner_id not in gone]
+        for learner_id in _housekeeping(record, remaining, hosts, work, config, now):
+            kind, lid = learner_id
+            getattr(w(job_id), kind).append(lid)
+        if job_id in moved:
+            w(job_id).save = True  # its coordinator moved: persist the new address
+        live = [lr for lr in remaining if lr.phase is not LearnerPhase.PENDING]
+        pending = [lr for lr in remaining if lr.phase is LearnerPhase.PENDING]
+        if not record.active and not live and not pending:
+            if record.state == S.JOB_STATE_CANCELLING or (record.opened and not record.closed):
+                w(job_id).finish = True
+        if (
+            record.state in STARTED_STATES
+            and not live
+            and not pending
+            and not starts.get(job_id)
+            and job_id not in held
+        ):
+            w(job_id).requeue = True
+    return work
+
+
+def _housekeeping(
+    record: JobRecord,
+    remaining: Sequence[LearnerRecord],
+    hosts: Mapping[str, resources_pb2.Host],
+    work: Mapping[str, JobWork],
+    config: ReconcileConfig,
+    now: float,
+) -> list[tuple[str, str]]:
+    """(``"stops"`` | ``"restarts"`` | ``"retires"``, learner id) for each learner of the job
+    whose phase, age or host asks for it."""
+    out: list[tuple[str, str]] = []
+    retiring = list(work[record.job_id].retires) if record.job_id in work else []
+    stopping_now = record.state in _STOPPING_STATES
+    for lr in remaining:
+        age = now - lr.phase_since
+        if lr.phase is LearnerPhase.PENDING:
+            continue
+        if stopping_now and lr.phase is not LearnerPhase.STOPPING:
+            out.append(("stops", lr.learner_id))
+        elif record.state == S.JOB_STATE_COMPLETED and lr.phase is not LearnerPhase.STOPPING:
+            if age >= config.finish_grace_s:
+                out.append(("stops", lr.learner_id))
+        elif lr.phase is LearnerPhase.RETIRING:
+            if age >= config.retire_timeout_s:
+                out.append(("stops", lr.learner_id))
+        elif lr.phase is LearnerPhase.STOPPING:
+            if age >= 2 * config.stop_grace_s + config.call_timeout_s:
+                out.append(("stops", lr.learner_id))
+        elif lr.phase is LearnerPhase.STARTING and record.active:
+            out.append(("restarts", lr.learner_id))
+        elif lr.phase in HOLDING and record.active:
+            host = hosts.get(lr.host_id)
+            if host is not None and host.draining and lr.learner_id not in retiring:
+                out.append(("retires", lr.learner_id))
+                retiring.append(lr.learner_id)
+    return out

@@ -1,0 +1,420 @@
+"""A job's progress, data-plane health, completion, failure and finish, as the workers and the
+progress loop see them.
+
+Methods of :class:`~shoal.scheduler.reconcile.loop.Reconciler` (a mixin: the state lives
+there): polling GetJobProgress, the verdicts of ``shoal.scheduler.health`` (RECOVERING, a
+coordinator takeover, a retry from the checkpoint, FAILED), and closing a job everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from shoal.contract.data_plane import (
+    CoordinatorRecord,
+    coordinator_key,
+    encode_coordinator,
+)
+from shoal.contract.errors import NotLeader, StoreError, Unavailable
+from shoal.runtime.election import LeadershipLost
+from shoal.scheduler.health import JobHealth, VerdictKind, assess
+from shoal.scheduler.jobs import (
+    HOLDING,
+    STARTED_STATES,
+    STATE_HISTORY_LIMIT,
+    JobRecord,
+    LearnerPhase,
+    StateChange,
+    state_name,
+)
+from shoal.scheduler.reconcile.peers import (
+    UNREACHABLE,
+    FencedOutByPeer,
+    check_fenced,
+    describe,
+)
+from shoal.scheduler.reconcile.work import JobWork
+from shoal.scheduler.store import StoreConflict
+from shoal.v1 import (
+    job_pb2,
+    parameter_sync_service_pb2 as ps_pb2,
+)
+
+log = logging.getLogger(__name__)
+
+S = job_pb2
+
+
+class JobLifecycle:
+    """Progress, health and the end of a job (part of :class:`Reconciler`)."""
+
+    # -- completion, failure, finish ------------------------------------------------------------
+
+    async def _transition(self, record: JobRecord, target: int, reason: str) -> None:
+        record.transition(target, reason, self.clock())
+        await self.table.save(record)
+        self.table.publish(record, S.JOB_EVENT_KIND_STATE)
+        self.trigger(f"job {record.job_id} {state_name(target)}")
+        if record.final:
+            await self._forget_coordinator_move(record.job_id)
+
+    async def _forget_coordinator_move(self, job_id: str) -> None:
+        """A job ended (COMPLETED, FAILED, CANCELLED): delete where its coordinator moved
+        (``/shoal/v1/parameter-sync/coordinators/<job_id>``), which nothing reads any more (the
+        record keeps the address its CloseJob goes to). Fenced like every scheduler write; a
+        failed delete is retried when a leader lists the moves again (``_coordinator_moved``)."""
+        self._takeover_tried.pop(job_id, None)
+        if self.moves.records.pop(job_id, None) is None:
+            with contextlib.suppress(StoreError):
+                if await self.table.store.get(coordinator_key(job_id)) is None:
+                    return
+        try:
+            await self.table.store.delete(coordinator_key(job_id), fence=self.table.fence)
+        except StoreError as exc:
+            log.warning("job %s: coordinator record not deleted: %s", job_id, exc)
+            return
+        log.info("job %s: coordinator record deleted (the job ended)", job_id)
+
+    async def _poll_progress(self, record: JobRecord) -> ps_pb2.GetJobProgressResponse | None:
+        if not record.opened or not record.coordinator_address:
+            return None
+        try:
+            response = await self.peers.shard(record.coordinator_address).GetJobProgress(
+                ps_pb2.GetJobProgressRequest(job_id=record.job_id),
+                timeout=self.config.call_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in UNREACHABLE and record.state in STARTED_STATES:
+                self._unreachable(record, exc)
+                return None
+            if exc.code() == grpc.StatusCode.NOT_FOUND and record.active:
+                # The coordinator lost the job (a restarted shard): open it again, which
+                # resumes it from its latest checkpoint, before the next learner starts.
+                log.warning("job %s: unknown to its coordinator; re-opening it", record.job_id)
+                health = self._health(record)
+                lost_at = health.lost_at if health.down else health.iterations
+                health.reopened(health.iterations)
+                health.entered_recovery()
+                record.opened = False
+                if record.state in STARTED_STATES:
+                    await self._recovering(
+                        record,
+                        f"coordinator {self._shard_name(record)} lost the job's state (it "
+                        f"restarted) after iteration {lost_at}; re-opening the job from its "
+                        "latest checkpoint",
+                    )
+                else:
+                    await self.table.save(record)
+                self.trigger(f"job {record.job_id} data plane lost")
+                return None
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+        if record.state in STARTED_STATES:
+            # A coordinator that recovers the job itself (a shard lost) says so and why
+            # (fields of GetJobProgressResponse a coordinator without them leaves unset).
+            recovering = bool(getattr(response, "recovering", False))
+            why = str(getattr(response, "recovery_reason", "") or "a shard was lost")
+            self._health(record).polled(
+                response.progress.completed_iterations,
+                self.clock(),
+                why if recovering else None,
+            )
+        self.members[record.job_id] = tuple(response.member_learner_ids)
+        if self.metrics is not None and response.HasField("progress"):
+            self.metrics.world_size(record.job_id, response.progress.world_size, self.clock())
+        self.rescales.observe(
+            record, response.member_learner_ids, response.progress.completed_iterations
+        )
+        if response.HasField("progress"):
+            self.goodput.observe_job(record.job, response.progress, self.clock())
+        if response.HasField("progress") and response.progress != record.job.progress:
+            if response.progress.completed_iterations > record.job.progress.completed_iterations:
+                record.failures = 0
+            record.job.progress.CopyFrom(response.progress)
+            self.table.publish(record, S.JOB_EVENT_KIND_PROGRESS)
+            now = self.clock()
+            if now - self._progress_saved.get(record.job_id, 0.0) >= (
+                self.config.progress_persist_s
+            ):
+                self._progress_saved[record.job_id] = now
+                await self.table.save(record)
+        if response.done and record.state in STARTED_STATES:
+            await self._complete(record)
+        return response
+
+    # -- data-plane health (shoal.scheduler.health) ---------------------------------------------
+
+    def _health(self, record: JobRecord) -> JobHealth:
+        health = self.health.get(record.job_id)
+        if health is None:
+            health = self.health[record.job_id] = JobHealth(
+                iterations=record.job.progress.completed_iterations, progress_at=self.clock()
+            )
+        return health
+
+    def _shard_name(self, record: JobRecord) -> str:
+        if record.coordinator_index >= 0:
+            return f"shard {record.coordinator_index} ({record.coordinator_address})"
+        return record.coordinator_address or "(none yet)"
+
+    def _unreachable(self, record: JobRecord, exc: grpc.aio.AioRpcError) -> None:
+        if record.state in STARTED_STATES:
+            detail = (exc.details() or "").splitlines()[0][:200] if exc.details() else ""
+            why = f"{self._shard_name(record)} unreachable: {exc.code().name}"
+            self._health(record).unreachable(why + (f" ({detail})" if detail else ""), self.clock())
+
+    async def _recovering(self, record: JobRecord, reason: str) -> None:
+        """Say that the job is RECOVERING and why (a transition from RUNNING; a new reason in
+        RECOVERING, recorded in the history too)."""
+        if record.state == S.JOB_STATE_RUNNING:
+            log.warning("job %s recovering: %s", record.job_id, reason)
+            self._health(record).entered_recovery()
+            await self._transition(record, S.JOB_STATE_RECOVERING, reason)
+        elif record.state == S.JOB_STATE_RECOVERING and record.job.state_reason != reason:
+            log.info("job %s: %s", record.job_id, reason)
+            record.job.state_reason = reason
+            record.history.append(StateChange(self.clock(), record.state, record.state, reason))
+            del record.history[:-STATE_HISTORY_LIMIT]
+            await self.table.save(record)
+            self.table.publish(record, S.JOB_EVENT_KIND_STATE)
+
+    async def _assess(self, record: JobRecord) -> None:
+        """Act on the job's data-plane health (one verdict per poll; none while a worker
+        holds the job: the next poll looks again)."""
+        if record.state not in STARTED_STATES:
+            self.health.pop(record.job_id, None)
+            return
+        if record.job_id in self._busy:
+            return
+        health = self._health(record)
+        if (
+            health.unreachable_since is not None
+            and self.clock() - health.unreachable_since >= self.config.health.unreachable_grace_s
+            and await self._take_over(record)
+        ):
+            return
+        verdict = assess(
+            record.state,
+            health,
+            now=self.clock(),
+            config=self.config.health,
+            recoveries=record.recoveries,
+            coordinator=self._shard_name(record),
+        )
+        if verdict is None:
+            return
+        if verdict.kind is VerdictKind.RECOVERING:
+            await self._recovering(record, verdict.reason)
+            self.trigger(f"job {record.job_id} data plane down")
+        elif verdict.kind is VerdictKind.RECOVERED:
+            log.info("job %s: %s", record.job_id, verdict.reason)
+            health.running()
+            await self._transition(
+                record,
+                S.JOB_STATE_RUNNING,
+                f"{verdict.reason}; running on {record.workers()} learner(s)",
+            )
+        elif verdict.kind is VerdictKind.FAIL:
+            await self._fail(record, verdict.reason)
+        else:
+            self._busy[record.job_id] = self._spawn(
+                self._run_worker(record, JobWork(retry=verdict.reason), []),
+                f"scheduler-job-{record.job_id}",
+            )
+
+    async def _take_over(self, record: JobRecord) -> bool:
+        """Coordinator failover: the job's coordinator shard has been unreachable for the
+        grace. Make the next shard after it that answers the job's coordinator (TakeOverJob,
+        coordinator epoch + 1): it fences the shards left, rebuilds the coordinator's state and
+        promotes the lost slice's replica, with no rewind. Then publish the move in etcd
+        (``shoal.contract.data_plane``, fenced by this scheduler's leadership); the watch
+        re-points the job. False (the checkpoint path goes on) in collective mode, with
+        failover off, when no shard could take over (their states differ, all unreachable),
+        or when tried less than a grace ago."""
+        job_id = record.job_id
+        if (
+            not self.config.health.coordinator_failover
+            or not record.opened
+            or record.coordinator_index < 0
+            or record.job.effective_sync_mode != job_pb2.SYNC_MODE_PARAMETER_SERVER
+        ):
+            return False
+        now = self.clock()
+        if now - self._takeover_tried.get(job_id, -1e18) < max(
+            2.0, self.config.health.unreachable_grace_s
+        ):
+            return False
+        self._takeover_tried[job_id] = now
+        shards = self.shards()
+        lost = record.coordinator_index
+        if len(shards) < 2 or lost >= len(shards):
+            return False
+        known = self.moves.get(job_id)
+        epoch = (known.epoch if known is not None else 0) + 1
+        request = ps_pb2.TakeOverJobRequest(
+            job_id=job_id,
+            spec=record.job.spec,
+            storage_uri=self.storage.uri,
+            shard_addresses=list(shards),
+            fencing_token=self._token,
+            owner=record.owner,
+            lost_shard_index=lost,
+            coordinator_epoch=epoch,
+        )
+        for step in range(1, len(shards)):
+            index = (lost + step) % len(shards)
+            try:
+                await self.peers.shard(shards[index]).TakeOverJob(
+                    request, timeout=self.config.call_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in UNREACHABLE:
+                    continue
+                log.warning(
+                    "job %s: shard %d cannot take the coordinator role over: %s",
+                    job_id,
+                    index,
+                    describe(exc),
+                )
+                return False
+            moved = CoordinatorRecord(address=shards[index], index=index, epoch=epoch)
+            value = encode_coordinator(moved)
+            try:
+                await self.table.store.put(coordinator_key(job_id), value, fence=self.table.fence)
+            except StoreError as exc:  # this leader follows it anyway; the next finds the shard
+                log.warning("job %s: coordinator move not published: %s", job_id, exc)
+            log.warning(
+                "job %s: coordinator shard %d lost; shard %d took the role over (epoch %d)",
+                job_id,
+                lost,
+                index,
+                epoch,
+            )
+            self.moves.apply(coordinator_key(job_id), value)
+            if record.final:  # it ended while the move was being made: nothing reads it
+                await self._forget_coordinator_move(job_id)
+            return True
+        return False
+
+    async def _retry(self, record: JobRecord, reason: str) -> None:
+        """A stalled job starts over from its latest checkpoint: stop its learners, close its
+        data plane on every shard (whatever answers), and let the next cycle open it again
+        (OpenJob resumes from the checkpoint) and start learners."""
+        if record.state not in STARTED_STATES:
+            return
+        log.warning("job %s: %s", record.job_id, reason)
+        record.recoveries += 1
+        health = self._health(record)
+        health.restarted(self.clock())
+        await self._recovering(record, reason)
+        live = [lid for lid, lr in record.learners.items() if lr.phase is not LearnerPhase.PENDING]
+        if live:
+            await self._stop(record, live)
+        if record.opened:
+            await self._close_everywhere(record)
+        record.opened = False
+        record.closed = False
+        # The coordinator may answer again (a fresh shard): the next open finds out.
+        health.unreachable_since = None
+        await self.table.save(record)
+
+    async def _close_everywhere(self, record: JobRecord) -> None:
+        """CloseJob on every shard that answers (a dead coordinator cannot tell its peers)."""
+        request = ps_pb2.CloseJobRequest(job_id=record.job_id, fencing_token=self._token)
+
+        async def close(address: str) -> None:
+            try:
+                await self.peers.shard(address).CloseJob(
+                    request, timeout=min(5.0, self.config.call_timeout_s)
+                )
+            except grpc.aio.AioRpcError as exc:
+                check_fenced(exc)
+                log.debug("CloseJob %s on %s: %s", record.job_id, address, describe(exc))
+
+        addresses = dict.fromkeys([record.coordinator_address, *self.shards()])
+        await asyncio.gather(*(close(a) for a in addresses if a))
+
+    async def _complete(self, record: JobRecord) -> None:
+        now = self.clock()
+        for lr in record.learners.values():
+            if lr.phase in HOLDING:
+                lr.set_phase(LearnerPhase.RETIRING, now)  # they get DONE at their boundary
+        await self._transition(record, S.JOB_STATE_COMPLETED, "all epochs ran")
+
+    async def _fail(self, record: JobRecord, reason: str) -> None:
+        if record.active:
+            log.warning("job %s failed: %s", record.job_id, reason)
+            await self._transition(record, S.JOB_STATE_FAILED, reason)
+
+    async def _finish(self, record: JobRecord) -> None:
+        if record.learners:
+            return
+        if record.opened and not record.closed:
+            try:
+                await self.peers.shard(record.coordinator_address).CloseJob(
+                    ps_pb2.CloseJobRequest(job_id=record.job_id, fencing_token=self._token),
+                    timeout=self.config.call_timeout_s,
+                )
+            except grpc.aio.AioRpcError as exc:
+                check_fenced(exc)
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            record.closed = True
+            await self.table.save(record)
+        if record.state == S.JOB_STATE_CANCELLING:
+            await self._transition(record, S.JOB_STATE_CANCELLED, "cancelled")
+
+    # -- progress -------------------------------------------------------------------------------
+
+    async def _progress_loop(self) -> None:
+        """Poll the coordinators of running jobs every resync interval (PROGRESS events;
+        completion)."""
+        limit = asyncio.Semaphore(32)
+
+        async def poll(record: JobRecord) -> None:
+            async with limit:
+                try:
+                    if record.opened:
+                        await self._poll_progress(record)
+                    await self._assess(record)
+                except (grpc.aio.AioRpcError, Unavailable, TimeoutError, StoreConflict) as exc:
+                    log.debug("progress of %s: %s", record.job_id, describe(exc))
+                except (NotLeader, FencedOutByPeer, LeadershipLost) as exc:
+                    self._depose(str(exc))
+
+        while True:
+            started = [r for r in self.table.records.values() if r.state in STARTED_STATES]
+            for job_id in [j for j in self.health if j not in self.table.records]:
+                del self.health[job_id]
+            if started:
+                await asyncio.gather(*(poll(r) for r in started))
+            await asyncio.sleep(self.config.resync_interval_s)
+
+    async def _watch_rescales(self) -> None:
+        """While a rescale waits on a coordinator (a drain, a join, a first step), ask it for
+        the job's membership every ``rescale_poll_s``: the phases end within that of the
+        event. For the traces only: nothing here changes a job (``_poll_progress`` does)."""
+
+        async def poll(record: JobRecord) -> None:
+            try:
+                response = await self.peers.shard(record.coordinator_address).GetJobProgress(
+                    ps_pb2.GetJobProgressRequest(job_id=record.job_id),
+                    timeout=self.config.call_timeout_s,
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.debug("membership of %s: %s", record.job_id, describe(exc))
+                return
+            self.rescales.observe(
+                record, response.member_learner_ids, response.progress.completed_iterations
+            )
+
+        while True:
+            await asyncio.sleep(self.config.rescale_poll_s)
+            waiting = [self.table.records.get(job_id) for job_id in self.rescales.awaiting()]
+            records = [r for r in waiting if r is not None and r.opened and r.coordinator_address]
+            if records:
+                await asyncio.gather(*(poll(r) for r in records))

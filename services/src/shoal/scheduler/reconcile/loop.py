@@ -1,0 +1,424 @@
+"""The scheduler's control loop: turn (jobs, inventory, policy) into learners, level-triggered.
+
+Only the leader runs it (:meth:`Reconciler.lead`, for as long as its leadership holds). It is
+triggered by events (submit, cancel, update, and the resource-manager's WatchInventory:
+HOST_UP, HOST_LOST, HOST_CHANGED, RELEASED, LEARNER_EXITED, a new SNAPSHOT) and by a periodic
+resync; every cycle recomputes the decisions from what it observes, so a missed event costs at
+most one resync interval.
+
+A cycle (:meth:`Reconciler.cycle`, synchronous, no I/O; its observing and deciding are the
+pure functions of :mod:`shoal.scheduler.reconcile.decide`, which it applies):
+
+1. builds the observed state: the inventory (hosts, devices, the ledger) and every learner the
+   jobs hold; learners on lost hosts (or on an older incarnation of their host) are lost;
+2. runs the pure policy + placement (``shoal.scheduler.placement.plan``);
+3. turns the plan and the housekeeping each job needs (exits to process, learners to stop,
+   a cancel to finish, a data plane to close, a job to requeue) into one :class:`JobWork` per
+   job, and hands each to a worker task, at most one per job (a job is never reconciled twice
+   at once). A busy job is skipped (and looked at again when its worker ends); a job whose last
+   attempt failed with a transient error waits out an exponential backoff.
+
+A worker does the I/O of its job, in this order: process learner exits (ReleaseDevices only
+after the agent reported the exit; a non-zero exit of a learner that was not leaving is a
+failure: EvictLearner), evict lost learners and release their devices, check completion
+(GetJobProgress.done), retire (RetireLearners on the coordinator), stop (StopLearner), grow
+(OpenJob before the first learner, AcquireDevices fenced, StartLearner), and finish jobs
+(CANCELLING -> CANCELLED, CloseJob). Every change is written to etcd (fenced) before the next
+step relies on it; learners are written as PENDING before their devices are acquired, so a new
+leader can tell its predecessor's allocations from orphans. When a worker ends, the loop runs
+again at once, so a device freed by an exit goes to the waiting job without waiting for the
+resync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from opentelemetry import context as otel_context, trace
+
+from shoal.contract.data_plane import (
+    CoordinatorRecord,
+)
+from shoal.runtime.election import Leadership, LeadershipLost
+from shoal.scheduler.artifacts import Storage
+from shoal.scheduler.goodput import GoodputTracker
+from shoal.scheduler.health import JobHealth
+from shoal.scheduler.jobs import (
+    JobRecord,
+    LearnerRecord,
+)
+from shoal.scheduler.placement import (
+    Start,
+    plan,
+)
+from shoal.scheduler.reconcile import decide
+from shoal.scheduler.reconcile.config import ELECTION, ReconcileConfig
+from shoal.scheduler.reconcile.inventory import Inventory
+from shoal.scheduler.reconcile.lifecycle import JobLifecycle
+from shoal.scheduler.reconcile.peers import (
+    Peers,
+)
+from shoal.scheduler.reconcile.registry import CoordinatorMoves, ShardRegistry
+from shoal.scheduler.reconcile.watch import InventoryWatch
+from shoal.scheduler.reconcile.work import Backoff, JobWork
+from shoal.scheduler.reconcile.workers import JobWorkers
+from shoal.scheduler.store import JobTable
+from shoal.scheduler.tracing import RescaleTracker
+from shoal.v1 import (
+    resources_pb2,
+)
+
+if TYPE_CHECKING:
+    from shoal.scheduler.metrics import SchedulerMetrics
+
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer(__name__)
+
+T = TypeVar("T")
+
+
+class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
+    """The control loop of one leader term (see the module docstring)."""
+
+    def __init__(
+        self,
+        table: JobTable,
+        peers: Peers,
+        storage: Storage,
+        config: ReconcileConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        metrics: SchedulerMetrics | None = None,
+    ) -> None:
+        self.table = table
+        self.peers = peers
+        self.storage = storage
+        self.config = config
+        self.clock = clock
+        self.metrics = metrics
+        self.registry = None if config.sync_shards else ShardRegistry(table.store)
+        self.inventory = Inventory()
+        self.exits: dict[str, resources_pb2.Learner] = {}
+        self.members: dict[str, tuple[str, ...]] = {}
+        self._wake = asyncio.Event()
+        self._causes: list[str] = []
+        self._busy: dict[str, asyncio.Task[None]] = {}
+        self._backoff: dict[str, Backoff] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._leadership: Leadership | None = None
+        self._token = resources_pb2.FencingToken()
+        self._deposed = asyncio.Event()
+        self._progress_saved: dict[str, float] = {}
+        self._last_sweep = 0.0
+        self._orphans_busy = False
+        self.health: dict[str, JobHealth] = {}
+        self.moves = CoordinatorMoves(table.store, self._coordinator_moved)
+        self._moved: set[str] = set()
+        self._takeover_tried: dict[str, float] = {}
+        self.cycles = 0
+        self.rescales = RescaleTracker(clock=clock)
+        self.goodput = GoodputTracker()  # throughput models and attained service (goodput.py)
+        self._triggered_at: float | None = None
+
+    def _reset(self) -> None:
+        self.inventory = Inventory()
+        self.exits = {}
+        self.members = {}
+        self._wake = asyncio.Event()
+        self._causes = []
+        self._busy = {}
+        self._backoff = {}
+        self._tasks = set()
+        self._deposed = asyncio.Event()
+        self._progress_saved = {}
+        self._last_sweep = 0.0
+        self._orphans_busy = False
+        self.health = {}
+        self.moves = CoordinatorMoves(self.table.store, self._coordinator_moved)
+        self._moved = set()
+        self._takeover_tried = {}
+
+    # -- triggers -------------------------------------------------------------------------------
+
+    def trigger(self, cause: str = "") -> None:
+        """Ask for a cycle soon (events: submit, cancel, update, inventory changes)."""
+        if cause and cause not in self._causes:
+            self._causes.append(cause)
+            del self._causes[:-8]
+        if self._triggered_at is None:
+            self._triggered_at = self.clock()  # where the next decision's span begins
+        self._wake.set()
+
+    @property
+    def fencing_token(self) -> resources_pb2.FencingToken:
+        return self._token
+
+    def shards(self) -> tuple[str, ...]:
+        """The parameter-sync shards in shard order (the flag, else the etcd registry)."""
+        if self.config.sync_shards:
+            return self.config.sync_shards
+        return self.registry.shards() if self.registry is not None else ()
+
+    # -- leadership term ------------------------------------------------------------------------
+
+    async def lead(self, leadership: Leadership | None) -> None:
+        """Run the loop until leadership is lost (or the task is cancelled).
+
+        ``leadership`` None runs without an election (single replica, tests). Everything
+        but the jobs (which ``JobTable.become_leader`` loaded) is observed afresh."""
+        self._reset()
+        self._leadership = leadership
+        if leadership is not None:
+            self._token = resources_pb2.FencingToken(
+                election=ELECTION,
+                holder=leadership.candidate_id,
+                revision=leadership.fence.create_revision,
+            )
+        loop_tasks = [
+            asyncio.create_task(self._watch_inventory(), name="scheduler-inventory"),
+            asyncio.create_task(self._loop(), name="scheduler-loop"),
+            asyncio.create_task(self._progress_loop(), name="scheduler-progress"),
+            asyncio.create_task(self._watch_rescales(), name="scheduler-rescales"),
+            asyncio.create_task(self.moves.run(), name="scheduler-coordinators"),
+        ]
+        if self.registry is not None:
+            loop_tasks.append(asyncio.create_task(self.registry.run(), name="scheduler-shards"))
+        waiters = [asyncio.create_task(self._deposed.wait())]
+        if leadership is not None:
+            waiters.append(asyncio.create_task(leadership.lost.wait()))
+        try:
+            done, _ = await asyncio.wait(
+                [*loop_tasks, *waiters], return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                if task in loop_tasks and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            everything = [*loop_tasks, *waiters, *self._busy.values(), *self._tasks]
+            for task in everything:
+                task.cancel()
+            await asyncio.gather(*everything, return_exceptions=True)
+            self._busy.clear()
+            self._tasks.clear()
+            self.rescales.close_all("leadership ended")
+            log.info("reconcile loop stopped")
+
+    def _check_leader(self) -> None:
+        if self._deposed.is_set():
+            raise LeadershipLost("deposed")
+        if self._leadership is not None:
+            self._leadership.check()
+
+    def _depose(self, why: str) -> None:
+        if not self._deposed.is_set():
+            log.warning("stepping down: %s", why)
+            self.table.leading = False
+            self._deposed.set()
+
+    def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.resync_interval_s):
+                    await self._wake.wait()
+            self._wake.clear()
+            if not self.inventory.synced:
+                continue
+            try:
+                self._check_leader()
+            except LeadershipLost as exc:
+                self._depose(str(exc))
+                return
+            try:
+                # A trace of its own: a cycle looks at every job (workers and rescales link it).
+                with _tracer.start_as_current_span(
+                    "scheduling cycle", context=otel_context.Context()
+                ):
+                    self.cycle()
+            except Exception:
+                log.exception("reconcile cycle failed")
+            now = self.clock()
+            if now - self._last_sweep >= self.config.agent_sweep_s:
+                self._last_sweep = now
+                self._spawn(self._sweep_agents(), "scheduler-agent-sweep")
+
+    # -- the cycle (pure decisions + dispatch) -------------------------------------------------
+
+    def cycle(self) -> None:
+        """One reconcile cycle: observe, plan, dispatch (no I/O; see the module docstring).
+        The decisions are the pure functions of ``decide``; this applies them."""
+        self.cycles += 1
+        now = self.clock()
+        causes, self._causes = self._causes, []
+        decided_from, self._triggered_at = self._triggered_at or now, None
+        records = self.table.records
+        hosts = self.inventory.hosts
+
+        observed = decide.observe(records, hosts, self.exits, busy=self._busy)
+        demands = self.goodput.annotate(decide.demands(records))
+        # Placement must not see a device twice; lost learners were left out by observe.
+        targets_before = {r.job_id: r.job.target_workers for r in records.values()}
+        decided = plan(
+            demands, self.inventory.host_views(), observed.current, self.config.placement, now=now
+        )
+        changed = []
+        for job_id, (target, position) in decide.targets(records, decided).items():
+            record = records[job_id]
+            record.decided_priority = record.job.spec.priority
+            if self.metrics is not None:
+                self.metrics.target_changed(job_id, record.job.target_workers, target, now)
+            if (record.job.target_workers, record.job.queue_position) != (target, position):
+                record.job.target_workers = target
+                record.job.queue_position = position
+                changed.append(job_id)
+        moved = self._moved & records.keys()
+        self._moved -= moved
+        held = {job_id for job_id, health in self.health.items() if health.down}
+        work = decide.decide(
+            records,
+            hosts,
+            observed,
+            decided,
+            self.config,
+            changed=changed,
+            moved=moved,
+            held=held,
+            now=now,
+        )
+        starts_by_job = decide.starts_by_job(decided)
+
+        # Rescales (traces only): jobs whose target changed or whose learners change.
+        self.rescales.decided(
+            [
+                (
+                    r,
+                    targets_before.get(r.job_id, 0),
+                    r.job.target_workers,
+                    bool(starts_by_job.get(r.job_id))
+                    or bool(r.job_id in work and (work[r.job_id].retires or work[r.job_id].lost)),
+                )
+                for r in records.values()
+                if r.active
+            ],
+            causes=causes,
+            decided_from=min(decided_from, now),
+            cycle=trace.get_current_span().get_span_context(),
+        )
+
+        # 4. Dispatch: one worker per job at a time; backoff after transient errors.
+        dispatched = 0
+        for job_id in [*work, *(j for j in starts_by_job if j not in work)]:
+            target_record = records.get(job_id)
+            if target_record is None or job_id in self._busy:
+                continue
+            record = target_record
+            jw = work.get(job_id) or JobWork()
+            # No learner starts while the job's coordinator is unreachable: it could not sync.
+            held = self._held(job_id)
+            starts = starts_by_job.get(job_id, []) if record.active and not held else []
+            if jw.empty() and not starts:
+                continue
+            backoff = self._backoff.get(job_id)
+            if backoff is not None and backoff.until > now:
+                self._wake_at(backoff.until)
+                continue
+            jw.starts = self._pending_learners(record, starts, now)
+            self._busy[job_id] = self._spawn(
+                self._run_worker(record, jw, causes), f"scheduler-job-{job_id}"
+            )
+            dispatched += 1
+
+        # Exits of learners no job knows are of no use; orphans are freed by the sweep.
+        known = {lid for r in records.values() for lid in r.learners}
+        for learner_id in [lid for lid in self.exits if lid not in known]:
+            del self.exits[learner_id]
+        self._release_orphans(known)
+        self.rescales.check_all(records)
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "shoal.cycle": self.cycles,
+                    "shoal.cycle.causes": causes,
+                    "shoal.cycle.jobs": len(records),
+                    "shoal.cycle.jobs_active": len(demands),
+                    "shoal.cycle.jobs_queued": len(decided.queue),
+                    "shoal.cycle.starts": len(decided.starts),
+                    "shoal.cycle.retires": len(decided.retires),
+                    "shoal.cycle.jobs_with_work": len(work),
+                    "shoal.cycle.workers_dispatched": dispatched,
+                    "shoal.cycle.rescales_open": len(self.rescales.open),
+                }
+            )
+
+    def _coordinator_moved(self, job_id: str, moved: CoordinatorRecord) -> None:
+        """The parameter-sync tier moved a job's coordinator (a shard failed over): talk to
+        the new one from now on (progress, retire, evict, close; new learners are told it)."""
+        record = self.table.records.get(job_id)
+        if record is not None and record.final:  # left by a leader that died before deleting
+            self._spawn(self._forget_coordinator_move(job_id), f"forget-coordinator-{job_id}")
+            return
+        if record is None:
+            return
+        if (record.coordinator_address, record.coordinator_index) == (moved.address, moved.index):
+            return
+        log.warning(
+            "job %s: coordinator moved from %s to shard %d (%s), epoch %d",
+            job_id,
+            self._shard_name(record),
+            moved.index,
+            moved.address,
+            moved.epoch,
+        )
+        record.coordinator_address = moved.address
+        record.coordinator_index = moved.index
+        health = self.health.get(job_id)
+        if health is not None:
+            health.unreachable_since = None  # the new coordinator answers for it now
+            health.unreachable_why = ""
+        self._moved.add(job_id)
+        self.trigger(f"job {job_id} coordinator moved to shard {moved.index}")
+
+    def _held(self, job_id: str) -> bool:
+        """Whether the job's coordinator is unreachable (no learner may start)."""
+        health = self.health.get(job_id)
+        return health is not None and health.down
+
+    def _pending_learners(
+        self, record: JobRecord, starts: Sequence[Start], now: float
+    ) -> list[LearnerRecord]:
+        """Record the decided starts as PENDING learners (synchronously: the next cycle sees
+        their devices as taken)."""
+        out = []
+        for start in starts:
+            host = self.inventory.hosts.get(start.host_id)
+            device = self.inventory.device(start.host_id, start.device_id)
+            lr = LearnerRecord(
+                learner_id=record.next_learner_id(),
+                host_id=start.host_id,
+                device_id=start.device_id,
+                agent_address=host.agent_address if host is not None else "",
+                host_incarnation=host.incarnation if host is not None else 0,
+                simulated=bool(device.simulated) if device is not None else True,
+                created_at=now,
+                phase_since=now,
+            )
+            record.learners[lr.learner_id] = lr
+            out.append(lr)
+        return out
+
+    def _wake_at(self, when: float) -> None:
+        delay = max(0.0, when - self.clock())
+        asyncio.get_running_loop().call_later(delay, self.trigger)
