@@ -13,6 +13,13 @@ be ready again (a grow or replacement on a host whose pool refilled since its la
 Anchor: a bare ``python -c "import torch"`` on the same machine, measured in the same run.
 
     .venv/bin/python bench/bench_join.py [--repeats 5]
+
+``--device cuda`` (a GPU machine; the host agent's NVML discovery): the script also moves the
+model to the learner's GPU and runs it there, so the time includes creating the CUDA context;
+every sample checks that CUDA was not initialised before the script ran (a warm process that
+touched CUDA at import would pin every GPU it saw, whatever ``CUDA_VISIBLE_DEVICES`` the learner
+is given later), and one extra warm start on a simulated device (``CUDA_VISIBLE_DEVICES=""``)
+checks that the learner's device pinning, set after the warm process imported torch, is obeyed.
 """
 
 from __future__ import annotations
@@ -42,6 +49,28 @@ model(torch.zeros(1, 64))
 print(f"user code ran {time.time():.6f}", flush=True)
 """
 
+# The GPU variant: CUDA untouched until the script runs, then the learner's device only.
+SCRIPT_CUDA = """
+import os
+import time
+import torch
+from torch import nn
+from shoal.learner import ElasticTrainer  # noqa: F401
+initialised = torch.cuda.is_initialized()
+visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+if not torch.cuda.is_available():
+    print(f"cuda unavailable initialised={initialised} visible={visible!r}", flush=True)
+    raise SystemExit(0)
+model = nn.Sequential(
+    nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10)
+).cuda()
+model(torch.zeros(1, 64, device="cuda"))
+torch.cuda.synchronize()
+print(f"cuda ok initialised={initialised} visible={visible!r} count={torch.cuda.device_count()}",
+      flush=True)
+print(f"user code ran {time.time():.6f}", flush=True)
+"""
+
 
 def cpu_model() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -51,7 +80,9 @@ def cpu_model() -> str:
     return "unknown"
 
 
-async def one(manager, devices, artifact: str, n: int) -> tuple[float, bool]:
+async def one(
+    manager, devices, artifact: str, n: int, *, device_id: str = "gpu0"
+) -> tuple[float, bool]:
     from shoal.host_agent.processes import LaunchRequest, read_log
 
     t0 = time.time()
@@ -59,7 +90,7 @@ async def one(manager, devices, artifact: str, n: int) -> tuple[float, bool]:
         LaunchRequest(
             learner_id=f"l{n}",
             job_id=f"j{n}",
-            device_id="gpu0",
+            device_id=device_id,
             artifact_id=artifact,
             entry_point="main.py",
         ),
@@ -67,6 +98,10 @@ async def one(manager, devices, artifact: str, n: int) -> tuple[float, bool]:
     )
     await asyncio.wait_for(learner.exited.wait(), timeout=300)
     for record in read_log(learner.log_path, 0):
+        if record.text.startswith("cuda "):
+            print(f"    {'warm' if learner.warm_token else 'cold'} learner: {record.text}")
+            if "initialised=True" in record.text:
+                raise RuntimeError(f"CUDA was initialised before the script ran: {record.text}")
         if record.text.startswith("user code ran "):
             if learner.exit_code != 0:
                 raise RuntimeError(f"learner failed: {learner.exit_reason}")
@@ -74,16 +109,42 @@ async def one(manager, devices, artifact: str, n: int) -> tuple[float, bool]:
     raise RuntimeError(f"the learner printed nothing: {learner.exit_reason}")
 
 
-async def main_async(repeats: int) -> None:
-    from shoal.host_agent.artifacts import ArtifactCache, DirectorySource
+async def pinning_obeyed(manager, artifact: str) -> None:
+    """A warm learner on a simulated device (``CUDA_VISIBLE_DEVICES=""``) must see no GPU."""
     from shoal.host_agent.devices import SimulatedDevices
+    from shoal.host_agent.processes import LaunchRequest, read_log
+
+    learner = await manager.start(
+        LaunchRequest(
+            learner_id="pin",
+            job_id="jpin",
+            device_id="gpu0",
+            artifact_id=artifact,
+            entry_point="main.py",
+        ),
+        SimulatedDevices("h1", 1).discover(),
+    )
+    await asyncio.wait_for(learner.exited.wait(), timeout=300)
+    lines = [r.text for r in read_log(learner.log_path, 0)]
+    print(f"  pinning check ({'warm' if learner.warm_token else 'cold'}): {lines}")
+    if not learner.warm_token or not any(t.startswith("cuda unavailable") for t in lines):
+        raise RuntimeError(f"a warm learner given no GPU saw one (or was not warm): {lines}")
+
+
+async def main_async(repeats: int, device: str) -> None:
+    from shoal.host_agent.artifacts import ArtifactCache, DirectorySource
+    from shoal.host_agent.devices import NvmlDevices, SimulatedDevices
     from shoal.host_agent.processes import ProcessManager
     from tests.integration._shoal_processes import pack_artifact
 
     with tempfile.TemporaryDirectory(prefix="shoal-join-") as tmp:
         root = Path(tmp)
-        artifact = pack_artifact(root / "artifacts", {"main.py": SCRIPT})
-        devices = SimulatedDevices("h1", 1).discover()
+        script = SCRIPT_CUDA if device == "cuda" else SCRIPT
+        artifact = pack_artifact(root / "artifacts", {"main.py": script})
+        devices = (NvmlDevices() if device == "cuda" else SimulatedDevices("h1", 1)).discover()
+        if not devices:
+            raise SystemExit(f"no {device} device found")
+        gpu0 = devices[0].device_id
         managers = {}
         for kind, warm in (("cold", 0), ("warm", 1)):
             managers[kind] = ProcessManager(
@@ -101,7 +162,9 @@ async def main_async(repeats: int) -> None:
                 while pool.ready() < 1 and time.monotonic() < deadline:  # noqa: ASYNC110
                     await asyncio.sleep(0.1)  # a bench: the pool has no public ready event
                 for kind in ("warm", "cold"):
-                    seconds, was_warm = await one(managers[kind], devices, artifact, r)
+                    seconds, was_warm = await one(
+                        managers[kind], devices, artifact, r, device_id=gpu0
+                    )
                     if was_warm != (kind == "warm"):
                         raise RuntimeError(f"repeat {r}: the {kind} sample started otherwise")
                     results[kind].append(seconds)
@@ -116,6 +179,11 @@ async def main_async(repeats: int) -> None:
                     f"(load {os.getloadavg()[0]:.1f})",
                     flush=True,
                 )
+            if device == "cuda":
+                deadline = time.monotonic() + 300
+                while managers["warm"].warm.ready() < 1 and time.monotonic() < deadline:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+                await pinning_obeyed(managers["warm"], artifact)
         finally:
             for manager in managers.values():
                 await manager.stop_all(1.0)
@@ -133,13 +201,14 @@ async def main_async(repeats: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     print(
         f"machine: {cpu_model()}, {os.cpu_count()} cores, load average "
         f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}",
         flush=True,
     )
-    asyncio.run(main_async(args.repeats))
+    asyncio.run(main_async(args.repeats, args.device))
     print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     return 0
 
