@@ -53,7 +53,7 @@ from shoal.param_sync.servicer_common import (
 from shoal.param_sync.servicer_data import DataHandlers
 from shoal.param_sync.servicer_jobs import JobHandlers
 from shoal.param_sync.servicer_learners import LearnerHandlers
-from shoal.param_sync.servicer_peers import PeerHandlers
+from shoal.param_sync.servicer_peers import PeerHandlers, decode_replicate
 from shoal.param_sync.servicer_tasks import CoordinatorTasks
 from shoal.param_sync.shard import (
     ShardJob,
@@ -209,7 +209,7 @@ def add_servicer(servicer: object, server: aio.Server) -> None:
     )
     handlers["Replicate"] = grpc.stream_unary_rpc_method_handler(
         servicer.Replicate,  # type: ignore[attr-defined]
-        request_deserializer=ps_pb2.ReplicateRequest.FromString,
+        request_deserializer=decode_replicate,
         response_serializer=ps_pb2.ReplicateResponse.SerializeToString,
     )
     handlers["PullParameters"] = grpc.unary_stream_rpc_method_handler(

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc import aio
 
-from shoal.contract.wire import TensorMeta
+from shoal.contract.wire import TensorMeta, serialize
 from shoal.param_sync.authz import authorize, check_job_directory
 from shoal.param_sync.coordinator import OptimizerConfig
 from shoal.param_sync.servicer_common import _aborted, _optimizer_config, _ShardSlice
@@ -134,9 +134,8 @@ class PeerHandlers:
                 "shard_index", request.shard_index, "must be another shard's (replica = true)"
             )
         tensors = [TensorMeta.from_proto(t) for t in request.tensors]
-        optimizer = OptimizerConfig(
-            request.optimizer.name, request.optimizer.hyperparameters_json or "{}"
-        )
+        # All of it (clipping, skipping, groups): the replica commits as the primary does.
+        optimizer = _optimizer_config(request.optimizer)
         key = (request.job_id, request.shard_index)
         existing = self._replicas.get(key)
         if existing is not None and existing.same_configuration(tensors, optimizer):
@@ -162,6 +161,18 @@ class PeerHandlers:
 
     # -- replication --------------------------------------------------------------------------
 
+    def _in_background(self: _S, work: Awaitable[Any], failure: str) -> None:
+        """Run ``work`` as a task that is kept until it ends; a failure is logged."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+
+        def done(future: asyncio.Future[Any]) -> None:
+            self._background.discard(future)
+            if not future.cancelled() and future.exception() is not None:
+                log.error("%s: %s", failure, future.exception())
+
+        task.add_done_callback(done)
+
     async def _send_slice(
         self: _S,
         sj: ShardJob,
@@ -175,26 +186,25 @@ class PeerHandlers:
         shard at ``address`` (Replicate), to keep as a replica or as its own slice."""
         if kind == "state":
             blob = await self._compute(sj.state_bytes, sj.completed)
+            parts: list[Any] = [blob]
             wire_kind = ps_pb2.REPLICATE_KIND_STATE
         else:
             assert at is not None
-            blob = await self._compute(sj.pending_bytes, *at)
+            header, views = await self._compute(sj.pending_frames, *at)
+            parts = [header, *views]
             wire_kind = ps_pb2.REPLICATE_KIND_SUMS
-        step = self.options.chunk_bytes
-        view = memoryview(blob)
-
-        def messages() -> Any:
-            for start in range(0, max(len(blob), 1), step):
-                yield ps_pb2.ReplicateRequest(
-                    job_id=sj.job_id,
-                    shard_index=sj.shard_index,
-                    replica=replica,
-                    kind=wire_kind,
-                    chunk=bytes(view[start : start + step]),
-                )
-
+        prefix = ps_pb2.ReplicateRequest(
+            job_id=sj.job_id, shard_index=sj.shard_index, replica=replica, kind=wire_kind
+        ).SerializeToString()
+        messages = replicate_messages(prefix, parts, self.options.chunk_bytes)
         try:
-            reply = await self._stub(address).Replicate(messages(), timeout=600.0)
+            self._stub(address)  # opens the pooled channel
+            replicate = self._channels[address][0].stream_unary(
+                "/shoal.v1.ParameterSyncService/Replicate",
+                request_serializer=serialize,  # the messages are encoded already
+                response_deserializer=ps_pb2.ReplicateResponse.FromString,
+            )
+            reply = await replicate(messages, timeout=600.0)
         except aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise FailedPrecondition(f"Replicate on {address}: {exc.details()}") from exc
@@ -203,12 +213,12 @@ class PeerHandlers:
 
     async def Replicate(self: _S, request_iterator: AsyncIterator[Any], context: Any) -> Any:
         first: ps_pb2.ReplicateRequest | None = None
-        parts: list[bytes] = []
-        async for message in request_iterator:
+        parts: list[memoryview] = []
+        async for message, chunk in request_iterator:
             if first is None:
                 first = message
                 authorize(current_principal(), "Replicate", job_id=message.job_id)
-            parts.append(message.chunk)
+            parts.append(chunk)
         if first is None:
             raise InvalidField("stream", "empty", "must carry at least one message")
         blob = b"".join(parts)
@@ -227,16 +237,10 @@ class PeerHandlers:
             # iteration's) runs on the compute thread after this answer, in arrival order, so
             # the primary's ShardReady does not wait for the replica's step. Anything that
             # uses the replica later (a settle, a transfer) queues behind it.
-            job_id = first.job_id
-            taken = asyncio.ensure_future(self._compute(target.keep_pending, blob))
-            self._background.add(taken)
-
-            def done(future: asyncio.Future[int]) -> None:
-                self._background.discard(future)
-                if not future.cancelled() and future.exception() is not None:
-                    log.error("job %s: replica did not take sums: %s", job_id, future.exception())
-
-            taken.add_done_callback(done)
+            self._in_background(
+                self._compute(target.keep_pending, blob),
+                f"job {first.job_id}: replica did not take sums",
+            )
             return ps_pb2.ReplicateResponse(global_iteration=-1)
         elif first.kind == ps_pb2.REPLICATE_KIND_STATE:
             iteration = await self._compute(target.load_state_bytes, blob)
@@ -306,6 +310,15 @@ class PeerHandlers:
             if encoded is not None and future is not None and not future.done():
                 future.set_result(encoded)
             self.metrics.round_committed(request.job_id, *key)
+            # The iteration is committed job-wide: the replicas kept here of other shards'
+            # slices step now too (their sums of it arrived before this commit could be
+            # decided), after this slice's step, while its learners receive the parameters.
+            replicas = [r for (job, _), r in self._replicas.items() if job == request.job_id]
+            if replicas:
+                self._in_background(
+                    self._compute(_apply_replicated, replicas, *key, request.grad_norm),
+                    f"job {request.job_id}: replicas did not step iteration {request.iteration}",
+                )
         else:
             await self._compute(sj.abort, *key)
             self.metrics.round_aborted(request.job_id, request.generation)
@@ -372,3 +385,91 @@ class PeerHandlers:
             initialized=part.job.initialized,
             completed_iterations=part.job.completed,
         )
+
+
+def _apply_replicated(
+    replicas: list[ShardJob], generation: int, iteration: int, grad_norm: float
+) -> None:
+    for replica in replicas:
+        replica.apply_replicated(generation, iteration, grad_norm)
+
+
+_REPLICATE_CHUNK_TAG = 0x2A  # ReplicateRequest.chunk: field 5, length-delimited
+
+
+def replicate_messages(prefix: bytes, parts: Sequence[Any], chunk_bytes: int) -> Iterator[bytes]:
+    """The serialized ReplicateRequest messages of a blob given as byte-like ``parts``:
+    each is ``prefix`` (the serialized fields 1-4) followed by the ``chunk`` field with the
+    next ``chunk_bytes`` of the blob, written by hand so each payload byte is copied once
+    (fields may come in any order in a protobuf message; the chunk comes last here)."""
+    views = [memoryview(part).cast("B") for part in parts]
+    pending: list[memoryview] = []
+    size = 0
+    for view in views:
+        while view.nbytes:
+            take = view[: chunk_bytes - size]
+            pending.append(take)
+            size += take.nbytes
+            view = view[take.nbytes :]
+            if size == chunk_bytes:
+                yield _chunk_message(prefix, pending, size)
+                pending, size = [], 0
+    if pending or not any(v.nbytes for v in views):
+        yield _chunk_message(prefix, pending, size)
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        bits = value & 0x7F
+        value >>= 7
+        if not value:
+            out.append(bits)
+            return bytes(out)
+        out.append(bits | 0x80)
+
+
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """(value, next position); value -1 when ``data`` ends inside the varint."""
+    result = shift = 0
+    while pos < len(data) and shift <= 63:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+    return -1, pos
+
+
+def _chunk_message(prefix: bytes, parts: list[memoryview], size: int) -> bytes:
+    return b"".join((prefix, bytes((_REPLICATE_CHUNK_TAG,)), varint(size), *parts))
+
+
+def decode_replicate(data: bytes) -> tuple[ps_pb2.ReplicateRequest, memoryview]:
+    """gRPC deserializer of Replicate: the message without its chunk, and the chunk as a
+    view into ``data`` (no copy) when it is the message's last field, as
+    :func:`replicate_messages` writes it; otherwise through the protobuf runtime."""
+    pos = 0
+    while pos < len(data):
+        start = pos
+        tag, pos = read_varint(data, pos)
+        if tag < 0:
+            break
+        wire = tag & 7
+        if wire == 0:
+            value, pos = read_varint(data, pos)
+            if value < 0:
+                break
+        elif wire == 2:
+            size, pos = read_varint(data, pos)
+            if size < 0 or pos + size > len(data):
+                break
+            if tag == _REPLICATE_CHUNK_TAG and pos + size == len(data):
+                message = ps_pb2.ReplicateRequest.FromString(data[:start])
+                return message, memoryview(data)[pos:]
+            pos += size
+        else:
+            break
+    message = ps_pb2.ReplicateRequest.FromString(data)
+    return message, memoryview(message.chunk)
