@@ -90,7 +90,13 @@ def _optimizer_config(spec: ps_pb2.OptimizerSpec) -> OptimizerConfig:
     clip = spec.clip_grad_norm
     if not (math.isfinite(clip) and clip >= 0):
         raise InvalidField("optimizer.clip_grad_norm", clip, "must be a finite number >= 0")
-    return OptimizerConfig(spec.name, spec.hyperparameters_json or "{}", clip, spec.skip_nonfinite)
+    return OptimizerConfig(
+        spec.name,
+        spec.hyperparameters_json or "{}",
+        clip,
+        spec.skip_nonfinite,
+        spec.param_groups_json,
+    )
 
 
 def _aborted(job_id: str, generation: int, iteration: int) -> Aborted:
@@ -141,4 +147,5 @@ def _optimizer_spec(optimizer: OptimizerConfig) -> ps_pb2.OptimizerSpec:
         hyperparameters_json=optimizer.hyperparameters_json,
         clip_grad_norm=optimizer.clip_grad_norm,
         skip_nonfinite=optimizer.skip_nonfinite,
+        param_groups_json=optimizer.param_groups_json,
     )

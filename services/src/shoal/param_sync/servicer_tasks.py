@@ -508,6 +508,7 @@ class CoordinatorTasks:
                     "hyperparameters_json": coord.optimizer.hyperparameters_json,
                     "clip_grad_norm": coord.optimizer.clip_grad_norm,
                     "skip_nonfinite": coord.optimizer.skip_nonfinite,
+                    "param_groups_json": coord.optimizer.param_groups_json,
                 },
                 "layout": [
                     {

@@ -77,11 +77,55 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def param_groups(config: OptimizerConfig) -> list[tuple[list[str], dict[str, Any]]]:
+    """The job's parameter groups (``config.param_groups_json``): ``[(names, overrides)]``;
+    empty: one group. Anything malformed raises :class:`InvalidField`."""
+    text = config.param_groups_json
+    if not text:
+        return []
+    field_name = "optimizer.param_groups_json"
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise InvalidField(field_name, text, f"is not JSON: {exc}") from None
+    if not isinstance(data, list):
+        raise InvalidField(field_name, text, "must be a list of [names, overrides] pairs")
+    groups: list[tuple[list[str], dict[str, Any]]] = []
+    seen: set[str] = set()
+    for i, group in enumerate(data):
+        ok = isinstance(group, list) and len(group) == 2
+        names, overrides = group if ok else (None, None)
+        if not (
+            isinstance(names, list)
+            and all(isinstance(n, str) for n in names)
+            and isinstance(overrides, dict)
+            and "params" not in overrides
+        ):
+            raise InvalidField(
+                field_name, text, f"group {i} must be [parameter names, overrides without params]"
+            )
+        twice = seen.intersection(names)
+        if twice or len(set(names)) != len(names):
+            raise InvalidField(field_name, text, f"names a parameter in two groups: {twice}")
+        seen.update(names)
+        groups.append((names, {k: _plain(v) for k, v in overrides.items()}))
+    return groups
+
+
 def build_optimizer(
-    config: OptimizerConfig, params: Sequence[torch.Tensor]
+    config: OptimizerConfig,
+    params: Sequence[torch.Tensor],
+    names: Sequence[str] | None = None,
 ) -> torch.optim.Optimizer:
     """``getattr(torch.optim, name)(params, **json.loads(hyperparameters_json))``; anything
-    wrong raises :class:`InvalidField` naming the optimizer and the arguments."""
+    wrong raises :class:`InvalidField` naming the optimizer and the arguments.
+
+    With parameter groups (``config.param_groups_json``) the optimizer has every group of the
+    job, in the job's order, each holding those of ``params`` (named ``names``) it lists (a
+    group may be empty on a slice), and a last group with the rest; each group records
+    ``lr_scale``, its ``lr`` over the optimizer's, so that a schedule's learning rate keeps
+    the groups' ratios (as on the learner, ``OptimizerSpec.create``)."""
+    groups = param_groups(config)
     klass = getattr(torch.optim, config.name, None) if config.name else None
     if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)):
         raise InvalidField(
@@ -100,14 +144,34 @@ def build_optimizer(
     kwargs = {k: _plain(v) for k, v in kwargs.items()}
     if not params:
         params = [torch.zeros(1, requires_grad=True)]
+        names = ["(none)"]
+    target: list[Any] = list(params)
+    if groups:
+        if names is None or len(names) != len(params):
+            raise ValueError("an optimizer with param groups needs every parameter's name")
+        by_name = dict(zip(names, params, strict=True))
+        listed = {n for group_names, _ in groups for n in group_names}
+        target = [
+            {"params": [by_name[n] for n in group_names if n in by_name], **overrides}
+            for group_names, overrides in groups
+        ]
+        target.append({"params": [p for n, p in by_name.items() if n not in listed]})
     try:
-        return klass(list(params), **kwargs)
+        optimizer = klass(target, **kwargs)
     except (TypeError, ValueError, KeyError) as exc:
         raise InvalidField(
             "optimizer.hyperparameters_json",
             config.hyperparameters_json,
-            f"is rejected by torch.optim.{config.name}: {exc}",
+            f"is rejected by torch.optim.{config.name}"
+            f"{' with groups ' + config.param_groups_json if groups else ''}: {exc}",
         ) from None
+    if groups:
+        base = optimizer.defaults.get("lr")
+        for group in optimizer.param_groups:
+            lr = group.get("lr")
+            ok = isinstance(base, (int, float)) and base > 0 and isinstance(lr, (int, float))
+            group["lr_scale"] = float(lr) / float(base) if ok else 1.0
+    return optimizer
 
 
 def warm_up() -> None:
@@ -227,7 +291,18 @@ class ShardJob:
         self.tensors = [self._view(m) for m in self.metas]
         self.param_indices = [j for j, m in enumerate(self.metas) if not m.buffer]
         self.params = [self.tensors[j] for j in self.param_indices]
-        self.optimizer = build_optimizer(optimizer, self.params)
+        self.optimizer = build_optimizer(
+            optimizer, self.params, [self.metas[j].name for j in self.param_indices]
+        )
+        # The optimizer's parameter order (its state's keys) as positions in ``params``: the
+        # same unless the job has parameter groups.
+        position = {id(p): local for local, p in enumerate(self.params)}
+        self._optimizer_order = [
+            position[id(p)]
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if id(p) in position
+        ]
         self.acc = [torch.empty(m.numel, dtype=_acc_dtype(m.torch_dtype)) for m in self.metas]
         self._acc_np = [a.numpy() for a in self.acc]
         self._scratch = np.empty(0, dtype=np.float64)
@@ -497,7 +572,7 @@ class ShardJob:
                         p.grad.mul_(coef.to(p.grad.dtype))
             if pending.learning_rate > 0:
                 for group in self.optimizer.param_groups:
-                    group["lr"] = pending.learning_rate
+                    group["lr"] = pending.learning_rate * group.get("lr_scale", 1.0)
             if any(p.grad is not None for p in self.params) and not skipped:
                 self.optimizer.step()
             for p in self.params:
@@ -586,7 +661,7 @@ class ShardJob:
         state = self.optimizer.state_dict()
         plain: dict[str, dict[str, Any]] = {}
         for index, entry in state["state"].items():
-            name = self.metas[self.param_indices[int(index)]].name
+            name = self.metas[self.param_indices[self._optimizer_order[int(index)]]].name
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor):
                     tensors[f"optim/{name}/{key}"] = value.detach().clone().contiguous()
@@ -602,6 +677,7 @@ class ShardJob:
                 {
                     "name": self.optimizer_config.name,
                     "hyperparameters_json": self.optimizer_config.hyperparameters_json,
+                    "param_groups_json": self.optimizer_config.param_groups_json,
                 }
             ),
             "param_groups": json.dumps(groups),
@@ -698,16 +774,26 @@ class ShardJob:
         if missing:
             raise InvalidField("directory", directory, f"lacks tensors {missing[:5]}")
         state: dict[int, dict[str, Any]] = {}
-        for local, j in enumerate(self.param_indices):
-            name = self.metas[j].name
+        for index, local in enumerate(self._optimizer_order):
+            name = self.metas[self.param_indices[local]].name
             entry = dict(plain.get(name, {}))
             prefix = f"optim/{name}/"
             for key, value in loaded.items():
                 if key.startswith(prefix):
                     entry[key[len(prefix) :]] = value
             if entry:
-                state[local] = entry
-        if self.params:
+                state[index] = entry
+        if self.params and self.optimizer_config.param_groups_json:
+            # The groups' hyper-parameters are the job's (the learning rate is set at every
+            # commit): kept as built, whatever slices the state came from.
+            new_groups, start = [], 0
+            for g in self.optimizer.param_groups:
+                count = len(g["params"])
+                kept = {k: v for k, v in g.items() if k != "params"}
+                new_groups.append({**kept, "params": list(range(start, start + count))})
+                start += count
+            self.optimizer.load_state_dict({"state": state, "param_groups": new_groups})
+        elif self.params:
             saved = (groups or [{}])[0]
             group = {**saved, "params": list(range(len(self.params)))}
             self.optimizer.load_state_dict({"state": state, "param_groups": [group]})
