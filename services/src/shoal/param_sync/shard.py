@@ -46,6 +46,8 @@ from shoal.param_sync.checkpoint import (
     sha256_hex,
 )
 from shoal.param_sync.coordinator import OptimizerConfig
+from shoal.param_sync.optimizer import build_optimizer, warm_up
+from shoal.param_sync.shard_replica import ReplicaSums, _Pending
 from shoal.runtime.errors import (
     FailedPrecondition,
     InvalidField,
@@ -69,117 +71,6 @@ ALIGN = 64
 
 def shard_file_name(shard_index: int) -> str:
     return f"shard-{shard_index}.safetensors"
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_plain(v) for v in value)
-    return value
-
-
-def param_groups(config: OptimizerConfig) -> list[tuple[list[str], dict[str, Any]]]:
-    """The job's parameter groups (``config.param_groups_json``): ``[(names, overrides)]``;
-    empty: one group. Anything malformed raises :class:`InvalidField`."""
-    text = config.param_groups_json
-    if not text:
-        return []
-    field_name = "optimizer.param_groups_json"
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise InvalidField(field_name, text, f"is not JSON: {exc}") from None
-    if not isinstance(data, list):
-        raise InvalidField(field_name, text, "must be a list of [names, overrides] pairs")
-    groups: list[tuple[list[str], dict[str, Any]]] = []
-    seen: set[str] = set()
-    for i, group in enumerate(data):
-        ok = isinstance(group, list) and len(group) == 2
-        names, overrides = group if ok else (None, None)
-        if not (
-            isinstance(names, list)
-            and all(isinstance(n, str) for n in names)
-            and isinstance(overrides, dict)
-            and "params" not in overrides
-        ):
-            raise InvalidField(
-                field_name, text, f"group {i} must be [parameter names, overrides without params]"
-            )
-        twice = seen.intersection(names)
-        if twice or len(set(names)) != len(names):
-            raise InvalidField(field_name, text, f"names a parameter in two groups: {twice}")
-        seen.update(names)
-        groups.append((names, {k: _plain(v) for k, v in overrides.items()}))
-    return groups
-
-
-def build_optimizer(
-    config: OptimizerConfig,
-    params: Sequence[torch.Tensor],
-    names: Sequence[str] | None = None,
-) -> torch.optim.Optimizer:
-    """``getattr(torch.optim, name)(params, **json.loads(hyperparameters_json))``; anything
-    wrong raises :class:`InvalidField` naming the optimizer and the arguments.
-
-    With parameter groups (``config.param_groups_json``) the optimizer has every group of the
-    job, in the job's order, each holding those of ``params`` (named ``names``) it lists (a
-    group may be empty on a slice), and a last group with the rest; each group records
-    ``lr_scale``, its ``lr`` over the optimizer's, so that a schedule's learning rate keeps
-    the groups' ratios (as on the learner, ``OptimizerSpec.create``)."""
-    groups = param_groups(config)
-    klass = getattr(torch.optim, config.name, None) if config.name else None
-    if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)):
-        raise InvalidField(
-            "optimizer.name", config.name, "is not an optimizer class in torch.optim"
-        )
-    try:
-        kwargs = json.loads(config.hyperparameters_json or "{}")
-    except ValueError as exc:
-        raise InvalidField(
-            "optimizer.hyperparameters_json", config.hyperparameters_json, f"is not JSON: {exc}"
-        ) from None
-    if not isinstance(kwargs, dict):
-        raise InvalidField(
-            "optimizer.hyperparameters_json", config.hyperparameters_json, "must be an object"
-        )
-    kwargs = {k: _plain(v) for k, v in kwargs.items()}
-    if not params:
-        params = [torch.zeros(1, requires_grad=True)]
-        names = ["(none)"]
-    target: list[Any] = list(params)
-    if groups:
-        if names is None or len(names) != len(params):
-            raise ValueError("an optimizer with param groups needs every parameter's name")
-        by_name = dict(zip(names, params, strict=True))
-        listed = {n for group_names, _ in groups for n in group_names}
-        target = [
-            {"params": [by_name[n] for n in group_names if n in by_name], **overrides}
-            for group_names, overrides in groups
-        ]
-        target.append({"params": [p for n, p in by_name.items() if n not in listed]})
-    try:
-        optimizer = klass(target, **kwargs)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise InvalidField(
-            "optimizer.hyperparameters_json",
-            config.hyperparameters_json,
-            f"is rejected by torch.optim.{config.name}"
-            f"{' with groups ' + config.param_groups_json if groups else ''}: {exc}",
-        ) from None
-    if groups:
-        base = optimizer.defaults.get("lr")
-        for group in optimizer.param_groups:
-            lr = group.get("lr")
-            ok = isinstance(base, (int, float)) and base > 0 and isinstance(lr, (int, float))
-            group["lr_scale"] = float(lr) / float(base) if ok else 1.0
-    return optimizer
-
-
-def warm_up() -> None:
-    """Build and step an optimizer once: the first one in a process imports torch's compiler
-    stack (about 2 s), which must not land on a learner's first Join."""
-    param = torch.zeros(1, requires_grad=True)
-    param.grad = torch.ones(1)
-    build_optimizer(OptimizerConfig("SGD", '{"lr": 0.1, "momentum": 0.9}'), [param]).step()
 
 
 class Encoded:
@@ -235,18 +126,6 @@ class Contribution:
     chunks: list[memoryview] = field(default_factory=list)
 
 
-@dataclass
-class _Pending:
-    generation: int
-    iteration: int
-    contributed: set[str] = field(default_factory=set)
-    total_samples: int = 0
-    loss_sum: float = 0.0
-    learning_rate: float = 0.0
-    got_grad: list[bool] = field(default_factory=list)
-    buffer_weight: list[float] = field(default_factory=list)
-
-
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype in (torch.float16, torch.bfloat16):
         return torch.float32
@@ -255,7 +134,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-class ShardJob:
+class ShardJob(ReplicaSums):
     """Shard ``shard_index``'s part of job ``job_id``: ``tensors`` are the job-layout metas
     of the tensors it holds (in layout order)."""
 
@@ -802,167 +681,6 @@ class ShardJob:
         self.pending = None
         self._encode(iteration=self.completed)
         return self.completed
-
-    # -- replication --------------------------------------------------------------------------
-
-    def pending_frames(self, generation: int, iteration: int) -> tuple[bytes, list[np.ndarray]]:
-        """The running iteration's sums, exactly as accumulated (before the commit divides
-        them), for the backup: it keeps them and applies the very same :meth:`commit`, so its
-        replica stays bit-identical. Returned as a safetensors blob in two parts, without a
-        copy of the tensors: the header (its 8-byte length and JSON, with the sums' metadata)
-        and uint8 views of the accumulators, in order, that follow it. The views read the
-        accumulators as they are when sent; they stay unchanged until this iteration is
-        committed or aborted (an aborted iteration's sums are never applied by the backup)."""
-        pending = self.pending
-        if pending is None or (pending.generation, pending.iteration) != (generation, iteration):
-            raise FailedPrecondition(
-                f"shard {self.shard_index} of job {self.job_id!r} holds no sums for "
-                f"iteration {iteration} of generation {generation}"
-            )
-        entries: dict[str, Any] = {
-            "__metadata__": {
-                "generation": str(generation),
-                "iteration": str(iteration),
-                "total_samples": str(pending.total_samples),
-                "loss_sum": repr(pending.loss_sum),
-                "learning_rate": repr(pending.learning_rate),
-                "got_grad": json.dumps(pending.got_grad),
-                "buffer_weight": json.dumps(pending.buffer_weight),
-                # The global norm the previous iteration was committed with: a replica that
-                # still holds that iteration's sums commits them with it.
-                "previous_grad_norm": repr(self.last_grad_norm),
-            }
-        }
-        views: list[np.ndarray] = []
-        offset = 0
-        for j, m in enumerate(self.metas):
-            if not (pending.got_grad[j] or pending.buffer_weight[j] > 0):
-                continue
-            acc = self.acc[j]
-            view = self._acc_np[j].view(np.uint8)
-            entries[f"acc/{m.name}"] = {
-                "dtype": _st_dtype(acc.dtype),
-                "shape": [acc.numel()],
-                "data_offsets": [offset, offset + view.nbytes],
-            }
-            offset += view.nbytes
-            views.append(view)
-        header = json.dumps(entries, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # safetensors aligns the data to 8 bytes
-        return len(header).to_bytes(8, "little") + header, views
-
-    def pending_bytes(self, generation: int, iteration: int) -> bytes:
-        """:meth:`pending_frames` joined into one safetensors blob."""
-        header, views = self.pending_frames(generation, iteration)
-        return b"".join([header, *views])
-
-    def apply_replicated(self, generation: int, iteration: int, grad_norm: float) -> bool:
-        """A replica's sums of (generation, iteration) committed now: the coordinator
-        committed that iteration job-wide (this shard's own slice was just committed with the
-        same ``grad_norm``), so the replica steps at once instead of when the next sums come,
-        off the next iteration's critical path. Returns whether it applied them."""
-        pending = self.pending
-        if (
-            pending is None
-            or (pending.generation, pending.iteration) != (generation, iteration)
-            or not self.initialized
-            or self.completed != iteration
-        ):
-            return False
-        self.commit(generation, iteration, grad_norm)
-        return True
-
-    def settle(self, completed: int, grad_norm: float = 0.0) -> None:
-        """A replica brought to ``completed`` iterations: sums it keeps of iteration
-        ``completed - 1`` were committed (the coordinator says so) with the global
-        ``grad_norm``, so they are applied now with it; any others were aborted, so they are
-        dropped."""
-        pending = self.pending
-        if pending is not None:
-            if pending.iteration == completed - 1 == self.completed:
-                self.commit(pending.generation, pending.iteration, grad_norm)
-            else:
-                self.pending = None
-
-    def keep_pending(self, data: bytes | bytearray | memoryview) -> int:
-        """Take a primary's :meth:`pending_bytes` as this replica's sums. Returns the
-        iteration. The replica's previous sums, if it still holds them (they are normally
-        applied at the commit by :meth:`apply_replicated`), are applied first when these are
-        of the next iteration (the primary sends those only after it committed the previous
-        one), and replaced when of the same iteration (that one was aborted and is run
-        again)."""
-        raw = memoryview(data).cast("B")
-        try:
-            size = int.from_bytes(raw[:8], "little")
-            entries = json.loads(bytes(raw[8 : 8 + size]))
-            meta = dict(entries.pop("__metadata__"))
-            generation, iteration = int(meta["generation"]), int(meta["iteration"])
-            got_grad = [bool(x) for x in json.loads(meta["got_grad"])]
-            weights = [float(x) for x in json.loads(meta["buffer_weight"])]
-            total = int(meta["total_samples"])
-            loss_sum, lr = float(meta["loss_sum"]), float(meta["learning_rate"])
-            previous_norm = float(meta.get("previous_grad_norm", "0.0"))
-            spans = {
-                name: (entry["dtype"], int(entry["data_offsets"][0]), int(entry["data_offsets"][1]))
-                for name, entry in entries.items()
-            }
-        except Exception as exc:
-            raise InvalidField("chunk", f"{len(raw)} bytes", f"is not a sum: {exc}") from None
-        if len(got_grad) != len(self.metas) or len(weights) != len(self.metas):
-            raise InvalidField("chunk", len(got_grad), f"must list {len(self.metas)} tensors")
-        base = 8 + size
-        targets = []
-        for name, (dtype, begin, stop) in spans.items():
-            j = self.index.get(name.removeprefix("acc/"))
-            if (
-                j is None
-                or dtype != _st_dtype(self.acc[j].dtype)
-                or not 0 <= begin <= stop
-                or stop - begin != self._acc_np[j].nbytes
-                or base + stop > len(raw)
-            ):
-                raise InvalidField("chunk", name, "does not match the slice")
-            targets.append((j, base + begin, base + stop))
-        if self.initialized and self.pending is not None:
-            self.settle(iteration, previous_norm)
-        if not self.initialized or iteration != self.completed:
-            raise FailedPrecondition(
-                f"replica of shard {self.shard_index} of job {self.job_id!r} is at iteration "
-                f"{self.completed}, not {iteration}"
-            )
-        for j, begin, stop in targets:
-            self._acc_np[j].view(np.uint8)[:] = np.frombuffer(raw[begin:stop], dtype=np.uint8)
-        self.min_generation = max(self.min_generation, generation)
-        self.pending = _Pending(
-            generation,
-            iteration,
-            total_samples=total,
-            loss_sum=loss_sum,
-            learning_rate=lr,
-            got_grad=got_grad,
-            buffer_weight=weights,
-        )
-        return iteration
-
-
-#: safetensors' dtype names of the accumulators' dtypes.
-_ST_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
-}
-
-
-def _st_dtype(dtype: torch.dtype) -> str:
-    return _ST_DTYPES.get(dtype) or str(dtype)
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:
