@@ -23,7 +23,6 @@ errors, options, the codec registration) and the state and helpers every part us
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
@@ -94,10 +93,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: A slice this small is summed and stepped on the event loop when the compute thread is idle
-#: (``ParameterSyncServicer._compute_small``).
-INLINE_BYTES = 1 << 20
 T = TypeVar("T")
 
 SERVICE_NAME = "shoal.v1.ParameterSyncService"
@@ -253,7 +248,6 @@ class ParameterSyncServicer(
         self._coordinator_at: dict[str, tuple[str, int]] = {}
         self._open_lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-sync")
-        self._computing = 0  # calls submitted to the compute thread and not finished yet
         self._channels: dict[str, tuple[aio.Channel, ps_grpc.ParameterSyncServiceStub]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._rendezvous_store: Any = None  # torch.distributed.TCPStore, on first use
@@ -302,28 +296,7 @@ class ParameterSyncServicer(
 
     async def _compute(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
-        work = self._executor.submit(fn, *args)
-        self._computing += 1
-
-        def finished(_: Any) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to count
-                loop.call_soon_threadsafe(self._finished_computing)
-
-        work.add_done_callback(finished)
-        return await asyncio.wrap_future(work)
-
-    def _finished_computing(self) -> None:
-        self._computing -= 1
-
-    async def _compute_small(self, sj: ShardJob, fn: Callable[..., T], *args: Any) -> T:
-        """Like :meth:`_compute`, but a small slice's work (at most ``INLINE_BYTES``: an
-        accumulation or a step of a few hundred microseconds) runs right here on the event
-        loop when the compute thread has nothing queued or running: still one call at a time
-        and in submission order, without two thread hand-offs per call (the fixed cost of an
-        iteration of a small model, issue 16)."""
-        if self._computing == 0 and sj.total_bytes <= INLINE_BYTES:
-            return fn(*args)
-        return await self._compute(fn, *args)
+        return await loop.run_in_executor(self._executor, fn, *args)
 
     def _stub(self, address: str) -> ps_grpc.ParameterSyncServiceStub:
         entry = self._channels.get(address)

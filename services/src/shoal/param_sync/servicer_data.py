@@ -77,7 +77,7 @@ class DataHandlers:
             future = asyncio.get_running_loop().create_future()
             future.add_done_callback(_silence)
             part.futures[(g, k)] = future
-        ready = await self._compute_small(sj, sj.accumulate, contribution, members)
+        ready = await self._compute(sj.accumulate, contribution, members)
         self._fail_superseded(part)
         if ready:
             notify = asyncio.create_task(self._shard_ready(sj, g, k))
@@ -115,7 +115,7 @@ class DataHandlers:
             shard_index=sj.shard_index,
             generation=generation,
             iteration=iteration,
-            grad_sq_norm=await self._compute_small(sj, sj.grad_sq_norm) if clips else 0.0,
+            grad_sq_norm=await self._compute(sj.grad_sq_norm) if clips else 0.0,
         )
         part = self._slices.get(sj.job_id)
         if part is not None and part.backup_address:

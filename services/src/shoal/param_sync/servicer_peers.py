@@ -305,7 +305,7 @@ class PeerHandlers:
         sj = part.job
         key = (request.generation, request.iteration)
         if request.commit:
-            encoded = await self._compute_small(sj, sj.commit, *key, request.grad_norm)
+            encoded = await self._compute(sj.commit, *key, request.grad_norm)
             future = part.futures.pop(key, None)
             if encoded is not None and future is not None and not future.done():
                 future.set_result(encoded)
@@ -320,7 +320,7 @@ class PeerHandlers:
                     f"job {request.job_id}: replicas did not step iteration {request.iteration}",
                 )
         else:
-            await self._compute_small(sj, sj.abort, *key)
+            await self._compute(sj.abort, *key)
             self.metrics.round_aborted(request.job_id, request.generation)
             part.memberships.pop(request.generation, None)
             self._fail_superseded(part)
