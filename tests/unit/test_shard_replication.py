@@ -227,7 +227,8 @@ def test_replicate_messages_are_replicate_requests_and_decode_without_a_copy(
     assert all(len(ps_pb2.ReplicateRequest.FromString(m).chunk) <= chunk_bytes for m in messages)
     joined = b""
     for data in messages:
-        message, chunk = decode_replicate(data)
+        frame = decode_replicate(data)
+        message, chunk = frame.header, frame.chunk
         assert isinstance(chunk, memoryview) and chunk.obj is data  # a view, not a copy
         assert (message.job_id, message.shard_index, message.replica) == ("job-1", 3, True)
         assert message.chunk == b""
@@ -236,7 +237,7 @@ def test_replicate_messages_are_replicate_requests_and_decode_without_a_copy(
     assert joined == blob
     # A message with the chunk before another field (valid protobuf) decodes too.
     other = b"\x2a\x03abc" + b"\x0a\x01j"
-    message, chunk = decode_replicate(other)
-    assert (message.job_id, bytes(chunk)) == ("j", b"abc")
-    assert bytes(decode_replicate(prefix)[1]) == b""  # no chunk at all
+    frame = decode_replicate(other)
+    assert (frame.header.job_id, frame.header.chunk, bytes(frame.chunk)) == ("j", b"", b"abc")
+    assert bytes(decode_replicate(prefix).chunk) == b""  # no chunk at all
     assert list(replicate_messages(prefix, [b""], chunk_bytes)) == [prefix + b"\x2a\x00"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -214,11 +215,11 @@ class PeerHandlers:
     async def Replicate(self: _S, request_iterator: AsyncIterator[Any], context: Any) -> Any:
         first: ps_pb2.ReplicateRequest | None = None
         parts: list[memoryview] = []
-        async for message, chunk in request_iterator:
+        async for frame in request_iterator:
             if first is None:
-                first = message
-                authorize(current_principal(), "Replicate", job_id=message.job_id)
-            parts.append(chunk)
+                first = frame.header
+                authorize(current_principal(), "Replicate", job_id=first.job_id)
+            parts.append(frame.chunk)
         if first is None:
             raise InvalidField("stream", "empty", "must carry at least one message")
         blob = b"".join(parts)
@@ -446,7 +447,17 @@ def _chunk_message(prefix: bytes, parts: list[memoryview], size: int) -> bytes:
     return b"".join((prefix, bytes((_REPLICATE_CHUNK_TAG,)), varint(size), *parts))
 
 
-def decode_replicate(data: bytes) -> tuple[ps_pb2.ReplicateRequest, memoryview]:
+@dataclass(frozen=True)
+class ReplicateFrame:
+    """One decoded Replicate message: ``header``, the message without its chunk (named so
+    that the identifier check of request streams, ``check_request_ids``, sees it as it sees
+    a tensor frame's header), and the chunk."""
+
+    header: ps_pb2.ReplicateRequest
+    chunk: memoryview
+
+
+def decode_replicate(data: bytes) -> ReplicateFrame:
     """gRPC deserializer of Replicate: the message without its chunk, and the chunk as a
     view into ``data`` (no copy) when it is the message's last field, as
     :func:`replicate_messages` writes it; otherwise through the protobuf runtime."""
@@ -467,9 +478,11 @@ def decode_replicate(data: bytes) -> tuple[ps_pb2.ReplicateRequest, memoryview]:
                 break
             if tag == _REPLICATE_CHUNK_TAG and pos + size == len(data):
                 message = ps_pb2.ReplicateRequest.FromString(data[:start])
-                return message, memoryview(data)[pos:]
+                return ReplicateFrame(message, memoryview(data)[pos:])
             pos += size
         else:
             break
     message = ps_pb2.ReplicateRequest.FromString(data)
-    return message, memoryview(message.chunk)
+    chunk = memoryview(message.chunk)
+    message.ClearField("chunk")
+    return ReplicateFrame(message, chunk)
