@@ -75,7 +75,7 @@ def new_hop(primary: ShardJob, backup: ShardJob) -> None:
         job_id="bench", replica=True, kind=ps_pb2.REPLICATE_KIND_SUMS
     ).SerializeToString()
     wire = list(replicate_messages(prefix, [header, *views], CHUNK))
-    joined = b"".join(decode_replicate(m)[1] for m in wire)
+    joined = b"".join(decode_replicate(m).chunk for m in wire)
     backup.pending = None
     backup.keep_pending(joined)
 
