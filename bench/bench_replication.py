@@ -37,21 +37,38 @@ def main() -> int:
     args = parser.parse_args()
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores; 2 shards; ResNet-18-sized gradient")
     rounds: dict[tuple[int, str], list[float]] = {}
+    cpu: dict[tuple[int, str], list[float]] = {}
     started = time.monotonic()
     for _ in range(args.repeats):
         for world in args.learners:
             for mode in ("off", "on"):
                 # (the learners drop bench_sync's two warm-up rounds themselves)
-                times = bench_shoal(world, 2, args.rounds, args.chunk_mb, ("--replication", mode))
+                times = bench_shoal(
+                    world,
+                    2,
+                    args.rounds,
+                    args.chunk_mb,
+                    ("--replication", mode),
+                    cpu.setdefault((world, mode), []),
+                )
                 rounds.setdefault((world, mode), []).extend(times)
     results: dict[str, dict[str, float]] = {}
     for world in args.learners:
         off = statistics.median(rounds[(world, "off")]) * 1000
         on = statistics.median(rounds[(world, "on")]) * 1000
-        results[f"W={world}"] = {"off_ms": off, "on_ms": on, "ratio": on / off}
+        cpu_off = statistics.median(cpu[(world, "off")]) * 1000
+        cpu_on = statistics.median(cpu[(world, "on")]) * 1000
+        results[f"W={world}"] = {
+            "off_ms": off,
+            "on_ms": on,
+            "ratio": on / off,
+            "shard_cpu_off_ms": cpu_off,
+            "shard_cpu_on_ms": cpu_on,
+        }
         print(
             f"W={world}: round {off:.0f} ms with replication off, {on:.0f} ms on "
-            f"({on / off:.2f}x; {len(rounds[(world, 'on')])} rounds each)",
+            f"({on / off:.2f}x; {len(rounds[(world, 'on')])} rounds each); shard CPU per round "
+            f"{cpu_off:.0f} ms off, {cpu_on:.0f} ms on ({cpu_on / cpu_off:.2f}x)",
             flush=True,
         )
     print(f"took {time.monotonic() - started:.0f} s")

@@ -179,9 +179,22 @@ def start_shards(
     return procs, addresses
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def bench_shoal(
-    world: int, shards: int, rounds: int, chunk_mb: float, extra: tuple[str, ...] = ()
+    world: int,
+    shards: int,
+    rounds: int,
+    chunk_mb: float,
+    extra: tuple[str, ...] = (),
+    cpu: list[float] | None = None,
 ) -> list[float]:
+    """Median-ready round times; with ``cpu``, appends the shard processes' CPU seconds per
+    round (all rounds, warm-up included: from the job's opening to the learners' end)."""
     import grpc
 
     from shoal.v1 import (
@@ -210,9 +223,13 @@ def bench_shoal(
             )
             for r in range(world)
         ]
+        cpu_start = sum(process_cpu_seconds(p.pid) for p in procs)
         for p in learners:
             p.start()
         results = [out.get(timeout=600) for _ in learners]
+        if cpu is not None:
+            used = sum(process_cpu_seconds(p.pid) for p in procs) - cpu_start
+            cpu.append(used / (rounds + ROUNDS_WARMUP))
         for p in learners:
             p.join(timeout=60)
     finally:

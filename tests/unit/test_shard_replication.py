@@ -155,3 +155,89 @@ def test_a_replica_clips_and_skips_with_the_global_norm_its_primary_committed_wi
         primary.commit(1, k, norm)
     replica.settle(len(norms), primary.last_grad_norm)
     assert_same_state(primary, replica, len(norms))
+
+
+def test_a_replica_steps_at_the_commit_and_stays_bit_identical() -> None:
+    """apply_replicated: the shard that keeps the replica steps it when its own slice of the
+    same iteration is committed (not when the next sums come), with the commit's global norm;
+    sums of another iteration or generation are left alone."""
+    torch.manual_seed(1)
+    primary = shard()
+    primary.initialize(contribution(primary, "init", 0, [torch.randn(m.shape) for m in METAS], 0))
+    replica = shard()
+    replica.load_state_bytes(primary.state_bytes(0))
+    for k in range(3):
+        grads = [torch.randn(m.shape) for m in METAS]
+        primary.accumulate(contribution(primary, "a", k, grads, 2), frozenset("a"))
+        header, views = primary.pending_frames(1, k)
+        assert replica.keep_pending(b"".join([header, *views])) == k
+        assert not replica.apply_replicated(2, k, 0.0)  # another generation: not these sums
+        assert not replica.apply_replicated(1, k + 1, 0.0)
+        primary.commit(1, k, 0.25)
+        assert replica.apply_replicated(1, k, 0.25)
+        assert replica.completed == primary.completed == k + 1
+        assert_same_state(primary, replica, k + 1)
+        assert not replica.apply_replicated(1, k, 0.25)  # applied once
+    replica.settle(3)  # nothing left to settle
+    assert_same_state(primary, replica, 3)
+
+
+def test_sums_that_do_not_fit_the_replica_are_refused_and_change_nothing() -> None:
+    primary = shard()
+    primary.initialize(contribution(primary, "init", 0, [torch.ones(m.shape) for m in METAS], 0))
+    replica = shard()
+    replica.load_state_bytes(primary.state_bytes(0))
+    primary.accumulate(
+        contribution(primary, "a", 0, [torch.full(m.shape, 2.0) for m in METAS], 1),
+        frozenset("a"),
+    )
+    blob = primary.pending_bytes(1, 0)
+    size = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + size])
+    header["acc/w"]["dtype"] = "F64"
+    forged = json.dumps(header).encode()
+    forged += b" " * (-len(forged) % 8)
+    with pytest.raises(InvalidField):
+        replica.keep_pending(len(forged).to_bytes(8, "little") + forged + blob[8 + size :])
+    with pytest.raises(InvalidField):
+        replica.keep_pending(blob[:-4])  # truncated
+    assert replica.pending is None and replica.completed == 0
+    # The blob is a safetensors file: any safetensors reader gets the sums.
+    sums = safetensors.torch.load(blob)
+    assert torch.equal(sums["acc/w"], torch.full((15,), 2.0))
+
+
+@pytest.mark.parametrize("chunk_bytes", [16, 1000, 1 << 20])
+def test_replicate_messages_are_replicate_requests_and_decode_without_a_copy(
+    chunk_bytes: int,
+) -> None:
+    from shoal.param_sync.servicer_peers import decode_replicate, replicate_messages
+    from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+
+    blob = bytes(range(256)) * 20
+    parts = [
+        blob[:7],
+        memoryview(blob)[7:3000],
+        torch.frombuffer(bytearray(blob[3000:]), dtype=torch.uint8).numpy(),
+    ]
+    prefix = ps_pb2.ReplicateRequest(
+        job_id="job-1", shard_index=3, replica=True, kind=ps_pb2.REPLICATE_KIND_SUMS
+    ).SerializeToString()
+    messages = list(replicate_messages(prefix, parts, chunk_bytes))
+    assert all(len(ps_pb2.ReplicateRequest.FromString(m).chunk) <= chunk_bytes for m in messages)
+    joined = b""
+    for data in messages:
+        frame = decode_replicate(data)
+        message, chunk = frame.header, frame.chunk
+        assert isinstance(chunk, memoryview) and chunk.obj is data  # a view, not a copy
+        assert (message.job_id, message.shard_index, message.replica) == ("job-1", 3, True)
+        assert message.chunk == b""
+        assert bytes(chunk) == ps_pb2.ReplicateRequest.FromString(data).chunk
+        joined += chunk
+    assert joined == blob
+    # A message with the chunk before another field (valid protobuf) decodes too.
+    other = b"\x2a\x03abc" + b"\x0a\x01j"
+    frame = decode_replicate(other)
+    assert (frame.header.job_id, frame.header.chunk, bytes(frame.chunk)) == ("j", b"", b"abc")
+    assert bytes(decode_replicate(prefix).chunk) == b""  # no chunk at all
+    assert list(replicate_messages(prefix, [b""], chunk_bytes)) == [prefix + b"\x2a\x00"]

@@ -3,6 +3,8 @@ logging, global gradient clipping and mixed precision equal to a single-process 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import subprocess
 import sys
@@ -23,7 +25,6 @@ from shoal.learner import (
     TrainingSetup,
 )
 from shoal.learner.backend import apply_gradient_policy
-from shoal.learner.grpc_backend import GrpcBackend
 from tests.unit.test_trainer_standalone import (
     ATOL,
     DATASETS,
@@ -438,9 +439,14 @@ def test_bad_param_groups_are_refused_naming_the_group(groups: Any, message: str
         trainer(make_model(), optimizer=("AdamW", {"lr": 0.01}), param_groups=groups)
 
 
-def test_the_parameter_server_mode_refuses_param_groups_clearly() -> None:
-    backend = GrpcBackend.__new__(GrpcBackend)
-    backend._setup = None  # type: ignore[attr-defined]
+def test_the_parameter_server_mode_sends_the_param_groups_the_shards_build() -> None:
+    # The groups travel by name in the Join's OptimizerSpec; a shard holding every parameter
+    # builds the same groups (with the same lr_scale) as the learner's optimizer.
+    from shoal.learner.grpc_backend import optimizer_proto
+    from shoal.param_sync.servicer_common import _optimizer_config
+    from shoal.param_sync.shard import build_optimizer
+
+    model = make_model()
     spec = trainer(make_model(), param_groups=groups_of).optimizer_spec
     setup = TrainingSetup(
         plan=TrainingPlan(epochs=1, batch_size=8, num_samples=16),
@@ -450,8 +456,20 @@ def test_the_parameter_server_mode_refuses_param_groups_clearly() -> None:
         params=[],
         buffers=[],
     )
-    with pytest.raises(ValueError, match=r"param groups \(2 given\) need the collective"):
-        backend.initialize(setup)
+    proto = optimizer_proto(setup)
+    assert json.loads(proto.param_groups_json) == [[list(n), dict(o)] for n, o in spec.groups]
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    on_shard = build_optimizer(_optimizer_config(proto), params, names)
+    on_learner = spec.create(params, names)
+    assert len(on_shard.param_groups) == len(on_learner.param_groups)
+    for ours, theirs in zip(on_shard.param_groups, on_learner.param_groups, strict=True):
+        assert [id(p) for p in ours["params"]] == [id(p) for p in theirs["params"]]
+        assert {k: v for k, v in ours.items() if k != "params"} == {
+            k: v for k, v in theirs.items() if k != "params"
+        }
+    no_groups = dataclasses.replace(setup, optimizer=dataclasses.replace(spec, groups=()))
+    assert optimizer_proto(no_groups).param_groups_json == ""
 
 
 def test_a_collective_checkpoint_of_grouped_adamw_restores_every_group_and_its_state(

@@ -205,6 +205,7 @@ class OptimizerSpec(_message.Message):
     HYPERPARAMETERS_JSON_FIELD_NUMBER: _builtins.int
     CLIP_GRAD_NORM_FIELD_NUMBER: _builtins.int
     SKIP_NONFINITE_FIELD_NUMBER: _builtins.int
+    PARAM_GROUPS_JSON_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The class name in torch.optim, for example "SGD" or "AdamW"."""
     hyperparameters_json: _builtins.str
@@ -217,6 +218,12 @@ class OptimizerSpec(_message.Message):
     """Skip the optimizer step of an iteration whose global gradient is not finite (float16 loss
     scaling: every shard skips alike, as GradScaler.step skips on one process).
     """
+    param_groups_json: _builtins.str
+    """The optimizer's parameter groups, as a JSON list of [parameter names, overrides] pairs
+    (overrides: constructor arguments of that group, e.g. {"lr": 0.02, "weight_decay": 0});
+    parameters no group names form a last group with the constructor's arguments. Each
+    shard builds every group over the parameters of its slice. Empty: one group.
+    """
     def __init__(
         self,
         *,
@@ -224,10 +231,11 @@ class OptimizerSpec(_message.Message):
         hyperparameters_json: _builtins.str = ...,
         clip_grad_norm: _builtins.float = ...,
         skip_nonfinite: _builtins.bool = ...,
+        param_groups_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_grad_norm", b"clip_grad_norm", "hyperparameters_json", b"hyperparameters_json", "name", b"name", "skip_nonfinite", b"skip_nonfinite"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_grad_norm", b"clip_grad_norm", "hyperparameters_json", b"hyperparameters_json", "name", b"name", "param_groups_json", b"param_groups_json", "skip_nonfinite", b"skip_nonfinite"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -399,12 +399,6 @@ class GrpcBackend(SyncBackend):
         return self._plan
 
     def initialize(self, setup: TrainingSetup) -> InitialState:
-        if setup.optimizer.groups:
-            raise ValueError(
-                f"param groups ({len(setup.optimizer.groups)} given) need the collective sync "
-                "mode (shoal submit --sync-mode collective) or standalone; the "
-                "parameter-server shards build one group over their slice"
-            )
         self._begin(setup)
         self._recv = [torch.empty(m.shape, dtype=m.torch_dtype) for m in self._layout]
         self._recv_bytes = [_bytes_of(t) for t in self._recv]
@@ -431,12 +425,7 @@ class GrpcBackend(SyncBackend):
             job_id=self.job_id,
             learner_id=self.learner_id,
             layout=[m.to_proto() for m in self._layout],
-            optimizer=ps_pb2.OptimizerSpec(
-                name=setup.optimizer.name,
-                hyperparameters_json=json.dumps(dict(setup.optimizer.kwargs), sort_keys=True),
-                clip_grad_norm=setup.clip_grad_norm or 0.0,
-                skip_nonfinite=setup.skip_nonfinite,
-            ),
+            optimizer=optimizer_proto(setup),
             dataset_size=setup.plan.num_samples,
             sync_mode=self.SYNC_MODE,  # type: ignore[arg-type]
         )
@@ -763,6 +752,21 @@ class GrpcBackend(SyncBackend):
         if self._plan is None:
             raise RuntimeError("initialize() must be called first")
         return self._plan
+
+
+def optimizer_proto(setup: TrainingSetup) -> ps_pb2.OptimizerSpec:
+    """What the shards need to step their slices as this learner's optimizer would: the class,
+    its arguments, the parameter groups by name, clipping and non-finite skipping."""
+    groups = setup.optimizer.groups
+    return ps_pb2.OptimizerSpec(
+        name=setup.optimizer.name,
+        hyperparameters_json=json.dumps(dict(setup.optimizer.kwargs), sort_keys=True),
+        clip_grad_norm=setup.clip_grad_norm or 0.0,
+        skip_nonfinite=setup.skip_nonfinite,
+        param_groups_json=json.dumps([[list(n), dict(o)] for n, o in groups], sort_keys=True)
+        if groups
+        else "",
+    )
 
 
 def _copy_sink(views: Sequence[np.ndarray], targets: Sequence[int]) -> Any:

@@ -113,6 +113,9 @@ class OptimizerConfig:
     clip_grad_norm: float = 0.0
     #: Skip the step of an iteration whose global gradient is not finite (float16 scaling).
     skip_nonfinite: bool = False
+    #: Parameter groups, JSON ``[[names, overrides], ...]`` ("": one group); see
+    #: ``shard.build_optimizer``.
+    param_groups_json: str = ""
 
     @property
     def needs_norm(self) -> bool:

@@ -46,6 +46,8 @@ from shoal.param_sync.checkpoint import (
     sha256_hex,
 )
 from shoal.param_sync.coordinator import OptimizerConfig
+from shoal.param_sync.optimizer import build_optimizer, warm_up
+from shoal.param_sync.shard_replica import ReplicaSums, _Pending
 from shoal.runtime.errors import (
     FailedPrecondition,
     InvalidField,
@@ -69,53 +71,6 @@ ALIGN = 64
 
 def shard_file_name(shard_index: int) -> str:
     return f"shard-{shard_index}.safetensors"
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_plain(v) for v in value)
-    return value
-
-
-def build_optimizer(
-    config: OptimizerConfig, params: Sequence[torch.Tensor]
-) -> torch.optim.Optimizer:
-    """``getattr(torch.optim, name)(params, **json.loads(hyperparameters_json))``; anything
-    wrong raises :class:`InvalidField` naming the optimizer and the arguments."""
-    klass = getattr(torch.optim, config.name, None) if config.name else None
-    if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)):
-        raise InvalidField(
-            "optimizer.name", config.name, "is not an optimizer class in torch.optim"
-        )
-    try:
-        kwargs = json.loads(config.hyperparameters_json or "{}")
-    except ValueError as exc:
-        raise InvalidField(
-            "optimizer.hyperparameters_json", config.hyperparameters_json, f"is not JSON: {exc}"
-        ) from None
-    if not isinstance(kwargs, dict):
-        raise InvalidField(
-            "optimizer.hyperparameters_json", config.hyperparameters_json, "must be an object"
-        )
-    kwargs = {k: _plain(v) for k, v in kwargs.items()}
-    if not params:
-        params = [torch.zeros(1, requires_grad=True)]
-    try:
-        return klass(list(params), **kwargs)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise InvalidField(
-            "optimizer.hyperparameters_json",
-            config.hyperparameters_json,
-            f"is rejected by torch.optim.{config.name}: {exc}",
-        ) from None
-
-
-def warm_up() -> None:
-    """Build and step an optimizer once: the first one in a process imports torch's compiler
-    stack (about 2 s), which must not land on a learner's first Join."""
-    param = torch.zeros(1, requires_grad=True)
-    param.grad = torch.ones(1)
-    build_optimizer(OptimizerConfig("SGD", '{"lr": 0.1, "momentum": 0.9}'), [param]).step()
 
 
 class Encoded:
@@ -171,18 +126,6 @@ class Contribution:
     chunks: list[memoryview] = field(default_factory=list)
 
 
-@dataclass
-class _Pending:
-    generation: int
-    iteration: int
-    contributed: set[str] = field(default_factory=set)
-    total_samples: int = 0
-    loss_sum: float = 0.0
-    learning_rate: float = 0.0
-    got_grad: list[bool] = field(default_factory=list)
-    buffer_weight: list[float] = field(default_factory=list)
-
-
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype in (torch.float16, torch.bfloat16):
         return torch.float32
@@ -191,7 +134,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-class ShardJob:
+class ShardJob(ReplicaSums):
     """Shard ``shard_index``'s part of job ``job_id``: ``tensors`` are the job-layout metas
     of the tensors it holds (in layout order)."""
 
@@ -227,7 +170,18 @@ class ShardJob:
         self.tensors = [self._view(m) for m in self.metas]
         self.param_indices = [j for j, m in enumerate(self.metas) if not m.buffer]
         self.params = [self.tensors[j] for j in self.param_indices]
-        self.optimizer = build_optimizer(optimizer, self.params)
+        self.optimizer = build_optimizer(
+            optimizer, self.params, [self.metas[j].name for j in self.param_indices]
+        )
+        # The optimizer's parameter order (its state's keys) as positions in ``params``: the
+        # same unless the job has parameter groups.
+        position = {id(p): local for local, p in enumerate(self.params)}
+        self._optimizer_order = [
+            position[id(p)]
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if id(p) in position
+        ]
         self.acc = [torch.empty(m.numel, dtype=_acc_dtype(m.torch_dtype)) for m in self.metas]
         self._acc_np = [a.numpy() for a in self.acc]
         self._scratch = np.empty(0, dtype=np.float64)
@@ -497,7 +451,7 @@ class ShardJob:
                         p.grad.mul_(coef.to(p.grad.dtype))
             if pending.learning_rate > 0:
                 for group in self.optimizer.param_groups:
-                    group["lr"] = pending.learning_rate
+                    group["lr"] = pending.learning_rate * group.get("lr_scale", 1.0)
             if any(p.grad is not None for p in self.params) and not skipped:
                 self.optimizer.step()
             for p in self.params:
@@ -586,7 +540,7 @@ class ShardJob:
         state = self.optimizer.state_dict()
         plain: dict[str, dict[str, Any]] = {}
         for index, entry in state["state"].items():
-            name = self.metas[self.param_indices[int(index)]].name
+            name = self.metas[self.param_indices[self._optimizer_order[int(index)]]].name
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor):
                     tensors[f"optim/{name}/{key}"] = value.detach().clone().contiguous()
@@ -602,6 +556,7 @@ class ShardJob:
                 {
                     "name": self.optimizer_config.name,
                     "hyperparameters_json": self.optimizer_config.hyperparameters_json,
+                    "param_groups_json": self.optimizer_config.param_groups_json,
                 }
             ),
             "param_groups": json.dumps(groups),
@@ -698,16 +653,26 @@ class ShardJob:
         if missing:
             raise InvalidField("directory", directory, f"lacks tensors {missing[:5]}")
         state: dict[int, dict[str, Any]] = {}
-        for local, j in enumerate(self.param_indices):
-            name = self.metas[j].name
+        for index, local in enumerate(self._optimizer_order):
+            name = self.metas[self.param_indices[local]].name
             entry = dict(plain.get(name, {}))
             prefix = f"optim/{name}/"
             for key, value in loaded.items():
                 if key.startswith(prefix):
                     entry[key[len(prefix) :]] = value
             if entry:
-                state[local] = entry
-        if self.params:
+                state[index] = entry
+        if self.params and self.optimizer_config.param_groups_json:
+            # The groups' hyper-parameters are the job's (the learning rate is set at every
+            # commit): kept as built, whatever slices the state came from.
+            new_groups, start = [], 0
+            for g in self.optimizer.param_groups:
+                count = len(g["params"])
+                kept = {k: v for k, v in g.items() if k != "params"}
+                new_groups.append({**kept, "params": list(range(start, start + count))})
+                start += count
+            self.optimizer.load_state_dict({"state": state, "param_groups": new_groups})
+        elif self.params:
             saved = (groups or [{}])[0]
             group = {**saved, "params": list(range(len(self.params)))}
             self.optimizer.load_state_dict({"state": state, "param_groups": [group]})
@@ -716,96 +681,6 @@ class ShardJob:
         self.pending = None
         self._encode(iteration=self.completed)
         return self.completed
-
-    # -- replication --------------------------------------------------------------------------
-
-    def pending_bytes(self, generation: int, iteration: int) -> bytes:
-        """The running iteration's sums, exactly as accumulated (before the commit divides
-        them), for the backup: it keeps them and applies the very same :meth:`commit`, so its
-        replica stays bit-identical."""
-        pending = self.pending
-        if pending is None or (pending.generation, pending.iteration) != (generation, iteration):
-            raise FailedPrecondition(
-                f"shard {self.shard_index} of job {self.job_id!r} holds no sums for "
-                f"iteration {iteration} of generation {generation}"
-            )
-        tensors = {
-            f"acc/{m.name}": self.acc[j]  # safetensors copies it into the blob
-            for j, m in enumerate(self.metas)
-            if pending.got_grad[j] or pending.buffer_weight[j] > 0
-        }
-        metadata = {
-            "generation": str(generation),
-            "iteration": str(iteration),
-            "total_samples": str(pending.total_samples),
-            "loss_sum": repr(pending.loss_sum),
-            "learning_rate": repr(pending.learning_rate),
-            "got_grad": json.dumps(pending.got_grad),
-            "buffer_weight": json.dumps(pending.buffer_weight),
-            # The global norm the previous iteration was committed with: the replica commits
-            # its sums of that iteration with it (clipping and skipping as the primary did).
-            "previous_grad_norm": repr(self.last_grad_norm),
-        }
-        return safetensors.torch.save(tensors, metadata=metadata)
-
-    def settle(self, completed: int, grad_norm: float = 0.0) -> None:
-        """A replica brought to ``completed`` iterations: sums it keeps of iteration
-        ``completed - 1`` were committed (the coordinator says so) with the global
-        ``grad_norm``, so they are applied now with it; any others were aborted, so they are
-        dropped."""
-        pending = self.pending
-        if pending is not None:
-            if pending.iteration == completed - 1 == self.completed:
-                self.commit(pending.generation, pending.iteration, grad_norm)
-            else:
-                self.pending = None
-
-    def keep_pending(self, data: bytes) -> int:
-        """Take a primary's :meth:`pending_bytes` as this replica's sums. Returns the
-        iteration. The replica's previous sums are applied first when these are of the next
-        iteration (the primary sends those only after it committed the previous one), and
-        replaced when of the same iteration (that one was aborted and is run again): so a
-        replica steps off the learners' critical path, one iteration behind at most."""
-        try:
-            loaded = safetensors.torch.load(data)
-            meta = _safetensors_metadata(data)
-            generation, iteration = int(meta["generation"]), int(meta["iteration"])
-            got_grad = [bool(x) for x in json.loads(meta["got_grad"])]
-            weights = [float(x) for x in json.loads(meta["buffer_weight"])]
-            total = int(meta["total_samples"])
-            loss_sum, lr = float(meta["loss_sum"]), float(meta["learning_rate"])
-            previous_norm = float(meta.get("previous_grad_norm", "0.0"))
-        except Exception as exc:
-            raise InvalidField("chunk", f"{len(data)} bytes", f"is not a sum: {exc}") from None
-        if len(got_grad) != len(self.metas) or len(weights) != len(self.metas):
-            raise InvalidField("chunk", len(got_grad), f"must list {len(self.metas)} tensors")
-        if self.initialized and self.pending is not None:
-            self.settle(iteration, previous_norm)
-        if not self.initialized or iteration != self.completed:
-            raise FailedPrecondition(
-                f"replica of shard {self.shard_index} of job {self.job_id!r} is at iteration "
-                f"{self.completed}, not {iteration}"
-            )
-        for name, value in loaded.items():
-            j = self.index.get(name.removeprefix("acc/"))
-            if (
-                j is None
-                or value.numel() != self.acc[j].numel()
-                or value.dtype != self.acc[j].dtype
-            ):
-                raise InvalidField("chunk", name, "does not match the slice")
-            self.acc[j].copy_(value)
-        self.min_generation = max(self.min_generation, generation)
-        self.pending = _Pending(
-            generation,
-            iteration,
-            total_samples=total,
-            loss_sum=loss_sum,
-            learning_rate=lr,
-            got_grad=got_grad,
-            buffer_weight=weights,
-        )
-        return iteration
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:

@@ -1,0 +1,595 @@
+# mypy: disable-error-code="misc"
+# (the parts annotate self as the assembled ParameterSyncServicer, a subclass of each part)
+"""The side effects of a coordinator's decisions (its task executor): the watch of the
+other shards, recovery after a shard loss (restore from replicas, promotion), checkpoints and
+the metrics file. Part of the ParameterSyncService servicer (``service.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import safetensors.torch
+
+from shoal.param_sync import checkpoint as ckpt, faults
+from shoal.param_sync.coordinator import (
+    CheckpointTask,
+    Coordinator,
+    JobSettings,
+    RecoverTask,
+    ResolveTask,
+    RewindTask,
+)
+from shoal.param_sync.servicer_common import (
+    _CoordinatedJob,
+    _json_number,
+    _optimizer_spec,
+    _silence,
+)
+from shoal.param_sync.shard import model_from_shard_files, shard_file_name
+from shoal.runtime.errors import FailedPrecondition, InvalidField, NotFound, ShoalError, Unavailable
+from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+
+if TYPE_CHECKING:
+    from shoal.param_sync.service import ParameterSyncServicer as _S
+
+log = logging.getLogger("shoal.param_sync.service")
+
+
+class CoordinatorTasks:
+    """Part of :class:`~shoal.param_sync.service.ParameterSyncServicer` (see there)."""
+
+    # -- side effects of the coordinator ------------------------------------------------------
+
+    def _kick(self: _S, job: _CoordinatedJob) -> None:
+        """Start the side effects the coordinator asked for (called with ``job.cond`` held)."""
+        for task in job.coord.holds:
+            if task in job.started:
+                continue
+            job.started.add(task)
+            future = job.task_results.setdefault(task, asyncio.get_running_loop().create_future())
+            future.add_done_callback(_silence)
+            runner = asyncio.create_task(self._run_task(job, task, future))
+            job.background.add(runner)
+            runner.add_done_callback(job.background.discard)
+
+    async def _run_task(
+        self: _S,
+        job: _CoordinatedJob,
+        task: ResolveTask | CheckpointTask | RewindTask | RecoverTask,
+        future: asyncio.Future[Any],
+    ) -> None:
+        ok, result = True, None
+        try:
+            if isinstance(task, ResolveTask):
+                await self._resolve_everywhere(job.coord, task)
+                if task.commit:
+                    self.metrics.iteration_committed(job.coord.job_id)
+            elif isinstance(task, RecoverTask):
+                await self._recover(job, task)
+            elif isinstance(task, RewindTask):
+                s, ipe = job.coord.settings, job.coord.iterations_per_epoch
+                log.warning(
+                    "job %s: no learner holds the state any more; continuing from iteration %d",
+                    s.job_id,
+                    task.iteration,
+                )
+                await asyncio.to_thread(
+                    self._truncate_metrics, s, task.iteration, task.iteration // ipe
+                )
+            else:
+                result = await self._checkpoint_through_shard_loss(job, task)
+        except Exception as exc:
+            ok = False
+            log.error("job %s: %s failed: %s", job.coord.job_id, task, exc, exc_info=exc)
+            if not future.done():
+                future.set_exception(exc)
+        else:
+            if not future.done():
+                future.set_result(result)
+        async with job.cond:
+            job.started.discard(task)
+            job.task_results.pop(task, None)
+            follow = job.coord.task_done(task, ok=ok)
+            del follow  # a deferred commit is one of the coordinator's holds now
+            self._kick(job)
+            job.cond.notify_all()
+
+    # -- shard loss (parameter-server mode) ----------------------------------------------------
+
+    async def _shard_status(
+        self: _S, settings: JobSettings, index: int
+    ) -> ps_pb2.GetShardStatusResponse:
+        request = ps_pb2.GetShardStatusRequest(job_id=settings.job_id, shard_index=index)
+        if index == self.options.shard_index:
+            return await self._local_GetShardStatus(request)
+        timeout = max(2.0, 2 * self.options.shard_probe_s)
+        return await self._peer_call(
+            settings.shard_addresses[index], "GetShardStatus", request, timeout
+        )
+
+    async def _watch_shards(self: _S, job: _CoordinatedJob) -> None:
+        """Probe the other shards of a parameter-server job every ``shard_probe_s``: a shard
+        that answers without its slice (it restarted), or misses ``shard_probe_misses``
+        probes in a row, starts a recovery (:meth:`Coordinator.shard_lost`)."""
+        coord = job.coord
+        misses: dict[int, int] = {}
+        while self._coordinated.get(coord.job_id) is job and not coord.done:
+            await asyncio.sleep(self.options.shard_probe_s)
+            if (
+                coord.collective is not False
+                or coord.sharding is None
+                or not coord.initialized
+                or coord.recovery is not None
+            ):
+                continue
+            for i in self._active(coord):
+                if i == self.options.shard_index:
+                    continue
+                reason = ""
+                before = (coord.completed, coord.commit_in_flight)
+                try:
+                    status = await self._shard_status(coord.settings, i)
+                except (Unavailable, NotFound) as exc:
+                    misses[i] = misses.get(i, 0) + 1
+                    if misses[i] >= self.options.shard_probe_misses:
+                        reason = "unreachable"
+                        log.warning("job %s: shard %d: %s", coord.job_id, i, exc)
+                except ShoalError as exc:
+                    log.warning("job %s: probe of shard %d: %s", coord.job_id, i, exc)
+                    continue
+                else:
+                    misses[i] = 0
+                    if not status.holds_job or not status.initialized:
+                        reason = "lost its state (restarted)"
+                    elif (
+                        status.completed_iterations != before[0]
+                        and (coord.completed, coord.commit_in_flight) == (before[0], False)
+                        and not before[1]
+                    ):
+                        # No commit was delivered during the probe, yet the shard is at
+                        # another iteration: it missed a commit (unreachable then).
+                        reason = f"missed a commit (at iteration {status.completed_iterations})"
+                if reason:
+                    misses[i] = 0
+                    async with job.cond:
+                        if coord.shard_lost(i, reason):
+                            log.warning("job %s: %s; recovering", coord.job_id, coord.recovering)
+                            self._kick(job)
+                            job.cond.notify_all()
+                    break
+
+    async def _restore_from_replicas(self: _S, job: _CoordinatedJob, task: RecoverTask) -> bool:
+        """Restore the lost shard from the replicas: its own slice from its backup, the
+        replica it kept from that slice's primary, all at the coordinator's iteration; then
+        every learner pulls and the job goes on with no committed iteration lost. False (and
+        the caller rewinds to the checkpoint) when a copy is not there or not current."""
+        coord = job.coord
+        s = coord.settings
+        assert coord.layout is not None and coord.optimizer is not None
+        assert coord.sharding is not None
+        backups = self._backups(coord.sharding)
+        lost = task.shard_index
+        if not backups:
+            return False
+        iteration = coord.completed
+        for i in self._active(coord):
+            if i == lost:
+                continue
+            status = await self._shard_status(s, i)
+            if not (status.holds_job and status.completed_iterations == iteration):
+                log.warning("job %s: shard %d is not at iteration %d", s.job_id, i, iteration)
+                return False
+        await self._configure_all(s, coord.layout, coord.optimizer, coord.sharding)
+        target = s.shard_addresses[lost]
+        transfers = []
+        for i, b in backups.items():
+            if i == lost:  # its own slice, from the replica its backup keeps
+                transfers.append(
+                    (
+                        b,
+                        ps_pb2.TransferSliceRequest(
+                            job_id=s.job_id,
+                            shard_index=i,
+                            from_replica=True,
+                            target_address=target,
+                            target_replica=False,
+                            global_iteration=iteration,
+                        ),
+                    )
+                )
+            elif b == lost:  # the replica it kept, from the slice's primary
+                transfers.append(
+                    (
+                        i,
+                        ps_pb2.TransferSliceRequest(
+                            job_id=s.job_id,
+                            shard_index=i,
+                            from_replica=False,
+                            target_address=target,
+                            target_replica=True,
+                            global_iteration=iteration,
+                        ),
+                    )
+                )
+        try:
+            await asyncio.gather(
+                *(self._call_shard(s, at, "TransferSlice", r) for at, r in transfers)
+            )
+        except (FailedPrecondition, NotFound, InvalidField) as exc:
+            log.warning(
+                "job %s: no current replica to restore shard %d from: %s", s.job_id, lost, exc
+            )
+            return False
+        async with job.cond:
+            log.warning(
+                "job %s: %s; shard %d restored from its replicas at iteration %d, nothing lost",
+                s.job_id,
+                f"shard {task.shard_index} {task.reason}",
+                lost,
+                iteration,
+            )
+            coord.rewind(task, iteration, generation=coord.generation)
+            self._kick(job)
+            job.cond.notify_all()
+        return True
+
+    async def _promote(self: _S, job: _CoordinatedJob, task: RecoverTask) -> bool:
+        """The lost shard stays down: its backup merges the replica it kept into its own
+        slice, the slices are re-replicated over the shards left, and every learner re-routes
+        (BoundaryResponse.shards) and pulls. Nothing committed is lost. False when there is no
+        current replica (the caller keeps waiting, or rewinds once the shard is back)."""
+        coord = job.coord
+        s = coord.settings
+        assert coord.layout is not None and coord.optimizer is not None
+        assert coord.sharding is not None
+        lost = task.shard_index
+        iteration = coord.completed
+        if not coord.sharding.tensors[lost]:  # promoted already: finish re-replicating
+            return await self._finish_promotion(job, task, iteration)
+        b = self._backups(coord.sharding).get(lost)
+        if b is None:
+            return False
+        for i in self._active(coord):
+            if i != lost:
+                status = await self._shard_status(s, i)
+                if not (status.holds_job and status.completed_iterations == iteration):
+                    return False
+        old, old_epoch = coord.sharding, coord.routing_epoch
+        new = coord.promote(lost, b)
+        try:
+            by_name = {m.name: m for m in coord.layout}
+            absorb = ps_pb2.ConfigureShardRequest(
+                job_id=s.job_id,
+                shard_index=b,
+                tensors=[by_name[n].to_proto() for n in new.tensors[b]],
+                optimizer=_optimizer_spec(coord.optimizer),
+                coordinator_address=s.shard_addresses[self.options.shard_index],
+                active_shards=new.active_shards,
+                absorb_replicas=[lost],
+            )
+            await self._call_shard(s, b, "ConfigureShard", absorb)
+        except (FailedPrecondition, NotFound, InvalidField) as exc:
+            coord.sharding, coord.routing_epoch = old, old_epoch
+            log.warning("job %s: shard %d cannot take over shard %d: %s", s.job_id, b, lost, exc)
+            return False
+        except BaseException:
+            coord.sharding, coord.routing_epoch = old, old_epoch
+            raise
+        log.warning(
+            "job %s: shard %d promoted to hold the slice of shard %d at iteration %d",
+            s.job_id,
+            b,
+            lost,
+            iteration,
+        )
+        return await self._finish_promotion(job, task, iteration)
+
+    async def _finish_promotion(
+        self: _S, job: _CoordinatedJob, task: RecoverTask, iteration: int
+    ) -> bool:
+        """After a promotion: configure the shards left (not those holding nothing, the lost
+        ones among them), re-replicate every slice to its backup, and let the learners go on
+        in a new generation (they re-route and pull). Raises while a shard left does not
+        answer (the caller tries again; a promotion is not done twice)."""
+        coord = job.coord
+        s = coord.settings
+        assert coord.layout is not None and coord.optimizer is not None
+        assert coord.sharding is not None
+        new = coord.sharding
+        empty = frozenset(i for i, names in enumerate(new.tensors) if not names)
+        await self._configure_all(s, coord.layout, coord.optimizer, new, skip=empty)
+        await asyncio.gather(
+            *(
+                self._call_shard(
+                    s,
+                    i,
+                    "TransferSlice",
+                    ps_pb2.TransferSliceRequest(
+                        job_id=s.job_id,
+                        shard_index=i,
+                        target_address=s.shard_addresses[q],
+                        target_replica=True,
+                        global_iteration=iteration,
+                    ),
+                )
+                for i, q in self._backups(new).items()
+            )
+        )
+        async with job.cond:
+            log.warning(
+                "job %s: %s; its slice re-homed at iteration %d, nothing lost",
+                s.job_id,
+                f"shard {task.shard_index} {task.reason}",
+                iteration,
+            )
+            coord.rewind(task, iteration, generation=coord.generation)
+            self._kick(job)
+            job.cond.notify_all()
+        return True
+
+    async def _checkpoint_through_shard_loss(
+        self: _S, job: _CoordinatedJob, task: CheckpointTask
+    ) -> tuple[str, int]:
+        """Parameter-server mode: a shard unreachable or restarted while the checkpoint is
+        written does not make it a failed (skipped) checkpoint: it is written again while it is
+        held. The probe meanwhile finds the shard; if it is back with its slice the next try
+        succeeds, if it lost it the rewind drops the checkpoint (and this gives up)."""
+        coord = job.coord
+        while True:
+            try:
+                return await self._checkpoint(job, task)
+            except (Unavailable, NotFound) as exc:
+                if (
+                    coord.collective
+                    or task not in coord.holds
+                    or self._coordinated.get(coord.job_id) is not job
+                ):
+                    raise
+                log.warning("job %s: checkpoint %s waits for a shard: %s", coord.job_id, task, exc)
+            await asyncio.sleep(self.options.shard_probe_s)
+
+    async def _recover(self: _S, job: _CoordinatedJob, task: RecoverTask) -> None:
+        """Wait for the lost shard to answer. If it holds its slice at the coordinator's
+        iteration nothing was lost; otherwise configure it again (a restarted shard comes
+        back as an empty spare) and rewind every shard to the latest checkpoint. Never fails:
+        while it cannot finish (no checkpoint, storage errors) the job stays recovering with
+        the reason in GetJobProgress, and it tries again."""
+        coord = job.coord
+        s = coord.settings
+        base = coord.recovering
+        since: float | None = None
+        promote_after = self.options.promote_after_s
+        while self._coordinated.get(s.job_id) is job:
+            try:
+                try:
+                    status = await self._shard_status(s, task.shard_index)
+                except Unavailable:
+                    # Still down: after a grace, its backup takes its slice over.
+                    now = time.monotonic()
+                    since = now if since is None else since
+                    if now - since >= promote_after and await self._promote(job, task):
+                        return
+                    raise
+                since = None
+                if job.epoch > 0:
+                    # After a takeover the lost shard may be the old coordinator, paused and
+                    # back: it steps down and points its slice here before it takes part.
+                    await self._call_shard(
+                        s,
+                        task.shard_index,
+                        "SetCoordinator",
+                        ps_pb2.SetCoordinatorRequest(
+                            job_id=s.job_id,
+                            coordinator_address=s.shard_addresses[self.options.shard_index],
+                            coordinator_epoch=job.epoch,
+                            min_generation=coord.generation,
+                        ),
+                    )
+                if status.holds_job and status.initialized:
+                    if status.completed_iterations == coord.completed:
+                        async with job.cond:
+                            log.info(
+                                "job %s: shard %d is back, nothing lost", s.job_id, task.shard_index
+                            )
+                            coord.recovered(task)
+                            self._kick(job)
+                            job.cond.notify_all()
+                        return
+                if await self._restore_from_replicas(job, task):
+                    return
+                found = await asyncio.to_thread(ckpt.latest_checkpoint, s.storage_uri, s.job_id)
+                if found is None:
+                    raise FailedPrecondition("no checkpoint to rewind to")
+                directory, manifest = found
+                assert coord.layout is not None and coord.optimizer is not None
+                assert coord.sharding is not None
+                await self._configure_all(s, coord.layout, coord.optimizer, coord.sharding)
+                await self._load_everywhere(coord, directory)
+                iteration = int(manifest["iteration"])
+                await asyncio.to_thread(
+                    self._truncate_metrics, s, iteration, iteration // coord.iterations_per_epoch
+                )
+                async with job.cond:
+                    log.warning(
+                        "job %s: %s; every shard rewound to the checkpoint after %d iterations",
+                        s.job_id,
+                        base,
+                        iteration,
+                    )
+                    coord.rewind(task, iteration, generation=int(manifest.get("generation", 0)))
+                    self._kick(job)
+                    job.cond.notify_all()
+                return
+            except Unavailable:  # still down: the promotion above decides
+                coord.recovering = f"{base}; waiting for it"
+            except Exception as exc:  # never give up on the job: report and try again
+                coord.recovering = f"{base}; waiting: {exc}"
+                log.warning("job %s: recovering: %s", s.job_id, coord.recovering)
+            await asyncio.sleep(self.options.shard_probe_s)
+
+    async def _resolve_everywhere(self: _S, coord: Coordinator, task: ResolveTask) -> None:
+        request = ps_pb2.ResolveIterationRequest(
+            job_id=coord.job_id,
+            generation=task.generation,
+            iteration=task.iteration,
+            commit=task.commit,
+            grad_norm=task.grad_norm,
+        )
+        active = self._active(coord)
+        if task.commit and faults.armed("commit-partial", task.iteration):
+            others = [i for i in active if i != self.options.shard_index]
+            await self._call_shard(coord.settings, others[0], "ResolveIteration", request)
+            faults.die("commit-partial")
+        calls = [self._call_shard(coord.settings, i, "ResolveIteration", request) for i in active]
+        # The replicas are not told: each applies its sums when the next ones arrive, or is
+        # settled when it is used (ShardJob.keep_pending, ShardJob.settle).
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    async def _checkpoint(self: _S, job: _CoordinatedJob, task: CheckpointTask) -> tuple[str, int]:
+        coord = job.coord
+        s = coord.settings
+        directory = self._checkpoint_directory(s, task.iteration)
+        manifest = await asyncio.to_thread(ckpt.read_manifest, directory)
+        if manifest is None:
+            assert coord.sharding is not None and coord.layout is not None
+            active = self._active(coord)
+            files: list[tuple[int, Any, list[str]]]
+            if coord.collective:
+                # A learner holding the state writes it as one shard file (the writer is
+                # chosen at the boundaries; it reports the file with its next Boundary).
+                waiting = job.checkpoint_files.setdefault(
+                    task.iteration, asyncio.get_running_loop().create_future()
+                )
+                try:
+                    while True:
+                        done, _ = await asyncio.wait({waiting}, timeout=1.0)
+                        if done:
+                            report = waiting.result()
+                            break
+                        if task not in coord.holds:  # abandoned: every holder died
+                            raise FailedPrecondition(
+                                f"checkpoint after {task.iteration} iterations of job "
+                                f"{s.job_id!r}: no learner holding the state is left"
+                            )
+                finally:
+                    job.checkpoint_files.pop(task.iteration, None)
+                files = [(0, report, [m.name for m in coord.layout])]
+            else:
+                request = ps_pb2.SaveShardRequest(
+                    job_id=s.job_id, directory=directory, global_iteration=task.iteration
+                )
+                saved = await asyncio.gather(
+                    *(self._call_shard(s, i, "SaveShard", request) for i in active)
+                )
+                files = [
+                    (i, r, list(coord.sharding.tensors[i]))
+                    for i, r in zip(active, saved, strict=True)
+                ]
+            assert coord.optimizer is not None
+            progress = coord.progress()
+            progress.pop("update_time")
+            manifest = {
+                "job_id": s.job_id,
+                "iteration": task.iteration,
+                "epoch": task.epoch,
+                "generation": coord.generation,
+                "batch_size": s.batch_size,
+                "epochs": s.epochs,
+                "seed": s.seed,
+                "checkpoint_every": s.checkpoint_every,
+                "dataset_size": coord.dataset_size,
+                "optimizer": {
+                    "name": coord.optimizer.name,
+                    "hyperparameters_json": coord.optimizer.hyperparameters_json,
+                    "clip_grad_norm": coord.optimizer.clip_grad_norm,
+                    "skip_nonfinite": coord.optimizer.skip_nonfinite,
+                    "param_groups_json": coord.optimizer.param_groups_json,
+                },
+                "layout": [
+                    {
+                        "name": m.name,
+                        "dtype": m.dtype,
+                        "shape": list(m.shape),
+                        "offset": m.offset,
+                        "nbytes": m.nbytes,
+                        "buffer": m.buffer,
+                    }
+                    for m in coord.layout
+                ],
+                "progress": {
+                    **progress,
+                    "completed_iterations": task.iteration,
+                    "last_loss": _json_number(progress["last_loss"]),
+                },
+                "shards": [
+                    {
+                        "index": i,
+                        "file": shard_file_name(i),
+                        "size": r.size_bytes,
+                        "sha256": r.sha256,
+                        "tensors": names,
+                    }
+                    for i, r, names in files
+                ],
+                "time": self._clock(),
+            }
+            await asyncio.to_thread(ckpt.write_manifest_and_latest, directory, manifest)
+            log.info("job %s: checkpoint %s written", s.job_id, directory)
+            await self._prune_checkpoints(s)
+        if task.final:
+            await asyncio.to_thread(self._write_model, s, directory, manifest)
+        return directory, task.iteration
+
+    @staticmethod
+    async def _prune_checkpoints(s: JobSettings) -> None:
+        """Retention (JobSpec.keep_checkpoints): a failure to delete never fails the job."""
+        try:
+            deleted, reclaimed = await asyncio.to_thread(
+                ckpt.prune_checkpoints, s.storage_uri, s.job_id, s.keep_checkpoints
+            )
+        except (ckpt.StorageError, OSError) as exc:
+            log.warning("job %s: old checkpoints not deleted: %s", s.job_id, exc)
+            return
+        if deleted:
+            log.info(
+                "job %s: deleted checkpoints %s (keeping %d), %d bytes reclaimed",
+                s.job_id,
+                ", ".join(deleted),
+                s.keep_checkpoints or ckpt.DEFAULT_KEEP,
+                reclaimed,
+            )
+
+    @staticmethod
+    def _write_model(settings: JobSettings, directory: str, manifest: dict[str, Any]) -> None:
+        model = model_from_shard_files(directory, manifest)
+        uri = ckpt.job_uri(settings.storage_uri, settings.job_id, "model.safetensors")
+        ckpt.atomic_write(uri, safetensors.torch.save(model))
+
+    async def _flush_metrics(self: _S, job: _CoordinatedJob) -> None:
+        async with job.metrics_lock:
+            records = job.coord.take_metrics()
+            if not records:
+                return
+            s = job.coord.settings
+            uri = ckpt.job_uri(s.storage_uri, s.job_id, "metrics", "iterations.jsonl")
+            lines = [
+                json.dumps(
+                    {
+                        **r,
+                        "loss": _json_number(r["loss"]),
+                        "samples_per_second": _json_number(r["samples_per_second"]),
+                    }
+                )
+                for r in records
+            ]
+            try:
+                await asyncio.to_thread(ckpt.append_line, uri, "\n".join(lines))
+            except ckpt.StorageError as exc:
+                log.error("job %s: metrics not written: %s", s.job_id, exc)

@@ -1,0 +1,198 @@
+# mypy: disable-error-code="misc"
+# (the methods annotate self as ShardJob, the class they are part of)
+"""A slice's replication (part of :class:`~shoal.param_sync.shard.ShardJob`): the running
+iteration's sums as the primary sends them to its backup, and the backup's replica taking
+them, applying them at the commit, or settling to the coordinator's count."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from shoal.runtime.errors import FailedPrecondition, InvalidField
+
+if TYPE_CHECKING:
+    from shoal.param_sync.shard import ShardJob
+
+
+@dataclass
+class _Pending:
+    generation: int
+    iteration: int
+    contributed: set[str] = field(default_factory=set)
+    total_samples: int = 0
+    loss_sum: float = 0.0
+    learning_rate: float = 0.0
+    got_grad: list[bool] = field(default_factory=list)
+    buffer_weight: list[float] = field(default_factory=list)
+
+
+class ReplicaSums:
+    """Part of :class:`~shoal.param_sync.shard.ShardJob` (see there)."""
+
+    # -- replication --------------------------------------------------------------------------
+
+    def pending_frames(
+        self: ShardJob, generation: int, iteration: int
+    ) -> tuple[bytes, list[np.ndarray]]:
+        """The running iteration's sums, exactly as accumulated (before the commit divides
+        them), for the backup: it keeps them and applies the very same :meth:`commit`, so its
+        replica stays bit-identical. Returned as a safetensors blob in two parts, without a
+        copy of the tensors: the header (its 8-byte length and JSON, with the sums' metadata)
+        and uint8 views of the accumulators, in order, that follow it. The views read the
+        accumulators as they are when sent; they stay unchanged until this iteration is
+        committed or aborted (an aborted iteration's sums are never applied by the backup)."""
+        pending = self.pending
+        if pending is None or (pending.generation, pending.iteration) != (generation, iteration):
+            raise FailedPrecondition(
+                f"shard {self.shard_index} of job {self.job_id!r} holds no sums for "
+                f"iteration {iteration} of generation {generation}"
+            )
+        entries: dict[str, Any] = {
+            "__metadata__": {
+                "generation": str(generation),
+                "iteration": str(iteration),
+                "total_samples": str(pending.total_samples),
+                "loss_sum": repr(pending.loss_sum),
+                "learning_rate": repr(pending.learning_rate),
+                "got_grad": json.dumps(pending.got_grad),
+                "buffer_weight": json.dumps(pending.buffer_weight),
+                # The global norm the previous iteration was committed with: a replica that
+                # still holds that iteration's sums commits them with it.
+                "previous_grad_norm": repr(self.last_grad_norm),
+            }
+        }
+        views: list[np.ndarray] = []
+        offset = 0
+        for j, m in enumerate(self.metas):
+            if not (pending.got_grad[j] or pending.buffer_weight[j] > 0):
+                continue
+            acc = self.acc[j]
+            view = self._acc_np[j].view(np.uint8)
+            entries[f"acc/{m.name}"] = {
+                "dtype": _st_dtype(acc.dtype),
+                "shape": [acc.numel()],
+                "data_offsets": [offset, offset + view.nbytes],
+            }
+            offset += view.nbytes
+            views.append(view)
+        header = json.dumps(entries, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # safetensors aligns the data to 8 bytes
+        return len(header).to_bytes(8, "little") + header, views
+
+    def pending_bytes(self: ShardJob, generation: int, iteration: int) -> bytes:
+        """:meth:`pending_frames` joined into one safetensors blob."""
+        header, views = self.pending_frames(generation, iteration)
+        return b"".join([header, *views])
+
+    def apply_replicated(self: ShardJob, generation: int, iteration: int, grad_norm: float) -> bool:
+        """A replica's sums of (generation, iteration) committed now: the coordinator
+        committed that iteration job-wide (this shard's own slice was just committed with the
+        same ``grad_norm``), so the replica steps at once instead of when the next sums come,
+        off the next iteration's critical path. Returns whether it applied them."""
+        pending = self.pending
+        if (
+            pending is None
+            or (pending.generation, pending.iteration) != (generation, iteration)
+            or not self.initialized
+            or self.completed != iteration
+        ):
+            return False
+        self.commit(generation, iteration, grad_norm)
+        return True
+
+    def settle(self: ShardJob, completed: int, grad_norm: float = 0.0) -> None:
+        """A replica brought to ``completed`` iterations: sums it keeps of iteration
+        ``completed - 1`` were committed (the coordinator says so) with the global
+        ``grad_norm``, so they are applied now with it; any others were aborted, so they are
+        dropped."""
+        pending = self.pending
+        if pending is not None:
+            if pending.iteration == completed - 1 == self.completed:
+                self.commit(pending.generation, pending.iteration, grad_norm)
+            else:
+                self.pending = None
+
+    def keep_pending(self: ShardJob, data: bytes | bytearray | memoryview) -> int:
+        """Take a primary's :meth:`pending_bytes` as this replica's sums. Returns the
+        iteration. The replica's previous sums, if it still holds them (they are normally
+        applied at the commit by :meth:`apply_replicated`), are applied first when these are
+        of the next iteration (the primary sends those only after it committed the previous
+        one), and replaced when of the same iteration (that one was aborted and is run
+        again)."""
+        raw = memoryview(data).cast("B")
+        try:
+            size = int.from_bytes(raw[:8], "little")
+            entries = json.loads(bytes(raw[8 : 8 + size]))
+            meta = dict(entries.pop("__metadata__"))
+            generation, iteration = int(meta["generation"]), int(meta["iteration"])
+            got_grad = [bool(x) for x in json.loads(meta["got_grad"])]
+            weights = [float(x) for x in json.loads(meta["buffer_weight"])]
+            total = int(meta["total_samples"])
+            loss_sum, lr = float(meta["loss_sum"]), float(meta["learning_rate"])
+            previous_norm = float(meta.get("previous_grad_norm", "0.0"))
+            spans = {
+                name: (entry["dtype"], int(entry["data_offsets"][0]), int(entry["data_offsets"][1]))
+                for name, entry in entries.items()
+            }
+        except Exception as exc:
+            raise InvalidField("chunk", f"{len(raw)} bytes", f"is not a sum: {exc}") from None
+        if len(got_grad) != len(self.metas) or len(weights) != len(self.metas):
+            raise InvalidField("chunk", len(got_grad), f"must list {len(self.metas)} tensors")
+        base = 8 + size
+        targets = []
+        for name, (dtype, begin, stop) in spans.items():
+            j = self.index.get(name.removeprefix("acc/"))
+            if (
+                j is None
+                or dtype != _st_dtype(self.acc[j].dtype)
+                or not 0 <= begin <= stop
+                or stop - begin != self._acc_np[j].nbytes
+                or base + stop > len(raw)
+            ):
+                raise InvalidField("chunk", name, "does not match the slice")
+            targets.append((j, base + begin, base + stop))
+        if self.initialized and self.pending is not None:
+            self.settle(iteration, previous_norm)
+        if not self.initialized or iteration != self.completed:
+            raise FailedPrecondition(
+                f"replica of shard {self.shard_index} of job {self.job_id!r} is at iteration "
+                f"{self.completed}, not {iteration}"
+            )
+        for j, begin, stop in targets:
+            self._acc_np[j].view(np.uint8)[:] = np.frombuffer(raw[begin:stop], dtype=np.uint8)
+        self.min_generation = max(self.min_generation, generation)
+        self.pending = _Pending(
+            generation,
+            iteration,
+            total_samples=total,
+            loss_sum=loss_sum,
+            learning_rate=lr,
+            got_grad=got_grad,
+            buffer_weight=weights,
+        )
+        return iteration
+
+
+#: safetensors' dtype names of the accumulators' dtypes.
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+
+
+def _st_dtype(dtype: torch.dtype) -> str:
+    return _ST_DTYPES.get(dtype) or str(dtype)
