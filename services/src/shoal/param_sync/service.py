@@ -241,6 +241,9 @@ class ParameterSyncServicer(
         self._clock = clock
         self.metrics = metrics if metrics is not None else SyncMetrics()
         self._coordinated: dict[str, _CoordinatedJob] = {}
+        # Jobs inside OpenJob (fencing the shards, loading the checkpoint): their calls to the
+        # shards carry the epoch the opening took, before the job is coordinated.
+        self._opening: dict[str, _CoordinatedJob] = {}
         self._slices: dict[str, _ShardSlice] = {}
         # Replicas this shard keeps of other shards' slices: (job, whose index) -> state.
         self._replicas: dict[tuple[str, int], ShardJob] = {}

@@ -88,10 +88,14 @@ class JobHandlers:
                     coordinator_epoch=existing.epoch,
                 )
             job = _CoordinatedJob(Coordinator(settings, clock=self._clock), owner=request.owner)
-            await self._fence_the_shards(job, request.coordinator_epoch)
-            found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
-            if found is not None:
-                await self._resume(job, *found)
+            self._opening[request.job_id] = job
+            try:
+                await self._fence_the_shards(job, request.coordinator_epoch)
+                found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
+                if found is not None:
+                    await self._resume(job, *found)
+            finally:
+                self._opening.pop(request.job_id, None)
             job.coord.generation = max(job.coord.generation, job.epoch << 32)
             self._coordinated[request.job_id] = job
             job.watchdog = asyncio.create_task(self._watch_shards(job))
@@ -536,7 +540,7 @@ class JobHandlers:
     async def _call_shard(
         self: _S, settings: JobSettings, index: int, method: str, request: Any
     ) -> Any:
-        job = self._coordinated.get(settings.job_id)
+        job = self._coordinated.get(settings.job_id) or self._opening.get(settings.job_id)
         if job is not None and "coordinator_epoch" in request.DESCRIPTOR.fields_by_name:
             request.coordinator_epoch = job.epoch  # fenced on the shard (SetCoordinator)
         if index == self.options.shard_index:
