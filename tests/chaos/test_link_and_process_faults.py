@@ -364,17 +364,17 @@ def _flapping(chaos: ChaosCluster) -> str:
 
 @full
 def test_losing_the_coordinator_shard_a_second_time_resumes_the_jobs(rig: Rig, record):
-    """Runs last (it may leave the cluster unusable). SIGKILL shard 0, which coordinates every
-    job since the checkpoint scenario took the role from shard 1, and start it again: the
-    jobs should resume (the role moves to shard 1, or the job resumes from its latest
-    checkpoint) with their iteration record exact.
+    """Runs last. SIGKILL shard 0, which coordinates every job since the checkpoint scenario
+    took the role from shard 1, and start it again: the jobs resume (the role moves to shard 1,
+    or the job resumes from its latest checkpoint) with their iteration record exact.
 
-    Known bug (found by this test, 2026-11-26): the scheduler leader's OpenJob is refused by a
-    shard with FAILED_PRECONDITION ERROR_REASON_FENCED_OUT "coordinator_epoch (0) of job ... is
-    older than the current coordinator's (N, ...)"; the scheduler reads that reason as its own
-    leadership being fenced (reconcile.py ``_check_fenced`` -> ``FencedOutByPeer`` ->
-    ``_depose``) and steps down; the standby leads and does the same: both replicas flap
-    several times a second and the job never resumes. xfail while that holds."""
+    Found by this test (2026-11-26, fixed the same day): the scheduler leader's OpenJob was
+    refused with ERROR_REASON_FENCED_OUT "coordinator_epoch (0) of job ... is older than the
+    current coordinator's (N, ...)", which the scheduler read as its own leadership being
+    fenced: it stepped down, the standby led and did the same, and the job never resumed. Now
+    a stale coordinator epoch is ERROR_REASON_STALE_COORDINATOR (never a leadership fence),
+    and the scheduler opens a job whose role moved above the epoch it published
+    (OpenJobRequest.coordinator_epoch)."""
     chaos = rig.chaos
     chaos.kill("parameter-sync-0", signal.SIGKILL)
     start = time.monotonic()
@@ -388,8 +388,7 @@ def test_losing_the_coordinator_shard_a_second_time_resumes_the_jobs(rig: Rig, r
 
     base = [chaos.iterations_done(job) for job in rig.jobs]
     outcome = wait_for(resumed_or_flapping, 240, "the jobs to resume after the second loss")
-    if outcome == "flapping":
-        pytest.xfail(f"the scheduler leadership flaps: {_flapping(chaos)}")
+    assert outcome == "resumed", f"the scheduler leadership flaps: {_flapping(chaos)}"
     for job in rig.jobs:
         chaos.assert_iterations_exact(job)
     record.update(

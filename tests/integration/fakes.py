@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from shoal.contract.errors import StaleCoordinator
 from shoal.runtime.auth import SERVICES, USERS_AND_SERVICES, MethodRoles
 from shoal.runtime.config import ServerConfig
 from shoal.runtime.errors import FailedPrecondition, FencedOut, InvalidField, NotFound, Unavailable
@@ -409,6 +410,9 @@ class FakeParameterSync:
         self.jobs: dict[str, FakeSyncJob] = {}
         self.fencing = _Fencing()
         self.open_calls: list[tuple[int, str]] = []
+        self.open_epochs: list[tuple[str, int]] = []  # job, OpenJobRequest.coordinator_epoch
+        # OpenJob calls refused as a shard that knows a newer coordinator epoch would.
+        self.stale_opens = 0
         # Overridable where the learners are real processes on real agents: who runs for a
         # job, and how a learner leaves at its boundary.
         self.members_hook: Callable[[str], list[str]] | None = None
@@ -477,6 +481,13 @@ class FakeShard(parameter_sync_service_pb2_grpc.ParameterSyncServiceServicer):
         self._up()
         self.sync.fencing.check(request.fencing_token)
         self.sync.open_calls.append((self.index, request.job_id))
+        self.sync.open_epochs.append((request.job_id, request.coordinator_epoch))
+        if self.sync.stale_opens > 0:
+            self.sync.stale_opens -= 1
+            raise StaleCoordinator(
+                f"coordinator_epoch ({request.coordinator_epoch}) of job {request.job_id!r} is "
+                "older than the current coordinator's"
+            )
         job = self.sync.jobs.get(request.job_id)
         if job is None or job.closed:
             job = FakeSyncJob(
@@ -484,7 +495,11 @@ class FakeShard(parameter_sync_service_pb2_grpc.ParameterSyncServiceServicer):
             )
             self.sync.jobs[request.job_id] = job
         job.opened += 1
-        return ps_pb2.OpenJobResponse(progress=job.progress, resumed=job.opened > 1)
+        return ps_pb2.OpenJobResponse(
+            progress=job.progress,
+            resumed=job.opened > 1,
+            coordinator_epoch=request.coordinator_epoch,  # the floor it was given: taken
+        )
 
     async def CloseJob(self, request, context):  # type: ignore[no-untyped-def]
         self._up()

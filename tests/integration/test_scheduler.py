@@ -505,6 +505,50 @@ async def test_a_lost_coordinator_shard_is_replaced_by_the_next_shard_and_the_mo
     assert not any("checkpoint" in r for r in reasons), reasons
 
 
+async def test_a_stale_coordinator_refusal_never_deposes_the_scheduler_and_the_job_reopens_above_the_published_epoch(  # noqa: E501
+    loop: Loop,
+) -> None:
+    """A job's coordinator role moved before (a takeover published at epoch 3), then its
+    coordinator lost the job, so the scheduler re-opens it. Shards that still know a newer
+    coordinator epoch refuse OpenJob with ERROR_REASON_STALE_COORDINATOR: that is the job's
+    coordinator fenced, not this scheduler's leadership, so it keeps leading and retries; it
+    opens the job above the published epoch (4) and publishes the epoch the shard took. (The
+    bug this guards: the refusal was ERROR_REASON_FENCED_OUT and both scheduler replicas
+    stepped down in turn, the job never resumed; tests/chaos second coordinator loss.)"""
+    sync = loop.cluster.sync
+    job_id = (await loop.api.submit(ALICE, "", spec(loop.artifact, max_workers=2))).job_id
+    await async_wait_until(lambda: loop.cluster.workers(job_id) == 2, what="2 learners")
+    assert sync.open_epochs == [(job_id, 0)]  # the role never moved: epoch 0
+    index = loop.table.records[job_id].coordinator_index
+    moved = CoordinatorRecord(address=loop.cluster.shard_addresses[index], index=index, epoch=3)
+    await loop.store.put(coordinator_key(job_id), encode_coordinator(moved))
+    await async_wait_until(
+        lambda: loop.reconciler.moves.get(job_id) is not None, what="the move seen"
+    )
+
+    sync.stale_opens = 2
+    sync.jobs[job_id].closed = True  # the coordinator lost the job: the scheduler re-opens it
+    await loop.until(lambda: not loop.table.records[job_id].opened, "the scheduler notices")
+    for fl in loop.cluster.running(job_id):  # before its next learner starts
+        loop.cluster.exit_learner(fl.learner.learner_id, 1, "Boundary: NOT_FOUND")
+    await async_wait_until(
+        lambda: sync.stale_opens == 0 and not sync.jobs[job_id].closed,
+        timeout=30,
+        what="the job re-opened after two stale-coordinator refusals",
+    )
+    assert [e for j, e in sync.open_epochs[1:] if j == job_id] == [4, 4, 4]
+    await async_wait_until(
+        lambda: loop.reconciler.moves.get(job_id).epoch == 4,  # type: ignore[union-attr]
+        what="the epoch the shard took, published",
+    )
+    kv = await loop.store.get(coordinator_key(job_id))
+    assert kv is not None
+    published = decode_coordinator(kv.value)
+    assert (published.index, published.epoch) == (index, 4)
+    assert loop.table.leading
+    assert not loop.reconciler._deposed.is_set()
+
+
 async def test_a_jobs_coordinator_record_is_deleted_when_it_ends_in_any_terminal_state(
     etcd: EtcdServer, tmp_path: Path
 ) -> None:

@@ -53,6 +53,7 @@ REASONS = frozenset(
         "ERROR_REASON_QUOTA_EXCEEDED",
         "ERROR_REASON_OVERLOADED",
         "ERROR_REASON_STORAGE_FULL",
+        "ERROR_REASON_STALE_COORDINATOR",
     }
 )
 
@@ -209,7 +210,7 @@ class FailedPrecondition(ShoalError):
 
 class FencedOut(FailedPrecondition, StoreError):
     """A write was refused because its writer is no longer the leader: a caller's fencing
-    token (or coordinator epoch) is stale, or -- raised by the store, built with
+    token is stale, or -- raised by the store, built with
     :meth:`of_fence` -- the fence's leader key is gone or belongs to a new leader."""
 
     reason = "ERROR_REASON_FENCED_OUT"
@@ -240,6 +241,15 @@ class FencedOut(FailedPrecondition, StoreError):
             fence=fence,
             actual_create_revision=actual_create_revision,
         )
+
+
+class StaleCoordinator(FailedPrecondition):
+    """A call was refused because its coordinator epoch for the job is older than the one the
+    shard knows: the job's coordinator role moved since (parameter-sync failover). It fences a
+    job's coordinator, never a scheduler's leadership (that is :class:`FencedOut`), so a
+    scheduler that meets it keeps leading and retries with the job's newer epoch."""
+
+    reason = "ERROR_REASON_STALE_COORDINATOR"
 
 
 class StaleGeneration(FailedPrecondition):

@@ -76,6 +76,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The storage behind the call (artifacts, checkpoints) is full (ENOSPC or a disk quota);
     nothing partial was kept.
     """
+    ERROR_REASON_STALE_COORDINATOR: _ErrorReason.ValueType  # 23
+    """The caller's coordinator epoch for the job is older than the shard's: the job's coordinator
+    role moved since (FAILED_PRECONDITION). Fences a job's coordinator, not a scheduler leader.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason is the machine-readable reason of a failed call. Every shoal service sends it
@@ -136,5 +140,9 @@ retry after a short backoff.
 ERROR_REASON_STORAGE_FULL: ErrorReason.ValueType  # 22
 """The storage behind the call (artifacts, checkpoints) is full (ENOSPC or a disk quota);
 nothing partial was kept.
+"""
+ERROR_REASON_STALE_COORDINATOR: ErrorReason.ValueType  # 23
+"""The caller's coordinator epoch for the job is older than the shard's: the job's coordinator
+role moved since (FAILED_PRECONDITION). Fences a job's coordinator, not a scheduler leader.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015

@@ -285,6 +285,7 @@ class OpenJobRequest(_message.Message):
     SHARD_ADDRESSES_FIELD_NUMBER: _builtins.int
     FENCING_TOKEN_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    COORDINATOR_EPOCH_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     storage_uri: _builtins.str
@@ -292,6 +293,11 @@ class OpenJobRequest(_message.Message):
     owner: _builtins.str
     """The principal that owns the job (who submitted it): with a user token it may read the
     job's progress and membership, and nothing else. Empty: no user may read it.
+    """
+    coordinator_epoch: _builtins.int
+    """The lowest coordinator epoch the new coordinator may take: above every epoch the scheduler
+    gave the job's coordinator before (TakeOverJob), 0 when the role never moved. The shard
+    takes the larger of this and one above what the other shards answer (FindCoordinator).
     """
     @_builtins.property
     def spec(self) -> _job_pb2.JobSpec:
@@ -314,10 +320,11 @@ class OpenJobRequest(_message.Message):
         shard_addresses: _abc.Iterable[_builtins.str] | None = ...,
         fencing_token: _resources_pb2.FencingToken | None = ...,
         owner: _builtins.str = ...,
+        coordinator_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "job_id", b"job_id", "owner", b"owner", "shard_addresses", b"shard_addresses", "spec", b"spec", "storage_uri", b"storage_uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_epoch", b"coordinator_epoch", "fencing_token", b"fencing_token", "job_id", b"job_id", "owner", b"owner", "shard_addresses", b"shard_addresses", "spec", b"spec", "storage_uri", b"storage_uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -331,8 +338,13 @@ class OpenJobResponse(_message.Message):
 
     PROGRESS_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
+    COORDINATOR_EPOCH_FIELD_NUMBER: _builtins.int
     resumed: _builtins.bool
     """True when the job resumed from a checkpoint."""
+    coordinator_epoch: _builtins.int
+    """The coordinator epoch the job's coordinator took (0: the role never moved); the scheduler
+    publishes it with the coordinator's address when it is above the one it knew.
+    """
     @_builtins.property
     def progress(self) -> _job_pb2.JobProgress:
         """The progress (non-zero when resumed from a checkpoint)."""
@@ -342,10 +354,11 @@ class OpenJobResponse(_message.Message):
         *,
         progress: _job_pb2.JobProgress | None = ...,
         resumed: _builtins.bool = ...,
+        coordinator_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress", "resumed", b"resumed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_epoch", b"coordinator_epoch", "progress", b"progress", "resumed", b"resumed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -378,7 +378,7 @@ class ParameterSyncServiceServicer:
         (SetCoordinator), and the learners that re-join form a fresh generation; the lost shard's
         slice is promoted from its replica. Returns FAILED_PRECONDITION when the shards left are
         not at one iteration (the caller falls back to the checkpoint), UNAVAILABLE when a shard
-        left does not answer, FAILED_PRECONDITION (ERROR_REASON_FENCED_OUT) for a stale epoch.
+        left does not answer, FAILED_PRECONDITION (ERROR_REASON_STALE_COORDINATOR) for a stale epoch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -388,7 +388,7 @@ class ParameterSyncServiceServicer:
         """SetCoordinator tells a shard that a job's coordinator moved (new coordinator to shard):
         it keeps the address and epoch, drops an iteration in flight, and from now on refuses
         ResolveIteration, ConfigureShard, SaveShard and TransferSlice carrying a lower
-        coordinator epoch (ERROR_REASON_FENCED_OUT). Returns FAILED_PRECONDITION (a lower epoch
+        coordinator epoch (ERROR_REASON_STALE_COORDINATOR). Returns FAILED_PRECONDITION (a lower epoch
         than one it was told), INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

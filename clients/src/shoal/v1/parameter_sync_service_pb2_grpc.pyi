@@ -162,13 +162,13 @@ class ParameterSyncServiceStub:
     (SetCoordinator), and the learners that re-join form a fresh generation; the lost shard's
     slice is promoted from its replica. Returns FAILED_PRECONDITION when the shards left are
     not at one iteration (the caller falls back to the checkpoint), UNAVAILABLE when a shard
-    left does not answer, FAILED_PRECONDITION (ERROR_REASON_FENCED_OUT) for a stale epoch.
+    left does not answer, FAILED_PRECONDITION (ERROR_REASON_STALE_COORDINATOR) for a stale epoch.
     """
     SetCoordinator: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.SetCoordinatorRequest, _parameter_sync_service_pb2.SetCoordinatorResponse]
     """SetCoordinator tells a shard that a job's coordinator moved (new coordinator to shard):
     it keeps the address and epoch, drops an iteration in flight, and from now on refuses
     ResolveIteration, ConfigureShard, SaveShard and TransferSlice carrying a lower
-    coordinator epoch (ERROR_REASON_FENCED_OUT). Returns FAILED_PRECONDITION (a lower epoch
+    coordinator epoch (ERROR_REASON_STALE_COORDINATOR). Returns FAILED_PRECONDITION (a lower epoch
     than one it was told), INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED.
     """
     FindCoordinator: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.FindCoordinatorRequest, _parameter_sync_service_pb2.FindCoordinatorResponse]
@@ -311,13 +311,13 @@ class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
     (SetCoordinator), and the learners that re-join form a fresh generation; the lost shard's
     slice is promoted from its replica. Returns FAILED_PRECONDITION when the shards left are
     not at one iteration (the caller falls back to the checkpoint), UNAVAILABLE when a shard
-    left does not answer, FAILED_PRECONDITION (ERROR_REASON_FENCED_OUT) for a stale epoch.
+    left does not answer, FAILED_PRECONDITION (ERROR_REASON_STALE_COORDINATOR) for a stale epoch.
     """
     SetCoordinator: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.SetCoordinatorRequest, _parameter_sync_service_pb2.SetCoordinatorResponse]  # type: ignore[assignment]
     """SetCoordinator tells a shard that a job's coordinator moved (new coordinator to shard):
     it keeps the address and epoch, drops an iteration in flight, and from now on refuses
     ResolveIteration, ConfigureShard, SaveShard and TransferSlice carrying a lower
-    coordinator epoch (ERROR_REASON_FENCED_OUT). Returns FAILED_PRECONDITION (a lower epoch
+    coordinator epoch (ERROR_REASON_STALE_COORDINATOR). Returns FAILED_PRECONDITION (a lower epoch
     than one it was told), INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED.
     """
     FindCoordinator: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.FindCoordinatorRequest, _parameter_sync_service_pb2.FindCoordinatorResponse]  # type: ignore[assignment]
@@ -589,7 +589,7 @@ class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         (SetCoordinator), and the learners that re-join form a fresh generation; the lost shard's
         slice is promoted from its replica. Returns FAILED_PRECONDITION when the shards left are
         not at one iteration (the caller falls back to the checkpoint), UNAVAILABLE when a shard
-        left does not answer, FAILED_PRECONDITION (ERROR_REASON_FENCED_OUT) for a stale epoch.
+        left does not answer, FAILED_PRECONDITION (ERROR_REASON_STALE_COORDINATOR) for a stale epoch.
         """
 
     @_abc_1.abstractmethod
@@ -601,7 +601,7 @@ class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         """SetCoordinator tells a shard that a job's coordinator moved (new coordinator to shard):
         it keeps the address and epoch, drops an iteration in flight, and from now on refuses
         ResolveIteration, ConfigureShard, SaveShard and TransferSlice carrying a lower
-        coordinator epoch (ERROR_REASON_FENCED_OUT). Returns FAILED_PRECONDITION (a lower epoch
+        coordinator epoch (ERROR_REASON_STALE_COORDINATOR). Returns FAILED_PRECONDITION (a lower epoch
         than one it was told), INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED.
         """
 

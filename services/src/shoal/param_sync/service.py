@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc import aio
 
-from shoal.contract.errors import decode_rpc_error
+from shoal.contract.errors import StaleCoordinator, decode_rpc_error
 from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
     frame_decoder,
@@ -241,6 +241,9 @@ class ParameterSyncServicer(
         self._clock = clock
         self.metrics = metrics if metrics is not None else SyncMetrics()
         self._coordinated: dict[str, _CoordinatedJob] = {}
+        # Jobs inside OpenJob (fencing the shards, loading the checkpoint): their calls to the
+        # shards carry the epoch the opening took, before the job is coordinated.
+        self._opening: dict[str, _CoordinatedJob] = {}
         self._slices: dict[str, _ShardSlice] = {}
         # Replicas this shard keeps of other shards' slices: (job, whose index) -> state.
         self._replicas: dict[tuple[str, int], ShardJob] = {}
@@ -321,8 +324,11 @@ class ParameterSyncServicer(
             if code == grpc.StatusCode.NOT_FOUND:
                 raise NotFound("job state on shard", address) from exc
             if code == grpc.StatusCode.FAILED_PRECONDITION:
-                if decode_rpc_error(exc).reason == "ERROR_REASON_STALE_GENERATION":
+                reason = decode_rpc_error(exc).reason
+                if reason == "ERROR_REASON_STALE_GENERATION":
                     raise StaleGeneration(text) from exc
+                if reason == "ERROR_REASON_STALE_COORDINATOR":
+                    raise StaleCoordinator(text) from exc
                 raise FailedPrecondition(text) from exc
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidField(method, address, f"refused: {exc.details()}") from exc
@@ -363,7 +369,7 @@ class ParameterSyncServicer(
             raise InvalidField("coordinator_epoch", epoch, "must be >= 0")
         address, known = self._coordinator_at.get(job_id, ("", 0))
         if epoch < known:
-            raise FencedOut(
+            raise StaleCoordinator(
                 f"coordinator_epoch ({epoch}) of job {job_id!r} is older than the current "
                 f"coordinator's ({known}, {address})"
             )

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from shoal.contract.errors import StaleCoordinator
 from shoal.contract.wire import TensorMeta
 from shoal.param_sync import checkpoint as ckpt
 from shoal.param_sync.authz import authorize, check_storage_uri
@@ -36,7 +37,6 @@ from shoal.runtime.auth import current_principal
 from shoal.runtime.errors import (
     Aborted,
     FailedPrecondition,
-    FencedOut,
     InvalidField,
     JobNotFound,
     ShoalError,
@@ -83,13 +83,19 @@ class JobHandlers:
             if existing is not None:
                 coord = existing.coord
                 return ps_pb2.OpenJobResponse(
-                    progress=_progress_proto(coord.progress()), resumed=coord.resumed
+                    progress=_progress_proto(coord.progress()),
+                    resumed=coord.resumed,
+                    coordinator_epoch=existing.epoch,
                 )
             job = _CoordinatedJob(Coordinator(settings, clock=self._clock), owner=request.owner)
-            await self._fence_the_shards(job)
-            found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
-            if found is not None:
-                await self._resume(job, *found)
+            self._opening[request.job_id] = job
+            try:
+                await self._fence_the_shards(job, request.coordinator_epoch)
+                found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
+                if found is not None:
+                    await self._resume(job, *found)
+            finally:
+                self._opening.pop(request.job_id, None)
             job.coord.generation = max(job.coord.generation, job.epoch << 32)
             self._coordinated[request.job_id] = job
             job.watchdog = asyncio.create_task(self._watch_shards(job))
@@ -100,16 +106,20 @@ class JobHandlers:
                 settings.num_shards,
             )
             return ps_pb2.OpenJobResponse(
-                progress=_progress_proto(job.coord.progress()), resumed=job.coord.resumed
+                progress=_progress_proto(job.coord.progress()),
+                resumed=job.coord.resumed,
+                coordinator_epoch=job.epoch,
             )
 
     # -- coordinator failover -----------------------------------------------------------------
 
-    async def _fence_the_shards(self: _S, job: _CoordinatedJob) -> None:
+    async def _fence_the_shards(self: _S, job: _CoordinatedJob, floor: int) -> None:
         """A job opened anew (OpenJob) where the coordinator role had moved before (a takeover,
         then the checkpoint path or a lost successor): the shards that still fence the job at
-        an epoch would refuse this coordinator's calls. Take the next epoch on every shard that
-        answers (none had one: nothing to do, epoch 0), with generations above its floor."""
+        an epoch would refuse this coordinator's calls. Take an epoch above every one the
+        shards that answer know, and at least ``floor`` (the scheduler's: above every epoch it
+        gave, so a shard that did not answer in time is covered too), on every shard, with
+        generations above its floor. None known and no floor: nothing to do, epoch 0."""
         s = job.coord.settings
         request = ps_pb2.FindCoordinatorRequest(job_id=s.job_id)
         me = self.options.shard_index
@@ -124,9 +134,9 @@ class JobHandlers:
             *(epoch_of(i) for i in range(s.num_shards)), return_exceptions=True
         )
         top = max((e for e in found if isinstance(e, int)), default=0)
-        if top == 0:
+        if top == 0 and floor <= 0:
             return
-        job.epoch = top + 1
+        job.epoch = max(top + 1, floor)
         move = ps_pb2.SetCoordinatorRequest(
             job_id=s.job_id,
             coordinator_address=s.shard_addresses[me],
@@ -182,7 +192,7 @@ class JobHandlers:
                         progress=_progress_proto(existing.coord.progress())
                     )
                 if existing.epoch > epoch:
-                    raise FencedOut(
+                    raise StaleCoordinator(
                         f"coordinator_epoch ({epoch}) of job {request.job_id!r} is older than "
                         f"this shard's ({existing.epoch})"
                     )
@@ -530,7 +540,7 @@ class JobHandlers:
     async def _call_shard(
         self: _S, settings: JobSettings, index: int, method: str, request: Any
     ) -> Any:
-        job = self._coordinated.get(settings.job_id)
+        job = self._coordinated.get(settings.job_id) or self._opening.get(settings.job_id)
         if job is not None and "coordinator_epoch" in request.DESCRIPTOR.fields_by_name:
             request.coordinator_epoch = job.epoch  # fenced on the shard (SetCoordinator)
         if index == self.options.shard_index:

@@ -61,6 +61,20 @@ class JobLifecycle:
         if record.final:
             await self._forget_coordinator_move(record.job_id)
 
+    async def _publish_move(self, record: JobRecord, moved: CoordinatorRecord) -> None:
+        """Publish where a job's coordinator is and at which epoch (a takeover, or a re-open
+        that had to take a higher epoch) in etcd, fenced by this scheduler's leadership, and
+        follow it here at once (the watch brings it to the other replicas)."""
+        job_id = record.job_id
+        value = encode_coordinator(moved)
+        try:
+            await self.table.store.put(coordinator_key(job_id), value, fence=self.table.fence)
+        except StoreError as exc:  # this leader follows it anyway; the next finds the shard
+            log.warning("job %s: coordinator move not published: %s", job_id, exc)
+        self.moves.apply(coordinator_key(job_id), value)
+        if record.final:  # it ended while the move was being made: nothing reads it
+            await self._forget_coordinator_move(job_id)
+
     async def _forget_coordinator_move(self, job_id: str) -> None:
         """A job ended (COMPLETED, FAILED, CANCELLED): delete where its coordinator moved
         (``/shoal/v1/parameter-sync/coordinators/<job_id>``), which nothing reads any more (the
@@ -281,12 +295,6 @@ class JobLifecycle:
                     describe(exc),
                 )
                 return False
-            moved = CoordinatorRecord(address=shards[index], index=index, epoch=epoch)
-            value = encode_coordinator(moved)
-            try:
-                await self.table.store.put(coordinator_key(job_id), value, fence=self.table.fence)
-            except StoreError as exc:  # this leader follows it anyway; the next finds the shard
-                log.warning("job %s: coordinator move not published: %s", job_id, exc)
             log.warning(
                 "job %s: coordinator shard %d lost; shard %d took the role over (epoch %d)",
                 job_id,
@@ -294,9 +302,9 @@ class JobLifecycle:
                 index,
                 epoch,
             )
-            self.moves.apply(coordinator_key(job_id), value)
-            if record.final:  # it ended while the move was being made: nothing reads it
-                await self._forget_coordinator_move(job_id)
+            await self._publish_move(
+                record, CoordinatorRecord(address=shards[index], index=index, epoch=epoch)
+            )
             return True
         return False
 

@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.duration_pb2 import Duration
 from opentelemetry import trace
 
+from shoal.contract.data_plane import CoordinatorRecord
 from shoal.contract.errors import NotLeader, ShoalError, Unavailable
 from shoal.runtime.election import LeadershipLost
 from shoal.scheduler.health import lost_reason
@@ -408,6 +409,9 @@ class JobWorkers:
             )
         if record.opened:
             return
+        # A job whose coordinator role moved before (a takeover) is opened above that epoch, so
+        # the shards that still fence the job at it take the new coordinator's calls.
+        known = self.moves.get(record.job_id)
         request = ps_pb2.OpenJobRequest(
             job_id=record.job_id,
             spec=record.job.spec,
@@ -415,6 +419,7 @@ class JobWorkers:
             shard_addresses=list(shards),
             fencing_token=self._token,
             owner=record.owner,
+            coordinator_epoch=known.epoch + 1 if known is not None else 0,
         )
         try:
             response = await self.peers.shard(record.coordinator_address).OpenJob(
@@ -433,6 +438,15 @@ class JobWorkers:
             raise
         record.opened = True
         record.closed = False
+        if response.coordinator_epoch > (known.epoch if known is not None else 0):
+            await self._publish_move(
+                record,
+                CoordinatorRecord(
+                    address=record.coordinator_address,
+                    index=record.coordinator_index,
+                    epoch=response.coordinator_epoch,
+                ),
+            )
         if response.HasField("progress"):
             record.job.progress.CopyFrom(response.progress)
         health = self.health.get(record.job_id)
