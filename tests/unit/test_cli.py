@@ -464,12 +464,25 @@ async def test_submit_resume_from_and_keep_checkpoints_reach_the_spec(scheduler,
         ("job-3c0e5b9a41d2", "job-3c0e5b9a41d2"),
     ):
         result = await invoke(
-            ["submit", str(tmp_path / "m"), "--resume-from", given, "--keep-checkpoints", "5"]
+            [
+                "submit",
+                str(tmp_path / "m"),
+                "--resume-from",
+                given,
+                "--keep-checkpoints",
+                "5",
+                "--keep-every",
+                "10",
+            ]
         )
         assert result.exit_code == 0, result.output
         assert f"resuming from {sent}" in result.stdout
         job = list(scheduler.jobs.values())[-1]
-        assert (job.spec.resume_from, job.spec.keep_checkpoints) == (sent, 5)
+        assert (
+            job.spec.resume_from,
+            job.spec.keep_checkpoints,
+            job.spec.keep_every_nth_checkpoint,
+        ) == (sent, 5, 10)
     count = len(scheduler.jobs)
     bad = await invoke(["submit", str(tmp_path / "m"), "--resume-from", "job-1@"])
     assert bad.exit_code == 2 and "--resume-from ('job-1@')" in bad.output, bad.output

@@ -239,6 +239,30 @@ async def test_a_negative_keep_checkpoints_is_refused_naming_the_field(bed: Bed)
         await submit(bed, await upload(bed), keep_checkpoints=-1)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "spec.keep_checkpoints" in caught.value.details() and "-1" in caught.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await submit(bed, await upload(bed), keep_every_nth_checkpoint=-2)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.keep_every_nth_checkpoint" in (caught.value.details() or "")
+
+
+async def test_retention_keeps_every_nth_checkpoint_for_good_and_counts_them_the_same_later(
+    bed: Bed,
+) -> None:
+    """A checkpoint every 2 epochs (iteration 10 per epoch here), keep the newest 2 and every
+    3rd: the checkpoints at epochs 6, 12, ... stay however many come after them."""
+    job = await submit(bed, await upload(bed))
+    for k in (20, 40, 60, 80, 100):  # epochs 2, 4, 6, 8, 10: the 1st to the 5th checkpoint
+        write_checkpoint(bed, job.job_id, k, checkpoint_every=2)
+    deleted, _ = ckpt.prune_checkpoints(bed.storage.uri, job.job_id, 2, 3)
+    assert deleted == ["iter-20", "iter-40"]
+    assert await names(bed, job.job_id) == ["iter-60", "iter-80", "iter-100"]
+    for k in (120, 140, 160):  # the 6th (epoch 12: kept for good), the 7th and the 8th
+        write_checkpoint(bed, job.job_id, k, checkpoint_every=2)
+        ckpt.prune_checkpoints(bed.storage.uri, job.job_id, 2, 3)
+    assert await names(bed, job.job_id) == ["iter-60", "iter-120", "iter-140", "iter-160"]
+    # Without every-Nth (0) the same storage keeps only the newest 2.
+    deleted, _ = ckpt.prune_checkpoints(bed.storage.uri, job.job_id, 2, 0)
+    assert deleted == ["iter-60", "iter-120"]
 
 
 async def test_resume_from_copies_the_checkpoint_into_the_new_job(bed: Bed) -> None:

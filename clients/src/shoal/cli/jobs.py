@@ -103,6 +103,14 @@ def submit(
             help="Keep the job's newest N complete checkpoints, delete older ones (0: 3)."
         ),
     ] = 0,
+    keep_every: Annotated[
+        int,
+        typer.Option(
+            help="Also keep every Nth checkpoint for good (the checkpoints at epochs "
+            "N x --checkpoint-every, 2N x ...; 0: none).",
+            metavar="N",
+        ),
+    ] = 0,
     resume_from: Annotated[
         str | None,
         typer.Option(
@@ -183,6 +191,7 @@ def submit(
             checkpoint_every=checkpoint_every,
             seed=seed,
             keep_checkpoints=keep_checkpoints,
+            keep_every_nth_checkpoint=keep_every,
             resume_from=resume,
         )
         return await client.submit_job(spec)

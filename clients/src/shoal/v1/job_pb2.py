@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12shoal/v1/job.proto\x12\x08shoal.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb6\x03\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x65ntry_point\x18\x02 \x01(\t\x12\x13\n\x0b\x61rtifact_id\x18\x03 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x04 \x03(\t\x12\x14\n\x0c\x64\x61taset_uris\x18\x05 \x03(\t\x12\x12\n\nbatch_size\x18\x06 \x01(\x05\x12\x0e\n\x06\x65pochs\x18\x07 \x01(\x05\x12\x13\n\x0bmin_workers\x18\x08 \x01(\x05\x12\x13\n\x0bmax_workers\x18\t \x01(\x05\x12\x10\n\x08priority\x18\n \x01(\x05\x12%\n\tsync_mode\x18\x0b \x01(\x0e\x32\x12.shoal.v1.SyncMode\x12\x18\n\x10\x63heckpoint_every\x18\x0c \x01(\x05\x12\x0c\n\x04seed\x18\r \x01(\x03\x12\x1c\n\x14max_batch_per_device\x18\x0e \x01(\x05\x12\'\n\x03\x65nv\x18\x0f \x03(\x0b\x32\x1a.shoal.v1.JobSpec.EnvEntry\x12\x18\n\x10keep_checkpoints\x18\x10 \x01(\x05\x12\x13\n\x0bresume_from\x18\x11 \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8e\x02\n\x0bJobProgress\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\x11\n\titeration\x18\x02 \x01(\x05\x12\x1c\n\x14iterations_per_epoch\x18\x03 \x01(\x05\x12\x1c\n\x14\x63ompleted_iterations\x18\x04 \x01(\x03\x12\x19\n\x11samples_processed\x18\x05 \x01(\x03\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\x12\n\ngeneration\x18\x07 \x01(\x03\x12\x1a\n\x12samples_per_second\x18\x08 \x01(\x01\x12\x11\n\tlast_loss\x18\t \x01(\x01\x12/\n\x0bupdate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe1\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x1f\n\x04spec\x18\x03 \x01(\x0b\x32\x11.shoal.v1.JobSpec\x12!\n\x05state\x18\x04 \x01(\x0e\x32\x12.shoal.v1.JobState\x12\x14\n\x0cstate_reason\x18\x05 \x01(\t\x12/\n\x0b\x63reate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstart_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11\x61llocated_workers\x18\t \x01(\x05\x12\x16\n\x0etarget_workers\x18\n \x01(\x05\x12\'\n\x08progress\x18\x0b \x01(\x0b\x32\x15.shoal.v1.JobProgress\x12/\n\x13\x65\x66\x66\x65\x63tive_sync_mode\x18\x0c \x01(\x0e\x32\x12.shoal.v1.SyncMode\x12\x16\n\x0equeue_position\x18\r \x01(\x05\x12-\n\nthroughput\x18\x0e \x01(\x0b\x32\x19.shoal.v1.ThroughputModel\"\x86\x02\n\x0fThroughputModel\x12\x18\n\x10overhead_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x14\n\x0csync_seconds\x18\x03 \x01(\x01\x12\x1f\n\x17sync_per_worker_seconds\x18\x04 \x01(\x01\x12\x1d\n\x15rescale_pause_seconds\x18\x05 \x01(\x01\x12\x1e\n\x16rescale_pause_measured\x18\x06 \x01(\x08\x12)\n\x06points\x18\x07 \x03(\x0b\x32\x19.shoal.v1.ThroughputPoint\x12\x1f\n\x17\x61ttained_device_seconds\x18\x08 \x01(\x01\"d\n\x0fThroughputPoint\x12\x12\n\nworld_size\x18\x01 \x01(\x05\x12\x1a\n\x12samples_per_second\x18\x02 \x01(\x01\x12\x0f\n\x07speedup\x18\x03 \x01(\x01\x12\x10\n\x08observed\x18\x04 \x01(\x08\"\x84\x01\n\x0f\x41llocationEvent\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0f\n\x07workers\x18\x03 \x01(\x05\x12\x16\n\x0etarget_workers\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\xa6\x02\n\x0fIterationMetric\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\x11\n\titeration\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x0f\n\x07samples\x18\x06 \x01(\x05\x12\x1a\n\x12samples_per_second\x18\x07 \x01(\x01\x12(\n\x04time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x06values\x18\t \x03(\x0b\x32%.shoal.v1.IterationMetric.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa8\x01\n\x0b\x45pochMetric\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\x31\n\x06values\x18\x02 \x03(\x0b\x32!.shoal.v1.EpochMetric.ValuesEntry\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa5\x01\n\x08JobEvent\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.shoal.v1.JobEventKind\x12\x1a\n\x03job\x18\x02 \x01(\x0b\x32\r.shoal.v1.Job\x12-\n\nallocation\x18\x03 \x01(\x0b\x32\x19.shoal.v1.AllocationEvent\x12(\n\x04time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xce\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x18\n\x14JOB_STATE_CANCELLING\x10\x03\x12\x17\n\x13JOB_STATE_COMPLETED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x06\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x07*s\n\x08SyncMode\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aSYNC_MODE_PARAMETER_SERVER\x10\x01\x12\x18\n\x14SYNC_MODE_COLLECTIVE\x10\x02\x12\x12\n\x0eSYNC_MODE_AUTO\x10\x03*\xb1\x01\n\x10SchedulingPolicy\x12!\n\x1dSCHEDULING_POLICY_UNSPECIFIED\x10\x00\x12\x1a\n\x16SCHEDULING_POLICY_FIFO\x10\x01\x12\x1f\n\x1bSCHEDULING_POLICY_FAIRSHARE\x10\x02\x12\x1e\n\x1aSCHEDULING_POLICY_PRIORITY\x10\x03\x12\x1d\n\x19SCHEDULING_POLICY_GOODPUT\x10\x04*\x84\x01\n\x0cJobEventKind\x12\x1e\n\x1aJOB_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14JOB_EVENT_KIND_STATE\x10\x01\x12\x1d\n\x19JOB_EVENT_KIND_ALLOCATION\x10\x02\x12\x1b\n\x17JOB_EVENT_KIND_PROGRESS\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12shoal/v1/job.proto\x12\x08shoal.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd9\x03\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x65ntry_point\x18\x02 \x01(\t\x12\x13\n\x0b\x61rtifact_id\x18\x03 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x04 \x03(\t\x12\x14\n\x0c\x64\x61taset_uris\x18\x05 \x03(\t\x12\x12\n\nbatch_size\x18\x06 \x01(\x05\x12\x0e\n\x06\x65pochs\x18\x07 \x01(\x05\x12\x13\n\x0bmin_workers\x18\x08 \x01(\x05\x12\x13\n\x0bmax_workers\x18\t \x01(\x05\x12\x10\n\x08priority\x18\n \x01(\x05\x12%\n\tsync_mode\x18\x0b \x01(\x0e\x32\x12.shoal.v1.SyncMode\x12\x18\n\x10\x63heckpoint_every\x18\x0c \x01(\x05\x12\x0c\n\x04seed\x18\r \x01(\x03\x12\x1c\n\x14max_batch_per_device\x18\x0e \x01(\x05\x12\'\n\x03\x65nv\x18\x0f \x03(\x0b\x32\x1a.shoal.v1.JobSpec.EnvEntry\x12\x18\n\x10keep_checkpoints\x18\x10 \x01(\x05\x12\x13\n\x0bresume_from\x18\x11 \x01(\t\x12!\n\x19keep_every_nth_checkpoint\x18\x12 \x01(\x05\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8e\x02\n\x0bJobProgress\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\x11\n\titeration\x18\x02 \x01(\x05\x12\x1c\n\x14iterations_per_epoch\x18\x03 \x01(\x05\x12\x1c\n\x14\x63ompleted_iterations\x18\x04 \x01(\x03\x12\x19\n\x11samples_processed\x18\x05 \x01(\x03\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\x12\n\ngeneration\x18\x07 \x01(\x03\x12\x1a\n\x12samples_per_second\x18\x08 \x01(\x01\x12\x11\n\tlast_loss\x18\t \x01(\x01\x12/\n\x0bupdate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe1\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x1f\n\x04spec\x18\x03 \x01(\x0b\x32\x11.shoal.v1.JobSpec\x12!\n\x05state\x18\x04 \x01(\x0e\x32\x12.shoal.v1.JobState\x12\x14\n\x0cstate_reason\x18\x05 \x01(\t\x12/\n\x0b\x63reate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstart_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11\x61llocated_workers\x18\t \x01(\x05\x12\x16\n\x0etarget_workers\x18\n \x01(\x05\x12\'\n\x08progress\x18\x0b \x01(\x0b\x32\x15.shoal.v1.JobProgress\x12/\n\x13\x65\x66\x66\x65\x63tive_sync_mode\x18\x0c \x01(\x0e\x32\x12.shoal.v1.SyncMode\x12\x16\n\x0equeue_position\x18\r \x01(\x05\x12-\n\nthroughput\x18\x0e \x01(\x0b\x32\x19.shoal.v1.ThroughputModel\"\x86\x02\n\x0fThroughputModel\x12\x18\n\x10overhead_seconds\x18\x01 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x14\n\x0csync_seconds\x18\x03 \x01(\x01\x12\x1f\n\x17sync_per_worker_seconds\x18\x04 \x01(\x01\x12\x1d\n\x15rescale_pause_seconds\x18\x05 \x01(\x01\x12\x1e\n\x16rescale_pause_measured\x18\x06 \x01(\x08\x12)\n\x06points\x18\x07 \x03(\x0b\x32\x19.shoal.v1.ThroughputPoint\x12\x1f\n\x17\x61ttained_device_seconds\x18\x08 \x01(\x01\"d\n\x0fThroughputPoint\x12\x12\n\nworld_size\x18\x01 \x01(\x05\x12\x1a\n\x12samples_per_second\x18\x02 \x01(\x01\x12\x0f\n\x07speedup\x18\x03 \x01(\x01\x12\x10\n\x08observed\x18\x04 \x01(\x08\"\x84\x01\n\x0f\x41llocationEvent\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0f\n\x07workers\x18\x03 \x01(\x05\x12\x16\n\x0etarget_workers\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\xa6\x02\n\x0fIterationMetric\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\x11\n\titeration\x18\x02 \x01(\x05\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x0f\n\x07samples\x18\x06 \x01(\x05\x12\x1a\n\x12samples_per_second\x18\x07 \x01(\x01\x12(\n\x04time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x06values\x18\t \x03(\x0b\x32%.shoal.v1.IterationMetric.ValuesEntry\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa8\x01\n\x0b\x45pochMetric\x12\r\n\x05\x65poch\x18\x01 \x01(\x05\x12\x31\n\x06values\x18\x02 \x03(\x0b\x32!.shoal.v1.EpochMetric.ValuesEntry\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa5\x01\n\x08JobEvent\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.shoal.v1.JobEventKind\x12\x1a\n\x03job\x18\x02 \x01(\x0b\x32\r.shoal.v1.Job\x12-\n\nallocation\x18\x03 \x01(\x0b\x32\x19.shoal.v1.AllocationEvent\x12(\n\x04time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xce\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x18\n\x14JOB_STATE_CANCELLING\x10\x03\x12\x17\n\x13JOB_STATE_COMPLETED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x06\x12\x18\n\x14JOB_STATE_RECOVERING\x10\x07*s\n\x08SyncMode\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aSYNC_MODE_PARAMETER_SERVER\x10\x01\x12\x18\n\x14SYNC_MODE_COLLECTIVE\x10\x02\x12\x12\n\x0eSYNC_MODE_AUTO\x10\x03*\xb1\x01\n\x10SchedulingPolicy\x12!\n\x1dSCHEDULING_POLICY_UNSPECIFIED\x10\x00\x12\x1a\n\x16SCHEDULING_POLICY_FIFO\x10\x01\x12\x1f\n\x1bSCHEDULING_POLICY_FAIRSHARE\x10\x02\x12\x1e\n\x1aSCHEDULING_POLICY_PRIORITY\x10\x03\x12\x1d\n\x19SCHEDULING_POLICY_GOODPUT\x10\x04*\x84\x01\n\x0cJobEventKind\x12\x1e\n\x1aJOB_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14JOB_EVENT_KIND_STATE\x10\x01\x12\x1d\n\x19JOB_EVENT_KIND_ALLOCATION\x10\x02\x12\x1b\n\x17JOB_EVENT_KIND_PROGRESS\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,36 +38,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ITERATIONMETRIC_VALUESENTRY']._serialized_options = b'8\001'
   _globals['_EPOCHMETRIC_VALUESENTRY']._loaded_options = None
   _globals['_EPOCHMETRIC_VALUESENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=2402
-  _globals['_JOBSTATE']._serialized_end=2608
-  _globals['_SYNCMODE']._serialized_start=2610
-  _globals['_SYNCMODE']._serialized_end=2725
-  _globals['_SCHEDULINGPOLICY']._serialized_start=2728
-  _globals['_SCHEDULINGPOLICY']._serialized_end=2905
-  _globals['_JOBEVENTKIND']._serialized_start=2908
-  _globals['_JOBEVENTKIND']._serialized_end=3040
+  _globals['_JOBSTATE']._serialized_start=2437
+  _globals['_JOBSTATE']._serialized_end=2643
+  _globals['_SYNCMODE']._serialized_start=2645
+  _globals['_SYNCMODE']._serialized_end=2760
+  _globals['_SCHEDULINGPOLICY']._serialized_start=2763
+  _globals['_SCHEDULINGPOLICY']._serialized_end=2940
+  _globals['_JOBEVENTKIND']._serialized_start=2943
+  _globals['_JOBEVENTKIND']._serialized_end=3075
   _globals['_JOBSPEC']._serialized_start=66
-  _globals['_JOBSPEC']._serialized_end=504
-  _globals['_JOBSPEC_ENVENTRY']._serialized_start=462
-  _globals['_JOBSPEC_ENVENTRY']._serialized_end=504
-  _globals['_JOBPROGRESS']._serialized_start=507
-  _globals['_JOBPROGRESS']._serialized_end=777
-  _globals['_JOB']._serialized_start=780
-  _globals['_JOB']._serialized_end=1261
-  _globals['_THROUGHPUTMODEL']._serialized_start=1264
-  _globals['_THROUGHPUTMODEL']._serialized_end=1526
-  _globals['_THROUGHPUTPOINT']._serialized_start=1528
-  _globals['_THROUGHPUTPOINT']._serialized_end=1628
-  _globals['_ALLOCATIONEVENT']._serialized_start=1631
-  _globals['_ALLOCATIONEVENT']._serialized_end=1763
-  _globals['_ITERATIONMETRIC']._serialized_start=1766
-  _globals['_ITERATIONMETRIC']._serialized_end=2060
-  _globals['_ITERATIONMETRIC_VALUESENTRY']._serialized_start=2015
-  _globals['_ITERATIONMETRIC_VALUESENTRY']._serialized_end=2060
-  _globals['_EPOCHMETRIC']._serialized_start=2063
-  _globals['_EPOCHMETRIC']._serialized_end=2231
-  _globals['_EPOCHMETRIC_VALUESENTRY']._serialized_start=2015
-  _globals['_EPOCHMETRIC_VALUESENTRY']._serialized_end=2060
-  _globals['_JOBEVENT']._serialized_start=2234
-  _globals['_JOBEVENT']._serialized_end=2399
+  _globals['_JOBSPEC']._serialized_end=539
+  _globals['_JOBSPEC_ENVENTRY']._serialized_start=497
+  _globals['_JOBSPEC_ENVENTRY']._serialized_end=539
+  _globals['_JOBPROGRESS']._serialized_start=542
+  _globals['_JOBPROGRESS']._serialized_end=812
+  _globals['_JOB']._serialized_start=815
+  _globals['_JOB']._serialized_end=1296
+  _globals['_THROUGHPUTMODEL']._serialized_start=1299
+  _globals['_THROUGHPUTMODEL']._serialized_end=1561
+  _globals['_THROUGHPUTPOINT']._serialized_start=1563
+  _globals['_THROUGHPUTPOINT']._serialized_end=1663
+  _globals['_ALLOCATIONEVENT']._serialized_start=1666
+  _globals['_ALLOCATIONEVENT']._serialized_end=1798
+  _globals['_ITERATIONMETRIC']._serialized_start=1801
+  _globals['_ITERATIONMETRIC']._serialized_end=2095
+  _globals['_ITERATIONMETRIC_VALUESENTRY']._serialized_start=2050
+  _globals['_ITERATIONMETRIC_VALUESENTRY']._serialized_end=2095
+  _globals['_EPOCHMETRIC']._serialized_start=2098
+  _globals['_EPOCHMETRIC']._serialized_end=2266
+  _globals['_EPOCHMETRIC_VALUESENTRY']._serialized_start=2050
+  _globals['_EPOCHMETRIC_VALUESENTRY']._serialized_end=2095
+  _globals['_JOBEVENT']._serialized_start=2269
+  _globals['_JOBEVENT']._serialized_end=2434
 # @@protoc_insertion_point(module_scope)

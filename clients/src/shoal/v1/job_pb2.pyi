@@ -210,6 +210,7 @@ class JobSpec(_message.Message):
     ENV_FIELD_NUMBER: _builtins.int
     KEEP_CHECKPOINTS_FIELD_NUMBER: _builtins.int
     RESUME_FROM_FIELD_NUMBER: _builtins.int
+    KEEP_EVERY_NTH_CHECKPOINT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """A human-readable name (1 to 128 characters)."""
     entry_point: _builtins.str
@@ -248,6 +249,10 @@ class JobSpec(_message.Message):
     checkpoint's and epochs exceed the epochs it has done. Set only at submit; the job's
     owner must be able to see JOB_ID.
     """
+    keep_every_nth_checkpoint: _builtins.int
+    """Besides the newest keep_checkpoints, also keep every Nth checkpoint of the job for good
+    (the checkpoints at epochs N x checkpoint_every, 2N x checkpoint_every, ...); 0: none.
+    """
     @_builtins.property
     def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Arguments passed to the entry point."""
@@ -280,10 +285,11 @@ class JobSpec(_message.Message):
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         keep_checkpoints: _builtins.int = ...,
         resume_from: _builtins.str = ...,
+        keep_every_nth_checkpoint: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "artifact_id", b"artifact_id", "batch_size", b"batch_size", "checkpoint_every", b"checkpoint_every", "dataset_uris", b"dataset_uris", "entry_point", b"entry_point", "env", b"env", "epochs", b"epochs", "keep_checkpoints", b"keep_checkpoints", "max_batch_per_device", b"max_batch_per_device", "max_workers", b"max_workers", "min_workers", b"min_workers", "name", b"name", "priority", b"priority", "resume_from", b"resume_from", "seed", b"seed", "sync_mode", b"sync_mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "artifact_id", b"artifact_id", "batch_size", b"batch_size", "checkpoint_every", b"checkpoint_every", "dataset_uris", b"dataset_uris", "entry_point", b"entry_point", "env", b"env", "epochs", b"epochs", "keep_checkpoints", b"keep_checkpoints", "keep_every_nth_checkpoint", b"keep_every_nth_checkpoint", "max_batch_per_device", b"max_batch_per_device", "max_workers", b"max_workers", "min_workers", b"min_workers", "name", b"name", "priority", b"priority", "resume_from", b"resume_from", "seed", b"seed", "sync_mode", b"sync_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -198,9 +198,28 @@ def write_manifest_and_latest(directory: str, manifest: Mapping[str, Any]) -> No
     atomic_write(join_uri(root, LATEST), name.encode())
 
 
-def prune_checkpoints(storage_uri: str, job_id: str, keep: int) -> tuple[list[str], int]:
+def _every_nth(fs: Any, path: str, name: str, every: int) -> bool:
+    """Whether checkpoint ``name`` is one of the job's every ``every``-th (its manifest's
+    epoch is a multiple of ``every`` x checkpoint_every); False when unreadable or unset."""
+    if every <= 0:
+        return False
+    try:
+        with fs.open(f"{path}/{name}/{MANIFEST}", "rb") as fh:
+            manifest = json.loads(fh.read())
+        epoch, period = int(manifest["epoch"]), int(manifest.get("checkpoint_every") or 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return period > 0 and epoch > 0 and epoch % (period * every) == 0
+
+
+def prune_checkpoints(
+    storage_uri: str, job_id: str, keep: int, every: int = 0
+) -> tuple[list[str], int]:
     """Delete the job's checkpoint directories older than its newest ``keep`` complete ones
-    (``keep`` <= 0: :data:`DEFAULT_KEEP`). Never deletes the checkpoint ``latest`` names
+    (``keep`` <= 0: :data:`DEFAULT_KEEP`), except every ``every``-th checkpoint (> 0), kept
+    for good: the complete ones whose manifest says they were written at an epoch that is a
+    multiple of ``every`` x its ``checkpoint_every`` (the Nth, 2Nth, ... checkpoint of the
+    job, counted the same after any deletion). Never deletes the checkpoint ``latest`` names
     (the one a restarted job resumes from) nor anything newer than the oldest one kept (a
     checkpoint being written has no manifest yet but a higher iteration). Returns the names
     deleted and the bytes reclaimed. A directory that vanishes meanwhile is skipped."""
@@ -225,10 +244,11 @@ def prune_checkpoints(storage_uri: str, job_id: str, keep: int) -> tuple[list[st
     if len(complete) <= keep:
         return [], 0
     oldest_kept = min(k for k, n in complete if n in kept)
+    archived = {n for k, n in complete if k < oldest_kept and _every_nth(fs, path, n, every)}
     deleted: list[str] = []
     reclaimed = 0
     for k, name in sorted(found):
-        if k >= oldest_kept or name in kept:
+        if k >= oldest_kept or name in kept or name in archived:
             continue
         directory = f"{path}/{name}"
         try:

@@ -81,6 +81,7 @@ class JobSettings:
     seed: int = 0
     checkpoint_every: int = 0  # epochs; 0: only at the end
     keep_checkpoints: int = 0  # complete checkpoints kept; 0: checkpoint.DEFAULT_KEEP
+    keep_every: int = 0  # every Nth checkpoint is also kept for good; 0: none
     storage_uri: str = ""
     shard_addresses: tuple[str, ...] = ()
 
@@ -97,6 +98,8 @@ class JobSettings:
             raise InvalidField("spec.checkpoint_every", self.checkpoint_every, "must be >= 0")
         if self.keep_checkpoints < 0:
             raise InvalidField("spec.keep_checkpoints", self.keep_checkpoints, "must be >= 0")
+        if self.keep_every < 0:
+            raise InvalidField("spec.keep_every_nth_checkpoint", self.keep_every, "must be >= 0")
         if not self.shard_addresses:
             raise InvalidField("shard_addresses", [], "must name at least one shard")
 

@@ -68,6 +68,7 @@ class JobHandlers:
             seed=spec.seed,
             checkpoint_every=spec.checkpoint_every,
             keep_checkpoints=spec.keep_checkpoints,
+            keep_every=spec.keep_every_nth_checkpoint,
             storage_uri=storage,
             shard_addresses=tuple(request.shard_addresses),
         )
@@ -165,6 +166,7 @@ class JobHandlers:
             seed=spec.seed,
             checkpoint_every=spec.checkpoint_every,
             keep_checkpoints=spec.keep_checkpoints,
+            keep_every=spec.keep_every_nth_checkpoint,
             storage_uri=storage,
             shard_addresses=tuple(request.shard_addresses),
         )

@@ -552,17 +552,18 @@ class CoordinatorTasks:
         """Retention (JobSpec.keep_checkpoints): a failure to delete never fails the job."""
         try:
             deleted, reclaimed = await asyncio.to_thread(
-                ckpt.prune_checkpoints, s.storage_uri, s.job_id, s.keep_checkpoints
+                ckpt.prune_checkpoints, s.storage_uri, s.job_id, s.keep_checkpoints, s.keep_every
             )
         except (ckpt.StorageError, OSError) as exc:
             log.warning("job %s: old checkpoints not deleted: %s", s.job_id, exc)
             return
         if deleted:
             log.info(
-                "job %s: deleted checkpoints %s (keeping %d), %d bytes reclaimed",
+                "job %s: deleted checkpoints %s (keeping %d, and every %s), %d bytes reclaimed",
                 s.job_id,
                 ", ".join(deleted),
                 s.keep_checkpoints or ckpt.DEFAULT_KEEP,
+                f"{s.keep_every}th" if s.keep_every else "none",
                 reclaimed,
             )
 

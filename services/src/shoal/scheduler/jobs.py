@@ -234,6 +234,12 @@ def validate_spec(
         raise InvalidField(
             "spec.keep_checkpoints", spec.keep_checkpoints, "must be >= 0 (0: the default, 3)"
         )
+    if spec.keep_every_nth_checkpoint < 0:
+        raise InvalidField(
+            "spec.keep_every_nth_checkpoint",
+            spec.keep_every_nth_checkpoint,
+            "must be >= 0 (0: none kept for good)",
+        )
     if spec.max_batch_per_device < 0:
         raise InvalidField(
             "spec.max_batch_per_device", spec.max_batch_per_device, "must be >= 0 (0: no limit)"
