@@ -19,8 +19,12 @@ it and reuses it.
 Progress: ``python_for(work, progress=...)`` reports each step, every line pip prints (as it
 prints it) and the time the build took, or that the environment was reused or is being built
 by another learner of this host; the host agent writes these lines, prefixed ``[shoal env]``,
-at the top of the learner's log (so ``shoal jobs logs`` shows them, each with the time it was
-written).
+to the learner's log as they come, before the learner's own output (so ``shoal jobs logs -f``
+shows them while pip runs, each with the time it was written).
+
+Each step runs in its own process group (and dies with the agent): a build that is cancelled
+(StopLearner during the build) or times out has the whole group killed, and what it made is
+removed.
 """
 
 from __future__ import annotations
