@@ -600,6 +600,18 @@ if gate:
 """
 
 
+def gate_builds(bed: AgentBed, tmp_path: Path) -> Path:
+    """Every Python of the agent's environment builds waits for the returned path to exist."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(BUILD_GATE_HOOK)
+    gate = tmp_path / "gate"
+    envs = bed.agent.processes.envs
+    envs.env["PYTHONPATH"] = ":".join(p for p in (str(hook), envs.env.get("PYTHONPATH")) if p)
+    envs.env["ENV_BUILD_GATE"] = str(gate)
+    return gate
+
+
 async def follow_until(stub, learner_id: str, prefix: str, seen: list) -> AsyncIterator:
     """The learner's log followed (retried while the agent does not know the learner yet);
     lines are appended to ``seen`` until one starts with ``prefix``; the call is returned so
@@ -624,13 +636,8 @@ async def follow_until(stub, learner_id: str, prefix: str, seen: list) -> AsyncI
 async def test_an_environment_builds_progress_streams_live_and_stop_learner_kills_the_build(
     bed, tmp_path
 ):
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(BUILD_GATE_HOOK)
-    gate = tmp_path / "gate"
+    gate = gate_builds(bed, tmp_path)
     envs = bed.agent.processes.envs
-    envs.env["PYTHONPATH"] = ":".join(p for p in (str(hook), envs.env.get("PYTHONPATH")) if p)
-    envs.env["ENV_BUILD_GATE"] = str(gate)
     wheel_name, wheel = tiny_wheel()
     files = {
         "main.py": JOB_ENV_MAIN,
@@ -690,3 +697,27 @@ async def test_an_environment_builds_progress_streams_live_and_stop_learner_kill
     assert ids == ["l1"], ids
     assert envs.builds == 1 and len(list((bed.config.work_dir / "envs").glob("*/.ready"))) == 1
     assert not bed.agent.processes.directory_for("l2").exists()
+
+
+async def test_a_follower_of_a_failing_build_reads_pips_error_then_its_stream_ends(bed, tmp_path):
+    gate = gate_builds(bed, tmp_path)
+    files = {"main.py": "print('never runs')\n", "requirements.txt": "./wheels/missing.whl\n"}
+    stub = bed.stub()
+    start = asyncio.ensure_future(
+        stub.StartLearner(start_request(pack_artifact(bed.artifacts, files)), timeout=300)
+    )
+    seen: list = []
+    call = await follow_until(stub, "l1", "[shoal env] environment", seen)
+    gate.touch()
+    async with asyncio.timeout(120):  # the stream ends once the start failed
+        async for reply in call:
+            seen.extend(reply.lines)
+    await expect_error(start, grpc.StatusCode.INVALID_ARGUMENT, "could not be installed")
+    texts = [x.text for x in seen]
+    assert any("missing.whl" in t for t in texts), texts  # pip's own words, as they came
+    assert re.fullmatch(
+        r"\[shoal env\] environment \w+: pip install -r requirements.txt failed \(exit \d+\)",
+        texts[-1],
+    ), texts
+    assert (await stub.ListLearners(ha.ListLearnersRequest())).learners == []
+    assert not bed.agent.processes.directory_for("l1").exists()
