@@ -276,6 +276,8 @@ class FakeHostAgent(host_agent_service_pb2_grpc.HostAgentServiceServicer):
         self.starts = 0
         self.alive = True
         self.fencing = _Fencing()
+        self.hold_starts: asyncio.Event | None = None  # StartLearner waits for it when set
+        self.unknown_log_requests = 0  # StreamLearnerLogs of learners it did not know
 
     def running(self, job_id: str | None = None) -> list[FakeLearner]:
         return [
@@ -324,6 +326,8 @@ class FakeHostAgent(host_agent_service_pb2_grpc.HostAgentServiceServicer):
 
     async def StartLearner(self, request, context):  # type: ignore[no-untyped-def]
         self.fencing.check(request.fencing_token)
+        if self.hold_starts is not None:
+            await self.hold_starts.wait()
         existing = self.learners.get(request.learner_id)
         if existing is not None:
             return ha_pb2.StartLearnerResponse(learner=existing.learner)
@@ -367,6 +371,7 @@ class FakeHostAgent(host_agent_service_pb2_grpc.HostAgentServiceServicer):
     async def StreamLearnerLogs(self, request, context):  # type: ignore[no-untyped-def]
         fl = self.learners.get(request.learner_id)
         if fl is None:
+            self.unknown_log_requests += 1
             raise NotFound("learner", request.learner_id, reason="ERROR_REASON_LEARNER_NOT_FOUND")
         sent = 0
         while True:

@@ -583,3 +583,141 @@ async def test_an_environment_that_cannot_be_built_fails_the_start_with_pips_err
     assert "missing.whl" in message  # pip's own words
     assert (await stub.ListLearners(ha.ListLearnersRequest())).learners == []
     assert not any((bed.config.work_dir / "envs").glob("*/.ready"))
+
+
+# Loaded by every Python of the environment's build (PYTHONPATH of the agent's build
+# environment, set by the test): it records its pid, then waits until the test opens the gate,
+# so the test knows the build is still running while it reads the log.
+BUILD_GATE_HOOK = """
+import os, time
+gate = os.environ.get("ENV_BUILD_GATE")
+if gate:
+    with open(gate + ".pids", "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def gate_builds(bed: AgentBed, tmp_path: Path) -> Path:
+    """Every Python of the agent's environment builds waits for the returned path to exist."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(BUILD_GATE_HOOK)
+    gate = tmp_path / "gate"
+    envs = bed.agent.processes.envs
+    envs.env["PYTHONPATH"] = ":".join(p for p in (str(hook), envs.env.get("PYTHONPATH")) if p)
+    envs.env["ENV_BUILD_GATE"] = str(gate)
+    return gate
+
+
+async def follow_until(stub, learner_id: str, prefix: str, seen: list) -> AsyncIterator:
+    """The learner's log followed (retried while the agent does not know the learner yet);
+    lines are appended to ``seen`` until one starts with ``prefix``; the call is returned so
+    the caller can read on."""
+    deadline = time.monotonic() + 60
+    while True:
+        call = stub.StreamLearnerLogs(
+            ha.StreamLearnerLogsRequest(learner_id=learner_id, follow=True), timeout=120
+        )
+        try:
+            async for reply in call:
+                seen.extend(reply.lines)
+                if any(x.text.startswith(prefix) for x in reply.lines):
+                    return call
+            raise AssertionError(f"{learner_id}'s log ended before {prefix!r}: {seen}")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+async def test_an_environment_builds_progress_streams_live_and_stop_learner_kills_the_build(
+    bed, tmp_path
+):
+    gate = gate_builds(bed, tmp_path)
+    envs = bed.agent.processes.envs
+    wheel_name, wheel = tiny_wheel()
+    files = {
+        "main.py": JOB_ENV_MAIN,
+        "requirements.txt": f"./wheels/{wheel_name}\n",
+        f"wheels/{wheel_name}": wheel,
+    }
+    stub = bed.stub()
+
+    # Live: the build's lines reach a reader following the log while the build runs (its
+    # first step is held at the gate), then pip's own lines, then the learner's.
+    start = asyncio.ensure_future(
+        stub.StartLearner(start_request(pack_artifact(bed.artifacts, files)), timeout=300)
+    )
+    seen: list = []
+    call = await follow_until(stub, "l1", "[shoal env] environment", seen)
+    first = seen[0]
+    assert first.text.startswith("[shoal env] environment "), first.text
+    assert first.text.endswith("(requirements.txt): building"), first.text
+    assert first.stream == resources_pb2.LOG_STREAM_STDERR and first.time.ToMilliseconds() > 0
+    assert not start.done() and envs.builds == 0 and not gate.exists()
+    gate.touch()  # the build goes on
+    async for reply in call:
+        seen.extend(reply.lines)
+    await start
+    texts = [x.text for x in seen]
+    assert "[shoal env] Successfully installed shoal-tinypkg-0.1" in texts, texts
+    assert texts[-3:-1] == ["hello from the job environment", "own venv True"], texts
+    assert re.fullmatch(r"\[shoal env\] environment \w+: ready in \d+\.\d s", texts[-4]), texts
+    assert envs.builds == 1
+
+    # StopLearner during a build: the build's process group is killed, nothing is kept, the
+    # start fails saying so and the log's followers are done.
+    gate.unlink()
+    Path(f"{gate}.pids").unlink()
+    files["requirements.txt"] += "# another environment\n"
+    start = asyncio.ensure_future(
+        stub.StartLearner(
+            start_request(pack_artifact(bed.artifacts, files), "l2", "gpu1"), timeout=300
+        )
+    )
+    seen = []
+    call = await follow_until(stub, "l2", "[shoal env] environment", seen)
+    pids = Path(f"{gate}.pids")
+    await async_wait_until(pids.exists, timeout=60, what="the build's first step")
+    (pid,) = [int(x) for x in pids.read_text().split()]
+    assert alive(pid)
+    stopped = (await stub.StopLearner(ha.StopLearnerRequest(learner_id="l2"), timeout=60)).learner
+    assert stopped.state == FAILED, stopped
+    assert "stopped while its environment was being built" in stopped.exit_reason, stopped
+    assert not alive(pid)
+    await expect_error(start, grpc.StatusCode.FAILED_PRECONDITION, "was stopped", "l2")
+    async with asyncio.timeout(30):  # the follower's stream ends
+        async for reply in call:
+            seen.extend(reply.lines)
+    assert all(x.text.startswith("[shoal env] ") for x in seen), [x.text for x in seen]
+    ids = [x.learner_id for x in (await stub.ListLearners(ha.ListLearnersRequest())).learners]
+    assert ids == ["l1"], ids
+    assert envs.builds == 1 and len(list((bed.config.work_dir / "envs").glob("*/.ready"))) == 1
+    assert not bed.agent.processes.directory_for("l2").exists()
+
+
+async def test_a_follower_of_a_failing_build_reads_pips_error_then_its_stream_ends(bed, tmp_path):
+    gate = gate_builds(bed, tmp_path)
+    files = {"main.py": "print('never runs')\n", "requirements.txt": "./wheels/missing.whl\n"}
+    stub = bed.stub()
+    start = asyncio.ensure_future(
+        stub.StartLearner(start_request(pack_artifact(bed.artifacts, files)), timeout=300)
+    )
+    seen: list = []
+    call = await follow_until(stub, "l1", "[shoal env] environment", seen)
+    gate.touch()
+    async with asyncio.timeout(120):  # the stream ends once the start failed
+        async for reply in call:
+            seen.extend(reply.lines)
+    await expect_error(start, grpc.StatusCode.INVALID_ARGUMENT, "could not be installed")
+    texts = [x.text for x in seen]
+    assert any("missing.whl" in t for t in texts), texts  # pip's own words, as they came
+    assert re.fullmatch(
+        r"\[shoal env\] environment \w+: pip install -r requirements.txt failed \(exit \d+\)",
+        texts[-1],
+    ), texts
+    assert (await stub.ListLearners(ha.ListLearnersRequest())).learners == []
+    assert not bed.agent.processes.directory_for("l1").exists()

@@ -726,6 +726,37 @@ async def test_logs_are_merged_from_the_learners_and_followed_until_the_job_ends
     assert sum("loss" in text for text in lines) == 2
 
 
+async def test_a_log_follower_asks_again_for_a_learner_its_agent_did_not_know_yet(
+    loop: Loop,
+) -> None:
+    """`logs -f` right after submit: the learner is allocated (its agent's address known) but
+    StartLearner has not reached its agent yet (the artifact is fetched, the job opened), so
+    the agent answers NOT_FOUND; the follower asks again and gets the learner's lines (an
+    environment's build streams from the agent while it runs)."""
+    c = loop.cluster
+    hold = asyncio.Event()
+    for agent in c.agents.values():
+        agent.hold_starts = hold
+    j = (await loop.api.submit(ALICE, "", spec(loop.artifact, max_workers=1))).job_id
+    lines: list[str] = []
+
+    async def follow() -> None:
+        async for batch in loop.api.logs(ALICE, js.StreamJobLogsRequest(job_id=j, follow=True)):
+            lines.extend(line.text for line in batch)
+
+    follower = asyncio.create_task(follow())
+    await loop.until(
+        lambda: sum(a.unknown_log_requests for a in c.agents.values()) >= 1,
+        "the agent asked about a learner it does not know yet",
+        timeout=20,
+    )
+    hold.set()
+    await loop.until(lambda: any(t.endswith(" started") for t in lines), "its lines", timeout=20)
+    await loop.api.cancel(ALICE, j, "")
+    await asyncio.wait_for(follower, timeout=10)
+    assert len([t for t in lines if t.endswith(" started")]) == 1, lines
+
+
 async def test_without_a_shard_flag_the_shards_come_from_their_etcd_registry(
     tmp_path: Path,
 ) -> None:

@@ -19,23 +19,30 @@ it and reuses it.
 Progress: ``python_for(work, progress=...)`` reports each step, every line pip prints (as it
 prints it) and the time the build took, or that the environment was reused or is being built
 by another learner of this host; the host agent writes these lines, prefixed ``[shoal env]``,
-at the top of the learner's log (so ``shoal jobs logs`` shows them, each with the time it was
-written).
+to the learner's log as they come, before the learner's own output (so ``shoal jobs logs -f``
+shows them while pip runs, each with the time it was written).
+
+Each step runs in its own process group (and dies with the agent): a build that is cancelled
+(StopLearner during the build) or times out has the whole group killed, and what it made is
+removed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 from shoal.contract.errors import InvalidField
+from shoal.runtime.procs import die_with_parent
 
 __all__ = ["REQUIREMENTS_FILE", "JobEnvironments"]
 
@@ -116,13 +123,16 @@ class JobEnvironments:
         with log_file.open("ab") as out:
             out.write(f"$ {' '.join(argv)}\n".encode())
             out.flush()
+            # Its own process group (killed whole when the build is stopped or times out),
+            # and it dies with the agent.
             process = await asyncio.create_subprocess_exec(
-                *argv,
+                *die_with_parent(argv, any_thread=True),
                 cwd=str(cwd),
                 env=self.env,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
             )
             assert process.stdout is not None
             captured = bytearray()
@@ -130,17 +140,20 @@ class JobEnvironments:
                 async with asyncio.timeout(self.timeout_s):
                     async for line in process.stdout:
                         out.write(line)
+                        out.flush()
                         captured += line
                         if say is not None:
                             await say(line.decode(errors="replace").rstrip())
                     code = await process.wait()
             except TimeoutError:
-                process.kill()
-                await process.wait()
+                await _kill(process)
                 return (
                     -1,
                     f"timed out after {self.timeout_s:.0f} s\n{captured.decode(errors='replace')}",
                 )
+            except BaseException:  # the learner was stopped (cancelled) during its build
+                await asyncio.shield(_kill(process))
+                raise
         return code, captured.decode(errors="replace")
 
     async def _build(
@@ -180,7 +193,13 @@ class JobEnvironments:
         for what, argv in steps:
             log.info("environment %s: %s", short, what)
             await say(f"environment {short}: {what}")
-            code, output = await self._run(argv, work, build_log, say)
+            try:
+                code, output = await self._run(argv, work, build_log, say)
+            except asyncio.CancelledError:  # stopped: nothing of the build is kept
+                log.info("environment %s: build stopped during %s", short, what)
+                await asyncio.shield(asyncio.to_thread(shutil.rmtree, directory, True))
+                build_log.unlink(missing_ok=True)
+                raise
             if code != 0:
                 await asyncio.to_thread(shutil.rmtree, directory, True)
                 tail = output.strip()[-_ERROR_TAIL:]
@@ -197,6 +216,15 @@ class JobEnvironments:
         took = time.monotonic() - started
         log.info("environment %s: ready in %.1f s", short, took)
         await say(f"environment {short}: ready in {took:.1f} s")
+
+
+async def _kill(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL to the step's whole process group (pip and what it started), then reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        process.kill()
+    await process.wait()
 
 
 def _reporter(progress: Progress | None) -> Progress:

@@ -167,7 +167,9 @@ class Learner:
     warm_token: str = ""  # the warm process it started in ("" for a cold start)
     process: asyncio.subprocess.Process | None = None
     writer: _LogWriter | None = None
+    followers: int = 0  # log readers following it now (follow_log)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _build: asyncio.Task[str | None] | None = None  # its environment's build, while it runs
 
     @property
     def log_path(self) -> Path:
@@ -259,6 +261,9 @@ class ProcessManager:
         self._learner_env = dict(learner_env or {})  # the agent's part of the contract (TLS)
         self._learners: dict[str, Learner] = {}
         self._starting: dict[str, asyncio.Task[Learner]] = {}
+        # Learners whose environment is being built (STARTING): their log and StopLearner
+        # reach them; heartbeats and ListLearners do not list them until they run.
+        self._building: dict[str, Learner] = {}
         self._reserved: dict[str, str] = {}  # device id -> learner id being started
         self._background: set[asyncio.Task[None]] = set()
         self._fence_revision: dict[str, int] = {}
@@ -295,7 +300,7 @@ class ProcessManager:
     # -- queries -------------------------------------------------------------------------------
 
     def get(self, learner_id: str) -> Learner:
-        learner = self._learners.get(learner_id)
+        learner = self._learners.get(learner_id) or self._building.get(learner_id)
         if learner is None:
             raise LearnerNotFound(learner_id)
         return learner
@@ -406,6 +411,7 @@ class ProcessManager:
 
     async def _launch(self, request: LaunchRequest, device: DeviceInfo) -> Learner:
         directory = self.directory_for(request.learner_id)
+        learner: Learner | None = None
         try:
             archive = await self.artifacts.get(request.artifact_id)
             if directory.exists():
@@ -428,7 +434,6 @@ class ProcessManager:
                 raise InvalidField(
                     "entry_point", request.entry_point, "is neither a .py script nor executable"
                 )
-            python = await self._environment_python(directory, work)
             learner = Learner(
                 learner_id=request.learner_id,
                 job_id=request.job_id,
@@ -438,27 +443,73 @@ class ProcessManager:
                 host_id=self.host_id,
                 host_incarnation=self.incarnation,
             )
+            python = await self._environment_python(learner, work)
+            if learner.stop_reason is not None:  # stopped just as its build ended
+                raise FailedPrecondition(
+                    f"learner {learner.learner_id!r} was stopped ({learner.stop_reason}) while "
+                    "its environment was being built"
+                )
             await self._spawn(learner, request, entry, work, python or self.python)
-        except BaseException:
+        except BaseException as exc:
+            if learner is not None and learner.learner_id in self._building:
+                await self._end_build(learner, exc)
             shutil.rmtree(directory, ignore_errors=True)
             raise
+        finally:
+            self._building.pop(request.learner_id, None)
         self._learners[learner.learner_id] = learner
         return learner
 
-    async def _environment_python(self, directory: Path, work: Path) -> str | None:
-        """The job environment's interpreter (``envs.python_for``); its build's progress goes
-        to the top of the learner's log, as ``[shoal env] ...`` lines on stderr."""
+    async def _environment_python(self, learner: Learner, work: Path) -> str | None:
+        """The job environment's interpreter (``envs.python_for``). While it is built the
+        learner is STARTING and known to :meth:`get` (so its log can be followed and
+        StopLearner stops the build); the build's progress is written to the learner's log as
+        it comes, as ``[shoal env] ...`` lines on stderr, before what the learner prints."""
         if not (work / REQUIREMENTS_FILE).is_file():
             return None
-        writer = _LogWriter(directory / "output.log")  # Learner.log_path; _spawn appends
+        writer = learner.writer = _LogWriter(learner.log_path)  # _spawn appends to it
 
         async def progress(text: str) -> None:
             await writer.write(STDERR, f"[shoal env] {text}".encode())
 
+        learner._build = asyncio.get_running_loop().create_task(
+            self.envs.python_for(work, progress=progress),
+            name=f"env-{learner.learner_id}",
+        )
+        self._building[learner.learner_id] = learner
         try:
-            return await self.envs.python_for(work, progress=progress)
+            return await learner._build
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if learner.stop_reason is None or (task is not None and task.cancelling()):
+                raise  # the start itself was cancelled (the agent is shutting down)
+            raise FailedPrecondition(
+                f"learner {learner.learner_id!r} was stopped ({learner.stop_reason}) while "
+                "its environment was being built"
+            ) from None
         finally:
-            writer.close()
+            learner._build = None
+
+    async def _end_build(self, learner: Learner, exc: BaseException) -> None:
+        """A start that failed (or was stopped) while its environment was built: its
+        followers are told, read what is left of its log, then it is forgotten."""
+        learner.end_time = time.time()
+        learner.exit_code = -1
+        learner.exit_reason = (
+            f"stopped while its environment was being built ({learner.stop_reason})"
+            if learner.stop_reason is not None
+            else f"did not start: {exc}"
+        )
+        learner.state = FAILED
+        learner.exited.set()
+        writer = learner.writer
+        if writer is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.0), writer.changed:
+                writer.changed.notify_all()
+                await writer.changed.wait_for(lambda: learner.followers == 0)
+        writer.close()
 
     def _environment(self, learner: Learner, request: LaunchRequest) -> dict[str, str]:
         env = {
@@ -492,7 +543,8 @@ class ProcessManager:
         else:
             argv = [str(entry), *request.args]
         env = self._environment(learner, request)
-        learner.writer = _LogWriter(learner.log_path)
+        if learner.writer is None:  # else: opened for its environment's build
+            learner.writer = _LogWriter(learner.log_path)
         warm: WarmProcess | None = None
         if entry.suffix == ".py" and python == self.python and warm_accepts(request.env):
             warm = self.warm.take()
@@ -611,10 +663,26 @@ class ProcessManager:
         self, learner_id: str, grace_s: float | None = None, reason: str = "stopped by the agent"
     ) -> Learner:
         """SIGTERM to the learner's group; SIGKILL to the whole group after the grace. Returns
-        the learner once it exited (at once if it already had)."""
+        the learner once it exited (at once if it already had). A learner whose environment is
+        being built has its build killed and its start failed (it is returned FAILED)."""
         learner = self.get(learner_id)
         if learner.terminal:
             return learner
+        if learner.learner_id in self._building:
+            # Stopped while it starts with an environment of its own: a build that runs is
+            # stopped (pip's process group killed) and the start fails, nothing of it kept;
+            # one that just ended has the start fail too, unless the learner was already
+            # being spawned: then it is stopped like any running learner, below.
+            if learner.stop_reason is None:
+                learner.state = STOPPING
+                learner.stop_reason = reason
+                if learner._build is not None:
+                    learner._build.cancel()
+            starting = self._starting.get(learner_id)
+            if starting is not None:
+                await asyncio.wait([starting])
+            if learner.exited.is_set() or not learner.pid:
+                return learner
         grace = self.stop_grace_s if grace_s is None or grace_s <= 0 else grace_s
         if learner.state != STOPPING:
             learner.state = STOPPING
@@ -646,6 +714,19 @@ class ProcessManager:
         """Batches of log records from ``offset``; with ``follow``, until the learner exited
         and everything it printed was sent."""
         learner = self.get(learner_id)
+        learner.followers += 1
+        try:
+            async for batch in self._follow(learner, offset, follow, batch_bytes):
+                yield batch
+        finally:
+            learner.followers -= 1
+            if learner.writer is not None and learner.exited.is_set():
+                async with learner.writer.changed:  # _end_build waits for its followers
+                    learner.writer.changed.notify_all()
+
+    async def _follow(
+        self, learner: Learner, offset: int, follow: bool, batch_bytes: int
+    ) -> AsyncIterator[list[LogRecord]]:
         position = max(offset, 0)
         while True:
             exited = learner.exited.is_set()

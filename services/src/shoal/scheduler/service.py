@@ -60,6 +60,7 @@ from shoal.scheduler.jobs import (
     MAX_PRIORITY,
     ArtifactNotFound,
     JobRecord,
+    LearnerPhase,
     can_see,
     new_job_record,
     page_jobs,
@@ -485,17 +486,23 @@ class JobApi:
 
         queue: asyncio.Queue[resources_pb2.LogLine] = asyncio.Queue(10_000)
         followers: dict[str, asyncio.Task[None]] = {}
+        heard: set[str] = set()  # learners whose agent answered with lines
 
         async def follow(learner_id: str, address: str) -> None:
-            await self._read_log(learner_id, address, last.get(learner_id), follow=True, sink=queue)
+            await self._read_log(
+                learner_id, address, last.get(learner_id), follow=True, sink=queue, last=last
+            )
 
-        def start_followers(current: dict[str, str]) -> None:
-            for lid, addr in current.items():
-                if lid not in followers and (not wanted or lid == wanted):
+        def start_followers(current: JobRecord | None) -> None:
+            for lid, addr in (_log_sources(current) if current else sources).items():
+                if wanted and lid != wanted:
+                    continue
+                task = followers.get(lid)
+                if task is None or (task.done() and _follow_again(current, lid, heard)):
                     followers[lid] = asyncio.create_task(follow(lid, addr))
 
         try:
-            start_followers(sources)
+            start_followers(None)
             while True:
                 batch = await _drain(queue, self.config.log_poll_s)
                 if batch:
@@ -504,7 +511,8 @@ class JobApi:
                 current = await self.table.get(record.job_id)
                 if current is None:
                     return
-                start_followers(_log_sources(current))
+                heard.update(last)
+                start_followers(current)
                 if current.final and all(t.done() for t in followers.values()):
                     rest = await _drain(queue, 0)
                     if rest:
@@ -523,9 +531,11 @@ class JobApi:
         *,
         follow: bool,
         sink: asyncio.Queue[resources_pb2.LogLine] | None = None,
+        last: dict[str, int] | None = None,
     ) -> list[resources_pb2.LogLine]:
         """A learner's lines from its agent (after byte offset ``after``); into ``sink``
-        when following. Errors (the host is gone) end the stream quietly."""
+        when following (``last`` keeps the offset of the last line sent). Errors (the host is
+        gone) end the stream quietly."""
         assert self.peers is not None
         out: list[resources_pb2.LogLine] = []
         request = ha_pb2.StreamLearnerLogsRequest(
@@ -540,6 +550,8 @@ class JobApi:
                     line.learner_id = learner_id
                 if sink is not None:
                     await sink.put(line)
+                    if last is not None:
+                        last[learner_id] = max(last.get(learner_id, -1), line.offset)
                 else:
                     out.append(line)
         return out
@@ -552,6 +564,17 @@ def _log_sources(record: JobRecord) -> dict[str, str]:
         if lr.agent_address and lr.allocation_id:
             sources[lr.learner_id] = lr.agent_address
     return sources
+
+
+def _follow_again(record: JobRecord | None, learner_id: str, heard: set[str]) -> bool:
+    """Whether a follower whose stream ended without a line should ask the agent again: the
+    learner is still starting or running (its agent did not know it yet when asked, e.g.
+    before StartLearner, or while the artifact was fetched). A learner that is building its
+    environment is known to its agent, whose lines then stream while pip runs."""
+    if record is None or learner_id in heard:
+        return False
+    lr = record.learners.get(learner_id)
+    return lr is not None and lr.phase in (LearnerPhase.STARTING, LearnerPhase.RUNNING)
 
 
 async def _drain(
