@@ -8,30 +8,31 @@ optimizer by name; the trainer runs the iteration protocol of DESIGN.md against 
 Each iteration the learner computes the mean gradient over its share of the global batch
 (accumulating micro-batches when the share exceeds what the device holds), hands it with its
 sample count, loss sum and buffers to the backend, and loads the parameters it gets back.
+
+The loop is here; what it returns is in ``results.py``, the building blocks of an iteration
+(batches, the gradient of a share, evaluation) in ``steps.py``, and mixed precision in
+``precision.py``. This module re-exports their public names.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import logging
 import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
+from torch.utils.data import Dataset, TensorDataset
 
 from shoal.learner import partition
 from shoal.learner.backend import (
     Assignment,
-    Contribution,
     EpochReport,
     IterationAborted,
     LocalBackend,
@@ -47,7 +48,19 @@ from shoal.learner.callbacks import Callback, CallbackList
 from shoal.learner.env import LearnerEnv, train_marker
 from shoal.learner.loader import BatchFetcher
 from shoal.learner.metrics import MetricsFn, classification_metrics
+from shoal.learner.precision import LossScaler, MixedPrecision
+from shoal.learner.results import EpochResult, IterationRecord, TrainResult
 from shoal.learner.schedules import resolve_schedule
+from shoal.learner.steps import (
+    LossFn,
+    compute_contribution,
+    default_device,
+    evaluate,
+    fetch_batch,
+    persistent_buffers,
+    same_memory,
+    with_param_groups,
+)
 from shoal.learner.tracing import LearnerTracing
 from shoal.learner.user_metrics import MetricLog, means
 
@@ -73,284 +86,6 @@ logger = logging.getLogger("shoal.learner")
 DatasetsFn: TypeAlias = Callable[..., tuple[Dataset[Any], Dataset[Any] | None]]
 #: Learning rate of a global iteration (or of an epoch, with ``lr_schedule_unit="epoch"``).
 LRSchedule: TypeAlias = Callable[[int], float]
-LossFn: TypeAlias = Callable[[Any, Any], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class IterationRecord:
-    """One completed iteration as this learner saw it: ``loss`` is the global mean training
-    loss of the iteration (all learners) when the backend reports it, else None;
-    ``share_loss`` the mean over this learner's ``n_samples`` (NaN for an empty share);
-    ``metrics`` what the script logged for it (``trainer.log``), as this learner's
-    sample-weighted means (the job's values, over every learner, are in the job's metrics)."""
-
-    step: int
-    epoch: int
-    iteration: int
-    generation: int
-    rank: int
-    world_size: int
-    batch_size: int
-    n_samples: int
-    loss: float | None
-    share_loss: float
-    lr: float | None
-    grad_norm: float | None = None
-    skipped: bool = False
-    loss_scale: float | None = None
-    metrics: Mapping[str, float] = field(default_factory=dict)
-
-    @property
-    def best_loss(self) -> float:
-        """The global loss when known, else this learner's share loss."""
-        return self.share_loss if self.loss is None else self.loss
-
-
-@dataclass(frozen=True)
-class EpochResult:
-    """End-of-epoch evaluation: mean training loss over the epoch's iterations this learner
-    took part in, mean test loss (NaN without a test set), and the metrics hook's values."""
-
-    epoch: int
-    step: int
-    train_loss: float
-    test_loss: float
-    metrics: Mapping[str, float]
-    seconds: float
-
-    def summary(self, epochs: int | None = None) -> str:
-        total = f"/{epochs}" if epochs is not None else ""
-        parts = [
-            f"epoch {self.epoch + 1}{total}",
-            f"train loss {self.train_loss:.4f}",
-            f"test loss {self.test_loss:.4f}",
-        ]
-        parts += [f"{name} {value:.4f}" for name, value in self.metrics.items()]
-        return ", ".join(parts) + f" ({self.seconds:.1f} s)"
-
-
-@dataclass
-class TrainResult:
-    """What :meth:`ElasticTrainer.train` returns.
-
-    ``params`` is the final ``state_dict`` (CPU copies). ``history`` has one record per
-    iteration this learner completed; ``epochs`` one result per epoch it evaluated (on the
-    cluster only the learner of rank 0 at an epoch's end evaluates). ``retired`` is true when
-    the coordinator retired this learner before the job ended; ``completed`` when the job ran
-    all its iterations. ``is_primary`` is true on exactly one learner of a completed job: the
-    one of rank 0 in the job's last iteration (always standalone); code after ``train()``
-    that writes files or prints summaries should run only where it is true.
-    """
-
-    plan: TrainingPlan
-    params: dict[str, torch.Tensor]
-    history: list[IterationRecord] = field(default_factory=list)
-    epochs: list[EpochResult] = field(default_factory=list)
-    retired: bool = False
-    completed: bool = False
-    is_primary: bool = False
-
-    @property
-    def losses(self) -> list[float]:
-        """Mean training loss of each iteration in :attr:`history`: the global one where the
-        backend reports it (always standalone), else this learner's share's."""
-        return [r.best_loss for r in self.history]
-
-
-# --------------------------------------------------------------------------------------------
-# Building blocks (also used by tests and by backends that simulate learners)
-# --------------------------------------------------------------------------------------------
-
-
-def fetch_batch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
-    """The samples ``indices`` of ``dataset`` as one collated batch. ``TensorDataset`` (and a
-    ``Subset`` of one) is indexed in one vectorized operation; other datasets go through
-    ``__getitems__`` when they have it, else item by item, then ``default_collate``."""
-    if isinstance(dataset, Subset) and isinstance(dataset.dataset, TensorDataset):
-        mapped = torch.tensor([dataset.indices[i] for i in indices.tolist()], dtype=torch.int64)
-        return tuple(t[mapped] for t in dataset.dataset.tensors)
-    if isinstance(dataset, TensorDataset):
-        return tuple(t[indices] for t in dataset.tensors)
-    positions = indices.tolist()
-    getitems = getattr(dataset, "__getitems__", None)
-    items = getitems(positions) if getitems is not None else [dataset[i] for i in positions]
-    return default_collate(items)
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, Mapping):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
-def _split(batch: Any) -> tuple[Any, Any]:
-    if not isinstance(batch, (list, tuple)) or len(batch) != 2:
-        raise ValueError("dataset items must be (input, target) pairs")
-    return batch[0], batch[1]
-
-
-def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers that travel with the gradients: the persistent ones (those in the model's
-    ``state_dict``, e.g. BatchNorm running statistics), in ``named_buffers`` order."""
-    keys = set(model.state_dict(keep_vars=True))
-    return [(name, b) for name, b in model.named_buffers() if name in keys]
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are views of the same memory (a backend may hand back the
-    model's own tensors, as the collective one does)."""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-
-
-def compute_contribution(
-    model: nn.Module,
-    loss_fn: LossFn,
-    dataset: Dataset[Any],
-    indices: torch.Tensor,
-    *,
-    max_per_device: int | None = None,
-    device: torch.device | str | None = None,
-    autocast_dtype: torch.dtype | None = None,
-    loss_scale: float | None = None,
-    fetcher: BatchFetcher | None = None,
-    metrics: MetricLog | None = None,
-) -> Contribution:
-    """Run forward and backward over the share ``indices`` of ``dataset`` and return this
-    learner's :class:`Contribution`: the mean gradient over the share, its size, the sum of
-    the per-sample losses, and the buffers.
-
-    ``loss_fn`` must return the mean over its batch (e.g. ``nn.CrossEntropyLoss()``). When the
-    share exceeds ``max_per_device`` it is split by :func:`partition.micro_batches` and each
-    micro-batch of ``m`` of the share's ``n`` samples backpropagates ``loss * m / n``, so the
-    accumulated gradient is the mean over the whole share. (With BatchNorm, micro-batches see
-    their own batch statistics, as on any device that cannot hold the whole share.)
-
-    With ``autocast_dtype`` the forward pass and the loss run under ``torch.autocast`` of that
-    dtype. With ``loss_scale`` (float16) the backward pass runs on ``loss * loss_scale`` and the
-    gradients are unscaled before they are returned (multiplied by ``1 / loss_scale``, as
-    ``GradScaler.unscale_`` does), so the backend always receives unscaled gradients; an
-    overflow shows as inf/NaN in them. (The trainer passes the job's scale times the share's
-    fraction of the global batch, so that each sample's term is scaled as on one process.)
-    With ``fetcher`` the micro-batches are fetched by its worker processes (the same samples,
-    prefetched). With ``metrics``, what the loss function or the model logs (``trainer.log``)
-    during a micro-batch is weighted by that micro-batch's sample count.
-    """
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    params = [p for _, p in model.named_parameters()]
-    model.zero_grad(set_to_none=True)
-    n = int(indices.numel())
-    if n == 0:
-        return Contribution([None] * len(params), 0, 0.0, [b for _, b in persistent_buffers(model)])
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    chunks = list(partition.micro_batches(indices, max_per_device))
-    fetched = (
-        fetcher.batches(chunks)
-        if fetcher is not None
-        else (fetch_batch(dataset, chunk) for chunk in chunks)
-    )
-    for chunk, batch in zip(chunks, fetched, strict=True):
-        inputs, targets = _split(_to_device(batch, device))
-        m = int(chunk.numel())
-        if metrics is not None:
-            metrics.chunk = m
-        try:
-            if autocast_dtype is None:
-                loss = loss_fn(model(inputs), targets)
-            else:
-                with torch.autocast(device.type, dtype=autocast_dtype):
-                    loss = loss_fn(model(inputs), targets)
-        finally:
-            if metrics is not None:
-                metrics.chunk = None
-        scaled = loss if loss_scale is None else loss * loss_scale
-        (scaled if m == n else scaled * (m / n)).backward()
-        loss_sum += loss.detach().to(torch.float64) * m
-    grads = [p.grad for p in params]
-    if loss_scale is not None:
-        inv_scale = torch.tensor(1.0 / loss_scale, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for g in grads:
-                if g is not None:
-                    g.mul_(inv_scale.to(g.dtype))
-    buffers = [b for _, b in persistent_buffers(model)]
-    return Contribution(grads, n, float(loss_sum), buffers)
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    loss_fn: LossFn,
-    dataset: Dataset[Any],
-    *,
-    batch_size: int = 1024,
-    device: torch.device | str | None = None,
-    metrics: MetricsFn | None = classification_metrics,
-) -> tuple[float, dict[str, float]]:
-    """Mean loss and metrics of ``model`` (in eval mode) over the whole of ``dataset``."""
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    n = len(dataset)  # type: ignore[arg-type]
-    was_training = model.training
-    model.eval()
-    try:
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        outputs: list[torch.Tensor] = []
-        targets: list[torch.Tensor] = []
-        for start in range(0, n, batch_size):
-            idx = torch.arange(start, min(start + batch_size, n))
-            inputs, target = _split(_to_device(fetch_batch(dataset, idx), device))
-            output = model(inputs)
-            loss_sum += loss_fn(output, target).to(torch.float64) * idx.numel()
-            if metrics is not None:
-                outputs.append(output.detach().cpu())
-                targets.append(target.detach().cpu())
-    finally:
-        model.train(was_training)
-    loss = float(loss_sum) / n if n else math.nan
-    values: dict[str, float] = {}
-    if metrics is not None and outputs:
-        values = {k: float(v) for k, v in metrics(torch.cat(outputs), torch.cat(targets)).items()}
-    return loss, values
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _with_groups(
-    spec: OptimizerSpec,
-    model: nn.Module,
-    param_groups: Callable[[nn.Module], Sequence[Mapping[str, Any]]],
-) -> OptimizerSpec:
-    """``spec`` with the groups ``param_groups(model)`` returns, by parameter name."""
-    if not callable(param_groups):
-        raise ValueError(f"param_groups ({param_groups!r}) must be a function of the model")
-    names = {id(p): n for n, p in model.named_parameters()}
-    known = set(names.values())
-    groups = []
-    for i, group in enumerate(param_groups(model)):
-        if not isinstance(group, Mapping) or "params" not in group:
-            raise ValueError(f"param group {i} ({group!r}) must be a dict with 'params'")
-        params = group["params"]
-        if isinstance(params, (torch.Tensor, str)):
-            params = [params]
-        group_names = []
-        for p in params:
-            name = p if isinstance(p, str) else names.get(id(p))
-            if name is None or name not in known:
-                shown = p if isinstance(p, str) else f"tensor of shape {tuple(p.shape)}"
-                raise ValueError(f"param group {i} holds {shown!r}, not a parameter of the model")
-            group_names.append(name)
-        overrides = {k: v for k, v in group.items() if k != "params"}
-        groups.append((tuple(group_names), overrides))
-    spec = dataclasses.replace(spec, groups=tuple(groups))
-    # Validate on stand-ins of the model's parameters (the real ones are not touched).
-    named = list(model.named_parameters())
-    spec.create([torch.zeros(1, requires_grad=True) for _ in named], [n for n, _ in named])
-    return spec
 
 
 _DEFAULT_HANDLER_NAME = "shoal-default-stderr"
@@ -371,89 +106,6 @@ def configure_default_logging() -> bool:
     if shoal.level == logging.NOTSET:
         shoal.setLevel(logging.INFO)
     return True
-
-
-_AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """Mixed precision: the forward pass and the loss under ``torch.autocast(dtype)``.
-
-    With ``float16`` the loss is scaled dynamically as ``torch.amp.GradScaler`` does, with the
-    same defaults and update rule: gradients are unscaled on each learner before they are
-    synchronized (the shards or the all-reduce see true gradients), an iteration whose global
-    gradient holds an inf/NaN is skipped by every learner alike, and the scale then shrinks
-    by ``backoff_factor``; after ``growth_interval`` good iterations it grows by
-    ``growth_factor``. ``bfloat16`` has float32's range and needs no scaling.
-    """
-
-    dtype: str = "bfloat16"
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _AMP_DTYPES:
-            raise ValueError(f"amp dtype ({self.dtype!r}) must be one of {sorted(_AMP_DTYPES)}")
-        for name in ("init_scale", "growth_factor"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"amp {name} ({value!r}) must be a finite number > 0")
-        if not isinstance(self.backoff_factor, (int, float)) or not 0 < self.backoff_factor < 1:
-            raise ValueError(f"amp backoff_factor ({self.backoff_factor!r}) must be in (0, 1)")
-        if (
-            isinstance(self.growth_interval, bool)
-            or not isinstance(self.growth_interval, int)
-            or self.growth_interval < 1
-        ):
-            raise ValueError(f"amp growth_interval ({self.growth_interval!r}) must be an int >= 1")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _AMP_DTYPES[self.dtype]
-
-    @property
-    def scaling(self) -> bool:
-        """Whether the loss is scaled (float16)."""
-        return self.dtype == "float16"
-
-    @classmethod
-    def parse(cls, amp: MixedPrecision | str | torch.dtype | None) -> MixedPrecision | None:
-        """``None``, ``"bfloat16"``/``"float16"``, ``torch.bfloat16``/``torch.float16``, or a
-        :class:`MixedPrecision`."""
-        if amp is None or isinstance(amp, MixedPrecision):
-            return amp
-        if isinstance(amp, torch.dtype):
-            name = str(amp).removeprefix("torch.")
-            if name not in _AMP_DTYPES:
-                raise ValueError(f"amp ({amp!r}) must be torch.bfloat16 or torch.float16")
-            return cls(name)
-        if isinstance(amp, str):
-            return cls(amp)
-        raise ValueError(
-            f"amp ({amp!r}) must be None, 'bfloat16', 'float16', a torch dtype or MixedPrecision"
-        )
-
-
-class _LossScaler:
-    """The dynamic loss scale of one learner (``GradScaler``'s update rule, on the host)."""
-
-    def __init__(self, amp: MixedPrecision) -> None:
-        self.amp = amp
-        self.scale = float(amp.init_scale)
-        self.growth_tracker = 0
-
-    def update(self, skipped: bool) -> None:
-        if skipped:
-            self.scale *= self.amp.backoff_factor
-            self.growth_tracker = 0
-            return
-        self.growth_tracker += 1
-        if self.growth_tracker == self.amp.growth_interval:
-            self.scale *= self.amp.growth_factor
-            self.growth_tracker = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -563,7 +215,7 @@ class ElasticTrainer:
         self.loss_fn = loss_fn
         self.optimizer_spec = OptimizerSpec.parse(optimizer)
         if param_groups is not None:
-            self.optimizer_spec = _with_groups(self.optimizer_spec, model, param_groups)
+            self.optimizer_spec = with_param_groups(self.optimizer_spec, model, param_groups)
         self.metrics = metrics
         self.lr_schedule = lr_schedule
         if lr_schedule is not None and not callable(lr_schedule):
@@ -572,7 +224,7 @@ class ElasticTrainer:
         self.lr_schedule_unit = lr_schedule_unit
         self.seed = seed
         self.backend = backend
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = torch.device(device) if device is not None else default_device()
         self.max_batch_per_device = max_batch_per_device
         self.eval_batch_size = eval_batch_size
         self.on_epoch_end = on_epoch_end
@@ -677,7 +329,7 @@ class ElasticTrainer:
             clip_grad_norm=self.clip_grad_norm,
             skip_nonfinite=self.amp is not None and self.amp.scaling,
         )
-        scaler = _LossScaler(self.amp) if self.amp is not None and self.amp.scaling else None
+        scaler = LossScaler(self.amp) if self.amp is not None and self.amp.scaling else None
         autocast_dtype = None if self.amp is None else self.amp.torch_dtype
         callbacks = self.callbacks
         callbacks.set_trainer(self)
@@ -902,7 +554,7 @@ class ElasticTrainer:
                 f"has {len(model_params)} and {len(model_buffers)}"
             )
         for dst, src in zip([*model_params, *model_buffers], [*params, *buffers], strict=True):
-            if dst is not src and not _same_memory(dst, src):
+            if dst is not src and not same_memory(dst, src):
                 # Blocking: a backend may reuse (e.g. pinned receive) buffers on its next call.
                 dst.copy_(src)
 

@@ -39,20 +39,43 @@ it comes back holding the slice at the current iteration, nothing was lost
 (:meth:`Coordinator.recovered`); otherwise every shard loads the latest checkpoint and
 :meth:`Coordinator.rewind` continues from it, every learner pulling. No learner is stopped and
 no job fails for it.
+
+The values it takes and gives (settings, decisions, tasks) are in ``coordinator_records.py``,
+re-exported here; shard loss, coordinator failover and resume are in
+``coordinator_recovery.py`` (:class:`~shoal.param_sync.coordinator_recovery.RecoveryMixin`).
 """
 
 from __future__ import annotations
 
-import enum
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from shoal.contract import user_metrics
-from shoal.contract.wire import TensorMeta, validate_layout
+from shoal.contract.wire import TensorMeta
+from shoal.param_sync.coordinator_records import (
+    MAX_USER_METRICS as MAX_USER_METRICS,
+    WAIT,
+    Action,
+    Assignment,
+    CheckpointTask,
+    Decision,
+    IterationInfo,
+    JobSettings,
+    JoinOutcome,
+    OptimizerConfig,
+    RecoverTask,
+    ResolveTask,
+    RewindTask,
+    Task,
+    UserMetrics,
+    check_same_shape,
+    check_shape,
+    check_user_metrics as check_user_metrics,
+    mean_user_metrics,
+)
+from shoal.param_sync.coordinator_recovery import RecoveryMixin
 from shoal.param_sync.sharding import Sharding, assign_shards
 from shoal.runtime.errors import FailedPrecondition, InvalidField, StaleGeneration
 
@@ -71,209 +94,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class JobSettings:
-    """A job's data-plane settings (from ``OpenJob``)."""
-
-    job_id: str
-    batch_size: int
-    epochs: int
-    seed: int = 0
-    checkpoint_every: int = 0  # epochs; 0: only at the end
-    keep_checkpoints: int = 0  # complete checkpoints kept; 0: checkpoint.DEFAULT_KEEP
-    keep_every: int = 0  # every Nth checkpoint is also kept for good; 0: none
-    storage_uri: str = ""
-    shard_addresses: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.job_id:
-            raise InvalidField("job_id", self.job_id, "must not be empty")
-        if self.batch_size < 1:
-            raise InvalidField("spec.batch_size", self.batch_size, "must be >= 1")
-        if self.epochs < 1:
-            raise InvalidField("spec.epochs", self.epochs, "must be >= 1")
-        if self.seed < 0:
-            raise InvalidField("spec.seed", self.seed, "must be >= 0")
-        if self.checkpoint_every < 0:
-            raise InvalidField("spec.checkpoint_every", self.checkpoint_every, "must be >= 0")
-        if self.keep_checkpoints < 0:
-            raise InvalidField("spec.keep_checkpoints", self.keep_checkpoints, "must be >= 0")
-        if self.keep_every < 0:
-            raise InvalidField("spec.keep_every_nth_checkpoint", self.keep_every, "must be >= 0")
-        if not self.shard_addresses:
-            raise InvalidField("shard_addresses", [], "must name at least one shard")
-
-    @property
-    def num_shards(self) -> int:
-        return len(self.shard_addresses)
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    name: str
-    hyperparameters_json: str = "{}"
-    #: Clip the job's global gradient to this 2-norm before every step (0: no clipping).
-    clip_grad_norm: float = 0.0
-    #: Skip the step of an iteration whose global gradient is not finite (float16 scaling).
-    skip_nonfinite: bool = False
-    #: Parameter groups, JSON ``[[names, overrides], ...]`` ("": one group); see
-    #: ``shard.build_optimizer``.
-    param_groups_json: str = ""
-
-    @property
-    def needs_norm(self) -> bool:
-        """Whether the shards report their slices' norms (clipping or skipping)."""
-        return self.clip_grad_norm > 0 or self.skip_nonfinite
-
-
-@dataclass(frozen=True)
-class Assignment:
-    generation: int
-    epoch: int
-    iteration: int
-    global_iteration: int
-    rank: int
-    world_size: int
-    sample_start: int
-    sample_end: int
-    batch_samples: int
-
-
-class Action(enum.Enum):
-    RUN = "run"
-    RETIRE = "retire"
-    DONE = "done"
-    WAIT = "wait"
-    CHECKPOINT = "checkpoint"  # collective mode: write the checkpoint ``Decision.checkpoint``
-
-
-@dataclass(frozen=True)
-class Decision:
-    action: Action
-    assignment: Assignment | None = None
-    pull: bool = False
-    checkpoint: CheckpointTask | None = None  # for CHECKPOINT
-    restore: int | None = None  # collective RUN: no member holds the state; load this one
-
-
-WAIT = Decision(Action.WAIT)
-
-
-@dataclass(frozen=True)
-class JoinOutcome:
-    initialize: bool
-    sharding: Sharding
-
-
-@dataclass(frozen=True)
-class ResolveTask:
-    """Tell every shard to commit (step) or abort (drop) iteration ``iteration`` of
-    ``generation``."""
-
-    generation: int
-    iteration: int
-    commit: bool
-    #: With commit, when the job clips: the 2-norm of the whole mean gradient (+inf when not
-    #: finite, so that tasks stay comparable).
-    grad_norm: float = 0.0
-
-
-@dataclass(frozen=True)
-class CheckpointTask:
-    """Write a checkpoint holding ``iteration`` completed iterations (``final``: the last one,
-    followed by the whole model)."""
-
-    iteration: int
-    epoch: int
-    final: bool = False
-
-
-@dataclass(frozen=True)
-class RewindTask:
-    """Collective mode: every learner holding the job's state is gone, so the job continues
-    from the checkpoint after ``iteration`` iterations; the records of later iterations are
-    dropped before anyone runs again."""
-
-    iteration: int
-
-
-@dataclass(frozen=True)
-class RecoverTask:
-    """Parameter-server mode: shard ``shard_index`` was found unreachable or without its slice
-    of the job (``reason``). Held until the shard answers again: then either nothing was lost
-    or every shard rewinds to the latest checkpoint."""
-
-    shard_index: int
-    reason: str
-
-
-Task = ResolveTask | CheckpointTask | RewindTask | RecoverTask
-
-
-UserMetrics = Mapping[str, tuple[float, int]]
-"""A learner's ``trainer.log`` values of one iteration: name -> (sum of value x samples,
-samples)."""
-
-#: At most this many names per report; a name is 1-64 characters of ``[A-Za-z0-9_./-]``.
-MAX_USER_METRICS = user_metrics.MAX_NAMES
-
-
-def check_user_metrics(sums: Mapping[str, float], samples: Mapping[str, int]) -> UserMetrics:
-    """The learner's ``metric_sums`` / ``metric_samples`` as :data:`UserMetrics`, checked.
-
-    Raises:
-        InvalidField: too many names, a bad name, a name in one map only, a count < 1 or a
-            non-finite sum.
-    """
-    if len(sums) > MAX_USER_METRICS:
-        raise InvalidField("metric_sums", len(sums), f"must name at most {MAX_USER_METRICS}")
-    if set(sums) != set(samples):
-        raise InvalidField(
-            "metric_samples", sorted(set(sums) ^ set(samples)), "must name what metric_sums does"
-        )
-    out: dict[str, tuple[float, int]] = {}
-    for name, total in sums.items():
-        if not user_metrics.NAME_PATTERN.fullmatch(name):
-            raise InvalidField("metric_sums", name, f"names are {user_metrics.NAME_RULE}")
-        count = samples[name]
-        if count < 1 or not math.isfinite(total):
-            raise InvalidField(f"metric_sums[{name}]", (total, count), "must be finite, >= 1")
-        out[name] = (float(total), int(count))
-    return out
-
-
-def _mean_user_metrics(reports: Iterable[UserMetrics]) -> dict[str, float]:
-    """The sample-weighted mean of each name over the members that logged it."""
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for metrics in reports:
-        for name, (total, count) in metrics.items():
-            sums[name] = sums.get(name, 0.0) + total
-            counts[name] = counts.get(name, 0) + count
-    return {name: sums[name] / counts[name] for name in sorted(sums)}
-
-
-@dataclass
-class _IterationInfo:
-    """A committed iteration whose loss is being collected from its members' reports."""
-
-    global_iteration: int
-    epoch: int
-    iteration: int
-    generation: int
-    world_size: int
-    samples: int
-    seconds: float
-    time: float
-    expected: set[str]
-    reports: dict[str, tuple[float, int]] = field(default_factory=dict)
-    user: dict[str, UserMetrics] = field(default_factory=dict)  # trainer.log, per member
-    #: The last iteration a lost coordinator committed (:meth:`Coordinator.take_over`): its
-    #: members are not known here, so any learner's report counts, until the next commit.
-    late: bool = False
-
-
-class Coordinator:
+class Coordinator(RecoveryMixin):
     """One job's coordinator state (see the module docstring)."""
 
     def __init__(self, settings: JobSettings, *, clock: Callable[[], float] = time.time) -> None:
@@ -323,7 +144,7 @@ class Coordinator:
         self.recovering = ""
         self.routing_epoch = 0
         # Loss and throughput.
-        self._collecting: dict[int, _IterationInfo] = {}
+        self._collecting: dict[int, IterationInfo] = {}
         self._finished: list[dict[str, Any]] = []
         self.last_loss = math.nan
         self._recent: deque[tuple[int, float]] = deque(maxlen=20)
@@ -350,51 +171,16 @@ class Coordinator:
             self._check_same(layout, optimizer, dataset_size)
             assert self.sharding is not None
             return self.sharding
-        if not layout:
-            raise InvalidField("layout", [], "must hold at least one tensor")
-        if not any(not m.buffer for m in layout):
-            raise InvalidField("layout", len(layout), "must hold at least one parameter")
-        try:
-            validate_layout(layout, max(m.end for m in layout), what="layout")
-        except ValueError as exc:
-            raise InvalidField("layout", "...", str(exc)) from None
-        if dataset_size < 1:
-            raise InvalidField("dataset_size", dataset_size, "must be >= 1")
-        if not optimizer.name:
-            raise InvalidField("optimizer.name", optimizer.name, "must name a torch.optim class")
+        check_shape(layout, optimizer, dataset_size)
         return assign_shards(layout, self.settings.num_shards)
 
     def _check_same(
         self, layout: Sequence[TensorMeta], optimizer: OptimizerConfig, dataset_size: int
     ) -> None:
         assert self.layout is not None
-        if tuple(layout) != self.layout:
-            if len(layout) != len(self.layout):
-                raise InvalidField(
-                    "layout",
-                    f"{len(layout)} tensors",
-                    f"differs from the job's layout ({len(self.layout)} tensors)",
-                )
-            for i, (mine, theirs) in enumerate(zip(self.layout, layout, strict=True)):
-                if mine != theirs:
-                    raise InvalidField(
-                        f"layout[{i}]",
-                        f"{theirs.name} {theirs.dtype} {list(theirs.shape)} @{theirs.offset}",
-                        f"differs from the job's ({mine.name} {mine.dtype} {list(mine.shape)} "
-                        f"@{mine.offset})",
-                    )
-        if optimizer != self.optimizer:
-            assert self.optimizer is not None
-            raise InvalidField(
-                "optimizer",
-                f"{optimizer.name} {optimizer.hyperparameters_json}",
-                f"differs from the job's ({self.optimizer.name} "
-                f"{self.optimizer.hyperparameters_json})",
-            )
-        if dataset_size != self.dataset_size:
-            raise InvalidField(
-                "dataset_size", dataset_size, f"differs from the job's ({self.dataset_size})"
-            )
+        check_same_shape(
+            self.layout, self.optimizer, self.dataset_size, layout, optimizer, dataset_size
+        )
 
     def fix_layout(
         self,
@@ -729,88 +515,6 @@ class Coordinator:
         self._touch()
         return True
 
-    # -- shard loss (parameter-server mode) ----------------------------------------------------
-
-    @property
-    def recovery(self) -> RecoverTask | None:
-        return next((t for t in self._holds if isinstance(t, RecoverTask)), None)
-
-    def shard_lost(self, shard_index: int, reason: str) -> list[Task]:
-        """Shard ``shard_index`` is unreachable or lost its slice. Aborts the running
-        iteration (its sums may be gone) and holds a :class:`RecoverTask`, so every boundary
-        waits until the shard answers again. Returns the tasks to start (none when the job is
-        in collective mode, not started, done, or already recovering)."""
-        if self.sharding is None or not 0 <= shard_index < self.sharding.num_shards:
-            raise InvalidField("shard_index", shard_index, "is not a shard of the job")
-        if (
-            self.collective is not False
-            or not self.initialized
-            or self.done
-            or self.recovery is not None
-            or not self.sharding.tensors[shard_index]
-        ):
-            return []
-        self.recovering = f"shard {shard_index} {reason} at iteration {self.completed}"
-        tasks: list[Task] = []
-        if self.running and self.members:
-            abort = ResolveTask(self.generation, self.completed, commit=False)
-            self._hold(abort)
-            tasks.append(abort)
-            self._admit(list(self.members), new_generation=True)
-        task = RecoverTask(shard_index, reason)
-        self._hold(task)
-        tasks.append(task)
-        self._touch()
-        return tasks
-
-    def promote(self, lost: int, backup: int) -> Sharding:
-        """Move the lost shard's tensors to ``backup`` (which kept their replica): the new
-        sharding, in layout order; the lost shard holds nothing from now on (it may come back
-        as a spare). Increases the routing epoch, so learners re-route."""
-        sharding = self.sharding
-        if sharding is None or not (
-            0 <= lost < sharding.num_shards and 0 <= backup < sharding.num_shards
-        ):
-            raise InvalidField("shard_index", (lost, backup), "is not a shard of the job")
-        if lost == backup or not sharding.tensors[backup]:
-            raise InvalidField("backup", backup, f"cannot take shard {lost}'s tensors")
-        assert self.layout is not None
-        moved = set(sharding.tensors[lost]) | set(sharding.tensors[backup])
-        tensors = list(sharding.tensors)
-        loads = list(sharding.loads)
-        tensors[backup] = tuple(m.name for m in self.layout if m.name in moved)
-        tensors[lost] = ()
-        loads[backup] += loads[lost]
-        loads[lost] = 0
-        self.sharding = Sharding(tuple(tensors), tuple(loads))
-        self.routing_epoch += 1
-        return self.sharding
-
-    def recovered(self, task: RecoverTask) -> None:
-        """The lost shard answered holding its slice at the current iteration: nothing was
-        lost. The boundaries go on (the aborted iteration is re-run)."""
-        self.recovering = ""
-        self.task_done(task)
-
-    def rewind(self, task: RecoverTask, iteration: int, *, generation: int) -> None:
-        """Every shard loaded the checkpoint after ``iteration`` iterations (written in
-        ``generation``): continue from it in a new generation, every member pulling. Records
-        of iterations at or after it are dropped (they will be run again)."""
-        self.completed = iteration
-        self.samples_processed = sum(self.batch_samples(k) for k in range(iteration))
-        self._collecting = {k: v for k, v in self._collecting.items() if k < iteration}
-        self._finished = [r for r in self._finished if r["global_iteration"] < iteration]
-        self.synced = set()
-        self.generation = max(self.generation, generation)
-        self._holds = [t for t in self._holds if not isinstance(t, CheckpointTask)]
-        self._deferred_commit = False
-        self._admit(
-            [m for m in self.members if m not in self.evicted and m not in self.retired],
-            new_generation=True,
-        )
-        self.recovering = ""
-        self.task_done(task)
-
     def membership(self, generation: int) -> tuple[tuple[str, ...], int]:
         """Members and iteration of ``generation`` (for shards validating contributions)."""
         if generation < self.generation:
@@ -877,7 +581,7 @@ class Coordinator:
         self._paused = False
         samples = self.batch_samples(k)
         epoch, iteration = divmod(k, self.iterations_per_epoch)
-        self._collecting[k] = _IterationInfo(
+        self._collecting[k] = IterationInfo(
             global_iteration=k,
             epoch=epoch,
             iteration=iteration,
@@ -955,7 +659,7 @@ class Coordinator:
 
     # -- loss and progress --------------------------------------------------------------------
 
-    def _maybe_finish(self, info: _IterationInfo) -> None:
+    def _maybe_finish(self, info: IterationInfo) -> None:
         if not set(info.expected) <= set(info.reports):
             return
         del self._collecting[info.global_iteration]
@@ -977,7 +681,7 @@ class Coordinator:
                 "samples": info.samples,
                 "samples_per_second": info.samples / info.seconds,
                 "time": info.time,
-                **({"values": _mean_user_metrics(info.user.values())} if info.user else {}),
+                **({"values": mean_user_metrics(info.user.values())} if info.user else {}),
             }
         )
 
@@ -1012,91 +716,3 @@ class Coordinator:
 
     def _touch(self) -> None:
         self.update_time = self._clock()
-
-    # -- coordinator failover -----------------------------------------------------------------
-
-    def take_over(
-        self,
-        *,
-        layout: Sequence[TensorMeta],
-        optimizer: OptimizerConfig,
-        dataset_size: int,
-        completed: int,
-        generation: int,
-        last_checkpoint: int,
-        lost_shard: int,
-        collect_last: bool = True,
-        sharding: Sharding | None = None,
-    ) -> list[Task]:
-        """Become the coordinator of a parameter-server job whose coordinator shard was lost
-        (shard ``lost_shard``), at ``completed`` iterations, which every shard left holds: the
-        layout comes from the first learner that re-joins, generations continue from
-        ``generation`` (above every generation of the lost coordinator), every learner pulls,
-        and the lost shard's slice is recovered as for any lost shard (the returned tasks:
-        :meth:`shard_lost`). The report of the last committed iteration, which went to the lost
-        coordinator, is collected again from whoever sends it, until the next commit, unless
-        ``collect_last`` is false (it is recorded already). ``sharding``: the one the shards
-        left hold (after an earlier promotion it is not the hash rule's; default: the hash
-        rule's)."""
-        self.restore(
-            layout=layout,
-            optimizer=optimizer,
-            dataset_size=dataset_size,
-            completed=completed,
-            samples_processed=0,
-            generation=generation,
-        )
-        if sharding is not None:
-            if sharding.num_shards != self.settings.num_shards:
-                raise InvalidField(
-                    "sharding", sharding.num_shards, f"must have {self.settings.num_shards} shards"
-                )
-            self.sharding = sharding
-        self.set_mode(False)
-        self.resumed = False
-        self.initialized = True
-        self.samples_processed = sum(self.batch_samples(k) for k in range(completed))
-        self.last_checkpoint = last_checkpoint
-        if completed > 0 and collect_last:
-            k = completed - 1
-            epoch, iteration = divmod(k, self.iterations_per_epoch)
-            self._collecting[k] = _IterationInfo(
-                global_iteration=k,
-                epoch=epoch,
-                iteration=iteration,
-                generation=-1,
-                world_size=0,
-                samples=self.batch_samples(k),
-                seconds=1e-9,
-                time=self._clock(),
-                expected=set(),
-                late=True,
-            )
-        return self.shard_lost(lost_shard, "lost (it was the coordinator)")
-
-    # -- resume -------------------------------------------------------------------------------
-
-    def restore(
-        self,
-        *,
-        layout: Sequence[TensorMeta],
-        optimizer: OptimizerConfig,
-        dataset_size: int,
-        completed: int,
-        samples_processed: int,
-        generation: int,
-        last_loss: float = math.nan,
-    ) -> None:
-        """Continue from a checkpoint: the layout is fixed, the shards hold the parameters
-        after ``completed`` iterations, every learner pulls them; generations continue after
-        the checkpoint's so that no learner of the previous life is taken for a member."""
-        sharding = self.plan_sharding(layout, optimizer, dataset_size)
-        self.fix_layout(layout, optimizer, dataset_size, sharding)
-        self.completed = completed
-        self.samples_processed = samples_processed
-        self.generation = generation + 1
-        self.last_checkpoint = completed
-        self.initialized = True
-        self.resumed = True
-        self.last_loss = last_loss
-        self._touch()

@@ -1,0 +1,220 @@
+"""The ``"local"`` sync backend: standalone mode, a world of one with the real
+``torch.optim`` optimizer stepping in-process.
+
+It exercises the learner exactly as on the cluster (gradients out, parameters in) and writes
+checkpoints, epoch reports and the final model when given a storage URI. Importing it
+registers it as ``"local"``; ``backend.py`` imports it, so importing ``shoal.learner.backend``
+is enough. Split out of ``backend.py``, which re-exports :class:`LocalBackend`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import fsspec
+import safetensors.torch
+import torch
+
+from shoal.learner.checkpoint_io import (
+    LoadedCheckpoint,
+    join_path,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
+from shoal.learner.env import LOCAL_BACKEND, LearnerEnv
+from shoal.learner.gradients import apply_gradient_policy
+from shoal.learner.interface import SyncBackend, register_backend
+from shoal.learner.sync_types import (
+    Assignment,
+    Contribution,
+    EpochReport,
+    InitialState,
+    ModelState,
+    SyncResult,
+    TrainingPlan,
+    TrainingSetup,
+    set_learning_rate,
+)
+
+# --------------------------------------------------------------------------------------------
+# The local backend
+# --------------------------------------------------------------------------------------------
+
+
+class LocalBackend(SyncBackend):
+    """Standalone mode: a world of one, the optimizer stepping in this process.
+
+    It keeps master copies of the parameters (the state a parameter-sync shard would hold),
+    so the learner is exercised exactly as on the cluster: gradients out, parameters in.
+    With ``storage_uri`` it writes checkpoints (every ``checkpoint_every`` epochs and at the
+    end), the epoch reports (``metrics/epochs.json``) and the final model
+    (``final/model.safetensors``), and when ``resume`` is true :meth:`initialize` continues
+    from the latest checkpoint there.
+    """
+
+    def __init__(self, *, storage_uri: str | None = None, resume: bool = True) -> None:
+        self._storage_uri = storage_uri
+        self._resume = resume
+        self._setup: TrainingSetup | None = None
+        self._plan: TrainingPlan | None = None
+        self._params: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._step = 0
+        self._reports: list[dict[str, Any]] = []
+
+    @classmethod
+    def from_env(cls, env: LearnerEnv) -> LocalBackend:
+        return cls(storage_uri=env.storage_uri)
+
+    @property
+    def step(self) -> int:
+        """Iterations completed so far."""
+        return self._step
+
+    def initialize(self, setup: TrainingSetup) -> InitialState:
+        if self._setup is not None:
+            raise RuntimeError("initialize() was already called on this backend")
+        self._setup = setup
+        self._plan = setup.plan
+        self._params = [p.detach().clone().requires_grad_(p.requires_grad) for p in setup.params]
+        self._buffers = [b.detach().clone() for b in setup.buffers]
+        self._optimizer = setup.optimizer.create(self._params, [s.name for s in setup.param_specs])
+        if self._storage_uri is not None and self._resume:
+            checkpoint = load_latest_checkpoint(self._storage_uri)
+            if checkpoint is not None:
+                self._restore(checkpoint)
+        return InitialState(self._plan, self._params, self._buffers, self._step)
+
+    def _restore(self, checkpoint: LoadedCheckpoint) -> None:
+        assert self._setup is not None and self._optimizer is not None
+        plan = self._setup.plan
+        old = checkpoint.plan
+        for name in ("num_samples", "batch_size", "seed"):
+            if getattr(old, name) != getattr(plan, name):
+                raise ValueError(
+                    f"{name} ({getattr(plan, name)}) differs from the checkpoint's "
+                    f"({getattr(old, name)}) in {self._storage_uri}"
+                )
+        if (
+            checkpoint.param_specs != self._setup.param_specs
+            or checkpoint.buffer_specs != self._setup.buffer_specs
+        ):
+            raise ValueError(f"model does not match the checkpoint in {self._storage_uri}")
+        with torch.no_grad():
+            for dst, src in zip(self._params, checkpoint.params, strict=True):
+                dst.copy_(src)
+            for dst, src in zip(self._buffers, checkpoint.buffers, strict=True):
+                dst.copy_(src)
+        self._optimizer.load_state_dict(checkpoint.optimizer_state)
+        self._step = checkpoint.completed
+        fs, root = fsspec.core.url_to_fs(self._storage_uri)
+        reports = join_path(root, "metrics", "epochs.json")
+        if fs.exists(reports):
+            with fs.open(reports, "r") as f:
+                self._reports = [r for r in json.load(f) if r["step"] < self._step]
+
+    def next_assignment(self) -> Assignment | None:
+        plan = self._require_plan()
+        if self._step >= plan.total_steps:
+            return None
+        return plan.assignment(self._step)
+
+    def sync(
+        self, assignment: Assignment, contribution: Contribution, *, lr: float | None = None
+    ) -> SyncResult:
+        plan = self._require_plan()
+        optimizer = self._optimizer
+        assert optimizer is not None
+        if assignment.step != self._step or assignment.world_size != 1:
+            raise RuntimeError(
+                f"assignment (step {assignment.step}, world {assignment.world_size}) does not "
+                f"match the local backend (step {self._step}, world 1)"
+            )
+        if len(contribution.grads) != len(self._params):
+            raise ValueError(
+                f"contribution has {len(contribution.grads)} gradients, "
+                f"expected {len(self._params)}"
+            )
+        if lr is not None:
+            set_learning_rate(optimizer, lr)
+        setup = self._setup
+        assert setup is not None
+        grads = list(contribution.grads)
+        grad_norm, skipped = apply_gradient_policy(grads, setup)
+        for p, g in zip(self._params, grads, strict=True):
+            p.grad = g
+        if not skipped:
+            optimizer.step()
+        for p in self._params:
+            p.grad = None
+        with torch.no_grad():
+            for dst, src in zip(self._buffers, contribution.buffers, strict=True):
+                if dst is not src:
+                    dst.copy_(src)
+        n = contribution.n_samples
+        loss = contribution.loss_sum / n if n else math.nan
+        step = self._step
+        self._step += 1
+        if self._storage_uri is not None and plan.is_checkpoint_step(step):
+            self._checkpoint(self._step)
+        return SyncResult(self._params, self._buffers, step, loss, grad_norm, skipped)
+
+    def _checkpoint(self, completed: int) -> None:
+        setup, plan, optimizer = self._setup, self._plan, self._optimizer
+        assert setup is not None and plan is not None and optimizer is not None
+        assert self._storage_uri is not None
+        save_checkpoint(
+            self._storage_uri,
+            completed=completed,
+            plan=plan,
+            optimizer_spec=setup.optimizer,
+            param_specs=setup.param_specs,
+            buffer_specs=setup.buffer_specs,
+            params=self._params,
+            buffers=self._buffers,
+            optimizer=optimizer,
+        )
+        if completed == plan.total_steps:
+            fs, root = fsspec.core.url_to_fs(self._storage_uri)
+            fs.makedirs(join_path(root, "final"), exist_ok=True)
+            tensors = {
+                s.name: t.detach().cpu().contiguous()
+                for s, t in zip(
+                    (*setup.param_specs, *setup.buffer_specs),
+                    (*self._params, *self._buffers),
+                    strict=True,
+                )
+            }
+            with fs.open(join_path(root, "final", "model.safetensors"), "wb") as f:
+                f.write(safetensors.torch.save(tensors))
+
+    def pull_parameters(self) -> ModelState:
+        self._require_plan()
+        return ModelState(self._params, self._buffers)
+
+    def report_epoch(self, report: EpochReport) -> None:
+        self._reports.append(
+            {
+                "epoch": report.epoch,
+                "step": report.step,
+                "loss": report.loss,
+                "metrics": dict(report.metrics),
+                "num_samples": report.num_samples,
+            }
+        )
+        if self._storage_uri is not None:
+            fs, root = fsspec.core.url_to_fs(self._storage_uri)
+            fs.makedirs(join_path(root, "metrics"), exist_ok=True)
+            with fs.open(join_path(root, "metrics", "epochs.json"), "w") as f:
+                json.dump(self._reports, f, indent=1)
+
+    def _require_plan(self) -> TrainingPlan:
+        if self._plan is None:
+            raise RuntimeError("initialize() must be called first")
+        return self._plan
+
+
+register_backend(LOCAL_BACKEND, LocalBackend.from_env)

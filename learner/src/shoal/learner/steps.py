@@ -1,0 +1,219 @@
+"""The building blocks of one learner iteration: fetching a batch, the mean gradient over a
+share (micro-batched), evaluation, the model's persistent buffers and its optimizer groups.
+
+Pure functions of a model and data, no backend and no loop: the trainer calls them, and tests
+and backends that simulate learners use them directly. ``trainer.py`` re-exports the public
+ones (:func:`fetch_batch`, :func:`compute_contribution`, :func:`evaluate`,
+:func:`persistent_buffers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, Subset, TensorDataset, default_collate
+
+from shoal.learner import partition
+from shoal.learner.backend import Contribution, OptimizerSpec
+from shoal.learner.loader import BatchFetcher
+from shoal.learner.metrics import MetricsFn, classification_metrics
+from shoal.learner.user_metrics import MetricLog
+
+#: A mean-reduced loss: ``(output, target) -> scalar``.
+LossFn: TypeAlias = Callable[[Any, Any], torch.Tensor]
+
+
+def fetch_batch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
+    """The samples ``indices`` of ``dataset`` as one collated batch. ``TensorDataset`` (and a
+    ``Subset`` of one) is indexed in one vectorized operation; other datasets go through
+    ``__getitems__`` when they have it, else item by item, then ``default_collate``."""
+    if isinstance(dataset, Subset) and isinstance(dataset.dataset, TensorDataset):
+        mapped = torch.tensor([dataset.indices[i] for i in indices.tolist()], dtype=torch.int64)
+        return tuple(t[mapped] for t in dataset.dataset.tensors)
+    if isinstance(dataset, TensorDataset):
+        return tuple(t[indices] for t in dataset.tensors)
+    positions = indices.tolist()
+    getitems = getattr(dataset, "__getitems__", None)
+    items = getitems(positions) if getitems is not None else [dataset[i] for i in positions]
+    return default_collate(items)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    if not isinstance(batch, (list, tuple)) or len(batch) != 2:
+        raise ValueError("dataset items must be (input, target) pairs")
+    return batch[0], batch[1]
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers that travel with the gradients: the persistent ones (those in the model's
+    ``state_dict``, e.g. BatchNorm running statistics), in ``named_buffers`` order."""
+    keys = set(model.state_dict(keep_vars=True))
+    return [(name, b) for name, b in model.named_buffers() if name in keys]
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of the same memory (a backend may hand back the
+    model's own tensors, as the collective one does)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def compute_contribution(
+    model: nn.Module,
+    loss_fn: LossFn,
+    dataset: Dataset[Any],
+    indices: torch.Tensor,
+    *,
+    max_per_device: int | None = None,
+    device: torch.device | str | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    loss_scale: float | None = None,
+    fetcher: BatchFetcher | None = None,
+    metrics: MetricLog | None = None,
+) -> Contribution:
+    """Run forward and backward over the share ``indices`` of ``dataset`` and return this
+    learner's :class:`Contribution`: the mean gradient over the share, its size, the sum of
+    the per-sample losses, and the buffers.
+
+    ``loss_fn`` must return the mean over its batch (e.g. ``nn.CrossEntropyLoss()``). When the
+    share exceeds ``max_per_device`` it is split by :func:`partition.micro_batches` and each
+    micro-batch of ``m`` of the share's ``n`` samples backpropagates ``loss * m / n``, so the
+    accumulated gradient is the mean over the whole share. (With BatchNorm, micro-batches see
+    their own batch statistics, as on any device that cannot hold the whole share.)
+
+    With ``autocast_dtype`` the forward pass and the loss run under ``torch.autocast`` of that
+    dtype. With ``loss_scale`` (float16) the backward pass runs on ``loss * loss_scale`` and the
+    gradients are unscaled before they are returned (multiplied by ``1 / loss_scale``, as
+    ``GradScaler.unscale_`` does), so the backend always receives unscaled gradients; an
+    overflow shows as inf/NaN in them. (The trainer passes the job's scale times the share's
+    fraction of the global batch, so that each sample's term is scaled as on one process.)
+    With ``fetcher`` the micro-batches are fetched by its worker processes (the same samples,
+    prefetched). With ``metrics``, what the loss function or the model logs (``trainer.log``)
+    during a micro-batch is weighted by that micro-batch's sample count.
+    """
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    params = [p for _, p in model.named_parameters()]
+    model.zero_grad(set_to_none=True)
+    n = int(indices.numel())
+    if n == 0:
+        return Contribution([None] * len(params), 0, 0.0, [b for _, b in persistent_buffers(model)])
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    chunks = list(partition.micro_batches(indices, max_per_device))
+    fetched = (
+        fetcher.batches(chunks)
+        if fetcher is not None
+        else (fetch_batch(dataset, chunk) for chunk in chunks)
+    )
+    for chunk, batch in zip(chunks, fetched, strict=True):
+        inputs, targets = split_batch(to_device(batch, device))
+        m = int(chunk.numel())
+        if metrics is not None:
+            metrics.chunk = m
+        try:
+            if autocast_dtype is None:
+                loss = loss_fn(model(inputs), targets)
+            else:
+                with torch.autocast(device.type, dtype=autocast_dtype):
+                    loss = loss_fn(model(inputs), targets)
+        finally:
+            if metrics is not None:
+                metrics.chunk = None
+        scaled = loss if loss_scale is None else loss * loss_scale
+        (scaled if m == n else scaled * (m / n)).backward()
+        loss_sum += loss.detach().to(torch.float64) * m
+    grads = [p.grad for p in params]
+    if loss_scale is not None:
+        inv_scale = torch.tensor(1.0 / loss_scale, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for g in grads:
+                if g is not None:
+                    g.mul_(inv_scale.to(g.dtype))
+    buffers = [b for _, b in persistent_buffers(model)]
+    return Contribution(grads, n, float(loss_sum), buffers)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    loss_fn: LossFn,
+    dataset: Dataset[Any],
+    *,
+    batch_size: int = 1024,
+    device: torch.device | str | None = None,
+    metrics: MetricsFn | None = classification_metrics,
+) -> tuple[float, dict[str, float]]:
+    """Mean loss and metrics of ``model`` (in eval mode) over the whole of ``dataset``."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    n = len(dataset)  # type: ignore[arg-type]
+    was_training = model.training
+    model.eval()
+    try:
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        outputs: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        for start in range(0, n, batch_size):
+            idx = torch.arange(start, min(start + batch_size, n))
+            inputs, target = split_batch(to_device(fetch_batch(dataset, idx), device))
+            output = model(inputs)
+            loss_sum += loss_fn(output, target).to(torch.float64) * idx.numel()
+            if metrics is not None:
+                outputs.append(output.detach().cpu())
+                targets.append(target.detach().cpu())
+    finally:
+        model.train(was_training)
+    loss = float(loss_sum) / n if n else math.nan
+    values: dict[str, float] = {}
+    if metrics is not None and outputs:
+        values = {k: float(v) for k, v in metrics(torch.cat(outputs), torch.cat(targets)).items()}
+    return loss, values
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def with_param_groups(
+    spec: OptimizerSpec,
+    model: nn.Module,
+    param_groups: Callable[[nn.Module], Sequence[Mapping[str, Any]]],
+) -> OptimizerSpec:
+    """``spec`` with the groups ``param_groups(model)`` returns, by parameter name."""
+    if not callable(param_groups):
+        raise ValueError(f"param_groups ({param_groups!r}) must be a function of the model")
+    names = {id(p): n for n, p in model.named_parameters()}
+    known = set(names.values())
+    groups = []
+    for i, group in enumerate(param_groups(model)):
+        if not isinstance(group, Mapping) or "params" not in group:
+            raise ValueError(f"param group {i} ({group!r}) must be a dict with 'params'")
+        params = group["params"]
+        if isinstance(params, (torch.Tensor, str)):
+            params = [params]
+        group_names = []
+        for p in params:
+            name = p if isinstance(p, str) else names.get(id(p))
+            if name is None or name not in known:
+                shown = p if isinstance(p, str) else f"tensor of shape {tuple(p.shape)}"
+                raise ValueError(f"param group {i} holds {shown!r}, not a parameter of the model")
+            group_names.append(name)
+        overrides = {k: v for k, v in group.items() if k != "params"}
+        groups.append((tuple(group_names), overrides))
+    spec = dataclasses.replace(spec, groups=tuple(groups))
+    # Validate on stand-ins of the model's parameters (the real ones are not touched).
+    named = list(model.named_parameters())
+    spec.create([torch.zeros(1, requires_grad=True) for _ in named], [n for n, _ in named])
+    return spec
