@@ -109,6 +109,13 @@ async def one(
     raise RuntimeError(f"the learner printed nothing: {learner.exit_reason}")
 
 
+async def pool_ready(pool) -> None:
+    """Wait (at most 300 s) until the warm pool has a process ready again."""
+    deadline = time.monotonic() + 300
+    while pool.ready() < 1 and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.1)  # a bench: the pool has no public ready event
+
+
 async def pinning_obeyed(manager, artifact: str) -> None:
     """A warm learner on a simulated device (``CUDA_VISIBLE_DEVICES=""``) must see no GPU."""
     from shoal.host_agent.devices import SimulatedDevices
@@ -157,10 +164,7 @@ async def main_async(repeats: int, device: str) -> None:
         results: dict[str, list[float]] = {"cold": [], "warm": [], "import torch": []}
         try:
             for r in range(repeats):
-                pool = managers["warm"].warm
-                deadline = time.monotonic() + 300
-                while pool.ready() < 1 and time.monotonic() < deadline:  # noqa: ASYNC110
-                    await asyncio.sleep(0.1)  # a bench: the pool has no public ready event
+                await pool_ready(managers["warm"].warm)
                 for kind in ("warm", "cold"):
                     seconds, was_warm = await one(
                         managers[kind], devices, artifact, r, device_id=gpu0
@@ -180,9 +184,7 @@ async def main_async(repeats: int, device: str) -> None:
                     flush=True,
                 )
             if device == "cuda":
-                deadline = time.monotonic() + 300
-                while managers["warm"].warm.ready() < 1 and time.monotonic() < deadline:  # noqa: ASYNC110
-                    await asyncio.sleep(0.1)
+                await pool_ready(managers["warm"].warm)
                 await pinning_obeyed(managers["warm"], artifact)
         finally:
             for manager in managers.values():
