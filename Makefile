@@ -38,7 +38,7 @@ $(STAMP): clients/pyproject.toml learner/pyproject.toml services/pyproject.toml 
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e clients -e learner -e services $(DEV_TOOLS)
+	$(PIP) install -q -e clients -e learner -e 'services[local]' $(DEV_TOOLS)
 	$(PIP) install -q --no-deps --upgrade --target $(TB_READER) tensorboard absl-py
 	touch $(STAMP)
 

