@@ -17,6 +17,7 @@ from shoal.param_sync.coordinator import (
     OptimizerConfig,
     ResolveTask,
 )
+from shoal.param_sync.servicer_common import _progress_proto
 from shoal.runtime.errors import FailedPrecondition, InvalidField, StaleGeneration
 
 LAYOUT = pack_layout(
@@ -246,6 +247,8 @@ def test_progress_carries_the_learners_compute_sync_split_at_the_current_world_s
     progress = coord.progress()
     assert progress["compute_seconds"] == pytest.approx(0.45)
     assert progress["sync_seconds"] == pytest.approx(0.1)
+    message = _progress_proto(progress)  # what GetJobProgress answers the scheduler
+    assert (message.compute_seconds, message.sync_seconds) == pytest.approx((0.45, 0.1))
 
 
 def test_an_evicted_member_that_never_reports_does_not_hold_back_the_loss():
