@@ -325,6 +325,9 @@ def test_a_split_that_is_nonsense_is_ignored_but_the_time_is_kept() -> None:
     model.observe(2, 1.0, compute_s=0.5, sync_s=-1.0)
     model.observe(2, 1.0, compute_s=0.0, sync_s=0.5)  # 0: not reported
     assert model.observed() == {2: 1.0} and model.split() == {}
+    model.observe(2, 1.0, compute_s=50.0, sync_s=0.0)  # longer than the iteration: cut
+    assert model.split() == {2: (1.0, 0.0)}
+    assert model.curve().compute == pytest.approx(2.0, rel=0.01)  # at most: all compute
 
 
 def test_fit_with_compute_rows_recovers_a_curve_from_one_world_size_and_its_split() -> None:

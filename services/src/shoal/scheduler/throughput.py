@@ -40,7 +40,10 @@ row), and the prior's compute becomes the measured one (``w * compute_s(w)`` at 
 reported most; the prior's overhead and sync are scaled to the rest of the observed time): the
 part of an iteration that divides among the learners is then measured rather than split off
 by the prior, so a sync-bound job is known not to scale from the first world size it ran at.
-The rest of the iteration (sync, overhead) is fitted from the iteration times as before.
+The rest of the iteration (sync, overhead) is fitted from the iteration times as before. A
+reported compute longer than the measured iteration is cut to it (the learners are not trusted
+beyond what the coordinator measured; an inflated report can at most claim perfect scaling at
+the sizes not yet seen, which the first measurement there corrects).
 
 Rescale pauses (``observe_pause``): the seconds a job made no progress around a change of its
 world size, a running mean, ``PRIOR_PAUSE_S`` before the first one.
@@ -307,6 +310,10 @@ class ThroughputModel:
         else:
             mean.add(seconds_per_iteration)
         if compute_s > 0 and math.isfinite(compute_s) and sync_s >= 0 and math.isfinite(sync_s):
+            # What the learners say is bounded by what the coordinator measured: a learner
+            # cannot compute longer than its iteration took (a noisy or inflated report would
+            # claim the job scales better than it can).
+            compute_s = min(compute_s, seconds_per_iteration)
             split = self._split.get(world_size)
             if split is None:
                 self._split[world_size] = (_Mean(compute_s), _Mean(sync_s))
