@@ -223,8 +223,8 @@ def fit_curve(
                 best = (err, theta)
     if best is None:
         return None
-    overhead, compute, sync, per = best[1]
-    return ThroughputCurve(overhead, compute, sync, per, batch=batch)
+    theta_overhead, theta_compute, theta_sync, theta_per = best[1]
+    return ThroughputCurve(theta_overhead, theta_compute, theta_sync, theta_per, batch=batch)
 
 
 @dataclass
@@ -410,12 +410,12 @@ class ThroughputModel:
             # world size they reported most), the rest of the anchor's time keeps the prior's
             # proportions of overhead and sync.
             split_w, (c, _) = max(self._split.items(), key=lambda kv: (kv[1][0].count, -kv[0]))
-            compute = c.seconds * split_w
+            measured = c.seconds * split_w
             rest = prior.iteration_time(anchor_w) - prior.compute / anchor_w
-            ratio = max(0.0, anchor.seconds - compute / anchor_w) / rest if rest > 0 else 0.0
+            ratio = max(0.0, anchor.seconds - measured / anchor_w) / rest if rest > 0 else 0.0
             prior = ThroughputCurve(
                 prior.overhead * ratio,
-                compute,
+                measured,
                 prior.sync * ratio,
                 prior.sync_per_worker * ratio,
                 self.batch,
