@@ -377,3 +377,8 @@ def assert_user_metrics(records: list[dict], first: int = 0) -> None:
         assert values["loss_x2"] == pytest.approx(2 * r["loss"], rel=1e-6, abs=1e-9), k
         if k > first:
             assert values["prev_step"] == pytest.approx(k - 1), k
+        # The learners' compute/sync split rides along (shoal's own names).
+        assert values["shoal.compute_s"] > 0, k
+    with_sync = [r for r in records if "shoal.sync_s" in r.get("values", {})]
+    assert len(with_sync) >= len(records) // 2  # all but each generation's first iteration
+    assert all(r["values"]["shoal.sync_s"] > 0 for r in with_sync)

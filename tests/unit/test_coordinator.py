@@ -17,6 +17,7 @@ from shoal.param_sync.coordinator import (
     OptimizerConfig,
     ResolveTask,
 )
+from shoal.param_sync.servicer_common import _progress_proto
 from shoal.runtime.errors import FailedPrecondition, InvalidField, StaleGeneration
 
 LAYOUT = pack_layout(
@@ -231,6 +232,23 @@ def test_the_loss_of_an_iteration_is_the_sample_weighted_mean_once_all_members_r
     assert record["loss"] == pytest.approx(9.0 / 4)
     assert (record["global_iteration"], record["world_size"], record["samples"]) == (0, 2, 4)
     assert coord.progress()["last_loss"] == pytest.approx(2.25)
+
+
+def test_progress_carries_the_learners_compute_sync_split_at_the_current_world_size():
+    coord = make()
+    start(coord, "a", "b")
+    assert (coord.progress()["compute_seconds"], coord.progress()["sync_seconds"]) == (0, 0)
+    finish_iteration(coord)
+    # a: 1 sample, 0.3 s compute; b: 3 samples, 0.5 s: the sample-weighted mean is 0.45.
+    coord.report("a", 1, 0, 1.0, 1, {"shoal.compute_s": (0.3, 1), "shoal.sync_s": (0.1, 1)})
+    coord.report("b", 1, 0, 3.0, 3, {"shoal.compute_s": (1.5, 3), "shoal.sync_s": (0.3, 3)})
+    [record] = coord.take_metrics()
+    assert record["values"]["shoal.compute_s"] == pytest.approx(0.45)
+    progress = coord.progress()
+    assert progress["compute_seconds"] == pytest.approx(0.45)
+    assert progress["sync_seconds"] == pytest.approx(0.1)
+    message = _progress_proto(progress)  # what GetJobProgress answers the scheduler
+    assert (message.compute_seconds, message.sync_seconds) == pytest.approx((0.45, 0.1))
 
 
 def test_an_evicted_member_that_never_reports_does_not_hold_back_the_loss():

@@ -11,7 +11,13 @@ from hypothesis import given, settings, strategies as st
 
 from shoal.scheduler.goodput import MAX_POINTS, GoodputTracker, describe
 from shoal.scheduler.policy import JobDemand
-from shoal.scheduler.throughput import PRIOR, ThroughputCurve, ThroughputModel, fit_curve
+from shoal.scheduler.throughput import (
+    PRIOR,
+    Sample,
+    ThroughputCurve,
+    ThroughputModel,
+    fit_curve,
+)
 from shoal.v1 import job_pb2
 
 # A job that scales (sync small against compute), one that stops at a few learners (sync
@@ -286,3 +292,122 @@ def test_best_world_size_is_the_fastest(
     c = ThroughputCurve(overhead, compute, sync, per)
     brute = min(range(1, limit + 1), key=lambda w: (c.iteration_time(w), w))
     assert c.iteration_time(c.best_world_size(limit)) <= c.iteration_time(brute) * (1 + 1e-12)
+
+
+# --- the learners' compute/sync split -------------------------------------------------------
+
+
+def test_a_measured_split_tells_a_sync_bound_job_from_one_world_size() -> None:
+    """Seen at 2 learners only, both jobs take 1 s per iteration; the time alone cannot tell
+    them apart (the prior splits it). The learners' split can: 0.45 s compute per learner is
+    a job whose compute halves again at 4; 0.05 s is sync-bound and gains almost nothing."""
+    curves = {}
+    for name, compute_s in (("compute-bound", 0.45), ("sync-bound", 0.05)):
+        model = ThroughputModel(batch=64)
+        for _ in range(10):
+            model.observe(2, 1.0, compute_s=compute_s, sync_s=1.0 - compute_s)
+        curves[name] = model.curve()
+        assert model.split()[2] == pytest.approx((compute_s, 1.0 - compute_s))
+        assert curves[name].iteration_time(2) == pytest.approx(1.0, rel=0.02)
+        assert curves[name].compute == pytest.approx(2 * compute_s, rel=0.01)
+    assert curves["compute-bound"].speedup(4) > 1.2
+    assert curves["sync-bound"].speedup(4) < 1.05
+    without = ThroughputModel(batch=64)
+    for _ in range(10):
+        without.observe(2, 1.0)
+    # Without the split both would look the same (the prior's shape).
+    assert curves["sync-bound"].speedup(4) < without.curve().speedup(4)
+
+
+def test_a_split_that_is_nonsense_is_ignored_but_the_time_is_kept() -> None:
+    model = ThroughputModel()
+    model.observe(2, 1.0, compute_s=math.nan, sync_s=0.5)
+    model.observe(2, 1.0, compute_s=0.5, sync_s=-1.0)
+    model.observe(2, 1.0, compute_s=0.0, sync_s=0.5)  # 0: not reported
+    assert model.observed() == {2: 1.0} and model.split() == {}
+    model.observe(2, 1.0, compute_s=50.0, sync_s=0.0)  # longer than the iteration: cut
+    assert model.split() == {2: (1.0, 0.0)}
+    assert model.curve().compute == pytest.approx(2.0, rel=0.01)  # at most: all compute
+
+
+def test_fit_with_compute_rows_recovers_a_curve_from_one_world_size_and_its_split() -> None:
+    true = ThroughputCurve(overhead=0.0, compute=0.8, sync=0.2, sync_per_worker=0.0, batch=8)
+    t = true.iteration_time(4)
+    fitted = fit_curve([(4, t, 1.0), (1, true.iteration_time(1), 1.0)], compute=[(4, 0.2, t, 1.0)])
+    assert fitted is not None
+    assert fitted.compute == pytest.approx(0.8, rel=1e-6)
+    assert fitted.iteration_time(4) == pytest.approx(t, rel=1e-6)
+
+
+# --- the stored state ---------------------------------------------------------------------
+
+
+def test_a_model_restored_from_its_state_predicts_the_same_and_goes_on_learning() -> None:
+    model = ThroughputModel(batch=32)
+    for w, t in ((1, 1.0), (2, 0.6), (4, 0.45)):
+        for _ in range(7):
+            model.observe(w, t, compute_s=1.0 / w * 0.8, sync_s=t - 0.8 / w)
+    model.observe_pause(3.0)
+    model.observe_pause(5.0)
+    copy = ThroughputModel(batch=32)
+    assert copy.restore(model.samples(), model.pause_state()) == 3
+    assert copy.curve() == model.curve()
+    assert copy.pause_s == model.pause_s == 4.0 and copy.pause_measured
+    assert copy.split() == model.split()
+    # The counts came back too: one more observation moves both alike.
+    model.observe(2, 0.9)
+    copy.observe(2, 0.9)
+    assert copy.observed() == pytest.approx(model.observed())
+
+
+def test_restore_skips_invalid_samples() -> None:
+    model = ThroughputModel()
+    taken = model.restore(
+        [
+            Sample(0, 1.0, 1),
+            Sample(2, -1.0, 1),
+            Sample(3, math.inf, 1),
+            Sample(4, 1.0, 0),
+            Sample(5, 1.0, 2, compute_s=math.nan, split_count=1),
+            Sample(6, 0.5, 3),
+            Sample(6, 9.0, 3),  # twice: the first counts
+        ],
+        (math.nan, 4),
+    )
+    assert taken == 1 and model.observed() == {6: 0.5}
+    assert not model.pause_measured
+
+
+def test_tracker_state_round_trips_through_protobuf_and_is_bounded() -> None:
+    tracker = GoodputTracker()
+    job = job_pb2.Job(job_id="j", spec=job_pb2.JobSpec(batch_size=64, max_workers=4))
+    p = progress(0, 0.0, world=2)
+    tracker.observe_job(job, p, 0.0)
+    p = progress(10, 5.0, world=2)
+    p.compute_seconds, p.sync_seconds = 0.3, 0.15
+    tracker.observe_job(job, p, 5.0)
+    state = tracker.state("j")
+    assert state is not None and tracker.state("other") is None
+    assert [(s.world_size, s.count, s.split_count) for s in state.samples] == [(2, 1, 1)]
+    assert state.attained_device_seconds == pytest.approx(10.0)
+    points = {q.world_size: q for q in job.throughput.points}
+    assert (points[2].compute_seconds, points[2].sync_seconds) == (0.3, 0.15)  # shown
+    other = GoodputTracker()
+    other.restore("j", 64, job_pb2.ThroughputState.FromString(state.SerializeToString()))
+    assert other.demand("j") == tracker.demand("j")
+    assert other.describe("j", 4) == tracker.describe("j", 4)
+
+    many = ThroughputModel()
+    for w in range(1, 2 * MAX_POINTS + 1):
+        for _ in range(1 + (w % 3)):
+            many.observe(w, 1.0 / w + 0.01 * w)
+    big = GoodputTracker()
+    big.restore("m", 1, job_pb2.ThroughputState())
+    big.model("m").restore(many.samples())  # type: ignore[union-attr]
+    stored = big.state("m")
+    assert stored is not None and len(stored.samples) == MAX_POINTS
+    # The most observed kept: every world size seen 3 times, none seen once.
+    kept = {s.world_size for s in stored.samples}
+    assert {s.world_size for s in many.samples() if s.count == 3} <= kept
+    assert min(s.count for s in stored.samples) == 2
+    assert len(stored.SerializeToString()) < 4096

@@ -193,7 +193,11 @@ def test_jobs_get_lines_show_measured_and_predicted_throughput() -> None:
     assert "2: 128," in lines[0]  # measured: 64 samples / 0.5 s, no '?'
     assert "8: " in lines[0] and "?" in lines[0]
     assert "rescale pause 10 s (prior)" in lines[1] and "attained 120 device-s" in lines[1]
+    assert len(lines) == 2  # no split reported by the learners
     assert throughput_lines(job_pb2.Job(job_id="j")) == []
+    model.observe(2, 0.5, compute_s=0.125, sync_s=0.25)
+    lines = throughput_lines(job_pb2.Job(job_id="j", throughput=describe(model, 8)))
+    assert lines[2] == "learners' compute/sync s per iteration: 2: 0.125/0.25"
 
 
 def test_the_rescale_horizon_saves_rescales() -> None:

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from shoal.learner import Callback, ElasticTrainer, LearnerEnv
-from shoal.learner.user_metrics import MAX_NAMES, MetricLog, means
+from shoal.learner.user_metrics import MAX_NAMES, MetricLog, means, with_timings
 from shoal.param_sync.coordinator import check_user_metrics
+from shoal.param_sync.coordinator_records import IterationSplit
 from shoal.runtime.errors import InvalidField
 from shoal.v1 import job_pb2
 from tests.unit.test_trainer_standalone import DATASETS, SGD, make_model
@@ -52,6 +53,7 @@ def test_values_logged_between_steps_count_for_the_next_step_with_its_share() ->
         ({"acc": torch.ones(2)}, "must be a number"),
         ({f"m{i}": 1.0 for i in range(MAX_NAMES + 1)}, f"at most {MAX_NAMES}"),
         ([("acc", 1.0)], "mapping"),
+        ({"shoal.compute_s": 1.0}, "must not begin with 'shoal.'"),
     ],
 )
 def test_bad_values_are_refused_naming_them_and_nothing_is_recorded(
@@ -131,3 +133,31 @@ def test_the_client_averages_each_epoch_and_keeps_a_script_metric_named_like_a_f
     assert rows[1]["epoch"] == 2 and rows[1]["mean_loss"] == 9.0
     third = iteration_rows(its, 2)[2]
     assert third["loss"] == 0.0 and third["values.loss"] == 9.0
+
+
+def test_the_compute_sync_split_is_added_weighted_by_the_share_and_never_overflows() -> None:
+    step = {"acc": (3.0, 4)}
+    assert with_timings(step, 4, 0.5, 0.25) == {
+        "acc": (3.0, 4),
+        "shoal.compute_s": (2.0, 4),
+        "shoal.sync_s": (1.0, 4),
+    }
+    assert with_timings(step, 4, 0.5, None) == {"acc": (3.0, 4), "shoal.compute_s": (2.0, 4)}
+    assert with_timings(step, 0, 0.5, 0.25) == step  # no samples: nothing to weigh
+    full = {f"m{i}": (1.0, 1) for i in range(MAX_NAMES - 1)}
+    assert with_timings(full, 1, 0.5, 0.25) == full  # would pass the limit: left out
+    assert set(with_timings(full, 1, 0.5, None)) == set(full) | {"shoal.compute_s"}
+    assert "shoal.sync_s" not in with_timings(step, 4, 0.5, float("nan"))
+
+
+def test_the_coordinator_keeps_a_recent_split_per_world_size() -> None:
+    split = IterationSplit()
+    assert split.at(2) == (0.0, 0.0)
+    split.add(2, {"acc": 1.0})  # no split reported: nothing
+    assert split.at(2) == (0.0, 0.0)
+    split.add(2, {"shoal.compute_s": 0.4})
+    split.add(2, {"shoal.compute_s": 0.6, "shoal.sync_s": 0.2})
+    assert split.at(2) == pytest.approx((0.5, 0.2))
+    assert split.at(3) == (0.0, 0.0)  # reported for another world size
+    split.add(3, {"shoal.compute_s": 0.3, "shoal.sync_s": float("nan")})
+    assert split.at(3) == pytest.approx((0.3, 0.0)) and split.at(2) == (0.0, 0.0)

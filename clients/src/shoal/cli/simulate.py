@@ -38,13 +38,22 @@ def throughput_lines(job: job_pb2.Job, *, limit: int = 8) -> list[str]:
         f"{p.world_size}: {p.samples_per_second:.4g}{'' if p.observed else '?'}" for p in shown
     )
     pause = "measured" if model.rescale_pause_measured else "prior"
-    return [
+    lines = [
         f"samples/s by learners (?: predicted): {cells}",
         f"model: iteration = {model.overhead_seconds:.3g} + {model.compute_seconds:.3g}/w "
         f"+ [w>1]({model.sync_seconds:.3g} + {model.sync_per_worker_seconds:.3g}(w-1)) s; "
         f"rescale pause {model.rescale_pause_seconds:.3g} s ({pause}); "
         f"attained {model.attained_device_seconds:.0f} device-s",
     ]
+    split = [p for p in points if p.compute_seconds > 0][:limit]
+    if split:  # what the learners measured of an iteration, per world size
+        lines.append(
+            "learners' compute/sync s per iteration: "
+            + ", ".join(
+                f"{p.world_size}: {p.compute_seconds:.3g}/{p.sync_seconds:.3g}" for p in split
+            )
+        )
+    return lines
 
 
 def simulate(

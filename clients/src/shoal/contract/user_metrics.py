@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["MAX_NAMES", "NAME_PATTERN", "NAME_RULE"]
+__all__ = [
+    "COMPUTE_SECONDS",
+    "MAX_NAMES",
+    "NAME_PATTERN",
+    "NAME_RULE",
+    "RESERVED_PREFIX",
+    "SYNC_SECONDS",
+]
 
 #: At most this many names per learner per iteration.
 MAX_NAMES = 32
 #: A name: 1-64 characters of ``[A-Za-z0-9_./-]``.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_./-]{1,64}")
 NAME_RULE = "1-64 characters of [A-Za-z0-9_./-]"
+#: Names with this prefix are shoal's own (a script's ``trainer.log`` may not use them).
+RESERVED_PREFIX = "shoal."
+#: A learner's seconds computing its share of an iteration (data, forward, backward).
+COMPUTE_SECONDS = "shoal.compute_s"
+#: A learner's seconds in the gradient sync of its previous iteration in the generation.
+SYNC_SECONDS = "shoal.sync_s"

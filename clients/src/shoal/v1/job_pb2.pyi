@@ -311,6 +311,8 @@ class JobProgress(_message.Message):
     SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
     LAST_LOSS_FIELD_NUMBER: _builtins.int
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    SYNC_SECONDS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """The current epoch (0-based)."""
     iteration: _builtins.int
@@ -329,6 +331,15 @@ class JobProgress(_message.Message):
     """Recent throughput in samples per second."""
     last_loss: _builtins.float
     """The loss of the last completed iteration (sample-weighted mean over the global batch)."""
+    compute_seconds: _builtins.float
+    """Seconds a learner spent computing (data, forward and backward of its share) per
+    iteration, a recent mean over the iterations at `world_size` reported by the learners
+    (sample-weighted over the learners); 0 when not reported.
+    """
+    sync_seconds: _builtins.float
+    """Seconds a learner spent in the gradient sync per iteration (sending, waiting on the
+    slowest peer and the update, receiving), the same kind of mean; 0 when not reported.
+    """
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp:
         """When the progress was last updated."""
@@ -346,10 +357,12 @@ class JobProgress(_message.Message):
         samples_per_second: _builtins.float = ...,
         last_loss: _builtins.float = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
+        compute_seconds: _builtins.float = ...,
+        sync_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "epoch", b"epoch", "generation", b"generation", "iteration", b"iteration", "iterations_per_epoch", b"iterations_per_epoch", "last_loss", b"last_loss", "samples_per_second", b"samples_per_second", "samples_processed", b"samples_processed", "update_time", b"update_time", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "compute_seconds", b"compute_seconds", "epoch", b"epoch", "generation", b"generation", "iteration", b"iteration", "iterations_per_epoch", b"iterations_per_epoch", "last_loss", b"last_loss", "samples_per_second", b"samples_per_second", "samples_processed", b"samples_processed", "sync_seconds", b"sync_seconds", "update_time", b"update_time", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -511,6 +524,8 @@ class ThroughputPoint(_message.Message):
     SAMPLES_PER_SECOND_FIELD_NUMBER: _builtins.int
     SPEEDUP_FIELD_NUMBER: _builtins.int
     OBSERVED_FIELD_NUMBER: _builtins.int
+    COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    SYNC_SECONDS_FIELD_NUMBER: _builtins.int
     world_size: _builtins.int
     """The number of learners."""
     samples_per_second: _builtins.float
@@ -519,6 +534,12 @@ class ThroughputPoint(_message.Message):
     """Throughput over the throughput with one learner, as the model predicts it."""
     observed: _builtins.bool
     """True when this world size was measured; false when only predicted."""
+    compute_seconds: _builtins.float
+    """The learners' measured compute seconds per iteration at this world size (0: not
+    reported).
+    """
+    sync_seconds: _builtins.float
+    """The learners' measured sync seconds per iteration at this world size (0: not reported)."""
     def __init__(
         self,
         *,
@@ -526,14 +547,97 @@ class ThroughputPoint(_message.Message):
         samples_per_second: _builtins.float = ...,
         speedup: _builtins.float = ...,
         observed: _builtins.bool = ...,
+        compute_seconds: _builtins.float = ...,
+        sync_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["observed", b"observed", "samples_per_second", b"samples_per_second", "speedup", b"speedup", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "observed", b"observed", "samples_per_second", b"samples_per_second", "speedup", b"speedup", "sync_seconds", b"sync_seconds", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ThroughputPoint: _TypeAlias = ThroughputPoint  # noqa: Y015
+
+@_typing.final
+class ThroughputState(_message.Message):
+    """ThroughputState is what the scheduler learned of one job's throughput, stored in etcd
+    (`/shoal/v1/job-scheduler/throughput/<job_id>`) so that a new scheduler leader goes on
+    from it. Internal: no RPC carries it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    RESCALE_PAUSE_SECONDS_FIELD_NUMBER: _builtins.int
+    RESCALE_PAUSE_COUNT_FIELD_NUMBER: _builtins.int
+    ATTAINED_DEVICE_SECONDS_FIELD_NUMBER: _builtins.int
+    rescale_pause_seconds: _builtins.float
+    """The mean rescale pause measured, seconds (meaningful when rescale_pause_count > 0)."""
+    rescale_pause_count: _builtins.int
+    """How many rescale pauses the mean is over (0: none measured)."""
+    attained_device_seconds: _builtins.float
+    """Device-seconds the job has held."""
+    @_builtins.property
+    def samples(self) -> _containers.RepeatedCompositeFieldContainer[Global___ThroughputSample]:
+        """The measured means, one per world size (at most 64)."""
+
+    def __init__(
+        self,
+        *,
+        samples: _abc.Iterable[Global___ThroughputSample] | None = ...,
+        rescale_pause_seconds: _builtins.float = ...,
+        rescale_pause_count: _builtins.int = ...,
+        attained_device_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attained_device_seconds", b"attained_device_seconds", "rescale_pause_count", b"rescale_pause_count", "rescale_pause_seconds", b"rescale_pause_seconds", "samples", b"samples"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ThroughputState: _TypeAlias = ThroughputState  # noqa: Y015
+
+@_typing.final
+class ThroughputSample(_message.Message):
+    """ThroughputSample is the running mean of one job's iteration time at one world size."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    SECONDS_PER_ITERATION_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
+    SYNC_SECONDS_FIELD_NUMBER: _builtins.int
+    SPLIT_COUNT_FIELD_NUMBER: _builtins.int
+    world_size: _builtins.int
+    """The number of learners."""
+    seconds_per_iteration: _builtins.float
+    """The mean seconds per iteration of the global batch."""
+    count: _builtins.int
+    """How many observations the mean is over (>= 1)."""
+    compute_seconds: _builtins.float
+    """The learners' mean compute seconds per iteration (meaningful when split_count > 0)."""
+    sync_seconds: _builtins.float
+    """The learners' mean sync seconds per iteration (meaningful when split_count > 0)."""
+    split_count: _builtins.int
+    """How many observations of the compute/sync split the means are over (0: none)."""
+    def __init__(
+        self,
+        *,
+        world_size: _builtins.int = ...,
+        seconds_per_iteration: _builtins.float = ...,
+        count: _builtins.int = ...,
+        compute_seconds: _builtins.float = ...,
+        sync_seconds: _builtins.float = ...,
+        split_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_seconds", b"compute_seconds", "count", b"count", "seconds_per_iteration", b"seconds_per_iteration", "split_count", b"split_count", "sync_seconds", b"sync_seconds", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ThroughputSample: _TypeAlias = ThroughputSample  # noqa: Y015
 
 @_typing.final
 class AllocationEvent(_message.Message):

@@ -62,7 +62,7 @@ from shoal.learner.steps import (
     with_param_groups,
 )
 from shoal.learner.tracing import LearnerTracing
-from shoal.learner.user_metrics import MetricLog, means
+from shoal.learner.user_metrics import MetricLog, means, with_timings
 
 __all__ = [
     "DatasetsFn",
@@ -376,6 +376,7 @@ class ElasticTrainer:
             order_epoch, order = -1, torch.empty(0, dtype=torch.int64)
             begun_epoch = -1
             epoch_start = time.monotonic()
+            last_sync: tuple[int, float] | None = None  # (generation, seconds) of the last sync
             while (a := tracing.next_assignment(backend)) is not None:
                 if a.retire:
                     logger.info("retired at step %d (generation %d)", a.step, a.generation)
@@ -410,6 +411,7 @@ class ElasticTrainer:
                     order = partition.epoch_order(plan.num_samples, plan.seed, a.epoch)
                 start, stop = a.share
                 self._metric_log.begin_step()
+                compute_started = time.perf_counter()
                 with tracing.phase("compute"):
                     contribution = compute_contribution(
                         model,
@@ -430,12 +432,28 @@ class ElasticTrainer:
                         ),
                         metrics=self._metric_log,
                     )
+                    if self.device.type == "cuda":  # the kernels queued count as compute
+                        torch.cuda.synchronize(self.device)
+                compute_s = time.perf_counter() - compute_started
                 step_metrics = self._metric_log.end_step(contribution.n_samples)
-                backend.log_metrics(a.step, step_metrics)
+                # The compute/sync split travels with the script's metrics (the sync's of the
+                # previous iteration of this generation: a collective learner reports inside
+                # its sync).
+                backend.log_metrics(
+                    a.step,
+                    with_timings(
+                        step_metrics,
+                        contribution.n_samples,
+                        compute_s,
+                        last_sync[1] if last_sync and last_sync[0] == a.generation else None,
+                    ),
+                )
                 lr = self._lr(a)
+                sync_started = time.perf_counter()
                 try:
                     with tracing.phase("sync"):
                         synced = backend.sync(a, contribution, lr=lr)
+                        last_sync = (a.generation, time.perf_counter() - sync_started)
                 except IterationAborted:
                     tracing.end_iteration(aborted=True)
                     logger.warning("iteration %d aborted; waiting for it to be re-issued", a.step)

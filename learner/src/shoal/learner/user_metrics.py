@@ -11,7 +11,12 @@ a name logged by some learners only is the mean over their samples).
 
 Names are 1-64 characters of ``[A-Za-z0-9_./-]``, at most :data:`MAX_NAMES` per iteration;
 values are finite numbers (a one-element tensor is read with ``float``). Anything else is a
-``ValueError`` naming the name and the value, and nothing is recorded.
+``ValueError`` naming the name and the value, and nothing is recorded. Names beginning with
+``shoal.`` are shoal's own: the trainer adds ``shoal.compute_s`` (seconds of the learner's
+compute of the iteration: data, forward, backward) and ``shoal.sync_s`` (seconds of its
+previous gradient sync in the same generation) to what it reports (:func:`with_timings`), so
+they travel and are averaged as the script's metrics are; the scheduler's throughput model
+reads them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 from shoal.contract import user_metrics as contract
 
-__all__ = ["MAX_NAMES", "MetricLog", "StepMetrics", "means"]
+__all__ = ["MAX_NAMES", "MetricLog", "StepMetrics", "means", "with_timings"]
 
 MAX_NAMES = contract.MAX_NAMES
 
@@ -35,6 +40,23 @@ def means(metrics: Mapping[str, tuple[float, int]]) -> dict[str, float]:
     return {name: total / count for name, (total, count) in sorted(metrics.items()) if count}
 
 
+def with_timings(
+    step: StepMetrics, n_samples: int, compute_s: float, sync_s: float | None
+) -> StepMetrics:
+    """``step`` with this learner's compute (and last sync) seconds added under shoal's
+    names, weighted by its share's ``n_samples`` (a learner without samples, or a script
+    that logs :data:`MAX_NAMES` names already, reports none: nothing the coordinator would
+    refuse)."""
+    names = [contract.COMPUTE_SECONDS] + ([contract.SYNC_SECONDS] if sync_s is not None else [])
+    if n_samples <= 0 or len(step) + len(names) > MAX_NAMES:
+        return step
+    out = dict(step)
+    for name, value in zip(names, (compute_s, sync_s), strict=False):
+        if value is not None and math.isfinite(value) and value >= 0:
+            out[name] = (value * n_samples, n_samples)
+    return out
+
+
 def _checked(values: Mapping[str, Any]) -> dict[str, float]:
     if not isinstance(values, Mapping):
         raise ValueError(f"trainer.log: values ({values!r}) must be a mapping of name to number")
@@ -42,6 +64,11 @@ def _checked(values: Mapping[str, Any]) -> dict[str, float]:
     for name, value in values.items():
         if not isinstance(name, str) or not contract.NAME_PATTERN.fullmatch(name):
             raise ValueError(f"trainer.log: metric name ({name!r}) must be {contract.NAME_RULE}")
+        if name.startswith(contract.RESERVED_PREFIX):
+            raise ValueError(
+                f"trainer.log: metric name ({name!r}) must not begin with "
+                f"{contract.RESERVED_PREFIX!r} (shoal's own metrics)"
+            )
         try:
             number = float(value)
         except (TypeError, ValueError, RuntimeError):

@@ -62,6 +62,7 @@ from shoal.param_sync.coordinator_records import (
     CheckpointTask,
     Decision,
     IterationInfo,
+    IterationSplit,
     JobSettings,
     JoinOutcome,
     OptimizerConfig,
@@ -148,6 +149,7 @@ class Coordinator(RecoveryMixin):
         self._finished: list[dict[str, Any]] = []
         self.last_loss = math.nan
         self._recent: deque[tuple[int, float]] = deque(maxlen=20)
+        self.split = IterationSplit()  # the learners' compute/sync seconds (JobProgress)
         self.update_time = clock()
 
     # -- shape --------------------------------------------------------------------------------
@@ -670,6 +672,8 @@ class Coordinator(RecoveryMixin):
             (r["global_iteration"] for r in self._finished[-1:]), default=-1
         ):
             self.last_loss = loss
+        if info.user:
+            self.split.add(info.world_size, values := mean_user_metrics(info.user.values()))
         self._finished.append(
             {
                 "epoch": info.epoch,
@@ -681,7 +685,7 @@ class Coordinator(RecoveryMixin):
                 "samples": info.samples,
                 "samples_per_second": info.samples / info.seconds,
                 "time": info.time,
-                **({"values": mean_user_metrics(info.user.values())} if info.user else {}),
+                **({"values": values} if info.user else {}),
             }
         )
 
@@ -698,6 +702,7 @@ class Coordinator(RecoveryMixin):
 
     def progress(self) -> dict[str, Any]:
         ipe = self.iterations_per_epoch
+        compute, sync = self.split.at(len(self.members))
         epoch, iteration = divmod(self.completed, ipe) if ipe else (0, 0)
         if ipe and epoch >= self.settings.epochs:
             epoch, iteration = self.settings.epochs - 1, ipe - 1
@@ -712,6 +717,8 @@ class Coordinator(RecoveryMixin):
             "samples_per_second": self.samples_per_second,
             "last_loss": self.last_loss,
             "update_time": self.update_time,
+            "compute_seconds": compute,
+            "sync_seconds": sync,
         }
 
     def _touch(self) -> None:

@@ -278,3 +278,37 @@ def check_same_shape(
         raise InvalidField(
             "dataset_size", dataset_size, f"differs from the job's ({job_dataset_size})"
         )
+
+
+@dataclass
+class IterationSplit:
+    """The learners' recent compute/sync seconds per iteration (``shoal.compute_s`` and
+    ``shoal.sync_s`` among an iteration's metrics, sample-weighted over its learners): a
+    running mean, exponential after 5 iterations, restarted when the world size changes.
+    ``JobProgress.compute_seconds`` / ``sync_seconds`` report it for the current world size."""
+
+    world_size: int = 0
+    compute_s: float = 0.0
+    sync_s: float = 0.0
+    count: int = 0
+    sync_count: int = 0
+
+    def add(self, world_size: int, values: Mapping[str, float]) -> None:
+        compute = values.get(user_metrics.COMPUTE_SECONDS)
+        if compute is None or not (math.isfinite(compute) and compute >= 0):
+            return
+        if world_size != self.world_size:
+            self.world_size, self.count, self.sync_count = world_size, 0, 0
+            self.compute_s = self.sync_s = 0.0
+        self.count += 1
+        self.compute_s += (compute - self.compute_s) / min(self.count, 5)
+        sync = values.get(user_metrics.SYNC_SECONDS)
+        if sync is not None and math.isfinite(sync) and sync >= 0:
+            self.sync_count += 1
+            self.sync_s += (sync - self.sync_s) / min(self.sync_count, 5)
+
+    def at(self, world_size: int) -> tuple[float, float]:
+        """(compute, sync) seconds at ``world_size``; zeros when not reported there."""
+        if world_size != self.world_size or self.count == 0:
+            return 0.0, 0.0
+        return self.compute_s, self.sync_s

@@ -12,9 +12,19 @@ The reconcile loop polls every running job's coordinator (``GetJobProgress``) an
   predicted time;
 * attained service: device-seconds, the world size reported integrated over time.
 
+With an iteration time the tracker also takes the learners' compute/sync split that the poll
+carries (``JobProgress.compute_seconds`` / ``sync_seconds``, when they are for the same world
+size).
+
 A rewind (fewer completed iterations, a retry from a checkpoint) or a clock going back starts
-over from that poll without an observation. The models live in memory: a new scheduler leader
-learns them again from the next polls (the prior stands in until then).
+over from that poll without an observation.
+
+Persistence: :meth:`GoodputTracker.state` is a job's ``ThroughputState`` (the running means
+with their counts, the rescale pause, the attained service; at most ``MAX_POINTS`` world
+sizes, the most observed kept), which the reconcile loop stores in etcd
+(``JobTable.save_throughput``); a new leader restores every job's from there
+(:meth:`restore`) before its first decision, so a failover loses at most what was learned
+since the last save.
 """
 
 from __future__ import annotations
@@ -24,7 +34,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from shoal.scheduler.policy import JobDemand
-from shoal.scheduler.throughput import PRIOR, PRIOR_PAUSE_S, ThroughputCurve, ThroughputModel
+from shoal.scheduler.throughput import (
+    PRIOR,
+    PRIOR_PAUSE_S,
+    Sample,
+    ThroughputCurve,
+    ThroughputModel,
+)
 from shoal.v1 import job_pb2
 
 __all__ = ["MAX_POINTS", "GoodputTracker", "describe"]
@@ -60,8 +76,62 @@ class GoodputTracker:
         track = self._jobs.get(job_id)
         return None if track is None else track.model
 
+    def jobs(self) -> set[str]:
+        """The jobs with a model."""
+        return set(self._jobs)
+
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
+
+    def state(self, job_id: str) -> job_pb2.ThroughputState | None:
+        """What was learned of ``job_id`` as stored (None: nothing yet). Bounded: at most
+        ``MAX_POINTS`` world sizes (the most observed ones)."""
+        track = self._jobs.get(job_id)
+        if track is None:
+            return None
+        samples = track.model.samples()
+        if len(samples) > MAX_POINTS:
+            kept = sorted(samples, key=lambda s: (-s.count, s.world_size))[:MAX_POINTS]
+            samples = sorted(kept, key=lambda s: s.world_size)
+        pause, pauses = track.model.pause_state()
+        out = job_pb2.ThroughputState(
+            rescale_pause_seconds=pause,
+            rescale_pause_count=pauses,
+            attained_device_seconds=track.service,
+        )
+        for s in samples:
+            out.samples.add(
+                world_size=s.world_size,
+                seconds_per_iteration=s.seconds,
+                count=s.count,
+                compute_seconds=s.compute_s,
+                sync_seconds=s.sync_s,
+                split_count=s.split_count,
+            )
+        return out
+
+    def restore(self, job_id: str, batch: int, state: job_pb2.ThroughputState) -> None:
+        """Take up a stored ``state`` of ``job_id`` (global batch ``batch``): the model and
+        the attained service go on from it; the next poll anchors afresh. Invalid entries are
+        skipped (at most ``MAX_POINTS`` samples are read)."""
+        model = ThroughputModel(batch=max(1, batch))
+        model.restore(
+            [
+                Sample(
+                    s.world_size,
+                    s.seconds_per_iteration,
+                    s.count,
+                    s.compute_seconds,
+                    s.sync_seconds,
+                    s.split_count,
+                )
+                for s in state.samples[:MAX_POINTS]
+            ],
+            (state.rescale_pause_seconds, state.rescale_pause_count),
+        )
+        service = state.attained_device_seconds
+        valid = math.isfinite(service) and service >= 0
+        self._jobs[job_id] = _Track(model, service=service if valid else 0.0)
 
     def observe(self, job_id: str, batch: int, progress: job_pb2.JobProgress, now: float) -> None:
         """One progress poll of ``job_id`` (global batch ``batch``) at ``now`` (unix s)."""
@@ -86,7 +156,12 @@ class GoodputTracker:
             return  # no progress since: keep the anchor (a pause is measured when it ends)
         elapsed = at - last.at
         if point.generation == last.generation and point.world_size == last.world_size:
-            track.model.observe(point.world_size, elapsed / done)
+            track.model.observe(
+                point.world_size,
+                elapsed / done,
+                compute_s=progress.compute_seconds,
+                sync_s=progress.sync_seconds,
+            )
         else:
             expected = done * track.model.curve().iteration_time(point.world_size)
             track.model.observe_pause(max(0.0, elapsed - expected))
@@ -141,6 +216,7 @@ def describe(
     sizes measured and at 1 .. max_workers predicted (at most ``MAX_POINTS`` in all)."""
     curve = model.curve()
     observed = model.observed()
+    split = model.split()
     sizes = list(observed)
     for w in range(1, max(1, max_workers) + 1):
         if len(sizes) >= MAX_POINTS:
@@ -158,10 +234,13 @@ def describe(
     )
     for w in sorted(sizes):
         seen = observed.get(w)
+        compute_s, sync_s = split.get(w, (0.0, 0.0))
         out.points.add(
             world_size=w,
             samples_per_second=curve.batch / seen if seen else curve.samples_per_second(w),
             speedup=curve.speedup(w),
             observed=seen is not None,
+            compute_seconds=compute_s,
+            sync_seconds=sync_s,
         )
     return out

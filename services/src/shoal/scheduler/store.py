@@ -10,6 +10,10 @@ etcd layout (all values written by the leader, fenced by its election key)::
     /shoal/v1/job-scheduler/allocations/<job_id>   GetAllocationHistoryResponse (protobuf
                                                    bytes): the job's allocation changes,
                                                    oldest first, bounded
+    /shoal/v1/job-scheduler/throughput/<job_id>    ThroughputState (protobuf bytes): what the
+                                                   leader learned of the job's throughput
+                                                   (at most 64 world sizes); deleted when the
+                                                   job ends
 
 :class:`JobTable` is what the service and the reconcile loop use. On the leader it is a
 write-through cache of every job (loaded once when leadership is won); on a standby it reads
@@ -28,6 +32,8 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+from google.protobuf.message import DecodeError
 
 from shoal.contract.errors import NotLeader, StoreConflict, Unavailable
 from shoal.runtime.store import (
@@ -48,6 +54,7 @@ __all__ = [
     "JOBS",
     "PREFIX",
     "REQUESTS",
+    "THROUGHPUT",
     "JobTable",
     "StoreConflict",
     "Subscription",
@@ -62,6 +69,7 @@ PREFIX = "/shoal/v1/job-scheduler/"
 JOBS = PREFIX + "jobs/"
 REQUESTS = PREFIX + "requests/"
 ALLOCATIONS = PREFIX + "allocations/"
+THROUGHPUT = PREFIX + "throughput/"
 
 SERVICE = "job-scheduler"
 
@@ -136,6 +144,8 @@ class JobTable:
         self.records: dict[str, JobRecord] = {}
         self.histories: dict[str, list[job_pb2.AllocationEvent]] = {}
         self._history_revs: dict[str, int] = {}
+        # The throughput states read when leadership was won (the reconcile loop takes them).
+        self.throughput: dict[str, job_pb2.ThroughputState] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._request_locks: dict[str, asyncio.Lock] = {}
         self._subscribers: dict[str, set[Subscription]] = {}
@@ -169,12 +179,15 @@ class JobTable:
         raise NotLeader(SERVICE, self.leader_address)
 
     async def become_leader(self, fence: Fence | None) -> None:
-        """Load every job and allocation history from the store; start acting on them."""
+        """Load every job, allocation history and throughput state from the store; start
+        acting on them."""
         self.fence = fence
         self.records, self.histories, self._history_revs = {}, {}, {}
+        self.throughput = {}
         with self._translate("load jobs"):
             kvs, _ = await self.store.list(JOBS)
             hist, _ = await self.store.list(ALLOCATIONS)
+            learned, _ = await self.store.list(THROUGHPUT)
         for kv in kvs:
             try:
                 record = JobRecord.from_bytes(kv.value, revision=kv.mod_revision)
@@ -188,6 +201,12 @@ class JobTable:
             response = js_pb2.GetAllocationHistoryResponse.FromString(kv.value)
             self.histories[job_id] = list(response.events)
             self._history_revs[job_id] = kv.mod_revision
+        for kv in learned:
+            job_id = kv.key.removeprefix(THROUGHPUT)
+            try:
+                self.throughput[job_id] = job_pb2.ThroughputState.FromString(kv.value)
+            except DecodeError as exc:
+                log.error("skipping unreadable throughput state %s: %s", kv.key, exc)
         self.leading = True
         self._last_known = None
         log.info("loaded %d jobs from the store", len(self.records))
@@ -395,6 +414,19 @@ class JobTable:
             self.histories[record.job_id] = events
         self.publish(record, job_pb2.JOB_EVENT_KIND_ALLOCATION, allocation=event)
         return event
+
+    async def save_throughput(self, job_id: str, state: job_pb2.ThroughputState) -> None:
+        """Store what was learned of the job's throughput (fenced; the last write wins)."""
+        self.require_leader()
+        with self._translate(f"write throughput state of {job_id}"):
+            await self.store.put(THROUGHPUT + job_id, state.SerializeToString(), fence=self.fence)
+
+    async def delete_throughput(self, job_id: str) -> None:
+        """Forget the job's stored throughput state (it ended; fenced)."""
+        self.require_leader()
+        self.throughput.pop(job_id, None)
+        with self._translate(f"delete throughput state of {job_id}"):
+            await self.store.delete(THROUGHPUT + job_id, fence=self.fence)
 
     # -- WatchJob event bus -------------------------------------------------------------------
 

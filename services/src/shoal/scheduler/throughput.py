@@ -32,8 +32,24 @@ what a sync costs) comes from the prior; what they can, from them. With no data 
 model *is* the prior curve (its scale, 1 s per iteration at w = 1, is arbitrary and does not
 change speedups).
 
+The learners' split (``observe(..., compute_s=, sync_s=)``): the learners measure the seconds
+each iteration spends computing (data, forward and backward of their share) and in the gradient
+sync (JobProgress.compute_seconds / sync_seconds). Where a world size w has them, the fit gets
+one more row per w, ``compute / w = compute_s(w)`` (relative to T(w), weighted like the time's
+row), and the prior's compute becomes the measured one (``w * compute_s(w)`` at the world size
+reported most; the prior's overhead and sync are scaled to the rest of the observed time): the
+part of an iteration that divides among the learners is then measured rather than split off
+by the prior, so a sync-bound job is known not to scale from the first world size it ran at.
+The rest of the iteration (sync, overhead) is fitted from the iteration times as before. A
+reported compute longer than the measured iteration is cut to it (the learners are not trusted
+beyond what the coordinator measured; an inflated report can at most claim perfect scaling at
+the sizes not yet seen, which the first measurement there corrects).
+
 Rescale pauses (``observe_pause``): the seconds a job made no progress around a change of its
 world size, a running mean, ``PRIOR_PAUSE_S`` before the first one.
+
+State (``samples`` / ``restore``): the means with their counts, what the scheduler stores in
+etcd so a new leader goes on from them (``shoal.scheduler.goodput``).
 """
 
 from __future__ import annotations
@@ -46,6 +62,7 @@ from itertools import combinations
 __all__ = [
     "PRIOR",
     "PRIOR_PAUSE_S",
+    "Sample",
     "ThroughputCurve",
     "ThroughputModel",
     "fit_curve",
@@ -154,6 +171,7 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 def fit_curve(
     points: Sequence[tuple[int, float, float]],
     *,
+    compute: Sequence[tuple[int, float, float, float]] = (),
     batch: int = 1,
     prior: ThroughputCurve | None = None,
     prior_weight: float = 0.0,
@@ -163,8 +181,9 @@ def fit_curve(
 
     Minimises ``sum(weight * ((T(w) - t) / t) ** 2)`` plus, with a ``prior``,
     ``prior_weight * sum(((theta_k - prior_k) / scale) ** 2)`` over the four parameters
-    theta >= 0, exactly (every active set; the best feasible one). None when no curve fits
-    (no usable point and no prior).
+    theta >= 0, exactly (every active set; the best feasible one). ``compute`` adds
+    ``weight * ((compute / w - c) / t) ** 2`` for each (world size, measured compute seconds c,
+    iteration seconds t, weight). None when no curve fits (no usable point and no prior).
     """
     rows: list[tuple[tuple[float, ...], float]] = []
     for w, t, weight in points:
@@ -172,6 +191,11 @@ def fit_curve(
             continue
         root = math.sqrt(weight)
         rows.append((tuple(f * root / t for f in _features(w)), root))
+    for w, c, t, weight in compute:
+        if w < 1 or not (c > 0 and math.isfinite(c) and t > 0 and math.isfinite(t)) or weight <= 0:
+            continue
+        root = math.sqrt(weight)
+        rows.append(((0.0, root / (w * t), 0.0, 0.0), root * c / t))
     if prior is not None and prior_weight > 0 and scale > 0:
         root = math.sqrt(prior_weight) / scale
         for k, name in enumerate(_FIELDS):
@@ -199,8 +223,8 @@ def fit_curve(
                 best = (err, theta)
     if best is None:
         return None
-    overhead, compute, sync, per = best[1]
-    return ThroughputCurve(overhead, compute, sync, per, batch=batch)
+    theta_overhead, theta_compute, theta_sync, theta_per = best[1]
+    return ThroughputCurve(theta_overhead, theta_compute, theta_sync, theta_per, batch=batch)
 
 
 @dataclass
@@ -214,6 +238,37 @@ class _Mean:
         self.seconds += alpha * (seconds - self.seconds)
 
 
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One world size's running means, as stored (``ThroughputModel.samples``/``restore``).
+
+    Attributes:
+        world_size: the number of learners (>= 1).
+        seconds: mean seconds per iteration (> 0); ``count`` observations (>= 1).
+        compute_s / sync_s: the learners' mean compute and sync seconds per iteration over
+            ``split_count`` observations (0: none reported).
+    """
+
+    world_size: int
+    seconds: float
+    count: int
+    compute_s: float = 0.0
+    sync_s: float = 0.0
+    split_count: int = 0
+
+    def valid(self) -> bool:
+        finite = all(math.isfinite(x) for x in (self.seconds, self.compute_s, self.sync_s))
+        return (
+            finite
+            and self.world_size >= 1
+            and self.seconds > 0
+            and self.count >= 1
+            and self.split_count >= 0
+            and self.compute_s >= 0
+            and self.sync_s >= 0
+        )
+
+
 @dataclass
 class ThroughputModel:
     """One job's online throughput model (mutable; no I/O). See the module docstring."""
@@ -223,6 +278,7 @@ class ThroughputModel:
     prior_weight: float = 0.2
     prior_pause_s: float = PRIOR_PAUSE_S
     _points: dict[int, _Mean] = field(default_factory=dict)
+    _split: dict[int, tuple[_Mean, _Mean]] = field(default_factory=dict)
     _pause: _Mean | None = None
     _curve: ThroughputCurve | None = None
 
@@ -234,8 +290,16 @@ class ThroughputModel:
         if not (self.prior_pause_s >= 0 and math.isfinite(self.prior_pause_s)):
             raise ValueError(f"prior_pause_s ({self.prior_pause_s}) must be >= 0")
 
-    def observe(self, world_size: int, seconds_per_iteration: float) -> None:
-        """One measured iteration time at ``world_size``; nonsense values are ignored."""
+    def observe(
+        self,
+        world_size: int,
+        seconds_per_iteration: float,
+        *,
+        compute_s: float = 0.0,
+        sync_s: float = 0.0,
+    ) -> None:
+        """One measured iteration time at ``world_size``, with the learners' compute/sync
+        split when they reported one (``compute_s`` > 0); nonsense values are ignored."""
         if world_size < 1 or not (
             seconds_per_iteration > 0 and math.isfinite(seconds_per_iteration)
         ):
@@ -245,7 +309,56 @@ class ThroughputModel:
             self._points[world_size] = _Mean(seconds_per_iteration)
         else:
             mean.add(seconds_per_iteration)
+        if compute_s > 0 and math.isfinite(compute_s) and sync_s >= 0 and math.isfinite(sync_s):
+            # What the learners say is bounded by what the coordinator measured: a learner
+            # cannot compute longer than its iteration took (a noisy or inflated report would
+            # claim the job scales better than it can).
+            compute_s = min(compute_s, seconds_per_iteration)
+            split = self._split.get(world_size)
+            if split is None:
+                self._split[world_size] = (_Mean(compute_s), _Mean(sync_s))
+            else:
+                split[0].add(compute_s)
+                split[1].add(sync_s)
         self._curve = None
+
+    def samples(self) -> list[Sample]:
+        """The running means with their counts (what ``restore`` takes back), by world size."""
+        out = []
+        for w, m in sorted(self._points.items()):
+            split = self._split.get(w)
+            if split is None:
+                out.append(Sample(w, m.seconds, m.count))
+            else:
+                out.append(
+                    Sample(
+                        w, m.seconds, m.count, split[0].seconds, split[1].seconds, split[0].count
+                    )
+                )
+        return out
+
+    def pause_state(self) -> tuple[float, int]:
+        """(mean rescale pause, how many were measured; 0: none)."""
+        return (0.0, 0) if self._pause is None else (self._pause.seconds, self._pause.count)
+
+    def restore(self, samples: Sequence[Sample], pause: tuple[float, int] = (0.0, 0)) -> int:
+        """Replace what was learned with stored ``samples`` and ``pause`` (from ``samples``
+        and ``pause_state`` of an earlier model). Invalid entries (and a world size given
+        twice: the first counts) are skipped; returns how many samples were taken."""
+        self._points, self._split, self._pause, self._curve = {}, {}, None, None
+        for sample in samples:
+            if not sample.valid() or sample.world_size in self._points:
+                continue
+            self._points[sample.world_size] = _Mean(sample.seconds, sample.count)
+            if sample.split_count > 0 and sample.compute_s > 0:
+                self._split[sample.world_size] = (
+                    _Mean(sample.compute_s, sample.split_count),
+                    _Mean(sample.sync_s, sample.split_count),
+                )
+        seconds, count = pause
+        if count >= 1 and seconds >= 0 and math.isfinite(seconds):
+            self._pause = _Mean(seconds, count)
+        return len(self._points)
 
     def observe_pause(self, seconds: float) -> None:
         """One measured rescale pause (seconds without progress around a rescale)."""
@@ -269,6 +382,11 @@ class ThroughputModel:
         """Mean seconds per iteration at each world size seen."""
         return {w: m.seconds for w, m in sorted(self._points.items())}
 
+    def split(self) -> Mapping[int, tuple[float, float]]:
+        """The learners' mean (compute, sync) seconds per iteration at each world size they
+        reported them for."""
+        return {w: (c.seconds, s.seconds) for w, (c, s) in sorted(self._split.items())}
+
     def curve(self) -> ThroughputCurve:
         """The fitted curve (the prior, scaled, where data is missing); cached until new data."""
         if self._curve is None:
@@ -287,11 +405,36 @@ class ThroughputModel:
             return prior
         anchor_w, anchor = max(self._points.items(), key=lambda kv: (kv[1].count, -kv[0]))
         prior = prior.scaled(anchor.seconds / prior.iteration_time(anchor_w))
+        if self._split:
+            # A measured split replaces the prior's: its compute is the learners' (at the
+            # world size they reported most), the rest of the anchor's time keeps the prior's
+            # proportions of overhead and sync.
+            split_w, (c, _) = max(self._split.items(), key=lambda kv: (kv[1][0].count, -kv[0]))
+            measured = c.seconds * split_w
+            rest = prior.iteration_time(anchor_w) - prior.compute / anchor_w
+            ratio = max(0.0, anchor.seconds - measured / anchor_w) / rest if rest > 0 else 0.0
+            prior = ThroughputCurve(
+                prior.overhead * ratio,
+                measured,
+                prior.sync * ratio,
+                prior.sync_per_worker * ratio,
+                self.batch,
+            )
         points = [
             (w, m.seconds, float(min(m.count, _MAX_POINT_WEIGHT))) for w, m in self._points.items()
         ]
+        compute = [
+            (w, c.seconds, self._points[w].seconds, float(min(c.count, _MAX_POINT_WEIGHT)))
+            for w, (c, _) in self._split.items()
+            if w in self._points
+        ]
         scale = max(m.seconds for m in self._points.values())
         fitted = fit_curve(
-            points, batch=self.batch, prior=prior, prior_weight=self.prior_weight, scale=scale
+            points,
+            compute=compute,
+            batch=self.batch,
+            prior=prior,
+            prior_weight=self.prior_weight,
+            scale=scale,
         )
         return fitted or prior

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 
 import grpc
 
@@ -145,6 +146,7 @@ class JobLifecycle:
         )
         if response.HasField("progress"):
             self.goodput.observe_job(record.job, response.progress, self.clock())
+            await self._save_throughput(record.job_id)
         if response.HasField("progress") and response.progress != record.job.progress:
             if response.progress.completed_iterations > record.job.progress.completed_iterations:
                 record.failures = 0
@@ -159,6 +161,30 @@ class JobLifecycle:
         if response.done and record.state in STARTED_STATES:
             await self._complete(record)
         return response
+
+    async def _save_throughput(self, job_id: str) -> None:
+        """Store the job's throughput model in etcd, at most every ``progress_persist_s``
+        (a new leader goes on from it). A failed write is logged and tried at the next poll
+        after that; losing leadership goes up as for any write."""
+        now = self.clock()
+        if now - self._throughput_saved.get(job_id, -math.inf) < self.config.progress_persist_s:
+            return
+        state = self.goodput.state(job_id)
+        if state is None:
+            return
+        self._throughput_saved[job_id] = now
+        try:
+            await self.table.save_throughput(job_id, state)
+        except Unavailable as exc:
+            log.warning("job %s: throughput model not stored: %s", job_id, exc)
+
+    async def _forget_throughput(self, job_id: str) -> None:
+        """The job ended: delete its stored throughput model (fenced; a failure is logged and
+        the next leader deletes it when it finds the state of an ended job)."""
+        try:
+            await self.table.delete_throughput(job_id)
+        except (Unavailable, NotLeader) as exc:
+            log.warning("job %s: throughput model not deleted: %s", job_id, exc)
 
     # -- data-plane health (shoal.scheduler.health) ---------------------------------------------
 

@@ -124,6 +124,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self.cycles = 0
         self.rescales = RescaleTracker(clock=clock)
         self.goodput = GoodputTracker()  # throughput models and attained service (goodput.py)
+        self._throughput_saved: dict[str, float] = {}  # job -> when its model was last stored
         self._triggered_at: float | None = None
 
     def _reset(self) -> None:
@@ -143,6 +144,24 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self.moves = CoordinatorMoves(self.table.store, self._coordinator_moved)
         self._moved = set()
         self._takeover_tried = {}
+        self._restore_throughput()
+
+    def _restore_throughput(self) -> None:
+        """Go on from the throughput models stored in etcd (``JobTable.become_leader`` read
+        them): every active job's model as the last leader saved it, so the first decision
+        of this term is the one the last leader would have made. A state left for a job that
+        ended (or is unknown) is deleted."""
+        self.goodput = GoodputTracker()
+        self._throughput_saved = {}
+        for job_id, state in self.table.throughput.items():
+            record = self.table.records.get(job_id)
+            if record is None or record.final:
+                self._throughput_saved[job_id] = 0.0  # the cycle deletes it
+                continue
+            self.goodput.restore(job_id, record.job.spec.batch_size, state)
+            self._throughput_saved[job_id] = self.clock()
+        if self.table.throughput:
+            log.info("throughput models of %d jobs restored", len(self.goodput.jobs()))
 
     # -- triggers -------------------------------------------------------------------------------
 
@@ -268,6 +287,10 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
 
         observed = decide.observe(records, hosts, self.exits, busy=self._busy)
         demands = self.goodput.annotate(decide.demands(records))
+        for job_id in [j for j in self._throughput_saved if j not in self.goodput.jobs()]:
+            # The job ended (annotate forgot its model): its stored state goes too.
+            del self._throughput_saved[job_id]
+            self._spawn(self._forget_throughput(job_id), f"forget-throughput-{job_id}")
         # Placement must not see a device twice; lost learners were left out by observe.
         targets_before = {r.job_id: r.job.target_workers for r in records.values()}
         decided = plan(
