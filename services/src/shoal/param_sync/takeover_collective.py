@@ -86,6 +86,10 @@ class Resume:
     completed: int
     committed: bool = False
     holders: frozenset[str] = frozenset()
+    #: When ``committed``: the learners that voted for it, in generation ``vote_generation``
+    #: (their re-sent votes are the iteration's loss reports).
+    voters: frozenset[str] = frozenset()
+    vote_generation: int = 0
 
     def holds(self, state: LearnerState) -> bool:
         """Whether a learner in ``state`` holds the job's state after settling."""
@@ -125,7 +129,16 @@ def decide_resume(
         return None
     resume = Resume(completed, committed)
     holders = frozenset(name for name, s in holding.items() if resume.holds(s))
-    return Resume(completed, committed, holders)
+    if not committed:
+        return Resume(completed, False, holders)
+    voters = {name: s for name, s in holding.items() if s.holds_pending and s.state_step == top}
+    return Resume(
+        completed,
+        True,
+        holders,
+        frozenset(voters),
+        max(s.generation for s in voters.values()),
+    )
 
 
 @dataclass
@@ -187,9 +200,9 @@ def apply_resume(
     layout of the re-joined learners, ``completed`` iterations, generations from the takeover's
     floor, the decided holders ``synced`` (the others receive the state by broadcast when the
     group forms; with none, the first freeze rewinds to the latest checkpoint), and the loss
-    reports of an iteration the successor committed collected again (they come with the
-    re-sent votes) unless the old coordinator recorded it. The learners join as usual after
-    (:meth:`Coordinator.join`)."""
+    reports of an iteration the successor committed collected from the voters' re-sent votes
+    (recorded once all came) unless the old coordinator recorded it. The learners join as
+    usual after (:meth:`Coordinator.join`)."""
     resume = takeover.resume
     if resume is None:
         raise RuntimeError("apply_resume before the decision")
@@ -208,17 +221,17 @@ def apply_resume(
     coord.samples_processed = sum(coord.batch_samples(k) for k in range(completed))
     coord.last_checkpoint = takeover.last_checkpoint
     if resume.committed and takeover.recorded < completed - 1:
+        # Its loss reports are the voters' votes, which they send again (same generation).
         k = completed - 1
         epoch, iteration = divmod(k, coord.iterations_per_epoch)
         coord._collecting[k] = IterationInfo(
             global_iteration=k,
             epoch=epoch,
             iteration=iteration,
-            generation=-1,
-            world_size=0,
+            generation=resume.vote_generation,
+            world_size=len(resume.voters),
             samples=coord.batch_samples(k),
             seconds=1e-9,
             time=coord._clock(),
-            expected=set(),
-            late=True,
+            expected=set(resume.voters),
         )
