@@ -194,19 +194,20 @@ def test_a_killed_coordinator_shard_of_a_collective_job_is_taken_over_without_a_
     job's state from the learners' re-Joins and hosts the rendezvous; the learners re-form
     their group through it in place (docs/data-plane.md, "Coordinator failover in collective
     mode")."""
-    successor = failover_end_to_end(tmp_path, job_pb2.SYNC_MODE_COLLECTIVE)
+    # Its iterations cost next to nothing (no shard on the path): more of them, so that the
+    # kill comes mid-training.
+    successor = failover_end_to_end(tmp_path, job_pb2.SYNC_MODE_COLLECTIVE, epochs=200)
     assert "collective takeover: continuing at iteration" in successor, successor[-3000:]
     assert "no learner holds the state" not in successor
 
 
-def failover_end_to_end(tmp_path: Path, sync_mode: int) -> str:
+def failover_end_to_end(tmp_path: Path, sync_mode: int, *, epochs: int = EPOCHS) -> str:
     """Coordinator failover end to end (--coordinator-failover on, the default): the
     scheduler makes the other shard the job's coordinator after the grace, publishes the move,
     the learners follow it without a restart, and the job never goes back to a checkpoint
     (its progress never decreases) and completes. The killed shard, restarted by the
     supervisor, holds nothing of the job any more or is restored from the replicas. Returns
     the successor's log."""
-    epochs = EPOCHS
     spec = ClusterSpec(
         state_dir=tmp_path / "cluster",
         hosts=1,
@@ -235,7 +236,11 @@ def failover_end_to_end(tmp_path: Path, sync_mode: int) -> str:
         ).job_id
         w = Watcher(client, job_id)
         w.until(
-            lambda j: j.progress.completed_iterations >= PER_EPOCH + 3 and j.allocated_workers == 2,
+            lambda j: (
+                j.progress.completed_iterations >= PER_EPOCH + 3
+                and j.allocated_workers == 2
+                and j.progress.world_size == 2
+            ),
             "into the second epoch on two learners",
         )
         from shoal.scheduler.reconcile import coordinator_index
