@@ -15,6 +15,7 @@ an iteration twice, and the final model equals single-process training within 1e
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import pytest
 
 from shoal.v1 import job_pb2
 from tests.integration._param_sync_cluster import DataPlane
+from tests.integration.test_coordinator_failover import wait_for_the_grace
 from tests.integration.test_elastic_training import (
     BATCH,
     assert_each_iteration_recorded_once,
@@ -105,3 +107,72 @@ def test_a_killed_coordinator_shard_of_a_collective_job_is_taken_over_without_a_
         line for line in successor_log.splitlines() if "collective takeover: continuing" in line
     )
     print(f"training again {resumed_after:.1f} s after the kill; {decision.split('job ')[-1]}")
+
+
+@pytest.mark.slow
+def test_a_paused_coordinator_of_a_collective_job_is_left_and_steps_down_when_it_wakes(
+    tmp_path: Path,
+):
+    """SIGSTOP of the coordinator shard (its store freezes with it) through the takeover, then
+    SIGCONT: the learners, waiting on it, leave it through their liveness probes
+    (FindCoordinator on the other shard names the successor), re-join the successor and
+    re-form their group through its store; once awake, the old coordinator is told the role
+    moved and steps down. The job completes as if it had died."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=2)
+    job, epochs = "collpause", 2
+    ipe = iterations_per_epoch()
+    total = epochs * ipe
+    gate = tmp_path / "gate"
+    try:
+        plane.start_shards()
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(
+                job, n, epochs=epochs, batch=BATCH, backend="collective", delay=0.05, gate=gate
+            )
+            for n in ("p0", "p1")
+        }
+        for proc in learners.values():
+            proc.wait_for("READY", timeout=120)
+        gate.touch()
+        wait_until(
+            lambda: (
+                plane.progress(job).progress.world_size == 2
+                and plane.progress(job).progress.completed_iterations >= ipe // 3
+            ),
+            timeout=120,
+            what="two learners training",
+        )
+        old = plane.shards[0]
+        old.popen.send_signal(signal.SIGSTOP)
+        try:
+            wait_for_the_grace(plane, 0, job, grace=2.0)
+            plane.take_over(
+                job,
+                1,
+                lost=0,
+                epoch=1,
+                batch=BATCH,
+                epochs=epochs,
+                checkpoint_every=1,
+                sync_mode=job_pb2.SYNC_MODE_COLLECTIVE,
+            )
+            plane.shards[1].wait_for("collective takeover: continuing at iteration", timeout=120)
+        finally:
+            old.popen.send_signal(signal.SIGCONT)
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+        assert plane.progress(job).done
+        assert old.popen.poll() is None  # it lives on, and harms nothing
+        old.wait_for("stepping down (epoch 0)", timeout=60)
+    finally:
+        plane.kill_all()
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    for name, proc in learners.items():
+        history = plane.history(name)
+        assert history["pid"] == proc.popen.pid
+        steps = [r["step"] for r in history["history"]]
+        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)
+        assert "which hangs, after the role moved" in proc.text(), (name, proc.text()[-3000:])
