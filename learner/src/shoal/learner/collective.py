@@ -24,6 +24,10 @@ Per learner (docs/data-plane.md, "Collective mode"):
 * A collective that fails (a peer died: gloo sees the socket close at once; a peer hangs: the
   explicit timeout, ``SHOAL_COLLECTIVE_TIMEOUT_S``, default 30 s) is reported; the coordinator
   aborts the iteration and re-freezes the survivors in a new generation, which re-forms.
+* The coordinator's shard lost (docs/data-plane.md, "Coordinator failover in collective
+  mode"): the learner follows the move as the grpc backend does, its re-Join says what it holds
+  (``collective_state``), and the next generation re-forms through the successor's store,
+  keeping model and optimizer; the pending update is applied or dropped by the next answer.
 * Checkpoints: a learner holding the state is asked (``CHECKPOINT``) to write it as one shard
   file in the parameter-server checkpoint format; the coordinator writes the manifest, so
   checkpoints of either mode restore in either mode.
