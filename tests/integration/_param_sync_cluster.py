@@ -202,6 +202,7 @@ class DataPlane:
         epochs: int,
         seed: int = 0,
         checkpoint_every: int = 0,
+        sync_mode: int = job_pb2.SYNC_MODE_UNSPECIFIED,
     ) -> ps_pb2.TakeOverJobResponse:
         """The scheduler's part of a coordinator failover: make shard ``successor`` the job's
         coordinator (epoch ``epoch``) in place of the lost shard ``lost``; the scheduler's
@@ -221,6 +222,7 @@ class DataPlane:
                 shard_addresses=self.addresses,
                 lost_shard_index=lost,
                 coordinator_epoch=epoch,
+                sync_mode=sync_mode,  # type: ignore[arg-type]
             ),
         )
 

@@ -428,6 +428,7 @@ class FakeParameterSync:
         # refuse it, as a data plane that cannot: the scheduler's checkpoint path).
         self.takeover = False
         self.takeover_calls: list[tuple[int, str, int, int]] = []  # shard, job, lost, epoch
+        self.takeover_modes: list[int] = []  # TakeOverJobRequest.sync_mode of each call
 
     def members(self, job_id: str) -> list[str]:
         if self.members_hook is not None:
@@ -533,6 +534,7 @@ class FakeShard(parameter_sync_service_pb2_grpc.ParameterSyncServiceServicer):
         self.sync.takeover_calls.append(
             (self.index, request.job_id, request.lost_shard_index, request.coordinator_epoch)
         )
+        self.sync.takeover_modes.append(request.sync_mode)
         return ps_pb2.TakeOverJobResponse(progress=job.progress)
 
     async def GetJobProgress(self, request, context):  # type: ignore[no-untyped-def]

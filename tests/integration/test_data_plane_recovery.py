@@ -183,12 +183,31 @@ def test_a_killed_coordinator_shard_and_a_killed_tier_are_recovered_from_the_che
 def test_a_killed_coordinator_shard_is_taken_over_by_the_next_one_without_a_rewind(
     tmp_path: Path,
 ) -> None:
+    """Coordinator failover end to end, parameter-server mode (``failover_end_to_end``)."""
+    failover_end_to_end(tmp_path, job_pb2.SYNC_MODE_PARAMETER_SERVER)
+
+
+def test_a_killed_coordinator_shard_of_a_collective_job_is_taken_over_without_a_rewind(
+    tmp_path: Path,
+) -> None:
+    """The same in collective mode (two learners in a gloo group): the successor takes the
+    job's state from the learners' re-Joins and hosts the rendezvous; the learners re-form
+    their group through it in place (docs/data-plane.md, "Coordinator failover in collective
+    mode")."""
+    # Its iterations cost next to nothing (no shard on the path): more of them, so that the
+    # kill comes mid-training.
+    successor = failover_end_to_end(tmp_path, job_pb2.SYNC_MODE_COLLECTIVE, epochs=200)
+    assert "collective takeover: continuing at iteration" in successor, successor[-3000:]
+    assert "no learner holds the state" not in successor
+
+
+def failover_end_to_end(tmp_path: Path, sync_mode: int, *, epochs: int = EPOCHS) -> str:
     """Coordinator failover end to end (--coordinator-failover on, the default): the
     scheduler makes the other shard the job's coordinator after the grace, publishes the move,
     the learners follow it without a restart, and the job never goes back to a checkpoint
     (its progress never decreases) and completes. The killed shard, restarted by the
-    supervisor, holds nothing of the job any more or is restored from the replicas."""
-    epochs = EPOCHS
+    supervisor, holds nothing of the job any more or is restored from the replicas. Returns
+    the successor's log."""
     spec = ClusterSpec(
         state_dir=tmp_path / "cluster",
         hosts=1,
@@ -211,13 +230,17 @@ def test_a_killed_coordinator_shard_is_taken_over_by_the_next_one_without_a_rewi
                 epochs=epochs,
                 min_workers=2,
                 max_workers=2,
-                sync_mode=job_pb2.SYNC_MODE_PARAMETER_SERVER,
+                sync_mode=sync_mode,  # type: ignore[arg-type]
                 checkpoint_every=1,
             )
         ).job_id
         w = Watcher(client, job_id)
         w.until(
-            lambda j: j.progress.completed_iterations >= PER_EPOCH + 3 and j.allocated_workers == 2,
+            lambda j: (
+                j.progress.completed_iterations >= PER_EPOCH + 3
+                and j.allocated_workers == 2
+                and j.progress.world_size == 2
+            ),
             "into the second epoch on two learners",
         )
         from shoal.scheduler.reconcile import coordinator_index
@@ -246,3 +269,4 @@ def test_a_killed_coordinator_shard_is_taken_over_by_the_next_one_without_a_rewi
         assert len(outputs) == 2, outputs
         for output in outputs:
             assert "coordinator moved" in output.read_text(), output
+        return successor

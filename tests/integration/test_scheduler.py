@@ -505,6 +505,37 @@ async def test_a_lost_coordinator_shard_is_replaced_by_the_next_shard_and_the_mo
     assert not any("checkpoint" in r for r in reasons), reasons
 
 
+async def test_a_collective_job_s_lost_coordinator_is_taken_over_too_with_its_sync_mode(
+    loop: Loop,
+) -> None:
+    """Collective mode (docs/data-plane.md, "Coordinator failover in collective mode"): the
+    scheduler moves the coordinator role as for a parameter-server job, telling the successor
+    the job's sync mode (its learners hold the state); no re-open from a checkpoint."""
+    c = loop.cluster
+    c.sync.takeover = True
+    j = (
+        await loop.api.submit(
+            ALICE, "", spec(loop.artifact, max_workers=2, sync_mode=job_pb2.SYNC_MODE_COLLECTIVE)
+        )
+    ).job_id
+    await loop.shares({j: 2})
+    await loop.until(lambda: loop.job(j).progress.completed_iterations > 3, "progress")
+    assert loop.table.records[j].job.effective_sync_mode == job_pb2.SYNC_MODE_COLLECTIVE
+    old = loop.table.records[j].coordinator_index
+    new = 1 - old
+    opened = len(c.sync.open_calls)
+    c.sync.down.add(old)
+    await loop.until(
+        lambda: loop.table.records[j].coordinator_address == c.shard_addresses[new], "moved"
+    )
+    assert c.sync.takeover_calls == [(new, j, old, 1)]
+    assert c.sync.takeover_modes == [job_pb2.SYNC_MODE_COLLECTIVE]
+    done = loop.job(j).progress.completed_iterations
+    await loop.until(lambda: loop.job(j).progress.completed_iterations > done + 3, "progress")
+    assert loop.state(j) == S.JOB_STATE_RUNNING and c.workers(j) == 2
+    assert len(c.sync.open_calls) == opened  # not re-opened from a checkpoint
+
+
 async def test_a_stale_coordinator_refusal_never_deposes_the_scheduler_and_the_job_reopens_above_the_published_epoch(  # noqa: E501
     loop: Loop,
 ) -> None:

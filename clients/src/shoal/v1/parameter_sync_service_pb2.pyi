@@ -421,6 +421,7 @@ class JoinRequest(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _builtins.int
     DATASET_SIZE_FIELD_NUMBER: _builtins.int
     SYNC_MODE_FIELD_NUMBER: _builtins.int
+    COLLECTIVE_STATE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     learner_id: _builtins.str
@@ -439,6 +440,14 @@ class JoinRequest(_message.Message):
     def optimizer(self) -> Global___OptimizerSpec:
         """The optimizer the shards run for the job."""
 
+    @_builtins.property
+    def collective_state(self) -> Global___CollectiveLearnerState:
+        """COLLECTIVE only: the state this learner holds (a coordinator that took the job over from
+        a lost one decides from the re-joining learners' states whether the iteration they voted
+        for was committed; docs/data-plane.md, "Coordinator failover in collective mode").
+        Unset on a parameter-server Join; ignored by a coordinator that did not take the job over.
+        """
+
     def __init__(
         self,
         *,
@@ -448,14 +457,51 @@ class JoinRequest(_message.Message):
         optimizer: Global___OptimizerSpec | None = ...,
         dataset_size: _builtins.int = ...,
         sync_mode: _job_pb2.SyncMode.ValueType = ...,
+        collective_state: Global___CollectiveLearnerState | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["collective_state", b"collective_state", "optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset_size", b"dataset_size", "job_id", b"job_id", "layout", b"layout", "learner_id", b"learner_id", "optimizer", b"optimizer", "sync_mode", b"sync_mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["collective_state", b"collective_state", "dataset_size", b"dataset_size", "job_id", b"job_id", "layout", b"layout", "learner_id", b"learner_id", "optimizer", b"optimizer", "sync_mode", b"sync_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JoinRequest: _TypeAlias = JoinRequest  # noqa: Y015
+
+@_typing.final
+class CollectiveLearnerState(_message.Message):
+    """CollectiveLearnerState is what a collective-mode learner holds when it (re-)joins."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_STEP_FIELD_NUMBER: _builtins.int
+    HOLDS_PENDING_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    state_step: _builtins.int
+    """The iterations whose updates its model and optimizer hold (-1: it holds no state yet)."""
+    holds_pending: _builtins.bool
+    """True when it also holds the all-reduced update of iteration `state_step`, for which it
+    voted (reported its all-reduce done) and which no Boundary answer said committed yet.
+    """
+    generation: _builtins.int
+    """The generation of its last process group (0: none yet)."""
+    world_size: _builtins.int
+    """The number of members of that group."""
+    def __init__(
+        self,
+        *,
+        state_step: _builtins.int = ...,
+        holds_pending: _builtins.bool = ...,
+        generation: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "holds_pending", b"holds_pending", "state_step", b"state_step", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CollectiveLearnerState: _TypeAlias = CollectiveLearnerState  # noqa: Y015
 
 @_typing.final
 class JoinResponse(_message.Message):
@@ -1837,6 +1883,7 @@ class TakeOverJobRequest(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     LOST_SHARD_INDEX_FIELD_NUMBER: _builtins.int
     COORDINATOR_EPOCH_FIELD_NUMBER: _builtins.int
+    SYNC_MODE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     storage_uri: _builtins.str
@@ -1847,6 +1894,11 @@ class TakeOverJobRequest(_message.Message):
     """The index of the lost coordinator's shard."""
     coordinator_epoch: _builtins.int
     """The new coordinator epoch: greater than every earlier one of the job."""
+    sync_mode: _job_pb2.SyncMode.ValueType
+    """The job's sync mode in effect (the scheduler's effective_sync_mode). COLLECTIVE: the
+    successor takes the job's state from the re-joining learners (the shards hold none of it)
+    and hosts the rendezvous store; otherwise (also when unset) as for a parameter-server job.
+    """
     @_builtins.property
     def spec(self) -> _job_pb2.JobSpec:
         """The job's spec (as for OpenJob)."""
@@ -1870,10 +1922,11 @@ class TakeOverJobRequest(_message.Message):
         owner: _builtins.str = ...,
         lost_shard_index: _builtins.int = ...,
         coordinator_epoch: _builtins.int = ...,
+        sync_mode: _job_pb2.SyncMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_epoch", b"coordinator_epoch", "fencing_token", b"fencing_token", "job_id", b"job_id", "lost_shard_index", b"lost_shard_index", "owner", b"owner", "shard_addresses", b"shard_addresses", "spec", b"spec", "storage_uri", b"storage_uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_epoch", b"coordinator_epoch", "fencing_token", b"fencing_token", "job_id", b"job_id", "lost_shard_index", b"lost_shard_index", "owner", b"owner", "shard_addresses", b"shard_addresses", "spec", b"spec", "storage_uri", b"storage_uri", "sync_mode", b"sync_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

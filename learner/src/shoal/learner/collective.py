@@ -24,6 +24,10 @@ Per learner (docs/data-plane.md, "Collective mode"):
 * A collective that fails (a peer died: gloo sees the socket close at once; a peer hangs: the
   explicit timeout, ``SHOAL_COLLECTIVE_TIMEOUT_S``, default 30 s) is reported; the coordinator
   aborts the iteration and re-freezes the survivors in a new generation, which re-forms.
+* The coordinator's shard lost (docs/data-plane.md, "Coordinator failover in collective
+  mode"): the learner follows the move as the grpc backend does, its re-Join says what it holds
+  (``collective_state``), and the next generation re-forms through the successor's store,
+  keeping model and optimizer; the pending update is applied or dropped by the next answer.
 * Checkpoints: a learner holding the state is asked (``CHECKPOINT``) to write it as one shard
   file in the parameter-server checkpoint format; the coordinator writes the manifest, so
   checkpoints of either mode restore in either mode.
@@ -125,6 +129,7 @@ class CollectiveBackend(GrpcBackend):
         self._store: Any = None
         self._pg: Any = None
         self._pg_generation = 0
+        self._pg_world = 0
         self.backend_name = ""  # "gloo" or "nccl" of the current group
         self._params: list[torch.Tensor] = []
         self._buffers: list[torch.Tensor] = []
@@ -160,6 +165,41 @@ class CollectiveBackend(GrpcBackend):
             self._state_step = 0
             return InitialState(plan, self._params, self._buffers, 0)
         return InitialState(plan, None, None, self._run(self._completed(md)))
+
+    # -- coordinator failover (docs/data-plane.md, "Coordinator failover in collective mode") --
+
+    def _join_fields(self) -> dict[str, Any]:
+        """What this learner holds, for a coordinator that took the job over: it decides from
+        the re-joining learners whether the iteration they voted for was committed."""
+        return {
+            "collective_state": ps_pb2.CollectiveLearnerState(
+                state_step=self._state_step,
+                holds_pending=self._pending is not None,
+                generation=self._pg_generation,
+                world_size=self._pg_world,
+            )
+        }
+
+    async def _join(self, setup: TrainingSetup, md: Any = None) -> ps_pb2.JoinResponse:
+        """Join; after a coordinator move, rendezvous through the new coordinator's store from
+        the next generation on (the group re-forms in place, keeping model and optimizer; a
+        pending update is applied or dropped by the next answer's completed_iterations)."""
+        reply = await super()._join(setup, md)
+        moved = (reply.rendezvous_address, reply.rendezvous_prefix or self.job_id)
+        if self._rendezvous and reply.rendezvous_address and moved != self._rendezvous_key():
+            log.warning(
+                "rendezvous moved with the coordinator: %s -> %s (state after %d iterations%s)",
+                self._rendezvous,
+                reply.rendezvous_address,
+                self._state_step,
+                ", holding the update of the last one" if self._pending is not None else "",
+            )
+            self._rendezvous, self._rendezvous_prefix = moved
+            self._store = None  # the old store is gone with its coordinator
+        return reply
+
+    def _rendezvous_key(self) -> tuple[str, str]:
+        return self._rendezvous, self._rendezvous_prefix
 
     # -- boundaries ---------------------------------------------------------------------------
 
@@ -290,7 +330,7 @@ class CollectiveBackend(GrpcBackend):
             options._devices = [device]
             self._pg = dist.ProcessGroupGloo(store, a.rank, a.world_size, options)
             self.backend_name = "gloo"
-        self._pg_generation = a.generation
+        self._pg_generation, self._pg_world = a.generation, a.world_size
         self._sync_state(a, restore_directory)
         seconds = time.monotonic() - started
         self.formations.append((a.generation, a.world_size, seconds))

@@ -428,11 +428,16 @@ class GrpcBackend(SyncBackend):
             optimizer=optimizer_proto(setup),
             dataset_size=setup.plan.num_samples,
             sync_mode=self.SYNC_MODE,  # type: ignore[arg-type]
+            **self._join_fields(),
         )
         reply = await self._control("Join", request, md)
         self._rejoin = False
         self._route(reply.shards)
         return reply
+
+    def _join_fields(self) -> dict[str, Any]:
+        """More JoinRequest fields of a subclass (the collective backend's state)."""
+        return {}
 
     def _route(self, slices: Sequence[ps_pb2.ShardSlice]) -> None:
         """Which shard holds which tensors (from Join, or a Boundary after a promotion)."""

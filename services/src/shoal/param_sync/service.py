@@ -55,6 +55,7 @@ from shoal.param_sync.servicer_data import DataHandlers
 from shoal.param_sync.servicer_jobs import JobHandlers
 from shoal.param_sync.servicer_learners import LearnerHandlers
 from shoal.param_sync.servicer_peers import PeerHandlers, decode_replicate
+from shoal.param_sync.servicer_takeover_collective import CollectiveTakeoverHandlers
 from shoal.param_sync.servicer_tasks import CoordinatorTasks
 from shoal.param_sync.shard import (
     ShardJob,
@@ -224,7 +225,12 @@ def add_servicer(servicer: object, server: aio.Server) -> None:
 
 
 class ParameterSyncServicer(
-    JobHandlers, LearnerHandlers, CoordinatorTasks, DataHandlers, PeerHandlers
+    JobHandlers,
+    LearnerHandlers,
+    CollectiveTakeoverHandlers,
+    CoordinatorTasks,
+    DataHandlers,
+    PeerHandlers,
 ):
     """All RPCs of one shard process (see the module docstring). Not a subclass of the
     generated servicer: the tensor streams take and give the hand codec's frames and bytes

@@ -15,6 +15,7 @@ from google.protobuf import timestamp_pb2
 from shoal.contract.wire import Frame
 from shoal.param_sync.coordinator import Coordinator, OptimizerConfig
 from shoal.param_sync.shard import Contribution, Encoded, ShardJob
+from shoal.param_sync.takeover_collective import CollectiveTakeover
 from shoal.runtime.errors import Aborted, InvalidField
 from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
 
@@ -59,6 +60,9 @@ class _CoordinatedJob:
     epoch: int = 0
     # A takeover waiting for the first learner's Join (which brings the layout).
     takeover: _TakeOver | None = None
+    # Collective mode: a takeover whose state comes from the re-joining learners
+    # (servicer_takeover_collective.py); kept after its decision (later Joins read it).
+    collective_takeover: CollectiveTakeover | None = None
     # Another shard took the role over at a higher epoch (SetCoordinator): every waiting
     # Boundary fails UNAVAILABLE, so that its learner looks for the new coordinator.
     deposed: bool = False

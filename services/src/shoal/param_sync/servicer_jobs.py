@@ -42,7 +42,7 @@ from shoal.runtime.errors import (
     ShoalError,
     Unavailable,
 )
-from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
 
 if TYPE_CHECKING:
     from shoal.param_sync.service import ParameterSyncServicer as _S
@@ -211,6 +211,10 @@ class JobHandlers:
                 min_generation=generation,
                 keep_pending=True,
             )
+            if request.sync_mode == job_pb2.SYNC_MODE_COLLECTIVE:  # the learners hold it
+                return await self._take_over_collective(
+                    settings, owner=request.owner, lost=lost, epoch=epoch, move=move
+                )
             others = [i for i in range(settings.num_shards) if i != lost]
             results = await asyncio.gather(
                 *(self._call_shard(settings, i, "SetCoordinator", move) for i in others),

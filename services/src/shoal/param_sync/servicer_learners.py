@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.contract.wire import Frame, TensorMeta
 from shoal.param_sync import checkpoint as ckpt
 from shoal.param_sync.authz import authorize
-from shoal.param_sync.coordinator import Action, JobSettings, check_user_metrics
+from shoal.param_sync.coordinator import Action, Coordinator, JobSettings, check_user_metrics
 from shoal.param_sync.servicer_common import (
     _collect,
     _CoordinatedJob,
@@ -64,6 +64,13 @@ class LearnerHandlers:
                 "sync_mode", request.sync_mode, "must be PARAMETER_SERVER or COLLECTIVE"
             )
         collective = request.sync_mode == job_pb2.SYNC_MODE_COLLECTIVE
+        if job.collective_takeover is not None:  # collective failover: the learners' state
+            if not collective:
+                raise InvalidField(
+                    "sync_mode", request.sync_mode, "differs from the job's (COLLECTIVE)"
+                )
+            await self._rejoin_collective(job, request, layout, optimizer)
+            return self._join_response(coord, False, collective=True)
         async with job.configure_lock:
             sharding = coord.plan_sharding(layout, optimizer, request.dataset_size)
             if job.takeover is not None and coord.layout is None:
@@ -82,6 +89,11 @@ class LearnerHandlers:
             async with job.cond:
                 initialize = coord.join(request.learner_id)
                 job.cond.notify_all()
+        return self._join_response(coord, initialize, collective=collective)
+
+    def _join_response(
+        self: _S, coord: Coordinator, initialize: bool, *, collective: bool
+    ) -> ps_pb2.JoinResponse:
         s = coord.settings
         assert coord.sharding is not None
         return ps_pb2.JoinResponse(

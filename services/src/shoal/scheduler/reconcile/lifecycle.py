@@ -269,10 +269,11 @@ class JobLifecycle:
     async def _take_over(self, record: JobRecord) -> bool:
         """Coordinator failover: the job's coordinator shard has been unreachable for the
         grace. Make the next shard after it that answers the job's coordinator (TakeOverJob,
-        coordinator epoch + 1): it fences the shards left, rebuilds the coordinator's state and
-        promotes the lost slice's replica, with no rewind. Then publish the move in etcd
-        (``shoal.contract.data_plane``, fenced by this scheduler's leadership); the watch
-        re-points the job. False (the checkpoint path goes on) in collective mode, with
+        coordinator epoch + 1, the job's sync mode): it fences the shards left, rebuilds the
+        coordinator's state and promotes the lost slice's replica (collective mode: takes the
+        state from the re-joining learners and hosts the rendezvous), with no rewind. Then
+        publish the move in etcd (``shoal.contract.data_plane``, fenced by this scheduler's
+        leadership); the watch re-points the job. False (the checkpoint path goes on) with
         failover off, when no shard could take over (their states differ, all unreachable),
         or when tried less than a grace ago."""
         job_id = record.job_id
@@ -280,7 +281,8 @@ class JobLifecycle:
             not self.config.health.coordinator_failover
             or not record.opened
             or record.coordinator_index < 0
-            or record.job.effective_sync_mode != job_pb2.SYNC_MODE_PARAMETER_SERVER
+            or record.job.effective_sync_mode
+            not in (job_pb2.SYNC_MODE_PARAMETER_SERVER, job_pb2.SYNC_MODE_COLLECTIVE)
         ):
             return False
         now = self.clock()
@@ -304,6 +306,7 @@ class JobLifecycle:
             owner=record.owner,
             lost_shard_index=lost,
             coordinator_epoch=epoch,
+            sync_mode=record.job.effective_sync_mode,
         )
         for step in range(1, len(shards)):
             index = (lost + step) % len(shards)
