@@ -78,6 +78,7 @@ from shoal.host_agent.logs import (
     describe_exit,
     read_log,
 )
+from shoal.host_agent.prepared import PreparedArtifacts
 from shoal.host_agent.records import (
     _PRIVATE_ENV_PREFIXES,
     _RESET_ENV,
@@ -153,6 +154,7 @@ class ProcessManager:
         self._learner_env = dict(learner_env or {})  # the agent's part of the contract (TLS)
         self._learners: dict[str, Learner] = {}
         self._starting: dict[str, asyncio.Task[Learner]] = {}
+        self._starting_jobs: dict[str, str] = {}  # learner id -> job id, while it starts
         # Learners whose environment is being built (STARTING): their log and StopLearner
         # reach them; heartbeats and ListLearners do not list them until they run.
         self._building: dict[str, Learner] = {}
@@ -188,6 +190,8 @@ class ProcessManager:
             },
             size=warm_learners,
         )
+        # The jobs' artifacts unpacked ahead of their next learners on this host.
+        self.prepared = PreparedArtifacts(work_dir / "prepared", artifacts)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -281,9 +285,11 @@ class ProcessManager:
         self._reserved[request.device_id] = request.learner_id
         task = asyncio.get_running_loop().create_task(self._launch(request, device))
         self._starting[request.learner_id] = task
+        self._starting_jobs[request.learner_id] = request.job_id
 
         def done(_: asyncio.Task[Learner]) -> None:
             self._starting.pop(request.learner_id, None)
+            self._starting_jobs.pop(request.learner_id, None)
             self._reserved.pop(request.device_id, None)
 
         task.add_done_callback(done)
@@ -309,12 +315,16 @@ class ProcessManager:
             if directory.exists():
                 await asyncio.to_thread(shutil.rmtree, directory, True)
             work = directory / "work"
-            try:
-                await asyncio.to_thread(unpack, archive, work)
-            except (tarfile.TarError, OSError, EOFError) as exc:
-                raise FailedPrecondition(
-                    f"artifact {request.artifact_id!r} cannot be unpacked: {exc}"
-                ) from exc
+            directory.mkdir(parents=True, exist_ok=True)
+            # A copy of the job's artifact unpacked ahead (shoal.host_agent.prepared), else now.
+            ahead = await self.prepared.take(request.job_id, request.artifact_id, work)
+            if not ahead:
+                try:
+                    await asyncio.to_thread(unpack, archive, work)
+                except (tarfile.TarError, OSError, EOFError) as exc:
+                    raise FailedPrecondition(
+                        f"artifact {request.artifact_id!r} cannot be unpacked: {exc}"
+                    ) from exc
             entry = (work / request.entry_point).resolve()
             if not entry.is_relative_to(work.resolve()) or not entry.is_file():
                 raise InvalidField(
@@ -334,6 +344,7 @@ class ProcessManager:
                 allocation_id=request.allocation_id,
                 host_id=self.host_id,
                 host_incarnation=self.incarnation,
+                unpacked_ahead=ahead,
             )
             python = await self._environment_python(learner, work)
             if learner.stop_reason is not None:  # stopped just as its build ended
@@ -346,11 +357,24 @@ class ProcessManager:
             if learner is not None and learner.learner_id in self._building:
                 await self._end_build(learner, exc)
             shutil.rmtree(directory, ignore_errors=True)
+            self._release_job(request.job_id, starting=request.learner_id)
             raise
         finally:
             self._building.pop(request.learner_id, None)
         self._learners[learner.learner_id] = learner
+        # The job is placed on this host: its next learner here (a grow, a replacement) takes
+        # a copy unpacked meanwhile instead of waiting for an unpack.
+        self.prepared.prepare(request.job_id, request.artifact_id)
         return learner
+
+    def _release_job(self, job_id: str, *, starting: str = "") -> None:
+        """The job's copies unpacked ahead go (after a linger) once it has no learner running
+        or starting on this host."""
+        if any(lr.job_id == job_id and not lr.terminal for lr in self._learners.values()):
+            return
+        if any(j == job_id and lid != starting for lid, j in self._starting_jobs.items()):
+            return
+        self.prepared.release(job_id)
 
     async def _environment_python(self, learner: Learner, work: Path) -> str | None:
         """The job environment's interpreter (``envs.python_for``). While it is built the
@@ -481,7 +505,8 @@ class ProcessManager:
             "learner %r (job %r) started %s on %s: pid %d, %s",
             learner.learner_id,
             learner.job_id,
-            "warm" if warm is not None else "cold",
+            ("warm" if warm is not None else "cold")
+            + (", its artifact unpacked ahead" if learner.unpacked_ahead else ""),
             learner.device.device_id,
             process.pid,
             " ".join(argv),
@@ -546,6 +571,7 @@ class ProcessManager:
             async with learner.writer.changed:
                 learner.writer.changed.notify_all()
         log.info("learner %r %s", learner.learner_id, learner.exit_reason)
+        self._release_job(learner.job_id)
         if self._on_exit is not None:
             self._on_exit(learner)
 

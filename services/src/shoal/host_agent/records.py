@@ -66,6 +66,7 @@ class Learner:
     exit_sent_seq: int | None = None
     exit_acked: bool = False
     warm_token: str = ""  # the warm process it started in ("" for a cold start)
+    unpacked_ahead: bool = False  # its work/ is a copy of the artifact unpacked before it started
     process: asyncio.subprocess.Process | None = None
     writer: _LogWriter | None = None
     followers: int = 0  # log readers following it now (follow_log)

@@ -1,0 +1,152 @@
+"""The host agent's fast path with real learner processes (issue 16): a job's artifact unpacked
+ahead for its next learner on the host (per job, verified, never shared across jobs), and a
+learner's exit reported to the resource manager at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from shoal.v1 import resources_pb2
+from tests.integration._shoal_processes import pack_artifact
+from tests.integration.test_host_agent import AgentBed, first_line, start_request
+from tests.support import async_wait_until
+
+# Prints what it finds in its working directory, leaves a file of its own there, then waits
+# until the file named by RELEASE exists (the test lets it go) and exits 0 as a trained learner.
+HOLD = """
+import json, os, sys, time
+print(json.dumps({"files": sorted(os.listdir(".")), "job": os.environ["SHOAL_JOB_ID"]}))
+sys.stdout.flush()
+open("mine.txt", "w").write(os.environ["SHOAL_LEARNER_ID"])
+open(os.environ["SHOAL_TRAIN_MARKER"], "w").close()
+while not os.path.exists(os.environ["RELEASE"]):
+    time.sleep(0.02)
+"""
+FILES = {"main.py": HOLD, "data/x.txt": "x"}
+
+
+@pytest.fixture
+async def bed(tmp_path) -> AsyncIterator[AgentBed]:
+    bed = await AgentBed(tmp_path).start()
+    try:
+        yield bed
+    finally:
+        await bed.close()
+
+
+def prepared(bed: AgentBed):
+    return bed.agent.processes.prepared
+
+
+async def files_seen(stub, learner_id: str) -> dict:
+    return json.loads(await first_line(stub, learner_id, "{"))
+
+
+async def test_a_jobs_next_learner_takes_a_copy_unpacked_ahead_and_no_other_job_does(bed, tmp_path):
+    artifact = pack_artifact(bed.artifacts, FILES)
+    release = tmp_path / "release"
+    env = {"RELEASE": str(release)}
+    stub = bed.stub()
+    await stub.StartLearner(start_request(artifact, env=env))
+    learner1 = bed.agent.processes.get("l1")
+    assert not learner1.unpacked_ahead  # the first learner of the job on the host unpacks
+    # As soon as the job is placed here, a copy is made for its next learner.
+    await async_wait_until(
+        lambda: prepared(bed).ready("j1", artifact), timeout=60, what="a copy unpacked ahead"
+    )
+    assert (await files_seen(stub, "l1"))["files"] == ["data", "main.py"]
+
+    # The job grows on this host: its learner takes the copy (a rename), not an unpack.
+    await stub.StartLearner(start_request(artifact, learner_id="l2", device="gpu1", env=env))
+    learner2 = bed.agent.processes.get("l2")
+    assert learner2.unpacked_ahead and prepared(bed).taken == 1
+    # Its own tree: nothing the first learner wrote into its working directory.
+    assert (await files_seen(stub, "l2"))["files"] == ["data", "main.py"]
+    work1, work2 = learner1.directory / "work", learner2.directory / "work"
+    await async_wait_until(lambda: (work2 / "mine.txt").exists(), timeout=60, what="l2 wrote")
+    assert (work1 / "mine.txt").read_text() == "l1" and (work2 / "mine.txt").read_text() == "l2"
+    # ...and the next copy is made at once.
+    await async_wait_until(
+        lambda: prepared(bed).ready("j1", artifact), timeout=60, what="the next copy"
+    )
+
+    # Another job with the same artifact never gets job j1's copy: it unpacks its own.
+    release.touch()
+    await async_wait_until(
+        lambda: learner1.terminal and learner2.terminal, timeout=60, what="both exited"
+    )
+    release.unlink()
+    await stub.StartLearner(start_request(artifact, learner_id="l3", job_id="j2", env=env))
+    learner3 = bed.agent.processes.get("l3")
+    assert not learner3.unpacked_ahead
+    assert (await files_seen(stub, "l3")) == {"files": ["data", "main.py"], "job": "j2"}
+    assert prepared(bed).ready("j1", artifact)  # still j1's, untouched
+    assert prepared(bed).taken == 1
+
+    # A job with no learner left on the host has its copies removed after the linger.
+    prepared(bed).linger_s = 0.1
+    release.touch()
+    await async_wait_until(lambda: learner3.terminal, timeout=60, what="l3 exited")
+    await async_wait_until(
+        lambda: not prepared(bed).job_dir("j2").exists(), timeout=30, what="j2's copies gone"
+    )
+    # (j1's linger began at its exit with the default: it is still kept.)
+    assert prepared(bed).ready("j1", artifact)
+
+
+async def test_a_copy_is_made_only_from_an_archive_whose_sha256_still_matches(bed, tmp_path):
+    artifact = pack_artifact(bed.artifacts, FILES)
+    release = tmp_path / "release"
+    env = {"RELEASE": str(release)}
+    stub = bed.stub()
+    await stub.StartLearner(start_request(artifact, env=env))
+    await async_wait_until(
+        lambda: prepared(bed).ready("j1", artifact), timeout=60, what="a copy unpacked ahead"
+    )
+    # The cached archive changes on disk: the copy made from it before is used, but no new
+    # copy is made from the changed bytes, and the archive is dropped (fetched again later).
+    cached = bed.agent.processes.artifacts.path(artifact)
+    cached.write_bytes(b"not the artifact")
+    made = prepared(bed).made
+    await stub.StartLearner(start_request(artifact, learner_id="l2", device="gpu1", env=env))
+    assert bed.agent.processes.get("l2").unpacked_ahead
+    await async_wait_until(lambda: not cached.exists(), timeout=60, what="the archive dropped")
+    assert not prepared(bed).ready("j1", artifact) and prepared(bed).made == made
+
+    release.touch()
+    await async_wait_until(
+        lambda: all(lr.terminal for lr in bed.agent.processes.learners()),
+        timeout=60,
+        what="both exited",
+    )
+    release.unlink()
+    # The next start fetches the archive again (verified) and unpacks it itself.
+    await stub.StartLearner(start_request(artifact, learner_id="l3", env=env))
+    assert not bed.agent.processes.get("l3").unpacked_ahead
+    assert (await files_seen(stub, "l3"))["files"] == ["data", "main.py"]
+    assert cached.is_file()
+    release.touch()
+    await async_wait_until(
+        lambda: bed.agent.processes.get("l3").state == resources_pb2.LEARNER_STATE_SUCCEEDED,
+        timeout=60,
+        what="l3 succeeded",
+    )
+
+
+def test_leftover_copies_of_a_previous_agent_are_removed_at_start(tmp_path: Path):
+    async def main() -> None:
+        bed = AgentBed(tmp_path)
+        leftover = bed.config.work_dir / "prepared" / "j-old" / ("0" * 64)
+        leftover.mkdir(parents=True)
+        await bed.start()
+        try:
+            assert not leftover.exists()
+        finally:
+            await bed.close()
+
+    asyncio.run(main())
