@@ -17,3 +17,11 @@ settings.load_profile("shoal")
 def _isolated_user_config(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))
     monkeypatch.delenv("SHOAL_CONTEXT", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _cold_learners_by_default(monkeypatch):
+    """Host agents started by tests (a LocalCluster's, ShoalProcesses') keep no warm learner
+    processes unless a test asks for them: each one imports torch, and the suite shares 2 cores.
+    Warm learners have their own tests (test_warm_learners, test_host_agent_fast_path)."""
+    monkeypatch.setenv("SHOAL_WARM_LEARNERS", "0")
