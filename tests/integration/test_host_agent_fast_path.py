@@ -150,3 +150,73 @@ def test_leftover_copies_of_a_previous_agent_are_removed_at_start(tmp_path: Path
             await bed.close()
 
     asyncio.run(main())
+
+
+# Job A's learner: imports a module of its artifact that keeps its credential, holds until let
+# go, then returns (a retired learner: its script ends). Job B's learner reports what it sees.
+A_MAIN = """
+import os, sys, time
+import a_private
+a_private.SECRET = os.environ["SHOAL_TOKEN"]
+open(os.environ["SHOAL_TRAIN_MARKER"], "w").close()
+while not os.path.exists(os.environ["RELEASE"]):
+    time.sleep(0.02)
+"""
+B_MAIN = """
+import json, os, sys
+print(json.dumps({
+    "pid": os.getpid(),
+    "modules": sorted(m for m in sys.modules if m.startswith("a_")),
+    "token": os.environ.get("SHOAL_TOKEN"),
+    "env_a": sorted(k for k, v in os.environ.items() if "job-a" in v),
+    "files": sorted(os.listdir(".")),
+}))
+open(os.environ["SHOAL_TRAIN_MARKER"], "w").close()
+"""
+
+
+@pytest.mark.slow
+async def test_a_retired_learners_device_finds_a_fresh_warm_process_holding_nothing_of_its_job(
+    tmp_path,
+):
+    from tests.integration.test_warm_learners import READY_TIMEOUT_S, WarmBed
+
+    bed = await WarmBed(tmp_path, warm=1).start()
+    try:
+        pool = bed.pool
+        (first,) = await bed.ready()
+        a = pack_artifact(bed.artifacts, {"main.py": A_MAIN, "a_private.py": "SECRET = None\n"})
+        b = pack_artifact(bed.artifacts, {"main.py": B_MAIN})
+        release = tmp_path / "release"
+        stub = bed.stub()
+        reply = await stub.StartLearner(
+            start_request(
+                a,
+                learner_id="la",
+                job_id="job-a",
+                env={"RELEASE": str(release), "SHOAL_TOKEN": "token-of-job-a"},
+            )
+        )
+        assert reply.learner.pid == first  # job A started warm
+        # The pool refills while A runs: the device's next learner will not wait for one.
+        await async_wait_until(
+            lambda: pool.ready() == 1, timeout=READY_TIMEOUT_S, what="the pool refilled"
+        )
+        (fresh,) = [w.pid for w in pool._ready]
+        release.touch()  # A retires: its script ends, the process exits
+        learner_a = bed.agent.processes.get("la")
+        await async_wait_until(lambda: learner_a.terminal, timeout=60, what="A exited")
+        assert learner_a.state == resources_pb2.LEARNER_STATE_SUCCEEDED
+
+        # Job B on the same device, right after: warm, in a process that never ran job A.
+        reply = await stub.StartLearner(
+            start_request(b, learner_id="lb", job_id="job-b", env={"SHOAL_TOKEN": "token-b"})
+        )
+        assert reply.learner.pid == fresh != first
+        seen = json.loads(await first_line(stub, "lb", "{"))
+        assert seen["pid"] == fresh
+        assert seen["modules"] == [] and seen["env_a"] == []
+        assert seen["token"] == "token-b" and seen["files"] == ["main.py"]
+        assert pool.taken == 2
+    finally:
+        await bed.close()

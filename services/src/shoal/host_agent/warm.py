@@ -11,8 +11,19 @@ Safety: **a warm process serves one learner, never another** (a process per lear
 reused). It is started with the agent's environment minus the agent's own configuration and
 secrets (the ``SHOAL_`` variables), in an empty directory, before any job is known; it gets the
 job's environment (and with it any credential), working directory and artifact only when it is
-taken, and exits with its learner. A learner that leaves does not go back to the pool; the pool
-starts a fresh process instead. It is a child of the agent like a cold learner: its own
+taken, and exits with its learner.
+
+A retired learner "goes back to the pool" as a fresh process, not as itself: a process that ran
+a job holds that job's modules, objects, threads, open files and credential (in ``os.environ``
+and wherever the script copied it), and CPython offers no way to scrub them all, so reusing it
+for another job is never safe. Instead the pool is refilled as soon as a process is taken, while
+the learner runs: by the time the learner retires, its device already has a ready process
+waiting, and the next learner there (of any job) starts warm within tens of milliseconds of the
+retirement. Refilling at the retirement itself would be too late: the scheduler starts the
+device's next learner within tens of milliseconds, and a warm process takes seconds to import
+torch. The cost: while all devices are busy, ``size`` idle processes (~256 MiB each) wait.
+
+It is a child of the agent like a cold learner: its own
 session and process group, ``PR_SET_PDEATHSIG`` through the same wrapper, the agent waits for
 its exit code and reads its stdout and stderr into the learner's log, so stopping, logs and exit
 codes are exactly those of a cold start.
