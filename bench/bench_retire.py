@@ -87,25 +87,34 @@ class Inventory:
         self.changed = asyncio.Event()
 
     async def run(self) -> None:
+        import grpc
+
         from shoal.runtime.channels import connect
         from shoal.v1 import resource_manager_service_pb2 as rm, resource_manager_service_pb2_grpc
 
         channel = connect(self.address, token=self.token, trace=False)
         stub = resource_manager_service_pb2_grpc.ResourceManagerServiceStub(channel)
         try:
-            async for event in stub.WatchInventory(rm.WatchInventoryRequest()):
-                now = time.time()
-                for a in event.allocations:
-                    self.allocation_of.setdefault(a.learner_id, a.allocation_id)
-                    self.job_of.setdefault(a.learner_id, a.job_id)
-                if event.kind == rm.INVENTORY_EVENT_KIND_LEARNER_EXITED:
-                    self.exited.setdefault(event.learner.learner_id, (now, event.learner))
-                elif event.kind == rm.INVENTORY_EVENT_KIND_RELEASED:
-                    for a in event.allocations:
-                        self.released.setdefault(a.allocation_id, now)
-                self.changed.set()
+            while True:
+                try:
+                    async for event in stub.WatchInventory(rm.WatchInventoryRequest()):
+                        self._apply(rm, event, time.time())
+                except grpc.aio.AioRpcError as exc:  # no leader elected yet: ask again
+                    print(f"  (inventory watch: {exc.code().name}; again)", flush=True)
+                    await asyncio.sleep(0.5)
         finally:
             await channel.close()
+
+    def _apply(self, rm: Any, event: Any, now: float) -> None:
+        for a in event.allocations:
+            self.allocation_of.setdefault(a.learner_id, a.allocation_id)
+            self.job_of.setdefault(a.learner_id, a.job_id)
+        if event.kind == rm.INVENTORY_EVENT_KIND_LEARNER_EXITED:
+            self.exited.setdefault(event.learner.learner_id, (now, event.learner))
+        elif event.kind == rm.INVENTORY_EVENT_KIND_RELEASED:
+            for a in event.allocations:
+                self.released.setdefault(a.allocation_id, now)
+        self.changed.set()
 
     async def until(self, check: Any, timeout: float, what: str) -> Any:
         deadline = time.monotonic() + timeout

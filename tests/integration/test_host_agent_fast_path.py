@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from shoal.host_agent.processes import read_log
 from shoal.v1 import resources_pb2
 from tests.integration._shoal_processes import pack_artifact
 from tests.integration.test_host_agent import AgentBed, first_line, start_request
@@ -220,3 +221,33 @@ async def test_a_retired_learners_device_finds_a_fresh_warm_process_holding_noth
         assert pool.taken == 2
     finally:
         await bed.close()
+
+
+# A learner that leaves work to finalization: its own weakref.finalize (atexit) and a
+# tempfile.TemporaryDirectory, with torch's operator libraries loaded.
+FINALIZERS = """
+import os, tempfile, weakref
+import torch.library
+
+class Thing:
+    pass
+
+thing = Thing()
+weakref.finalize(thing, print, "the script's finalizer ran")
+kept = tempfile.TemporaryDirectory(dir=".")
+print("tmp", os.path.basename(kept.name), flush=True)
+open(os.environ["SHOAL_TRAIN_MARKER"], "w").close()
+"""
+
+
+async def test_the_fast_exit_still_runs_the_scripts_own_finalizers(bed):
+    artifact = pack_artifact(bed.artifacts, {"main.py": FINALIZERS})
+    stub = bed.stub()
+    await stub.StartLearner(start_request(artifact))
+    learner = bed.agent.processes.get("l1")
+    await async_wait_until(lambda: learner.terminal, timeout=120, what="the learner exited")
+    assert learner.exit_code == 0, learner.exit_reason
+    lines = [r.text for r in read_log(learner.log_path, 0)]
+    assert "the script's finalizer ran" in lines
+    (tmp,) = [t.split()[1] for t in lines if t.startswith("tmp ")]
+    assert not (learner.directory / "work" / tmp).exists()  # removed by its finalizer
