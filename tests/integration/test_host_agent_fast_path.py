@@ -1,18 +1,26 @@
 """The host agent's fast path with real learner processes (issue 16): a job's artifact unpacked
-ahead for its next learner on the host (per job, verified, never shared across jobs), and a
-learner's exit reported to the resource manager at once."""
+ahead for its next learner on the host (per job, verified, never shared across jobs); a retired
+learner's device finds a fresh warm process that holds nothing of the retired job; the fast
+exit still runs the script's own finalizers; a learner's exit reported to the resource manager
+at once, not with the next heartbeat."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from grpc import aio
 
 from shoal.host_agent.processes import read_log
-from shoal.v1 import resources_pb2
+from shoal.v1 import (
+    resource_manager_service_pb2 as rm,
+    resource_manager_service_pb2_grpc as rm_grpc,
+    resources_pb2,
+)
 from tests.integration._shoal_processes import pack_artifact
 from tests.integration.test_host_agent import AgentBed, first_line, start_request
 from tests.support import async_wait_until
@@ -251,3 +259,52 @@ async def test_the_fast_exit_still_runs_the_scripts_own_finalizers(bed):
     assert "the script's finalizer ran" in lines
     (tmp,) = [t.split()[1] for t in lines if t.startswith("tmp ")]
     assert not (learner.directory / "work" / tmp).exists()  # removed by its finalizer
+
+
+class BeatRecorder(rm_grpc.ResourceManagerServiceServicer):
+    """A resource manager that asks for one heartbeat an hour and records those it gets."""
+
+    def __init__(self) -> None:
+        self.beats: list[rm.HeartbeatRequest] = []
+
+    async def RegisterHost(self, request, context):
+        return rm.RegisterHostResponse(
+            incarnation=1, heartbeat_interval_ms=3_600_000, lost_after_ms=36_000_000
+        )
+
+    async def Heartbeat(self, request_iterator, context):
+        async for beat in request_iterator:
+            self.beats.append(beat)
+            yield rm.HeartbeatResponse(sequence=beat.sequence)
+
+
+async def test_a_learners_exit_is_reported_at_once_not_with_the_next_heartbeat(tmp_path):
+    recorder = BeatRecorder()
+    server = aio.server()
+    rm_grpc.add_ResourceManagerServiceServicer_to_server(recorder, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    bed = AgentBed(tmp_path)
+    bed.config = dataclasses.replace(bed.config, resource_managers=(f"127.0.0.1:{port}",))
+    await bed.start()
+    try:
+        await async_wait_until(lambda: recorder.beats, timeout=30, what="the first heartbeat")
+        artifact = pack_artifact(bed.artifacts, FILES)
+        release = tmp_path / "release"
+        await bed.stub().StartLearner(start_request(artifact, env={"RELEASE": str(release)}))
+        await asyncio.sleep(0)
+        release.touch()
+
+        def exit_reported() -> bool:
+            return any(
+                lr.learner_id == "l1" and lr.state == resources_pb2.LEARNER_STATE_SUCCEEDED
+                for beat in recorder.beats
+                for lr in beat.learners
+            )
+
+        # The next regular heartbeat is an hour away: only the exit itself can send this one.
+        await async_wait_until(exit_reported, timeout=60, what="the exit in a heartbeat")
+        assert len(recorder.beats) == 2 and recorder.beats[1].sequence == 2
+    finally:
+        await bed.close()
+        await server.stop(0)
