@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -308,3 +309,36 @@ async def test_a_learners_exit_is_reported_at_once_not_with_the_next_heartbeat(t
     finally:
         await bed.close()
         await server.stop(0)
+
+
+async def test_a_jobs_copies_dropped_while_one_is_being_unpacked_leave_nothing_behind(tmp_path):
+    from shoal.host_agent.artifacts import ArtifactCache, DirectorySource
+    from shoal.host_agent.prepared import PreparedArtifacts
+
+    source = tmp_path / "artifacts"
+    artifact = pack_artifact(
+        source,
+        {"main.py": "print(1)\n", **{f"data/{i}.bin": os.urandom(1 << 20) for i in range(32)}},
+    )
+    cache = ArtifactCache(tmp_path / "cache", [DirectorySource(str(source))])
+    await cache.get(artifact)
+    prepared = PreparedArtifacts(tmp_path / "prepared", cache)
+    prepared.linger_s = 0.0
+    try:
+        prepared.prepare("j1", artifact)
+        await async_wait_until(  # an unpack runs in a thread...
+            lambda: any(prepared.job_dir("j1").glob(".*.part/data")),
+            timeout=60,
+            interval=0.005,
+            what="the unpack under way",
+        )
+        prepared.release("j1")  # ...and the job leaves the host
+        await async_wait_until(
+            lambda: not prepared._tasks and not prepared._lingering and not prepared._removing,
+            timeout=60,
+            what="the unpack and the drop done",
+        )
+        assert not prepared.job_dir("j1").exists()
+        assert [p.name for p in (tmp_path / "prepared").iterdir()] == []
+    finally:
+        await prepared.close()

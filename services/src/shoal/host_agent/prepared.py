@@ -44,6 +44,7 @@ __all__ = ["LINGER_S", "PreparedArtifacts"]
 log = logging.getLogger(__name__)
 
 LINGER_S = 60.0  # a job's copies outlive its last learner on this host by this much
+_RECHECK_S = 0.2  # a drop that found an unpack running looks again this much later
 
 
 class PreparedArtifacts:
@@ -56,6 +57,7 @@ class PreparedArtifacts:
         self.linger_s = LINGER_S
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._lingering: dict[str, asyncio.TimerHandle] = {}
+        self._removing: set[asyncio.Task[None]] = set()
         self.made = 0  # copies unpacked
         self.taken = 0  # starts that took a copy instead of unpacking
 
@@ -152,16 +154,32 @@ class PreparedArtifacts:
 
     def _drop(self, job_id: str) -> None:
         self._lingering.pop(job_id, None)
-        for key, task in list(self._tasks.items()):
-            if key[0] == job_id:
-                task.cancel()
-        shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+        if any(key[0] == job_id for key in self._tasks):
+            # An unpack of the job's runs in a thread, which cancelling would not stop (it
+            # would go on writing under the job's directory): look again when it has ended,
+            # unless a start of the job comes first (it keeps the copies).
+            loop = asyncio.get_running_loop()
+            self._lingering[job_id] = loop.call_later(_RECHECK_S, self._drop, job_id)
+            return
+        # Moved aside first (atomic), then removed off the event loop: a start of the job that
+        # comes now finds either its whole copy (taken before) or none (it unpacks), never a
+        # copy half removed.
+        trash = self.directory / f".removed-{secrets.token_hex(4)}"
+        try:
+            self.job_dir(job_id).rename(trash)
+        except OSError:
+            return  # nothing there
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(shutil.rmtree, trash, True), name=f"unprepare-{job_id}"
+        )
+        self._removing.add(task)
+        task.add_done_callback(self._removing.discard)
 
     async def close(self) -> None:
         for handle in self._lingering.values():
             handle.cancel()
         self._lingering.clear()
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._removing]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
