@@ -22,7 +22,9 @@ Safety:
   directories: the take is a rename), with the same safe unpack (tarfile's ``data`` filter);
 * **bounded**: at most one ready copy per (job, artifact); a job's copies are removed
   :data:`LINGER_S` after its last learner on this host exited (a replacement that comes back
-  within that time still finds one), and all of them when the agent starts or closes.
+  within that time still finds one; a drop that finds an unpack running waits for it, since a
+  thread cannot be cancelled), and all of them when the agent starts or shuts down (an unpack
+  still running at shutdown may leave files, removed at the next start).
 """
 
 from __future__ import annotations
