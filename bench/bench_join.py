@@ -12,7 +12,13 @@ be ready again (a grow or replacement on a host whose pool refilled since its la
 
 Anchor: a bare ``python -c "import torch"`` on the same machine, measured in the same run.
 
-    .venv/bin/python bench/bench_join.py [--repeats 5]
+    .venv/bin/python bench/bench_join.py [--repeats 5] [--data-mb N]
+
+A third sample per repeat, **warm, artifact unpacked ahead**: the same job's next learner on
+the warm host, once the copy of its artifact the agent unpacks as soon as the job is placed
+there is ready (shoal.host_agent.prepared): a grow or a replacement. ``--data-mb N`` adds N MiB
+of random (incompressible) data to the artifact, a model directory with its data, so that the
+unpack, which the copy made ahead takes off the start, weighs what it would.
 
 ``--device cuda`` (a GPU machine; the host agent's NVML discovery): the script also moves the
 model to the learner's GPU and runs it there, so the time includes creating the CUDA context;
@@ -81,14 +87,14 @@ def cpu_model() -> str:
 
 
 async def one(
-    manager, devices, artifact: str, n: int, *, device_id: str = "gpu0"
+    manager, devices, artifact: str, n: int, *, device_id: str = "gpu0", learner: str = ""
 ) -> tuple[float, bool]:
     from shoal.host_agent.processes import LaunchRequest, read_log
 
     t0 = time.time()
     learner = await manager.start(
         LaunchRequest(
-            learner_id=f"l{n}",
+            learner_id=learner or f"l{n}",
             job_id=f"j{n}",
             device_id=device_id,
             artifact_id=artifact,
@@ -138,7 +144,14 @@ async def pinning_obeyed(manager, artifact: str) -> None:
         raise RuntimeError(f"a warm learner given no GPU saw one (or was not warm): {lines}")
 
 
-async def main_async(repeats: int, device: str) -> None:
+async def prepared_ready(manager, job_id: str, artifact: str) -> None:
+    """Wait (at most 300 s) until the job's copy unpacked ahead is ready."""
+    deadline = time.monotonic() + 300
+    while not manager.prepared.ready(job_id, artifact) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)  # a bench: the copy has no public ready event
+
+
+async def main_async(repeats: int, device: str, data_mb: int) -> None:
     from shoal.host_agent.artifacts import ArtifactCache, DirectorySource
     from shoal.host_agent.devices import NvmlDevices, SimulatedDevices
     from shoal.host_agent.processes import ProcessManager
@@ -147,7 +160,10 @@ async def main_async(repeats: int, device: str) -> None:
     with tempfile.TemporaryDirectory(prefix="shoal-join-") as tmp:
         root = Path(tmp)
         script = SCRIPT_CUDA if device == "cuda" else SCRIPT
-        artifact = pack_artifact(root / "artifacts", {"main.py": script})
+        files: dict[str, str | bytes] = {"main.py": script}
+        if data_mb:  # the model directory's data (incompressible: the unpack's worst case)
+            files["data.bin"] = os.urandom(data_mb * 1024 * 1024)
+        artifact = pack_artifact(root / "artifacts", files)
         devices = (NvmlDevices() if device == "cuda" else SimulatedDevices("h1", 1)).discover()
         if not devices:
             raise SystemExit(f"no {device} device found")
@@ -161,7 +177,12 @@ async def main_async(repeats: int, device: str) -> None:
                 warm_learners=warm,
             )
             managers[kind].warm.start()
-        results: dict[str, list[float]] = {"cold": [], "warm": [], "import torch": []}
+        results: dict[str, list[float]] = {
+            "cold": [],
+            "warm": [],
+            "warm, artifact unpacked ahead": [],
+            "import torch": [],
+        }
         try:
             for r in range(repeats):
                 await pool_ready(managers["warm"].warm)
@@ -172,13 +193,28 @@ async def main_async(repeats: int, device: str) -> None:
                     if was_warm != (kind == "warm"):
                         raise RuntimeError(f"repeat {r}: the {kind} sample started otherwise")
                     results[kind].append(seconds)
+                    if kind == "warm":
+                        # The same job's next learner on this host: a grow or a replacement.
+                        await pool_ready(managers["warm"].warm)
+                        await prepared_ready(managers["warm"], f"j{r}", artifact)
+                        seconds, was_warm = await one(
+                            managers["warm"], devices, artifact, r, device_id=gpu0, learner=f"l{r}b"
+                        )
+                        ahead = managers["warm"].get(f"l{r}b").unpacked_ahead
+                        if not (was_warm and ahead):
+                            raise RuntimeError(
+                                f"repeat {r}: warm={was_warm} unpacked ahead={ahead}"
+                            )
+                        results["warm, artifact unpacked ahead"].append(seconds)
                 t = time.monotonic()
                 await asyncio.to_thread(
                     subprocess.run, [sys.executable, "-c", "import torch"], check=True
                 )
                 results["import torch"].append(time.monotonic() - t)
                 print(
-                    f"  [{r}] warm {results['warm'][-1]:.3f} s, cold {results['cold'][-1]:.3f} s, "
+                    f"  [{r}] warm {results['warm'][-1]:.3f} s, unpacked ahead "
+                    f"{results['warm, artifact unpacked ahead'][-1]:.3f} s, "
+                    f"cold {results['cold'][-1]:.3f} s, "
                     f"bare import torch {results['import torch'][-1]:.3f} s "
                     f"(load {os.getloadavg()[0]:.1f})",
                     flush=True,
@@ -190,6 +226,7 @@ async def main_async(repeats: int, device: str) -> None:
             for manager in managers.values():
                 await manager.stop_all(1.0)
                 await manager.warm.close()
+                await manager.prepared.close()
     print()
     print("| start | median (s) | min (s) | max (s) | samples |")
     print("|---|---|---|---|---|")
@@ -204,13 +241,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--data-mb", type=int, default=0, help="random data added to the artifact (MiB)"
+    )
     args = parser.parse_args()
     print(
         f"machine: {cpu_model()}, {os.cpu_count()} cores, load average "
         f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}",
         flush=True,
     )
-    asyncio.run(main_async(args.repeats, args.device))
+    print(f"artifact data: {args.data_mb} MiB", flush=True)
+    asyncio.run(main_async(args.repeats, args.device, args.data_mb))
     print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     return 0
 

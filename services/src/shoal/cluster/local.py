@@ -45,6 +45,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shoal.contract.errors import InvalidField
+from shoal.host_agent.warm import local_cluster_default
 from shoal.runtime.auth import Role, new_token, write_tokens_file
 from shoal.runtime.etcd_server import EtcdCluster, EtcdServer, EtcdTLS
 from shoal.runtime.pki import CertificateAuthority
@@ -195,9 +196,10 @@ class ClusterSpec:
     supervise: bool = False  # restart crashed service processes (`shoal cluster up` does)
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     scheduler_flags: tuple[str, ...] = ()  # extra job-scheduler flags (--stall-timeout 30)
-    # Warm learner processes per host agent (--warm-learners; None: one per device). Off by
-    # default here: a local cluster shares its machine's cores with its own learners.
-    warm_learners: int | None = 0
+    # Warm learner processes per host agent (--warm-learners). None: SHOAL_WARM_LEARNERS if set,
+    # else one per device while they fit in a quarter of the free memory
+    # (shoal.host_agent.warm.local_cluster_default).
+    warm_learners: int | None = None
 
     def __post_init__(self) -> None:
         for name, low, high in (
@@ -725,7 +727,11 @@ def service_flags(
             "--work-dir",
             str(work_dir / svc.name),
             "--warm-learners",
-            "auto" if spec.warm_learners is None else str(spec.warm_learners),
+            (
+                local_cluster_default(spec.hosts, spec.gpus_per_host)
+                if spec.warm_learners is None
+                else str(spec.warm_learners)
+            ),
         ]
     raise ValueError(svc.kind)
 

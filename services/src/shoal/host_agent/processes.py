@@ -40,10 +40,7 @@ import tarfile
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-
-from google.protobuf import timestamp_pb2
 
 from shoal.contract import ids
 from shoal.contract.errors import (
@@ -81,10 +78,22 @@ from shoal.host_agent.logs import (
     describe_exit,
     read_log,
 )
+from shoal.host_agent.prepared import PreparedArtifacts
+from shoal.host_agent.records import (
+    _PRIVATE_ENV_PREFIXES,
+    _RESET_ENV,
+    FAILED,
+    RUNNING,
+    STOPPING,
+    SUCCEEDED,
+    LaunchRequest,
+    Learner,
+    _validate_entry_point,
+    _validate_id,
+)
 from shoal.host_agent.warm import BOOT_SOURCE, WarmPool, WarmProcess, accepts as warm_accepts
 from shoal.runtime import telemetry
 from shoal.runtime.procs import die_with_parent
-from shoal.v1 import resources_pb2
 
 __all__ = [
     "NO_TRAIN",
@@ -112,125 +121,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-STARTING = resources_pb2.LEARNER_STATE_STARTING
-RUNNING = resources_pb2.LEARNER_STATE_RUNNING
-STOPPING = resources_pb2.LEARNER_STATE_STOPPING
-SUCCEEDED = resources_pb2.LEARNER_STATE_SUCCEEDED
-FAILED = resources_pb2.LEARNER_STATE_FAILED
-TERMINAL = frozenset({SUCCEEDED, FAILED})
-
-
-# --------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------
-
-
 # DeviceNotFound, LearnerNotFound, ArtifactNotFound and DeviceBusy are defined in
-# shoal.contract.errors (imported above, exported here).
-
-
-# --------------------------------------------------------------------------------------------
-# Learners
-# --------------------------------------------------------------------------------------------
-
-
-def _ts(seconds: float) -> timestamp_pb2.Timestamp:
-    ts = timestamp_pb2.Timestamp()
-    if seconds:
-        ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
-
-
-@dataclass
-class Learner:
-    """One learner this agent started (kept until forgotten)."""
-
-    learner_id: str
-    job_id: str
-    device: DeviceInfo
-    directory: Path
-    allocation_id: str = ""
-    host_id: str = ""
-    host_incarnation: int = 0
-    state: resources_pb2.LearnerState.ValueType = STARTING
-    pid: int = 0
-    exit_code: int = 0
-    exit_reason: str = ""
-    start_time: float = 0.0
-    end_time: float = 0.0
-    stop_reason: str | None = None
-    exited: asyncio.Event = field(default_factory=asyncio.Event)
-    # Heartbeat bookkeeping: the sequence that first carried the exit, and whether the
-    # resource manager acknowledged it.
-    exit_sent_seq: int | None = None
-    exit_acked: bool = False
-    warm_token: str = ""  # the warm process it started in ("" for a cold start)
-    process: asyncio.subprocess.Process | None = None
-    writer: _LogWriter | None = None
-    followers: int = 0  # log readers following it now (follow_log)
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    _build: asyncio.Task[str | None] | None = None  # its environment's build, while it runs
-
-    @property
-    def log_path(self) -> Path:
-        return self.directory / "output.log"
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL
-
-    def to_proto(self) -> resources_pb2.Learner:
-        return resources_pb2.Learner(
-            learner_id=self.learner_id,
-            job_id=self.job_id,
-            host_id=self.host_id,
-            device_id=self.device.device_id,
-            state=self.state,
-            pid=self.pid if not self.terminal else 0,
-            exit_code=self.exit_code,
-            exit_reason=self.exit_reason,
-            start_time=_ts(self.start_time),
-            end_time=_ts(self.end_time),
-            host_incarnation=self.host_incarnation,
-        )
-
-
-@dataclass(frozen=True)
-class LaunchRequest:
-    """What StartLearner asks for."""
-
-    learner_id: str
-    job_id: str
-    device_id: str
-    artifact_id: str
-    entry_point: str
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    allocation_id: str = ""
-    fencing_election: str = ""
-    fencing_revision: int = 0
-
-
-def _validate_id(field_name: str, value: str, kind: ids.IdKind) -> None:
-    if not value:
-        raise InvalidField(field_name, value, "must not be empty")
-    if not ids.is_valid(kind, value):
-        raise InvalidField(field_name, value, ids.describe(kind))
-
-
-def _validate_entry_point(entry_point: str) -> None:
-    if not entry_point:
-        raise InvalidField("entry_point", entry_point, "must not be empty")
-    parts = Path(entry_point).parts
-    if Path(entry_point).is_absolute() or ".." in parts:
-        raise InvalidField(
-            "entry_point", entry_point, "must be a relative path inside the artifact"
-        )
-
-
-# Variables of the agent that learners do not inherit (its configuration and secrets).
-_PRIVATE_ENV_PREFIXES = ("SHOAL_",)
-_RESET_ENV = ("TRACEPARENT", "TRACESTATE", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+# shoal.contract.errors (imported above, exported here); Learner, LaunchRequest and the checks of
+# StartLearner's fields in shoal.host_agent.records.
 
 
 class ProcessManager:
@@ -261,6 +154,7 @@ class ProcessManager:
         self._learner_env = dict(learner_env or {})  # the agent's part of the contract (TLS)
         self._learners: dict[str, Learner] = {}
         self._starting: dict[str, asyncio.Task[Learner]] = {}
+        self._starting_jobs: dict[str, str] = {}  # learner id -> job id, while it starts
         # Learners whose environment is being built (STARTING): their log and StopLearner
         # reach them; heartbeats and ListLearners do not list them until they run.
         self._building: dict[str, Learner] = {}
@@ -296,6 +190,8 @@ class ProcessManager:
             },
             size=warm_learners,
         )
+        # The jobs' artifacts unpacked ahead of their next learners on this host.
+        self.prepared = PreparedArtifacts(work_dir / "prepared", artifacts)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -389,9 +285,11 @@ class ProcessManager:
         self._reserved[request.device_id] = request.learner_id
         task = asyncio.get_running_loop().create_task(self._launch(request, device))
         self._starting[request.learner_id] = task
+        self._starting_jobs[request.learner_id] = request.job_id
 
         def done(_: asyncio.Task[Learner]) -> None:
             self._starting.pop(request.learner_id, None)
+            self._starting_jobs.pop(request.learner_id, None)
             self._reserved.pop(request.device_id, None)
 
         task.add_done_callback(done)
@@ -417,12 +315,16 @@ class ProcessManager:
             if directory.exists():
                 await asyncio.to_thread(shutil.rmtree, directory, True)
             work = directory / "work"
-            try:
-                await asyncio.to_thread(unpack, archive, work)
-            except (tarfile.TarError, OSError, EOFError) as exc:
-                raise FailedPrecondition(
-                    f"artifact {request.artifact_id!r} cannot be unpacked: {exc}"
-                ) from exc
+            directory.mkdir(parents=True, exist_ok=True)
+            # A copy of the job's artifact unpacked ahead (shoal.host_agent.prepared), else now.
+            ahead = await self.prepared.take(request.job_id, request.artifact_id, work)
+            if not ahead:
+                try:
+                    await asyncio.to_thread(unpack, archive, work)
+                except (tarfile.TarError, OSError, EOFError) as exc:
+                    raise FailedPrecondition(
+                        f"artifact {request.artifact_id!r} cannot be unpacked: {exc}"
+                    ) from exc
             entry = (work / request.entry_point).resolve()
             if not entry.is_relative_to(work.resolve()) or not entry.is_file():
                 raise InvalidField(
@@ -442,6 +344,7 @@ class ProcessManager:
                 allocation_id=request.allocation_id,
                 host_id=self.host_id,
                 host_incarnation=self.incarnation,
+                unpacked_ahead=ahead,
             )
             python = await self._environment_python(learner, work)
             if learner.stop_reason is not None:  # stopped just as its build ended
@@ -454,11 +357,24 @@ class ProcessManager:
             if learner is not None and learner.learner_id in self._building:
                 await self._end_build(learner, exc)
             shutil.rmtree(directory, ignore_errors=True)
+            self._release_job(request.job_id, starting=request.learner_id)
             raise
         finally:
             self._building.pop(request.learner_id, None)
         self._learners[learner.learner_id] = learner
+        # The job is placed on this host: its next learner here (a grow, a replacement) takes
+        # a copy unpacked meanwhile instead of waiting for an unpack.
+        self.prepared.prepare(request.job_id, request.artifact_id)
         return learner
+
+    def _release_job(self, job_id: str, *, starting: str = "") -> None:
+        """The job's copies unpacked ahead go (after a linger) once it has no learner running
+        or starting on this host."""
+        if any(lr.job_id == job_id and not lr.terminal for lr in self._learners.values()):
+            return
+        if any(j == job_id and lid != starting for lid, j in self._starting_jobs.items()):
+            return
+        self.prepared.release(job_id)
 
     async def _environment_python(self, learner: Learner, work: Path) -> str | None:
         """The job environment's interpreter (``envs.python_for``). While it is built the
@@ -589,7 +505,8 @@ class ProcessManager:
             "learner %r (job %r) started %s on %s: pid %d, %s",
             learner.learner_id,
             learner.job_id,
-            "warm" if warm is not None else "cold",
+            ("warm" if warm is not None else "cold")
+            + (", its artifact unpacked ahead" if learner.unpacked_ahead else ""),
             learner.device.device_id,
             process.pid,
             " ".join(argv),
@@ -654,6 +571,7 @@ class ProcessManager:
             async with learner.writer.changed:
                 learner.writer.changed.notify_all()
         log.info("learner %r %s", learner.learner_id, learner.exit_reason)
+        self._release_job(learner.job_id)
         if self._on_exit is not None:
             self._on_exit(learner)
 

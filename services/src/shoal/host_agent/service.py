@@ -497,6 +497,7 @@ class HostAgent:
         self.config.work_dir.mkdir(parents=True, exist_ok=True)
         reap_orphans(self.processes.learners_dir)
         reap_warm(self.processes.warm.directory)
+        self.processes.prepared.reset()
         self.processes.warm.start()
         loop = asyncio.get_running_loop()
         if self.config.resource_managers:
@@ -527,6 +528,7 @@ class HostAgent:
         self._tasks = []
         await self.processes.stop_all(grace_s)
         await self.processes.warm.close()
+        await self.processes.prepared.close()
         await self.channels.close()
         self.device_source.close()
 

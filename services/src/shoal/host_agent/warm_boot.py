@@ -22,7 +22,8 @@ flushed, stdout and stderr too (and C stdio, ``fflush(NULL)``); then the process
 ``os._exit`` instead of tearing down every module (1-2.5 s for a process with torch loaded on a
 busy 2-core machine, seconds that a retired learner's device would stay busy). A job that needs
 the full teardown (``__del__`` side effects at exit) sets ``LEARNER_FULL_EXIT=1``.
-KeyboardInterrupt keeps Python's own handling.
+KeyboardInterrupt keeps Python's own handling. One thing finalization does is skipped: torch's
+operator libraries unregistering themselves (:func:`_skip_torch_library_finalizers`).
 
 Nothing here touches CUDA: ``CUDA_VISIBLE_DEVICES`` of the job's device, read when CUDA is first
 initialized, is part of the job's environment.
@@ -107,6 +108,23 @@ def _flush_c_stdio() -> None:
         pass
 
 
+def _skip_torch_library_finalizers() -> None:
+    """``torch.library`` registers a ``weakref.finalize`` (``atexit=True``) per operator
+    library, which unregisters its operators at exit: in-process bookkeeping that ``os._exit``
+    makes moot, and 30 ms of a retired learner's exit on an idle 2-core machine, 100 ms and more
+    under load (measured: bench/RESULTS-retire.md). Those are the only finalizers skipped: the
+    script's own, tempfile's and every other library's still run."""
+    library = sys.modules.get("torch.library")
+    func = getattr(library, "_del_library", None)
+    if func is None:
+        return
+    import weakref
+
+    for ref, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]
+        if getattr(info, "func", None) is func:
+            ref.atexit = False
+
+
 def _exit_code(exc: SystemExit) -> int:
     code = exc.code
     if code is None:
@@ -155,6 +173,7 @@ def _run(argv: list[str]) -> None:
         shutdown()
         import atexit
 
+        _skip_torch_library_finalizers()
         atexit._run_exitfuncs()
         _flush_open_files()
         for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
