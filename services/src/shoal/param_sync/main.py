@@ -49,7 +49,8 @@ from shoal.runtime.config import (
     server_config_from_args,
 )
 from shoal.runtime.errors import InvalidField
-from shoal.runtime.server import RunningServer, ServiceBinding, create_server, run_until_signalled
+from shoal.runtime.server import RunningServer, ServiceBinding
+from shoal.runtime.service import run_service
 
 __all__ = [
     "REGISTRY_PREFIX",
@@ -241,6 +242,12 @@ async def _register(config: ParamSyncConfig, address: str, stop: asyncio.Event) 
 
 
 async def serve(config: ParamSyncConfig) -> None:
+    """Serve one shard on the shared skeleton (:func:`shoal.runtime.service.run_service`).
+
+    The etcd registration is this shard's own: a lease it keeps alive under its index, not a
+    leader election, so it is started here once the server listens (its address is then known)
+    and stopped before the server drains."""
+    telemetry.setup_tracing(f"parameter-sync-{config.shard_index}")
     warm_up()
     metrics.setup_metrics(f"parameter-sync-{config.shard_index}", config.server)
     servicer = ParameterSyncServicer(
@@ -257,31 +264,31 @@ async def serve(config: ParamSyncConfig) -> None:
             promote_after_s=config.promote_after_s,
         )
     )
-    running = await create_server(
-        config.server,
-        [ServiceBinding(SERVICE_NAME, add_servicer, servicer, ROLES)],
-        errors=ERRORS,
-    )
-    address = _advertised(config, running)
-    log.info("parameter-sync shard %d at %s", config.shard_index, address)
-    print(f"LISTENING {running.port}", flush=True)
     stop = asyncio.Event()
-    registration = None
-    if config.server.etcd_endpoints:
-        registration = asyncio.create_task(_register(config, address, stop))
+    registration: asyncio.Task[None] | None = None
 
-    async def on_stop() -> None:
+    def started(running: RunningServer) -> None:
+        nonlocal registration
+        address = _advertised(config, running)
+        log.info("parameter-sync shard %d at %s", config.shard_index, address)
+        if config.server.etcd_endpoints:
+            registration = asyncio.create_task(_register(config, address, stop))
+
+    async def stopping() -> None:
         stop.set()
         if registration is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(registration, timeout=5)
 
-    try:
-        await run_until_signalled(running, on_stop=on_stop)
-    finally:
-        stop.set()
-        await servicer.close()
-        metrics.shutdown_metrics()
+    await run_service(
+        config.server,
+        [ServiceBinding(SERVICE_NAME, add_servicer, servicer, ROLES)],
+        errors=ERRORS,
+        started=started,
+        stopping=stopping,
+        closed=servicer.close,
+        announce=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -292,9 +299,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=os.environ.get("SHOAL_LOG_LEVEL", "INFO").upper())
-    telemetry.setup_tracing(f"parameter-sync-{config.shard_index}")
-    try:
-        asyncio.run(serve(config))
-    finally:
-        telemetry.shutdown_tracing()
+    asyncio.run(serve(config))
     return 0
