@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from shoal.contract import environment
 from shoal.learner.backend import (
     Assignment,
     Contribution,
@@ -110,7 +111,7 @@ class CollectiveBackend(GrpcBackend):
     ) -> None:
         super().__init__(**kwargs)
         if timeout_s is None:
-            raw = os.environ.get("SHOAL_COLLECTIVE_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
+            raw = os.environ.get(environment.COLLECTIVE_TIMEOUT_S, str(DEFAULT_TIMEOUT_S))
             try:
                 timeout_s = float(raw)
             except ValueError:

@@ -56,6 +56,7 @@ from shoal.cluster.spec import (
     tail,
 )
 from shoal.cluster.supervision import RestartPolicy, Supervision
+from shoal.contract import environment
 from shoal.runtime.auth import Role, new_token, write_tokens_file
 from shoal.runtime.etcd_server import EtcdCluster, EtcdServer, EtcdTLS
 from shoal.runtime.pki import CertificateAuthority
@@ -289,7 +290,7 @@ class LocalCluster:
             **os.environ,
             **self.spec.extra_env,
             "PYTHONUNBUFFERED": "1",
-            "SHOAL_LOG_LEVEL": os.environ.get("SHOAL_LOG_LEVEL", "INFO"),
+            environment.LOG_LEVEL: os.environ.get(environment.LOG_LEVEL, "INFO"),
         }
         log = svc.log.open("ab")
         svc.proc = subprocess.Popen(

@@ -28,7 +28,8 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from shoal.contract.data_plane import SHARDS_PREFIX
+from shoal.contract import environment
+from shoal.contract.keys import SHARDS_PREFIX, shard_key
 from shoal.contract.wire import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from shoal.param_sync.service import (
     ERRORS,
@@ -64,11 +65,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-REGISTRY_PREFIX = SHARDS_PREFIX  # one key schema: shoal.contract.data_plane
+REGISTRY_PREFIX = SHARDS_PREFIX  # the key schema: shoal.contract.keys
 
 
 def registry_key(shard_index: int) -> str:
-    return f"{REGISTRY_PREFIX}{shard_index}"
+    return shard_key(shard_index)
 
 
 @dataclass(frozen=True)
@@ -298,6 +299,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shoal-service parameter-sync: {exc}", flush=True)
         return 2
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=os.environ.get("SHOAL_LOG_LEVEL", "INFO").upper())
+        logging.basicConfig(level=os.environ.get(environment.LOG_LEVEL, "INFO").upper())
     asyncio.run(serve(config))
     return 0

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from shoal.contract.keys import election_prefix
 from shoal.resource_manager import core
 from shoal.resource_manager.core import Change, Event, EventKind, Inventory
 from shoal.resource_manager.handlers import (
@@ -49,7 +50,7 @@ from shoal.resource_manager.store import (
     request_key,
 )
 from shoal.runtime.config import ServerConfig
-from shoal.runtime.election import DEFAULT_PREFIX, LeaderElection, Leadership, LeadershipLost
+from shoal.runtime.election import LeaderElection, Leadership, LeadershipLost
 from shoal.runtime.errors import (
     DEFAULT_TABLE,
     ErrorTable,
@@ -376,7 +377,7 @@ class ResourceManager:
         if token.revision <= 0:
             raise InvalidField("fencing_token.revision", token.revision, "must be > 0")
         try:
-            kvs, _ = await self.store.list(f"{DEFAULT_PREFIX}{election}/")
+            kvs, _ = await self.store.list(election_prefix(election))
         except StoreUnavailable as exc:
             raise Unavailable(f"the store is unavailable: {exc}") from exc
         leader = min(kvs, key=lambda kv: kv.create_revision) if kvs else None

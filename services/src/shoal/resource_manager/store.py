@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.contract import keys
 from shoal.resource_manager import core
 from shoal.resource_manager.core import Change
 from shoal.runtime.store import (
@@ -31,10 +32,11 @@ from shoal.v1 import (
 
 log = logging.getLogger(__name__)
 
-PREFIX = "/shoal/v1/resource-manager/"
-HOSTS = PREFIX + "hosts/"
-ALLOCATIONS = PREFIX + "allocations/"
-REQUESTS = PREFIX + "requests/"
+# The key schema is shoal.contract.keys.
+PREFIX = keys.RESOURCE_MANAGER_PREFIX
+HOSTS = keys.RESOURCE_MANAGER_HOSTS
+ALLOCATIONS = keys.RESOURCE_MANAGER_ALLOCATIONS
+REQUESTS = keys.RESOURCE_MANAGER_REQUESTS
 
 
 def host_key(host_id: str) -> str:

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from shoal.contract import ids
 from shoal.contract.errors import InvalidField, Unauthenticated
+from shoal.contract.keys import AUTH_PREFIX, LEARNER_KEYS_PREFIX, TOKENS_PREFIX
 from shoal.runtime.learner_tokens import (
     DEFAULT_LEARNER_TOKEN_TTL_S,
     LEARNER_ALGORITHM,
@@ -226,9 +227,6 @@ def principal_from_metadata(
 # Credentials: what every service authenticates with (file + etcd + learner keys)
 # --------------------------------------------------------------------------------------------
 
-AUTH_PREFIX = "/shoal/v1/auth/"
-TOKENS_PREFIX = AUTH_PREFIX + "tokens/"
-LEARNER_KEYS_PREFIX = AUTH_PREFIX + "learner-keys/"
 
 _ROLE_FROM_PROTO = {1: Role.USER, 2: Role.SERVICE, 3: Role.ADMIN}
 _ROLE_TO_PROTO = {v: k for k, v in _ROLE_FROM_PROTO.items()}

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shoal.contract import environment
 from shoal.contract.errors import InvalidField
 
 if TYPE_CHECKING:
@@ -164,9 +165,9 @@ def add_server_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) ->
     g.add_argument("--etcd", default=env.get("SHOAL_ETCD_ENDPOINTS", ""))
     g.add_argument("--max-message-mb", default=env.get("SHOAL_MAX_MESSAGE_MB", "64"))
     g.add_argument("--shutdown-grace", default=env.get("SHOAL_SHUTDOWN_GRACE_S", "5"))
-    g.add_argument("--tls-cert", default=env.get("SHOAL_TLS_CERT"))
-    g.add_argument("--tls-key", default=env.get("SHOAL_TLS_KEY"))
-    g.add_argument("--tls-ca", default=env.get("SHOAL_TLS_CA"))
+    g.add_argument("--tls-cert", default=env.get(environment.TLS_CERT))
+    g.add_argument("--tls-key", default=env.get(environment.TLS_KEY))
+    g.add_argument("--tls-ca", default=env.get(environment.TLS_CA))
     g.add_argument("--etcd-ca", default=env.get("SHOAL_ETCD_CA"), help="CA of etcd's certificate")
     g.add_argument("--etcd-cert", default=env.get("SHOAL_ETCD_CERT"), help="client cert for etcd")
     g.add_argument("--etcd-key", default=env.get("SHOAL_ETCD_KEY"), help="client key for etcd")

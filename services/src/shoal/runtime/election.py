@@ -47,6 +47,7 @@ from collections.abc import AsyncGenerator, Callable, Coroutine
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+from shoal.contract.keys import ELECTION_PREFIX
 from shoal.runtime.metrics import meter
 from shoal.runtime.store import (
     Fence,
@@ -64,7 +65,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_PREFIX = "/shoal/v1/election/"
+DEFAULT_PREFIX = ELECTION_PREFIX  # the key schema: shoal.contract.keys
 
 # Longest real-time sleep of the keep-alive loop: with an injected clock, a jump of the clock
 # is noticed within this many seconds.

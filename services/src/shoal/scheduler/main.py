@@ -66,6 +66,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.contract import environment
 from shoal.contract.errors import InvalidField
 from shoal.runtime import metrics, telemetry
 from shoal.runtime.auth import (
@@ -285,10 +286,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "longest life of a learner credential, seconds",
     )
     flag("--artifact-quota-mb", "SHOAL_ARTIFACT_QUOTA_MB", "10240", "artifact bytes per user, MiB")
-    flag("--trace-every", "SHOAL_TRACE_EVERY", "", "learners trace every N-th iteration")
+    flag("--trace-every", environment.TRACE_EVERY, "", "learners trace every N-th iteration")
     flag(
         "--collective-timeout",
-        "SHOAL_COLLECTIVE_TIMEOUT_S",
+        environment.COLLECTIVE_TIMEOUT_S,
         "",
         "collective-mode learners abort a collective after, seconds",
     )

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from shoal.contract import keys
 from shoal.contract.errors import NotLeader, StoreConflict, Unavailable
 from shoal.runtime.store import (
     DeleteOp,
@@ -58,10 +59,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-PREFIX = "/shoal/v1/job-scheduler/"
-JOBS = PREFIX + "jobs/"
-REQUESTS = PREFIX + "requests/"
-ALLOCATIONS = PREFIX + "allocations/"
+# The key schema is shoal.contract.keys.
+PREFIX = keys.SCHEDULER_PREFIX
+JOBS = keys.SCHEDULER_JOBS
+REQUESTS = keys.SCHEDULER_REQUESTS
+ALLOCATIONS = keys.SCHEDULER_ALLOCATIONS
 
 SERVICE = "job-scheduler"
 
