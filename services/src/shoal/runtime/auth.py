@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import tenacity
+
 from shoal.contract import ids
 from shoal.contract.errors import InvalidField, Unauthenticated
 from shoal.contract.keys import AUTH_PREFIX, LEARNER_KEYS_PREFIX, TOKENS_PREFIX
@@ -408,12 +410,18 @@ async def publish_learner_key(
         ed25519_public_key=raw_public_key, create_time=created, publisher=publisher
     )
     key = LEARNER_KEYS_PREFIX + key_id(raw_public_key)
-    while True:
-        try:
+
+    def unreachable(state: tenacity.RetryCallState) -> None:
+        assert state.outcome is not None
+        log.warning("cannot publish learner key %s yet: %s", key, state.outcome.exception())
+
+    async for attempt in tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception_type(StoreError),
+        wait=tenacity.wait_fixed(retry_s),
+        before_sleep=unreachable,
+        reraise=True,
+    ):
+        with attempt:
             if await store.get(key) is None:
                 await store.put(key, record.SerializeToString())
                 log.info("published learner key %s", key)
-            return
-        except StoreError as exc:
-            log.warning("cannot publish learner key %s yet: %s", key, exc)
-            await asyncio.sleep(retry_s)
