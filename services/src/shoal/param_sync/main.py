@@ -1,17 +1,8 @@
 """``shoal-service parameter-sync``: one parameter-sync shard process.
 
 Flags (each also an environment variable; flags win), beside the server flags of
-:mod:`shoal.runtime.config`:
-
-=========================  ==========================  =========================================
-variable                   flag                        meaning
-=========================  ==========================  =========================================
-SHOAL_SHARD_INDEX          --shard-index               this shard's index (0-based)
-SHOAL_STORAGE_URI          --storage-uri               fsspec URI of checkpoints and metrics
-                                                       (default: OpenJob's storage_uri only)
-SHOAL_SYNC_CHUNK_MB        --chunk-mb                  chunk size of parameter streams (1-4)
-SHOAL_REGISTRATION_TTL_S   --registration-ttl          lease TTL of the etcd registration
-=========================  ==========================  =========================================
+:mod:`shoal.runtime.config`: :data:`SETTINGS`, documented in docs/configuration.md (generated
+from them by ``tools/config_docs.py``).
 
 With ``--etcd`` the shard registers ``/shoal/v1/parameter-sync/shards/<I>`` = its address
 (UTF-8) under a lease it keeps alive, so the key disappears a few seconds after the process.
@@ -52,9 +43,11 @@ from shoal.runtime.config import (
 from shoal.runtime.errors import InvalidField
 from shoal.runtime.server import RunningServer, ServiceBinding
 from shoal.runtime.service import run_service
+from shoal.runtime.settings import Setting, add_settings
 
 __all__ = [
     "REGISTRY_PREFIX",
+    "SETTINGS",
     "ParamSyncConfig",
     "build_parser",
     "main",
@@ -103,57 +96,60 @@ class ParamSyncConfig:
             raise InvalidField("promote_after_s", self.promote_after_s, "must be 0..3600")
 
 
+SETTINGS: tuple[Setting, ...] = (
+    Setting("--shard-index", "SHOAL_SHARD_INDEX", "0", "this shard's index, 0-based"),
+    Setting(
+        "--storage-uri",
+        environment.STORAGE_URI,
+        "",
+        "fsspec URI of checkpoints and metrics when OpenJob gives none",
+    ),
+    Setting(
+        "--chunk-mb", "SHOAL_SYNC_CHUNK_MB", "1", "chunk size of parameter streams in MiB, 1-4"
+    ),
+    Setting(
+        "--registration-ttl",
+        "SHOAL_REGISTRATION_TTL_S",
+        "5",
+        "seconds: lease TTL of the etcd registration",
+    ),
+    Setting(
+        "--rendezvous-port",
+        "SHOAL_RENDEZVOUS_PORT",
+        "0",
+        "TCP port of the torch.distributed store that collective-mode jobs coordinated "
+        "here rendezvous through; 0 picks a free port",
+    ),
+    Setting(
+        "--shard-probe",
+        "SHOAL_SHARD_PROBE_S",
+        "1",
+        "seconds between a coordinator's probes of the other shards of its jobs; a shard "
+        "found without its slice (restarted) makes the job rewind to its latest checkpoint",
+    ),
+    Setting(
+        "--replication",
+        "SHOAL_REPLICATION",
+        "on",
+        "on or off: keep a replica of each slice of the jobs this shard coordinates on the "
+        "next shard, so that a restarted shard loses no committed iteration; off rewinds to "
+        "the latest checkpoint instead",
+    ),
+    Setting(
+        "--promote-after",
+        "SHOAL_PROMOTE_AFTER_S",
+        "2",
+        "seconds a lost shard may stay down, once its loss is detected, before its backup "
+        "takes its slices over; a restart within it is restored in place",
+    ),
+)
+"""The settings of a shard process (docs/configuration.md is generated from them)."""
+
+
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The flags of a shard process; defaults come from ``env``."""
     parser = argparse.ArgumentParser(prog="shoal-service parameter-sync")
-    g = parser.add_argument_group("parameter-sync")
-    g.add_argument(
-        "--shard-index",
-        default=env.get("SHOAL_SHARD_INDEX", "0"),
-        help="this shard's index, 0-based (SHOAL_SHARD_INDEX)",
-    )
-    g.add_argument(
-        "--storage-uri",
-        default=env.get("SHOAL_STORAGE_URI", ""),
-        help="fsspec URI of checkpoints and metrics when OpenJob gives none (SHOAL_STORAGE_URI)",
-    )
-    g.add_argument(
-        "--chunk-mb",
-        default=env.get("SHOAL_SYNC_CHUNK_MB", "1"),
-        help="chunk size of parameter streams in MiB, 1-4 (SHOAL_SYNC_CHUNK_MB)",
-    )
-    g.add_argument(
-        "--registration-ttl",
-        default=env.get("SHOAL_REGISTRATION_TTL_S", "5"),
-        help="seconds: lease TTL of the etcd registration (SHOAL_REGISTRATION_TTL_S)",
-    )
-    g.add_argument(
-        "--rendezvous-port",
-        default=env.get("SHOAL_RENDEZVOUS_PORT", "0"),
-        help="TCP port of the torch.distributed store that collective-mode jobs coordinated "
-        "here rendezvous through; 0 picks a free port (SHOAL_RENDEZVOUS_PORT)",
-    )
-    g.add_argument(
-        "--shard-probe",
-        default=env.get("SHOAL_SHARD_PROBE_S", "1"),
-        help="seconds between a coordinator's probes of the other shards of its jobs; a shard "
-        "found without its slice (restarted) makes the job rewind to its latest checkpoint "
-        "(SHOAL_SHARD_PROBE_S)",
-    )
-    g.add_argument(
-        "--replication",
-        default=env.get("SHOAL_REPLICATION", "on"),
-        help="on (default) or off: keep a replica of each slice of the jobs this shard "
-        "coordinates on the next shard, so that a restarted shard loses no committed "
-        "iteration; off rewinds to the latest checkpoint instead (SHOAL_REPLICATION)",
-    )
-    g.add_argument(
-        "--promote-after",
-        default=env.get("SHOAL_PROMOTE_AFTER_S", "2"),
-        help="seconds a lost shard may stay down, once its loss is detected, before its "
-        "backup takes its slices over; a restart within it is restored in place "
-        "(SHOAL_PROMOTE_AFTER_S)",
-    )
+    add_settings(parser.add_argument_group("parameter-sync"), SETTINGS, env)
     add_server_flags(parser, env)
     return parser
 
