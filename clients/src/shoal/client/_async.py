@@ -344,6 +344,10 @@ class AsyncClient:
                 if progress:
                     progress(min(offset + CHUNK, len(data)), len(data))
 
+        def follow(state: tenacity.RetryCallState) -> None:
+            assert state.outcome is not None
+            self._scheduler.follow(state.outcome.exception())  # type: ignore[arg-type]
+
         # Content-addressed, so a retry is idempotent: up to ``retries`` more attempts, 0.2 s
         # apart, on the leader a standby named.
         try:
@@ -353,9 +357,7 @@ class AsyncClient:
                 ),
                 stop=tenacity.stop_after_attempt(self.retries + 1),
                 wait=tenacity.wait_fixed(0.2),
-                before_sleep=lambda state: self._scheduler.follow(
-                    state.outcome.exception()  # type: ignore[union-attr,arg-type]
-                ),
+                before_sleep=follow,
                 reraise=True,
             ):
                 with attempt:

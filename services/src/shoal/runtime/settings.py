@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["Setting", "add_settings", "settings_markdown"]
 
@@ -56,7 +57,7 @@ def add_settings(
     """Add each setting's flag to ``group``, defaulting to its variable in ``env``."""
     for s in settings:
         names = (s.flag, *s.aliases)
-        extra = {"dest": s.dest} if s.dest else {}
+        extra: dict[str, Any] = {"dest": s.dest} if s.dest else {}
         text = f"{s.help} (${s.env})" if s.help and s.env else (s.help or None)
         if s.switch:
             on = bool(s.env) and env.get(s.env or "", "") not in ("", "0", "false")

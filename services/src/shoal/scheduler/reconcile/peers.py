@@ -102,6 +102,11 @@ class Peers:
     async def rm_call(self, method: str, request: Any, timeout: float) -> Any:
         """Call the resource manager; on UNAVAILABLE try again at once on the leader a standby
         named, or the next address, once per address (then the error is raised)."""
+
+        def next_replica(state: tenacity.RetryCallState) -> None:
+            assert state.outcome is not None
+            self.rm_failed(state.outcome.exception())  # type: ignore[arg-type]
+
         async for attempt in tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception(
                 lambda e: (
@@ -109,7 +114,7 @@ class Peers:
                 )
             ),
             stop=tenacity.stop_after_attempt(len(self._rm_addresses) + 1),
-            before_sleep=lambda state: self.rm_failed(state.outcome.exception()),  # type: ignore[union-attr,arg-type]
+            before_sleep=next_replica,
             reraise=True,
         ):
             with attempt:
