@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import tenacity
 from grpc import aio
 
 from shoal.client.config import ClientConfig
@@ -139,26 +140,45 @@ class AsyncClient:
     ) -> Any:
         if not endpoints.addresses:
             raise ShoalClientError("FAILED_PRECONDITION", "no resource-manager endpoint configured")
-        delay = 0.1
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.failover_s
-        attempt = 0
-        while True:
-            stub = stub_cls(endpoints.channel())
-            try:
-                return await getattr(stub, method)(
-                    request, timeout=self.timeout, metadata=self.metadata
-                )
-            except aio.AioRpcError as err:
-                not_leader = decode_rpc_error(err).reason == "ERROR_REASON_NOT_LEADER"
-                # A standby did nothing, so moving to the leader is safe for any call.
-                retry = err.code() in RETRYABLE and (idempotent or not_leader)
-                attempt += 1
-                if not retry or self._exhausted(attempt, give_up):
-                    raise ShoalClientError.from_rpc(err, method, config=self.config) from None
-                endpoints.follow(err)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+
+        def retryable(exc: BaseException) -> bool:
+            if not isinstance(exc, aio.AioRpcError) or exc.code() not in RETRYABLE:
+                return False
+            # A standby did nothing, so moving to the leader is safe for any call.
+            return idempotent or decode_rpc_error(exc).reason == "ERROR_REASON_NOT_LEADER"
+
+        try:
+            async for attempt in self._retrying(retryable, endpoints):
+                with attempt:
+                    stub = stub_cls(endpoints.channel())
+                    return await getattr(stub, method)(
+                        request, timeout=self.timeout, metadata=self.metadata
+                    )
+        except aio.AioRpcError as err:
+            raise ShoalClientError.from_rpc(err, method, config=self.config) from None
+        raise AssertionError("unreachable")
+
+    def _retrying(
+        self,
+        retryable: Callable[[BaseException], bool],
+        endpoints: _Endpoints,
+    ) -> tenacity.AsyncRetrying:
+        """The retry policy of a call: retry while ``retryable(error)``, until
+        :meth:`_exhausted`, after ``endpoints.follow(error)`` (to the leader a standby named,
+        or the next address), waiting 0.1 s doubling to 1 s between attempts."""
+        give_up = asyncio.get_running_loop().time() + self.failover_s
+
+        def follow(state: tenacity.RetryCallState) -> None:
+            assert state.outcome is not None
+            endpoints.follow(state.outcome.exception())  # type: ignore[arg-type]
+
+        return tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(retryable),
+            stop=lambda state: self._exhausted(state.attempt_number, give_up),
+            wait=tenacity.wait_exponential(multiplier=0.1, max=1.0),
+            before_sleep=follow,
+            reraise=True,
+        )
 
     def _exhausted(self, attempt: int, give_up: float) -> bool:
         """No retry left: ``retries`` attempts made and the failover window is over."""
@@ -324,18 +344,28 @@ class AsyncClient:
                 if progress:
                     progress(min(offset + CHUNK, len(data)), len(data))
 
-        for attempt in range(self.retries + 1):  # content-addressed: a retry is idempotent
-            stub = js_grpc.JobSchedulerServiceStub(self._scheduler.channel())
-            try:
-                reply = await stub.UploadArtifact(requests(), metadata=self.metadata)
-                return str(reply.artifact_id)
-            except aio.AioRpcError as err:
-                if err.code() not in RETRYABLE or attempt == self.retries:
-                    raise ShoalClientError.from_rpc(
-                        err, "UploadArtifact", config=self.config
-                    ) from None
-                self._scheduler.follow(err)
-                await asyncio.sleep(0.2)
+        def follow(state: tenacity.RetryCallState) -> None:
+            assert state.outcome is not None
+            self._scheduler.follow(state.outcome.exception())  # type: ignore[arg-type]
+
+        # Content-addressed, so a retry is idempotent: up to ``retries`` more attempts, 0.2 s
+        # apart, on the leader a standby named.
+        try:
+            async for attempt in tenacity.AsyncRetrying(
+                retry=tenacity.retry_if_exception(
+                    lambda e: isinstance(e, aio.AioRpcError) and e.code() in RETRYABLE
+                ),
+                stop=tenacity.stop_after_attempt(self.retries + 1),
+                wait=tenacity.wait_fixed(0.2),
+                before_sleep=follow,
+                reraise=True,
+            ):
+                with attempt:
+                    stub = js_grpc.JobSchedulerServiceStub(self._scheduler.channel())
+                    reply = await stub.UploadArtifact(requests(), metadata=self.metadata)
+                    return str(reply.artifact_id)
+        except aio.AioRpcError as err:
+            raise ShoalClientError.from_rpc(err, "UploadArtifact", config=self.config) from None
         raise AssertionError("unreachable")
 
     async def upload_directory(

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shoal.contract import environment
+
 DEFAULT_CONFIG = Path("~/.config/shoal/config.json")
 LOCAL_CLUSTER_FILE = Path(".shoal/cluster.json")
 CONTEXTS_FILE = "contexts.json"
@@ -187,7 +189,7 @@ def load_config(
 
     scheduler = _split(endpoints) or _split(env.get("SHOAL_ENDPOINTS")) or listed("scheduler")
     rm = _split(rm_endpoints) or _split(env.get("SHOAL_RM_ENDPOINTS")) or listed("resource_manager")
-    explicit = token or env.get("SHOAL_TOKEN")
+    explicit = token or env.get(environment.TOKEN)
     tok = explicit or (admin and data.get("admin_token")) or data.get("token")
     if data.get("admin_token"):
         hint = f'the admin token is "admin_token" in {path}; `shoal hosts` commands use it'

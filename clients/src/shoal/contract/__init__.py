@@ -14,6 +14,7 @@ part of the contract:
   learner and by the coordinator.
 * ``errors`` -- every domain error, once (standard library only), the error trailers
   (``shoal-error-reason``, ``shoal-leader``) and ``decode_rpc_error``, their one decoder.
-
-Planned here (issue 15): the etcd key schema, the learner environment variable names.
+* ``keys`` -- the etcd key schema: every prefix under ``/shoal/v1/`` (elections, auth, the
+  scheduler's and the resource manager's state, shard registrations, moved coordinators).
+* ``environment`` -- the names of the ``SHOAL_*`` variables a learner is given and reads.
 """

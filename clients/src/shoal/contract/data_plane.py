@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass
 
 from shoal.contract import ids
+from shoal.contract.keys import COORDINATORS_PREFIX, SHARDS_PREFIX  # the key schema
 
 __all__ = [
     "COORDINATORS_PREFIX",
@@ -33,11 +34,6 @@ __all__ = [
     "decode_coordinator",
     "encode_coordinator",
 ]
-
-#: Each shard's registration: ``<prefix><index>`` = its address (UTF-8 ``host:port``), leased.
-SHARDS_PREFIX = "/shoal/v1/parameter-sync/shards/"
-#: A job's coordinator when it is not the hash rule's: ``<prefix><job_id>`` = JSON record.
-COORDINATORS_PREFIX = "/shoal/v1/parameter-sync/coordinators/"
 
 
 class InvalidCoordinatorRecord(ValueError):

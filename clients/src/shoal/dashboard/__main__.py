@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from shoal.client.config import ConfigError
+from shoal.contract import environment
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -17,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shoal.dashboard.config import parse_args
 
     logging.basicConfig(
-        level=os.environ.get("SHOAL_LOG_LEVEL", "INFO").upper(),
+        level=os.environ.get(environment.LOG_LEVEL, "INFO").upper(),
         format="%(asctime)s %(levelname)s dashboard %(name)s: %(message)s",
     )
     try:

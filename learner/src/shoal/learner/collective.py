@@ -30,15 +30,14 @@ Per learner (docs/data-plane.md, "Collective mode"):
   keeping model and optimizer; the pending update is applied or dropped by the next answer.
 * Checkpoints: a learner holding the state is asked (``CHECKPOINT``) to write it as one shard
   file in the parameter-server checkpoint format; the coordinator writes the manifest, so
-  checkpoints of either mode restore in either mode.
+  checkpoints of either mode restore in either mode (the file format:
+  :mod:`shoal.learner.collective_checkpoint`).
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import io
-import json
 import logging
 import os
 import socket
@@ -47,12 +46,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
-import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from shoal.contract import environment
 from shoal.learner.backend import (
     Assignment,
     Contribution,
@@ -66,17 +64,22 @@ from shoal.learner.backend import (
     registered_backends,
     set_learning_rate,
 )
+from shoal.learner.collective_checkpoint import (
+    CHECKPOINT_FILE,
+    encode_checkpoint,
+    load_checkpoint,
+    write_checkpoint_file,
+)
 from shoal.learner.grpc_backend import GrpcBackend
 from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
 
-__all__ = ["BACKEND_NAME", "CollectiveBackend", "CollectiveError"]
+__all__ = ["BACKEND_NAME", "CHECKPOINT_FILE", "CollectiveBackend", "CollectiveError"]
 
 log = logging.getLogger("shoal.learner.collective")
 
 BACKEND_NAME = "collective"
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # as DistributedDataParallel's default bucket_cap_mb
-CHECKPOINT_FILE = "shard-0.safetensors"  # the parameter-sync shard file name of index 0
 
 
 class CollectiveError(RuntimeError):
@@ -112,7 +115,7 @@ class CollectiveBackend(GrpcBackend):
     ) -> None:
         super().__init__(**kwargs)
         if timeout_s is None:
-            raw = os.environ.get("SHOAL_COLLECTIVE_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
+            raw = os.environ.get(environment.COLLECTIVE_TIMEOUT_S, str(DEFAULT_TIMEOUT_S))
             try:
                 timeout_s = float(raw)
             except ValueError:
@@ -583,7 +586,7 @@ class CollectiveBackend(GrpcBackend):
             raise RuntimeError("this learner holds no state yet: next_assignment() forms it")
         return ModelState(self._params, self._buffers)
 
-    # -- checkpoints --------------------------------------------------------------------------
+    # -- checkpoints (the format: shoal.learner.collective_checkpoint) ------------------------
 
     def _write_checkpoint(self, reply: ps_pb2.BoundaryResponse) -> ps_pb2.CheckpointFile:
         """Write this learner's state after ``reply.completed_iterations`` iterations as the
@@ -597,108 +600,23 @@ class CollectiveBackend(GrpcBackend):
             )
         setup, optimizer = self._setup, self._optimizer
         assert setup is not None and optimizer is not None
-        tensors: dict[str, torch.Tensor] = {}
-        for spec, t in zip(setup.param_specs, self._params, strict=True):
-            tensors[f"param/{spec.name}"] = t.detach().cpu().clone().contiguous()
-        for spec, t in zip(setup.buffer_specs, self._buffers, strict=True):
-            tensors[f"buffer/{spec.name}"] = t.detach().cpu().clone().contiguous()
-        state = optimizer.state_dict()
-        order = self._state_order()
-        plain: dict[str, dict[str, Any]] = {}
-        for index, entry in state["state"].items():
-            name = setup.param_specs[order[int(index)]].name
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"optim/{name}/{key}"] = value.detach().cpu().clone().contiguous()
-                else:
-                    plain.setdefault(name, {})[key] = value
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
-        metadata = {
-            "format": "1",
-            "job_id": self.job_id,
-            "shard_index": "0",
-            "global_iteration": str(iteration),
-            "optimizer": json.dumps(
-                {
-                    "name": setup.optimizer.name,
-                    "hyperparameters_json": json.dumps(
-                        dict(setup.optimizer.kwargs), sort_keys=True
-                    ),
-                }
-            ),
-            "param_groups": json.dumps(groups),
-            "optimizer_plain_state": json.dumps(plain),
-        }
-        data = safetensors.torch.save(tensors, metadata=metadata)
-        directory = reply.checkpoint_directory
-        fs, path = fsspec.core.url_to_fs(directory.rstrip("/") + "/" + CHECKPOINT_FILE)
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        fs.pipe_file(path, data)  # the manifest, written after, is the commit point
-        log.info("checkpoint after %d iterations written to %s", iteration, directory)
-        return ps_pb2.CheckpointFile(
-            directory=directory,
-            file=CHECKPOINT_FILE,
-            size_bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
-            global_iteration=iteration,
+        data = encode_checkpoint(
+            setup, self._params, self._buffers, optimizer, job_id=self.job_id, iteration=iteration
         )
+        written = write_checkpoint_file(reply.checkpoint_directory, data, iteration)
+        log.info(
+            "checkpoint after %d iterations written to %s", iteration, reply.checkpoint_directory
+        )
+        return written
 
     @torch.no_grad()
     def _load_checkpoint(self, directory: str, step: int) -> None:
         """Load the state from a checkpoint of either mode (its manifest lists the files)."""
         setup, optimizer = self._setup, self._optimizer
         assert setup is not None and optimizer is not None
-        fs, root = fsspec.core.url_to_fs(directory)
-        manifest = json.loads(fs.cat_file(root.rstrip("/") + "/manifest.json"))
-        if int(manifest["iteration"]) != step:
-            raise RuntimeError(
-                f"checkpoint {directory} holds {manifest['iteration']} iterations, not {step}"
-            )
-        loaded: dict[str, torch.Tensor] = {}
-        groups: list[dict[str, Any]] = []
-        plain: dict[str, dict[str, Any]] = {}
-        for entry in manifest.get("shards", []):
-            data = fs.cat_file(root.rstrip("/") + "/" + entry["file"])
-            if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                raise RuntimeError(f"{entry['file']} in {directory} does not match its manifest")
-            loaded.update(safetensors.torch.load(data))
-            meta = _safetensors_metadata(data)
-            groups = groups or json.loads(meta.get("param_groups", "[]"))
-            plain.update(json.loads(meta.get("optimizer_plain_state", "{}")))
-        for kind, specs, dsts in (
-            ("param", setup.param_specs, self._params),
-            ("buffer", setup.buffer_specs, self._buffers),
-        ):
-            for spec, dst in zip(specs, dsts, strict=True):
-                src = loaded.get(f"{kind}/{spec.name}")
-                if src is None or tuple(src.shape) != tuple(dst.shape):
-                    raise RuntimeError(f"checkpoint {directory} lacks {kind} {spec.name!r}")
-                dst.copy_(src)
-        state: dict[int, dict[str, Any]] = {}
-        for i, j in enumerate(self._state_order()):
-            spec = setup.param_specs[j]
-            entry = dict(plain.get(spec.name, {}))
-            prefix = f"optim/{spec.name}/"
-            entry.update({k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)})
-            if entry:
-                state[i] = entry
-        # state_dict() numbers the parameters group after group: rebuild that numbering.
-        new_groups, start = [], 0
-        for g, current in enumerate(optimizer.param_groups):
-            saved = groups[g] if g < len(groups) else {}
-            count = len(current["params"])
-            new_groups.append({**saved, "params": list(range(start, start + count))})
-            start += count
-        optimizer.load_state_dict({"state": state, "param_groups": new_groups})
+        load_checkpoint(directory, step, setup, self._params, self._buffers, optimizer)
         self._state_step = step
         log.info("state restored from checkpoint %s (%d iterations)", directory, step)
-
-    def _state_order(self) -> list[int]:
-        """For each index of ``optimizer.state_dict()`` (parameters numbered group after
-        group), the spec index of that parameter (the identity without param groups)."""
-        assert self._optimizer is not None
-        position = {id(p): j for j, p in enumerate(self._params)}
-        return [position[id(p)] for g in self._optimizer.param_groups for p in g["params"]]
 
     # -- the rest -----------------------------------------------------------------------------
 
@@ -741,11 +659,6 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
-
-
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
-    size = int.from_bytes(data[:8], "little")
-    return dict(json.loads(data[8 : 8 + size]).get("__metadata__", {}))
 
 
 if BACKEND_NAME not in registered_backends():  # also an entry point of the package

@@ -61,6 +61,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from shoal.contract import environment
+
 __all__ = [
     "CLUSTER_DEFAULT_BACKEND",
     "DEFAULT_TRACE_EVERY",
@@ -126,38 +128,38 @@ def _endpoint(name: str, value: str) -> str:
 
 def job_id(environ: Mapping[str, str] | None = None) -> str | None:
     """SHOAL_JOB_ID: the job this learner belongs to; ``None`` when running standalone."""
-    return _str("SHOAL_JOB_ID", environ)
+    return _str(environment.JOB_ID, environ)
 
 
 def learner_id(environ: Mapping[str, str] | None = None) -> str | None:
     """SHOAL_LEARNER_ID: this learner's id within the job; ``None`` when unset."""
-    return _str("SHOAL_LEARNER_ID", environ)
+    return _str(environment.LEARNER_ID, environ)
 
 
 def generation(environ: Mapping[str, str] | None = None) -> int:
     """SHOAL_GENERATION: the membership generation the learner was started for (default 0)."""
-    value = _int("SHOAL_GENERATION", environ, 0)
+    value = _int(environment.GENERATION, environ, 0)
     return 0 if value is None else value
 
 
 def sync_endpoints(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """SHOAL_SYNC_ENDPOINTS: ``host:port`` of each parameter-sync shard, comma-separated, in
     shard order (default: none)."""
-    raw = _str("SHOAL_SYNC_ENDPOINTS", environ)
+    raw = _str(environment.SYNC_ENDPOINTS, environ)
     if raw is None:
         return ()
     parts = [p.strip() for p in raw.split(",")]
     if any(not p for p in parts):
         raise ValueError(f"SHOAL_SYNC_ENDPOINTS ({raw!r}) has an empty entry")
-    return tuple(_endpoint("SHOAL_SYNC_ENDPOINTS", p) for p in parts)
+    return tuple(_endpoint(environment.SYNC_ENDPOINTS, p) for p in parts)
 
 
 def coordinator(environ: Mapping[str, str] | None = None) -> str | None:
     """SHOAL_COORDINATOR: ``host:port`` of the coordinating shard (default: the first sync
     endpoint, ``None`` when there is none)."""
-    raw = _str("SHOAL_COORDINATOR", environ)
+    raw = _str(environment.COORDINATOR, environ)
     if raw is not None:
-        return _endpoint("SHOAL_COORDINATOR", raw)
+        return _endpoint(environment.COORDINATOR, raw)
     endpoints = sync_endpoints(environ)
     return endpoints[0] if endpoints else None
 
@@ -165,7 +167,7 @@ def coordinator(environ: Mapping[str, str] | None = None) -> str | None:
 def sync_backend(environ: Mapping[str, str] | None = None) -> str:
     """SHOAL_SYNC_BACKEND: registry name of the sync backend (default ``local`` without a job
     id, ``parameter_server`` with one)."""
-    raw = _str("SHOAL_SYNC_BACKEND", environ)
+    raw = _str(environment.SYNC_BACKEND, environ)
     if raw is not None:
         return raw
     return LOCAL_BACKEND if job_id(environ) is None else CLUSTER_DEFAULT_BACKEND
@@ -173,39 +175,39 @@ def sync_backend(environ: Mapping[str, str] | None = None) -> str:
 
 def max_batch_per_device(environ: Mapping[str, str] | None = None) -> int | None:
     """SHOAL_MAX_BATCH_PER_DEVICE: most samples per forward/backward pass (default: no limit)."""
-    return _int("SHOAL_MAX_BATCH_PER_DEVICE", environ, 1)
+    return _int(environment.MAX_BATCH_PER_DEVICE, environ, 1)
 
 
 def train_marker(environ: Mapping[str, str] | None = None) -> str | None:
     """SHOAL_TRAIN_MARKER: the file touched when the script calls ``Trainer.train()`` (set by
     the host agent; unset standalone)."""
-    return _str("SHOAL_TRAIN_MARKER", environ)
+    return _str(environment.TRAIN_MARKER, environ)
 
 
 def storage_uri(environ: Mapping[str, str] | None = None) -> str | None:
     """SHOAL_STORAGE_URI: fsspec URI for checkpoints, metrics and the final model (default:
     none, so a standalone run writes nothing)."""
-    return _str("SHOAL_STORAGE_URI", environ)
+    return _str(environment.STORAGE_URI, environ)
 
 
 def token(environ: Mapping[str, str] | None = None) -> str | None:
     """SHOAL_TOKEN: bearer token presented to the shoal services (default: none)."""
-    return _str("SHOAL_TOKEN", environ)
+    return _str(environment.TOKEN, environ)
 
 
 def tls_ca(environ: Mapping[str, str] | None = None) -> str | None:
     """SHOAL_TLS_CA: the cluster CA (PEM file); set: talk TLS to the shards (default: none)."""
-    return _str("SHOAL_TLS_CA", environ)
+    return _str(environment.TLS_CA, environ)
 
 
 def tls_cert(environ: Mapping[str, str] | None = None) -> str | None:
     """SHOAL_TLS_CERT: this learner's client certificate (PEM file), for mutual TLS."""
-    return _str("SHOAL_TLS_CERT", environ)
+    return _str(environment.TLS_CERT, environ)
 
 
 def tls_key(environ: Mapping[str, str] | None = None) -> str | None:
     """SHOAL_TLS_KEY: the key of SHOAL_TLS_CERT (PEM file)."""
-    return _str("SHOAL_TLS_KEY", environ)
+    return _str(environment.TLS_KEY, environ)
 
 
 def traceparent(environ: Mapping[str, str] | None = None) -> str | None:
@@ -216,7 +218,7 @@ def traceparent(environ: Mapping[str, str] | None = None) -> str | None:
 def trace_every(environ: Mapping[str, str] | None = None) -> int:
     """SHOAL_TRACE_EVERY: trace the learner's first iteration and every N-th global iteration
     (default 100; 0 traces only the first)."""
-    value = _int("SHOAL_TRACE_EVERY", environ, 0)
+    value = _int(environment.TRACE_EVERY, environ, 0)
     return DEFAULT_TRACE_EVERY if value is None else value
 
 
@@ -228,24 +230,24 @@ def otlp_endpoint(environ: Mapping[str, str] | None = None) -> str | None:
 
 def epochs(environ: Mapping[str, str] | None = None) -> int | None:
     """SHOAL_EPOCHS: the job's number of epochs; overrides the script's (default: unset)."""
-    return _int("SHOAL_EPOCHS", environ, 1)
+    return _int(environment.EPOCHS, environ, 1)
 
 
 def batch_size(environ: Mapping[str, str] | None = None) -> int | None:
     """SHOAL_BATCH_SIZE: the job's global batch size B; overrides the script's (default:
     unset)."""
-    return _int("SHOAL_BATCH_SIZE", environ, 1)
+    return _int(environment.BATCH_SIZE, environ, 1)
 
 
 def seed(environ: Mapping[str, str] | None = None) -> int | None:
     """SHOAL_SEED: the job's data-order seed; overrides the script's (default: unset)."""
-    return _int("SHOAL_SEED", environ, 0)
+    return _int(environment.SEED, environ, 0)
 
 
 def dataset_uris(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """SHOAL_DATASET_URIS: the job's dataset URIs, comma-separated (default: none). Each must
     name a scheme (``s3://bucket/key``) or be an absolute path."""
-    raw = _str("SHOAL_DATASET_URIS", environ)
+    raw = _str(environment.DATASET_URIS, environ)
     if raw is None:
         return ()
     uris = tuple(u.strip() for u in raw.split(","))

@@ -25,6 +25,10 @@ once a process stayed up ``stable_after_s``); after ``max_restarts`` restarts wi
 ``window_s`` it is left down ("gave up"). Each exit and restart is logged
 (``shoal.cluster.local``) and counted in ``cluster.json`` (``"services"``), which
 ``shoal cluster status`` shows. etcd and the dashboard are not restarted.
+
+Layout: the spec and each process's flags are in :mod:`shoal.cluster.spec`, the restart
+bookkeeping in :mod:`shoal.cluster.supervision`, the port reservations in
+:mod:`shoal.cluster.ports`; all are re-exported here.
 """
 
 from __future__ import annotations
@@ -38,205 +42,40 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shoal.contract.errors import InvalidField
-from shoal.host_agent.warm import local_cluster_default
+from shoal.cluster.ports import PortReservations, free_port
+from shoal.cluster.spec import (
+    SERVICE_NAMES,
+    ClusterSpec,
+    ServiceProcess,
+    service_flags,
+    tail,
+)
+from shoal.cluster.supervision import RestartPolicy, Supervision
+from shoal.contract import environment
 from shoal.runtime.auth import Role, new_token, write_tokens_file
 from shoal.runtime.etcd_server import EtcdCluster, EtcdServer, EtcdTLS
 from shoal.runtime.pki import CertificateAuthority
 from shoal.runtime.procs import die_with_parent
 
+__all__ = [
+    "SERVICE_NAMES",
+    "ClusterSpec",
+    "LocalCluster",
+    "PortReservations",
+    "RestartPolicy",
+    "ServiceProcess",
+    "Supervision",
+    "free_port",
+    "service_flags",
+    "tail",
+]
+
 log = logging.getLogger(__name__)
-
-SERVICE_NAMES = {
-    "resource-manager": "shoal.v1.ResourceManagerService",
-    "job-scheduler": "shoal.v1.JobSchedulerService",
-    "parameter-sync": "shoal.v1.ParameterSyncService",
-    "host-agent": "shoal.v1.HostAgentService",
-}
-
-
-def free_port() -> int:
-    """A port free now (it may be taken before it is used: prefer :class:`PortReservations`)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class PortReservations:
-    """Loopback ports held until the processes that use them listen: each is a socket bound
-    (never listening) with SO_REUSEADDR and SO_REUSEPORT, so no other bind(0) or outgoing
-    connection gets that port, two services never get the same one, and the service itself
-    can still bind it (gRPC binds with SO_REUSEPORT, the metrics and dashboard servers with
-    SO_REUSEADDR; neither conflicts with a bound socket that does not listen). Releasing
-    after everything is up closes the race of "pick a free port, release it, bind it later"
-    (the cause of "Failed to bind to address 127.0.0.1:41641")."""
-
-    def __init__(self) -> None:
-        self._sockets: list[object] = []
-
-    def take(self) -> int:
-        import socket
-
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if hasattr(socket, "SO_REUSEPORT"):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(("127.0.0.1", 0))
-        self._sockets.append(sock)
-        return int(sock.getsockname()[1])
-
-    def release(self) -> None:
-        for sock in self._sockets:
-            sock.close()  # type: ignore[attr-defined]
-        self._sockets.clear()
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """How the supervisor restarts a crashed service process (bounded, with backoff)."""
-
-    initial_backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    max_restarts: int = 10
-    """Restarts allowed within ``window_s``; one more exit and the process is left down."""
-    window_s: float = 600.0
-    stable_after_s: float = 60.0
-    """A process that stayed up this long starts again from ``initial_backoff_s``."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.initial_backoff_s <= self.max_backoff_s:
-            raise InvalidField(
-                "initial_backoff_s",
-                self.initial_backoff_s,
-                f"must be in 0..max_backoff_s ({self.max_backoff_s})",
-            )
-        if self.max_restarts < 0:
-            raise InvalidField("max_restarts", self.max_restarts, "must be >= 0")
-        if not self.window_s > 0:
-            raise InvalidField("window_s", self.window_s, "must be > 0")
-
-
-@dataclass
-class Supervision:
-    """The restart bookkeeping of one service process (pure: the clock is passed in)."""
-
-    restarts: int = 0
-    recent: list[float] = field(default_factory=list)
-    backoff_s: float = 0.0
-    due_at: float | None = None
-    last_exit: int | None = None
-    gave_up: bool = False
-    started_at: float = 0.0
-
-    def exited(self, code: int | None, now: float, policy: RestartPolicy) -> str:
-        """The process exited with ``code``: schedule its restart (or give up). Returns what
-        was decided, in words."""
-        self.last_exit = code
-        self.recent = [t for t in self.recent if now - t < policy.window_s]
-        if len(self.recent) >= policy.max_restarts:
-            self.gave_up = True
-            self.due_at = None
-            return (
-                f"exited (code {code}) after {len(self.recent)} restarts in "
-                f"{policy.window_s:g} s: not restarted again"
-            )
-        if self.backoff_s == 0 or now - self.started_at >= policy.stable_after_s:
-            self.backoff_s = policy.initial_backoff_s
-        else:
-            self.backoff_s = min(
-                max(self.backoff_s * 2, policy.initial_backoff_s), policy.max_backoff_s
-            )
-        self.due_at = now + self.backoff_s
-        return f"exited (code {code}); restarting in {self.backoff_s:g} s"
-
-    def due(self, now: float) -> bool:
-        return self.due_at is not None and now >= self.due_at
-
-    def restarted(self, now: float) -> None:
-        self.restarts += 1
-        self.recent.append(now)
-        self.due_at = None
-        self.started_at = now
-
-    def state(self, alive: bool, now: float) -> str:
-        if alive:
-            return "running"
-        if self.gave_up:
-            return "gave up"
-        if self.due_at is not None:
-            return f"restarting in {max(0.0, self.due_at - now):.1f} s"
-        return "exited"
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """What to start. Validated: bad values raise InvalidField naming the field."""
-
-    state_dir: Path
-    hosts: int = 2
-    gpus_per_host: int = 4
-    shards: int = 2
-    replicas: int = 2  # of resource-manager and job-scheduler (leader + standby)
-    heartbeat_interval_s: float = 0.5
-    host_lost_after_s: float = 3.0
-    election_ttl_s: float = 3.0
-    policy: str = "PRIORITY"
-    extra_env: dict[str, str] = field(default_factory=dict)
-    dashboard: bool = False  # also serve the web dashboard (`shoal cluster up` does)
-    tls: bool = False  # mutual TLS on every hop (a cluster CA in <state_dir>/tls)
-    etcd_members: int = 1  # 3 for a real quorum (the chaos suite: member and quorum loss)
-    supervise: bool = False  # restart crashed service processes (`shoal cluster up` does)
-    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
-    scheduler_flags: tuple[str, ...] = ()  # extra job-scheduler flags (--stall-timeout 30)
-    # Warm learner processes per host agent (--warm-learners). None: SHOAL_WARM_LEARNERS if set,
-    # else one per device while they fit in a quarter of the free memory
-    # (shoal.host_agent.warm.local_cluster_default).
-    warm_learners: int | None = None
-
-    def __post_init__(self) -> None:
-        for name, low, high in (
-            ("hosts", 1, 64),
-            ("gpus_per_host", 1, 16),
-            ("shards", 1, 16),
-            ("replicas", 1, 3),
-            ("etcd_members", 1, 5),
-        ):
-            value = getattr(self, name)
-            if not low <= value <= high:
-                raise InvalidField(name, value, f"must be in {low}..{high}")
-        if self.policy not in ("FIFO", "FAIRSHARE", "PRIORITY"):
-            raise InvalidField("policy", self.policy, "must be FIFO, FAIRSHARE or PRIORITY")
-
-    @property
-    def capacity(self) -> int:
-        return self.hosts * self.gpus_per_host
-
-
-@dataclass
-class ServiceProcess:
-    name: str
-    kind: str
-    address: str
-    args: list[str]
-    log: Path
-    proc: subprocess.Popen[bytes] | None = None
-    metrics_url: str = ""  # http://127.0.0.1:PORT/metrics
-    supervision: Supervision = field(default_factory=Supervision)
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
 
 class LocalCluster:
@@ -451,7 +290,7 @@ class LocalCluster:
             **os.environ,
             **self.spec.extra_env,
             "PYTHONUNBUFFERED": "1",
-            "SHOAL_LOG_LEVEL": os.environ.get("SHOAL_LOG_LEVEL", "INFO"),
+            environment.LOG_LEVEL: os.environ.get(environment.LOG_LEVEL, "INFO"),
         }
         log = svc.log.open("ab")
         svc.proc = subprocess.Popen(
@@ -675,69 +514,3 @@ class LocalCluster:
         tmp.chmod(0o600)
         tmp.write_text(text)
         os.replace(tmp, path)
-
-
-def service_flags(
-    svc: ServiceProcess,
-    spec: ClusterSpec,
-    *,
-    rms: str,
-    shards: str,
-    schedulers: str,
-    storage: str,
-    work_dir: Path,
-) -> list[str]:
-    """The service-specific flags of each process of the local cluster."""
-    if svc.kind == "resource-manager":
-        return [
-            "--heartbeat-interval",
-            str(spec.heartbeat_interval_s),
-            "--host-lost-after",
-            str(spec.host_lost_after_s),
-            "--election-ttl",
-            str(spec.election_ttl_s),
-        ]
-    if svc.kind == "parameter-sync":
-        index = svc.name.rsplit("-", 1)[1]
-        return ["--shard-index", index, "--storage-uri", storage]
-    if svc.kind == "job-scheduler":
-        return [
-            "--resource-managers",
-            rms,
-            "--sync-shards",
-            shards,
-            "--storage-uri",
-            storage,
-            "--policy",
-            spec.policy,
-            "--election-ttl",
-            str(spec.election_ttl_s),
-            *spec.scheduler_flags,
-        ]
-    if svc.kind == "host-agent":
-        return [
-            "--host-id",
-            svc.name,
-            "--resource-managers",
-            rms,
-            "--schedulers",
-            schedulers,
-            "--simulate-gpus",
-            str(spec.gpus_per_host),
-            "--work-dir",
-            str(work_dir / svc.name),
-            "--warm-learners",
-            (
-                local_cluster_default(spec.hosts, spec.gpus_per_host)
-                if spec.warm_learners is None
-                else str(spec.warm_learners)
-            ),
-        ]
-    raise ValueError(svc.kind)
-
-
-def tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""

@@ -1,17 +1,8 @@
 """``shoal-service parameter-sync``: one parameter-sync shard process.
 
 Flags (each also an environment variable; flags win), beside the server flags of
-:mod:`shoal.runtime.config`:
-
-=========================  ==========================  =========================================
-variable                   flag                        meaning
-=========================  ==========================  =========================================
-SHOAL_SHARD_INDEX          --shard-index               this shard's index (0-based)
-SHOAL_STORAGE_URI          --storage-uri               fsspec URI of checkpoints and metrics
-                                                       (default: OpenJob's storage_uri only)
-SHOAL_SYNC_CHUNK_MB        --chunk-mb                  chunk size of parameter streams (1-4)
-SHOAL_REGISTRATION_TTL_S   --registration-ttl          lease TTL of the etcd registration
-=========================  ==========================  =========================================
+:mod:`shoal.runtime.config`: :data:`SETTINGS`, documented in docs/configuration.md (generated
+from them by ``tools/config_docs.py``).
 
 With ``--etcd`` the shard registers ``/shoal/v1/parameter-sync/shards/<I>`` = its address
 (UTF-8) under a lease it keeps alive, so the key disappears a few seconds after the process.
@@ -28,7 +19,8 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from shoal.contract.data_plane import SHARDS_PREFIX
+from shoal.contract import environment
+from shoal.contract.keys import SHARDS_PREFIX, shard_key
 from shoal.contract.wire import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from shoal.param_sync.service import (
     ERRORS,
@@ -49,10 +41,13 @@ from shoal.runtime.config import (
     server_config_from_args,
 )
 from shoal.runtime.errors import InvalidField
-from shoal.runtime.server import RunningServer, ServiceBinding, create_server, run_until_signalled
+from shoal.runtime.server import RunningServer, ServiceBinding
+from shoal.runtime.service import run_service
+from shoal.runtime.settings import Setting, add_settings
 
 __all__ = [
     "REGISTRY_PREFIX",
+    "SETTINGS",
     "ParamSyncConfig",
     "build_parser",
     "main",
@@ -63,11 +58,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-REGISTRY_PREFIX = SHARDS_PREFIX  # one key schema: shoal.contract.data_plane
+REGISTRY_PREFIX = SHARDS_PREFIX  # the key schema: shoal.contract.keys
 
 
 def registry_key(shard_index: int) -> str:
-    return f"{REGISTRY_PREFIX}{shard_index}"
+    return shard_key(shard_index)
 
 
 @dataclass(frozen=True)
@@ -101,57 +96,60 @@ class ParamSyncConfig:
             raise InvalidField("promote_after_s", self.promote_after_s, "must be 0..3600")
 
 
+SETTINGS: tuple[Setting, ...] = (
+    Setting("--shard-index", "SHOAL_SHARD_INDEX", "0", "this shard's index, 0-based"),
+    Setting(
+        "--storage-uri",
+        environment.STORAGE_URI,
+        "",
+        "fsspec URI of checkpoints and metrics when OpenJob gives none",
+    ),
+    Setting(
+        "--chunk-mb", "SHOAL_SYNC_CHUNK_MB", "1", "chunk size of parameter streams in MiB, 1-4"
+    ),
+    Setting(
+        "--registration-ttl",
+        "SHOAL_REGISTRATION_TTL_S",
+        "5",
+        "seconds: lease TTL of the etcd registration",
+    ),
+    Setting(
+        "--rendezvous-port",
+        "SHOAL_RENDEZVOUS_PORT",
+        "0",
+        "TCP port of the torch.distributed store that collective-mode jobs coordinated "
+        "here rendezvous through; 0 picks a free port",
+    ),
+    Setting(
+        "--shard-probe",
+        "SHOAL_SHARD_PROBE_S",
+        "1",
+        "seconds between a coordinator's probes of the other shards of its jobs; a shard "
+        "found without its slice (restarted) makes the job rewind to its latest checkpoint",
+    ),
+    Setting(
+        "--replication",
+        "SHOAL_REPLICATION",
+        "on",
+        "on or off: keep a replica of each slice of the jobs this shard coordinates on the "
+        "next shard, so that a restarted shard loses no committed iteration; off rewinds to "
+        "the latest checkpoint instead",
+    ),
+    Setting(
+        "--promote-after",
+        "SHOAL_PROMOTE_AFTER_S",
+        "2",
+        "seconds a lost shard may stay down, once its loss is detected, before its backup "
+        "takes its slices over; a restart within it is restored in place",
+    ),
+)
+"""The settings of a shard process (docs/configuration.md is generated from them)."""
+
+
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The flags of a shard process; defaults come from ``env``."""
     parser = argparse.ArgumentParser(prog="shoal-service parameter-sync")
-    g = parser.add_argument_group("parameter-sync")
-    g.add_argument(
-        "--shard-index",
-        default=env.get("SHOAL_SHARD_INDEX", "0"),
-        help="this shard's index, 0-based (SHOAL_SHARD_INDEX)",
-    )
-    g.add_argument(
-        "--storage-uri",
-        default=env.get("SHOAL_STORAGE_URI", ""),
-        help="fsspec URI of checkpoints and metrics when OpenJob gives none (SHOAL_STORAGE_URI)",
-    )
-    g.add_argument(
-        "--chunk-mb",
-        default=env.get("SHOAL_SYNC_CHUNK_MB", "1"),
-        help="chunk size of parameter streams in MiB, 1-4 (SHOAL_SYNC_CHUNK_MB)",
-    )
-    g.add_argument(
-        "--registration-ttl",
-        default=env.get("SHOAL_REGISTRATION_TTL_S", "5"),
-        help="seconds: lease TTL of the etcd registration (SHOAL_REGISTRATION_TTL_S)",
-    )
-    g.add_argument(
-        "--rendezvous-port",
-        default=env.get("SHOAL_RENDEZVOUS_PORT", "0"),
-        help="TCP port of the torch.distributed store that collective-mode jobs coordinated "
-        "here rendezvous through; 0 picks a free port (SHOAL_RENDEZVOUS_PORT)",
-    )
-    g.add_argument(
-        "--shard-probe",
-        default=env.get("SHOAL_SHARD_PROBE_S", "1"),
-        help="seconds between a coordinator's probes of the other shards of its jobs; a shard "
-        "found without its slice (restarted) makes the job rewind to its latest checkpoint "
-        "(SHOAL_SHARD_PROBE_S)",
-    )
-    g.add_argument(
-        "--replication",
-        default=env.get("SHOAL_REPLICATION", "on"),
-        help="on (default) or off: keep a replica of each slice of the jobs this shard "
-        "coordinates on the next shard, so that a restarted shard loses no committed "
-        "iteration; off rewinds to the latest checkpoint instead (SHOAL_REPLICATION)",
-    )
-    g.add_argument(
-        "--promote-after",
-        default=env.get("SHOAL_PROMOTE_AFTER_S", "2"),
-        help="seconds a lost shard may stay down, once its loss is detected, before its "
-        "backup takes its slices over; a restart within it is restored in place "
-        "(SHOAL_PROMOTE_AFTER_S)",
-    )
+    add_settings(parser.add_argument_group("parameter-sync"), SETTINGS, env)
     add_server_flags(parser, env)
     return parser
 
@@ -241,6 +239,12 @@ async def _register(config: ParamSyncConfig, address: str, stop: asyncio.Event) 
 
 
 async def serve(config: ParamSyncConfig) -> None:
+    """Serve one shard on the shared skeleton (:func:`shoal.runtime.service.run_service`).
+
+    The etcd registration is this shard's own: a lease it keeps alive under its index, not a
+    leader election, so it is started here once the server listens (its address is then known)
+    and stopped before the server drains."""
+    telemetry.setup_tracing(f"parameter-sync-{config.shard_index}")
     warm_up()
     metrics.setup_metrics(f"parameter-sync-{config.shard_index}", config.server)
     servicer = ParameterSyncServicer(
@@ -257,31 +261,31 @@ async def serve(config: ParamSyncConfig) -> None:
             promote_after_s=config.promote_after_s,
         )
     )
-    running = await create_server(
-        config.server,
-        [ServiceBinding(SERVICE_NAME, add_servicer, servicer, ROLES)],
-        errors=ERRORS,
-    )
-    address = _advertised(config, running)
-    log.info("parameter-sync shard %d at %s", config.shard_index, address)
-    print(f"LISTENING {running.port}", flush=True)
     stop = asyncio.Event()
-    registration = None
-    if config.server.etcd_endpoints:
-        registration = asyncio.create_task(_register(config, address, stop))
+    registration: asyncio.Task[None] | None = None
 
-    async def on_stop() -> None:
+    def started(running: RunningServer) -> None:
+        nonlocal registration
+        address = _advertised(config, running)
+        log.info("parameter-sync shard %d at %s", config.shard_index, address)
+        if config.server.etcd_endpoints:
+            registration = asyncio.create_task(_register(config, address, stop))
+
+    async def stopping() -> None:
         stop.set()
         if registration is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(registration, timeout=5)
 
-    try:
-        await run_until_signalled(running, on_stop=on_stop)
-    finally:
-        stop.set()
-        await servicer.close()
-        metrics.shutdown_metrics()
+    await run_service(
+        config.server,
+        [ServiceBinding(SERVICE_NAME, add_servicer, servicer, ROLES)],
+        errors=ERRORS,
+        started=started,
+        stopping=stopping,
+        closed=servicer.close,
+        announce=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -291,10 +295,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shoal-service parameter-sync: {exc}", flush=True)
         return 2
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=os.environ.get("SHOAL_LOG_LEVEL", "INFO").upper())
-    telemetry.setup_tracing(f"parameter-sync-{config.shard_index}")
-    try:
-        asyncio.run(serve(config))
-    finally:
-        telemetry.shutdown_tracing()
+        logging.basicConfig(level=os.environ.get(environment.LOG_LEVEL, "INFO").upper())
+    asyncio.run(serve(config))
     return 0

@@ -39,11 +39,51 @@ from shoal.runtime import metrics, telemetry
 from shoal.runtime.config import add_server_flags, etcd_store, server_config_from_args
 from shoal.runtime.server import RunningServer
 from shoal.runtime.service import run_service
+from shoal.runtime.settings import Setting, add_settings
 from shoal.runtime.store import MemoryStore, Store
 
 log = logging.getLogger(__name__)
 
 NAME = "resource-manager"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "--heartbeat-interval",
+        "SHOAL_RM_HEARTBEAT_INTERVAL_S",
+        "1.0",
+        "seconds between the heartbeats agents send (told to them at registration)",
+    ),
+    Setting(
+        "--host-grace",
+        "SHOAL_RM_HOST_GRACE_S",
+        "3.0",
+        "seconds without a heartbeat after which a host is declared lost",
+        aliases=("--host-lost-after",),
+        dest="host_grace",
+    ),
+    Setting(
+        "--host-restart-grace",
+        "SHOAL_RM_HOST_RESTART_GRACE_S",
+        "30.0",
+        "seconds of silence allowed to a host agent that stopped gracefully (SIGTERM) "
+        "to restart, before its host is declared lost",
+        dest="host_restart_grace",
+    ),
+    Setting(
+        "--election-ttl",
+        "SHOAL_RM_ELECTION_TTL_S",
+        "5.0",
+        "lease TTL of the leader election (a standby takes over within about this)",
+    ),
+    Setting(
+        "--scheduler-election",
+        "SHOAL_RM_SCHEDULER_ELECTION",
+        "job-scheduler",
+        "election whose leader's fencing token AcquireDevices/ReleaseDevices must carry",
+    ),
+)
+"""The resource manager's settings (docs/configuration.md is generated from them)."""
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -52,36 +92,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         description="The shoal resource manager: inventory, host liveness, allocation ledger.",
     )
     add_server_flags(parser, env)
-    g = parser.add_argument_group(NAME)
-    g.add_argument(
-        "--heartbeat-interval",
-        default=env.get("SHOAL_RM_HEARTBEAT_INTERVAL_S", "1.0"),
-        help="seconds between the heartbeats agents send (told to them at registration)",
-    )
-    g.add_argument(
-        "--host-grace",
-        "--host-lost-after",
-        dest="host_grace",
-        default=env.get("SHOAL_RM_HOST_GRACE_S", "3.0"),
-        help="seconds without a heartbeat after which a host is declared lost",
-    )
-    g.add_argument(
-        "--host-restart-grace",
-        dest="host_restart_grace",
-        default=env.get("SHOAL_RM_HOST_RESTART_GRACE_S", "30.0"),
-        help="seconds of silence allowed to a host agent that stopped gracefully (SIGTERM) "
-        "to restart, before its host is declared lost",
-    )
-    g.add_argument(
-        "--election-ttl",
-        default=env.get("SHOAL_RM_ELECTION_TTL_S", "5.0"),
-        help="lease TTL of the leader election (a standby takes over within about this)",
-    )
-    g.add_argument(
-        "--scheduler-election",
-        default=env.get("SHOAL_RM_SCHEDULER_ELECTION", "job-scheduler"),
-        help="election whose leader's fencing token AcquireDevices/ReleaseDevices must carry",
-    )
+    add_settings(parser.add_argument_group(NAME), SETTINGS, env)
     return parser
 
 

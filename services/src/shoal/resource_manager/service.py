@@ -1,5 +1,5 @@
-"""The resource-manager replica: leader election, durable state in etcd, the liveness loop, the
-inventory watch fan-out, and the thin gRPC handlers over :mod:`shoal.resource_manager.core`.
+"""The resource-manager replica: leader election, durable state in etcd, the liveness loop and
+the inventory watch fan-out over :mod:`shoal.resource_manager.core`.
 
 State in the store (serialized protobufs, see docs/resource-manager.md)::
 
@@ -13,6 +13,9 @@ saw (an allocation key must not exist yet), and (3) for AcquireDevices / Release
 the job-scheduler's leader key at the revision it was verified at. So even a replica whose
 memory were stale could never give a device out twice: etcd refuses the write, the replica
 reloads its state and recomputes once.
+
+The keys and the transaction of a change are in :mod:`shoal.resource_manager.store`, the gRPC
+handlers in :mod:`shoal.resource_manager.handlers`; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -21,16 +24,33 @@ import asyncio
 import contextlib
 import functools
 import logging
-import urllib.parse
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from shoal.contract.keys import election_prefix
 from shoal.resource_manager import core
 from shoal.resource_manager.core import Change, Event, EventKind, Inventory
-from shoal.runtime.auth import ADMINS, SERVICES, USERS_AND_SERVICES, MethodRoles
+from shoal.resource_manager.handlers import (
+    ROLES,
+    SERVICE_NAME,
+    ResourceManagerServicer,
+    bindings,
+)
+from shoal.resource_manager.store import (
+    ALLOCATIONS,
+    HOSTS,
+    PREFIX,
+    REQUESTS,
+    Loaded,
+    allocation_key,
+    change_ops,
+    host_key,
+    parse_state,
+    request_key,
+)
 from shoal.runtime.config import ServerConfig
-from shoal.runtime.election import DEFAULT_PREFIX, LeaderElection, Leadership, LeadershipLost
+from shoal.runtime.election import LeaderElection, Leadership, LeadershipLost
 from shoal.runtime.errors import (
     DEFAULT_TABLE,
     ErrorTable,
@@ -41,10 +61,8 @@ from shoal.runtime.errors import (
 )
 from shoal.runtime.service import follow_leader, lead_forever
 from shoal.runtime.store import (
-    DeleteOp,
     Expect,
     FencedOut as StoreFencedOut,
-    KeyValue,
     PutOp,
     Store,
     StoreError,
@@ -52,31 +70,33 @@ from shoal.runtime.store import (
 )
 from shoal.v1 import (
     resource_manager_service_pb2 as rm_pb2,
-    resource_manager_service_pb2_grpc as rm_grpc,
     resources_pb2,
 )
 
+__all__ = [
+    "ALLOCATIONS",
+    "ELECTION_NAME",
+    "ERRORS",
+    "HOSTS",
+    "PREFIX",
+    "REQUESTS",
+    "ROLES",
+    "SERVICE_NAME",
+    "Loaded",
+    "ResourceManager",
+    "ResourceManagerConfig",
+    "ResourceManagerServicer",
+    "allocation_key",
+    "bindings",
+    "change_ops",
+    "host_key",
+    "parse_state",
+    "request_key",
+]
+
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "shoal.v1.ResourceManagerService"
 ELECTION_NAME = "resource-manager"
-PREFIX = "/shoal/v1/resource-manager/"
-HOSTS = PREFIX + "hosts/"
-ALLOCATIONS = PREFIX + "allocations/"
-REQUESTS = PREFIX + "requests/"
-
-ROLES = MethodRoles(
-    service=SERVICE_NAME,
-    default=USERS_AND_SERVICES,
-    methods={
-        "RegisterHost": SERVICES,
-        "Heartbeat": SERVICES,
-        "AcquireDevices": SERVICES,
-        "ReleaseDevices": SERVICES,
-        "CordonHost": ADMINS,
-        "DrainHost": ADMINS,
-    },
-)
 
 # Every core error derives from a runtime domain error already in the base table.
 ERRORS: ErrorTable = DEFAULT_TABLE.extend({})
@@ -119,85 +139,6 @@ class ResourceManagerConfig:
             )
         if self.watch_queue_size < 1:
             raise InvalidField("watch_queue_size", self.watch_queue_size, "must be >= 1")
-
-
-# --------------------------------------------------------------------------------------------
-# Store keys and values
-# --------------------------------------------------------------------------------------------
-
-
-def host_key(host_id: str) -> str:
-    return HOSTS + host_id
-
-
-def allocation_key(host_id: str, device_id: str) -> str:
-    return f"{ALLOCATIONS}{host_id}/{device_id}"
-
-
-def request_key(request_id: str) -> str:
-    return REQUESTS + urllib.parse.quote(request_id, safe="")
-
-
-@dataclass(frozen=True)
-class Loaded:
-    hosts: list[core.HostRecord]
-    allocations: list[core.AllocationRecord]
-    requests: list[core.AcquireRecord]
-    revisions: dict[str, int]
-
-
-def parse_state(kvs: Iterable[KeyValue]) -> Loaded:
-    """The durable state from a listing of the resource manager's prefix (bad values are
-    logged and skipped)."""
-    hosts: list[core.HostRecord] = []
-    allocations: list[core.AllocationRecord] = []
-    requests: list[core.AcquireRecord] = []
-    revisions: dict[str, int] = {}
-    for kv in kvs:
-        try:
-            if kv.key.startswith(HOSTS):
-                hosts.append(core.host_from_proto(resources_pb2.Host.FromString(kv.value)))
-            elif kv.key.startswith(ALLOCATIONS):
-                pb = resources_pb2.Allocation.FromString(kv.value)
-                allocations.append(core.allocation_from_proto(pb))
-            elif kv.key.startswith(REQUESTS):
-                request_id = urllib.parse.unquote(kv.key[len(REQUESTS) :])
-                pb_req = rm_pb2.AcquireDevicesResponse.FromString(kv.value)
-                requests.append(core.request_from_proto(request_id, pb_req))
-            else:
-                continue
-        except Exception:  # a value we cannot read must not stop the whole service
-            log.exception("skipping unreadable key %r", kv.key)
-            continue
-        revisions[kv.key] = kv.mod_revision
-    return Loaded(hosts, allocations, requests, revisions)
-
-
-def change_ops(change: Change, revisions: dict[str, int]) -> tuple[list[Any], list[Expect]]:
-    """The transaction of a change: its ops, and what every touched key must look like."""
-    ops: list[Any] = []
-    expects: list[Expect] = []
-    for host in change.put_hosts:
-        key = host_key(host.host_id)
-        ops.append(PutOp(key, core.host_to_proto(host).SerializeToString()))
-        expects.append(Expect(key, revisions.get(key, 0)))
-    for alloc in change.delete_allocations:
-        key = allocation_key(alloc.host_id, alloc.device_id)
-        ops.append(DeleteOp(key))
-        expects.append(Expect(key, revisions.get(key, 0)))
-    for alloc in change.put_allocations:
-        key = allocation_key(alloc.host_id, alloc.device_id)
-        ops.append(PutOp(key, core.allocation_to_proto(alloc).SerializeToString()))
-        expects.append(Expect(key, 0))
-    for request_id in change.delete_requests:
-        key = request_key(request_id)
-        ops.append(DeleteOp(key))
-        expects.append(Expect(key, revisions.get(key, 0)))
-    for record in change.put_requests:
-        key = request_key(record.request_id)
-        ops.append(PutOp(key, core.request_to_proto(record).SerializeToString()))
-        expects.append(Expect(key, 0))
-    return ops, expects
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,7 +377,7 @@ class ResourceManager:
         if token.revision <= 0:
             raise InvalidField("fencing_token.revision", token.revision, "must be > 0")
         try:
-            kvs, _ = await self.store.list(f"{DEFAULT_PREFIX}{election}/")
+            kvs, _ = await self.store.list(election_prefix(election))
         except StoreUnavailable as exc:
             raise Unavailable(f"the store is unavailable: {exc}") from exc
         leader = min(kvs, key=lambda kv: kv.create_revision) if kvs else None
@@ -557,169 +498,3 @@ class ResourceManager:
 
     def _other_leader(self) -> str | None:
         return self.leader_address if self.leader_address != self.address else None
-
-
-# --------------------------------------------------------------------------------------------
-# gRPC handlers
-# --------------------------------------------------------------------------------------------
-
-
-class ResourceManagerServicer(rm_grpc.ResourceManagerServiceServicer):
-    """Thin handlers: validate, call the replica / core, render."""
-
-    def __init__(self, rm: ResourceManager) -> None:
-        self.rm = rm
-
-    @property
-    def _inv(self) -> Inventory:
-        return self.rm.inventory
-
-    async def RegisterHost(
-        self, request: rm_pb2.RegisterHostRequest, context: Any
-    ) -> rm_pb2.RegisterHostResponse:
-        reg = core.registration_from_proto(request)
-        record = await self.rm.mutate(lambda: self._inv.register(reg))
-        self._inv.mark_seen(reg.host_id)
-        self.rm.publish(self._inv.observe_registration_learners(reg))
-        log.info(
-            "host %r registered from %s: incarnation %d, %d devices",
-            record.host_id,
-            record.agent_address,
-            record.incarnation,
-            len(record.devices),
-        )
-        return rm_pb2.RegisterHostResponse(
-            incarnation=record.incarnation,
-            heartbeat_interval_ms=int(self.rm.config.heartbeat_interval_s * 1000),
-            lost_after_ms=int(self.rm.config.host_grace_s * 1000),
-        )
-
-    async def Heartbeat(
-        self, request_iterator: AsyncIterator[rm_pb2.HeartbeatRequest], context: Any
-    ) -> AsyncIterator[rm_pb2.HeartbeatResponse]:
-        async for beat in request_iterator:
-            self.rm.require_leader()
-            outcome = self._inv.heartbeat(
-                beat.host_id,
-                beat.incarnation,
-                [core.learner_from_proto(learner) for learner in beat.learners],
-                [core.device_stats_from_proto(d) for d in beat.devices],
-            )
-            self.rm.publish(outcome.events)
-            if beat.stopping:
-                self._inv.note_stopping(beat.host_id, self.rm.config.host_restart_grace_s)
-                log.info(
-                    "host %r is stopping to restart: declared lost only after %g s of silence",
-                    beat.host_id,
-                    self.rm.config.host_restart_grace_s,
-                )
-            if outcome.health_changes:
-                await self._persist_health(beat.host_id, outcome.health_changes)
-            yield rm_pb2.HeartbeatResponse(
-                sequence=beat.sequence, stop_learner_ids=outcome.stop_learner_ids
-            )
-
-    async def _persist_health(
-        self, host_id: str, changes: Sequence[tuple[str, core.DeviceHealth]]
-    ) -> None:
-        await self.rm.mutate(lambda: (self._inv.set_device_health(host_id, changes), None))
-
-    async def ListHosts(
-        self, request: rm_pb2.ListHostsRequest, context: Any
-    ) -> rm_pb2.ListHostsResponse:
-        self.rm.require_leader()
-        page, token = self._inv.list_hosts(
-            request.page_size, request.page_token, include_lost=request.include_lost
-        )
-        return rm_pb2.ListHostsResponse(
-            hosts=[core.host_to_proto(h, self._inv) for h in page], next_page_token=token
-        )
-
-    async def GetHost(self, request: rm_pb2.GetHostRequest, context: Any) -> rm_pb2.GetHostResponse:
-        self.rm.require_leader()
-        _require("host_id", request.host_id)
-        host = self._inv.host(request.host_id)
-        return rm_pb2.GetHostResponse(host=core.host_to_proto(host, self._inv))
-
-    async def CordonHost(
-        self, request: rm_pb2.CordonHostRequest, context: Any
-    ) -> rm_pb2.CordonHostResponse:
-        _require("host_id", request.host_id)
-        await self.rm.mutate(lambda: (self._inv.cordon(request.host_id, request.cordon), None))
-        host = self._inv.host(request.host_id)
-        return rm_pb2.CordonHostResponse(host=core.host_to_proto(host, self._inv))
-
-    async def DrainHost(
-        self, request: rm_pb2.DrainHostRequest, context: Any
-    ) -> rm_pb2.DrainHostResponse:
-        _require("host_id", request.host_id)
-        await self.rm.mutate(lambda: (self._inv.drain(request.host_id), None))
-        host = self._inv.host(request.host_id)
-        return rm_pb2.DrainHostResponse(host=core.host_to_proto(host, self._inv))
-
-    async def AcquireDevices(
-        self, request: rm_pb2.AcquireDevicesRequest, context: Any
-    ) -> rm_pb2.AcquireDevicesResponse:
-        _require_token(request)
-        claims = [core.claim_from_proto(c) for c in request.claims]
-
-        def compute() -> tuple[Change, tuple[core.AllocationRecord, ...]]:
-            outcome = self._inv.acquire(claims, request.request_id)
-            return outcome.change, outcome.allocations
-
-        allocations = await self.rm.mutate(compute, token=request.fencing_token)
-        return rm_pb2.AcquireDevicesResponse(
-            allocations=[core.allocation_to_proto(a) for a in allocations]
-        )
-
-    async def ReleaseDevices(
-        self, request: rm_pb2.ReleaseDevicesRequest, context: Any
-    ) -> rm_pb2.ReleaseDevicesResponse:
-        _require_token(request)
-        ids = list(request.allocation_ids)
-
-        def compute() -> tuple[Change, list[str]]:
-            change = self._inv.release(ids)
-            return change, [a.allocation_id for a in change.delete_allocations]
-
-        released = await self.rm.mutate(compute, token=request.fencing_token)
-        return rm_pb2.ReleaseDevicesResponse(released_allocation_ids=released)
-
-    async def ListAllocations(
-        self, request: rm_pb2.ListAllocationsRequest, context: Any
-    ) -> rm_pb2.ListAllocationsResponse:
-        self.rm.require_leader()
-        return rm_pb2.ListAllocationsResponse(
-            allocations=[core.allocation_to_proto(a) for a in self._inv.allocations(request.job_id)]
-        )
-
-    async def WatchInventory(
-        self, request: rm_pb2.WatchInventoryRequest, context: Any
-    ) -> AsyncIterator[rm_pb2.WatchInventoryResponse]:
-        async for item in self.rm.watch():
-            yield item
-
-
-def _require(field_name: str, value: str) -> None:
-    if not value:
-        raise InvalidField(field_name, value, "must not be empty")
-
-
-def _require_token(
-    request: rm_pb2.AcquireDevicesRequest | rm_pb2.ReleaseDevicesRequest,
-) -> None:
-    if not request.HasField("fencing_token"):
-        raise InvalidField("fencing_token", None, "is required (the scheduler's leadership)")
-
-
-def bindings(rm: ResourceManager) -> Sequence[Any]:
-    from shoal.runtime.server import ServiceBinding
-
-    return [
-        ServiceBinding(
-            SERVICE_NAME,
-            rm_grpc.add_ResourceManagerServiceServicer_to_server,  # type: ignore[arg-type]
-            ResourceManagerServicer(rm),
-            ROLES,
-        )
-    ]

@@ -1,7 +1,8 @@
 """Service configuration: frozen dataclasses built once in ``main`` from flags and environment
 variables (flags win), validated with messages that echo the field and the value.
 
-Environment variables (each also a flag):
+Environment variables (each also a flag; declared in :data:`SERVER_SETTINGS`, from which
+docs/configuration.md is generated):
 
 =========================  ==========================  =========================================
 variable                   flag                        meaning
@@ -40,7 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shoal.contract import environment
 from shoal.contract.errors import InvalidField
+from shoal.runtime.settings import Setting, add_settings
 
 if TYPE_CHECKING:
     from shoal.runtime.store import EtcdStore
@@ -153,46 +156,68 @@ class ServerConfig:
             )
 
 
+SERVER_SETTINGS: tuple[Setting, ...] = (
+    Setting("--listen", "SHOAL_LISTEN", "127.0.0.1:0", "host:port to serve on (port 0: any free)"),
+    Setting("--advertise", "SHOAL_ADVERTISE", None, "address others use to reach this replica"),
+    Setting("--tokens-file", "SHOAL_TOKENS_FILE", None, "bearer tokens file (shoal.runtime.auth)"),
+    Setting("--service-token", "SHOAL_SERVICE_TOKEN", None, "token this service presents"),
+    Setting("--insecure-no-auth", None, None, "accept calls without tokens", switch=True),
+    Setting("--etcd", "SHOAL_ETCD_ENDPOINTS", "", "comma-separated etcd host:port list"),
+    Setting("--max-message-mb", "SHOAL_MAX_MESSAGE_MB", "64", "gRPC message size limit, MiB"),
+    Setting(
+        "--shutdown-grace", "SHOAL_SHUTDOWN_GRACE_S", "5", "seconds to finish calls on SIGTERM"
+    ),
+    Setting(
+        "--tls-cert",
+        environment.TLS_CERT,
+        None,
+        "this process's certificate (served, and presented to the services it calls)",
+    ),
+    Setting("--tls-key", environment.TLS_KEY, None, "the key of --tls-cert"),
+    Setting(
+        "--tls-ca",
+        environment.TLS_CA,
+        None,
+        "the cluster CA: callers must present a certificate it signed (mTLS) and the services "
+        "this one calls are verified against it",
+    ),
+    Setting("--etcd-ca", "SHOAL_ETCD_CA", None, "CA of etcd's certificate"),
+    Setting("--etcd-cert", "SHOAL_ETCD_CERT", None, "client cert for etcd"),
+    Setting("--etcd-key", "SHOAL_ETCD_KEY", None, "client key for etcd"),
+    Setting(
+        "--learner-public-keys",
+        "SHOAL_LEARNER_PUBLIC_KEYS",
+        None,
+        "PEM file of Ed25519 public keys that verify learner credentials",
+    ),
+    Setting(
+        "--max-concurrent-calls",
+        "SHOAL_MAX_CONCURRENT_CALLS",
+        "0",
+        "unary calls in flight before new ones are shed with RESOURCE_EXHAUSTED "
+        "(0: no limit; streams, RegisterHost and health checks are never shed)",
+    ),
+    Setting(
+        "--no-reflection",
+        "SHOAL_NO_REFLECTION",
+        None,
+        "do not serve gRPC server reflection",
+        switch=True,
+    ),
+    Setting(
+        "--metrics-port",
+        "SHOAL_METRICS_PORT",
+        None,
+        "serve Prometheus metrics on http://LISTEN_HOST:PORT/metrics (0: any free port; "
+        "unset or empty: no metrics endpoint)",
+    ),
+)
+"""The settings every service has (docs/configuration.md is generated from them)."""
+
+
 def add_server_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """Flags shared by every service; defaults come from the environment."""
-    g = parser.add_argument_group("server")
-    g.add_argument("--listen", default=env.get("SHOAL_LISTEN", "127.0.0.1:0"))
-    g.add_argument("--advertise", default=env.get("SHOAL_ADVERTISE"))
-    g.add_argument("--tokens-file", default=env.get("SHOAL_TOKENS_FILE"))
-    g.add_argument("--service-token", default=env.get("SHOAL_SERVICE_TOKEN"))
-    g.add_argument("--insecure-no-auth", action="store_true", help="accept calls without tokens")
-    g.add_argument("--etcd", default=env.get("SHOAL_ETCD_ENDPOINTS", ""))
-    g.add_argument("--max-message-mb", default=env.get("SHOAL_MAX_MESSAGE_MB", "64"))
-    g.add_argument("--shutdown-grace", default=env.get("SHOAL_SHUTDOWN_GRACE_S", "5"))
-    g.add_argument("--tls-cert", default=env.get("SHOAL_TLS_CERT"))
-    g.add_argument("--tls-key", default=env.get("SHOAL_TLS_KEY"))
-    g.add_argument("--tls-ca", default=env.get("SHOAL_TLS_CA"))
-    g.add_argument("--etcd-ca", default=env.get("SHOAL_ETCD_CA"), help="CA of etcd's certificate")
-    g.add_argument("--etcd-cert", default=env.get("SHOAL_ETCD_CERT"), help="client cert for etcd")
-    g.add_argument("--etcd-key", default=env.get("SHOAL_ETCD_KEY"), help="client key for etcd")
-    g.add_argument(
-        "--learner-public-keys",
-        default=env.get("SHOAL_LEARNER_PUBLIC_KEYS"),
-        help="PEM file of Ed25519 public keys that verify learner credentials",
-    )
-    g.add_argument(
-        "--max-concurrent-calls",
-        default=env.get("SHOAL_MAX_CONCURRENT_CALLS", "0"),
-        help="unary calls in flight before new ones are shed with RESOURCE_EXHAUSTED "
-        "(0: no limit; streams, RegisterHost and health checks are never shed)",
-    )
-    g.add_argument(
-        "--no-reflection",
-        action="store_true",
-        default=env.get("SHOAL_NO_REFLECTION", "") not in ("", "0", "false"),
-        help="do not serve gRPC server reflection",
-    )
-    g.add_argument(
-        "--metrics-port",
-        default=env.get("SHOAL_METRICS_PORT"),
-        help="serve Prometheus metrics on http://LISTEN_HOST:PORT/metrics (0: any free port; "
-        "unset or empty: no metrics endpoint)",
-    )
+    add_settings(parser.add_argument_group("server"), SERVER_SETTINGS, env)
 
 
 def parse_number(field_name: str, text: str, kind: type[int] | type[float]) -> int | float:

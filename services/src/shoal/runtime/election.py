@@ -47,6 +47,9 @@ from collections.abc import AsyncGenerator, Callable, Coroutine
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+import tenacity
+
+from shoal.contract.keys import ELECTION_PREFIX
 from shoal.runtime.metrics import meter
 from shoal.runtime.store import (
     Fence,
@@ -64,7 +67,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_PREFIX = "/shoal/v1/election/"
+DEFAULT_PREFIX = ELECTION_PREFIX  # the key schema: shoal.contract.keys
 
 # Longest real-time sleep of the keep-alive loop: with an injected clock, a jump of the clock
 # is noticed within this many seconds.
@@ -387,14 +390,20 @@ class LeaderElection:
         Store outages are retried (with backoff) for as long as it takes; cancel the call to
         stop campaigning (the candidate key is then revoked). Other store errors (a closed
         store, for one) are raised."""
-        delay = 0.05
-        while True:
-            try:
+
+        def restarts(state: tenacity.RetryCallState) -> None:
+            assert state.outcome is not None
+            log.info("%r: campaign restarts: %s", self, state.outcome.exception())
+
+        async for attempt in tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type((_Retry, StoreUnavailable, LeaseExpired)),
+            wait=tenacity.wait_exponential(multiplier=0.05, max=max(self.ttl / 3, 0.05)),
+            before_sleep=restarts,
+            reraise=True,
+        ):
+            with attempt:
                 return await self._campaign_once()
-            except (_Retry, StoreUnavailable, LeaseExpired) as exc:
-                log.info("%r: campaign restarts: %s", self, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, max(self.ttl / 3, 0.05))
+        raise AssertionError("unreachable")
 
     async def _campaign_once(self) -> Leadership:
         granted_at = self._clock()

@@ -37,6 +37,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+import tenacity
+
 from shoal.runtime.procs import die_with_parent
 
 __all__ = ["EtcdCluster", "EtcdError", "EtcdMember", "EtcdServer", "EtcdTLS", "find_etcd_binary"]
@@ -438,23 +440,29 @@ class EtcdCluster:
             return self
         # A free port can be taken between picking and binding it: then pick new ones.
         auto_ports = self._client_ports is None and self._peer_ports is None
-        attempts = 3 if auto_ports else 1
-        for attempt in range(1, attempts + 1):
+        in_use = False
+
+        def attempt_start() -> None:
+            nonlocal in_use
             self._create_members()
             try:
                 for member in self._members:
                     member.spawn()
                 self.wait_healthy()
-                return self
             except EtcdError:
                 in_use = any("address already in use" in m.log_tail(200) for m in self._members)
                 for member in self._members:
                     member.kill()
                     shutil.rmtree(member.data_dir, ignore_errors=True)
                 self._members = []
-                if not in_use or attempt == attempts:
-                    raise
-        raise AssertionError("unreachable")
+                raise
+
+        tenacity.Retrying(
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, EtcdError) and in_use),
+            stop=tenacity.stop_after_attempt(3 if auto_ports else 1),
+            reraise=True,
+        )(attempt_start)
+        return self
 
     def wait_healthy(self, timeout: float | None = None) -> None:
         deadline = time.monotonic() + (timeout or self._startup_timeout)

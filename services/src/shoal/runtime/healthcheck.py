@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shoal.client.tls import channel_credentials
+from shoal.contract import environment
 from shoal.contract.errors import InvalidField
 from shoal.runtime.config import parse_host_port, parse_number
 
@@ -43,9 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="gRPC service name to ask about (default: the whole server)",
     )
     parser.add_argument("--timeout", default="3", help="seconds to wait for the answer")
-    parser.add_argument("--tls-ca", default=os.environ.get("SHOAL_TLS_CA"), help="CA (PEM)")
-    parser.add_argument("--tls-cert", default=os.environ.get("SHOAL_TLS_CERT"))
-    parser.add_argument("--tls-key", default=os.environ.get("SHOAL_TLS_KEY"))
+    parser.add_argument("--tls-ca", default=os.environ.get(environment.TLS_CA), help="CA (PEM)")
+    parser.add_argument("--tls-cert", default=os.environ.get(environment.TLS_CERT))
+    parser.add_argument("--tls-key", default=os.environ.get(environment.TLS_KEY))
     return parser
 
 

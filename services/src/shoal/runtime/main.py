@@ -17,6 +17,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from shoal.contract import environment
+
 PACKAGES = {
     "resource-manager": "shoal.resource_manager",
     "job-scheduler": "shoal.scheduler",
@@ -37,7 +39,7 @@ COMMANDS = {"auth": "shoal.runtime.auth_admin"}
 
 def configure_logging(service: str) -> None:
     logging.basicConfig(
-        level=os.environ.get("SHOAL_LOG_LEVEL", "INFO").upper(),
+        level=os.environ.get(environment.LOG_LEVEL, "INFO").upper(),
         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
     )
 

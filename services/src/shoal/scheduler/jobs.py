@@ -1,6 +1,8 @@
 """The job core of the scheduler, pure (no grpc, no I/O): spec validation, the job state machine
 with its transition table and recorded history, the job and learner records the scheduler
-persists, the allocation history, and ListJobs pagination.
+persists and the allocation history. Spec validation is in :mod:`shoal.scheduler.job_spec` and
+ListJobs pagination in :mod:`shoal.scheduler.paging`, the state machine in
+:mod:`shoal.scheduler.job_states`; all are re-exported here.
 
 Everything here is a function of its arguments (the clock is passed in as ``now``, unix seconds)
 and is unit-tested without a network. ``shoal.scheduler.store`` persists :class:`JobRecord` and
@@ -9,37 +11,73 @@ the allocation history; ``shoal.scheduler.service`` and ``shoal.scheduler.reconc
 
 from __future__ import annotations
 
-import base64
-import binascii
 import enum
-import hashlib
 import json
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from shoal.contract import ids
 from shoal.contract.errors import (
     ArtifactNotFound,
-    FailedPrecondition,
-    InvalidField,
     InvalidTransition,
-    PermissionDenied,
 )
-from shoal.runtime.auth import Principal, Role
+from shoal.scheduler.job_spec import (
+    ARG_MAX,
+    ARGS_MAX,
+    DATASET_URIS_MAX,
+    DEFAULT_PRIORITY,
+    ENTRY_POINT_MAX,
+    ENV_MAX,
+    ENV_VALUE_MAX,
+    MAX_PRIORITY,
+    MAX_WORKERS_LIMIT,
+    NAME_MAX,
+    URI_MAX,
+    can_see,
+    spec_digest,
+    validate_spec,
+    validate_update,
+)
+from shoal.scheduler.job_states import (
+    ACTIVE_STATES,
+    FINAL_STATES,
+    STARTED_STATES,
+    TRANSITIONS,
+    check_transition,
+    invalid_transition,
+    state_name,
+)
+from shoal.scheduler.paging import (
+    DEFAULT_PAGE_SIZE,
+    MAX_PAGE_SIZE,
+    decode_page_token,
+    encode_page_token,
+    page_jobs,
+    validate_page_size,
+)
 from shoal.v1 import job_pb2
 
 __all__ = [
     "ACTIVE_STATES",
+    "ARGS_MAX",
+    "ARG_MAX",
+    "DATASET_URIS_MAX",
+    "DEFAULT_PAGE_SIZE",
     "DEFAULT_PRIORITY",
+    "ENTRY_POINT_MAX",
+    "ENV_MAX",
+    "ENV_VALUE_MAX",
     "FINAL_STATES",
+    "MAX_PAGE_SIZE",
     "MAX_PRIORITY",
+    "MAX_WORKERS_LIMIT",
+    "NAME_MAX",
     "STARTED_STATES",
     "TRANSITIONS",
+    "URI_MAX",
     "ArtifactNotFound",
     "InvalidTransition",
     "JobRecord",
@@ -52,6 +90,7 @@ __all__ = [
     "check_transition",
     "decode_page_token",
     "encode_page_token",
+    "invalid_transition",
     "new_job_record",
     "page_jobs",
     "spec_digest",
@@ -64,254 +103,8 @@ __all__ = [
 
 S = job_pb2  # short alias for the enum values below
 
-DEFAULT_PRIORITY = 5000
-MAX_PRIORITY = 1_000_000
-NAME_MAX = 128
-MAX_WORKERS_LIMIT = 100_000
-ENTRY_POINT_MAX = 1024
-ARG_MAX = 8192
-ARGS_MAX = 1024
-URI_MAX = 4096
-DATASET_URIS_MAX = 1024
-ENV_MAX = 256
-ENV_VALUE_MAX = 32 * 1024
-DEFAULT_PAGE_SIZE = 100
-MAX_PAGE_SIZE = 1000
 STATE_HISTORY_LIMIT = 100
 PAST_LEARNERS_LIMIT = 1000
-
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Variables the scheduler or the host-agent set for every learner; a job may not override them.
-_RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "TRACEPARENT", "TRACESTATE"})
-_RESERVED_ENV_PREFIX = "SHOAL_"
-
-# --------------------------------------------------------------------------------------------
-# States
-# --------------------------------------------------------------------------------------------
-
-#: The job state machine (job.proto's JobState comment). Anything else is refused.
-TRANSITIONS: Mapping[int, frozenset[int]] = {
-    S.JOB_STATE_QUEUED: frozenset({S.JOB_STATE_RUNNING, S.JOB_STATE_CANCELLED, S.JOB_STATE_FAILED}),
-    S.JOB_STATE_RUNNING: frozenset(
-        {
-            S.JOB_STATE_QUEUED,  # all its learners were preempted or lost: waits for devices
-            S.JOB_STATE_RECOVERING,  # its data plane is down, or it stalled
-            S.JOB_STATE_COMPLETED,
-            S.JOB_STATE_FAILED,
-            S.JOB_STATE_CANCELLING,
-        }
-    ),
-    S.JOB_STATE_RECOVERING: frozenset(
-        {
-            S.JOB_STATE_RUNNING,  # an iteration committed again
-            S.JOB_STATE_QUEUED,
-            S.JOB_STATE_COMPLETED,
-            S.JOB_STATE_FAILED,  # out of automatic retries
-            S.JOB_STATE_CANCELLING,
-        }
-    ),
-    S.JOB_STATE_CANCELLING: frozenset({S.JOB_STATE_CANCELLED}),
-    S.JOB_STATE_COMPLETED: frozenset(),
-    S.JOB_STATE_FAILED: frozenset(),
-    S.JOB_STATE_CANCELLED: frozenset(),
-}
-#: Jobs the policy gives devices to.
-ACTIVE_STATES = frozenset({S.JOB_STATE_QUEUED, S.JOB_STATE_RUNNING, S.JOB_STATE_RECOVERING})
-#: Jobs that hold (or are getting back) a data plane and learners.
-STARTED_STATES = frozenset({S.JOB_STATE_RUNNING, S.JOB_STATE_RECOVERING})
-#: Jobs that will never run again.
-FINAL_STATES = frozenset({S.JOB_STATE_COMPLETED, S.JOB_STATE_FAILED, S.JOB_STATE_CANCELLED})
-
-
-def state_name(state: int) -> str:
-    """``JOB_STATE_RUNNING`` -> ``RUNNING`` (for messages)."""
-    try:
-        return job_pb2.JobState.Name(state).removeprefix("JOB_STATE_")  # type: ignore[arg-type]
-    except ValueError:
-        return str(state)
-
-
-# InvalidTransition and ArtifactNotFound are defined in shoal.contract.errors (imported
-# above, exported here).
-
-
-def invalid_transition(job_id: str, current: int, target: int) -> InvalidTransition:
-    """The error of a job that cannot go from ``current`` to ``target`` (FAILED_PRECONDITION,
-    WRONG_STATE): the message names both states and the ones allowed."""
-    allowed = ", ".join(sorted(state_name(s) for s in TRANSITIONS.get(current, ()))) or "none"
-    return InvalidTransition(
-        f"job {job_id!r} cannot go from {state_name(current)} to {state_name(target)} "
-        f"(allowed from {state_name(current)}: {allowed})",
-        current=current,
-        target=target,
-    )
-
-
-def check_transition(job_id: str, current: int, target: int) -> None:
-    """Raise :class:`InvalidTransition` unless ``current -> target`` is in the table."""
-    if target not in TRANSITIONS.get(current, frozenset()):
-        raise invalid_transition(job_id, current, target)
-
-
-# --------------------------------------------------------------------------------------------
-# Validation
-# --------------------------------------------------------------------------------------------
-
-
-def _check_text(name: str, value: str, limit: int, *, allow_empty: bool = False) -> None:
-    if not value and not allow_empty:
-        raise InvalidField(name, value, "must not be empty")
-    if len(value) > limit:
-        raise InvalidField(name, value[:40] + "...", f"must be at most {limit} characters")
-    if "\0" in value:
-        raise InvalidField(name, value, "must not contain NUL characters")
-
-
-def validate_spec(
-    spec: job_pb2.JobSpec, *, principal: Principal, user_priority_limit: int = MAX_PRIORITY
-) -> job_pb2.JobSpec:
-    """Check a submitted spec; return a normalized copy (defaults applied).
-
-    Defaults: ``priority`` 0 -> 5000, ``min_workers`` 0 -> 1, ``sync_mode`` UNSPECIFIED ->
-    AUTO. Raises :class:`InvalidField` naming the first bad field (``spec.<field>``) and its
-    value. The artifact's existence is checked by the caller (it needs storage).
-    """
-    _check_text("spec.name", spec.name, NAME_MAX)
-    if spec.name.strip() != spec.name or not spec.name.isprintable():
-        raise InvalidField(
-            "spec.name", spec.name, "must be printable, without leading or trailing spaces"
-        )
-    _check_text("spec.entry_point", spec.entry_point, ENTRY_POINT_MAX)
-    parts = spec.entry_point.replace("\\", "/").split("/")
-    if spec.entry_point.startswith("/") or ".." in parts:
-        raise InvalidField(
-            "spec.entry_point", spec.entry_point, "must be a relative path inside the artifact"
-        )
-    if not ids.is_valid(ids.IdKind.ARTIFACT, spec.artifact_id):
-        raise InvalidField(
-            "spec.artifact_id", spec.artifact_id, "must be a sha256 in lowercase hex (64 chars)"
-        )
-    if len(spec.args) > ARGS_MAX:
-        raise InvalidField("spec.args", len(spec.args), f"must hold at most {ARGS_MAX} entries")
-    for i, arg in enumerate(spec.args):
-        _check_text(f"spec.args[{i}]", arg, ARG_MAX, allow_empty=True)
-    if len(spec.dataset_uris) > DATASET_URIS_MAX:
-        raise InvalidField(
-            "spec.dataset_uris",
-            len(spec.dataset_uris),
-            f"must hold at most {DATASET_URIS_MAX} entries",
-        )
-    for i, uri in enumerate(spec.dataset_uris):
-        _check_text(f"spec.dataset_uris[{i}]", uri, URI_MAX)
-        if uri.strip() != uri or "," in uri:
-            raise InvalidField(
-                f"spec.dataset_uris[{i}]", uri, "must not contain commas or surrounding spaces"
-            )
-    if spec.batch_size < 1:
-        raise InvalidField("spec.batch_size", spec.batch_size, "must be >= 1")
-    if spec.epochs < 1:
-        raise InvalidField("spec.epochs", spec.epochs, "must be >= 1")
-    min_workers = spec.min_workers or 1
-    if spec.min_workers < 0:
-        raise InvalidField("spec.min_workers", spec.min_workers, "must be >= 1 (0 means 1)")
-    if spec.max_workers < min_workers:
-        raise InvalidField(
-            "spec.max_workers", spec.max_workers, f"must be >= spec.min_workers ({min_workers})"
-        )
-    if spec.max_workers > MAX_WORKERS_LIMIT:
-        raise InvalidField("spec.max_workers", spec.max_workers, f"must be <= {MAX_WORKERS_LIMIT}")
-    priority = spec.priority or DEFAULT_PRIORITY
-    _check_priority("spec.priority", priority, principal, user_priority_limit)
-    if spec.sync_mode not in job_pb2.SyncMode.values():
-        raise InvalidField(
-            "spec.sync_mode",
-            spec.sync_mode,
-            "must be one of PARAMETER_SERVER (1), COLLECTIVE (2), AUTO (3)",
-        )
-    if spec.checkpoint_every < 0:
-        raise InvalidField("spec.checkpoint_every", spec.checkpoint_every, "must be >= 0")
-    if spec.keep_checkpoints < 0:
-        raise InvalidField(
-            "spec.keep_checkpoints", spec.keep_checkpoints, "must be >= 0 (0: the default, 3)"
-        )
-    if spec.keep_every_nth_checkpoint < 0:
-        raise InvalidField(
-            "spec.keep_every_nth_checkpoint",
-            spec.keep_every_nth_checkpoint,
-            "must be >= 0 (0: none kept for good)",
-        )
-    if spec.max_batch_per_device < 0:
-        raise InvalidField(
-            "spec.max_batch_per_device", spec.max_batch_per_device, "must be >= 0 (0: no limit)"
-        )
-    if len(spec.env) > ENV_MAX:
-        raise InvalidField("spec.env", len(spec.env), f"must hold at most {ENV_MAX} variables")
-    for key in sorted(spec.env):
-        if not _ENV_NAME.match(key):
-            raise InvalidField(f"spec.env[{key!r}]", key, "is not a valid variable name")
-        if key.startswith(_RESERVED_ENV_PREFIX) or key in _RESERVED_ENV:
-            raise InvalidField(
-                f"spec.env[{key!r}]", key, "is reserved for the learner contract (SHOAL_*)"
-            )
-        _check_text(f"spec.env[{key!r}]", spec.env[key], ENV_VALUE_MAX, allow_empty=True)
-
-    out = job_pb2.JobSpec()
-    out.CopyFrom(spec)
-    out.min_workers = min_workers
-    out.priority = priority
-    if out.sync_mode == job_pb2.SYNC_MODE_UNSPECIFIED:
-        out.sync_mode = job_pb2.SYNC_MODE_AUTO
-    return out
-
-
-def _check_priority(name: str, value: int, principal: Principal, user_limit: int) -> None:
-    if not 1 <= value <= MAX_PRIORITY:
-        raise InvalidField(name, value, f"must be in 1..{MAX_PRIORITY}")
-    if principal.role is Role.USER and value > user_limit:
-        raise PermissionDenied(
-            f"{name} ({value}) is above the limit for users ({user_limit}); "
-            f"{principal.name} has role user"
-        )
-
-
-def validate_update(
-    job: job_pb2.Job,
-    *,
-    priority: int | None,
-    max_workers: int | None,
-    principal: Principal,
-    user_priority_limit: int = MAX_PRIORITY,
-) -> None:
-    """Check an UpdateJob against the job (state, then fields)."""
-    if job.state not in ACTIVE_STATES:
-        raise FailedPrecondition(
-            f"job {job.job_id!r} is {state_name(job.state)}: only QUEUED, RUNNING or "
-            "RECOVERING jobs can be updated"
-        )
-    if priority is not None:
-        _check_priority("priority", priority, principal, user_priority_limit)
-    if max_workers is not None:
-        if max_workers < job.spec.min_workers:
-            raise InvalidField(
-                "max_workers", max_workers, f"must be >= min_workers ({job.spec.min_workers})"
-            )
-        if max_workers > MAX_WORKERS_LIMIT:
-            raise InvalidField("max_workers", max_workers, f"must be <= {MAX_WORKERS_LIMIT}")
-
-
-def can_see(principal: Principal, owner: str, job_id: str = "") -> bool:
-    """A job is visible to its owner, to admins and to services, and to the learners whose
-    credential was minted for it (``job_id``; never in listings, where it is empty)."""
-    if principal.role is Role.LEARNER:
-        return bool(job_id) and principal.job_id == job_id
-    return principal.role in (Role.ADMIN, Role.SERVICE) or principal.name == owner
-
-
-def spec_digest(spec: job_pb2.JobSpec) -> str:
-    """The sha256 of a validated spec's deterministic serialization: what a repeated SubmitJob
-    with the same request_id must match."""
-    return hashlib.sha256(spec.SerializeToString(deterministic=True)).hexdigest()
-
 
 # --------------------------------------------------------------------------------------------
 # Records
@@ -635,75 +428,3 @@ def append_allocation_event(
     """Append ``event``, dropping the oldest ones beyond ``limit``."""
     events.append(event)
     del events[:-limit]
-
-
-# --------------------------------------------------------------------------------------------
-# ListJobs pagination
-# --------------------------------------------------------------------------------------------
-
-
-def validate_page_size(page_size: int) -> int:
-    if page_size == 0:
-        return DEFAULT_PAGE_SIZE
-    if not 1 <= page_size <= MAX_PAGE_SIZE:
-        raise InvalidField("page_size", page_size, f"must be in 1..{MAX_PAGE_SIZE} (0: 100)")
-    return page_size
-
-
-def _filter_key(states: Iterable[int]) -> str:
-    text = ",".join(str(s) for s in sorted(set(states)))
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
-
-
-def encode_page_token(submit_seq: int, job_id: str, states: Iterable[int]) -> str:
-    """An opaque token: where the next page starts (after this job) and the filter it is for."""
-    doc = json.dumps([submit_seq, job_id, _filter_key(states)], separators=(",", ":"))
-    return base64.urlsafe_b64encode(doc.encode()).decode().rstrip("=")
-
-
-def decode_page_token(token: str, states: Iterable[int]) -> tuple[int, str]:
-    try:
-        padded = token + "=" * (-len(token) % 4)
-        seq, job_id, key = json.loads(base64.urlsafe_b64decode(padded.encode()))
-        if not isinstance(seq, int) or not isinstance(job_id, str) or not isinstance(key, str):
-            raise ValueError("bad token fields")
-    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):
-        raise InvalidField("page_token", token, "is not a token this API returned") from None
-    if key != _filter_key(states):
-        raise InvalidField("page_token", token, "was issued for a different states filter")
-    return seq, job_id
-
-
-def page_jobs(
-    jobs: Sequence[job_pb2.Job],
-    seqs: Mapping[str, int],
-    *,
-    states: Sequence[int],
-    page_size: int,
-    page_token: str,
-) -> tuple[list[job_pb2.Job], str]:
-    """One page of ``jobs`` (already filtered by visibility), newest first.
-
-    ``seqs`` gives each job's submit sequence (the order). The token names the last job of the
-    page, so pages stay consistent while jobs are submitted: new jobs appear only on a fresh
-    first page, and none is skipped or repeated.
-    """
-    size = validate_page_size(page_size)
-    for s in states:
-        if s not in job_pb2.JobState.values() or s == S.JOB_STATE_UNSPECIFIED:
-            raise InvalidField("states", s, "must name job states (QUEUED, RUNNING, ...)")
-    wanted = frozenset(states)
-    ordered = sorted(
-        (j for j in jobs if not wanted or j.state in wanted),
-        key=lambda j: (seqs[j.job_id], j.job_id),
-        reverse=True,
-    )
-    if page_token:
-        after = decode_page_token(page_token, states)
-        ordered = [j for j in ordered if (seqs[j.job_id], j.job_id) < after]
-    page = ordered[:size]
-    token = ""
-    if len(ordered) > size:
-        last = page[-1]
-        token = encode_page_token(seqs[last.job_id], last.job_id, states)
-    return page, token

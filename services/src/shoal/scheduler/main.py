@@ -1,7 +1,8 @@
 """``shoal-service job-scheduler`` / ``python -m shoal.scheduler``: the job-scheduler process.
 
 Flags (each also an environment variable; flags win), beside the server flags of
-``shoal.runtime.config``:
+``shoal.runtime.config``; declared in :data:`SETTINGS`, from which docs/configuration.md is
+generated:
 
 ==========================  =========================  ===========================================
 flag                        variable                   meaning (default)
@@ -66,6 +67,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.contract import environment
 from shoal.contract.errors import InvalidField
 from shoal.runtime import metrics, telemetry
 from shoal.runtime.auth import (
@@ -85,6 +87,7 @@ from shoal.runtime.config import (
 from shoal.runtime.election import LeaderElection, Leadership
 from shoal.runtime.server import RunningServer
 from shoal.runtime.service import follow_leader, lead_forever, run_service
+from shoal.runtime.settings import Setting, add_settings
 from shoal.runtime.store import MemoryStore, Store
 from shoal.scheduler.artifacts import ArtifactStore, Storage
 from shoal.scheduler.health import HealthConfig
@@ -96,7 +99,7 @@ from shoal.scheduler.reconcile import ELECTION, Peers, ReconcileConfig, Reconcil
 from shoal.scheduler.service import ERRORS, ApiConfig, JobApi, binding
 from shoal.scheduler.store import JobTable
 
-__all__ = ["SchedulerConfig", "build_parser", "config_from_args", "main", "serve"]
+__all__ = ["SETTINGS", "SchedulerConfig", "build_parser", "config_from_args", "main", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +214,87 @@ def _addresses(text: str) -> tuple[str, ...]:
     return tuple(a.strip() for a in (text or "").split(",") if a.strip())
 
 
+SETTINGS: tuple[Setting, ...] = (
+    Setting("--resource-managers", "SHOAL_RESOURCE_MANAGERS", "", "resource-manager addresses"),
+    Setting("--sync-shards", "SHOAL_SYNC_SHARDS", "", "parameter-sync shard addresses, in order"),
+    Setting(
+        "--storage-uri",
+        "SHOAL_STORAGE_URI",
+        lambda: (Path.cwd() / ".shoal" / "storage").as_uri(),
+        "fsspec storage URI",
+        shown_default="file://<cwd>/.shoal/storage",
+    ),
+    Setting("--policy", "SHOAL_POLICY", "PRIORITY", "FIFO, FAIRSHARE, PRIORITY or GOODPUT"),
+    Setting("--fair-fraction", "SHOAL_FAIR_FRACTION", "0.5", "GOODPUT: least share of fair, 0..1"),
+    Setting(
+        "--service-thresholds",
+        "SHOAL_SERVICE_THRESHOLDS",
+        "",
+        "attained-service class thresholds, device-seconds, increasing (empty: off)",
+    ),
+    Setting("--service-decay", "SHOAL_SERVICE_DECAY", "2", "weight divisor per service class"),
+    Setting(
+        "--rescale-horizon",
+        "SHOAL_RESCALE_HORIZON_S",
+        "0",
+        "GOODPUT: resize a job only if the gain over this many seconds beats its pause (0: off)",
+    ),
+    Setting("--hold-time", "SHOAL_HOLD_TIME_S", "30", "anti-thrash hold time, seconds"),
+    Setting("--resync-interval", "SHOAL_RESYNC_INTERVAL_S", "1", "resync interval, seconds"),
+    Setting("--election-ttl", "SHOAL_ELECTION_TTL_S", "5", "leader lease TTL, seconds"),
+    Setting("--max-artifact-mb", "SHOAL_MAX_ARTIFACT_MB", "1024", "artifact size limit, MiB"),
+    Setting("--max-user-priority", "SHOAL_MAX_USER_PRIORITY", str(MAX_PRIORITY), "user limit"),
+    Setting("--history-limit", "SHOAL_HISTORY_LIMIT", "1000", "allocation events kept per job"),
+    Setting("--max-learner-failures", "SHOAL_MAX_LEARNER_FAILURES", "3", "failures before FAILED"),
+    Setting("--stop-grace", "SHOAL_STOP_GRACE_S", "10", "StopLearner grace, seconds"),
+    Setting("--retire-timeout", "SHOAL_RETIRE_TIMEOUT_S", "600", "retire timeout, seconds"),
+    Setting("--finish-grace", "SHOAL_FINISH_GRACE_S", "30", "finished job's learners, seconds"),
+    Setting("--call-timeout", "SHOAL_CALL_TIMEOUT_S", "10", "deadline of outgoing calls, seconds"),
+    Setting(
+        "--stall-timeout",
+        "SHOAL_STALL_TIMEOUT_S",
+        "300",
+        "no committed iteration this long: retry from the checkpoint, seconds (0: never)",
+    ),
+    Setting("--max-recoveries", "SHOAL_MAX_RECOVERIES", "3", "automatic retries before FAILED"),
+    Setting(
+        "--coordinator-grace",
+        "SHOAL_COORDINATOR_GRACE_S",
+        "2",
+        "coordinator unreachable this long: RECOVERING, seconds",
+    ),
+    Setting(
+        "--coordinator-failover",
+        "SHOAL_COORDINATOR_FAILOVER",
+        "on",
+        "on: another shard takes a lost coordinator's role over; off: latest checkpoint",
+    ),
+    Setting(
+        "--learner-signing-key",
+        "SHOAL_LEARNER_SIGNING_KEY",
+        "",
+        "Ed25519 private key (PEM) signing learner credentials",
+    ),
+    Setting(
+        "--learner-token-ttl",
+        "SHOAL_LEARNER_TOKEN_TTL_S",
+        str(int(DEFAULT_LEARNER_TOKEN_TTL_S)),
+        "longest life of a learner credential, seconds",
+    ),
+    Setting(
+        "--artifact-quota-mb", "SHOAL_ARTIFACT_QUOTA_MB", "10240", "artifact bytes per user, MiB"
+    ),
+    Setting("--trace-every", environment.TRACE_EVERY, "", "learners trace every N-th iteration"),
+    Setting(
+        "--collective-timeout",
+        environment.COLLECTIVE_TIMEOUT_S,
+        "",
+        "collective-mode learners abort a collective after, seconds",
+    ),
+)
+"""The job-scheduler's settings (docs/configuration.md is generated from them)."""
+
+
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shoal-service job-scheduler",
@@ -218,80 +302,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_server_flags(parser, env)
-    g = parser.add_argument_group("job-scheduler")
-    default_storage = (Path.cwd() / ".shoal" / "storage").as_uri()
-
-    def flag(name: str, var: str, default: str, help_text: str) -> None:
-        g.add_argument(name, default=env.get(var, default), help=f"{help_text} (${var})")
-
-    flag("--resource-managers", "SHOAL_RESOURCE_MANAGERS", "", "resource-manager addresses")
-    flag("--sync-shards", "SHOAL_SYNC_SHARDS", "", "parameter-sync shard addresses, in order")
-    flag("--storage-uri", "SHOAL_STORAGE_URI", default_storage, "fsspec storage URI")
-    flag("--policy", "SHOAL_POLICY", "PRIORITY", "FIFO, FAIRSHARE, PRIORITY or GOODPUT")
-    flag("--fair-fraction", "SHOAL_FAIR_FRACTION", "0.5", "GOODPUT: least share of fair, 0..1")
-    flag(
-        "--service-thresholds",
-        "SHOAL_SERVICE_THRESHOLDS",
-        "",
-        "attained-service class thresholds, device-seconds, increasing (empty: off)",
-    )
-    flag("--service-decay", "SHOAL_SERVICE_DECAY", "2", "weight divisor per service class")
-    flag(
-        "--rescale-horizon",
-        "SHOAL_RESCALE_HORIZON_S",
-        "0",
-        "GOODPUT: resize a job only if the gain over this many seconds beats its pause (0: off)",
-    )
-    flag("--hold-time", "SHOAL_HOLD_TIME_S", "30", "anti-thrash hold time, seconds")
-    flag("--resync-interval", "SHOAL_RESYNC_INTERVAL_S", "1", "resync interval, seconds")
-    flag("--election-ttl", "SHOAL_ELECTION_TTL_S", "5", "leader lease TTL, seconds")
-    flag("--max-artifact-mb", "SHOAL_MAX_ARTIFACT_MB", "1024", "artifact size limit, MiB")
-    flag("--max-user-priority", "SHOAL_MAX_USER_PRIORITY", str(MAX_PRIORITY), "user limit")
-    flag("--history-limit", "SHOAL_HISTORY_LIMIT", "1000", "allocation events kept per job")
-    flag("--max-learner-failures", "SHOAL_MAX_LEARNER_FAILURES", "3", "failures before FAILED")
-    flag("--stop-grace", "SHOAL_STOP_GRACE_S", "10", "StopLearner grace, seconds")
-    flag("--retire-timeout", "SHOAL_RETIRE_TIMEOUT_S", "600", "retire timeout, seconds")
-    flag("--finish-grace", "SHOAL_FINISH_GRACE_S", "30", "finished job's learners, seconds")
-    flag("--call-timeout", "SHOAL_CALL_TIMEOUT_S", "10", "deadline of outgoing calls, seconds")
-    flag(
-        "--stall-timeout",
-        "SHOAL_STALL_TIMEOUT_S",
-        "300",
-        "no committed iteration this long: retry from the checkpoint, seconds (0: never)",
-    )
-    flag("--max-recoveries", "SHOAL_MAX_RECOVERIES", "3", "automatic retries before FAILED")
-    flag(
-        "--coordinator-grace",
-        "SHOAL_COORDINATOR_GRACE_S",
-        "2",
-        "coordinator unreachable this long: RECOVERING, seconds",
-    )
-    flag(
-        "--coordinator-failover",
-        "SHOAL_COORDINATOR_FAILOVER",
-        "on",
-        "on: another shard takes a lost coordinator's role over; off: latest checkpoint",
-    )
-    flag(
-        "--learner-signing-key",
-        "SHOAL_LEARNER_SIGNING_KEY",
-        "",
-        "Ed25519 private key (PEM) signing learner credentials",
-    )
-    flag(
-        "--learner-token-ttl",
-        "SHOAL_LEARNER_TOKEN_TTL_S",
-        str(int(DEFAULT_LEARNER_TOKEN_TTL_S)),
-        "longest life of a learner credential, seconds",
-    )
-    flag("--artifact-quota-mb", "SHOAL_ARTIFACT_QUOTA_MB", "10240", "artifact bytes per user, MiB")
-    flag("--trace-every", "SHOAL_TRACE_EVERY", "", "learners trace every N-th iteration")
-    flag(
-        "--collective-timeout",
-        "SHOAL_COLLECTIVE_TIMEOUT_S",
-        "",
-        "collective-mode learners abort a collective after, seconds",
-    )
+    add_settings(parser.add_argument_group("job-scheduler"), SETTINGS, env)
     return parser
 
 

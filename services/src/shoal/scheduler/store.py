@@ -35,6 +35,7 @@ from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 
+from shoal.contract import keys
 from shoal.contract.errors import NotLeader, StoreConflict, Unavailable
 from shoal.runtime.store import (
     DeleteOp,
@@ -65,11 +66,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-PREFIX = "/shoal/v1/job-scheduler/"
-JOBS = PREFIX + "jobs/"
-REQUESTS = PREFIX + "requests/"
-ALLOCATIONS = PREFIX + "allocations/"
-THROUGHPUT = PREFIX + "throughput/"
+# The key schema is shoal.contract.keys.
+PREFIX = keys.SCHEDULER_PREFIX
+JOBS = keys.SCHEDULER_JOBS
+REQUESTS = keys.SCHEDULER_REQUESTS
+ALLOCATIONS = keys.SCHEDULER_ALLOCATIONS
+THROUGHPUT = keys.SCHEDULER_THROUGHPUT
 
 SERVICE = "job-scheduler"
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
+import tenacity
 from grpc import aio
 
 from shoal.contract.errors import decode_rpc_error
@@ -99,14 +100,25 @@ class Peers:
         return False
 
     async def rm_call(self, method: str, request: Any, timeout: float) -> Any:
-        attempts = len(self._rm_addresses) + 1
-        for attempt in range(attempts):
-            try:
+        """Call the resource manager; on UNAVAILABLE try again at once on the leader a standby
+        named, or the next address, once per address (then the error is raised)."""
+
+        def next_replica(state: tenacity.RetryCallState) -> None:
+            assert state.outcome is not None
+            self.rm_failed(state.outcome.exception())  # type: ignore[arg-type]
+
+        async for attempt in tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(
+                lambda e: (
+                    isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
+                )
+            ),
+            stop=tenacity.stop_after_attempt(len(self._rm_addresses) + 1),
+            before_sleep=next_replica,
+            reraise=True,
+        ):
+            with attempt:
                 return await getattr(self.rm(), method)(request, timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == attempts - 1:
-                    raise
-                self.rm_failed(exc)
         raise AssertionError("unreachable")
 
     # -- agents and shards ------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from shoal.contract import environment
 from shoal.runtime import telemetry
 from shoal.scheduler.jobs import (
     JobRecord,
@@ -54,28 +55,28 @@ def learner_env(
     env = dict(spec.env)
     env.update(
         {
-            "SHOAL_JOB_ID": record.job_id,
-            "SHOAL_LEARNER_ID": learner_id,
-            "SHOAL_SYNC_ENDPOINTS": ",".join(shards),
-            "SHOAL_COORDINATOR": record.coordinator_address,
-            "SHOAL_STORAGE_URI": storage_uri,
-            "SHOAL_BATCH_SIZE": str(spec.batch_size),
-            "SHOAL_EPOCHS": str(spec.epochs),
-            "SHOAL_SEED": str(spec.seed),
-            "SHOAL_SYNC_BACKEND": SYNC_BACKENDS.get(
+            environment.JOB_ID: record.job_id,
+            environment.LEARNER_ID: learner_id,
+            environment.SYNC_ENDPOINTS: ",".join(shards),
+            environment.COORDINATOR: record.coordinator_address,
+            environment.STORAGE_URI: storage_uri,
+            environment.BATCH_SIZE: str(spec.batch_size),
+            environment.EPOCHS: str(spec.epochs),
+            environment.SEED: str(spec.seed),
+            environment.SYNC_BACKEND: SYNC_BACKENDS.get(
                 record.job.effective_sync_mode, SYNC_BACKENDS[job_pb2.SYNC_MODE_PARAMETER_SERVER]
             ),
         }
     )
     if spec.max_batch_per_device > 0:
-        env["SHOAL_MAX_BATCH_PER_DEVICE"] = str(spec.max_batch_per_device)
+        env[environment.MAX_BATCH_PER_DEVICE] = str(spec.max_batch_per_device)
     if spec.dataset_uris:
-        env["SHOAL_DATASET_URIS"] = ",".join(spec.dataset_uris)
+        env[environment.DATASET_URIS] = ",".join(spec.dataset_uris)
     if token:
-        env["SHOAL_TOKEN"] = token
+        env[environment.TOKEN] = token
     if trace_every is not None:
-        env["SHOAL_TRACE_EVERY"] = str(trace_every)
+        env[environment.TRACE_EVERY] = str(trace_every)
     if collective_timeout_s is not None:
-        env["SHOAL_COLLECTIVE_TIMEOUT_S"] = f"{collective_timeout_s:g}"
+        env[environment.COLLECTIVE_TIMEOUT_S] = f"{collective_timeout_s:g}"
     telemetry.inject_env(env)
     return env

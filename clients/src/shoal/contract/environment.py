@@ -1,0 +1,85 @@
+"""The names of the environment variables the job scheduler and host agent give a learner and
+the learner reads (``shoal.learner.env`` documents each one's meaning and default).
+
+One constant per variable, so that the side that writes a variable
+(``shoal.scheduler.reconcile.rules.learner_env``) and the side that reads it
+(``shoal.learner.env``) cannot drift apart. This module imports nothing beyond the standard
+library.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BATCH_SIZE",
+    "COLLECTIVE_TIMEOUT_S",
+    "COORDINATOR",
+    "DATASET_URIS",
+    "EPOCHS",
+    "GENERATION",
+    "JOB_ID",
+    "LEARNER_ID",
+    "LEARNER_VARIABLES",
+    "LOG_LEVEL",
+    "MAX_BATCH_PER_DEVICE",
+    "PREFIX",
+    "SEED",
+    "STORAGE_URI",
+    "SYNC_BACKEND",
+    "SYNC_ENDPOINTS",
+    "TLS_CA",
+    "TLS_CERT",
+    "TLS_KEY",
+    "TOKEN",
+    "TRACE_EVERY",
+    "TRAIN_MARKER",
+]
+
+#: Every shoal variable starts with it (a job's own ``env`` may not set such a variable).
+PREFIX = "SHOAL_"
+
+JOB_ID = "SHOAL_JOB_ID"
+LEARNER_ID = "SHOAL_LEARNER_ID"
+GENERATION = "SHOAL_GENERATION"
+SYNC_ENDPOINTS = "SHOAL_SYNC_ENDPOINTS"
+COORDINATOR = "SHOAL_COORDINATOR"
+SYNC_BACKEND = "SHOAL_SYNC_BACKEND"
+MAX_BATCH_PER_DEVICE = "SHOAL_MAX_BATCH_PER_DEVICE"
+TRAIN_MARKER = "SHOAL_TRAIN_MARKER"
+STORAGE_URI = "SHOAL_STORAGE_URI"
+TOKEN = "SHOAL_TOKEN"
+TLS_CA = "SHOAL_TLS_CA"
+TLS_CERT = "SHOAL_TLS_CERT"
+TLS_KEY = "SHOAL_TLS_KEY"
+TRACE_EVERY = "SHOAL_TRACE_EVERY"
+COLLECTIVE_TIMEOUT_S = "SHOAL_COLLECTIVE_TIMEOUT_S"
+EPOCHS = "SHOAL_EPOCHS"
+BATCH_SIZE = "SHOAL_BATCH_SIZE"
+SEED = "SHOAL_SEED"
+DATASET_URIS = "SHOAL_DATASET_URIS"
+#: Read by every shoal process (services, learners, the dashboard): the logging level.
+LOG_LEVEL = "SHOAL_LOG_LEVEL"
+
+#: The variables of a learner's contract (what ``shoal.learner.env`` reads).
+LEARNER_VARIABLES = frozenset(
+    {
+        JOB_ID,
+        LEARNER_ID,
+        GENERATION,
+        SYNC_ENDPOINTS,
+        COORDINATOR,
+        SYNC_BACKEND,
+        MAX_BATCH_PER_DEVICE,
+        TRAIN_MARKER,
+        STORAGE_URI,
+        TOKEN,
+        TLS_CA,
+        TLS_CERT,
+        TLS_KEY,
+        TRACE_EVERY,
+        COLLECTIVE_TIMEOUT_S,
+        EPOCHS,
+        BATCH_SIZE,
+        SEED,
+        DATASET_URIS,
+    }
+)
