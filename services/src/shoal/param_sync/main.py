@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shoal.contract.data_plane import SHARDS_PREFIX
+from shoal.contract.shm import sweep_stale
 from shoal.contract.wire import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from shoal.param_sync.service import (
     ERRORS,
@@ -83,6 +84,7 @@ class ParamSyncConfig:
     shard_probe_s: float = 1.0
     replication: bool = True
     promote_after_s: float = 2.0
+    shm_lane: bool = True
 
     def __post_init__(self) -> None:
         if self.shard_index < 0:
@@ -152,6 +154,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "backup takes its slices over; a restart within it is restored in place "
         "(SHOAL_PROMOTE_AFTER_S)",
     )
+    g.add_argument(
+        "--shm-lane",
+        default=env.get("SHOAL_SHM_LANE", "on"),
+        help="on (default) or off: learners on this shard's host move their SyncStep bytes "
+        "through shared memory (/dev/shm) instead of gRPC chunks (SHOAL_SHM_LANE)",
+    )
     add_server_flags(parser, env)
     return parser
 
@@ -180,6 +188,9 @@ def parse_config(
     replication = str(ns.replication).strip().lower()
     if replication not in ("on", "off", "true", "false", "1", "0"):
         raise InvalidField("replication", ns.replication, "must be on or off")
+    shm_lane = str(ns.shm_lane).strip().lower()
+    if shm_lane not in ("on", "off", "true", "false", "1", "0"):
+        raise InvalidField("shm_lane", ns.shm_lane, "must be on or off")
     try:
         probe = float(ns.shard_probe)
     except ValueError:
@@ -200,6 +211,7 @@ def parse_config(
         shard_probe_s=probe,
         replication=replication in ("on", "true", "1"),
         promote_after_s=promote_after,
+        shm_lane=shm_lane in ("on", "true", "1"),
     )
 
 
@@ -242,6 +254,9 @@ async def _register(config: ParamSyncConfig, address: str, stop: asyncio.Event) 
 
 async def serve(config: ParamSyncConfig) -> None:
     warm_up()
+    if config.shm_lane:
+        for name in sweep_stale():
+            log.info("removed the stale shared-memory segment %s (its shard is gone)", name)
     metrics.setup_metrics(f"parameter-sync-{config.shard_index}", config.server)
     servicer = ParameterSyncServicer(
         ShardOptions(
@@ -255,6 +270,7 @@ async def serve(config: ParamSyncConfig) -> None:
             shard_probe_s=config.shard_probe_s,
             replication=config.replication,
             promote_after_s=config.promote_after_s,
+            shm_lane=config.shm_lane,
         )
     )
     running = await create_server(
