@@ -127,8 +127,8 @@ def main() -> int:
         same = grpc_final == shm_final  # same inputs, same rounds: same parameters
         g, s = statistics.median(grpc_t) * 1e3, statistics.median(shm_t) * 1e3
         results["sizes"][str(size)] = {
-            "grpc_ms": grpc_t,
-            "shm_ms": shm_t,
+            "grpc_s": grpc_t,
+            "shm_s": shm_t,
             "grpc_median_ms": g,
             "shm_median_ms": s,
             "bit_identical": same,
