@@ -582,7 +582,9 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
                     # The shard lost the lane (it restarted), or its slice outgrew it: this
                     # iteration goes as chunks, the next asks for a new lane.
                     log.warning(
-                        "shard %s: lane not usable (%s); sending chunks", shard.address, exc
+                        "shard %s: lane not usable (%s); sending chunks",
+                        shard.address,
+                        exc.details() if isinstance(exc, aio.AioRpcError) else exc,
                     )
                     shard.lane, shard.lane_tried = None, False
                     lane.close()
@@ -634,16 +636,22 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
             return
 
         async def shutdown() -> None:
-            for shard in self._shards:
-                if shard.lane is not None:
-                    await close_lane(
-                        shard.stub,
-                        shard.lane,
+            lanes = [s for s in self._shards if s.lane is not None]
+            await asyncio.gather(
+                *(
+                    close_lane(
+                        s.stub,
+                        s.lane,
                         job_id=self.job_id,
                         learner_id=self.learner_id,
                         md=self._metadata,
                     )
-                    shard.lane = None
+                    for s in lanes
+                ),
+                return_exceptions=True,
+            )
+            for s in lanes:
+                s.lane = None
             for channel in self._channels.values():
                 await channel.close()
 
