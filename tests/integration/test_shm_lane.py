@@ -256,11 +256,25 @@ async def test_a_lane_round_equals_a_grpc_round_and_bad_offsets_change_nothing(s
     assert await s.completed() == 1
     assert not os.path.exists(lane.path)  # attached and used: the name is gone
 
+    # A learner that synced in generation g and is not a member of a later one (evicted,
+    # retired) loses its lane when the shard learns that generation; members keep theirs.
+    s.servicer._prune_lanes(JOB, a.generation, frozenset())
+    s.servicer._prune_lanes(JOB, a.generation + 1, frozenset({LEARNER}))
+    assert (JOB, LEARNER) in s.servicer._lanes
     # The job ends: its lanes go (the segment is only the test's mapping now).
     assert s.servicer._lanes
     await s.call("service", "CloseJob", ps_pb2.CloseJobRequest(job_id=JOB))
     assert not s.servicer._lanes
     segment.close()
+
+
+async def test_an_evicted_learners_lane_goes_with_the_next_generation(shard: Shard):
+    s = shard
+    request = ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=LEARNER, host_id=host_id())
+    assert not (await s.call("learner", "OpenSharedLane", request)).refused
+    s.servicer._lanes[(JOB, LEARNER)].generation = 1  # it synced in generation 1
+    s.servicer._prune_lanes(JOB, 2, frozenset({f"{JOB}-l2"}))
+    assert not s.servicer._lanes
 
 
 async def test_a_lane_off_shard_refuses_and_close_drops_the_lane(shard: Shard):
