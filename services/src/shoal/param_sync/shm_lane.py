@@ -169,6 +169,7 @@ class LaneHandlers:
         sj.check_complete(contribution)
         lane.attached()
         lane.generation = header.generation
+        self.metrics.lane_stream(header.job_id)
         return lane
 
     async def _lane_answer(self: _S, lane: Lane, sj: ShardJob, encoded: Encoded) -> bytes:
