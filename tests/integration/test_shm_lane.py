@@ -20,7 +20,7 @@ import pytest
 import torch
 from grpc import aio
 
-from shoal.contract.shm import Segment, host_id
+from shoal.contract.shm import SHM_DIR, Segment, host_id
 from shoal.contract.wire import (
     BundleReceiver,
     TensorMeta,
@@ -51,6 +51,10 @@ from shoal.v1 import (
 from tests.support import make_tokens
 
 JOB, OTHER = "job-a", "job-b"
+# The lane needs a writable /dev/shm (every Linux host; a container may lack one).
+pytestmark = pytest.mark.skipif(
+    not os.access(SHM_DIR, os.W_OK), reason=f"{SHM_DIR} is not writable here"
+)
 LEARNER = f"{JOB}-l1"
 LAYOUT, TOTAL = pack_layout([TensorMeta("w", "float32", (4, 2), 0, 32)])
 W0 = torch.arange(8, dtype=torch.float32).view(4, 2)
