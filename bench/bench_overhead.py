@@ -152,8 +152,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_grpc(name: str, data_dir: str, epochs: int, tmp: Path) -> list[float]:
-    """One shard process, OpenJob as the scheduler would call it, one learner process."""
+def run_grpc(name: str, data_dir: str, epochs: int, tmp: Path, lane: bool = False) -> list[float]:
+    """One shard process, OpenJob as the scheduler would call it, one learner process; with
+    ``lane`` the tensors go through the same-host shared-memory lane, else as gRPC chunks."""
     import grpc
 
     from shoal.v1 import (
@@ -184,6 +185,8 @@ def run_grpc(name: str, data_dir: str, epochs: int, tmp: Path) -> list[float]:
             "--insecure-no-auth",
             "--storage-uri",
             storage,
+            "--shm-lane",
+            "on" if lane else "off",
         ],
         stdout=subprocess.PIPE,
         stderr=shard_log,
@@ -231,6 +234,7 @@ def run_grpc(name: str, data_dir: str, epochs: int, tmp: Path) -> list[float]:
                 "SHOAL_SYNC_ENDPOINTS": address,
                 "SHOAL_COORDINATOR": address,
                 "SHOAL_SYNC_BACKEND": "grpc",
+                "SHOAL_SHM_LANE": "on" if lane else "off",
             },
         )
         for line in learner.stdout.splitlines():
@@ -294,6 +298,10 @@ def main() -> int:
                     (
                         "ElasticTrainer, 1 learner + 1 shard (gRPC)",
                         partial(run_grpc, name, data_dir, epochs, tmp),
+                    ),
+                    (
+                        "ElasticTrainer, 1 learner + 1 shard (shm lane)",
+                        partial(run_grpc, name, data_dir, epochs, tmp, lane=True),
                     ),
                 ):
                     t0 = time.monotonic()

@@ -14,6 +14,7 @@ Also times the pieces of a round in this process (encoding, summing, the SGD ste
 loopback streaming) to show what dominates.
 
     .venv/bin/python bench/bench_sync.py [--learners 2 4] [--shards 2] [--rounds 10]
+        [--compare-lane]   # also shoal with --shm-lane off (learners and shards share this host)
 """
 
 from __future__ import annotations
@@ -432,6 +433,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--chunk-mb", type=float, default=1.0)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--compare-lane",
+        action="store_true",
+        help="also run shoal with the shards' --shm-lane off (gRPC streams), side by side",
+    )
     args = parser.parse_args()
     params, _ = resnet18_tensors()
     numel = sum(int(np.prod(s)) for _, s in params)
@@ -443,6 +449,16 @@ def main() -> int:
         shoal = summarize(bench_shoal(world, args.shards, args.rounds, args.chunk_mb))
         ratio = shoal["median_ms"] / gloo["median_ms"]
         results[f"W={world}"] = {"gloo": gloo, "shoal": shoal, "ratio": ratio}
+        if args.compare_lane:
+            off = ("--shm-lane", "off")
+            grpc_only = summarize(bench_shoal(world, args.shards, args.rounds, args.chunk_mb, off))
+            results[f"W={world}"]["shoal_grpc"] = grpc_only
+            print(
+                f"W={world}: shoal over gRPC streams (--shm-lane off) "
+                f"{grpc_only['median_ms']:.0f} ms (min {grpc_only['min_ms']:.0f}); "
+                f"{grpc_only['median_ms'] / gloo['median_ms']:.2f}x gloo",
+                flush=True,
+            )
         print(
             f"W={world}: gloo all_reduce {gloo['median_ms']:.0f} ms "
             f"(min {gloo['min_ms']:.0f}); shoal S={args.shards} round {shoal['median_ms']:.0f} ms "

@@ -31,9 +31,16 @@ def test_flags_and_environment_turn_replication_off_and_set_the_times() -> None:
         (["--shard-probe", "0"], "shard_probe_s (0.0)"),
         (["--shard-probe", "soon"], "shard_probe ('soon')"),
         (["--promote-after", "-1"], "promote_after_s (-1.0)"),
+        (["--shm-lane", "sometimes"], "shm_lane ('sometimes')"),
     ],
 )
 def test_bad_values_are_refused_naming_the_flag_and_the_value(argv: list[str], names: str) -> None:
     with pytest.raises(InvalidField) as info:
         parse_config([*BASE, *argv], env={})
     assert names in str(info.value)
+
+
+def test_the_shared_memory_lane_is_on_by_default_and_turned_off_per_cluster() -> None:
+    assert parse_config(BASE, env={}).shm_lane is True
+    assert parse_config([*BASE, "--shm-lane", "off"], env={}).shm_lane is False
+    assert parse_config(BASE, env={"SHOAL_SHM_LANE": "off"}).shm_lane is False

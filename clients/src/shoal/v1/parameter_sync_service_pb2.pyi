@@ -146,6 +146,8 @@ class TensorBundleHeader(_message.Message):
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
     GRAD_NORM_FIELD_NUMBER: _builtins.int
     STEP_SKIPPED_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_OFFSET_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     sender_id: _builtins.str
@@ -168,6 +170,14 @@ class TensorBundleHeader(_message.Message):
     """
     step_skipped: _builtins.bool
     """Shard to learner: the optimizer step was skipped (the gradient was not finite)."""
+    shared_memory: _builtins.bool
+    """The bytes are not in chunks but in the sender's same-host shared-memory lane
+    (OpenSharedLane), `total_bytes` of them from `shared_memory_offset`; no chunk follows.
+    """
+    shared_memory_offset: _builtins.int
+    """Where the bytes start in the lane's segment (with `shared_memory` only). The receiver
+    checks it against the lane's region for the direction and refuses anything outside.
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]:
         """The tensors in the stream."""
@@ -186,10 +196,12 @@ class TensorBundleHeader(_message.Message):
         learning_rate: _builtins.float = ...,
         grad_norm: _builtins.float = ...,
         step_skipped: _builtins.bool = ...,
+        shared_memory: _builtins.bool = ...,
+        shared_memory_offset: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "grad_norm", b"grad_norm", "iteration", b"iteration", "job_id", b"job_id", "learning_rate", b"learning_rate", "loss_sum", b"loss_sum", "num_samples", b"num_samples", "sender_id", b"sender_id", "step_skipped", b"step_skipped", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "grad_norm", b"grad_norm", "iteration", b"iteration", "job_id", b"job_id", "learning_rate", b"learning_rate", "loss_sum", b"loss_sum", "num_samples", b"num_samples", "sender_id", b"sender_id", "shared_memory", b"shared_memory", "shared_memory_offset", b"shared_memory_offset", "step_skipped", b"step_skipped", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2089,3 +2101,87 @@ class FindCoordinatorResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FindCoordinatorResponse: _TypeAlias = FindCoordinatorResponse  # noqa: Y015
+
+@_typing.final
+class OpenSharedLaneRequest(_message.Message):
+    """OpenSharedLaneRequest asks a shard for this learner's same-host shared-memory lane."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    LEARNER_ID_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    CLOSE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    learner_id: _builtins.str
+    """The learner (must be the caller)."""
+    host_id: _builtins.str
+    """The learner's host id (shoal.contract.shm.host_id): the lane opens only when it equals the
+    shard's (same boot, same host name, same /dev/shm).
+    """
+    close: _builtins.bool
+    """Drop this learner's lane instead (the learner is leaving)."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        learner_id: _builtins.str = ...,
+        host_id: _builtins.str = ...,
+        close: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "host_id", b"host_id", "job_id", b"job_id", "learner_id", b"learner_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenSharedLaneRequest: _TypeAlias = OpenSharedLaneRequest  # noqa: Y015
+
+@_typing.final
+class OpenSharedLaneResponse(_message.Message):
+    """OpenSharedLaneResponse is the lane (or why there is none)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REFUSED_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    IN_OFFSET_FIELD_NUMBER: _builtins.int
+    IN_CAPACITY_FIELD_NUMBER: _builtins.int
+    OUT_OFFSET_FIELD_NUMBER: _builtins.int
+    refused: _builtins.str
+    """Why no lane was opened ("" when one was): the learner uses gRPC streams."""
+    path: _builtins.str
+    """The segment's path (under /dev/shm); unlinked once the learner attached."""
+    size: _builtins.int
+    """The segment's size in bytes."""
+    nonce: _builtins.bytes
+    """Random bytes the shard wrote at offset 0 of the segment: the learner checks it opened the
+    shard's segment (and not a file of the same name in another /dev/shm).
+    """
+    in_offset: _builtins.int
+    """The region where the learner puts its SyncStep bytes: [in_offset, in_offset + in_capacity)."""
+    in_capacity: _builtins.int
+    """The size of that region (this shard's slice, packed)."""
+    out_offset: _builtins.int
+    """The region where the shard puts the new parameters: [out_offset, size)."""
+    def __init__(
+        self,
+        *,
+        refused: _builtins.str = ...,
+        path: _builtins.str = ...,
+        size: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
+        in_offset: _builtins.int = ...,
+        in_capacity: _builtins.int = ...,
+        out_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_capacity", b"in_capacity", "in_offset", b"in_offset", "nonce", b"nonce", "out_offset", b"out_offset", "path", b"path", "refused", b"refused", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenSharedLaneResponse: _TypeAlias = OpenSharedLaneResponse  # noqa: Y015

@@ -160,6 +160,11 @@ class ParameterSyncServiceStub:
                 request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.FindCoordinatorRequest.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.FindCoordinatorResponse.FromString,
                 _registered_method=True)
+        self.OpenSharedLane = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/OpenSharedLane',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.OpenSharedLaneRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.OpenSharedLaneResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterSyncServiceServicer:
@@ -404,6 +409,19 @@ class ParameterSyncServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSharedLane(self, request, context):
+        """OpenSharedLane (learner to a shard of its job on the same host) opens the same-host
+        shared-memory lane of this learner on this shard: a segment the shard creates (mode 0600,
+        an unguessable name, unlinked once the learner attached) through which SyncStep's bytes
+        then travel instead of chunks (`TensorBundleHeader.shared_memory`). The reply's `refused`
+        says why there is no lane (another host, the lane turned off): the learner then streams
+        over gRPC. `close` drops the learner's lane. Returns NOT_FOUND (unknown job),
+        UNAUTHENTICATED, PERMISSION_DENIED (another job, or another learner).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterSyncServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -526,6 +544,11 @@ def add_ParameterSyncServiceServicer_to_server(servicer, server):
                     servicer.FindCoordinator,
                     request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.FindCoordinatorRequest.FromString,
                     response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.FindCoordinatorResponse.SerializeToString,
+            ),
+            'OpenSharedLane': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSharedLane,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.OpenSharedLaneRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.OpenSharedLaneResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1182,6 +1205,33 @@ class ParameterSyncService:
             '/shoal.v1.ParameterSyncService/FindCoordinator',
             shoal_dot_v1_dot_parameter__sync__service__pb2.FindCoordinatorRequest.SerializeToString,
             shoal_dot_v1_dot_parameter__sync__service__pb2.FindCoordinatorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSharedLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/OpenSharedLane',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.OpenSharedLaneRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.OpenSharedLaneResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -176,6 +176,15 @@ class ParameterSyncServiceStub:
     any shard, when its coordinator does not answer). Returns UNAUTHENTICATED,
     PERMISSION_DENIED (a learner of another job).
     """
+    OpenSharedLane: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.OpenSharedLaneRequest, _parameter_sync_service_pb2.OpenSharedLaneResponse]
+    """OpenSharedLane (learner to a shard of its job on the same host) opens the same-host
+    shared-memory lane of this learner on this shard: a segment the shard creates (mode 0600,
+    an unguessable name, unlinked once the learner attached) through which SyncStep's bytes
+    then travel instead of chunks (`TensorBundleHeader.shared_memory`). The reply's `refused`
+    says why there is no lane (another host, the lane turned off): the learner then streams
+    over gRPC. `close` drops the learner's lane. Returns NOT_FOUND (unknown job),
+    UNAUTHENTICATED, PERMISSION_DENIED (another job, or another learner).
+    """
 
 @_typing.type_check_only
 class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
@@ -324,6 +333,15 @@ class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
     """FindCoordinator says where a job's coordinator is, as far as this shard knows (learner to
     any shard, when its coordinator does not answer). Returns UNAUTHENTICATED,
     PERMISSION_DENIED (a learner of another job).
+    """
+    OpenSharedLane: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.OpenSharedLaneRequest, _parameter_sync_service_pb2.OpenSharedLaneResponse]  # type: ignore[assignment]
+    """OpenSharedLane (learner to a shard of its job on the same host) opens the same-host
+    shared-memory lane of this learner on this shard: a segment the shard creates (mode 0600,
+    an unguessable name, unlinked once the learner attached) through which SyncStep's bytes
+    then travel instead of chunks (`TensorBundleHeader.shared_memory`). The reply's `refused`
+    says why there is no lane (another host, the lane turned off): the learner then streams
+    over gRPC. `close` drops the learner's lane. Returns NOT_FOUND (unknown job),
+    UNAUTHENTICATED, PERMISSION_DENIED (another job, or another learner).
     """
 
 class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -614,6 +632,21 @@ class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         """FindCoordinator says where a job's coordinator is, as far as this shard knows (learner to
         any shard, when its coordinator does not answer). Returns UNAUTHENTICATED,
         PERMISSION_DENIED (a learner of another job).
+        """
+
+    @_abc_1.abstractmethod
+    def OpenSharedLane(
+        self,
+        request: _parameter_sync_service_pb2.OpenSharedLaneRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.OpenSharedLaneResponse, _abc.Awaitable[_parameter_sync_service_pb2.OpenSharedLaneResponse]]:
+        """OpenSharedLane (learner to a shard of its job on the same host) opens the same-host
+        shared-memory lane of this learner on this shard: a segment the shard creates (mode 0600,
+        an unguessable name, unlinked once the learner attached) through which SyncStep's bytes
+        then travel instead of chunks (`TensorBundleHeader.shared_memory`). The reply's `refused`
+        says why there is no lane (another host, the lane turned off): the learner then streams
+        over gRPC. `close` drops the learner's lane. Returns NOT_FOUND (unknown job),
+        UNAUTHENTICATED, PERMISSION_DENIED (another job, or another learner).
         """
 
 def add_ParameterSyncServiceServicer_to_server(servicer: ParameterSyncServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -26,21 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import os
 import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-import grpc
 import numpy as np
 import torch
 from grpc import aio
 
 from shoal.client.tls import TLSFiles, channel_credentials
-from shoal.contract.errors import decode_rpc_error
+from shoal.contract.shm import LaneError
 from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
     BundleReceiver,
@@ -49,10 +46,8 @@ from shoal.contract.wire import (
     byte_view,
     encode_chunks,
     encode_header,
-    frame_decoder,
     header_of,
     pack_layout,
-    serialize,
 )
 from shoal.learner.backend import (
     Assignment,
@@ -69,7 +64,22 @@ from shoal.learner.backend import (
     registered_backends,
 )
 from shoal.learner.env import LearnerEnv
-from shoal.learner.liveness import WATCH_AFTER_S, WATCH_EVERY_S, CoordinatorMoved, watched
+from shoal.learner.grpc_calls import (
+    _SHARD_LOST_PAUSE_S,
+    MAX_MESSAGE_BYTES,
+    LearnerEvicted,
+    _bytes_of,
+    _copy_sink,
+    _cpu,
+    _Shard,
+    _shard_lost,
+    _translate,
+    optimizer_proto,
+    stream_methods,
+)
+from shoal.learner.grpc_control import CoordinatorFollowing
+from shoal.learner.grpc_lane import close_lane, lane_refused, open_lane
+from shoal.learner.liveness import WATCH_AFTER_S, WATCH_EVERY_S, CoordinatorMoved
 from shoal.learner.tracing import trace_metadata
 from shoal.v1 import (
     job_pb2,
@@ -77,71 +87,21 @@ from shoal.v1 import (
     parameter_sync_service_pb2_grpc as ps_grpc,
 )
 
-__all__ = ["BACKEND_NAME", "GrpcBackend", "LearnerEvicted", "stream_methods"]
+__all__ = [
+    "BACKEND_NAME",
+    "GrpcBackend",
+    "LearnerEvicted",
+    "optimizer_proto",
+    "stream_methods",
+]
 
 log = logging.getLogger("shoal.learner.grpc")
 T = TypeVar("T")
 
 BACKEND_NAME = "grpc"
-SERVICE_PATH = "/shoal.v1.ParameterSyncService/"
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-#: A tensor stream (SyncStep, PullParameters) failing so means its shard is down, or came back
-#: without the job (it restarted): the coordinator notices, recovers the shard's slice, and the
-#: next boundary says what to run; the learner waits a moment so that it does not spin.
-_SHARD_LOST = (*_RETRYABLE, grpc.StatusCode.NOT_FOUND)
-_SHARD_LOST_PAUSE_S = 0.5
-#: What grpc.aio's client reports instead of the server's status when the server ends a
-#: client-streaming call before the client finished writing (grpc/grpc#36066): a shard that
-#: refused or dropped the stream (it lost the job), not a fault of the request.
-_CORE_MASKED = "Internal error from Core"
 
 
-def _shard_lost(exc: aio.AioRpcError) -> bool:
-    """Whether a tensor stream failed because its shard is down or lost the job."""
-    if exc.code() in _SHARD_LOST:
-        return True
-    return exc.code() == grpc.StatusCode.INTERNAL and (exc.details() or "") == _CORE_MASKED
-
-
-class LearnerEvicted(RuntimeError):
-    """The coordinator no longer knows this learner (it was evicted, or the job's data plane
-    was restarted without it): the learner must exit."""
-
-
-def stream_methods(channel: aio.Channel) -> dict[str, Any]:
-    """Multi-callables of the three tensor streams with shoal's hand codec
-    (``shoal.contract.wire``): requests pass pre-encoded bytes through, responses are
-    decoded into zero-copy :class:`~shoal.contract.wire.Frame` objects."""
-    return {
-        "InitializeParameters": channel.stream_unary(
-            SERVICE_PATH + "InitializeParameters",
-            request_serializer=serialize,
-            response_deserializer=ps_pb2.InitializeParametersResponse.FromString,
-        ),
-        "SyncStep": channel.stream_stream(
-            SERVICE_PATH + "SyncStep",
-            request_serializer=serialize,
-            response_deserializer=frame_decoder(ps_pb2.SyncStepResponse),
-        ),
-        "PullParameters": channel.unary_stream(
-            SERVICE_PATH + "PullParameters",
-            request_serializer=ps_pb2.PullParametersRequest.SerializeToString,
-            response_deserializer=frame_decoder(ps_pb2.PullParametersResponse),
-        ),
-    }
-
-
-@dataclass
-class _Shard:
-    index: int
-    address: str
-    tensors: list[int]  # indices into the job layout (params first, then buffers)
-    stub: ps_grpc.ParameterSyncServiceStub | None = None
-    streams: dict[str, Any] | None = None
-
-
-class GrpcBackend(SyncBackend):
+class GrpcBackend(CoordinatorFollowing, SyncBackend):
     """The parameter-server client of one learner (see the module docstring).
 
     ``channel_options`` are extra gRPC channel options. ``retry_s`` bounds how long the
@@ -167,6 +127,7 @@ class GrpcBackend(SyncBackend):
         channel_options: Sequence[tuple[str, Any]] = (),
         tls: TLSFiles | None = None,
         sync_endpoints: Sequence[str] = (),
+        shm_lane: bool = True,
     ) -> None:
         for name, value in (
             ("job_id", job_id),
@@ -215,6 +176,8 @@ class GrpcBackend(SyncBackend):
         self._report = (0, -1, 0.0, 0)  # generation, completed iteration, loss_sum, samples
         self._user: tuple[int, Mapping[str, tuple[float, int]]] = (-1, {})  # trainer.log
         self._closed = False
+        # Same-host shards: move SyncStep bytes through shared memory (grpc_lane.py).
+        self._shm_lane = shm_lane
 
     @classmethod
     def from_env(cls, env: LearnerEnv) -> GrpcBackend:
@@ -231,6 +194,8 @@ class GrpcBackend(SyncBackend):
             token=env.token,
             tls=TLSFiles(env.tls_ca, env.tls_cert, env.tls_key) if env.tls_ca else None,
             sync_endpoints=env.sync_endpoints,
+            shm_lane=os.environ.get("SHOAL_SHM_LANE", "on").strip().lower()
+            not in ("off", "false", "0"),
         )
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -259,116 +224,6 @@ class GrpcBackend(SyncBackend):
         """Call metadata: the token, plus the trace context when the calling thread has a span
         recording (the join, a sampled iteration: ``shoal.learner.tracing``)."""
         return self._metadata + trace_metadata()
-
-    async def _control(self, method: str, request: Any, metadata: Any = None) -> Any:
-        """A unary control call to the coordinator, retried while it is unreachable. Meanwhile
-        the other shards are asked whether the coordinator moved (its shard was lost and
-        another took the role over): then the learner joins the new one and asks it. An answer
-        from a coordinator older than one already followed is refused (it was fenced). A call
-        that hangs (a frozen coordinator) is watched: the shards are asked where the
-        coordinator is while it waits, and it is dropped for the new one (``_watch``)."""
-        deadline = time.monotonic() + self._retry_s
-        delay = 0.1
-        if self._recheck_coordinator:
-            self._recheck_coordinator = False
-            await self._find_coordinator(metadata)
-        while True:
-            if self._rejoin and method != "Join" and self._setup is not None:
-                await self._join(self._setup, metadata)
-            try:
-                call = getattr(self._coordinator_stub(), method)
-                reply = await self._watch(call(request, metadata=metadata or self._metadata))
-            except CoordinatorMoved:
-                deadline = time.monotonic() + self._retry_s
-                continue
-            except aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE or time.monotonic() > deadline:
-                    raise _translate(exc) from exc
-                why = exc.details()
-            else:
-                epoch = getattr(reply, "coordinator_epoch", None)
-                if epoch is None or epoch >= self._coordinator_epoch:
-                    if epoch is not None:
-                        self._coordinator_epoch = epoch
-                    return reply
-                why = (
-                    f"coordinator {self.coordinator} answered from epoch {epoch}, older than "
-                    f"{self._coordinator_epoch}"
-                )
-            if await self._find_coordinator(metadata) or (self._rejoin and method != "Join"):
-                deadline = time.monotonic() + self._retry_s
-                continue
-            log.warning("%s; retrying in %.1f s", why, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-    async def _watch(self, call: Awaitable[T]) -> T:
-        """``call`` (an RPC, or a gather of streams) watched for a coordinator that hangs
-        (``shoal.learner.liveness``): raises CoordinatorMoved once the shards name a new one."""
-        waited_on = self.coordinator
-        try:
-            return await watched(
-                call,
-                self._probe_coordinator,
-                after_s=self.watch_after_s,
-                every_s=self.watch_every_s,
-            )
-        except CoordinatorMoved:
-            log.warning(
-                "a call waited on coordinator %s, which hangs, after the role moved: dropped it "
-                "to follow %s",
-                waited_on,
-                self.coordinator,
-            )
-            raise
-
-    def _candidates(self) -> list[str]:
-        """The shards to ask where the coordinator is: all known but the one followed."""
-        candidates = dict.fromkeys([*(s.address for s in self._shards), *self._endpoints])
-        candidates.pop(self.coordinator, None)
-        return list(candidates)
-
-    async def _probe_coordinator(self) -> bool:
-        """One liveness probe while a call waits on the coordinator: ask one other shard (in
-        turn) where the coordinator is; True if it named a newer one (now followed)."""
-        candidates = self._candidates()
-        if not candidates:
-            return False
-        address = candidates[self._probe_turn % len(candidates)]
-        self._probe_turn += 1
-        return await self._ask_where(address, self._metadata, timeout=2.0)
-
-    async def _find_coordinator(self, metadata: Any = None) -> bool:
-        """Ask the other shards where the job's coordinator is; switch to it (True) when one
-        names a newer coordinator than the one followed."""
-        for address in self._candidates():
-            if await self._ask_where(address, metadata or self._metadata, timeout=5.0):
-                return True
-        return False
-
-    async def _ask_where(self, address: str, metadata: Any, *, timeout: float) -> bool:
-        """FindCoordinator on the shard at ``address``; follow a newer coordinator it names
-        (True: Join it before the next control call)."""
-        stub = ps_grpc.ParameterSyncServiceStub(self._channel(address))
-        request = ps_pb2.FindCoordinatorRequest(job_id=self.job_id)
-        try:
-            reply = await stub.FindCoordinator(request, metadata=metadata, timeout=timeout)
-        except aio.AioRpcError as exc:
-            log.info("FindCoordinator on %s: %s", address, exc.details())
-            return False
-        if reply.coordinator_epoch <= self._coordinator_epoch or not reply.coordinator_address:
-            return False
-        log.warning(
-            "coordinator moved: %s -> %s (epoch %d)",
-            self.coordinator,
-            reply.coordinator_address,
-            reply.coordinator_epoch,
-        )
-        self.coordinator = reply.coordinator_address
-        self._coordinator_epoch = reply.coordinator_epoch
-        self._routing_epoch = 0  # the new coordinator's routing starts afresh
-        self._rejoin = self._setup is not None
-        return True
 
     # -- initialize ---------------------------------------------------------------------------
 
@@ -442,6 +297,9 @@ class GrpcBackend(SyncBackend):
     def _route(self, slices: Sequence[ps_pb2.ShardSlice]) -> None:
         """Which shard holds which tensors (from Join, or a Boundary after a promotion)."""
         index = {m.name: j for j, m in enumerate(self._layout)}
+        for old in self._shards:  # a slice may have moved or grown: lanes are asked anew
+            if old.lane is not None:
+                old.lane.close()
         self._shards = []
         for s in slices:
             if not s.tensor_names:
@@ -609,8 +467,14 @@ class GrpcBackend(SyncBackend):
                 receiver = BundleReceiver(
                     metas, header.total_bytes, _copy_sink(self._recv_bytes, targets)
                 )
+                if header.shared_memory:  # the bytes are in this learner's lane
+                    if shard.lane is None:
+                        raise RuntimeError(f"shard {shard.address} answered through no lane")
+                    await asyncio.to_thread(shard.lane.read, header, receiver)
             elif frame.chunk is not None:
                 assert receiver is not None
+                if header.shared_memory:
+                    raise RuntimeError(f"shard {shard.address} sent a chunk after its lane header")
                 receiver.feed(frame.chunk)
         if header is None or receiver is None:
             raise RuntimeError(f"shard {shard.address} closed the stream without a header")
@@ -695,9 +559,44 @@ class GrpcBackend(SyncBackend):
                 learning_rate=lr or 0.0,
             )
 
+            views = [byte_view(tensors[j]) for j in present]  # type: ignore[arg-type]
+            if self._shm_lane and not shard.lane_tried:
+                shard.lane_tried = True
+                shard.lane = await open_lane(
+                    shard.stub,
+                    job_id=self.job_id,
+                    learner_id=self.learner_id,
+                    metadata=md or self._metadata,
+                    address=shard.address,
+                )
+            if shard.lane is not None and total > 0:
+                lane = shard.lane
+                try:
+                    header.shared_memory = True
+                    header.shared_memory_offset = await asyncio.to_thread(
+                        lane.write, metas, views, total
+                    )
+                    call = shard.streams["SyncStep"](
+                        _one(encode_header(ps_pb2.SyncStepRequest, header)),
+                        metadata=md or self._metadata,
+                    )
+                    return await self._receive(shard, call)
+                except (aio.AioRpcError, LaneError) as exc:
+                    if isinstance(exc, aio.AioRpcError) and not lane_refused(exc):
+                        raise
+                    # The shard lost the lane (it restarted), or its slice outgrew it: this
+                    # iteration goes as chunks, the next asks for a new lane.
+                    log.warning(
+                        "shard %s: lane not usable (%s); sending chunks",
+                        shard.address,
+                        exc.details() if isinstance(exc, aio.AioRpcError) else exc,
+                    )
+                    shard.lane, shard.lane_tried = None, False
+                    lane.close()
+                    header.shared_memory, header.shared_memory_offset = False, 0
+
             async def messages() -> AsyncIterator[bytes]:
                 yield encode_header(ps_pb2.SyncStepRequest, header)
-                views = [byte_view(tensors[j]) for j in present]  # type: ignore[arg-type]
                 for chunk in encode_chunks(metas, views, total, self._chunk_bytes):
                     yield chunk
 
@@ -742,6 +641,22 @@ class GrpcBackend(SyncBackend):
             return
 
         async def shutdown() -> None:
+            lanes = [s for s in self._shards if s.lane is not None]
+            await asyncio.gather(
+                *(
+                    close_lane(
+                        s.stub,
+                        s.lane,
+                        job_id=self.job_id,
+                        learner_id=self.learner_id,
+                        md=self._metadata,
+                    )
+                    for s in lanes
+                ),
+                return_exceptions=True,
+            )
+            for s in lanes:
+                s.lane = None
             for channel in self._channels.values():
                 await channel.close()
 
@@ -759,50 +674,8 @@ class GrpcBackend(SyncBackend):
         return self._plan
 
 
-def optimizer_proto(setup: TrainingSetup) -> ps_pb2.OptimizerSpec:
-    """What the shards need to step their slices as this learner's optimizer would: the class,
-    its arguments, the parameter groups by name, clipping and non-finite skipping."""
-    groups = setup.optimizer.groups
-    return ps_pb2.OptimizerSpec(
-        name=setup.optimizer.name,
-        hyperparameters_json=json.dumps(dict(setup.optimizer.kwargs), sort_keys=True),
-        clip_grad_norm=setup.clip_grad_norm or 0.0,
-        skip_nonfinite=setup.skip_nonfinite,
-        param_groups_json=json.dumps([[list(n), dict(o)] for n, o in groups], sort_keys=True)
-        if groups
-        else "",
-    )
-
-
-def _copy_sink(views: Sequence[np.ndarray], targets: Sequence[int]) -> Any:
-    def sink(i: int, off: int, seg: memoryview) -> None:
-        views[targets[i]][off : off + seg.nbytes] = np.frombuffer(seg, dtype=np.uint8)
-
-    return sink
-
-
-def _cpu(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu").contiguous()
-
-
-def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
-    if tensor.numel() == 0:
-        return np.empty(0, dtype=np.uint8)
-    return byte_view(tensor)
-
-
-def _translate(exc: aio.AioRpcError) -> Exception:
-    """Map a failed call to the learner's exceptions."""
-    code = exc.code()
-    reason = decode_rpc_error(exc).reason
-    text = exc.details() or str(code)
-    if code == grpc.StatusCode.ABORTED:
-        return IterationAborted(text)
-    if code == grpc.StatusCode.FAILED_PRECONDITION and reason == "ERROR_REASON_STALE_GENERATION":
-        return LearnerEvicted(text)
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
-        return ValueError(text)
-    return RuntimeError(f"{code.name}: {text}")
+async def _one(message: bytes) -> AsyncIterator[bytes]:
+    yield message
 
 
 def _register() -> None:

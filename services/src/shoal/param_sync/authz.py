@@ -52,6 +52,7 @@ LEARNER_METHODS = frozenset(
         "GetJobProgress",
         "GetMembership",
         "FindCoordinator",
+        "OpenSharedLane",
     }
 )
 #: What a user may call, for the jobs it owns.

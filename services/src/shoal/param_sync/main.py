@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from shoal.contract import environment
 from shoal.contract.keys import SHARDS_PREFIX, shard_key
+from shoal.contract.shm import sweep_stale
 from shoal.contract.wire import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from shoal.param_sync.service import (
     ERRORS,
@@ -78,6 +79,7 @@ class ParamSyncConfig:
     shard_probe_s: float = 1.0
     replication: bool = True
     promote_after_s: float = 2.0
+    shm_lane: bool = True
 
     def __post_init__(self) -> None:
         if self.shard_index < 0:
@@ -142,6 +144,13 @@ SETTINGS: tuple[Setting, ...] = (
         "seconds a lost shard may stay down, once its loss is detected, before its backup "
         "takes its slices over; a restart within it is restored in place",
     ),
+    Setting(
+        "--shm-lane",
+        "SHOAL_SHM_LANE",
+        "on",
+        "on or off: learners on this shard's host move their SyncStep bytes through shared "
+        "memory (/dev/shm) instead of gRPC chunks",
+    ),
 )
 """The settings of a shard process (docs/configuration.md is generated from them)."""
 
@@ -178,6 +187,9 @@ def parse_config(
     replication = str(ns.replication).strip().lower()
     if replication not in ("on", "off", "true", "false", "1", "0"):
         raise InvalidField("replication", ns.replication, "must be on or off")
+    shm_lane = str(ns.shm_lane).strip().lower()
+    if shm_lane not in ("on", "off", "true", "false", "1", "0"):
+        raise InvalidField("shm_lane", ns.shm_lane, "must be on or off")
     try:
         probe = float(ns.shard_probe)
     except ValueError:
@@ -198,6 +210,7 @@ def parse_config(
         shard_probe_s=probe,
         replication=replication in ("on", "true", "1"),
         promote_after_s=promote_after,
+        shm_lane=shm_lane in ("on", "true", "1"),
     )
 
 
@@ -246,6 +259,9 @@ async def serve(config: ParamSyncConfig) -> None:
     and stopped before the server drains."""
     telemetry.setup_tracing(f"parameter-sync-{config.shard_index}")
     warm_up()
+    if config.shm_lane:
+        for name in sweep_stale():
+            log.info("removed the stale shared-memory segment %s (its shard is gone)", name)
     metrics.setup_metrics(f"parameter-sync-{config.shard_index}", config.server)
     servicer = ParameterSyncServicer(
         ShardOptions(
@@ -259,6 +275,7 @@ async def serve(config: ParamSyncConfig) -> None:
             shard_probe_s=config.shard_probe_s,
             replication=config.replication,
             promote_after_s=config.promote_after_s,
+            shm_lane=config.shm_lane,
         )
     )
     stop = asyncio.Event()

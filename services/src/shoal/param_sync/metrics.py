@@ -16,6 +16,9 @@ metric                                      labels  meaning
                                                     the other shards, the commit and the
                                                     optimizer step included); aborted
                                                     rounds are not recorded
+``shoal_sync_lane_streams_total``           job_id  SyncSteps whose bytes came through the
+                                                    same-host shared-memory lane, per
+                                                    shard (the others came as gRPC chunks)
 ==========================================  ======  ======================================
 
 A shard has no leadership: every shard reports the rounds it served; only a job's
@@ -56,6 +59,10 @@ class SyncMetrics:
             "shard to its new parameters being ready here",
             explicit_bucket_boundaries_advisory=list(LATENCY_BUCKETS_S),
         )
+        self._lane = m.create_counter(
+            "shoal_sync_lane_streams",
+            description="SyncSteps whose bytes came through the same-host shared-memory lane",
+        )
         # (job, generation, iteration) -> when its first contribution arrived on this shard
         self._started: dict[tuple[str, int, int], float] = {}
 
@@ -77,6 +84,10 @@ class SyncMetrics:
     def iteration_committed(self, job_id: str) -> None:
         """The coordinator delivered an iteration's commit to every shard of the job."""
         self._committed.add(1, {"job_id": job_id})
+
+    def lane_stream(self, job_id: str) -> None:
+        """A SyncStep's bytes came through the same-host lane."""
+        self._lane.add(1, {"job_id": job_id})
 
     def forget(self, job_id: str) -> None:
         """The job was closed or reloaded on this shard."""

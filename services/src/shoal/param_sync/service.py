@@ -37,6 +37,7 @@ import grpc
 from grpc import aio
 
 from shoal.contract.errors import StaleCoordinator, decode_rpc_error
+from shoal.contract.shm import SHM_DIR, host_id
 from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
     frame_decoder,
@@ -60,6 +61,7 @@ from shoal.param_sync.servicer_tasks import CoordinatorTasks
 from shoal.param_sync.shard import (
     ShardJob,
 )
+from shoal.param_sync.shm_lane import Lane, LaneHandlers
 from shoal.runtime.auth import (
     LEARNERS,
     SERVICES,
@@ -117,6 +119,7 @@ ROLES = MethodRoles(
                 "CreateCheckpoint",
                 "ReportEpochMetrics",
                 "FindCoordinator",
+                "OpenSharedLane",
             )
         },
         "GetJobProgress": LEARNERS | USERS_AND_SERVICES,
@@ -155,6 +158,10 @@ class ShardOptions:
     # Seconds a lost shard may stay unreachable, once its loss was detected, before its
     # backup takes its slice over (a restart within it is restored in place instead).
     promote_after_s: float = 2.0
+    # The same-host shared-memory lane (shm_lane.py): learners on this host may move their
+    # SyncStep bytes through a segment under ``shm_dir`` instead of gRPC chunks.
+    shm_lane: bool = True
+    shm_dir: str = SHM_DIR
 
 
 # ------------------------------------------------------------------------------------------
@@ -190,6 +197,7 @@ def add_servicer(servicer: object, server: aio.Server) -> None:
         "TakeOverJob": (ps_pb2.TakeOverJobRequest, ps_pb2.TakeOverJobResponse),
         "SetCoordinator": (ps_pb2.SetCoordinatorRequest, ps_pb2.SetCoordinatorResponse),
         "FindCoordinator": (ps_pb2.FindCoordinatorRequest, ps_pb2.FindCoordinatorResponse),
+        "OpenSharedLane": (ps_pb2.OpenSharedLaneRequest, ps_pb2.OpenSharedLaneResponse),
     }
     handlers: dict[str, grpc.RpcMethodHandler] = {
         name: grpc.unary_unary_rpc_method_handler(
@@ -231,6 +239,7 @@ class ParameterSyncServicer(
     CoordinatorTasks,
     DataHandlers,
     PeerHandlers,
+    LaneHandlers,
 ):
     """All RPCs of one shard process (see the module docstring). Not a subclass of the
     generated servicer: the tensor streams take and give the hand codec's frames and bytes
@@ -262,6 +271,9 @@ class ParameterSyncServicer(
         self._background: set[asyncio.Task[Any]] = set()
         self._rendezvous_store: Any = None  # torch.distributed.TCPStore, on first use
         self._rendezvous_secret = secrets.token_bytes(32)
+        # Same-host lanes, by (job, learner); this host's id (shoal.contract.shm.host_id).
+        self._lanes: dict[tuple[str, str], Lane] = {}
+        self._host_id = host_id(options.shm_dir) if options.shm_lane else ""
 
     def _rendezvous_prefix(self, job_id: str) -> str:
         """The job's key prefix in the rendezvous store: a secret only its learners get
@@ -300,6 +312,7 @@ class ParameterSyncServicer(
         for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()
+        self._drop_lanes()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- helpers ------------------------------------------------------------------------------

@@ -71,7 +71,11 @@ class DataHandlers:
                 metas=matched,
                 total_bytes=header.total_bytes,
             )
-            await _collect(frames, sj, contribution)
+            lane = None
+            if header.shared_memory:  # the bytes are in the learner's same-host lane
+                lane = await self._lane_collect(frames, header, sj, contribution)
+            else:
+                await _collect(frames, sj, contribution)
         future = part.futures.get((g, k))
         if future is None:
             future = asyncio.get_running_loop().create_future()
@@ -84,6 +88,9 @@ class DataHandlers:
             self._background.add(notify)
             notify.add_done_callback(self._background.discard)
         encoded = await asyncio.shield(future)
+        if lane is not None:
+            yield await self._lane_answer(lane, sj, encoded)
+            return
         yield encode_header(ps_pb2.SyncStepResponse, encoded.header)
         for i in range(encoded.count):
             yield encoded.chunk(i)
@@ -106,6 +113,7 @@ class DataHandlers:
                 gen: value for gen, value in part.memberships.items() if gen >= generation
             }
             part.memberships[generation] = members
+            self._prune_lanes(sj.job_id, generation, members)
         return members
 
     async def _shard_ready(self: _S, sj: ShardJob, generation: int, iteration: int) -> None:

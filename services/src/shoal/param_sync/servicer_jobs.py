@@ -513,6 +513,7 @@ class JobHandlers:
         self._check_fence(request.job_id, request.fencing_token)
         job = self._coordinated.pop(request.job_id, None)
         part = self._slices.pop(request.job_id, None)
+        self._drop_lanes(request.job_id)
         self._coordinator_at.pop(request.job_id, None)
         replicas = [key for key in self._replicas if key[0] == request.job_id]
         for key in replicas:

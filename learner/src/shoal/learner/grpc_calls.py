@@ -1,0 +1,138 @@
+"""Wire-level pieces of the ``"grpc"`` backend (``grpc_backend.py``): the tensor-stream
+multi-callables with shoal's hand codec, the per-shard routing record, how a failed call maps
+to the learner's exceptions, and the small tensor/byte helpers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+from grpc import aio
+
+from shoal.contract.errors import decode_rpc_error
+from shoal.contract.wire import byte_view, frame_decoder, serialize
+from shoal.learner.backend import IterationAborted, TrainingSetup
+from shoal.learner.grpc_lane import ClientLane
+from shoal.v1 import (
+    parameter_sync_service_pb2 as ps_pb2,
+    parameter_sync_service_pb2_grpc as ps_grpc,
+)
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "SERVICE_PATH",
+    "LearnerEvicted",
+    "optimizer_proto",
+    "stream_methods",
+]
+
+SERVICE_PATH = "/shoal.v1.ParameterSyncService/"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+#: A tensor stream (SyncStep, PullParameters) failing so means its shard is down, or came back
+#: without the job (it restarted): the coordinator notices, recovers the shard's slice, and the
+#: next boundary says what to run; the learner waits a moment so that it does not spin.
+_SHARD_LOST = (*_RETRYABLE, grpc.StatusCode.NOT_FOUND)
+_SHARD_LOST_PAUSE_S = 0.5
+#: What grpc.aio's client reports instead of the server's status when the server ends a
+#: client-streaming call before the client finished writing (grpc/grpc#36066): a shard that
+#: refused or dropped the stream (it lost the job), not a fault of the request.
+_CORE_MASKED = "Internal error from Core"
+
+
+def _shard_lost(exc: aio.AioRpcError) -> bool:
+    """Whether a tensor stream failed because its shard is down or lost the job."""
+    if exc.code() in _SHARD_LOST:
+        return True
+    return exc.code() == grpc.StatusCode.INTERNAL and (exc.details() or "") == _CORE_MASKED
+
+
+class LearnerEvicted(RuntimeError):
+    """The coordinator no longer knows this learner (it was evicted, or the job's data plane
+    was restarted without it): the learner must exit."""
+
+
+def stream_methods(channel: aio.Channel) -> dict[str, Any]:
+    """Multi-callables of the three tensor streams with shoal's hand codec
+    (``shoal.contract.wire``): requests pass pre-encoded bytes through, responses are
+    decoded into zero-copy :class:`~shoal.contract.wire.Frame` objects."""
+    return {
+        "InitializeParameters": channel.stream_unary(
+            SERVICE_PATH + "InitializeParameters",
+            request_serializer=serialize,
+            response_deserializer=ps_pb2.InitializeParametersResponse.FromString,
+        ),
+        "SyncStep": channel.stream_stream(
+            SERVICE_PATH + "SyncStep",
+            request_serializer=serialize,
+            response_deserializer=frame_decoder(ps_pb2.SyncStepResponse),
+        ),
+        "PullParameters": channel.unary_stream(
+            SERVICE_PATH + "PullParameters",
+            request_serializer=ps_pb2.PullParametersRequest.SerializeToString,
+            response_deserializer=frame_decoder(ps_pb2.PullParametersResponse),
+        ),
+    }
+
+
+@dataclass
+class _Shard:
+    index: int
+    address: str
+    tensors: list[int]  # indices into the job layout (params first, then buffers)
+    stub: ps_grpc.ParameterSyncServiceStub | None = None
+    streams: dict[str, Any] | None = None
+    lane: ClientLane | None = None  # the same-host lane (grpc_lane.py), when open
+    lane_tried: bool = False
+
+
+def optimizer_proto(setup: TrainingSetup) -> ps_pb2.OptimizerSpec:
+    """What the shards need to step their slices as this learner's optimizer would: the class,
+    its arguments, the parameter groups by name, clipping and non-finite skipping."""
+    groups = setup.optimizer.groups
+    return ps_pb2.OptimizerSpec(
+        name=setup.optimizer.name,
+        hyperparameters_json=json.dumps(dict(setup.optimizer.kwargs), sort_keys=True),
+        clip_grad_norm=setup.clip_grad_norm or 0.0,
+        skip_nonfinite=setup.skip_nonfinite,
+        param_groups_json=json.dumps([[list(n), dict(o)] for n, o in groups], sort_keys=True)
+        if groups
+        else "",
+    )
+
+
+def _copy_sink(views: Sequence[np.ndarray], targets: Sequence[int]) -> Any:
+    def sink(i: int, off: int, seg: memoryview) -> None:
+        views[targets[i]][off : off + seg.nbytes] = np.frombuffer(seg, dtype=np.uint8)
+
+    return sink
+
+
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu").contiguous()
+
+
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
+    if tensor.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return byte_view(tensor)
+
+
+def _translate(exc: aio.AioRpcError) -> Exception:
+    """Map a failed call to the learner's exceptions."""
+    code = exc.code()
+    reason = decode_rpc_error(exc).reason
+    text = exc.details() or str(code)
+    if code == grpc.StatusCode.ABORTED:
+        return IterationAborted(text)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and reason == "ERROR_REASON_STALE_GENERATION":
+        return LearnerEvicted(text)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+        return ValueError(text)
+    return RuntimeError(f"{code.name}: {text}")

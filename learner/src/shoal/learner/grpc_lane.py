@@ -1,0 +1,128 @@
+"""The learner's side of the same-host shared-memory lane (docs/data-plane.md, "The same-host
+lane").
+
+When a shard of the job runs on the learner's host (same :func:`shoal.contract.shm.host_id`)
+and has the lane on, :func:`open_lane` gets this learner's segment from it
+(``OpenSharedLane``) and maps it. A SyncStep to that shard then writes the gradients into the
+segment's in-region and sends only the header (``shared_memory``); the shard answers with a
+header naming where in the out-region it wrote the new parameters. gRPC stays the control
+channel; anything that does not work (another host, another user, an old shard, a refusal)
+leaves the learner on gRPC streams for that shard.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc import aio
+
+from shoal.contract.shm import SHM_DIR, LaneError, Segment, host_id
+from shoal.contract.wire import BundleReceiver, TensorMeta
+from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+
+__all__ = ["ClientLane", "lane_refused", "open_lane"]
+
+log = logging.getLogger("shoal.learner.grpc")
+
+#: The shard's answer to a lane SyncStep when it has no lane of this learner (it restarted,
+#: or dropped the lane): the learner sends that iteration as chunks and opens a new lane.
+_NO_LANE = "no shared-memory lane"
+
+
+def lane_refused(exc: aio.AioRpcError) -> bool:
+    """Whether a lane SyncStep failed only because the shard has no lane of this learner."""
+    return exc.code() == grpc.StatusCode.FAILED_PRECONDITION and _NO_LANE in (exc.details() or "")
+
+
+@dataclass
+class ClientLane:
+    """A mapped lane segment and its two regions (as the shard gave them, checked)."""
+
+    segment: Segment
+    in_offset: int
+    in_capacity: int
+    out_offset: int
+    rounds: int = 0  # SyncSteps that went through it
+
+    def write(self, metas: Sequence[TensorMeta], sources: Sequence[np.ndarray], total: int) -> int:
+        """Copy a bundle's bytes (``sources[j]`` at ``metas[j].offset``) into the in-region;
+        returns the offset the header must name."""
+        view = self.segment.region(
+            self.in_offset,
+            total,
+            lo=self.in_offset,
+            hi=self.in_offset + self.in_capacity,
+            what="bundle",
+        )
+        target = np.frombuffer(view, dtype=np.uint8)
+        for m, source in zip(metas, sources, strict=True):
+            target[m.offset : m.end] = source
+        return self.in_offset
+
+    def read(self, header: ps_pb2.TensorBundleHeader, receiver: BundleReceiver) -> None:
+        """Feed the shard's answer (``header.total_bytes`` at ``header.shared_memory_offset``,
+        which must lie in the out-region) to ``receiver``."""
+        view = self.segment.region(
+            header.shared_memory_offset,
+            header.total_bytes,
+            lo=self.out_offset,
+            hi=self.segment.size,
+            what="header.shared_memory_offset",
+        )
+        receiver.feed(view)
+        self.rounds += 1
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+async def open_lane(
+    stub: Any, *, job_id: str, learner_id: str, metadata: Any, address: str, shm_dir: str = SHM_DIR
+) -> ClientLane | None:
+    """This learner's lane on the shard behind ``stub``, or None (stay on gRPC streams)."""
+    mine = host_id(shm_dir)
+    if not mine:
+        return None
+    request = ps_pb2.OpenSharedLaneRequest(job_id=job_id, learner_id=learner_id, host_id=mine)
+    try:
+        reply = await stub.OpenSharedLane(request, metadata=metadata, timeout=10.0)
+    except aio.AioRpcError as exc:  # an older shard (UNIMPLEMENTED), a shard going away
+        log.info("no shared-memory lane to shard %s: %s", address, exc.details() or exc.code())
+        return None
+    if reply.refused:
+        log.info("no shared-memory lane to shard %s: %s", address, reply.refused)
+        return None
+    if not 0 < reply.in_offset <= reply.in_offset + reply.in_capacity <= reply.out_offset:
+        log.warning("shard %s offered a malformed lane: %s", address, reply)
+        return None
+    try:
+        segment = Segment.attach(reply.path, reply.size, reply.nonce, shm_dir)
+    except (OSError, LaneError) as exc:  # another /dev/shm, another user
+        log.info("no shared-memory lane to shard %s: %s", address, exc)
+        return None
+    if reply.out_offset > segment.size:
+        segment.close()
+        return None
+    log.info(
+        "shared-memory lane to shard %s open (%d bytes): tensors move through it, gRPC "
+        "carries the headers",
+        address,
+        reply.size,
+    )
+    return ClientLane(segment, reply.in_offset, reply.in_capacity, reply.out_offset)
+
+
+async def close_lane(stub: Any, lane: ClientLane, *, job_id: str, learner_id: str, md: Any) -> None:
+    """Tell the shard to drop the lane (best effort) and unmap it."""
+    request = ps_pb2.OpenSharedLaneRequest(job_id=job_id, learner_id=learner_id, close=True)
+    try:
+        await stub.OpenSharedLane(request, metadata=md, timeout=2.0)
+    except aio.AioRpcError:
+        pass  # the shard drops it with the job, or when it exits
+    finally:
+        lane.close()

@@ -1,0 +1,210 @@
+# mypy: disable-error-code="misc"
+# (the parts annotate self as the assembled ParameterSyncServicer, a subclass of each part)
+"""The shard's side of the same-host shared-memory lane (docs/data-plane.md, "The same-host
+lane"). Part of the ParameterSyncService servicer (``service.py``).
+
+A learner on this shard's host asks for its lane (``OpenSharedLane``); the shard creates one
+segment per (job, learner) (``shoal.contract.shm``: mode 0600, an unguessable name, unlinked
+once the learner attached) sized from *its own* slice, never from the learner's numbers:
+
+    [0, 16)                     nonce
+    [in_offset, + in_capacity)  the learner's SyncStep bytes (its gradients and buffers)
+    [out_offset, size)          the shard's answer (the new parameters and buffers)
+
+A SyncStep whose header says ``shared_memory`` brings no chunk: the shard takes
+``total_bytes`` from ``shared_memory_offset`` of the *calling learner's* lane (looked up by the
+authenticated job and learner, so a learner can only ever name offsets in its own segment),
+after checking the range lies inside the in-region; the answer is written to the out-region
+and its header names where. Lanes are dropped by OpenSharedLane(close), when a generation the
+learner was a member of is superseded by one without it (evicted, retired), at CloseJob, and
+when the shard exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shoal.contract.shm import ATTACH_WINDOW_S, NONCE_BYTES, LaneError, Segment
+from shoal.contract.wire import Frame, encode_header
+from shoal.param_sync.authz import authorize
+from shoal.param_sync.shard import Contribution, Encoded, ShardJob
+from shoal.runtime.auth import current_principal
+from shoal.runtime.errors import FailedPrecondition, InvalidField
+from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+
+if TYPE_CHECKING:
+    from shoal.param_sync.service import ParameterSyncServicer as _S
+
+log = logging.getLogger("shoal.param_sync.service")
+
+_ALIGN = 64
+
+
+def _up(value: int) -> int:
+    return -(-value // _ALIGN) * _ALIGN
+
+
+@dataclass
+class Lane:
+    """One learner's segment on this shard."""
+
+    segment: Segment
+    in_offset: int
+    in_capacity: int
+    out_offset: int
+    timer: asyncio.TimerHandle | None = None
+    generation: int = -1  # of its last SyncStep (-1: none yet)
+
+    def attached(self) -> None:
+        """The learner used the lane: it has the segment mapped, its name can go."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.segment.unlink()
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.segment.close()
+
+
+class LaneHandlers:
+    """Part of :class:`~shoal.param_sync.service.ParameterSyncServicer` (see there)."""
+
+    async def OpenSharedLane(
+        self: _S, request: ps_pb2.OpenSharedLaneRequest, context: Any
+    ) -> ps_pb2.OpenSharedLaneResponse:
+        authorize(
+            current_principal(),
+            "OpenSharedLane",
+            job_id=request.job_id,
+            learner_id=request.learner_id,
+        )
+        if not request.learner_id:
+            raise InvalidField("learner_id", "", "must not be empty")
+        key = (request.job_id, request.learner_id)
+        self._drop_lane(key)  # one lane per learner: a new one replaces the old
+        if request.close:
+            return ps_pb2.OpenSharedLaneResponse(refused="closed on request")
+        shard = self.options.shard_index
+        if not self.options.shm_lane:
+            return ps_pb2.OpenSharedLaneResponse(
+                refused=f"the shared-memory lane is off on shard {shard} (--shm-lane off)"
+            )
+        if not request.host_id or request.host_id != self._host_id:
+            return ps_pb2.OpenSharedLaneResponse(
+                refused=f"host_id ({request.host_id!r}) is not shard {shard}'s host"
+            )
+        sj = self._slice(request.job_id).job
+        in_capacity = sum(m.nbytes for m in sj.metas)  # the learner packs without gaps
+        if in_capacity == 0:
+            return ps_pb2.OpenSharedLaneResponse(refused=f"shard {shard} holds no tensor")
+        in_offset = _ALIGN
+        out_offset = in_offset + _up(in_capacity)
+        size = out_offset + _up(sj.total_bytes)
+        try:
+            segment = await asyncio.to_thread(Segment.create, size, self.options.shm_dir)
+        except OSError as exc:
+            return ps_pb2.OpenSharedLaneResponse(refused=f"no segment: {exc}")
+        lane = Lane(segment, in_offset, in_capacity, out_offset)
+        lane.timer = asyncio.get_running_loop().call_later(ATTACH_WINDOW_S, segment.unlink)
+        self._lanes[key] = lane
+        log.info(
+            "job %s: shared-memory lane of learner %s opened (%d bytes)",
+            request.job_id,
+            request.learner_id,
+            size,
+        )
+        return ps_pb2.OpenSharedLaneResponse(
+            path=segment.path,
+            size=size,
+            nonce=segment.nonce,
+            in_offset=in_offset,
+            in_capacity=in_capacity,
+            out_offset=out_offset,
+        )
+
+    # -- used by SyncStep ---------------------------------------------------------------------
+
+    def _lane_of(self: _S, job_id: str, learner: str) -> Lane:
+        lane = self._lanes.get((job_id, learner))
+        if lane is None:
+            raise FailedPrecondition(
+                f"no shared-memory lane of learner {learner!r} for job {job_id!r} on shard "
+                f"{self.options.shard_index}: open one (OpenSharedLane) or send chunks"
+            )
+        return lane
+
+    async def _lane_collect(
+        self: _S,
+        frames: AsyncIterator[Frame],
+        header: ps_pb2.TensorBundleHeader,
+        sj: ShardJob,
+        contribution: Contribution,
+    ) -> Lane:
+        """Take a lane SyncStep's bytes (a view: no copy) after checking their range against
+        the learner's in-region; nothing may follow the header."""
+        lane = self._lane_of(header.job_id, header.sender_id)
+        try:
+            view = lane.segment.region(
+                header.shared_memory_offset,
+                header.total_bytes,
+                lo=lane.in_offset,
+                hi=lane.in_offset + lane.in_capacity,
+                what="header.shared_memory_offset",
+            )
+        except LaneError as exc:
+            raise InvalidField(
+                "header.shared_memory_offset", header.shared_memory_offset, str(exc)
+            ) from None
+        async for _ in frames:
+            raise InvalidField("chunk", "...", "must not follow a shared_memory header")
+        sj.take_chunk(contribution, view)
+        sj.check_complete(contribution)
+        lane.attached()
+        lane.generation = header.generation
+        self.metrics.lane_stream(header.job_id)
+        return lane
+
+    async def _lane_answer(self: _S, lane: Lane, sj: ShardJob, encoded: Encoded) -> bytes:
+        """Write the new parameters into the lane's out-region; the header that says where."""
+        total = int(encoded.header.total_bytes)
+        out = lane.segment.region(
+            lane.out_offset, total, lo=lane.out_offset, hi=lane.segment.size, what="answer"
+        )
+        source = sj.flat.numpy()[:total]
+        await self._compute(np.copyto, np.frombuffer(out, dtype=np.uint8), source)
+        header = ps_pb2.TensorBundleHeader()
+        header.CopyFrom(encoded.header)
+        header.shared_memory = True
+        header.shared_memory_offset = lane.out_offset
+        return encode_header(ps_pb2.SyncStepResponse, header)
+
+    # -- cleanup ------------------------------------------------------------------------------
+
+    def _drop_lane(self: _S, key: tuple[str, str]) -> None:
+        lane = self._lanes.pop(key, None)
+        if lane is not None:
+            lane.close()
+            log.info("job %s: shared-memory lane of learner %s closed", *key)
+
+    def _drop_lanes(self: _S, job_id: str | None = None) -> None:
+        """Every lane of ``job_id`` (None: of every job)."""
+        for key in [k for k in self._lanes if job_id is None or k[0] == job_id]:
+            self._drop_lane(key)
+
+    def _prune_lanes(self: _S, job_id: str, generation: int, members: frozenset[str]) -> None:
+        """Generation ``generation`` of the job has ``members``: the lanes of learners that
+        synced in an older generation and are not members any more go."""
+        for key, lane in list(self._lanes.items()):
+            if key[0] == job_id and 0 <= lane.generation < generation and key[1] not in members:
+                self._drop_lane(key)
+
+
+assert NONCE_BYTES <= _ALIGN  # the nonce lies before the in-region

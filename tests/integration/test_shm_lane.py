@@ -1,0 +1,297 @@
+"""The same-host shared-memory lane against a real shard (in this process, real gRPC, auth on)
+driven by a hand-written learner, so every offset is the test's choice: a round through the
+lane gives exactly the gRPC round's update; out-of-bounds offsets, a lane that does not exist
+and another job's learner are refused with a clear error and change nothing; the segment
+loses its name once attached and the lane goes with the job. The lane under real learner
+processes is in ``test_shm_lane_processes.py``."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc import aio
+
+from shoal.contract.shm import SHM_DIR, Segment, host_id
+from shoal.contract.wire import (
+    BundleReceiver,
+    TensorMeta,
+    byte_view,
+    encode_chunks,
+    encode_header,
+    header_of,
+    pack_layout,
+)
+from shoal.learner.grpc_backend import stream_methods
+from shoal.param_sync.service import (
+    ERRORS,
+    ROLES,
+    SERVICE_NAME,
+    ParameterSyncServicer,
+    ShardOptions,
+    add_servicer,
+)
+from shoal.param_sync.shard import warm_up
+from shoal.runtime.auth import LearnerTokenSigner
+from shoal.runtime.config import ServerConfig
+from shoal.runtime.server import RunningServer, ServiceBinding, create_server
+from shoal.v1 import (
+    job_pb2,
+    parameter_sync_service_pb2 as ps_pb2,
+    parameter_sync_service_pb2_grpc as ps_grpc,
+)
+from tests.support import make_tokens
+
+JOB, OTHER = "job-a", "job-b"
+# The lane needs a writable /dev/shm (every Linux host; a container may lack one).
+pytestmark = pytest.mark.skipif(
+    not os.access(SHM_DIR, os.W_OK), reason=f"{SHM_DIR} is not writable here"
+)
+LEARNER = f"{JOB}-l1"
+LAYOUT, TOTAL = pack_layout([TensorMeta("w", "float32", (4, 2), 0, 32)])
+W0 = torch.arange(8, dtype=torch.float32).view(4, 2)
+LR = 0.5
+
+
+@dataclass
+class Shard:
+    server: RunningServer
+    servicer: ParameterSyncServicer
+    tokens: dict[str, str]
+    channel: aio.Channel
+
+    def md(self, who: str) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.tokens[who]}"),)
+
+    async def call(self, who: str, method: str, request: Any) -> Any:
+        stub = ps_grpc.ParameterSyncServiceStub(self.channel)
+        return await getattr(stub, method)(request, metadata=self.md(who), timeout=30)
+
+    async def status(self, who: str, method: str, request: Any) -> tuple[grpc.StatusCode, str]:
+        try:
+            await self.call(who, method, request)
+        except aio.AioRpcError as exc:
+            return exc.code(), exc.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    async def sync(self, who: str, header: ps_pb2.TensorBundleHeader, chunks: list[bytes]) -> Any:
+        """One SyncStep: the header, ``chunks``; returns the answer's frames."""
+
+        async def messages() -> AsyncIterator[bytes]:
+            yield encode_header(ps_pb2.SyncStepRequest, header)
+            for chunk in chunks:
+                yield chunk
+
+        call = stream_methods(self.channel)["SyncStep"](messages(), metadata=self.md(who))
+        return [frame async for frame in call]
+
+    async def completed(self) -> int:
+        reply = await self.call(
+            "service", "GetJobProgress", ps_pb2.GetJobProgressRequest(job_id=JOB)
+        )
+        return int(reply.progress.completed_iterations)
+
+
+def grad_header(generation: int, **lane: Any) -> ps_pb2.TensorBundleHeader:
+    header = header_of(
+        job_id=JOB,
+        sender_id=LEARNER,
+        metas=LAYOUT,
+        total_bytes=TOTAL,
+        generation=generation,
+        iteration=0,
+        num_samples=4,
+    )
+    for name, value in lane.items():
+        setattr(header, name, value)
+    return header
+
+
+def read_answer(frames: list[Any], segment: Segment | None, lane: Any) -> torch.Tensor:
+    header = frames[0].header
+    out = torch.zeros(4, 2)
+    receiver = BundleReceiver(
+        [TensorMeta.from_proto(t) for t in header.tensors],
+        header.total_bytes,
+        lambda i, off, seg: byte_view(out).__setitem__(
+            slice(off, off + seg.nbytes), np.frombuffer(seg, np.uint8)
+        ),
+    )
+    if header.shared_memory:
+        assert segment is not None and len(frames) == 1
+        receiver.feed(
+            segment.region(
+                header.shared_memory_offset,
+                header.total_bytes,
+                lo=lane.out_offset,
+                hi=lane.size,
+                what="answer",
+            )
+        )
+    else:
+        for frame in frames[1:]:
+            receiver.feed(frame.chunk)
+    receiver.finish()
+    return out
+
+
+@pytest.fixture
+async def shard(tmp_path: Path) -> AsyncIterator[Shard]:
+    warm_up()
+    tokens = make_tokens(tmp_path / "tokens")
+    signer = LearnerTokenSigner.generate()
+    servicer = ParameterSyncServicer(
+        ShardOptions(
+            shard_index=0,
+            storage_uri=(tmp_path / "storage").as_uri(),
+            service_token=tokens["service"],
+        )
+    )
+    server = await create_server(
+        ServerConfig("parameter-sync", tokens_file=str(tmp_path / "tokens")),
+        [ServiceBinding(SERVICE_NAME, add_servicer, servicer, ROLES)],
+        errors=ERRORS,
+    )
+    assert server.credentials is not None
+    server.credentials.add_learner_key(signer.public_key_raw)
+    tokens = {
+        **tokens,
+        "learner": signer.mint(job_id=JOB, learner_id=LEARNER),
+        "learner-2": signer.mint(job_id=JOB, learner_id=f"{JOB}-l2"),
+        "other": signer.mint(job_id=OTHER, learner_id=f"{OTHER}-l1"),
+    }
+    s = Shard(server, servicer, tokens, aio.insecure_channel(server.address))
+    for job in (JOB, OTHER):
+        request = ps_pb2.OpenJobRequest(
+            job_id=job,
+            spec=job_pb2.JobSpec(batch_size=4, epochs=1, seed=1),
+            shard_addresses=[server.address],
+        )
+        await s.call("service", "OpenJob", request)
+    join = ps_pb2.JoinRequest(
+        job_id=JOB,
+        learner_id=LEARNER,
+        layout=[m.to_proto() for m in LAYOUT],
+        optimizer=ps_pb2.OptimizerSpec(name="SGD", hyperparameters_json=f'{{"lr": {LR}}}'),
+        dataset_size=4,
+    )
+    assert (await s.call("learner", "Join", join)).initialize
+
+    async def upload() -> AsyncIterator[bytes]:
+        header = header_of(job_id=JOB, sender_id=LEARNER, metas=LAYOUT, total_bytes=TOTAL)
+        yield encode_header(ps_pb2.InitializeParametersRequest, header)
+        for chunk in encode_chunks(LAYOUT, [byte_view(W0)], TOTAL):
+            yield chunk
+
+    await stream_methods(s.channel)["InitializeParameters"](upload(), metadata=s.md("learner"))
+    yield s
+    await s.channel.close()
+    await server.stop(0)
+    await servicer.close()
+
+
+async def test_a_lane_round_equals_a_grpc_round_and_bad_offsets_change_nothing(shard: Shard):
+    s = shard
+    boundary = ps_pb2.BoundaryRequest(job_id=JOB, learner_id=LEARNER)
+    a = (await s.call("learner", "Boundary", boundary)).assignment
+    lane = await s.call(
+        "learner",
+        "OpenSharedLane",
+        ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=LEARNER, host_id=host_id()),
+    )
+    assert not lane.refused, lane.refused
+    st = os.stat(lane.path)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    assert lane.in_capacity == TOTAL and lane.out_offset >= lane.in_offset + TOTAL
+    segment = Segment.attach(lane.path, lane.size, lane.nonce)
+
+    # Another job's learner, or another learner of the job, gets no lane of this learner.
+    for who, job in (("other", JOB), ("learner-2", JOB), ("other", OTHER)):
+        request = ps_pb2.OpenSharedLaneRequest(job_id=job, learner_id=LEARNER, host_id=host_id())
+        code, _ = await s.status(who, "OpenSharedLane", request)
+        assert code == grpc.StatusCode.PERMISSION_DENIED, (who, job)
+    # Another host gets none either (it streams over gRPC).
+    elsewhere = ps_pb2.OpenSharedLaneRequest(
+        job_id=JOB, learner_id=f"{JOB}-l2", host_id="elsewhere"
+    )
+    reply = await s.call("learner-2", "OpenSharedLane", elsewhere)
+    assert "is not shard 0's host" in reply.refused and not reply.path
+
+    g = torch.tensor([[1.0, -2.0], [0.5, 4.0], [3.0, 0.0], [-1.0, 2.0]])
+    lo, hi = lane.in_offset, lane.in_offset + lane.in_capacity
+    bad = {
+        "past the in-region": hi - 8,
+        "into the out-region": lane.out_offset,
+        "before the in-region (the nonce)": 0,
+        "negative": -32,
+        "far beyond the segment": 2**40,
+    }
+    for why, offset in bad.items():
+        header = grad_header(a.generation, shared_memory=True, shared_memory_offset=offset)
+        with pytest.raises(aio.AioRpcError) as info:
+            await s.sync("learner", header, [])
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, why
+        details = info.value.details()
+        assert "header.shared_memory_offset" in details and f"[{lo}, {hi})" in details, details
+    # Chunks after a lane header; a lane SyncStep by a learner that has no lane.
+    header = grad_header(a.generation, shared_memory=True, shared_memory_offset=lo)
+    with pytest.raises(aio.AioRpcError) as info:
+        await s.sync("learner", header, list(encode_chunks(LAYOUT, [byte_view(g)], TOTAL)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "must not follow a shared_memory header" in info.value.details()
+    assert await s.completed() == 0
+    assert os.path.exists(lane.path)  # not used yet: still named
+
+    # Nothing changed: one round through the lane gives exactly W0 - lr * g.
+    region = segment.region(lo, TOTAL, lo=lo, hi=hi, what="bundle")
+    region[:] = byte_view(g).tobytes()
+    frames = await s.sync("learner", header, [])
+    assert frames[0].header.shared_memory and len(frames) == 1
+    new = read_answer(frames, segment, lane)
+    torch.testing.assert_close(new, W0 - LR * g, atol=0, rtol=0)
+    assert await s.completed() == 1
+    assert not os.path.exists(lane.path)  # attached and used: the name is gone
+
+    # A learner that synced in generation g and is not a member of a later one (evicted,
+    # retired) loses its lane when the shard learns that generation; members keep theirs.
+    s.servicer._prune_lanes(JOB, a.generation, frozenset())
+    s.servicer._prune_lanes(JOB, a.generation + 1, frozenset({LEARNER}))
+    assert (JOB, LEARNER) in s.servicer._lanes
+    # The job ends: its lanes go (the segment is only the test's mapping now).
+    assert s.servicer._lanes
+    await s.call("service", "CloseJob", ps_pb2.CloseJobRequest(job_id=JOB))
+    assert not s.servicer._lanes
+    segment.close()
+
+
+async def test_an_evicted_learners_lane_goes_with_the_next_generation(shard: Shard):
+    s = shard
+    request = ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=LEARNER, host_id=host_id())
+    assert not (await s.call("learner", "OpenSharedLane", request)).refused
+    s.servicer._lanes[(JOB, LEARNER)].generation = 1  # it synced in generation 1
+    s.servicer._prune_lanes(JOB, 2, frozenset({f"{JOB}-l2"}))
+    assert not s.servicer._lanes
+
+
+async def test_a_lane_off_shard_refuses_and_close_drops_the_lane(shard: Shard):
+    s = shard
+    request = ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=LEARNER, host_id=host_id())
+    lane = await s.call("learner", "OpenSharedLane", request)
+    assert lane.path and os.path.exists(lane.path)
+    await s.call(
+        "learner",
+        "OpenSharedLane",
+        ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=LEARNER, close=True),
+    )
+    assert not s.servicer._lanes and not os.path.exists(lane.path)
+    s.servicer.options = ShardOptions(shard_index=0, storage_uri="", shm_lane=False)
+    reply = await s.call("learner", "OpenSharedLane", request)
+    assert "--shm-lane off" in reply.refused and not s.servicer._lanes

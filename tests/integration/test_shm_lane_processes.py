@@ -1,0 +1,70 @@
+"""The same-host lane with real processes: two shard processes and two learner processes on
+this host, one learner on the lane (the default) and one with ``SHOAL_SHM_LANE=off`` (gRPC
+streams), in one job. The lane is used (both sides log it), the job still equals
+single-process training (atol 1e-5), and no segment is left under /dev/shm after the job."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from shoal.contract.shm import PREFIX, SHM_DIR
+from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+from tests.integration._param_sync_cluster import DataPlane, reference_training
+from tests.support import make_tokens, wait_until
+
+BATCH, EPOCHS, ATOL = 64, 1, 1e-5
+# The lane needs a writable /dev/shm (every Linux host; a container may lack one).
+pytestmark = pytest.mark.skipif(
+    not os.access(SHM_DIR, os.W_OK), reason=f"{SHM_DIR} is not writable here"
+)
+LANE_OPEN = "shared-memory lane to shard"
+
+
+def segments_of(pids: list[int]) -> list[str]:
+    return [
+        name
+        for name in os.listdir(SHM_DIR)
+        if any(name.startswith(f"{PREFIX}{pid}-") for pid in pids)
+    ]
+
+
+@pytest.mark.slow
+def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_path) -> None:
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
+    plane.start_shards()
+    try:
+        job = "lane"
+        plane.open_job(job, batch=BATCH, epochs=EPOCHS)
+        on = plane.start_learner(job, "lane-l0", epochs=EPOCHS, batch=BATCH)
+        off = plane.start_learner(
+            job, "lane-l1", epochs=EPOCHS, batch=BATCH, env={"SHOAL_SHM_LANE": "off"}
+        )
+        for proc in (on, off):
+            assert proc.wait(timeout=300) == 0, proc.text()[-3000:]
+        # The lane was used by the learner that may, and only by it.
+        assert on.text().count(LANE_OPEN) == 2, on.text()[-3000:]
+        assert LANE_OPEN not in off.text()
+        for shard in plane.shards:
+            assert "shared-memory lane of learner lane-l0 opened" in shard.text()
+            assert "lane of learner lane-l1" not in shard.text()
+        # Exactly plain PyTorch.
+        reference, _ = reference_training(EPOCHS, BATCH)
+        model = plane.final_model(job)
+        for name, value in reference.items():
+            torch.testing.assert_close(model[name], value, atol=ATOL, rtol=0, msg=name)
+        # After the job nothing is left: every lane closed, no segment under /dev/shm.
+        plane.call("CloseJob", ps_pb2.CloseJobRequest(job_id=job))
+        for shard in plane.shards:
+            wait_until(
+                lambda shard=shard: "lane of learner lane-l0 closed" in shard.text(),
+                timeout=30,
+                interval=0.1,
+                what="the lane closed",
+            )
+        assert segments_of([s.popen.pid for s in plane.shards]) == []
+    finally:
+        plane.kill_all()
