@@ -81,3 +81,18 @@ def test_discard_incomplete_deletes_only_an_uncommitted_checkpoint(tmp_path: Pat
     assert not ckpt.discard_incomplete((root / "iter-7").as_uri())  # committed: kept
     assert (root / "iter-7" / "shard-0.safetensors").read_bytes() == b"whole"
     assert not ckpt.discard_incomplete((root / "iter-21").as_uri())  # absent: nothing to do
+
+
+def test_a_commit_cut_between_the_manifest_and_latest_is_finished_later(tmp_path: Path) -> None:
+    root = tmp_path / "jobs" / "j" / "checkpoints"
+    ckpt.write_manifest_and_latest((root / "iter-7").as_uri(), {"iteration": 7})
+    # iter-14's manifest was written, its ``latest`` write failed
+    ckpt.atomic_write((root / "iter-14" / "manifest.json").as_uri(), b"{}")
+    assert ckpt.advance_latest((root / "iter-14").as_uri())
+    assert (root / "latest").read_text() == "iter-14"
+    # never backwards, never twice
+    assert not ckpt.advance_latest((root / "iter-7").as_uri())
+    assert not ckpt.advance_latest((root / "iter-14").as_uri())
+    assert (root / "latest").read_text() == "iter-14"
+    with pytest.raises(ckpt.StorageError, match="not a checkpoint directory"):
+        ckpt.advance_latest((root / "elsewhere").as_uri())

@@ -49,6 +49,7 @@ __all__ = [
     "LATEST",
     "MANIFEST",
     "StorageError",
+    "advance_latest",
     "atomic_write",
     "checkpoint_name",
     "discard_incomplete",
@@ -252,6 +253,22 @@ def write_manifest_and_latest(directory: str, manifest: Mapping[str, Any]) -> No
     atomic_write(join_uri(directory, MANIFEST), body)
     root, name = directory.rstrip("/").rsplit("/", 1)
     atomic_write(join_uri(root, LATEST), name.encode())
+
+
+def advance_latest(directory: str) -> bool:
+    """Make ``latest`` name ``directory`` (a committed checkpoint: its manifest is written)
+    unless it already names it or a newer one: a commit whose ``latest`` write failed (a full
+    disk) is finished when that checkpoint is written again. Returns whether it wrote."""
+    root, name = directory.rstrip("/").rsplit("/", 1)
+    mine = _ITER_NAME.fullmatch(name)
+    if mine is None:
+        raise StorageError(f"{directory} is not a checkpoint directory")
+    current = (read_bytes(join_uri(root, LATEST)) or b"").decode(errors="replace").strip()
+    found = _ITER_NAME.fullmatch(current)
+    if found is not None and int(found.group(1)) >= int(mine.group(1)):
+        return False
+    atomic_write(join_uri(root, LATEST), name.encode())
+    return True
 
 
 def _every_nth(fs: Any, path: str, name: str, every: int) -> bool:

@@ -91,7 +91,15 @@ class CoordinatorTasks:
                 result = await self._checkpoint_through_shard_loss(job, task)
         except Exception as exc:
             ok = False
-            log.error("job %s: %s failed: %s", job.coord.job_id, task, exc, exc_info=exc)
+            # a storage refusal was logged in words where it happened: no traceback
+            quiet = isinstance(exc, (ckpt.StorageError, StorageFull))
+            log.error(
+                "job %s: %s failed: %s",
+                job.coord.job_id,
+                task,
+                exc,
+                exc_info=None if quiet else exc,
+            )
             if not future.done():
                 future.set_exception(exc)
         else:
@@ -593,6 +601,9 @@ class CoordinatorTasks:
             await asyncio.to_thread(ckpt.write_manifest_and_latest, directory, manifest)
             log.info("job %s: checkpoint %s written", s.job_id, directory)
             await self._prune_checkpoints(s)
+        elif not coord.collective and await asyncio.to_thread(ckpt.advance_latest, directory):
+            # written before, but its commit stopped between the manifest and ``latest``
+            log.info("job %s: latest now names %s", s.job_id, directory)
         if task.final:
             await asyncio.to_thread(self._write_model, s, directory, manifest)
         return directory, task.iteration
