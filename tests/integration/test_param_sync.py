@@ -544,8 +544,9 @@ async def test_checkpoints_commit_with_the_manifest_and_an_interrupted_one_never
     with pytest.raises(aio.AioRpcError) as info:
         await c.call("CreateCheckpoint", ps_pb2.CreateCheckpointRequest(job_id="j"))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert (root / "iter-2" / "shard-0.safetensors").exists()
-    assert not (root / "iter-2" / "manifest.json").exists()
+    # the failed write's shard files are deleted with its directory (no disk leak; a process
+    # killed mid-write leaves them, and they are never pointed at: tests/chaos)
+    assert not (root / "iter-2").exists()
     assert (root / "latest").read_text() == "iter-1"
     monkeypatch.undo()
 

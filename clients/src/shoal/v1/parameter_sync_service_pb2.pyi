@@ -1275,6 +1275,7 @@ class GetJobProgressResponse(_message.Message):
     DONE_FIELD_NUMBER: _builtins.int
     RECOVERING_FIELD_NUMBER: _builtins.int
     RECOVERY_REASON_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_ERROR_FIELD_NUMBER: _builtins.int
     done: _builtins.bool
     """True when the job finished all its epochs."""
     recovering: _builtins.bool
@@ -1284,6 +1285,11 @@ class GetJobProgressResponse(_message.Message):
     recovery_reason: _builtins.str
     """Why the job is recovering, in words (e.g. "shard 1 lost its state at iteration 286;
     rewinding to the checkpoint after 230 iterations"); empty when not recovering.
+    """
+    checkpoint_error: _builtins.str
+    """Why the job's last checkpoint could not be written, in words (e.g. "checkpoint after 230
+    iterations failed: storage full: cannot write ...: [Errno 28] No space left on device
+    (storage file:///...)"); nothing of it was committed. Empty once a checkpoint commits.
     """
     @_builtins.property
     def progress(self) -> _job_pb2.JobProgress:
@@ -1301,10 +1307,11 @@ class GetJobProgressResponse(_message.Message):
         done: _builtins.bool = ...,
         recovering: _builtins.bool = ...,
         recovery_reason: _builtins.str = ...,
+        checkpoint_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "member_learner_ids", b"member_learner_ids", "progress", b"progress", "recovering", b"recovering", "recovery_reason", b"recovery_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_error", b"checkpoint_error", "done", b"done", "member_learner_ids", b"member_learner_ids", "progress", b"progress", "recovering", b"recovering", "recovery_reason", b"recovery_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,6 +27,8 @@ again).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -47,8 +49,10 @@ __all__ = [
     "LATEST",
     "MANIFEST",
     "StorageError",
+    "advance_latest",
     "atomic_write",
     "checkpoint_name",
+    "discard_incomplete",
     "job_uri",
     "join_uri",
     "latest_checkpoint",
@@ -68,7 +72,20 @@ _ITER_NAME = re.compile(r"iter-(0|[1-9][0-9]{0,17})")
 
 
 class StorageError(RuntimeError):
-    """Storage could not be read or written, or a file is not what the manifest says."""
+    """Storage could not be read or written, or a file is not what the manifest says.
+    ``full``: the write failed because the storage is full (ENOSPC, EDQUOT, or EFBIG: a file
+    size limit)."""
+
+    def __init__(self, message: str, *, full: bool = False) -> None:
+        super().__init__(message)
+        self.full = full
+
+
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def _write_error(what: str, exc: OSError) -> StorageError:
+    return StorageError(f"{what}: {exc}", full=exc.errno in _FULL_ERRNOS)
 
 
 def join_uri(base: str, *parts: str) -> str:
@@ -89,9 +106,11 @@ def sha256_hex(data: bytes | memoryview) -> str:
 
 def atomic_write(uri: str, data: bytes) -> None:
     """Write ``data`` at ``uri`` so that readers see the old file or the new one, never a
-    partial one (temp file + rename locally; a single put elsewhere)."""
+    partial one (temp file + rename locally; a single put elsewhere). A failed write leaves
+    no temporary file behind (a full disk is not filled further by each retry)."""
     fs, path = fsspec.core.url_to_fs(uri)
     parent = path.rsplit("/", 1)[0]
+    tmp = ""
     try:
         fs.makedirs(parent, exist_ok=True)
         if isinstance(fs, LocalFileSystem):
@@ -102,10 +121,15 @@ def atomic_write(uri: str, data: bytes) -> None:
                 os.fsync(f.fileno())
             _chaos_stop_before_rename(path)
             os.replace(tmp, path)
+            tmp = ""
         else:
             fs.pipe_file(path, data)
     except OSError as exc:
-        raise StorageError(f"cannot write {uri}: {exc}") from exc
+        raise _write_error(f"cannot write {uri}", exc) from exc
+    finally:
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _chaos_stop_before_rename(path: str) -> None:
@@ -135,13 +159,46 @@ def append_line(uri: str, line: str) -> None:
     try:
         fs.makedirs(parent, exist_ok=True)
         if isinstance(fs, LocalFileSystem):
-            with open(path, "a") as f:
-                f.write(line + "\n")
+            _append_whole(path, (line + "\n").encode())
             return
         old = fs.cat_file(path) if fs.exists(path) else b""
         fs.pipe_file(path, old + (line + "\n").encode())
     except OSError as exc:
-        raise StorageError(f"cannot append to {uri}: {exc}") from exc
+        raise _write_error(f"cannot append to {uri}", exc) from exc
+
+
+def _append_whole(path: str, data: bytes) -> None:
+    """Append ``data`` or nothing: a write cut short (a full disk) is truncated away, so the
+    file never ends in half a line."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def discard_incomplete(directory: str) -> bool:
+    """Delete a checkpoint directory that has no manifest (a write that failed: its shard
+    files are never used, and on a full disk they hold the space a retry needs). Returns
+    whether it deleted one; a directory with a manifest is never touched."""
+    fs, path = fsspec.core.url_to_fs(directory)
+    try:
+        if not fs.exists(path) or fs.exists(f"{path}/{MANIFEST}"):
+            return False
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise StorageError(f"cannot delete {directory}: {exc}") from exc
+    return True
 
 
 def read_bytes(uri: str) -> bytes | None:
@@ -196,6 +253,22 @@ def write_manifest_and_latest(directory: str, manifest: Mapping[str, Any]) -> No
     atomic_write(join_uri(directory, MANIFEST), body)
     root, name = directory.rstrip("/").rsplit("/", 1)
     atomic_write(join_uri(root, LATEST), name.encode())
+
+
+def advance_latest(directory: str) -> bool:
+    """Make ``latest`` name ``directory`` (a committed checkpoint: its manifest is written)
+    unless it already names it or a newer one: a commit whose ``latest`` write failed (a full
+    disk) is finished when that checkpoint is written again. Returns whether it wrote."""
+    root, name = directory.rstrip("/").rsplit("/", 1)
+    mine = _ITER_NAME.fullmatch(name)
+    if mine is None:
+        raise StorageError(f"{directory} is not a checkpoint directory")
+    current = (read_bytes(join_uri(root, LATEST)) or b"").decode(errors="replace").strip()
+    found = _ITER_NAME.fullmatch(current)
+    if found is not None and int(found.group(1)) >= int(mine.group(1)):
+        return False
+    atomic_write(join_uri(root, LATEST), name.encode())
+    return True
 
 
 def _every_nth(fs: Any, path: str, name: str, every: int) -> bool:

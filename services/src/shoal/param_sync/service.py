@@ -79,6 +79,7 @@ from shoal.runtime.errors import (
     JobNotFound,
     NotFound,
     StaleGeneration,
+    StorageFull,
     Unavailable,
 )
 from shoal.v1 import (
@@ -351,6 +352,11 @@ class ParameterSyncServicer(
                 raise FailedPrecondition(text) from exc
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidField(method, address, f"refused: {exc.details()}") from exc
+            if (
+                code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                and decode_rpc_error(exc).reason == "ERROR_REASON_STORAGE_FULL"
+            ):
+                raise StorageFull(text) from exc  # the shard's storage is full, not lost
             raise Unavailable(text) from exc
 
     def _owner(self, job_id: str) -> str | None:

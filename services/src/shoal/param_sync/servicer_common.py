@@ -66,6 +66,10 @@ class _CoordinatedJob:
     # Another shard took the role over at a higher epoch (SetCoordinator): every waiting
     # Boundary fails UNAVAILABLE, so that its learner looks for the new coordinator.
     deposed: bool = False
+    # Why the last checkpoint write failed (a full disk), in words; "" once one commits.
+    checkpoint_error: str = ""
+    # Iteration records whose write to metrics/iterations.jsonl failed: written first next time.
+    unwritten_metrics: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

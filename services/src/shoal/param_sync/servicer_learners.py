@@ -368,13 +368,15 @@ class LearnerHandlers:
             job_id=request.job_id,
             owner=self._owner(request.job_id),
         )
-        coord = self._job(request.job_id).coord
+        job = self._job(request.job_id)
+        coord = job.coord
         return ps_pb2.GetJobProgressResponse(
             progress=_progress_proto(coord.progress()),
             member_learner_ids=list(coord.members),
             done=coord.done,
             recovering=bool(coord.recovering),
             recovery_reason=coord.recovering,
+            checkpoint_error=job.checkpoint_error,
         )
 
     async def GetMembership(self: _S, request: ps_pb2.GetMembershipRequest, context: Any) -> Any:

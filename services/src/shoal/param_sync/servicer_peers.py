@@ -18,11 +18,18 @@ from grpc import aio
 from shoal.contract.wire import TensorMeta, serialize
 from shoal.param_sync import faults
 from shoal.param_sync.authz import authorize, check_job_directory
+from shoal.param_sync.checkpoint import StorageError
 from shoal.param_sync.coordinator import OptimizerConfig
 from shoal.param_sync.servicer_common import _aborted, _optimizer_config, _ShardSlice
 from shoal.param_sync.shard import ShardJob
 from shoal.runtime.auth import current_principal
-from shoal.runtime.errors import FailedPrecondition, InvalidField, NotFound, Unavailable
+from shoal.runtime.errors import (
+    FailedPrecondition,
+    InvalidField,
+    NotFound,
+    StorageFull,
+    Unavailable,
+)
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 if TYPE_CHECKING:
@@ -343,9 +350,14 @@ class PeerHandlers:
         sj = self._slice(request.job_id).job
         if faults.armed("save-shard", request.global_iteration):
             faults.die("save-shard")
-        uri, size, digest = await self._compute(
-            sj.save, request.directory, request.global_iteration
-        )
+        try:
+            uri, size, digest = await self._compute(
+                sj.save, request.directory, request.global_iteration
+            )
+        except StorageError as exc:
+            if exc.full:  # RESOURCE_EXHAUSTED: not taken for a lost shard by the coordinator
+                raise StorageFull(str(exc)) from exc
+            raise
         return ps_pb2.SaveShardResponse(uri=uri, size_bytes=size, sha256=digest)
 
     async def LoadShard(self: _S, request: ps_pb2.LoadShardRequest, context: Any) -> Any:

@@ -30,7 +30,14 @@ from shoal.param_sync.servicer_common import (
     _silence,
 )
 from shoal.param_sync.shard import model_from_shard_files, shard_file_name
-from shoal.runtime.errors import FailedPrecondition, InvalidField, NotFound, ShoalError, Unavailable
+from shoal.runtime.errors import (
+    FailedPrecondition,
+    InvalidField,
+    NotFound,
+    ShoalError,
+    StorageFull,
+    Unavailable,
+)
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 if TYPE_CHECKING:
@@ -84,7 +91,15 @@ class CoordinatorTasks:
                 result = await self._checkpoint_through_shard_loss(job, task)
         except Exception as exc:
             ok = False
-            log.error("job %s: %s failed: %s", job.coord.job_id, task, exc, exc_info=exc)
+            # a storage refusal was logged in words where it happened: no traceback
+            quiet = isinstance(exc, (ckpt.StorageError, StorageFull))
+            log.error(
+                "job %s: %s failed: %s",
+                job.coord.job_id,
+                task,
+                exc,
+                exc_info=None if quiet else exc,
+            )
             if not future.done():
                 future.set_exception(exc)
         else:
@@ -339,9 +354,11 @@ class CoordinatorTasks:
         held. The probe meanwhile finds the shard; if it is back with its slice the next try
         succeeds, if it lost it the rewind drops the checkpoint (and this gives up)."""
         coord = job.coord
+        s = coord.settings
+        pause = self.options.shard_probe_s
         while True:
             try:
-                return await self._checkpoint(job, task)
+                result = await self._checkpoint(job, task)
             except (Unavailable, NotFound) as exc:
                 if (
                     coord.collective
@@ -350,7 +367,41 @@ class CoordinatorTasks:
                 ):
                     raise
                 log.warning("job %s: checkpoint %s waits for a shard: %s", coord.job_id, task, exc)
-            await asyncio.sleep(self.options.shard_probe_s)
+                pause = self.options.shard_probe_s
+            except (ckpt.StorageError, StorageFull) as exc:
+                # The storage refused the write (a full disk): nothing of it was committed
+                # and its files are deleted. Said in GetJobProgress.checkpoint_error until a
+                # checkpoint commits. A periodic checkpoint is skipped (training goes on, the
+                # next one tries again); the final one is retried while held (backing off up
+                # to a minute): the job is not done before its final state is stored.
+                full = isinstance(exc, StorageFull) or getattr(exc, "full", False)
+                job.checkpoint_error = (
+                    f"checkpoint after {task.iteration} iterations failed: "
+                    f"{'storage full: ' if full else ''}{exc} (storage {s.storage_uri})"
+                )
+                log.error("job %s: %s", coord.job_id, job.checkpoint_error)
+                await self._discard_checkpoint(s, task.iteration)
+                if (
+                    coord.collective
+                    or not task.final
+                    or task not in coord.holds
+                    or self._coordinated.get(coord.job_id) is not job
+                ):
+                    raise
+                pause = min(60.0, max(pause * 2, 1.0))
+            else:
+                job.checkpoint_error = ""
+                return result
+            await asyncio.sleep(pause)
+
+    async def _discard_checkpoint(self: _S, s: JobSettings, iteration: int) -> None:
+        """Delete what a failed checkpoint write left (no manifest: never committed)."""
+        directory = self._checkpoint_directory(s, iteration)
+        try:
+            if await asyncio.to_thread(ckpt.discard_incomplete, directory):
+                log.info("job %s: deleted the incomplete checkpoint %s", s.job_id, directory)
+        except ckpt.StorageError as exc:
+            log.warning("job %s: %s", s.job_id, exc)
 
     async def _recover(self: _S, job: _CoordinatedJob, task: RecoverTask) -> None:
         """Wait for the lost shard to answer. If it holds its slice at the coordinator's
@@ -485,9 +536,16 @@ class CoordinatorTasks:
                 request = ps_pb2.SaveShardRequest(
                     job_id=s.job_id, directory=directory, global_iteration=task.iteration
                 )
-                saved = await asyncio.gather(
-                    *(self._call_shard(s, i, "SaveShard", request) for i in active)
+                # Every shard's write ends before a failure is raised: a failed checkpoint's
+                # files are deleted after it, and none is written after that.
+                results = await asyncio.gather(
+                    *(self._call_shard(s, i, "SaveShard", request) for i in active),
+                    return_exceptions=True,
                 )
+                for r in results:
+                    if isinstance(r, BaseException):
+                        raise r
+                saved = list(results)
                 files = [
                     (i, r, list(coord.sharding.tensors[i]))
                     for i, r in zip(active, saved, strict=True)
@@ -543,6 +601,9 @@ class CoordinatorTasks:
             await asyncio.to_thread(ckpt.write_manifest_and_latest, directory, manifest)
             log.info("job %s: checkpoint %s written", s.job_id, directory)
             await self._prune_checkpoints(s)
+        elif not coord.collective and await asyncio.to_thread(ckpt.advance_latest, directory):
+            # written before, but its commit stopped between the manifest and ``latest``
+            log.info("job %s: latest now names %s", s.job_id, directory)
         if task.final:
             await asyncio.to_thread(self._write_model, s, directory, manifest)
         return directory, task.iteration
@@ -575,7 +636,9 @@ class CoordinatorTasks:
 
     async def _flush_metrics(self: _S, job: _CoordinatedJob) -> None:
         async with job.metrics_lock:
-            records = job.coord.take_metrics()
+            # Records a failed write kept (a full disk) go first, in order: none is lost.
+            records = job.unwritten_metrics + job.coord.take_metrics()
+            job.unwritten_metrics = []
             if not records:
                 return
             s = job.coord.settings
@@ -593,4 +656,7 @@ class CoordinatorTasks:
             try:
                 await asyncio.to_thread(ckpt.append_line, uri, "\n".join(lines))
             except ckpt.StorageError as exc:
-                log.error("job %s: metrics not written: %s", s.job_id, exc)
+                job.unwritten_metrics = records  # written with the next flush
+                log.error(
+                    "job %s: %d iteration records not written yet: %s", s.job_id, len(records), exc
+                )

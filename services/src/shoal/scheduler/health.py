@@ -77,6 +77,9 @@ class JobHealth:
     coordinator_recovering: str | None = None
     """The coordinator's own word that it is recovering the job (a shard lost; its
     ``recovery_reason``), or None."""
+    checkpoint_error: str = ""
+    """The coordinator's word that the job's last checkpoint could not be written (its
+    ``checkpoint_error``: a full disk), as last reported in the job's state reason."""
 
     def polled(self, iterations: int, now: float, recovering: str | None = None) -> None:
         """A successful poll: the coordinator answers (``recovering``: its reason, when it

@@ -138,6 +138,8 @@ class JobLifecycle:
                 self.clock(),
                 why if recovering else None,
             )
+        if record.state == S.JOB_STATE_RUNNING:
+            await self._checkpoint_news(record, str(getattr(response, "checkpoint_error", "")))
         self.members[record.job_id] = tuple(response.member_learner_ids)
         if self.metrics is not None and response.HasField("progress"):
             self.metrics.world_size(record.job_id, response.progress.world_size, self.clock())
@@ -185,6 +187,27 @@ class JobLifecycle:
             await self.table.delete_throughput(job_id)
         except (Unavailable, NotLeader) as exc:
             log.warning("job %s: throughput model not deleted: %s", job_id, exc)
+
+    async def _checkpoint_news(self, record: JobRecord, error: str) -> None:
+        """A RUNNING job whose checkpoints fail (GetJobProgress.checkpoint_error: a full disk)
+        says so in its state reason (a STATE event and a history entry; the state stays
+        RUNNING: training goes on), and says so again when a checkpoint commits."""
+        health = self._health(record)
+        if error:
+            reason = error
+        elif health.checkpoint_error:
+            reason = f"checkpoints commit again (earlier: {health.checkpoint_error})"
+        else:
+            return
+        health.checkpoint_error = error
+        if record.job.state_reason == reason:
+            return
+        log.warning("job %s: %s", record.job_id, reason)
+        record.job.state_reason = reason
+        record.history.append(StateChange(self.clock(), record.state, record.state, reason))
+        del record.history[:-STATE_HISTORY_LIMIT]
+        await self.table.save(record)
+        self.table.publish(record, S.JOB_EVENT_KIND_STATE)
 
     # -- data-plane health (shoal.scheduler.health) ---------------------------------------------
 
