@@ -143,11 +143,23 @@ def _leftovers(storage: Path) -> list[str]:
     return found
 
 
-def test_a_full_disk_during_a_checkpoint_commits_nothing_partial(small_disk, tmp_path, record):
+@pytest.mark.parametrize(
+    "mode",
+    [job_pb2.SYNC_MODE_PARAMETER_SERVER, job_pb2.SYNC_MODE_COLLECTIVE],
+    ids=["parameter-server", "collective"],
+)
+def test_a_full_disk_during_a_checkpoint_commits_nothing_partial(
+    small_disk, tmp_path, record, mode
+):
+    """In collective mode the learner holding the state writes the checkpoint file: a write
+    the storage refuses is reported to the coordinator (CheckpointFile.error) instead of
+    ending the learner, and the coordinator treats it as a shard's refused write."""
     chaos, storage = small_disk
     client = chaos.client
     artifact = client.upload_directory(TINY_MODEL)
-    spec = job_spec("disk-full", artifact, max_workers=1, epochs=EPOCHS, checkpoint_every=1)
+    spec = job_spec(
+        "disk-full", artifact, max_workers=1, epochs=EPOCHS, checkpoint_every=1, sync_mode=mode
+    )
     job = client.submit_job(spec).job_id
     checkpoints = storage / "jobs" / job / "checkpoints"
 
@@ -219,7 +231,7 @@ def test_a_full_disk_during_a_checkpoint_commits_nothing_partial(small_disk, tmp
     assert diff <= 1e-5, f"{job}: model differs from the single-process reference by {diff}"
     assert not _leftovers(storage), _leftovers(storage)
     record.update(
-        scenario="disk full during a checkpoint write (tmpfs)",
+        scenario=f"disk full during a checkpoint write (tmpfs), {job_pb2.SyncMode.Name(mode)}",
         failed_checkpoint=failed_at,
         reason_s=round(reason_s, 1),
         commit_after_free_s=round(recovered_s, 1),

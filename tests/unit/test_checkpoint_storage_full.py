@@ -96,3 +96,25 @@ def test_a_commit_cut_between_the_manifest_and_latest_is_finished_later(tmp_path
     assert (root / "latest").read_text() == "iter-14"
     with pytest.raises(ckpt.StorageError, match="not a checkpoint directory"):
         ckpt.advance_latest((root / "elsewhere").as_uri())
+
+
+def test_a_collective_learners_refused_write_is_reported_and_leaves_nothing(
+    full_disk: Path,
+) -> None:
+    """The collective-mode learner's checkpoint file: on a full disk it is described with the
+    error (the coordinator then gives that checkpoint up or asks again) instead of raising
+    out of the learner, and no part of it is left."""
+    from shoal.learner.collective_checkpoint import CHECKPOINT_FILE, write_checkpoint_file
+
+    directory = full_disk / "jobs" / "job-1" / "checkpoints" / "iter-14"
+    written = write_checkpoint_file(directory.as_uri(), b"x" * 1000, 14)
+    assert not written.error and written.sha256 and written.size_bytes == 1000
+    assert sorted(p.name for p in directory.iterdir()) == [CHECKPOINT_FILE]
+    fill(full_disk)
+    again = full_disk / "jobs" / "job-1" / "checkpoints" / "iter-21"
+    again.mkdir()
+    refused = write_checkpoint_file(again.as_uri(), b"y" * 100_000, 21)
+    assert "No space left on device" in refused.error, refused
+    assert refused.storage_full and not refused.sha256 and refused.size_bytes == 0
+    assert refused.global_iteration == 21 and refused.file == CHECKPOINT_FILE
+    assert list(again.iterdir()) == [], "a refused write leaves no temporary file"

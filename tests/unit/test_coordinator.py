@@ -479,6 +479,27 @@ def test_collective_writer_that_dies_is_replaced():
     assert coord.decide("b").action is Action.DONE
 
 
+def test_collective_final_checkpoint_the_storage_refused_is_asked_for_again():
+    """The writer's file was refused (a full disk): the final checkpoint stays held and the
+    next learner holding the state that asks writes it again; the job is done only then."""
+    coord = collective("a", "b", n=8, batch=4, epochs=1)
+    for _ in range(2):
+        run_all(coord, "a", "b")
+        vote(coord, "a", "b")
+    d = coord.decide("a")
+    assert d.action is Action.CHECKPOINT and d.checkpoint.final
+    assert coord.checkpoint_file_written("a", 2)  # its report: refused by the storage
+    assert coord.decide("b").action is Action.WAIT
+    coord.checkpoint_write_failed(d.checkpoint)
+    assert not coord.done
+    again = coord.decide("b")
+    assert again.action is Action.CHECKPOINT and again.checkpoint == d.checkpoint
+    assert coord.decide("a").action is Action.WAIT  # one writer at a time
+    assert coord.checkpoint_file_written("b", 2)
+    coord.task_done(again.checkpoint)
+    assert coord.done and coord.decide("a").action is Action.DONE
+
+
 def test_collective_last_holders_retiring_are_checkpointed_first():
     coord = collective("a", n=40, batch=4, epochs=1)
     run_all(coord, "a")

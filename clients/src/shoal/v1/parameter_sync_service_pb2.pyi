@@ -685,6 +685,8 @@ class CheckpointFile(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
     GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    STORAGE_FULL_FIELD_NUMBER: _builtins.int
     directory: _builtins.str
     """The checkpoint directory (as given in BoundaryResponse.checkpoint_directory)."""
     file: _builtins.str
@@ -695,6 +697,14 @@ class CheckpointFile(_message.Message):
     """The file's sha256, hex."""
     global_iteration: _builtins.int
     """The iterations whose updates the file holds."""
+    error: _builtins.str
+    """Set when the write failed (the storage refused it: e.g. "[Errno 28] No space left on
+    device"): nothing of the file is left, size_bytes and sha256 are unset, and the
+    coordinator gives that checkpoint up (a periodic one) or asks for it again (the final
+    one) instead of waiting for a file that will not come.
+    """
+    storage_full: _builtins.bool
+    """With error: the storage is full (ENOSPC, EDQUOT or EFBIG)."""
     def __init__(
         self,
         *,
@@ -703,10 +713,12 @@ class CheckpointFile(_message.Message):
         size_bytes: _builtins.int = ...,
         sha256: _builtins.str = ...,
         global_iteration: _builtins.int = ...,
+        error: _builtins.str = ...,
+        storage_full: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["directory", b"directory", "file", b"file", "global_iteration", b"global_iteration", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["directory", b"directory", "error", b"error", "file", b"file", "global_iteration", b"global_iteration", "sha256", b"sha256", "size_bytes", b"size_bytes", "storage_full", b"storage_full"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

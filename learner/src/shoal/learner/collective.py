@@ -604,9 +604,19 @@ class CollectiveBackend(GrpcBackend):
             setup, self._params, self._buffers, optimizer, job_id=self.job_id, iteration=iteration
         )
         written = write_checkpoint_file(reply.checkpoint_directory, data, iteration)
-        log.info(
-            "checkpoint after %d iterations written to %s", iteration, reply.checkpoint_directory
-        )
+        if written.error:
+            log.error(
+                "checkpoint after %d iterations not written to %s: %s",
+                iteration,
+                reply.checkpoint_directory,
+                written.error,
+            )
+        else:
+            log.info(
+                "checkpoint after %d iterations written to %s",
+                iteration,
+                reply.checkpoint_directory,
+            )
         return written
 
     @torch.no_grad()

@@ -9,8 +9,10 @@ Pure functions of the tensors and the optimizer they are given (no process group
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,10 +87,31 @@ def encode_checkpoint(
 
 def write_checkpoint_file(directory: str, data: bytes, iteration: int) -> ps_pb2.CheckpointFile:
     """Write ``data`` as the shard file of index 0 in ``directory`` (the manifest, written by
-    the coordinator after, is the commit point) and describe it for the coordinator."""
+    the coordinator after, is the commit point) and describe it for the coordinator.
+
+    The file is written under a temporary name and renamed, so a reader never sees a part of
+    it. A write the storage refuses (a full disk, a quota, a read-only mount) leaves nothing
+    behind and comes back as the description's ``error``: the learner goes on training and the
+    coordinator decides what becomes of that checkpoint."""
     fs, path = fsspec.core.url_to_fs(directory.rstrip("/") + "/" + CHECKPOINT_FILE)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(path, data)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    try:
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(tmp, data)
+        fs.mv(tmp, path)
+    except OSError as exc:
+        try:
+            fs.rm(tmp)
+        except OSError:  # never written, or the storage is gone: nothing more to do
+            pass
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        return ps_pb2.CheckpointFile(
+            directory=directory,
+            file=CHECKPOINT_FILE,
+            global_iteration=iteration,
+            error=str(exc),
+            storage_full=full,
+        )
     return ps_pb2.CheckpointFile(
         directory=directory,
         file=CHECKPOINT_FILE,
@@ -98,7 +121,6 @@ def write_checkpoint_file(directory: str, data: bytes, iteration: int) -> ps_pb2
     )
 
 
-@torch.no_grad()
 def load_checkpoint(
     directory: str,
     step: int,

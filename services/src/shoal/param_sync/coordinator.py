@@ -359,6 +359,14 @@ class Coordinator(RecoveryMixin):
         self._checkpoint_written = iteration
         return True
 
+    def checkpoint_write_failed(self, task: CheckpointTask) -> None:
+        """Collective mode: the held checkpoint ``task``'s file was not written (the storage
+        refused it) and it stays held (the final one): the next learner holding the state that
+        asks writes it again."""
+        if task in self._holds:
+            self.checkpoint_writer = None
+            self._checkpoint_written = -1
+
     def _freeze(self) -> None:
         """Freeze the generation of iteration ``completed``."""
         survivors = [m for m in self.members if m not in self.retiring and m not in self.evicted]

@@ -262,14 +262,19 @@ class LearnerHandlers:
     def _checkpoint_file(
         self: _S, job: _CoordinatedJob, learner: str, report: ps_pb2.CheckpointFile
     ) -> None:
-        """Collective mode: a learner wrote the shard file of the held checkpoint."""
+        """Collective mode: a learner wrote the shard file of the held checkpoint (or says why
+        it could not: ``report.error``)."""
         coord = job.coord
         expected = self._checkpoint_directory(coord.settings, report.global_iteration)
-        if report.directory != expected or report.file != shard_file_name(0) or not report.sha256:
+        if (
+            report.directory != expected
+            or report.file != shard_file_name(0)
+            or not (report.sha256 or report.error)
+        ):
             raise InvalidField(
                 "checkpoint_file",
                 f"{report.directory}/{report.file}",
-                f"must be {shard_file_name(0)} in {expected}, with its sha256",
+                f"must be {shard_file_name(0)} in {expected}, with its sha256 or its error",
             )
         if not coord.checkpoint_file_written(learner, report.global_iteration):
             log.warning(

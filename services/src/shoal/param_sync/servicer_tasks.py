@@ -382,13 +382,20 @@ class CoordinatorTasks:
                 log.error("job %s: %s", coord.job_id, job.checkpoint_error)
                 await self._discard_checkpoint(s, task.iteration)
                 if (
-                    coord.collective
-                    or not task.final
+                    not task.final
                     or task not in coord.holds
                     or self._coordinated.get(coord.job_id) is not job
                 ):
                     raise
                 pause = min(60.0, max(pause * 2, 1.0))
+                if coord.collective:
+                    # A learner holding the state writes it again after the pause (any of
+                    # them: the one that failed is asked like the others).
+                    await asyncio.sleep(pause)
+                    async with job.cond:
+                        coord.checkpoint_write_failed(task)
+                        job.cond.notify_all()
+                    continue
             else:
                 job.checkpoint_error = ""
                 return result
@@ -531,6 +538,11 @@ class CoordinatorTasks:
                             )
                 finally:
                     job.checkpoint_files.pop(task.iteration, None)
+                if report.error:  # the storage refused the learner's write; nothing is left
+                    raise ckpt.StorageError(
+                        f"the learner's write of {report.file}: {report.error}",
+                        full=report.storage_full,
+                    )
                 files = [(0, report, [m.name for m in coord.layout])]
             else:
                 request = ps_pb2.SaveShardRequest(
