@@ -91,7 +91,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         chaos.start_again(HOST, env=faketime)
         trigger = state / "checkpoint-trigger"
         chaos.sigterm(SHARD)
-        chaos.start_again(SHARD, env={"SHOAL_CHAOS_STOP_BEFORE_RENAME": str(trigger)})
+        chaos.start_again(SHARD, env={"SHOAL_TEST_FAULT": f"stop-before-rename@{trigger}"})
         wait_for(
             lambda: (
                 chaos.snapshot().get(HOST, (0, 0))[0] == HOST_READY and proxy.stats.up_bytes > 0

@@ -270,3 +270,62 @@ def test_a_paused_coordinator_that_wakes_after_the_takeover_cannot_commit(tmp_pa
     print(f"slice promoted {promoted_after:.1f} s after the takeover")
 
     assert_taken_over_without_loss(plane, job, learners, epochs)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP: state ``T`` in /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.slow
+def test_a_coordinator_killed_mid_checkpoint_and_restarted_is_restored_and_training_goes_on(
+    tmp_path: Path,
+):
+    """The chaos suite's livelock (issue 12), forced: the coordinator shard stops itself with
+    its checkpoint file written to its temporary name (the test fault ``stop-before-rename``),
+    shard 1 takes the role over once it has not answered for the grace, and the stopped shard
+    is SIGKILLed and started again at once (before its backup could be promoted): its slice is
+    restored onto it from the replica on shard 1. Training goes on: the job completes, each
+    iteration recorded once, the model equal to single-process training; no learner has an
+    iteration aborted over and over."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=2)
+    job, epochs = "ckptrestore", 2
+    trigger = tmp_path / "trigger"
+    trigger.write_text("shard-0.safetensors")
+    try:
+        plane.start_shards(
+            ["--shard-probe", "0.5", "--promote-after", "120"],
+            env={0: {"SHOAL_TEST_FAULT": f"stop-before-rename@{trigger}"}},
+        )
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            for n in ("r0", "r1")
+        }
+        old = plane.shards[0]
+        wait_until(lambda: _stopped(old.popen.pid), timeout=240, what="shard 0 stopped mid-write")
+        trigger.unlink()
+        assert list((plane.job_dir(job) / "checkpoints").rglob("shard-0.safetensors.tmp-*"))
+        wait_for_the_grace(plane, 0, job, grace=2.0)
+        plane.take_over(job, 1, lost=0, epoch=1, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        old.kill()
+        plane.restart_shard(0)
+        plane.shards[1].wait_for("restored from its replicas", timeout=120)
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+        assert plane.progress(job).done
+    finally:
+        plane.kill_all()
+    total = epochs * iterations_per_epoch()
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    for name, proc in learners.items():
+        aborted = proc.text().count("aborted; waiting for it to be re-issued")
+        assert aborted < 10, (name, aborted, proc.text()[-3000:])
+        steps = [r["step"] for r in plane.history(name)["history"]]
+        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)

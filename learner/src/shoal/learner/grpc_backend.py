@@ -579,7 +579,7 @@ class GrpcBackend(SyncBackend):
         except aio.AioRpcError as exc:
             if _shard_lost(exc):
                 await asyncio.sleep(_SHARD_LOST_PAUSE_S)
-                raise IterationAborted(exc.details() or str(exc.code())) from exc
+                raise IterationAborted(_why(exc, None)) from exc
             raise _translate(exc) from exc
 
     async def _receive(
@@ -697,8 +697,13 @@ class GrpcBackend(SyncBackend):
                     yield chunk
 
             call = shard.streams["SyncStep"](messages(), metadata=md or self._metadata)
-            return await self._receive(shard, call)
+            try:
+                return await self._receive(shard, call)
+            except aio.AioRpcError as exc:
+                failed.setdefault(id(exc), shard)
+                raise
 
+        failed: dict[int, _Shard] = {}  # which shard's stream raised which error
         tasks = [asyncio.ensure_future(one(s)) for s in self._shards]
         try:
             return list(await self._watch(asyncio.gather(*tasks)))
@@ -714,7 +719,7 @@ class GrpcBackend(SyncBackend):
             if lost:
                 await asyncio.sleep(_SHARD_LOST_PAUSE_S)
             if isinstance(error, IterationAborted | LearnerEvicted) or lost:
-                raise IterationAborted(exc.details() or str(exc.code())) from exc
+                raise IterationAborted(_why(exc, failed.get(id(exc)))) from exc
             raise error from exc
         finally:
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -784,6 +789,14 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     if tensor.numel() == 0:
         return np.empty(0, dtype=np.uint8)
     return byte_view(tensor)
+
+
+def _why(exc: aio.AioRpcError, shard: _Shard | None) -> str:
+    """Why a tensor stream failed, for the learner's log: the shard that refused it, the
+    status code, the machine-readable reason and the shard's message."""
+    reason = decode_rpc_error(exc).reason or "no reason"
+    where = f"shard {shard.index} ({shard.address})" if shard is not None else "a shard"
+    return f"{where}: {exc.code().name} {reason}: {exc.details() or ''}"
 
 
 def _translate(exc: aio.AioRpcError) -> Exception:
