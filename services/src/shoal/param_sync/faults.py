@@ -12,11 +12,13 @@ Points:
   and k + 1).
 * ``save-shard@<k>``: a shard asked to write its checkpoint file for iteration k SIGKILLs
   itself before it writes (a shard lost during a checkpoint write).
-* ``stop-before-rename@<trigger file>``: armed while the trigger file exists and holds a part
-  of a file name: the thread writing that file (``checkpoint.atomic_write``) stops the process
-  (SIGSTOP) once the file's temporary copy is written and synced, before the rename, so that
-  the test can SIGKILL it at exactly that point (tests/chaos). The test arms and disarms it at
-  run time by writing and removing the trigger file.
+* ``stop-before-rename@<trigger file>``: armed while the trigger file exists and holds parts
+  of a file's path (whitespace-separated, e.g. ``shard-1.safetensors`` or
+  ``<job id>/ shard-1.safetensors``): the thread writing a file whose path contains every
+  part (``checkpoint.atomic_write``) stops the process (SIGSTOP) once the file's temporary
+  copy is written and synced, before the rename, so that the test can SIGKILL it at exactly
+  that point (tests/chaos). The test arms and disarms it at run time by writing and removing
+  the trigger file.
 """
 
 from __future__ import annotations
@@ -77,15 +79,15 @@ def die(point: str) -> NoReturn:
 def stop_before_rename(path: str) -> None:
     """The ``stop-before-rename`` point, reached when the temporary copy of the file at
     ``path`` is written and synced: stop the process (SIGSTOP) if the trigger file exists and
-    holds a part of the file's name; nothing otherwise."""
+    every part it holds is in ``path``; nothing otherwise."""
     if _ARMED is None or _ARMED[0] != STOP_BEFORE_RENAME:
         return
     try:
         with open(str(_ARMED[1])) as f:
-            part = f.read().strip()
+            parts = f.read().split()
     except OSError:
         return
-    if part and part in path.rsplit("/", 1)[-1]:
+    if parts and all(part in path for part in parts):
         log.warning("test fault %s: SIGSTOP before renaming %s", STOP_BEFORE_RENAME, path)
         sys.stderr.flush()
         # Directed at this thread, so that it stops before its next instruction: a SIGSTOP
