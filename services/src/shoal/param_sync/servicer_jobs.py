@@ -205,6 +205,14 @@ class JobHandlers:
                     f"{existing.epoch}): close it first"
                 )
             self._check_coordinator_epoch(request.job_id, epoch)
+            address, known = self._coordinator_at.get(request.job_id, ("", 0))
+            if known == epoch and address != settings.shard_addresses[me]:
+                # Another shard took the role over at this epoch already (a scheduler leader
+                # died before it published that move): one epoch names one coordinator.
+                raise StaleCoordinator(
+                    f"coordinator_epoch ({epoch}) of job {request.job_id!r} is held by "
+                    f"{address} already: take a higher one"
+                )
             generation = epoch << 32  # above every generation of an earlier coordinator
             move = ps_pb2.SetCoordinatorRequest(
                 job_id=request.job_id,
