@@ -429,6 +429,10 @@ class FakeParameterSync:
         self.takeover = False
         self.takeover_calls: list[tuple[int, str, int, int]] = []  # shard, job, lost, epoch
         self.takeover_modes: list[int] = []  # TakeOverJobRequest.sync_mode of each call
+        # Who coordinates each job whose role moved (a takeover), and at which epoch: what
+        # every shard answers FindCoordinator with. A TakeOverJob below it, or at it on
+        # another shard, is refused (STALE_COORDINATOR), as the real shards do.
+        self.coordinators: dict[str, tuple[int, int]] = {}
 
     def members(self, job_id: str) -> list[str]:
         if self.members_hook is not None:
@@ -535,7 +539,25 @@ class FakeShard(parameter_sync_service_pb2_grpc.ParameterSyncServiceServicer):
             (self.index, request.job_id, request.lost_shard_index, request.coordinator_epoch)
         )
         self.sync.takeover_modes.append(request.sync_mode)
+        index, epoch = self.sync.coordinators.get(request.job_id, (-1, 0))
+        if request.coordinator_epoch < epoch or (
+            request.coordinator_epoch == epoch and index != self.index
+        ):
+            raise StaleCoordinator(
+                f"coordinator_epoch ({request.coordinator_epoch}) of job {request.job_id!r} is "
+                f"not above the current coordinator's ({epoch}, shard {index})"
+            )
+        self.sync.coordinators[request.job_id] = (self.index, request.coordinator_epoch)
         return ps_pb2.TakeOverJobResponse(progress=job.progress)
+
+    async def FindCoordinator(self, request, context):  # type: ignore[no-untyped-def]
+        self._up()
+        index, epoch = self.sync.coordinators.get(request.job_id, (-1, 0))
+        if index < 0:
+            return ps_pb2.FindCoordinatorResponse()
+        return ps_pb2.FindCoordinatorResponse(
+            coordinator_address=self.sync.cluster.shard_addresses[index], coordinator_epoch=epoch
+        )
 
     async def GetJobProgress(self, request, context):  # type: ignore[no-untyped-def]
         job = self._job(request.job_id)

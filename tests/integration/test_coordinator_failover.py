@@ -270,3 +270,99 @@ def test_a_paused_coordinator_that_wakes_after_the_takeover_cannot_commit(tmp_pa
     print(f"slice promoted {promoted_after:.1f} s after the takeover")
 
     assert_taken_over_without_loss(plane, job, learners, epochs)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP: state ``T`` in /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.slow
+def test_a_coordinator_killed_mid_checkpoint_and_restarted_is_restored_and_training_goes_on(
+    tmp_path: Path,
+):
+    """The chaos suite's livelock (issue 12), forced: the coordinator shard stops itself with
+    its checkpoint file written to its temporary name (the test fault ``stop-before-rename``),
+    shard 1 takes the role over once it has not answered for the grace, and the stopped shard
+    is SIGKILLed and started again at once (before its backup could be promoted): its slice is
+    restored onto it from the replica on shard 1. Then the successor's SetCoordinator reaches
+    the restored shard again and again while iterations run (as its deposer did, by a race, in
+    the chaos suite). Training goes on: the job completes, each iteration recorded once, the
+    model equal to single-process training; no learner has an iteration aborted over and over.
+    (Before the fix the shard dropped the running iteration's sums and refused it as stale
+    for ever: the livelock of issue 12.)"""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=2)
+    job, epochs = "ckptrestore", 2
+    trigger = tmp_path / "trigger"
+    trigger.write_text("shard-0.safetensors")
+    try:
+        plane.start_shards(
+            ["--shard-probe", "0.5", "--promote-after", "120"],
+            env={0: {"SHOAL_TEST_FAULT": f"stop-before-rename@{trigger}"}},
+        )
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        # r1 is slower: the shards hold r0's sums of each iteration most of the time (as with
+        # learners on unequal hosts), the window in which the livelock began.
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=delay)
+            for n, delay in (("r0", 0.02), ("r1", 0.3))
+        }
+        old = plane.shards[0]
+        wait_until(lambda: _stopped(old.popen.pid), timeout=240, what="shard 0 stopped mid-write")
+        trigger.unlink()
+        assert list((plane.job_dir(job) / "checkpoints").rglob("shard-0.safetensors.tmp-*"))
+        wait_for_the_grace(plane, 0, job, grace=2.0)
+        plane.take_over(job, 1, lost=0, epoch=1, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        old.kill()
+        plane.restart_shard(0)
+        plane.shards[1].wait_for("restored from its replicas", timeout=120)
+        # The successor's deposer reaching the restored shard while an iteration runs (the
+        # race that made the livelock; here forced): the same SetCoordinator, many times.
+        at = plane.progress(job).progress.completed_iterations
+        total = epochs * iterations_per_epoch()
+        target = min(at + 5, total)
+        channel = grpc.insecure_channel(plane.addresses[0])
+        deadline = time.monotonic() + 120
+        pokes = 0
+        try:
+            stub = ps_grpc.ParameterSyncServiceStub(channel)
+            while (
+                plane.progress(job).progress.completed_iterations < target
+                and time.monotonic() < deadline
+            ):
+                stub.SetCoordinator(
+                    ps_pb2.SetCoordinatorRequest(
+                        job_id=job,
+                        coordinator_address=plane.addresses[1],
+                        coordinator_epoch=1,
+                        min_generation=1 << 32,
+                    ),
+                    metadata=(("authorization", f"Bearer {tokens['service']}"),),
+                    timeout=30,
+                )
+                pokes += 1
+                time.sleep(0.05)
+        finally:
+            channel.close()
+        done = plane.progress(job).progress.completed_iterations
+        assert done >= target, (
+            f"no iteration past {done} in 120 s of {pokes} SetCoordinator calls: "
+            + " | ".join(p.text()[-600:] for p in learners.values())
+        )
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+        assert plane.progress(job).done
+    finally:
+        plane.kill_all()
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    for name, proc in learners.items():
+        aborted = proc.text().count("aborted; waiting for it to be re-issued")
+        assert aborted < 10, (name, aborted, proc.text()[-3000:])
+        steps = [r["step"] for r in plane.history(name)["history"]]
+        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)

@@ -1411,3 +1411,82 @@ async def test_with_the_real_resource_manager_and_host_agents_and_a_leader_failo
         await procs.close()
         await store.close()
         await sync.stop()
+
+
+@pytest.mark.parametrize("successor_up", [True, False])
+async def test_a_leader_dying_between_a_takeover_and_its_publish_leaves_a_job_the_next_one_finds(
+    tmp_path: Path, successor_up: bool
+) -> None:
+    """Three shards. The leader moves a job's coordinator role (its shard lost) with
+    TakeOverJob at epoch 1 on the next shard, then dies before it publishes the move in etcd.
+    The next leader knows no move; it finds the coordinator's shard unreachable and asks the
+    shards first (FindCoordinator): if the successor answers it follows it (publishes it, no
+    second takeover); if the successor is gone too, it takes the role over at epoch 2 on the
+    shard after it, never at epoch 1 again (one epoch names one coordinator). Either way the job
+    is not lost, has one coordinator, keeps RUNNING on its learners, and etcd says where the
+    coordinator is."""
+    c = await FakeCluster.start(hosts=2, gpus=4, shards=3)
+    store = MemoryStore()
+    storage = Storage((tmp_path / "storage").as_uri())
+    _, first, api, task = await start_loop(store, c, storage)
+    second: Reconciler | None = None
+    task2: asyncio.Task[None] | None = None
+    try:
+        info = await api.artifacts.upload(
+            name="model",
+            declared_size=0,
+            declared_sha256="",
+            chunks=chunked(b"x" * 64),
+            owner=ALICE,
+        )
+        c.sync.takeover = True
+        j = (await api.submit(ALICE, "", spec(info.artifact_id, max_workers=2))).job_id
+        await async_wait_until(lambda: c.workers(j) == 2, what="2 learners")
+        old = first.table.records[j].coordinator_index
+        successor, after = (old + 1) % 3, (old + 2) % 3
+        died = asyncio.Event()
+
+        async def dies_before_publishing(record: object, moved: object) -> None:
+            died.set()
+            await asyncio.Event().wait()  # the process is gone: nothing after this runs
+
+        first._publish_move = dies_before_publishing  # type: ignore[method-assign]
+        c.sync.down.add(old)
+        await async_wait_until(died.is_set, what="the takeover, then the leader dies")
+        await stop_task(task)
+        assert c.sync.coordinators[j] == (successor, 1)
+        assert await store.get(coordinator_key(j)) is None  # never published
+        if not successor_up:
+            c.sync.down.add(successor)
+
+        table2, second, _, task2 = await start_loop(store, c, storage)
+        expected = CoordinatorRecord(c.shard_addresses[successor], successor, 1)
+        if not successor_up:
+            expected = CoordinatorRecord(c.shard_addresses[after], after, 2)
+        await async_wait_until(
+            lambda: table2.records[j].coordinator_address == expected.address,
+            timeout=20,
+            what="the next leader finds the job's coordinator",
+        )
+        kv = await store.get(coordinator_key(j))
+        assert kv is not None and decode_coordinator(kv.value) == expected
+        takeovers = [(i, e) for i, job, _, e in c.sync.takeover_calls if job == j]
+        assert takeovers == ([(successor, 1)] if successor_up else [(successor, 1), (after, 2)])
+        assert c.sync.coordinators[j] == (expected.index, expected.epoch)  # one coordinator
+        done = table2.records[j].job.progress.completed_iterations
+        await async_wait_until(
+            lambda: table2.records[j].job.progress.completed_iterations > done + 3,
+            timeout=20,
+            what="progress under the next leader",
+        )
+        assert table2.records[j].state == S.JOB_STATE_RUNNING and c.workers(j) == 2
+        assert len(c.sync.open_calls) == 1  # never re-opened from a checkpoint
+    finally:
+        if task2 is not None:
+            await stop_task(task2)
+        await stop_task(task)
+        for r in (first, second):
+            if r is not None:
+                await r.peers.close()
+        await c.stop()
+        await store.close()

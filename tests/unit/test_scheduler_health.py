@@ -141,3 +141,40 @@ def test_a_coordinator_that_says_it_is_recovering_makes_the_job_recovering_until
     got = verdict(RECOVERING, health, 6.0)
     assert got is not None and got.kind is VerdictKind.RECOVERED
     assert "lost after iteration 286" in got.reason
+
+
+def test_an_iteration_re_issued_for_ever_is_a_stall_not_progress() -> None:
+    """Issue 12's livelock as the scheduler sees it: the coordinator re-issues one iteration at
+    every boundary (a shard refuses every SyncStep of it) and never commits. Attempts are not
+    progress: the polled committed count stays, and the stall timeout retries the job."""
+    from shoal.contract.wire import TensorMeta, pack_layout
+    from shoal.param_sync.coordinator import Action, Coordinator, JobSettings, OptimizerConfig
+
+    layout = pack_layout([TensorMeta("w", "float32", (4, 3), 0, 48)])[0]
+    sgd = OptimizerConfig("SGD", '{"lr": 0.1}')
+    settings = JobSettings(
+        job_id="job-1",
+        batch_size=4,
+        epochs=2,
+        seed=3,
+        checkpoint_every=0,
+        storage_uri="memory://x",
+        shard_addresses=("s0:1", "s1:1"),
+    )
+    coord = Coordinator(settings)
+    coord.fix_layout(layout, sgd, 40, coord.plan_sharding(layout, sgd, 40))
+    for learner in ("l1", "l2"):
+        coord.join(learner)
+    health = JobHealth(iterations=0, progress_at=0.0)
+    for second in range(61):
+        for _ in range(50):  # ~50 aborted SyncSteps a second, each followed by a Boundary
+            for learner in ("l1", "l2"):
+                decision = coord.decide(learner)
+                assert decision.action is Action.RUN and decision.assignment is not None
+                assert decision.assignment.global_iteration == 0
+        health.polled(coord.progress()["completed_iterations"], float(second))
+        got = verdict(RUNNING, health, float(second))
+        if second < 60:
+            assert got is None
+    assert got is not None and got.kind is VerdictKind.RETRY
+    assert "no iteration committed for 60 s (at iteration 0)" in got.reason

@@ -9,6 +9,7 @@ Pure functions of the tensors and the optimizer they are given (no process group
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 import safetensors.torch
 import torch
 
@@ -89,21 +91,22 @@ def write_checkpoint_file(directory: str, data: bytes, iteration: int) -> ps_pb2
     """Write ``data`` as the shard file of index 0 in ``directory`` (the manifest, written by
     the coordinator after, is the commit point) and describe it for the coordinator.
 
-    The file is written under a temporary name and renamed, so a reader never sees a part of
-    it. A write the storage refuses (a full disk, a quota, a read-only mount) leaves nothing
+    A local file is written under a temporary name and renamed (an object store's put is
+    whole), so a reader never sees a part of it. A write the storage refuses (a full disk, a quota, a read-only mount) leaves nothing
     behind and comes back as the description's ``error``: the learner goes on training and the
     coordinator decides what becomes of that checkpoint."""
     fs, path = fsspec.core.url_to_fs(directory.rstrip("/") + "/" + CHECKPOINT_FILE)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    # A local file goes under a temporary name first; an object store's single put is whole.
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}" if isinstance(fs, LocalFileSystem) else ""
     try:
         fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        fs.pipe_file(tmp, data)
-        fs.mv(tmp, path)
+        fs.pipe_file(tmp or path, data)
+        if tmp:
+            fs.mv(tmp, path)
     except OSError as exc:
-        try:
-            fs.rm(tmp)
-        except OSError:  # never written, or the storage is gone: nothing more to do
-            pass
+        if tmp:
+            with contextlib.suppress(OSError):  # never written: nothing more to do
+                fs.rm(tmp)
         full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         return ps_pb2.CheckpointFile(
             directory=directory,

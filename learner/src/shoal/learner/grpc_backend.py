@@ -74,6 +74,7 @@ from shoal.learner.grpc_calls import (
     _Shard,
     _shard_lost,
     _translate,
+    _why,
     optimizer_proto,
     stream_methods,
 )
@@ -442,7 +443,7 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
         except aio.AioRpcError as exc:
             if _shard_lost(exc):
                 await asyncio.sleep(_SHARD_LOST_PAUSE_S)
-                raise IterationAborted(exc.details() or str(exc.code())) from exc
+                raise IterationAborted(_why(exc, None)) from exc
             raise _translate(exc) from exc
 
     async def _receive(
@@ -603,7 +604,16 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
             call = shard.streams["SyncStep"](messages(), metadata=md or self._metadata)
             return await self._receive(shard, call)
 
-        tasks = [asyncio.ensure_future(one(s)) for s in self._shards]
+        failed: dict[int, _Shard] = {}  # which shard's stream raised which error
+
+        async def tracked(shard: _Shard) -> ps_pb2.TensorBundleHeader:
+            try:
+                return await one(shard)
+            except aio.AioRpcError as exc:
+                failed.setdefault(id(exc), shard)
+                raise
+
+        tasks = [asyncio.ensure_future(tracked(s)) for s in self._shards]
         try:
             return list(await self._watch(asyncio.gather(*tasks)))
         except CoordinatorMoved as exc:  # a frozen coordinator's shard may be one of them
@@ -618,7 +628,7 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
             if lost:
                 await asyncio.sleep(_SHARD_LOST_PAUSE_S)
             if isinstance(error, IterationAborted | LearnerEvicted) or lost:
-                raise IterationAborted(exc.details() or str(exc.code())) from exc
+                raise IterationAborted(_why(exc, failed.get(id(exc)))) from exc
             raise error from exc
         finally:
             await asyncio.gather(*tasks, return_exceptions=True)

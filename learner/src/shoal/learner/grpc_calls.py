@@ -124,6 +124,14 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     return byte_view(tensor)
 
 
+def _why(exc: aio.AioRpcError, shard: _Shard | None) -> str:
+    """Why a tensor stream failed, for the learner's log: the shard that refused it, the
+    status code, the machine-readable reason and the shard's message."""
+    reason = decode_rpc_error(exc).reason or "no reason"
+    where = f"shard {shard.index} ({shard.address})" if shard is not None else "a shard"
+    return f"{where}: {exc.code().name} {reason}: {exc.details() or ''}"
+
+
 def _translate(exc: aio.AioRpcError) -> Exception:
     """Map a failed call to the learner's exceptions."""
     code = exc.code()

@@ -397,11 +397,13 @@ class ElasticTrainer:
                         with tracing.phase("pull parameters"):
                             pulled = backend.pull_parameters()
                             self._load(pulled.params, pulled.buffers)
-                    except IterationAborted:
+                    except IterationAborted as exc:
                         # A shard is down or restarted: the next boundary says what to run
                         # once the coordinator recovered it; pull again then.
                         tracing.end_iteration(aborted=True)
-                        logger.warning("pull for iteration %d failed; asking again", a.step)
+                        logger.warning(
+                            "pull for iteration %d failed; asking again: %s", a.step, exc
+                        )
                         have_state = False
                         continue
                     self._snapshot_buffers(synced_buffers)
@@ -454,9 +456,14 @@ class ElasticTrainer:
                     with tracing.phase("sync"):
                         synced = backend.sync(a, contribution, lr=lr)
                         last_sync = (a.generation, time.perf_counter() - sync_started)
-                except IterationAborted:
+                except IterationAborted as exc:
                     tracing.end_iteration(aborted=True)
-                    logger.warning("iteration %d aborted; waiting for it to be re-issued", a.step)
+                    logger.warning(
+                        "iteration %d (generation %d) aborted; waiting for it to be re-issued: %s",
+                        a.step,
+                        a.generation,
+                        exc,
+                    )
                     self._restore_buffers(synced_buffers)
                     continue
                 finally:

@@ -33,8 +33,6 @@ import hashlib
 import json
 import os
 import re
-import signal
-import threading
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -43,6 +41,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from shoal.contract import ids
+from shoal.param_sync import faults
 
 __all__ = [
     "DEFAULT_KEEP",
@@ -119,7 +118,7 @@ def atomic_write(uri: str, data: bytes) -> None:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            _chaos_stop_before_rename(path)
+            faults.stop_before_rename(path)  # a test fault point (tests/chaos)
             os.replace(tmp, path)
             tmp = ""
         else:
@@ -130,26 +129,6 @@ def atomic_write(uri: str, data: bytes) -> None:
         if tmp:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-
-
-def _chaos_stop_before_rename(path: str) -> None:
-    """A hook of the chaos suite (tests/chaos): with ``SHOAL_CHAOS_STOP_BEFORE_RENAME`` naming
-    a trigger file, and that file present and holding a part of a file name, the process stops
-    itself (SIGSTOP) when that file's temporary copy is written and synced but not yet renamed
-    into place, so that the test can SIGKILL it at exactly that point. Unset (always, outside
-    the chaos suite), it does nothing."""
-    trigger = os.environ.get("SHOAL_CHAOS_STOP_BEFORE_RENAME", "")
-    if not trigger:
-        return
-    try:
-        with open(trigger) as f:
-            part = f.read().strip()
-    except OSError:
-        return
-    if part and part in path.rsplit("/", 1)[-1]:
-        # Directed at this thread, so that it stops before its next instruction: a SIGSTOP
-        # sent to the process may be taken by another thread, and this one renames meanwhile.
-        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def append_line(uri: str, line: str) -> None:

@@ -1,15 +1,24 @@
-"""Fault points for the data plane's failure tests (issue 12): a shard process started with
-``SHOAL_TEST_FAULT=<point>@<global iteration>`` SIGKILLs itself when it reaches that point at
-that iteration, so that a test can kill a shard at an exact moment no outside signal can hit
-(between two shards' commits, in the middle of a checkpoint). Unset (always, outside tests),
-every point is a no-op costing one comparison.
+"""Fault points for the data plane's failure tests (issue 12): the one mechanism by which a
+shard process is made to fail at an exact moment no outside signal can hit (between two
+shards' commits, in the middle of a checkpoint write). A shard started with
+``SHOAL_TEST_FAULT=<point>@<argument>`` fails when it reaches ``<point>``; unset (always,
+outside tests), every point is a no-op costing one comparison. A malformed value is refused
+when the process starts, naming the variable and the value.
 
 Points:
 
-* ``commit-partial``: the coordinator delivers iteration k's commit to one other shard only,
-  then dies (a coordinator lost in the middle of a commit: shards left at k and k + 1).
-* ``save-shard``: a shard asked to write its checkpoint file for iteration k dies before it
-  writes (a shard lost during a checkpoint write).
+* ``commit-partial@<k>``: the coordinator delivers iteration k's commit to one other shard
+  only, then SIGKILLs itself (a coordinator lost in the middle of a commit: shards left at k
+  and k + 1).
+* ``save-shard@<k>``: a shard asked to write its checkpoint file for iteration k SIGKILLs
+  itself before it writes (a shard lost during a checkpoint write).
+* ``stop-before-rename@<trigger file>``: armed while the trigger file exists and holds parts
+  of a file's path (whitespace-separated, e.g. ``shard-1.safetensors`` or
+  ``<job id>/ shard-1.safetensors``): the thread writing a file whose path contains every
+  part (``checkpoint.atomic_write``) stops the process (SIGSTOP) once the file's temporary
+  copy is written and synced, before the rename, so that the test can SIGKILL it at exactly
+  that point (tests/chaos). The test arms and disarms it at run time by writing and removing
+  the trigger file.
 """
 
 from __future__ import annotations
@@ -18,27 +27,37 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import NoReturn
 
-__all__ = ["POINTS", "armed", "die", "parse"]
+__all__ = ["ENV", "POINTS", "armed", "die", "parse", "stop_before_rename"]
 
 log = logging.getLogger("shoal.param_sync.faults")
 
-POINTS = frozenset({"commit-partial", "save-shard"})
+#: The points that kill the process at a global iteration.
+KILL_POINTS = frozenset({"commit-partial", "save-shard"})
+#: The point that stops the process before a checkpoint file's rename (argument: a trigger
+#: file).
+STOP_BEFORE_RENAME = "stop-before-rename"
+POINTS = KILL_POINTS | {STOP_BEFORE_RENAME}
 ENV = "SHOAL_TEST_FAULT"
 
 
-def parse(value: str) -> tuple[str, int] | None:
-    """``<point>@<iteration>`` (None for an empty value); a clear error naming the variable
-    and the value otherwise."""
+def parse(value: str) -> tuple[str, int | str] | None:
+    """``<point>@<argument>`` (None for an empty value): the iteration of a kill point, the
+    trigger file of ``stop-before-rename``. A clear error naming the variable and the value
+    otherwise."""
     if not value:
         return None
     point, _, at = value.partition("@")
-    if point not in POINTS or not at.isdigit():
-        raise ValueError(
-            f"{ENV} ({value!r}) must be <point>@<global iteration>, point one of {sorted(POINTS)}"
-        )
-    return point, int(at)
+    if point in KILL_POINTS and at.isdigit():
+        return point, int(at)
+    if point == STOP_BEFORE_RENAME and at:
+        return point, at
+    raise ValueError(
+        f"{ENV} ({value!r}) must be <point>@<global iteration> with point one of "
+        f"{sorted(KILL_POINTS)}, or {STOP_BEFORE_RENAME}@<trigger file>"
+    )
 
 
 _ARMED = parse(os.environ.get(ENV, ""))
@@ -55,3 +74,22 @@ def die(point: str) -> NoReturn:
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
     raise SystemExit(137)  # not reached
+
+
+def stop_before_rename(path: str) -> None:
+    """The ``stop-before-rename`` point, reached when the temporary copy of the file at
+    ``path`` is written and synced: stop the process (SIGSTOP) if the trigger file exists and
+    every part it holds is in ``path``; nothing otherwise."""
+    if _ARMED is None or _ARMED[0] != STOP_BEFORE_RENAME:
+        return
+    try:
+        with open(str(_ARMED[1])) as f:
+            parts = f.read().split()
+    except OSError:
+        return
+    if parts and all(part in path for part in parts):
+        log.warning("test fault %s: SIGSTOP before renaming %s", STOP_BEFORE_RENAME, path)
+        sys.stderr.flush()
+        # Directed at this thread, so that it stops before its next instruction: a SIGSTOP
+        # sent to the process may be taken by another thread, and this one renames meanwhile.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)

@@ -267,6 +267,8 @@ class ParameterSyncServicer(
         # Where each job's coordinator is, as told by SetCoordinator: (address, epoch).
         self._coordinator_at: dict[str, tuple[str, int]] = {}
         self._open_lock = asyncio.Lock()
+        # SyncStep refusals logged per job: (when the last line was, how many since).
+        self._refusals: dict[str, tuple[float, int]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-sync")
         self._channels: dict[str, tuple[aio.Channel, ps_grpc.ParameterSyncServiceStub]] = {}
         self._background: set[asyncio.Task[Any]] = set()

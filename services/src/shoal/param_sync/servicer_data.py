@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,13 @@ from shoal.param_sync.servicer_common import (
 )
 from shoal.param_sync.shard import Contribution, ShardJob
 from shoal.runtime.auth import current_principal
-from shoal.runtime.errors import FailedPrecondition, InvalidField, StaleGeneration
+from shoal.runtime.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidField,
+    NotFound,
+    StaleGeneration,
+)
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 if TYPE_CHECKING:
@@ -39,9 +46,43 @@ class DataHandlers:
     async def SyncStep(
         self: _S, request_iterator: AsyncIterator[Frame], context: Any
     ) -> AsyncIterator[bytes]:
+        seen: list[ps_pb2.TensorBundleHeader] = []
+        try:
+            async for message in self._sync_step(request_iterator, seen):
+                yield message
+        except (StaleGeneration, Aborted, FailedPrecondition, NotFound) as exc:
+            if seen:
+                self._log_refusal(seen[0], exc)
+            raise
+
+    def _log_refusal(self: _S, header: ps_pb2.TensorBundleHeader, exc: Exception) -> None:
+        """Say why this shard refused or aborted a learner's SyncStep (at most one line a
+        second per job, with the count of the others): a learner only sees the answer."""
+        now = time.monotonic()
+        job = header.job_id
+        last, hidden = self._refusals.get(job, (-1e18, 0))
+        if now - last < 1.0:
+            self._refusals[job] = (last, hidden + 1)
+            return
+        self._refusals[job] = (now, 0)
+        log.warning(
+            "job %s: SyncStep of learner %s for iteration %d (generation %d) refused: %s: %s%s",
+            job,
+            header.sender_id,
+            header.iteration,
+            header.generation,
+            type(exc).__name__,
+            exc,
+            f" ({hidden} more refused in the last second)" if hidden else "",
+        )
+
+    async def _sync_step(
+        self: _S, request_iterator: AsyncIterator[Frame], seen: list[ps_pb2.TensorBundleHeader]
+    ) -> AsyncIterator[bytes]:
         frames = aiter(request_iterator)
         async with _draining(frames):
             header = await _first_header(frames)
+            seen.append(header)
             authorize(
                 current_principal(), "SyncStep", job_id=header.job_id, learner_id=header.sender_id
             )

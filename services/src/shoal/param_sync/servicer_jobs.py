@@ -28,8 +28,10 @@ from shoal.param_sync.servicer_common import (
 from shoal.param_sync.shard import build_optimizer
 from shoal.param_sync.sharding import Sharding
 from shoal.param_sync.takeover import (
+    PendingAction,
     ShardState,
     TakeoverPlan,
+    pending_on_move,
     plan_takeover,
     sharding_after_takeover,
 )
@@ -203,6 +205,14 @@ class JobHandlers:
                     f"{existing.epoch}): close it first"
                 )
             self._check_coordinator_epoch(request.job_id, epoch)
+            address, known = self._coordinator_at.get(request.job_id, ("", 0))
+            if known == epoch and address != settings.shard_addresses[me]:
+                # Another shard took the role over at this epoch already (a scheduler leader
+                # died before it published that move): one epoch names one coordinator.
+                raise StaleCoordinator(
+                    f"coordinator_epoch ({epoch}) of job {request.job_id!r} is held by "
+                    f"{address} already: take a higher one"
+                )
             generation = epoch << 32  # above every generation of an earlier coordinator
             move = ps_pb2.SetCoordinatorRequest(
                 job_id=request.job_id,
@@ -372,10 +382,9 @@ class JobHandlers:
                 "coordinator_address", request.coordinator_address, "must be 'host:port'"
             )
         self._check_coordinator_epoch(request.job_id, request.coordinator_epoch)
-        self._coordinator_at[request.job_id] = (
-            request.coordinator_address,
-            request.coordinator_epoch,
-        )
+        told = (request.coordinator_address, request.coordinator_epoch)
+        moved = self._coordinator_at.get(request.job_id) != told
+        self._coordinator_at[request.job_id] = told
         mine = self._coordinated.get(request.job_id)
         if mine is not None and mine.epoch < request.coordinator_epoch:
             # This shard coordinated the job before (it was paused or partitioned, and the
@@ -400,15 +409,33 @@ class JobHandlers:
         sj.coordinator_address = request.coordinator_address
         pending = sj.pending
         kept = (-1, -1)
-        if pending is not None and request.keep_pending:  # the successor resolves it
+        action = pending_on_move(
+            None if pending is None else pending.generation,
+            keep=request.keep_pending,
+            min_generation=request.min_generation,
+        )
+        if action is PendingAction.KEEP_FOR_SUCCESSOR:  # the successor resolves it
+            assert pending is not None
             kept = (pending.generation, pending.iteration)
-        elif pending is not None:  # never committed: the new coordinator runs it again
+        elif action is PendingAction.ABORT:  # never committed: the new coordinator runs it again
+            assert pending is not None
+            log.warning(
+                "job %s: sums of iteration %d (generation %d) dropped: the coordinator moved "
+                "to %s (epoch %d, generations from %d)",
+                request.job_id,
+                pending.iteration,
+                pending.generation,
+                request.coordinator_address,
+                request.coordinator_epoch,
+                request.min_generation,
+            )
             await self._compute(sj.abort, pending.generation, pending.iteration)
         sj.min_generation = max(sj.min_generation, request.min_generation)
-        part.memberships.clear()
-        self._fail_waiters(
-            part, Aborted(f"job {request.job_id!r}: its coordinator moved; ask Boundary again")
-        )
+        if moved or action is PendingAction.ABORT:
+            part.memberships.clear()
+            self._fail_waiters(
+                part, Aborted(f"job {request.job_id!r}: its coordinator moved; ask Boundary again")
+            )
         return ps_pb2.SetCoordinatorResponse(
             completed_iterations=sj.completed if sj.initialized else -1,
             tensor_names=sj.names if sj.initialized else [],

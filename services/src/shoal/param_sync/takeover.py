@@ -18,6 +18,7 @@ k runs again.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -25,7 +26,48 @@ from shoal.contract.wire import TensorMeta
 from shoal.param_sync.sharding import Sharding
 from shoal.runtime.errors import FailedPrecondition
 
-__all__ = ["ShardState", "TakeoverPlan", "plan_takeover", "sharding_after_takeover"]
+__all__ = [
+    "PendingAction",
+    "ShardState",
+    "TakeoverPlan",
+    "pending_on_move",
+    "plan_takeover",
+    "sharding_after_takeover",
+]
+
+
+class PendingAction(enum.Enum):
+    """What a shard does with the sums it holds when told where the coordinator is
+    (``SetCoordinator``): see :func:`pending_on_move`."""
+
+    NONE = "none"  # it holds no sums
+    KEEP_FOR_SUCCESSOR = "keep for the successor"  # a takeover asks; it resolves them
+    ABORT = "abort"  # an older coordinator's, never committed: run again by the new one
+    KEEP = "keep"  # the (new) coordinator's own running iteration: untouched
+
+
+def pending_on_move(
+    pending_generation: int | None, *, keep: bool, min_generation: int
+) -> PendingAction:
+    """The sums of ``pending_generation`` a shard holds, when a coordinator tells it that it
+    coordinates the job and that its generations start at ``min_generation``
+    (``SetCoordinator``; ``keep``: a takeover that resolves them itself).
+
+    Only sums of a generation below ``min_generation`` are an older coordinator's and are
+    dropped. Sums at or above it belong to the coordinator that is telling: it is running
+    that iteration. Dropping them (the bug behind issue 12's livelock) raised the shard's
+    generation floor above the running generation without the coordinator knowing: after a
+    takeover, the new coordinator's deposer reached the restarted old coordinator's shard
+    once its slice had been restored there and an iteration was running; the shard then
+    refused every contribution of that iteration as stale, the coordinator re-issued it
+    unchanged at every boundary, and the learners looped ~50 times a second, for ever."""
+    if pending_generation is None:
+        return PendingAction.NONE
+    if keep:
+        return PendingAction.KEEP_FOR_SUCCESSOR
+    if pending_generation < min_generation:
+        return PendingAction.ABORT
+    return PendingAction.KEEP
 
 
 @dataclass(frozen=True)

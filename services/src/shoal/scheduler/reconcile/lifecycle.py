@@ -319,7 +319,23 @@ class JobLifecycle:
         if len(shards) < 2 or lost >= len(shards):
             return False
         known = self.moves.get(job_id)
-        epoch = (known.epoch if known is not None else 0) + 1
+        published = known.epoch if known is not None else 0
+        # What the shards say first: a leader that died between a TakeOverJob (or an OpenJob
+        # that took a higher epoch) and its publish in etcd left a coordinator this leader
+        # does not know of. If it answers, follow it; otherwise take an epoch above it, never
+        # the same one (two coordinators at one epoch could not be told apart by the fence).
+        claimed, seen = await self._coordinator_claims(job_id, shards, lost)
+        if claimed is not None and claimed.epoch > published:
+            log.warning(
+                "job %s: shard %d coordinates it already (epoch %d, never published: a leader "
+                "died before it could); following it",
+                job_id,
+                claimed.index,
+                claimed.epoch,
+            )
+            await self._publish_move(record, claimed)
+            return True
+        epoch = max(published, seen) + 1
         request = ps_pb2.TakeOverJobRequest(
             job_id=job_id,
             spec=record.job.spec,
@@ -359,6 +375,37 @@ class JobLifecycle:
             )
             return True
         return False
+
+    async def _coordinator_claims(
+        self, job_id: str, shards: list[str], lost: int
+    ) -> tuple[CoordinatorRecord | None, int]:
+        """FindCoordinator on every shard but the lost one: the shard that answers it is the
+        job's coordinator itself, with the highest such epoch (None: none does), and the highest
+        epoch any shard knows for the job (0: none). Shards that do not answer are skipped."""
+        request = ps_pb2.FindCoordinatorRequest(job_id=job_id)
+
+        async def ask(address: str) -> ps_pb2.FindCoordinatorResponse | None:
+            try:
+                return await self.peers.shard(address).FindCoordinator(
+                    request, timeout=min(self.config.call_timeout_s, 5.0)
+                )
+            except grpc.aio.AioRpcError:
+                return None
+
+        others = [i for i in range(len(shards)) if i != lost]
+        replies = await asyncio.gather(*(ask(shards[i]) for i in others))
+        claimed: CoordinatorRecord | None = None
+        seen = 0
+        for i, reply in zip(others, replies, strict=True):
+            if reply is None:
+                continue
+            seen = max(seen, int(reply.coordinator_epoch))
+            if reply.coordinator_address == shards[i] and reply.coordinator_epoch > 0:
+                if claimed is None or reply.coordinator_epoch > claimed.epoch:
+                    claimed = CoordinatorRecord(
+                        address=shards[i], index=i, epoch=int(reply.coordinator_epoch)
+                    )
+        return claimed, seen
 
     async def _retry(self, record: JobRecord, reason: str) -> None:
         """A stalled job starts over from its latest checkpoint: stop its learners, close its
