@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 import safetensors.torch
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from shoal.learner.backend import TrainingSetup
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
