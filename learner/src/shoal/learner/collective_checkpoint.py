@@ -92,9 +92,10 @@ def write_checkpoint_file(directory: str, data: bytes, iteration: int) -> ps_pb2
     the coordinator after, is the commit point) and describe it for the coordinator.
 
     A local file is written under a temporary name and renamed (an object store's put is
-    whole), so a reader never sees a part of it. A write the storage refuses (a full disk, a quota, a read-only mount) leaves nothing
-    behind and comes back as the description's ``error``: the learner goes on training and the
-    coordinator decides what becomes of that checkpoint."""
+    whole), so a reader never sees a part of it. A write the storage refuses (a full disk, a
+    quota, a read-only mount) leaves nothing behind and comes back as the description's
+    ``error``: the learner goes on training and the coordinator decides what becomes of that
+    checkpoint."""
     fs, path = fsspec.core.url_to_fs(directory.rstrip("/") + "/" + CHECKPOINT_FILE)
     # A local file goes under a temporary name first; an object store's single put is whole.
     tmp = f"{path}.tmp-{uuid.uuid4().hex}" if isinstance(fs, LocalFileSystem) else ""
