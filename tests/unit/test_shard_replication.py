@@ -12,7 +12,8 @@ import torch
 
 from shoal.contract.wire import TensorMeta, byte_view, pack_layout
 from shoal.param_sync.coordinator import OptimizerConfig
-from shoal.param_sync.shard import Contribution, ShardJob, _safetensors_metadata
+from shoal.param_sync.shard import Contribution, ShardJob
+from shoal.param_sync.shard_checkpoint import _safetensors_metadata
 from shoal.runtime.errors import FailedPrecondition, InvalidField
 
 METAS = [
