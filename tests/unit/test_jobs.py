@@ -4,11 +4,14 @@ records, allocation history and ListJobs pagination."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
+from google.protobuf import json_format
 
 from shoal.runtime.auth import Principal, Role
 from shoal.runtime.errors import FailedPrecondition, InvalidField, PermissionDenied
+from shoal.runtime.store import MemoryStore
 from shoal.scheduler.jobs import (
     FINAL_STATES,
     TRANSITIONS,
@@ -26,6 +29,7 @@ from shoal.scheduler.jobs import (
     validate_spec,
     validate_update,
 )
+from shoal.scheduler.store import JOBS, JobTable
 from shoal.v1 import job_pb2
 
 ALICE = Principal("alice", Role.USER)
@@ -193,6 +197,113 @@ def test_a_record_survives_serialization() -> None:
     assert back.to_bytes() == r.to_bytes()
     assert back.revision == 42
     assert back.past_learners[0].agent_address == "127.0.0.1:9"
+
+
+def _legacy_json(r: JobRecord) -> bytes:
+    """``r`` in the JSON encoding records had before ``JobRecordState`` (FORMAT 1), as that
+    release wrote it."""
+    doc = {
+        "format": 1,
+        "job": json_format.MessageToDict(r.job, preserving_proto_field_name=True),
+        "submit_seq": r.submit_seq,
+        "request_id": r.request_id,
+        "coordinator_index": r.coordinator_index,
+        "coordinator_address": r.coordinator_address,
+        "opened": r.opened,
+        "closed": r.closed,
+        "learner_seq": r.learner_seq,
+        "learners": [lr.to_dict() for lr in r.learners.values()],
+        "past_learners": [p.__dict__ for p in r.past_learners],
+        "history": [
+            {"time": h.time, "from": h.from_state, "to": h.to_state, "reason": h.reason}
+            for h in r.history
+        ],
+        "last_shrunk_at": r.last_shrunk_at,
+        "failures": r.failures,
+        "last_failure": r.last_failure,
+        "recoveries": r.recoveries,
+        "traceparent": r.traceparent,
+        "spec_digest": r.spec_digest,
+    }
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _full_record() -> JobRecord:
+    r = record()
+    r.coordinator_index, r.coordinator_address, r.opened = 1, "127.0.0.1:5", True
+    r.learner_seq, r.failures, r.last_failure, r.recoveries = 4, 1, "l0 exit 1", 2
+    r.traceparent = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    for i, phase in enumerate((LearnerPhase.RUNNING, LearnerPhase.RETIRING, LearnerPhase.RUNNING)):
+        lr = LearnerRecord(f"job-1-l{i}", "h1", f"gpu{i}", "127.0.0.1:9", 3, f"a-{i}", phase)
+        lr.created_at, lr.phase_since, lr.simulated = 10.5 + i, 11.25 + i, True
+        r.learners[lr.learner_id] = lr
+    r.forget_learner("job-1-l1", exit_code=0, reason="retired", now=7.0)
+    r.forget_learner("job-1-l0", exit_code=None, reason="host lost", now=8.0)
+    r.transition(job_pb2.JOB_STATE_RUNNING, "running", 9.0)
+    return r
+
+
+def _fields(r: JobRecord) -> dict:
+    return {k: v for k, v in r.__dict__.items() if k not in ("revision", "decided_priority")}
+
+
+def test_a_record_is_stored_as_a_job_record_state_and_reads_back_equal() -> None:
+    r = _full_record()
+    data = r.to_bytes()
+    assert not JobRecord.is_legacy(data)
+    state = job_pb2.JobRecordState.FromString(data)  # plain protobuf: any reader can parse it
+    assert state.job.job_id == "job-1" and len(state.past_learners) == 2
+    back = JobRecord.from_bytes(data, revision=7)
+    assert _fields(back) == _fields(r)
+    assert back.past_learners[1].exit_code is None  # unknown stays unknown, not 0
+    assert back.last_shrunk_at is None
+    r.last_shrunk_at = 0.0  # a real time of 0 is not "never"
+    assert JobRecord.from_bytes(r.to_bytes()).last_shrunk_at == 0.0
+
+
+def test_a_record_of_the_earlier_json_encoding_reads_the_same() -> None:
+    r = _full_record()
+    r.last_shrunk_at = 5.5
+    legacy = _legacy_json(r)
+    assert JobRecord.is_legacy(legacy)
+    back = JobRecord.from_bytes(legacy, revision=3)
+    assert _fields(back) == _fields(r)
+    assert back.to_bytes() == r.to_bytes()  # rewritten, it is the new encoding
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"\xff\xff\xff", "is not a JobRecordState"),
+        (job_pb2.JobRecordState(submit_seq=3).SerializeToString(), "has no job_id"),
+        (b'{"format": 2}', "format \\(2\\) is not 1"),
+    ],
+)
+def test_an_unreadable_record_is_a_clear_error(data: bytes, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        JobRecord.from_bytes(data)
+
+
+def test_an_unknown_learner_phase_is_a_clear_error() -> None:
+    r = _full_record()
+    state = job_pb2.JobRecordState.FromString(r.to_bytes())
+    state.learners[0].phase = "teleporting"
+    with pytest.raises(ValueError, match="phase \\('teleporting'\\) is unknown"):
+        JobRecord.from_bytes(state.SerializeToString())
+
+
+async def test_a_new_leader_rewrites_records_of_the_earlier_encoding() -> None:
+    store = MemoryStore()
+    old = _full_record()
+    await store.put(JOBS + old.job_id, _legacy_json(old))
+    table = JobTable(store)
+    await table.become_leader(None)
+    assert _fields(table.records[old.job_id]) == _fields(old)
+    kv = await store.get(JOBS + old.job_id)
+    assert kv is not None and not JobRecord.is_legacy(kv.value)
+    assert _fields(JobRecord.from_bytes(kv.value)) == _fields(old)
+    assert table.records[old.job_id].revision == kv.mod_revision  # later writes still CAS
+    await store.close()
 
 
 def test_workers_count_only_learners_holding_a_device_and_not_leaving() -> None:

@@ -559,6 +559,242 @@ class ThroughputPoint(_message.Message):
 Global___ThroughputPoint: _TypeAlias = ThroughputPoint  # noqa: Y015
 
 @_typing.final
+class JobRecordState(_message.Message):
+    """JobRecordState is the scheduler's whole record of one job as stored in etcd
+    (`/shoal/v1/job-scheduler/jobs/<job_id>`). Internal: no RPC carries it. Records written before
+    it (a JSON document with "format": 1) are still read, and a new leader rewrites them in this
+    encoding.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    SUBMIT_SEQ_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    COORDINATOR_INDEX_FIELD_NUMBER: _builtins.int
+    COORDINATOR_ADDRESS_FIELD_NUMBER: _builtins.int
+    OPENED_FIELD_NUMBER: _builtins.int
+    CLOSED_FIELD_NUMBER: _builtins.int
+    LEARNER_SEQ_FIELD_NUMBER: _builtins.int
+    LEARNERS_FIELD_NUMBER: _builtins.int
+    PAST_LEARNERS_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
+    LAST_SHRUNK_AT_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
+    LAST_FAILURE_FIELD_NUMBER: _builtins.int
+    RECOVERIES_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    SPEC_DIGEST_FIELD_NUMBER: _builtins.int
+    submit_seq: _builtins.int
+    """The order of submission: FIFO order and ties."""
+    request_id: _builtins.str
+    """The SubmitJob request id, for idempotent retries."""
+    coordinator_index: _builtins.int
+    """The shard index of the job's coordinator (-1: not chosen yet)."""
+    coordinator_address: _builtins.str
+    """The coordinator's address."""
+    opened: _builtins.bool
+    """Whether the job's data plane was opened (OpenJob succeeded)."""
+    closed: _builtins.bool
+    """Whether the job's data plane was closed (CloseJob succeeded)."""
+    learner_seq: _builtins.int
+    """The last learner sequence number used for the job's learner ids."""
+    last_shrunk_at: _builtins.float
+    """When the job was last shrunk, seconds since the epoch; unset: never."""
+    failures: _builtins.int
+    """Learner failures counted against the job."""
+    last_failure: _builtins.str
+    """The last failure, in words."""
+    recoveries: _builtins.int
+    """Automatic retries from the latest checkpoint after a stall."""
+    traceparent: _builtins.str
+    """The W3C traceparent of the job's submit (the job's trace)."""
+    spec_digest: _builtins.str
+    """The digest of the spec as submitted."""
+    @_builtins.property
+    def job(self) -> Global___Job:
+        """The job as the API shows it (spec, state, progress, ...)."""
+
+    @_builtins.property
+    def learners(self) -> _containers.RepeatedCompositeFieldContainer[Global___LearnerRecordState]:
+        """The learners the job holds."""
+
+    @_builtins.property
+    def past_learners(self) -> _containers.RepeatedCompositeFieldContainer[Global___PastLearnerState]:
+        """Learners that are gone, kept (bounded) so that their logs can be found."""
+
+    @_builtins.property
+    def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateChangeState]:
+        """The job's state history (bounded)."""
+
+    def __init__(
+        self,
+        *,
+        job: Global___Job | None = ...,
+        submit_seq: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+        coordinator_index: _builtins.int = ...,
+        coordinator_address: _builtins.str = ...,
+        opened: _builtins.bool = ...,
+        closed: _builtins.bool = ...,
+        learner_seq: _builtins.int = ...,
+        learners: _abc.Iterable[Global___LearnerRecordState] | None = ...,
+        past_learners: _abc.Iterable[Global___PastLearnerState] | None = ...,
+        history: _abc.Iterable[Global___StateChangeState] | None = ...,
+        last_shrunk_at: _builtins.float | None = ...,
+        failures: _builtins.int = ...,
+        last_failure: _builtins.str = ...,
+        recoveries: _builtins.int = ...,
+        traceparent: _builtins.str = ...,
+        spec_digest: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_shrunk_at", b"_last_shrunk_at", "job", b"job", "last_shrunk_at", b"last_shrunk_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_shrunk_at", b"_last_shrunk_at", "closed", b"closed", "coordinator_address", b"coordinator_address", "coordinator_index", b"coordinator_index", "failures", b"failures", "history", b"history", "job", b"job", "last_failure", b"last_failure", "last_shrunk_at", b"last_shrunk_at", "learner_seq", b"learner_seq", "learners", b"learners", "opened", b"opened", "past_learners", b"past_learners", "recoveries", b"recoveries", "request_id", b"request_id", "spec_digest", b"spec_digest", "submit_seq", b"submit_seq", "traceparent", b"traceparent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__last_shrunk_at: _TypeAlias = _typing.Literal["last_shrunk_at"]  # noqa: Y015
+    _WhichOneofArgType__last_shrunk_at: _TypeAlias = _typing.Literal["_last_shrunk_at", b"_last_shrunk_at"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__last_shrunk_at) -> _WhichOneofReturnType__last_shrunk_at | None: ...
+
+Global___JobRecordState: _TypeAlias = JobRecordState  # noqa: Y015
+
+@_typing.final
+class LearnerRecordState(_message.Message):
+    """LearnerRecordState is one learner of a job as the scheduler tracks it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEARNER_ID_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    DEVICE_ID_FIELD_NUMBER: _builtins.int
+    AGENT_ADDRESS_FIELD_NUMBER: _builtins.int
+    HOST_INCARNATION_FIELD_NUMBER: _builtins.int
+    ALLOCATION_ID_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    SIMULATED_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    PHASE_SINCE_FIELD_NUMBER: _builtins.int
+    learner_id: _builtins.str
+    """The learner."""
+    host_id: _builtins.str
+    """Its host."""
+    device_id: _builtins.str
+    """Its device on that host."""
+    agent_address: _builtins.str
+    """The host agent's address."""
+    host_incarnation: _builtins.int
+    """The host's incarnation when the learner was started."""
+    allocation_id: _builtins.str
+    """The device allocation it holds."""
+    phase: _builtins.str
+    """Where the scheduler got with it: pending, starting, running, retiring, ..."""
+    simulated: _builtins.bool
+    """Whether its device is simulated."""
+    created_at: _builtins.float
+    """When it was decided, seconds since the epoch."""
+    phase_since: _builtins.float
+    """When it entered its phase, seconds since the epoch."""
+    def __init__(
+        self,
+        *,
+        learner_id: _builtins.str = ...,
+        host_id: _builtins.str = ...,
+        device_id: _builtins.str = ...,
+        agent_address: _builtins.str = ...,
+        host_incarnation: _builtins.int = ...,
+        allocation_id: _builtins.str = ...,
+        phase: _builtins.str = ...,
+        simulated: _builtins.bool = ...,
+        created_at: _builtins.float = ...,
+        phase_since: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_address", b"agent_address", "allocation_id", b"allocation_id", "created_at", b"created_at", "device_id", b"device_id", "host_id", b"host_id", "host_incarnation", b"host_incarnation", "learner_id", b"learner_id", "phase", b"phase", "phase_since", b"phase_since", "simulated", b"simulated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LearnerRecordState: _TypeAlias = LearnerRecordState  # noqa: Y015
+
+@_typing.final
+class PastLearnerState(_message.Message):
+    """PastLearnerState is a learner that is gone."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEARNER_ID_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    AGENT_ADDRESS_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    ENDED_AT_FIELD_NUMBER: _builtins.int
+    learner_id: _builtins.str
+    """The learner."""
+    host_id: _builtins.str
+    """Its host."""
+    agent_address: _builtins.str
+    """The host agent's address (where its logs are)."""
+    exit_code: _builtins.int
+    """Its exit code; unset: unknown (lost with its host)."""
+    reason: _builtins.str
+    """Why it ended."""
+    ended_at: _builtins.float
+    """When it ended, seconds since the epoch."""
+    def __init__(
+        self,
+        *,
+        learner_id: _builtins.str = ...,
+        host_id: _builtins.str = ...,
+        agent_address: _builtins.str = ...,
+        exit_code: _builtins.int | None = ...,
+        reason: _builtins.str = ...,
+        ended_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "exit_code", b"exit_code"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "agent_address", b"agent_address", "ended_at", b"ended_at", "exit_code", b"exit_code", "host_id", b"host_id", "learner_id", b"learner_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
+    _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
+
+Global___PastLearnerState: _TypeAlias = PastLearnerState  # noqa: Y015
+
+@_typing.final
+class StateChangeState(_message.Message):
+    """StateChangeState is one entry of a job's state history."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_FIELD_NUMBER: _builtins.int
+    FROM_STATE_FIELD_NUMBER: _builtins.int
+    TO_STATE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    time: _builtins.float
+    """When, seconds since the epoch."""
+    from_state: Global___JobState.ValueType
+    """The state before."""
+    to_state: Global___JobState.ValueType
+    """The state after."""
+    reason: _builtins.str
+    """Why."""
+    def __init__(
+        self,
+        *,
+        time: _builtins.float = ...,
+        from_state: Global___JobState.ValueType = ...,
+        to_state: Global___JobState.ValueType = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_state", b"from_state", "reason", b"reason", "time", b"time", "to_state", b"to_state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StateChangeState: _TypeAlias = StateChangeState  # noqa: Y015
+
+@_typing.final
 class ThroughputState(_message.Message):
     """ThroughputState is what the scheduler learned of one job's throughput, stored in etcd
     (`/shoal/v1/job-scheduler/throughput/<job_id>`) so that a new scheduler leader goes on

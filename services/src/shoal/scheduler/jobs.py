@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from shoal.contract.errors import (
@@ -165,6 +166,39 @@ class LearnerRecord:
             "phase_since": self.phase_since,
         }
 
+    def to_proto(self) -> job_pb2.LearnerRecordState:
+        return job_pb2.LearnerRecordState(
+            learner_id=self.learner_id,
+            host_id=self.host_id,
+            device_id=self.device_id,
+            agent_address=self.agent_address,
+            host_incarnation=self.host_incarnation,
+            allocation_id=self.allocation_id,
+            phase=self.phase.value,
+            simulated=self.simulated,
+            created_at=self.created_at,
+            phase_since=self.phase_since,
+        )
+
+    @classmethod
+    def from_proto(cls, m: job_pb2.LearnerRecordState) -> LearnerRecord:
+        try:
+            phase = LearnerPhase(m.phase or "pending")
+        except ValueError:
+            raise ValueError(f"learner {m.learner_id!r}: phase ({m.phase!r}) is unknown") from None
+        return cls(
+            learner_id=m.learner_id,
+            host_id=m.host_id,
+            device_id=m.device_id,
+            agent_address=m.agent_address,
+            host_incarnation=m.host_incarnation,
+            allocation_id=m.allocation_id,
+            phase=phase,
+            simulated=m.simulated,
+            created_at=m.created_at,
+            phase_since=m.phase_since,
+        )
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LearnerRecord:
         return cls(
@@ -214,8 +248,9 @@ class JobRecord:
     """A job as the scheduler persists it: the public :class:`job_pb2.Job` plus what the
     scheduler needs to resume it after a fail-over (learners, coordinator, history).
 
-    Serialized as one JSON document (``to_bytes``): the ``Job`` in the protobuf JSON mapping
-    and the scheduler's own fields beside it (see docs/scheduler.md).
+    Stored as a ``shoal.v1.JobRecordState`` (``to_bytes``): the ``Job`` and the scheduler's
+    own fields beside it (see docs/scheduler.md). Records of the earlier JSON encoding are still
+    read (``from_bytes``), and a new leader rewrites them.
     """
 
     job: job_pb2.Job
@@ -333,33 +368,99 @@ class JobRecord:
     # -- serialization ----------------------------------------------------------------------
 
     def to_bytes(self) -> bytes:
-        doc = {
-            "format": self.FORMAT,
-            "job": json_format.MessageToDict(self.job, preserving_proto_field_name=True),
-            "submit_seq": self.submit_seq,
-            "request_id": self.request_id,
-            "coordinator_index": self.coordinator_index,
-            "coordinator_address": self.coordinator_address,
-            "opened": self.opened,
-            "closed": self.closed,
-            "learner_seq": self.learner_seq,
-            "learners": [lr.to_dict() for lr in self.learners.values()],
-            "past_learners": [p.__dict__ for p in self.past_learners],
-            "history": [
-                {"time": h.time, "from": h.from_state, "to": h.to_state, "reason": h.reason}
+        """The record as stored: a ``shoal.v1.JobRecordState`` (protobuf)."""
+        state = job_pb2.JobRecordState(
+            job=self.job,
+            submit_seq=self.submit_seq,
+            request_id=self.request_id,
+            coordinator_index=self.coordinator_index,
+            coordinator_address=self.coordinator_address,
+            opened=self.opened,
+            closed=self.closed,
+            learner_seq=self.learner_seq,
+            learners=[lr.to_proto() for lr in self.learners.values()],
+            past_learners=[
+                job_pb2.PastLearnerState(
+                    learner_id=p.learner_id,
+                    host_id=p.host_id,
+                    agent_address=p.agent_address,
+                    exit_code=p.exit_code,
+                    reason=p.reason,
+                    ended_at=p.ended_at,
+                )
+                for p in self.past_learners
+            ],
+            history=[
+                job_pb2.StateChangeState(
+                    time=h.time, from_state=h.from_state, to_state=h.to_state, reason=h.reason
+                )
                 for h in self.history
             ],
-            "last_shrunk_at": self.last_shrunk_at,
-            "failures": self.failures,
-            "last_failure": self.last_failure,
-            "recoveries": self.recoveries,
-            "traceparent": self.traceparent,
-            "spec_digest": self.spec_digest,
-        }
-        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+            last_shrunk_at=self.last_shrunk_at,
+            failures=self.failures,
+            last_failure=self.last_failure,
+            recoveries=self.recoveries,
+            traceparent=self.traceparent,
+            spec_digest=self.spec_digest,
+        )
+        return state.SerializeToString(deterministic=True)
+
+    @staticmethod
+    def is_legacy(data: bytes) -> bool:
+        """Whether ``data`` is a record in the JSON encoding used before ``JobRecordState``
+        (a new leader rewrites those: ``JobTable.become_leader``)."""
+        return data[:1] == b"{"
 
     @classmethod
     def from_bytes(cls, data: bytes, *, revision: int = 0) -> JobRecord:
+        """Parse a stored record: a ``JobRecordState``, or the JSON document of records written
+        before it. Raises ValueError (naming what is wrong) for anything else."""
+        if cls.is_legacy(data):
+            return cls._from_json(data, revision=revision)
+        try:
+            state = job_pb2.JobRecordState.FromString(data)
+        except DecodeError as exc:
+            raise ValueError(
+                f"job record ({len(data)} bytes) is not a JobRecordState: {exc}"
+            ) from None
+        if not state.job.job_id:
+            raise ValueError("job record has no job_id")
+        return cls(
+            job=state.job,
+            submit_seq=state.submit_seq,
+            request_id=state.request_id,
+            coordinator_index=state.coordinator_index,
+            coordinator_address=state.coordinator_address,
+            opened=state.opened,
+            closed=state.closed,
+            learner_seq=state.learner_seq,
+            learners={lr.learner_id: LearnerRecord.from_proto(lr) for lr in state.learners},
+            past_learners=[
+                PastLearner(
+                    learner_id=p.learner_id,
+                    host_id=p.host_id,
+                    agent_address=p.agent_address,
+                    exit_code=p.exit_code if p.HasField("exit_code") else None,
+                    reason=p.reason,
+                    ended_at=p.ended_at,
+                )
+                for p in state.past_learners
+            ],
+            history=[
+                StateChange(h.time, h.from_state, h.to_state, h.reason) for h in state.history
+            ],
+            last_shrunk_at=state.last_shrunk_at if state.HasField("last_shrunk_at") else None,
+            failures=state.failures,
+            last_failure=state.last_failure,
+            recoveries=state.recoveries,
+            traceparent=state.traceparent,
+            spec_digest=state.spec_digest,
+            revision=revision,
+        )
+
+    @classmethod
+    def _from_json(cls, data: bytes, *, revision: int = 0) -> JobRecord:
+        """A record in the JSON encoding of ``FORMAT`` 1 (before ``JobRecordState``)."""
         doc = json.loads(data)
         if doc.get("format") != cls.FORMAT:
             raise ValueError(f"job record format ({doc.get('format')!r}) is not {cls.FORMAT}")

@@ -190,6 +190,7 @@ class JobTable:
             kvs, _ = await self.store.list(JOBS)
             hist, _ = await self.store.list(ALLOCATIONS)
             learned, _ = await self.store.list(THROUGHPUT)
+        legacy: list[JobRecord] = []
         for kv in kvs:
             try:
                 record = JobRecord.from_bytes(kv.value, revision=kv.mod_revision)
@@ -198,6 +199,8 @@ class JobTable:
                 continue
             self.records[record.job_id] = record
             self._last_seq = max(self._last_seq, record.submit_seq)
+            if JobRecord.is_legacy(kv.value):
+                legacy.append(record)
         for kv in hist:
             job_id = kv.key.removeprefix(ALLOCATIONS)
             response = js_pb2.GetAllocationHistoryResponse.FromString(kv.value)
@@ -212,6 +215,22 @@ class JobTable:
         self.leading = True
         self._last_known = None
         log.info("loaded %d jobs from the store", len(self.records))
+        await self._migrate(legacy)
+
+    async def _migrate(self, legacy: list[JobRecord]) -> None:
+        """Rewrite the records still in the JSON encoding of earlier releases as
+        ``JobRecordState`` (fenced, compare-and-set like every write). One that cannot be
+        written now stays readable and is rewritten by its next save."""
+        migrated = 0
+        for record in legacy:
+            try:
+                await self.save(record)
+            except (StoreConflict, Unavailable) as exc:
+                log.warning("job %s: record not migrated yet: %s", record.job_id, exc)
+            else:
+                migrated += 1
+        if legacy:
+            log.info("migrated %d of %d job records to JobRecordState", migrated, len(legacy))
 
     def step_down(self) -> None:
         if self.leading:
