@@ -699,6 +699,59 @@ async def test_a_job_without_progress_is_retried_from_its_checkpoint_then_fails_
         await store.close()
 
 
+async def test_a_running_job_that_stops_committing_says_so_and_says_when_it_trains_again(
+    tmp_path: Path,
+) -> None:
+    """The coordinator answers but no iteration commits (a livelock, a hung learner): the job
+    stays RUNNING and its reason says it is stalled (a STATE event, in the history); the next
+    committed iteration puts "training again" in its reason. (Issue 12: never "RUNNING" for a
+    job that does not train.)"""
+    cluster = await FakeCluster.start(hosts=1, gpus=2, shards=2)
+    store = MemoryStore()
+    storage = Storage((tmp_path / "storage").as_uri())
+    health = HealthConfig(stall_timeout_s=0.0, stall_notice_s=0.5)
+    table, reconciler, api, task = await start_loop(store, cluster, storage, health=health)
+    try:
+        info = await api.artifacts.upload(
+            name="m", declared_size=0, declared_sha256="", chunks=chunked(b"x" * 64), owner=ALICE
+        )
+        j = (await api.submit(ALICE, "", spec(info.artifact_id, max_workers=2))).job_id
+        await async_wait_until(
+            lambda: (
+                table.records[j].state == S.JOB_STATE_RUNNING
+                and table.records[j].job.progress.completed_iterations > 0
+            ),
+            timeout=30,
+            what="training",
+        )
+        cluster.tick_interval = 3600  # from now on nothing commits
+        await async_wait_until(
+            lambda: table.records[j].job.state_reason.startswith("stalled: "),
+            timeout=30,
+            what="the stalled reason",
+        )
+        record = table.records[j]
+        assert record.state == S.JOB_STATE_RUNNING
+        assert "no iteration committed for" in record.job.state_reason
+        assert "answers" in record.job.state_reason, record.job.state_reason
+        assert record.history[-1].reason == record.job.state_reason
+        cluster.sync.tick()  # an iteration commits again
+        await async_wait_until(
+            lambda: table.records[j].job.state_reason.startswith("training again"),
+            timeout=30,
+            what="the training-again reason",
+        )
+        assert table.records[j].state == S.JOB_STATE_RUNNING
+        assert "without a committed iteration; running on 2 learner(s)" in (
+            table.records[j].job.state_reason
+        )
+    finally:
+        await stop_task(task)
+        await reconciler.peers.close()
+        await cluster.stop()
+        await store.close()
+
+
 async def test_a_draining_host_is_emptied_and_the_job_moves_elsewhere(loop: Loop) -> None:
     c = loop.cluster
     j = (await loop.api.submit(ALICE, "", spec(loop.artifact, max_workers=4))).job_id

@@ -11,7 +11,13 @@ from shoal.v1 import job_pb2
 
 RUNNING = job_pb2.JOB_STATE_RUNNING
 RECOVERING = job_pb2.JOB_STATE_RECOVERING
-CONFIG = HealthConfig(stall_timeout_s=60.0, max_recoveries=2, unreachable_grace_s=2.0)
+# (the stall notice, a reason only, has tests of its own below)
+CONFIG = HealthConfig(
+    stall_timeout_s=60.0, max_recoveries=2, unreachable_grace_s=2.0, stall_notice_s=0.0
+)
+NOTICE = HealthConfig(
+    stall_timeout_s=60.0, max_recoveries=2, unreachable_grace_s=2.0, stall_notice_s=20.0
+)
 COORD = "shard 1 (127.0.0.1:4001)"
 
 
@@ -103,7 +109,8 @@ def test_a_stall_timeout_of_zero_never_retries() -> None:
     config = HealthConfig(stall_timeout_s=0.0)
     health = JobHealth(iterations=1, progress_at=0.0)
     got = assess(RUNNING, health, now=1e9, config=config, recoveries=0, coordinator=COORD)
-    assert got is None
+    assert got is not None and got.kind is VerdictKind.STALLED  # said, never retried
+    assert "--stall-timeout" not in got.reason
 
 
 def test_only_running_and_recovering_jobs_are_assessed() -> None:
@@ -114,7 +121,12 @@ def test_only_running_and_recovering_jobs_are_assessed() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("stall_timeout_s", -1.0), ("max_recoveries", -1), ("unreachable_grace_s", float("nan"))],
+    [
+        ("stall_timeout_s", -1.0),
+        ("max_recoveries", -1),
+        ("unreachable_grace_s", float("nan")),
+        ("stall_notice_s", -1.0),
+    ],
 )
 def test_bad_health_settings_are_refused_naming_the_field(field: str, value: float) -> None:
     with pytest.raises(InvalidField, match=field):
@@ -178,3 +190,54 @@ def test_an_iteration_re_issued_for_ever_is_a_stall_not_progress() -> None:
             assert got is None
     assert got is not None and got.kind is VerdictKind.RETRY
     assert "no iteration committed for 60 s (at iteration 0)" in got.reason
+
+
+def noticed(state: int, health: JobHealth, now: float):  # type: ignore[no-untyped-def]
+    return assess(state, health, now=now, config=NOTICE, recoveries=0, coordinator=COORD)
+
+
+def test_a_running_job_that_stops_committing_says_it_is_stalled_then_that_it_trains_again() -> None:
+    """RUNNING never hides a job that does not train: after the notice the reason says it is
+    stalled (once), and when an iteration commits again it says so; the stall timeout still
+    retries it if it never does."""
+    health = JobHealth(iterations=0, progress_at=0.0)
+    health.polled(40, 5.0)
+    health.polled(40, 24.0)  # the coordinator answers, nothing commits
+    assert noticed(RUNNING, health, 24.0) is None
+    got = noticed(RUNNING, health, 25.0)
+    assert got is not None and got.kind is VerdictKind.STALLED
+    assert "stalled: no iteration committed for 20 s (at iteration 40)" in got.reason
+    assert COORD in got.reason and "after 60 s (--stall-timeout)" in got.reason
+    health.stalled_since = health.progress_at  # what the scheduler does with the verdict
+    assert noticed(RUNNING, health, 30.0) is None  # said once
+    health.polled(41, 33.0)
+    got = noticed(RUNNING, health, 33.0)
+    assert got is not None and got.kind is VerdictKind.RESUMED
+    assert got.reason == "training again (iteration 41) after 28 s without a committed iteration"
+    health.stalled_since = None
+    assert noticed(RUNNING, health, 34.0) is None
+
+
+def test_a_stall_that_lasts_is_still_retried_at_the_stall_timeout() -> None:
+    health = JobHealth(iterations=40, progress_at=0.0)
+    health.stalled_since = 0.0  # said at 20 s
+    got = noticed(RUNNING, health, 60.0)
+    assert got is not None and got.kind is VerdictKind.RETRY
+
+
+def test_no_stall_notice_for_an_unreachable_or_recovering_coordinator() -> None:
+    """Those have their own, better reasons (RECOVERING, the coordinator's recovery)."""
+    down = JobHealth(iterations=40, progress_at=0.0)
+    down.unreachable("UNAVAILABLE", 0.5)
+    got = noticed(RUNNING, down, 25.0)
+    assert got is not None and got.kind is VerdictKind.RECOVERING
+    recovering = JobHealth(iterations=40, progress_at=0.0)
+    recovering.polled(40, 1.0, recovering="shard 0 lost; promoting its backup")
+    got = noticed(RUNNING, recovering, 25.0)
+    assert got is not None and got.kind is VerdictKind.RECOVERING
+    assert noticed(RECOVERING, JobHealth(iterations=40, progress_at=0.0), 25.0) is None
+
+
+def test_a_stall_notice_of_zero_says_nothing() -> None:
+    health = JobHealth(iterations=40, progress_at=0.0)
+    assert verdict(RUNNING, health, 59.0) is None

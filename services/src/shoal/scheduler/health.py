@@ -12,6 +12,10 @@ one :class:`Verdict` per poll:
   RECOVERING: its learners are stopped, its data plane closed on every shard and opened again,
   which resumes it from its latest checkpoint. Counted in the job record (``recoveries``).
 - ``FAIL``: the same, after ``max_recoveries`` retries: a terminal FAILED with the reason.
+- ``STALLED``: a RUNNING job whose coordinator answers but that committed no iteration for
+  ``stall_notice_s``: its state stays RUNNING (the stall timeout decides), its reason says it
+  is stalled and since when, so that "RUNNING" never hides a job that does not train.
+- ``RESUMED``: a job said to be stalled committed an iteration again: its reason says so.
 
 Every verdict carries the reason the job's ``state_reason`` shows.
 """
@@ -42,6 +46,9 @@ class HealthConfig:
     """A coordinator unreachable for this long puts its job in RECOVERING (and, with
     ``coordinator_failover``, moves a parameter-server job's coordinator role to another
     shard first)."""
+    stall_notice_s: float = 30.0
+    """No committed iteration for this long while the coordinator answers: the RUNNING job's
+    reason says it is stalled (``--stall-notice``). 0: never."""
     coordinator_failover: bool = True
     """Move the coordinator role of a parameter-server job to the next shard when its shard is
     unreachable for the grace (``--coordinator-failover``); off: the checkpoint path."""
@@ -51,6 +58,8 @@ class HealthConfig:
             raise InvalidField("stall_timeout_s", self.stall_timeout_s, "must be >= 0 (0: never)")
         if self.max_recoveries < 0:
             raise InvalidField("max_recoveries", self.max_recoveries, "must be >= 0")
+        if not self.stall_notice_s >= 0:
+            raise InvalidField("stall_notice_s", self.stall_notice_s, "must be >= 0 (0: never)")
         if not self.unreachable_grace_s >= 0:
             raise InvalidField("unreachable_grace_s", self.unreachable_grace_s, "must be >= 0")
 
@@ -77,6 +86,9 @@ class JobHealth:
     coordinator_recovering: str | None = None
     """The coordinator's own word that it is recovering the job (a shard lost; its
     ``recovery_reason``), or None."""
+    stalled_since: float | None = None
+    """When the job's last committed iteration was, if its reason says it is stalled (the
+    ``progress_at`` of the STALLED verdict); None: not said."""
     checkpoint_error: str = ""
     """The coordinator's word that the job's last checkpoint could not be written (its
     ``checkpoint_error``: a full disk), as last reported in the job's state reason."""
@@ -118,6 +130,7 @@ class JobHealth:
         """The job went RECOVERING: what counts as training again is measured from the next
         successful poll (or re-open), not from before the loss."""
         self.baseline = None
+        self.stalled_since = None  # the RECOVERING reason says more
 
     def running(self) -> None:
         """The job is RUNNING again: a later loss reports its own iteration."""
@@ -127,6 +140,7 @@ class JobHealth:
         """A retry from the checkpoint began: a fresh stall timeout."""
         self.progress_at = now
         self.baseline = None
+        self.stalled_since = None
 
     @property
     def down(self) -> bool:
@@ -139,6 +153,8 @@ class VerdictKind(enum.Enum):
     RECOVERED = "recovered"
     RETRY = "retry"
     FAIL = "fail"
+    STALLED = "stalled"
+    RESUMED = "resumed"
 
 
 @dataclass(frozen=True)
@@ -188,6 +204,37 @@ def assess(
             VerdictKind.RETRY,
             f"{where}; retrying from the latest checkpoint (retry {recoveries + 1} of "
             f"{config.max_recoveries})",
+        )
+    if (
+        state == S.JOB_STATE_RUNNING
+        and health.stalled_since is not None
+        and health.progress_at > health.stalled_since
+    ):
+        paused = health.progress_at - health.stalled_since
+        return Verdict(
+            VerdictKind.RESUMED,
+            f"training again (iteration {health.iterations}) after {paused:.0f} s without a "
+            "committed iteration",
+        )
+    if (
+        state == S.JOB_STATE_RUNNING
+        and config.stall_notice_s > 0
+        and health.stalled_since is None
+        and not health.down
+        and health.coordinator_recovering is None
+        and stalled_for >= config.stall_notice_s
+    ):
+        retry = (
+            f"; retried from the latest checkpoint after {config.stall_timeout_s:.0f} s "
+            "(--stall-timeout)"
+            if config.stall_timeout_s > 0
+            else ""
+        )
+        trouble = f" ({health.last_error})" if health.last_error else ""
+        return Verdict(
+            VerdictKind.STALLED,
+            f"stalled: no iteration committed for {stalled_for:.0f} s (at iteration "
+            f"{health.iterations}){trouble}; the coordinator {coordinator} answers{retry}",
         )
     if state == S.JOB_STATE_RUNNING and health.coordinator_recovering is not None:
         return Verdict(

@@ -32,6 +32,9 @@ flag                        variable                   meaning (default)
 --stall-timeout             SHOAL_STALL_TIMEOUT_S      a RUNNING/RECOVERING job with no committed
                                                        iteration for this long is retried from
                                                        its latest checkpoint, s (300; 0: never)
+--stall-notice              SHOAL_STALL_NOTICE_S       a RUNNING job with no committed iteration
+                                                       this long says "stalled" in its reason,
+                                                       s (30; 0: never)
 --max-recoveries            SHOAL_MAX_RECOVERIES       such automatic retries before FAILED (3)
 --coordinator-grace         SHOAL_COORDINATOR_GRACE_S  a job whose coordinator shard is
                                                        unreachable this long is RECOVERING, s (2)
@@ -138,6 +141,7 @@ class SchedulerConfig:
     finish_grace_s: float = 30.0
     call_timeout_s: float = 10.0
     stall_timeout_s: float = 300.0
+    stall_notice_s: float = 30.0
     max_recoveries: int = 3
     coordinator_grace_s: float = 2.0
     coordinator_failover: bool = True
@@ -189,6 +193,7 @@ class SchedulerConfig:
             ("finish_grace_s", 0.0, 86400.0),
             ("call_timeout_s", 0.1, 600.0),
             ("stall_timeout_s", 0.0, 7 * 86400.0),
+            ("stall_notice_s", 0.0, 7 * 86400.0),
             ("coordinator_grace_s", 0.0, 3600.0),
             ("collective_timeout_s", 1.0, 3600.0),
             ("learner_token_ttl_s", 60.0, 366 * 86400.0),
@@ -255,6 +260,13 @@ SETTINGS: tuple[Setting, ...] = (
         "SHOAL_STALL_TIMEOUT_S",
         "300",
         "no committed iteration this long: retry from the checkpoint, seconds (0: never)",
+    ),
+    Setting(
+        "--stall-notice",
+        "SHOAL_STALL_NOTICE_S",
+        "30",
+        "no committed iteration this long while the coordinator answers: the RUNNING job's "
+        "reason says it is stalled, seconds (0: never)",
     ),
     Setting("--max-recoveries", "SHOAL_MAX_RECOVERIES", "3", "automatic retries before FAILED"),
     Setting(
@@ -344,6 +356,7 @@ def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         finish_grace_s=float(parse_number("finish_grace_s", ns.finish_grace, float)),
         call_timeout_s=float(parse_number("call_timeout_s", ns.call_timeout, float)),
         stall_timeout_s=float(parse_number("stall_timeout_s", ns.stall_timeout, float)),
+        stall_notice_s=float(parse_number("stall_notice_s", ns.stall_notice, float)),
         max_recoveries=int(parse_number("max_recoveries", ns.max_recoveries, int)),
         coordinator_grace_s=float(parse_number("coordinator_grace_s", ns.coordinator_grace, float)),
         coordinator_failover=_on_off("coordinator_failover", ns.coordinator_failover),
@@ -439,6 +452,7 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
             collective_timeout_s=config.collective_timeout_s,
             health=HealthConfig(
                 stall_timeout_s=config.stall_timeout_s,
+                stall_notice_s=config.stall_notice_s,
                 max_recoveries=config.max_recoveries,
                 unreachable_grace_s=config.coordinator_grace_s,
                 coordinator_failover=config.coordinator_failover,

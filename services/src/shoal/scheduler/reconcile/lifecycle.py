@@ -200,6 +200,11 @@ class JobLifecycle:
         else:
             return
         health.checkpoint_error = error
+        await self._say(record, reason)
+
+    async def _say(self, record: JobRecord, reason: str) -> None:
+        """A new reason for the job in its current state (a STATE event and a history entry;
+        the state does not change)."""
         if record.job.state_reason == reason:
             return
         log.warning("job %s: %s", record.job_id, reason)
@@ -283,6 +288,12 @@ class JobLifecycle:
             )
         elif verdict.kind is VerdictKind.FAIL:
             await self._fail(record, verdict.reason)
+        elif verdict.kind is VerdictKind.STALLED:
+            health.stalled_since = health.progress_at
+            await self._say(record, verdict.reason)
+        elif verdict.kind is VerdictKind.RESUMED:
+            health.stalled_since = None
+            await self._say(record, f"{verdict.reason}; running on {record.workers()} learner(s)")
         else:
             self._busy[record.job_id] = self._spawn(
                 self._run_worker(record, JobWork(retry=verdict.reason), []),
