@@ -23,6 +23,7 @@ SCHEMAS = (
     ("job-scheduler", "shoal.scheduler.main", "SETTINGS"),
     ("resource-manager", "shoal.resource_manager.main", "SETTINGS"),
     ("parameter-sync", "shoal.param_sync.main", "SETTINGS"),
+    ("host-agent", "shoal.host_agent.main", "SETTINGS"),
 )
 
 HEADER = """# Configuration

@@ -60,3 +60,19 @@ def test_a_local_cluster_spec_passes_its_warm_learners_to_every_agent(tmp_path, 
     assert flags[3][flags[3].index("--warm-learners") + 1] == "3"
     expected = local_cluster_default(2, 4)
     assert flags[None][flags[None].index("--warm-learners") + 1] == expected
+
+
+def test_the_agents_declared_settings_parse_as_before() -> None:
+    """The host agent's flags come from its declared settings (docs/configuration.md): the
+    variables are the defaults, repeated labels add to the variable's, aliases work, and a bad
+    label names the field."""
+    env = {"SHOAL_HOST_LABELS": "zone=a", "SHOAL_WARM_LEARNERS": "2", "SHOAL_HOST_ID": "gpu7"}
+    config = parse_config(
+        ["--insecure-no-auth", "--label", "rack=3", "--resource-manager", "rm:7100"], env
+    )
+    assert config.labels == {"zone": "a", "rack": "3"}
+    assert config.resource_managers == ("rm:7100",)
+    assert (config.host_id, config.warm_learners) == ("gpu7", 2)
+    assert config.work_dir.name == "shoal-host-agent-gpu7"
+    with pytest.raises(InvalidField, match="label"):
+        parse_config(["--insecure-no-auth", "--label", "no-equals"], {})

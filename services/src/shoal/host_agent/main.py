@@ -45,10 +45,91 @@ from shoal.runtime import metrics, telemetry
 from shoal.runtime.config import add_server_flags, parse_number, server_config_from_args
 from shoal.runtime.server import RunningServer
 from shoal.runtime.service import run_service
+from shoal.runtime.settings import Setting, add_settings
 
 log = logging.getLogger(__name__)
 
 NAME = "host-agent"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "--host-id",
+        "SHOAL_HOST_ID",
+        socket.gethostname,
+        "this host's id in the inventory",
+        shown_default="the host name",
+    ),
+    Setting(
+        "--resource-managers",
+        "SHOAL_RESOURCE_MANAGERS",
+        "",
+        "comma-separated addresses of the resource-manager replicas",
+        aliases=("--resource-manager",),
+        dest="resource_managers",
+    ),
+    Setting(
+        "--schedulers",
+        "SHOAL_SCHEDULERS",
+        "",
+        "comma-separated job-scheduler addresses to download artifacts from",
+        aliases=("--scheduler",),
+        dest="schedulers",
+    ),
+    Setting(
+        "--artifact-dir",
+        "SHOAL_ARTIFACT_DIR",
+        None,
+        "directory or fsspec URI holding artifacts as <sha256>.tar.gz",
+    ),
+    Setting(
+        "--simulate-gpus",
+        "SHOAL_SIMULATE_GPUS",
+        None,
+        "expose N simulated GPUs instead of the real ones (learners run on CPU)",
+    ),
+    Setting(
+        "--work-dir",
+        "SHOAL_AGENT_WORK_DIR",
+        None,
+        "where learners' directories, artifacts and environments live",
+        shown_default="<tmp>/shoal-host-agent-<host id>",
+    ),
+    Setting(
+        "--stop-grace",
+        "SHOAL_AGENT_STOP_GRACE_S",
+        "10",
+        "seconds between SIGTERM and SIGKILL when a learner is stopped",
+    ),
+    Setting(
+        "--retain-exited",
+        "SHOAL_AGENT_RETAIN_EXITED_S",
+        "3600",
+        "seconds an exited learner (and its directory) is kept after it was reported",
+    ),
+    Setting(
+        "--label",
+        "SHOAL_HOST_LABELS",
+        None,
+        "KEY=VALUE label of this host (repeatable; the variable: comma-separated)",
+        repeated=True,
+    ),
+    Setting("--resource-group", "SHOAL_RESOURCE_GROUP", "", "this host's resource group"),
+    Setting(
+        "--learner-tls-cert",
+        "SHOAL_LEARNER_TLS_CERT",
+        None,
+        "client certificate of this host's learners (a 'learner' one, never the agent's)",
+    ),
+    Setting("--learner-tls-key", "SHOAL_LEARNER_TLS_KEY", None, "its private key"),
+    Setting(
+        "--warm-learners",
+        "SHOAL_WARM_LEARNERS",
+        "auto",
+        "warm learner processes (torch imported) kept ready: N, or auto (one per device)",
+    ),
+)
+"""The settings of a host agent (docs/configuration.md is generated from them)."""
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -57,61 +138,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         description="The shoal host agent: devices, learner processes, logs.",
     )
     add_server_flags(parser, env)
-    g = parser.add_argument_group(NAME)
-    g.add_argument("--host-id", default=env.get("SHOAL_HOST_ID", socket.gethostname()))
-    g.add_argument(
-        "--resource-managers",
-        "--resource-manager",
-        dest="resource_managers",
-        default=env.get("SHOAL_RESOURCE_MANAGERS", ""),
-        help="comma-separated addresses of the resource-manager replicas",
-    )
-    g.add_argument(
-        "--schedulers",
-        "--scheduler",
-        dest="schedulers",
-        default=env.get("SHOAL_SCHEDULERS", ""),
-        help="comma-separated job-scheduler addresses to download artifacts from",
-    )
-    g.add_argument(
-        "--artifact-dir",
-        default=env.get("SHOAL_ARTIFACT_DIR"),
-        help="directory or fsspec URI holding artifacts as <sha256>.tar.gz",
-    )
-    g.add_argument(
-        "--simulate-gpus",
-        default=env.get("SHOAL_SIMULATE_GPUS"),
-        help="expose N simulated GPUs instead of the real ones (learners run on CPU)",
-    )
-    g.add_argument("--work-dir", default=env.get("SHOAL_AGENT_WORK_DIR"))
-    g.add_argument(
-        "--stop-grace",
-        default=env.get("SHOAL_AGENT_STOP_GRACE_S", "10"),
-        help="seconds between SIGTERM and SIGKILL when a learner is stopped",
-    )
-    g.add_argument(
-        "--retain-exited",
-        default=env.get("SHOAL_AGENT_RETAIN_EXITED_S", "3600"),
-        help="seconds an exited learner (and its directory) is kept after it was reported",
-    )
-    g.add_argument(
-        "--label",
-        action="append",
-        default=[x for x in env.get("SHOAL_HOST_LABELS", "").split(",") if x],
-        help="KEY=VALUE label of this host (repeatable)",
-    )
-    g.add_argument("--resource-group", default=env.get("SHOAL_RESOURCE_GROUP", ""))
-    g.add_argument(
-        "--learner-tls-cert",
-        default=env.get("SHOAL_LEARNER_TLS_CERT"),
-        help="client certificate of this host's learners (a 'learner' one, never the agent's)",
-    )
-    g.add_argument("--learner-tls-key", default=env.get("SHOAL_LEARNER_TLS_KEY"))
-    g.add_argument(
-        "--warm-learners",
-        default=env.get("SHOAL_WARM_LEARNERS", "auto"),
-        help="warm learner processes (torch imported) kept ready: N, or auto (one per device)",
-    )
+    add_settings(parser.add_argument_group(NAME), SETTINGS, env)
     return parser
 
 

@@ -40,12 +40,17 @@ class Setting:
     ``false``."""
     shown_default: str | None = None
     """The default as documented, when it is computed (``file://<cwd>/.shoal/storage``)."""
+    repeated: bool = False
+    """A flag given once per value (``--label A=1 --label B=2``); its variable holds the values
+    comma-separated and they come first."""
 
     def documented_default(self) -> str:
         if self.shown_default is not None:
             return self.shown_default
         if self.switch:
             return "off"
+        if self.repeated:
+            return "none"
         if self.default is None or callable(self.default):
             return "unset"
         return self.default if self.default != "" else '""'
@@ -62,6 +67,10 @@ def add_settings(
         if s.switch:
             on = bool(s.env) and env.get(s.env or "", "") not in ("", "0", "false")
             group.add_argument(*names, action="store_true", default=on, help=text, **extra)
+            continue
+        if s.repeated:
+            given = [x for x in env.get(s.env or "", "").split(",") if x] if s.env else []
+            group.add_argument(*names, action="append", default=given, help=text, **extra)
             continue
         default = s.default() if callable(s.default) else s.default
         if s.env is not None:
