@@ -333,3 +333,15 @@ def test_a_moved_coordinator_is_saved() -> None:
         records, {"h1": host()}, Observed(), Plan(shares={}), CONFIG, moved={"j1"}, now=NOW
     )
     assert work["j1"] == JobWork(save=True)
+
+
+def test_a_moved_coordinator_is_told_the_retires_the_old_one_may_have_taken_with_it() -> None:
+    records = records_of(
+        job("j1", S.JOB_STATE_RUNNING, learner("l1", P.RUNNING), learner("l2", P.RETIRING))
+    )
+    work = decide(
+        records, {"h1": host()}, Observed(), Plan(shares={}), CONFIG, moved={"j1"}, now=NOW
+    )
+    assert work["j1"] == JobWork(save=True, retires=["l2"])
+    stay = decide(records, {"h1": host()}, Observed(), Plan(shares={}), CONFIG, now=NOW)
+    assert "j1" not in stay  # no move: the retire was told once, as before

@@ -230,6 +230,15 @@ def decide(
             getattr(w(job_id), kind).append(lid)
         if job_id in moved:
             w(job_id).save = True  # its coordinator moved: persist the new address
+            # A retire told to the old coordinator may be gone with it: tell the new one too
+            # (RetireLearners is idempotent), or the learner would train on until the retire
+            # timeout stops it, holding its device.
+            again = [
+                lr.learner_id
+                for lr in remaining
+                if lr.phase is LearnerPhase.RETIRING and lr.learner_id not in w(job_id).retires
+            ]
+            w(job_id).retires.extend(again)
         live = [lr for lr in remaining if lr.phase is not LearnerPhase.PENDING]
         pending = [lr for lr in remaining if lr.phase is LearnerPhase.PENDING]
         if not record.active and not live and not pending:

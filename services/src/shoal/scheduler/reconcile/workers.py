@@ -339,11 +339,14 @@ class JobWorkers:
             # Not members (yet): no iteration of theirs can be lost; stop them directly.
             await self._stop(record, ids)
             return
+        shrunk = False
         for lid in ids:
             lr = record.learners.get(lid)
             if lr is not None and lr.phase in HOLDING:
                 lr.set_phase(LearnerPhase.RETIRING, now)
-        record.last_shrunk_at = now
+                shrunk = True
+        if shrunk:  # (not a retire told again to a coordinator that moved)
+            record.last_shrunk_at = now
         await self.table.save(record)
 
     async def _stop(self, record: JobRecord, learner_ids: Sequence[str]) -> None:
