@@ -176,3 +176,71 @@ def test_a_paused_coordinator_of_a_collective_job_is_left_and_steps_down_when_it
         steps = [r["step"] for r in history["history"]]
         assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)
         assert "which hangs, after the role moved" in proc.text(), (name, proc.text()[-3000:])
+
+
+@pytest.mark.slow
+def test_a_coordinator_shard_killed_during_a_rescale_of_a_collective_job_loses_nothing(
+    tmp_path: Path,
+):
+    """A shrink in flight when the coordinator dies: learner r2 is retired (RetireLearners)
+    and shard 0 is SIGKILLed at once, so the retire may be lost with it. The scheduler tells
+    a moved coordinator the retires again (``decide``: a moved job's RETIRING learners), as
+    this test does after the takeover. r2 leaves at a boundary, the other two finish: no
+    rewind, no learner restarted, each iteration recorded once, and the model equal to
+    single-process training (the shares tile every batch whatever the world size)."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=2)
+    job, epochs = "collshrink", 2
+    ipe = iterations_per_epoch()
+    total = epochs * ipe
+    names = ("r0", "r1", "r2")
+    gate = tmp_path / "gate"
+    try:
+        plane.start_shards()
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(
+                job, n, epochs=epochs, batch=BATCH, backend="collective", delay=0.05, gate=gate
+            )
+            for n in names
+        }
+        for proc in learners.values():
+            proc.wait_for("READY", timeout=120)
+        gate.touch()
+        wait_until(
+            lambda: (
+                plane.progress(job).progress.world_size == 3
+                and plane.progress(job).progress.completed_iterations >= ipe // 3
+            ),
+            timeout=120,
+            what="three learners training",
+        )
+        plane.retire(job, "r2")
+        plane.shards[0].kill()  # the coordinator and the rendezvous store, the retire pending
+        plane.take_over(
+            job,
+            1,
+            lost=0,
+            epoch=1,
+            batch=BATCH,
+            epochs=epochs,
+            checkpoint_every=1,
+            sync_mode=job_pb2.SYNC_MODE_COLLECTIVE,
+        )
+        plane.retire(job, "r2")  # told again to the new coordinator, as the scheduler does
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+        assert plane.progress(job).done
+    finally:
+        plane.kill_all()
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    for name, proc in learners.items():
+        history = plane.history(name)
+        assert history["pid"] == proc.popen.pid  # not restarted
+        steps = [r["step"] for r in history["history"]]
+        assert steps == sorted(set(steps)), (name, steps)  # no iteration completed twice
+        if name == "r2":
+            assert steps[-1] < total - 1, steps  # it left before the end
+        else:
+            assert steps[-1] == total - 1, (name, steps)
