@@ -18,6 +18,7 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,29 +34,53 @@ from tests.integration.test_elastic_training import (
 from tests.support import make_tokens, wait_until
 
 
+def _plane(tmp_path: Path) -> DataPlane:
+    return DataPlane(tmp_path, tmp_path / "tokens", make_tokens(tmp_path / "tokens"), shards=2)
+
+
+def _start(plane: DataPlane, job: str, names: tuple[str, ...], epochs: int) -> dict[str, Any]:
+    """Two shards (shard 0 coordinates ``job`` and hosts its store), ``names`` collective
+    learners imported, built and released together (paced, so a fault lands mid-epoch)."""
+    gate = plane.tmp / "gate"
+    plane.start_shards()
+    plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+    learners = {
+        n: plane.start_learner(
+            job, n, epochs=epochs, batch=BATCH, backend="collective", delay=0.05, gate=gate
+        )
+        for n in names
+    }
+    for proc in learners.values():
+        proc.wait_for("READY", timeout=120)  # imported and built: the job runs paced
+    gate.touch()
+    return learners
+
+
+def _take_over(plane: DataPlane, job: str, epochs: int) -> Any:
+    """The scheduler's part: shard 1 takes the lost shard 0's role at coordinator epoch 1."""
+    return plane.take_over(
+        job,
+        1,
+        lost=0,
+        epoch=1,
+        batch=BATCH,
+        epochs=epochs,
+        checkpoint_every=1,
+        sync_mode=job_pb2.SYNC_MODE_COLLECTIVE,
+    )
+
+
 @pytest.mark.slow
 def test_a_killed_coordinator_shard_of_a_collective_job_is_taken_over_without_a_rewind(
     tmp_path: Path,
 ):
-    tokens = make_tokens(tmp_path / "tokens")
-    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=2)
+    plane = _plane(tmp_path)
     job, epochs = "collfail", 2
     ipe = iterations_per_epoch()
     total = epochs * ipe
     names = ("f0", "f1")
-    gate = tmp_path / "gate"
     try:
-        plane.start_shards()
-        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
-        learners = {
-            n: plane.start_learner(
-                job, n, epochs=epochs, batch=BATCH, backend="collective", delay=0.05, gate=gate
-            )
-            for n in names
-        }
-        for proc in learners.values():
-            proc.wait_for("READY", timeout=120)  # imported and built: the job runs paced
-        gate.touch()
+        learners = _start(plane, job, names, epochs)
 
         def both_training_past(k: int) -> bool:
             p = plane.progress(job).progress
@@ -64,16 +89,7 @@ def test_a_killed_coordinator_shard_of_a_collective_job_is_taken_over_without_a_
         wait_until(lambda: both_training_past(ipe // 3), timeout=120, what="two learners training")
         plane.shards[0].kill()  # the coordinator and the rendezvous store
         killed = time.monotonic()
-        reply = plane.take_over(
-            job,
-            1,
-            lost=0,
-            epoch=1,
-            batch=BATCH,
-            epochs=epochs,
-            checkpoint_every=1,
-            sync_mode=job_pb2.SYNC_MODE_COLLECTIVE,
-        )
+        reply = _take_over(plane, job, epochs)
         assert 0 < reply.progress.completed_iterations < total
         taken_at = plane.progress(job).progress.completed_iterations
         wait_until(
@@ -118,24 +134,12 @@ def test_a_paused_coordinator_of_a_collective_job_is_left_and_steps_down_when_it
     (FindCoordinator on the other shard names the successor), re-join the successor and
     re-form their group through its store; once awake, the old coordinator is told the role
     moved and steps down. The job completes as if it had died."""
-    tokens = make_tokens(tmp_path / "tokens")
-    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=2)
+    plane = _plane(tmp_path)
     job, epochs = "collpause", 2
     ipe = iterations_per_epoch()
     total = epochs * ipe
-    gate = tmp_path / "gate"
     try:
-        plane.start_shards()
-        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
-        learners = {
-            n: plane.start_learner(
-                job, n, epochs=epochs, batch=BATCH, backend="collective", delay=0.05, gate=gate
-            )
-            for n in ("p0", "p1")
-        }
-        for proc in learners.values():
-            proc.wait_for("READY", timeout=120)
-        gate.touch()
+        learners = _start(plane, job, ("p0", "p1"), epochs)
         wait_until(
             lambda: (
                 plane.progress(job).progress.world_size == 2
@@ -148,16 +152,7 @@ def test_a_paused_coordinator_of_a_collective_job_is_left_and_steps_down_when_it
         old.popen.send_signal(signal.SIGSTOP)
         try:
             wait_for_the_grace(plane, 0, job, grace=2.0)
-            plane.take_over(
-                job,
-                1,
-                lost=0,
-                epoch=1,
-                batch=BATCH,
-                epochs=epochs,
-                checkpoint_every=1,
-                sync_mode=job_pb2.SYNC_MODE_COLLECTIVE,
-            )
+            _take_over(plane, job, epochs)
             plane.shards[1].wait_for("collective takeover: continuing at iteration", timeout=120)
         finally:
             old.popen.send_signal(signal.SIGCONT)
@@ -188,25 +183,13 @@ def test_a_coordinator_shard_killed_during_a_rescale_of_a_collective_job_loses_n
     this test does after the takeover. r2 leaves at a boundary, the other two finish: no
     rewind, no learner restarted, each iteration recorded once, and the model equal to
     single-process training (the shares tile every batch whatever the world size)."""
-    tokens = make_tokens(tmp_path / "tokens")
-    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens, shards=2)
+    plane = _plane(tmp_path)
     job, epochs = "collshrink", 2
     ipe = iterations_per_epoch()
     total = epochs * ipe
     names = ("r0", "r1", "r2")
-    gate = tmp_path / "gate"
     try:
-        plane.start_shards()
-        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
-        learners = {
-            n: plane.start_learner(
-                job, n, epochs=epochs, batch=BATCH, backend="collective", delay=0.05, gate=gate
-            )
-            for n in names
-        }
-        for proc in learners.values():
-            proc.wait_for("READY", timeout=120)
-        gate.touch()
+        learners = _start(plane, job, names, epochs)
         wait_until(
             lambda: (
                 plane.progress(job).progress.world_size == 3
@@ -217,16 +200,7 @@ def test_a_coordinator_shard_killed_during_a_rescale_of_a_collective_job_loses_n
         )
         plane.retire(job, "r2")
         plane.shards[0].kill()  # the coordinator and the rendezvous store, the retire pending
-        plane.take_over(
-            job,
-            1,
-            lost=0,
-            epoch=1,
-            batch=BATCH,
-            epochs=epochs,
-            checkpoint_every=1,
-            sync_mode=job_pb2.SYNC_MODE_COLLECTIVE,
-        )
+        _take_over(plane, job, epochs)
         plane.retire(job, "r2")  # told again to the new coordinator, as the scheduler does
         for name, proc in learners.items():
             assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
