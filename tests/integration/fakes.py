@@ -403,6 +403,8 @@ class FakeSyncJob:
     retiring: set[str] = field(default_factory=set)
     evicted: list[str] = field(default_factory=list)
     done: bool = False
+    checkpoint_error: str = ""  # GetJobProgressResponse.checkpoint_error
+    latest_checkpoint: int = -1  # GetJobProgressResponse.latest_checkpoint
     closed: bool = False
     opened: int = 0
 
@@ -565,6 +567,8 @@ class FakeShard(parameter_sync_service_pb2_grpc.ParameterSyncServiceServicer):
             progress=job.progress,
             member_learner_ids=self.sync.members(request.job_id),
             done=job.done,
+            checkpoint_error=job.checkpoint_error,
+            latest_checkpoint=job.latest_checkpoint,
         )
 
 

@@ -752,6 +752,33 @@ async def test_a_running_job_that_stops_committing_says_so_and_says_when_it_trai
         await store.close()
 
 
+async def test_a_failed_checkpoint_is_said_until_a_later_one_commits(loop: Loop) -> None:
+    """GetJobProgress.checkpoint_error goes into the RUNNING job's reason; an empty error alone
+    (a coordinator that took the job over starts without it) changes nothing; a checkpoint
+    committed after the failed one puts "checkpoints commit again" in the reason."""
+    c = loop.cluster
+    j = (await loop.api.submit(ALICE, "", spec(loop.artifact, max_workers=2))).job_id
+    await loop.shares({j: 2})
+    failed = "checkpoint after 230 iterations failed: storage full: ENOSPC (storage file:///s)"
+    fake = c.sync.jobs[j]
+    fake.latest_checkpoint, fake.checkpoint_error = 220, failed
+    await loop.until(lambda: loop.table.records[j].job.state_reason == failed, "the failure")
+    fake.checkpoint_error = ""  # a moved coordinator: no error, nothing committed since
+    seen = c.sync.jobs[j].progress.completed_iterations
+    await loop.until(  # the record's progress moves only with the scheduler's polls
+        lambda: loop.table.records[j].job.progress.completed_iterations > seen + 5,
+        "polls after the error cleared",
+    )
+    assert loop.table.records[j].job.state_reason == failed
+    assert loop.table.records[j].state == S.JOB_STATE_RUNNING
+    fake.latest_checkpoint = 240
+    await loop.until(
+        lambda: loop.table.records[j].job.state_reason.startswith("checkpoints commit again"),
+        "checkpoints commit again",
+    )
+    assert failed in loop.table.records[j].job.state_reason
+
+
 async def test_a_draining_host_is_emptied_and_the_job_moves_elsewhere(loop: Loop) -> None:
     c = loop.cluster
     j = (await loop.api.submit(ALICE, "", spec(loop.artifact, max_workers=4))).job_id

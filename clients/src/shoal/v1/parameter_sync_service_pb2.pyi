@@ -1288,6 +1288,7 @@ class GetJobProgressResponse(_message.Message):
     RECOVERING_FIELD_NUMBER: _builtins.int
     RECOVERY_REASON_FIELD_NUMBER: _builtins.int
     CHECKPOINT_ERROR_FIELD_NUMBER: _builtins.int
+    LATEST_CHECKPOINT_FIELD_NUMBER: _builtins.int
     done: _builtins.bool
     """True when the job finished all its epochs."""
     recovering: _builtins.bool
@@ -1302,6 +1303,11 @@ class GetJobProgressResponse(_message.Message):
     """Why the job's last checkpoint could not be written, in words (e.g. "checkpoint after 230
     iterations failed: storage full: cannot write ...: [Errno 28] No space left on device
     (storage file:///...)"); nothing of it was committed. Empty once a checkpoint commits.
+    """
+    latest_checkpoint: _builtins.int
+    """The iterations of the job's latest committed checkpoint (-1: none yet). With
+    checkpoint_error empty, a checkpoint after the failed one committing is what says that
+    checkpoints commit again (a coordinator that took the job over starts without the error).
     """
     @_builtins.property
     def progress(self) -> _job_pb2.JobProgress:
@@ -1320,10 +1326,11 @@ class GetJobProgressResponse(_message.Message):
         recovering: _builtins.bool = ...,
         recovery_reason: _builtins.str = ...,
         checkpoint_error: _builtins.str = ...,
+        latest_checkpoint: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_error", b"checkpoint_error", "done", b"done", "member_learner_ids", b"member_learner_ids", "progress", b"progress", "recovering", b"recovering", "recovery_reason", b"recovery_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_error", b"checkpoint_error", "done", b"done", "latest_checkpoint", b"latest_checkpoint", "member_learner_ids", b"member_learner_ids", "progress", b"progress", "recovering", b"recovering", "recovery_reason", b"recovery_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

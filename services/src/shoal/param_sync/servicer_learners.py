@@ -382,6 +382,7 @@ class LearnerHandlers:
             recovering=bool(coord.recovering),
             recovery_reason=coord.recovering,
             checkpoint_error=job.checkpoint_error,
+            latest_checkpoint=coord.last_checkpoint,
         )
 
     async def GetMembership(self: _S, request: ps_pb2.GetMembershipRequest, context: Any) -> Any:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 
 import grpc
 
@@ -45,6 +46,9 @@ from shoal.v1 import (
 )
 
 log = logging.getLogger(__name__)
+
+# The coordinator's words for a checkpoint the storage refused (servicer_tasks).
+CHECKPOINT_FAILED = re.compile(r"checkpoint after (\d+) iterations failed: ")
 
 S = job_pb2
 
@@ -139,7 +143,11 @@ class JobLifecycle:
                 why if recovering else None,
             )
         if record.state == S.JOB_STATE_RUNNING:
-            await self._checkpoint_news(record, str(getattr(response, "checkpoint_error", "")))
+            await self._checkpoint_news(
+                record,
+                str(getattr(response, "checkpoint_error", "")),
+                int(getattr(response, "latest_checkpoint", 0)),
+            )
         self.members[record.job_id] = tuple(response.member_learner_ids)
         if self.metrics is not None and response.HasField("progress"):
             self.metrics.world_size(record.job_id, response.progress.world_size, self.clock())
@@ -188,19 +196,27 @@ class JobLifecycle:
         except (Unavailable, NotLeader) as exc:
             log.warning("job %s: throughput model not deleted: %s", job_id, exc)
 
-    async def _checkpoint_news(self, record: JobRecord, error: str) -> None:
+    async def _checkpoint_news(self, record: JobRecord, error: str, latest: int) -> None:
         """A RUNNING job whose checkpoints fail (GetJobProgress.checkpoint_error: a full disk)
         says so in its state reason (a STATE event and a history entry; the state stays
-        RUNNING: training goes on), and says so again when a checkpoint commits."""
+        RUNNING: training goes on), and says so again once a later checkpoint committed
+        (``latest``: the coordinator's latest committed one; an empty error alone is not that:
+        a coordinator that took the job over, or a new scheduler leader, starts without it)."""
         health = self._health(record)
         if error:
-            reason = error
-        elif health.checkpoint_error:
-            reason = f"checkpoints commit again (earlier: {health.checkpoint_error})"
-        else:
+            health.checkpoint_error = error
+            await self._say(record, error)
             return
-        health.checkpoint_error = error
-        await self._say(record, reason)
+        earlier = health.checkpoint_error
+        if not earlier and CHECKPOINT_FAILED.match(record.job.state_reason):
+            earlier = record.job.state_reason  # said by an earlier leader
+        if not earlier:
+            return
+        failed = CHECKPOINT_FAILED.match(earlier)
+        if failed is not None and latest <= int(failed.group(1)):
+            return  # nothing committed since: the reason stays
+        health.checkpoint_error = ""
+        await self._say(record, f"checkpoints commit again (earlier: {earlier})")
 
     async def _say(self, record: JobRecord, reason: str) -> None:
         """A new reason for the job in its current state (a STATE event and a history entry;
