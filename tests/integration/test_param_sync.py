@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -602,19 +603,19 @@ async def test_progress_iteration_metrics_and_epoch_reports_reach_storage(cluste
     assert set(model) == {m.name for m in LAYOUT}
 
 
-@pytest.mark.slow
-async def test_a_shard_process_registers_its_address_in_etcd_under_a_lease(etcd, tmp_path):
-    from shoal.runtime.store import EtcdStore
-
+def _shard_process(
+    tmp_path: Path, etcd: Any, index: int, *, ttl: str, stdout: int
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A real shard process (``python -m shoal.param_sync``) registering in ``etcd``."""
     tokens = make_tokens(tmp_path / "tokens")
     address = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, waited for through etcd
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "shoal.param_sync",
             "--shard-index",
-            "3",
+            str(index),
             "--listen",
             address,
             "--tokens-file",
@@ -624,12 +625,20 @@ async def test_a_shard_process_registers_its_address_in_etcd_under_a_lease(etcd,
             "--etcd",
             ",".join(etcd.endpoints),
             "--registration-ttl",
-            "2",
+            ttl,
         ],
-        stdout=subprocess.DEVNULL,
+        stdout=stdout,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+    return proc, address
+
+
+@pytest.mark.slow
+async def test_a_shard_process_registers_its_address_in_etcd_under_a_lease(etcd, tmp_path):
+    from shoal.runtime.store import EtcdStore
+
+    proc, address = _shard_process(tmp_path, etcd, 3, ttl="2", stdout=subprocess.DEVNULL)
     try:
         async with EtcdStore(etcd.endpoints, timeout=3.0) as store:
             kv = await async_wait_until(
@@ -640,6 +649,35 @@ async def test_a_shard_process_registers_its_address_in_etcd_under_a_lease(etcd,
             proc.wait(timeout=10)
             await async_wait_until(
                 lambda: _gone(store, registry_key(3)), timeout=15, what="lease expiry"
+            )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+async def test_sigterm_revokes_a_shard_registration_at_once_and_exits_cleanly(
+    etcd, tmp_path: Path
+) -> None:
+    """On the shared service skeleton (run_service, issue 15) a shard announces LISTENING,
+    registers its address, and on SIGTERM revokes the registration at once (long before its
+    lease could expire) and exits 0."""
+    from shoal.runtime.store import EtcdStore
+
+    # an expiry would take minutes: the key must go by revocation
+    proc, address = _shard_process(tmp_path, etcd, 5, ttl="120", stdout=subprocess.PIPE)
+    try:
+        async with EtcdStore(etcd.endpoints, timeout=3.0) as store:
+            kv = await async_wait_until(
+                lambda: store.get(registry_key(5)), timeout=60, what="registration"
+            )
+            assert kv.value.decode() == address and kv.lease
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            assert proc.stdout is not None
+            assert f"LISTENING {address.rsplit(':', 1)[1]}" in proc.stdout.read().decode()
+            await async_wait_until(
+                lambda: _gone(store, registry_key(5)), timeout=10, what="revocation"
             )
     finally:
         if proc.poll() is None:
