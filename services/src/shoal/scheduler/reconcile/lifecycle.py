@@ -218,12 +218,12 @@ class JobLifecycle:
         health.checkpoint_error = ""
         await self._say(record, f"checkpoints commit again (earlier: {earlier})")
 
-    async def _say(self, record: JobRecord, reason: str) -> None:
+    async def _say(self, record: JobRecord, reason: str, *, level: int = logging.WARNING) -> None:
         """A new reason for the job in its current state (a STATE event and a history entry;
         the state does not change)."""
         if record.job.state_reason == reason:
             return
-        log.warning("job %s: %s", record.job_id, reason)
+        log.log(level, "job %s: %s", record.job_id, reason)
         record.job.state_reason = reason
         record.history.append(StateChange(self.clock(), record.state, record.state, reason))
         del record.history[:-STATE_HISTORY_LIMIT]
@@ -258,13 +258,8 @@ class JobLifecycle:
             log.warning("job %s recovering: %s", record.job_id, reason)
             self._health(record).entered_recovery()
             await self._transition(record, S.JOB_STATE_RECOVERING, reason)
-        elif record.state == S.JOB_STATE_RECOVERING and record.job.state_reason != reason:
-            log.info("job %s: %s", record.job_id, reason)
-            record.job.state_reason = reason
-            record.history.append(StateChange(self.clock(), record.state, record.state, reason))
-            del record.history[:-STATE_HISTORY_LIMIT]
-            await self.table.save(record)
-            self.table.publish(record, S.JOB_EVENT_KIND_STATE)
+        elif record.state == S.JOB_STATE_RECOVERING:
+            await self._say(record, reason, level=logging.INFO)
 
     async def _assess(self, record: JobRecord) -> None:
         """Act on the job's data-plane health (one verdict per poll; none while a worker
