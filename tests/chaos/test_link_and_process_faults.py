@@ -185,7 +185,13 @@ def test_a_lossy_link_and_cut_connections_lose_no_host(rig: Rig, record):
                 f"{HOST} to re-register after the reset",
             )
         )
-        time.sleep(1.0)  # let the new stream run before the next reset
+        # the new stream carries heartbeats both ways before the next reset
+        up, down = proxy.stats.up_bytes, proxy.stats.down_bytes
+        wait_for(
+            lambda u=up, d=down: proxy.stats.up_bytes > u and proxy.stats.down_bytes > d,
+            30,
+            "a heartbeat and its answer over the new connection",
+        )
     for job in rig.jobs:
         chaos.wait_training(job, 3)
     assert_nothing_lost(rig, before, since)
