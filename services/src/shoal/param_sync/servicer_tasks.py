@@ -392,6 +392,8 @@ class CoordinatorTasks:
                     # A learner holding the state writes it again after the pause (any of
                     # them: the one that failed is asked like the others).
                     await asyncio.sleep(pause)
+                    if task not in coord.holds or self._coordinated.get(coord.job_id) is not job:
+                        raise  # dropped (a rewind) or the role moved meanwhile: not ours now
                     async with job.cond:
                         coord.checkpoint_write_failed(task)
                         job.cond.notify_all()
