@@ -212,7 +212,7 @@ def _legacy_json(r: JobRecord) -> bytes:
         "opened": r.opened,
         "closed": r.closed,
         "learner_seq": r.learner_seq,
-        "learners": [lr.to_dict() for lr in r.learners.values()],
+        "learners": [{**lr.__dict__, "phase": lr.phase.value} for lr in r.learners.values()],
         "past_learners": [p.__dict__ for p in r.past_learners],
         "history": [
             {"time": h.time, "from": h.from_state, "to": h.to_state, "reason": h.reason}

@@ -152,20 +152,6 @@ class LearnerRecord:
         self.phase = phase
         self.phase_since = now
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "learner_id": self.learner_id,
-            "host_id": self.host_id,
-            "device_id": self.device_id,
-            "agent_address": self.agent_address,
-            "host_incarnation": self.host_incarnation,
-            "allocation_id": self.allocation_id,
-            "phase": self.phase.value,
-            "simulated": self.simulated,
-            "created_at": self.created_at,
-            "phase_since": self.phase_since,
-        }
-
     def to_proto(self) -> job_pb2.LearnerRecordState:
         return job_pb2.LearnerRecordState(
             learner_id=self.learner_id,
