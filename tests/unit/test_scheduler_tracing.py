@@ -111,6 +111,34 @@ def test_a_shrink_is_one_span_in_the_jobs_trace_with_decision_drain_retire_and_d
     assert tracker.open == {}
 
 
+def test_an_exit_seen_after_its_drain_ended_never_moves_the_retire_before_the_drain_end(
+    tracker: RescaleTracker, exporter: InMemorySpanExporter, clock: Clock
+) -> None:
+    """The learner exited before the scheduler saw the coordinator let it go: the drain span
+    ended at that sighting, so the retire that follows starts there (an empty retire), not at
+    the earlier exit (the phases overlapped, an e2e trace check caught it in CI)."""
+    job = record("job-1", {"l1": LearnerPhase.RUNNING, "l2": LearnerPhase.RUNNING}, target=1)
+    tracker.decided([(job, 2, 1, True)], causes=["submit"], decided_from=clock.now)
+    clock.tick(0.01)
+    with tracker.phase("job-1", "drain", ["l2"]):
+        pass
+    exited = clock.tick(0.2)  # the process ends ...
+    sighted = clock.tick(0.3)  # ... the coordinator's membership is seen without it ...
+    tracker.observe(job, ["l1"], 11)
+    clock.tick(0.4)  # ... and then the agent's exit report arrives
+    tracker.exited("job-1", "l2", exited)
+    with tracker.phase("job-1", "device free", ["l2"]):
+        clock.tick(0.05)
+    del job.learners["l2"]
+    tracker.check(job)
+
+    (rescale,) = by_name(exporter, "rescale")
+    decision, drain, retire, free = phases_of(exporter, rescale)
+    assert drain.end_time == retire.start_time == retire.end_time == int(sighted * 1e9)
+    for a, b in [(decision, drain), (drain, retire), (retire, free)]:
+        assert a.start_time <= b.start_time and a.end_time <= b.end_time, (a.name, b.name)
+
+
 def test_a_grow_has_decision_start_join_and_first_step_and_links_the_shrink_that_freed_it(
     tracker: RescaleTracker, exporter: InMemorySpanExporter, clock: Clock
 ) -> None:

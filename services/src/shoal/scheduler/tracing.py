@@ -373,7 +373,9 @@ class RescaleTracker:
         if leaving.retire_sent is not None:
             exited = max(exited, leaving.retire_sent)
         leaving.exited = exited
-        if leaving.drained is None or leaving.drained > exited:
+        # An exit before the coordinator was seen to let it go ends its drain there, unless
+        # that drain's span has ended already (at the later sighting): phases never overlap.
+        if leaving.drained is None or (rescale.drain is not None and leaving.drained > exited):
             leaving.drained = exited
         self._progress(rescale)
 
