@@ -314,8 +314,10 @@ def test_a_shard_sigkilled_mid_checkpoint_commits_nothing_partial(rig: Rig, reco
     the killed file (the slice promoted from its replica), whole and verified; training goes
     on, the iteration record stays exact, and later checkpoints commit."""
     chaos = rig.chaos
-    # Issue 12's livelock needed the killed shard to be the job's coordinator: take it.
-    job, victim = next((j, c) for j in rig.jobs if (c := _coordinator(rig, j)))
+    # Issue 12's livelock needed the killed shard to be the job's coordinator: take the
+    # coordinator of the job that trains faster (its next checkpoint comes soonest).
+    job = max(rig.jobs, key=chaos.iterations_done)
+    victim = wait_for(lambda: _coordinator(rig, job), 30, f"the coordinator of {job}")
     rig.victim = victim
     shard = chaos.cluster.services[victim]
     file = f"shard-{victim.rsplit('-', 1)[1]}.safetensors"
