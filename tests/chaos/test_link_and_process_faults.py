@@ -10,7 +10,9 @@ The cluster: one etcd, two replicas of the resource manager and of the job sched
 parameter-sync shards (replicated), two hosts x 2 simulated GPUs. host-1's agent reaches the
 resource-manager leader only through the proxy, and runs under libfaketime with its wall clock
 movable (its monotonic clock untouched, as on a real host whose NTP steps the clock); its
-learners inherit both. shard 1 runs with the checkpoint-write hook armed (a trigger file)."""
+learners inherit both. Both shards run with the checkpoint-write hook armed (one trigger file,
+naming the job and the shard file to stop at), so that the mid-checkpoint kill takes the shard
+that coordinates a job, whichever the hash made it."""
 
 from __future__ import annotations
 
@@ -24,9 +26,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
-from shoal.v1 import resources_pb2
+from shoal.v1 import (
+    parameter_sync_service_pb2 as ps_pb2,
+    parameter_sync_service_pb2_grpc as ps_grpc,
+    resources_pb2,
+)
 from tests.chaos.harness import (
     FAKETIME_LIB,
     TINY_MODEL,
@@ -46,7 +53,8 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(900)]
 HOST_READY = resources_pb2.HOST_STATE_READY
 HOST_LOST = resources_pb2.HOST_STATE_LOST
 HOST = "host-1"  # behind the proxy, under libfaketime
-SHARD = "parameter-sync-1"  # the checkpoint-write hook is armed on it
+SHARD = "parameter-sync-1"
+SHARDS = ("parameter-sync-0", SHARD)  # the checkpoint-write hook is armed on both
 
 full = pytest.mark.skipif(
     os.environ.get("SHOAL_CHAOS", "") != "full",
@@ -59,8 +67,15 @@ class Rig:
     chaos: ChaosCluster
     proxy: LinkProxy
     clock: Path  # host-1's wall-clock offset (libfaketime), "+0" normally
-    trigger: Path  # shard 1's checkpoint-write hook: absent, or the file name part to stop at
+    trigger: Path  # the shards' checkpoint-write hook: absent, or the path parts to stop at
     jobs: tuple[str, str] = ("", "")
+    #: The shard the mid-checkpoint scenario killed (a coordinator: its roles moved to the
+    #: other one, which coordinates every job after it).
+    victim: str = SHARD
+
+    @property
+    def survivor(self) -> str:
+        return next(n for n in SHARDS if n != self.victim)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +90,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         proxy.upstream = leader
         proxy.start()
         # Before any job: restart host-1's agent with the proxy as its only resource-manager
-        # address and a movable wall clock, and shard 1 with the checkpoint hook armed.
+        # address and a movable wall clock, and the shards with the checkpoint hook armed.
         agent = chaos.cluster.services[HOST]
         agent.args[agent.args.index("--resource-managers") + 1] = proxy.address
         clock = state / "host-1-clock"
@@ -92,12 +107,10 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         trigger = state / "checkpoint-trigger"
         # A lost shard that comes back within a minute is restored in place from its replica
         # (not promoted away): the path of issue 12's livelock, taken every run.
-        for name in ("parameter-sync-0", SHARD):
+        for name in SHARDS:
             chaos.cluster.services[name].args += ["--promote-after", "60"]
-        chaos.sigterm("parameter-sync-0")
-        chaos.start_again("parameter-sync-0")
-        chaos.sigterm(SHARD)
-        chaos.start_again(SHARD, env={"SHOAL_TEST_FAULT": f"stop-before-rename@{trigger}"})
+            chaos.sigterm(name)
+            chaos.start_again(name, env={"SHOAL_TEST_FAULT": f"stop-before-rename@{trigger}"})
         wait_for(
             lambda: (
                 chaos.snapshot().get(HOST, (0, 0))[0] == HOST_READY and proxy.stats.up_bytes > 0
@@ -270,34 +283,59 @@ def _checkpoint_outcome(directory: Path) -> str:
     return "completed without the killed file"
 
 
-def test_a_shard_sigkilled_mid_checkpoint_commits_nothing_partial(rig: Rig, record):
-    """Arm the hook: shard 1 stops itself when its next checkpoint file is written to its
-    temporary name and synced, before the rename. The test SIGKILLs it there and starts it
-    again. Nothing partial is ever committed: that checkpoint is either abandoned (no manifest,
-    ``latest`` never names it) or finished by the coordinator without the killed file (the
-    slice promoted from its replica), whole and verified; training goes on, the iteration
-    record stays exact, and later checkpoints commit."""
+def _coordinator(rig: Rig, job: str) -> str:
+    """The shard that coordinates ``job``, as the shards say (FindCoordinator, the call a
+    learner makes when its coordinator does not answer; the highest epoch wins): its service
+    name, or '' when none answers."""
     chaos = rig.chaos
-    shard = chaos.cluster.services[SHARD]
-    # The job shard 1 coordinates, if any (issue 12's livelock needed the killed shard to be
-    # the coordinator: every run takes that path when the hash gave shard 1 a job).
-    coordinated = [j for j in rig.jobs if f"job {j} opened" in chaos.log_text(SHARD)]
-    prefix = f"{coordinated[0]}/ " if coordinated else ""
-    rig.trigger.write_text(prefix + "shard-1.safetensors")
+    names = {chaos.cluster.services[n].address: n for n in SHARDS}
+    auth = (("authorization", f"Bearer {chaos.cluster.tokens['service']}"),)
+    found: tuple[int, str] = (-1, "")
+    for address in names:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                reply = ps_grpc.ParameterSyncServiceStub(channel).FindCoordinator(
+                    ps_pb2.FindCoordinatorRequest(job_id=job), metadata=auth, timeout=10
+                )
+            except grpc.RpcError:
+                continue
+        name = names.get(reply.coordinator_address, "")
+        if name and reply.coordinator_epoch > found[0]:
+            found = (reply.coordinator_epoch, name)
+    return found[1]
+
+
+def test_a_shard_sigkilled_mid_checkpoint_commits_nothing_partial(rig: Rig, record):
+    """Arm the hook on the shard that coordinates a job (asked with FindCoordinator, so that
+    the coordinator path runs every time): it stops itself when its next checkpoint file of
+    that job is written to its temporary name and synced, before the rename. The test SIGKILLs
+    it there and starts it again. Nothing partial is ever committed: that checkpoint is either
+    abandoned (no manifest, ``latest`` never names it) or finished by the coordinator without
+    the killed file (the slice promoted from its replica), whole and verified; training goes
+    on, the iteration record stays exact, and later checkpoints commit."""
+    chaos = rig.chaos
+    # Issue 12's livelock needed the killed shard to be the job's coordinator: take the
+    # coordinator of the job that trains faster (its next checkpoint comes soonest).
+    job = max(rig.jobs, key=chaos.iterations_done)
+    victim = wait_for(lambda: _coordinator(rig, job), 30, f"the coordinator of {job}")
+    rig.victim = victim
+    shard = chaos.cluster.services[victim]
+    file = f"shard-{victim.rsplit('-', 1)[1]}.safetensors"
+    rig.trigger.write_text(f"{job}/ {file}")
     try:
-        wait_for(lambda: process_state(shard.pid) == "T", 180, "shard 1 stopped mid-write")
+        wait_for(lambda: process_state(shard.pid) == "T", 180, f"{victim} stopped mid-write")
     finally:
         rig.trigger.unlink()
-    # (shard 0 may have its own file of that checkpoint in flight too: it is not stopped)
-    partial = list(chaos.cluster.storage.rglob("shard-1.safetensors.tmp-*"))
+    # (the other shard may have its own file of that checkpoint in flight too: not stopped)
+    partial = list(chaos.cluster.storage.rglob(f"{file}.tmp-*"))
     assert len(partial) == 1, partial
     directory = partial[0].parent
-    job = directory.parents[1].name
+    assert directory.parents[1].name == job, directory
     killed_at = int(directory.name.split("-")[1])
     assert _latest(rig, job) != directory.name
     since = time.time()
-    chaos.kill(SHARD, signal.SIGKILL)
-    chaos.start_again(SHARD)
+    chaos.kill(victim, signal.SIGKILL)
+    chaos.start_again(victim)
     try:
         for j in rig.jobs:
             chaos.wait_training(j, 3, timeout=240)
@@ -316,7 +354,8 @@ def test_a_shard_sigkilled_mid_checkpoint_commits_nothing_partial(rig: Rig, reco
     for j in rig.jobs:
         chaos.assert_iterations_exact(j)
     record.update(
-        scenario="shard SIGKILL mid checkpoint write",
+        scenario="coordinator shard SIGKILL mid checkpoint write",
+        killed=victim,
         killed_at=directory.name,
         outcome=outcome,
         training_paused_s=paused,
@@ -355,14 +394,14 @@ def test_a_partition_past_the_grace_declares_the_host_lost_and_it_comes_back_fen
 
 @full  # the short form has the shard kill mid checkpoint; tests/integration/test_shard_loss.py
 def test_a_shard_sigkill_loses_no_committed_iteration(rig: Rig, record):
-    """SIGKILL shard 1 and start it again on its address. After the checkpoint scenario
-    above moved every coordinator role it had to shard 0, shard 1 holds a slice (and replicas)
-    of each job but coordinates none: its slices come back from their replicas, training goes
-    on, the iteration record stays exact."""
+    """SIGKILL the shard the checkpoint scenario killed and start it again on its address.
+    After that scenario moved every coordinator role it had to the other shard, it holds a
+    slice (and replicas) of each job but coordinates none: its slices come back from their
+    replicas, training goes on, the iteration record stays exact."""
     chaos = rig.chaos
     since = time.time()
-    chaos.kill(SHARD, signal.SIGKILL)
-    chaos.start_again(SHARD)
+    chaos.kill(rig.victim, signal.SIGKILL)
+    chaos.start_again(rig.victim)
     for job in rig.jobs:
         chaos.wait_training(job, 3, timeout=240)
     paused = {job: longest_pause(chaos, job, since) for job in rig.jobs}
@@ -400,8 +439,8 @@ def _flapping(chaos: ChaosCluster) -> str:
 
 @full
 def test_losing_the_coordinator_shard_a_second_time_resumes_the_jobs(rig: Rig, record):
-    """Runs last. SIGKILL shard 0, which coordinates every job since the checkpoint scenario
-    took the role from shard 1, and start it again: the jobs resume (the role moves to shard 1,
+    """Runs last. SIGKILL the shard that coordinates every job since the checkpoint scenario
+    took the role from the other, and start it again: the jobs resume (the role moves back,
     or the job resumes from its latest checkpoint) with their iteration record exact.
 
     Found by this test (2026-11-26, fixed the same day): the scheduler leader's OpenJob was
@@ -412,9 +451,9 @@ def test_losing_the_coordinator_shard_a_second_time_resumes_the_jobs(rig: Rig, r
     and the scheduler opens a job whose role moved above the epoch it published
     (OpenJobRequest.coordinator_epoch)."""
     chaos = rig.chaos
-    chaos.kill("parameter-sync-0", signal.SIGKILL)
+    chaos.kill(rig.survivor, signal.SIGKILL)
     start = time.monotonic()
-    chaos.start_again("parameter-sync-0")
+    chaos.start_again(rig.survivor)
 
     def resumed_or_flapping() -> str:
         if _flapping(chaos):

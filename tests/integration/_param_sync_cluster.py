@@ -111,7 +111,7 @@ class DataPlane:
         self, extra_args: Sequence[str] = (), env: dict[int, dict[str, str]] | None = None
     ) -> list[str]:
         """Start the shards (``env``: extra environment by shard index, e.g. a test fault,
-        ``shoal.param_sync.faults``)."""
+        ``shoal.contract.faults``)."""
         self._generation += 1
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.num_shards)]
         self.shards = []

@@ -15,17 +15,23 @@ an iteration twice, and the final model equals single-process training within 1e
 
 from __future__ import annotations
 
+import hashlib
+import json
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
+import torch
 
+from shoal.param_sync import checkpoint as ckpt
 from shoal.v1 import job_pb2
-from tests.integration._param_sync_cluster import DataPlane
-from tests.integration.test_coordinator_failover import wait_for_the_grace
+from tests.integration._param_sync_cluster import DataPlane, reference_training
+from tests.integration.test_coordinator_failover import _stopped, wait_for_the_grace
 from tests.integration.test_elastic_training import (
+    ATOL,
     BATCH,
     assert_each_iteration_recorded_once,
     assert_matches_reference,
@@ -38,15 +44,31 @@ def _plane(tmp_path: Path) -> DataPlane:
     return DataPlane(tmp_path, tmp_path / "tokens", make_tokens(tmp_path / "tokens"), shards=2)
 
 
-def _start(plane: DataPlane, job: str, names: tuple[str, ...], epochs: int) -> dict[str, Any]:
+def _start(
+    plane: DataPlane,
+    job: str,
+    names: tuple[str, ...],
+    epochs: int,
+    *,
+    shard_env: dict[int, dict[str, str]] | None = None,
+    learner_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Two shards (shard 0 coordinates ``job`` and hosts its store), ``names`` collective
-    learners imported, built and released together (paced, so a fault lands mid-epoch)."""
+    learners imported, built and released together (paced, so a fault lands mid-epoch);
+    ``shard_env``, ``learner_env``: extra environment (a test fault, ``SHOAL_TEST_FAULT``)."""
     gate = plane.tmp / "gate"
-    plane.start_shards()
+    plane.start_shards(env=shard_env)
     plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
     learners = {
         n: plane.start_learner(
-            job, n, epochs=epochs, batch=BATCH, backend="collective", delay=0.05, gate=gate
+            job,
+            n,
+            epochs=epochs,
+            batch=BATCH,
+            backend="collective",
+            env=learner_env,
+            delay=0.05,
+            gate=gate,
         )
         for n in names
     }
@@ -218,3 +240,156 @@ def test_a_coordinator_shard_killed_during_a_rescale_of_a_collective_job_loses_n
             assert steps[-1] < total - 1, steps  # it left before the end
         else:
             assert steps[-1] == total - 1, (name, steps)
+
+
+def _verified_checkpoint(directory: Path) -> dict[str, torch.Tensor] | None:
+    """The parameters of the checkpoint in ``directory`` as a resume loads them, once every file
+    its manifest lists has the listed size and sha256 (None: no manifest, not committed)."""
+    manifest_file = directory / "manifest.json"
+    if not manifest_file.exists():
+        return None
+    manifest = json.loads(manifest_file.read_text())
+    params: dict[str, torch.Tensor] = {}
+    assert manifest["shards"], manifest
+    for entry in manifest["shards"]:
+        data = (directory / entry["file"]).read_bytes()
+        assert len(data) == entry["size"], (directory, entry)
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"], (directory, entry)
+        tensors = safetensors.torch.load(data)
+        params.update({k[len("param/") :]: v for k, v in tensors.items() if k.startswith("param/")})
+    return params
+
+
+def _assert_equal_to_reference(params: dict[str, torch.Tensor], epochs: int) -> None:
+    reference, _ = reference_training(epochs, BATCH)
+    assert set(params) == set(reference), (sorted(params), sorted(reference))
+    for name, value in reference.items():
+        torch.testing.assert_close(params[name], value, atol=ATOL, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_coordinator_shard_killed_during_a_learners_checkpoint_write_loses_nothing(
+    tmp_path: Path,
+):
+    """The coordinator dies while a learner writes the checkpoint after epoch 1: the learner
+    asked to write it stops itself (SIGSTOP, the test fault ``stop-before-rename``) with the
+    file written under its temporary name; the test SIGKILLs shard 0 (coordinator and store),
+    wakes the learner (SIGCONT; it renames its file and reports it to a coordinator that is
+    gone) and has shard 1 take the role over. The checkpoint being written is committed whole
+    or not at all: no manifest (never named by ``latest``) or a manifest whose file verifies
+    and holds the one-epoch model, from which a resume starts. Training goes on in the same
+    processes: COMPLETED, no learner completes an iteration twice, each iteration recorded once,
+    the model (and the final checkpoint) equal to single-process training."""
+    plane = _plane(tmp_path)
+    job, epochs = "collckpt", 2
+    ipe = iterations_per_epoch()
+    total = epochs * ipe
+    name = ckpt.checkpoint_name(ipe)
+    trigger = tmp_path / "trigger"
+    trigger.write_text(f"{job}/checkpoints/{name}/shard-0.safetensors")
+    fault = {"SHOAL_TEST_FAULT": f"stop-before-rename@{trigger}"}
+    written = plane.job_dir(job) / "checkpoints" / name
+    try:
+        learners = _start(plane, job, ("w0", "w1"), epochs, learner_env=fault)
+        wait_until(
+            lambda: any(_stopped(p.popen.pid) for p in learners.values()),
+            timeout=240,
+            what=f"the learner writing checkpoint {name} stopped before its rename",
+        )
+        trigger.unlink()
+        writer = next(n for n, p in learners.items() if _stopped(p.popen.pid))
+        assert list(written.glob("shard-0.safetensors.tmp-*"))
+        assert not (written / "manifest.json").exists()
+        plane.shards[0].kill()  # the coordinator waiting for the file, and the store
+        learners[writer].popen.send_signal(signal.SIGCONT)
+        _take_over(plane, job, epochs)
+        for n, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{n}:\n{proc.text()[-3000:]}"
+        assert plane.progress(job).done
+    finally:
+        plane.kill_all()
+
+    successor_log = plane.shards[1].text()
+    assert "took over as coordinator (epoch 1) from lost shard 0" in successor_log
+    assert "no learner holds the state" not in successor_log
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    for n, proc in learners.items():
+        history = plane.history(n)
+        assert history["pid"] == proc.popen.pid  # not restarted
+        steps = [r["step"] for r in history["history"]]
+        # None repeated; a learner that re-joins after the successor decided from another's
+        # report may miss the iteration the first one ran alone (the job's are contiguous).
+        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (n, steps)
+    # The checkpoint being written: whole or absent, never partial.
+    interrupted = _verified_checkpoint(written)
+    if interrupted is not None:
+        _assert_equal_to_reference(interrupted, 1)
+    latest = (plane.job_dir(job) / "checkpoints" / "latest").read_text().strip()
+    assert latest == ckpt.checkpoint_name(total), latest
+    final = _verified_checkpoint(plane.job_dir(job) / "checkpoints" / latest)
+    assert final is not None
+    _assert_equal_to_reference(final, epochs)
+    print(
+        f"checkpoint {name} interrupted by the coordinator's loss: "
+        + ("committed whole" if interrupted is not None else "not committed (no manifest)")
+    )
+
+
+@pytest.mark.slow
+def test_a_coordinator_shard_killed_with_a_vote_in_flight_runs_the_iteration_again(
+    tmp_path: Path,
+):
+    """The successor's "run k again" branch, end to end: the coordinator stops itself once the
+    first vote of iteration k has arrived (the test fault ``stop-after-vote``; k is not
+    committed) and is SIGKILLed; one learner (v1) is kept stopped past the successor's settle
+    time, so that not every member of the voting generation re-joins: the successor cannot tell
+    whether the old coordinator committed k, and runs it again (``takeover_collective``: the
+    deadline). v0 drops its pending update of k and runs k again alone; v1, woken, joins and
+    receives the state. COMPLETED, same processes, each iteration recorded once, no learner
+    completes an iteration twice, the model equal to single-process training."""
+    plane = _plane(tmp_path)
+    job, epochs = "collrerun", 2
+    ipe = iterations_per_epoch()
+    total = epochs * ipe
+    k = ipe // 2  # mid-epoch: no checkpoint near
+    try:
+        learners = _start(
+            plane,
+            job,
+            ("v0", "v1"),
+            epochs,
+            shard_env={0: {"SHOAL_TEST_FAULT": f"stop-after-vote@{k}"}},
+        )
+        old = plane.shards[0]
+        wait_until(lambda: _stopped(old.popen.pid), timeout=240, what=f"a vote of {k} in flight")
+        late = learners["v1"]
+        late.popen.send_signal(signal.SIGSTOP)
+        try:
+            old.kill()
+            _take_over(plane, job, epochs)
+            plane.shards[1].wait_for("collective takeover: continuing at", timeout=120)
+        finally:
+            late.popen.send_signal(signal.SIGCONT)
+        for n, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{n}:\n{proc.text()[-3000:]}"
+        assert plane.progress(job).done
+    finally:
+        plane.kill_all()
+
+    successor_log = plane.shards[1].text()
+    decision = next(
+        line for line in successor_log.splitlines() if "collective takeover: continuing" in line
+    )
+    assert f"continuing at iteration {k} (no iteration in flight was committed)" in decision
+    assert f"iteration {k} was aborted: its update is dropped" in learners["v0"].text()
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    for n, proc in learners.items():
+        history = plane.history(n)
+        assert history["pid"] == proc.popen.pid  # not restarted
+        steps = [r["step"] for r in history["history"]]
+        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (n, steps)
+    v0 = [r["step"] for r in plane.history("v0")["history"]]
+    assert v0 == list(range(total)), v0  # k once: its first attempt was dropped, not completed
+    print(decision.split("job ")[-1])

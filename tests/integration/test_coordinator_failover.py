@@ -96,7 +96,7 @@ def test_a_coordinator_lost_in_the_middle_of_a_commit_is_taken_over_past_that_co
     tmp_path: Path,
 ):
     """The coordinator shard delivers iteration k's commit to shard 1 only and is SIGKILLed
-    (the test fault ``commit-partial``, shoal.param_sync.faults): shard 1 stepped k, shard 2
+    (the test fault ``commit-partial``, shoal.contract.faults): shard 1 stepped k, shard 2
     still holds k's sums, the lost shard's replica (on shard 1) holds them too. The successor
     commits k on shard 2 (the old coordinator had decided it), promotes the replica settled at
     k + 1, and the job goes on from k + 1: nothing committed is lost or run twice."""

@@ -197,7 +197,7 @@ def test_a_shard_killed_while_it_writes_a_checkpoint_leaves_no_partial_one_and_l
     tmp_path: Path,
 ):
     """Shard 1 SIGKILLs itself when asked to write its file of the epoch-1 checkpoint (the test
-    fault ``save-shard``, shoal.param_sync.faults): the coordinator's checkpoint waits, the
+    fault ``save-shard``, shoal.contract.faults): the coordinator's checkpoint waits, the
     probe finds the shard lost, its backup takes its slice over, and that checkpoint is dropped,
     never taken for written (no manifest, ``latest`` never names it). The job completes with
     nothing committed lost, and its final checkpoint is whole."""

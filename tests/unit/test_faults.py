@@ -1,4 +1,4 @@
-"""The data plane's one test-fault mechanism (``shoal.param_sync.faults``,
+"""The data plane's one test-fault mechanism (``shoal.contract.faults``,
 ``SHOAL_TEST_FAULT=<point>@<argument>``): values are checked at start, and the
 ``stop-before-rename`` point stops a real writer process between the synced temporary file and
 its rename, only for a path holding every part the trigger file names."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.param_sync import faults
+from shoal.contract import faults
 from tests.support import wait_until
 
 WRITER = """
@@ -31,6 +31,7 @@ print("WRITTEN", flush=True)
         ("", None),
         ("commit-partial@12", ("commit-partial", 12)),
         ("save-shard@0", ("save-shard", 0)),
+        ("stop-after-vote@7", ("stop-after-vote", 7)),
         ("stop-before-rename@/tmp/a@b/trigger", ("stop-before-rename", "/tmp/a@b/trigger")),
     ],
 )
@@ -39,7 +40,15 @@ def test_fault_values_parse_to_a_point_and_its_argument(value, parsed) -> None:
 
 
 @pytest.mark.parametrize(
-    "value", ["commit-partial", "save-shard@k", "stop-before-rename@", "explode@3", "@3"]
+    "value",
+    [
+        "commit-partial",
+        "save-shard@k",
+        "stop-after-vote@",
+        "stop-before-rename@",
+        "explode@3",
+        "@3",
+    ],
 )
 def test_a_malformed_fault_is_refused_naming_the_variable_and_the_value(value) -> None:
     with pytest.raises(ValueError, match=rf"SHOAL_TEST_FAULT \({value!r}\)"):

@@ -17,4 +17,5 @@ part of the contract:
 * ``keys`` -- the etcd key schema: every prefix under ``/shoal/v1/`` (elections, auth, the
   scheduler's and the resource manager's state, shard registrations, moved coordinators).
 * ``environment`` -- the names of the ``SHOAL_*`` variables a learner is given and reads.
+* ``faults`` -- the test fault points (``SHOAL_TEST_FAULT``) of the shards and the learners.
 """

@@ -22,6 +22,7 @@ import safetensors.torch
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from shoal.contract import faults
 from shoal.learner.backend import TrainingSetup
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
@@ -103,6 +104,7 @@ def write_checkpoint_file(directory: str, data: bytes, iteration: int) -> ps_pb2
         fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         fs.pipe_file(tmp or path, data)
         if tmp:
+            faults.stop_before_rename(path)  # a test fault point (SHOAL_TEST_FAULT)
             fs.mv(tmp, path)
     except OSError as exc:
         if tmp:

@@ -40,8 +40,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from shoal.contract import ids
-from shoal.param_sync import faults
+from shoal.contract import faults, ids
 
 __all__ = [
     "DEFAULT_KEEP",

@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from shoal.contract import faults
 from shoal.contract.wire import Frame, TensorMeta
 from shoal.param_sync import checkpoint as ckpt
 from shoal.param_sync.authz import authorize
@@ -189,6 +190,10 @@ class LearnerHandlers:
                         coord.job_id, request.generation, request.completed_iteration
                     )
                     self.metrics.iteration_committed(coord.job_id)
+                elif coord.collective and faults.armed(
+                    faults.STOP_AFTER_VOTE, request.completed_iteration
+                ):
+                    faults.stop(faults.STOP_AFTER_VOTE)  # a vote in flight (test fault point)
             if request.HasField("checkpoint_file"):
                 self._checkpoint_file(job, request.learner_id, request.checkpoint_file)
             while True:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc import aio
 
+from shoal.contract import faults
 from shoal.contract.wire import TensorMeta, serialize
-from shoal.param_sync import faults
 from shoal.param_sync.authz import authorize, check_job_directory
 from shoal.param_sync.checkpoint import StorageError
 from shoal.param_sync.coordinator import OptimizerConfig

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
 
-from shoal.param_sync import checkpoint as ckpt, faults
+from shoal.contract import faults
+from shoal.param_sync import checkpoint as ckpt
 from shoal.param_sync.coordinator import (
     CheckpointTask,
     Coordinator,

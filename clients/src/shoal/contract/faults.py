@@ -1,9 +1,13 @@
 """Fault points for the data plane's failure tests (issue 12): the one mechanism by which a
-shard process is made to fail at an exact moment no outside signal can hit (between two
-shards' commits, in the middle of a checkpoint write). A shard started with
-``SHOAL_TEST_FAULT=<point>@<argument>`` fails when it reaches ``<point>``; unset (always,
-outside tests), every point is a no-op costing one comparison. A malformed value is refused
-when the process starts, naming the variable and the value.
+shard or learner process is made to fail at an exact moment no outside signal can hit (between
+two shards' commits, in the middle of a checkpoint write, between two learners' votes). A
+process started with ``SHOAL_TEST_FAULT=<point>@<argument>`` fails when it reaches ``<point>``;
+unset (always, outside tests), every point is a no-op costing one comparison. A malformed value
+is refused when the process starts, naming the variable and the value.
+
+Standard library only (no grpc, no torch): the shards (``shoal.param_sync``) and the learner
+(``shoal.learner``, which must not import services) share this one implementation (it was
+``shoal.param_sync.faults`` before the learner needed it).
 
 Points:
 
@@ -12,13 +16,20 @@ Points:
   and k + 1).
 * ``save-shard@<k>``: a shard asked to write its checkpoint file for iteration k SIGKILLs
   itself before it writes (a shard lost during a checkpoint write).
+* ``stop-after-vote@<k>``: the coordinator of a collective job stops itself (SIGSTOP) once
+  the first learner's commit vote for iteration k has arrived and before the last one (k not
+  committed), so that the test can SIGKILL it with a vote in flight (the successor's "run k
+  again" path, tests/integration/test_collective_coordinator_failover.py).
 * ``stop-before-rename@<trigger file>``: armed while the trigger file exists and holds parts
   of a file's path (whitespace-separated, e.g. ``shard-1.safetensors`` or
   ``<job id>/ shard-1.safetensors``): the thread writing a file whose path contains every
-  part (``checkpoint.atomic_write``) stops the process (SIGSTOP) once the file's temporary
-  copy is written and synced, before the rename, so that the test can SIGKILL it at exactly
-  that point (tests/chaos). The test arms and disarms it at run time by writing and removing
-  the trigger file.
+  part stops the process (SIGSTOP) once the file's temporary copy is written, before the
+  rename, so that the test can SIGKILL it (or another process) at exactly that point. Reached
+  by a shard's checkpoint file (``shoal.param_sync.checkpoint.atomic_write``, the copy synced
+  too; tests/chaos, tests/integration/test_coordinator_failover.py) and by a collective-mode
+  learner's (``shoal.learner.collective_checkpoint.write_checkpoint_file``;
+  tests/integration/test_collective_coordinator_failover.py). The test arms and disarms it at
+  run time by writing and removing the trigger file.
 """
 
 from __future__ import annotations
@@ -30,33 +41,45 @@ import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["ENV", "POINTS", "armed", "die", "parse", "stop_before_rename"]
+__all__ = [
+    "ENV",
+    "POINTS",
+    "STOP_AFTER_VOTE",
+    "STOP_BEFORE_RENAME",
+    "armed",
+    "die",
+    "parse",
+    "stop",
+    "stop_before_rename",
+]
 
-log = logging.getLogger("shoal.param_sync.faults")
+log = logging.getLogger("shoal.faults")
 
-#: The points that kill the process at a global iteration.
+#: The points at a global iteration: the first two kill the process, the last stops it.
 KILL_POINTS = frozenset({"commit-partial", "save-shard"})
+STOP_AFTER_VOTE = "stop-after-vote"
+ITERATION_POINTS = KILL_POINTS | {STOP_AFTER_VOTE}
 #: The point that stops the process before a checkpoint file's rename (argument: a trigger
 #: file).
 STOP_BEFORE_RENAME = "stop-before-rename"
-POINTS = KILL_POINTS | {STOP_BEFORE_RENAME}
+POINTS = ITERATION_POINTS | {STOP_BEFORE_RENAME}
 ENV = "SHOAL_TEST_FAULT"
 
 
 def parse(value: str) -> tuple[str, int | str] | None:
-    """``<point>@<argument>`` (None for an empty value): the iteration of a kill point, the
+    """``<point>@<argument>`` (None for an empty value): the iteration of an iteration point, the
     trigger file of ``stop-before-rename``. A clear error naming the variable and the value
     otherwise."""
     if not value:
         return None
     point, _, at = value.partition("@")
-    if point in KILL_POINTS and at.isdigit():
+    if point in ITERATION_POINTS and at.isdigit():
         return point, int(at)
     if point == STOP_BEFORE_RENAME and at:
         return point, at
     raise ValueError(
         f"{ENV} ({value!r}) must be <point>@<global iteration> with point one of "
-        f"{sorted(KILL_POINTS)}, or {STOP_BEFORE_RENAME}@<trigger file>"
+        f"{sorted(ITERATION_POINTS)}, or {STOP_BEFORE_RENAME}@<trigger file>"
     )
 
 
@@ -64,7 +87,7 @@ _ARMED = parse(os.environ.get(ENV, ""))
 
 
 def armed(point: str, iteration: int) -> bool:
-    """Whether this process must die at ``point`` of ``iteration``."""
+    """Whether this process must fail at ``point`` of ``iteration``."""
     return _ARMED is not None and _ARMED == (point, iteration)
 
 
@@ -76,9 +99,16 @@ def die(point: str) -> NoReturn:
     raise SystemExit(137)  # not reached
 
 
+def stop(point: str) -> None:
+    """SIGSTOP this process (every thread; it goes on where it was if sent SIGCONT)."""
+    log.warning("test fault %s: SIGSTOP", point)
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def stop_before_rename(path: str) -> None:
     """The ``stop-before-rename`` point, reached when the temporary copy of the file at
-    ``path`` is written and synced: stop the process (SIGSTOP) if the trigger file exists and
+    ``path`` is written: stop the process (SIGSTOP) if the trigger file exists and
     every part it holds is in ``path``; nothing otherwise."""
     if _ARMED is None or _ARMED[0] != STOP_BEFORE_RENAME:
         return
