@@ -19,5 +19,7 @@ part of the contract:
 * ``environment`` -- the names of the ``SHOAL_*`` variables a learner is given and reads.
 * ``files`` -- the atomic write of a file at a storage URI (checkpoint files of shards and of
   collective learners).
+* ``stored`` -- the encoding of records kept in etcd (protobuf; the JSON of earlier releases
+  told apart by its first byte).
 * ``processes`` -- whether a recorded pid is still alive (the lane's sweep, ``shoal cluster``).
 """

@@ -25,9 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from google.protobuf.message import DecodeError
-
-from shoal.contract import ids
+from shoal.contract import ids, stored
 from shoal.contract.keys import COORDINATORS_PREFIX, SHARDS_PREFIX  # the key schema
 from shoal.v1 import job_pb2
 
@@ -79,9 +77,8 @@ def encode_coordinator(record: CoordinatorRecord) -> bytes:
 
 def is_legacy(value: bytes) -> bool:
     """Whether ``value`` is a record in the JSON encoding used before
-    ``CoordinatorRecordState`` (a serialized message never starts with ``{``: that byte would
-    be field 15 as a group)."""
-    return value[:1] == b"{"
+    ``CoordinatorRecordState`` (``shoal.contract.stored``)."""
+    return stored.is_legacy_json(value)
 
 
 def decode_coordinator(value: bytes | str) -> CoordinatorRecord:
@@ -89,12 +86,9 @@ def decode_coordinator(value: bytes | str) -> CoordinatorRecord:
     :class:`InvalidCoordinatorRecord` names what is wrong."""
     if isinstance(value, str) or is_legacy(value):
         return _decode_json(value)
-    try:
-        state = job_pb2.CoordinatorRecordState.FromString(value)
-    except DecodeError as exc:
-        raise InvalidCoordinatorRecord(
-            f"coordinator record ({value!r:.80}) is not a CoordinatorRecordState: {exc}"
-        ) from None
+    state = stored.parse(
+        job_pb2.CoordinatorRecordState, value, "coordinator record", InvalidCoordinatorRecord
+    )
     return CoordinatorRecord(address=state.address, index=state.index, epoch=state.epoch)
 
 
