@@ -35,21 +35,15 @@ from shoal.contract.wire import (
 from shoal.learner.grpc_backend import stream_methods
 from shoal.param_sync import checkpoint as ckpt
 from shoal.param_sync.main import registry_key
-from shoal.param_sync.service import (
-    ERRORS,
-    ROLES,
-    SERVICE_NAME,
-    ParameterSyncServicer,
-    ShardOptions,
-    add_servicer,
-)
-from shoal.runtime.config import MiB, ServerConfig
-from shoal.runtime.server import RunningServer, ServiceBinding, create_server
+from shoal.param_sync.service import ParameterSyncServicer
+from shoal.runtime.config import MiB
+from shoal.runtime.server import RunningServer
 from shoal.v1 import (
     job_pb2,
     parameter_sync_service_pb2 as ps_pb2,
     parameter_sync_service_pb2_grpc as ps_grpc,
 )
+from tests.integration.shard_bed import InProcessShard, start_shard
 from tests.support import async_wait_until, free_port, make_tokens
 
 LAYOUT = pack_layout(
@@ -85,36 +79,37 @@ class Cluster:
     def __init__(self, tmp: Path, tokens: dict[str, str], tokens_file: Path) -> None:
         self.tmp, self.tokens, self.tokens_file = tmp, tokens, tokens_file
         self.storage_uri = (tmp / "storage").as_uri()
-        self.servers: list[RunningServer] = []
-        self.servicers: list[ParameterSyncServicer] = []
+        self.shards: list[InProcessShard] = []
         self.channels: dict[str, aio.Channel] = {}
         self.slices: dict[str, int] = {}
 
     async def start(self) -> Cluster:
         for i in range(2):
-            servicer = ParameterSyncServicer(
-                ShardOptions(
-                    shard_index=i,
-                    storage_uri=self.storage_uri,
-                    service_token=self.tokens["service"],
-                    chunk_bytes=1 * MiB,
-                )
+            shard = await start_shard(
+                self.tokens_file,
+                self.tokens["service"],
+                self.storage_uri,
+                shard_index=i,
+                chunk_bytes=1 * MiB,
+                max_message_bytes=MAX_MESSAGE,
             )
-            config = ServerConfig(
-                "parameter-sync", tokens_file=str(self.tokens_file), max_message_bytes=MAX_MESSAGE
-            )
-            binding = ServiceBinding(SERVICE_NAME, add_servicer, servicer, ROLES)
-            self.servers.append(await create_server(config, [binding], errors=ERRORS))
-            self.servicers.append(servicer)
+            self.shards.append(shard)
         return self
+
+    @property
+    def servers(self) -> list[RunningServer]:
+        return [s.server for s in self.shards]
+
+    @property
+    def servicers(self) -> list[ParameterSyncServicer]:
+        return [s.servicer for s in self.shards]
 
     async def stop(self) -> None:
         for channel in self.channels.values():
             await channel.close()
         self.channels.clear()
-        for server, servicer in zip(self.servers, self.servicers, strict=True):
-            await server.stop(0)
-            await servicer.close()
+        for shard in self.shards:
+            await shard.stop()
 
     @property
     def addresses(self) -> list[str]:

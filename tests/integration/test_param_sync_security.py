@@ -16,23 +16,15 @@ import pytest
 from grpc import aio
 
 from shoal.contract.wire import TensorMeta, pack_layout
-from shoal.param_sync.service import (
-    ERRORS,
-    ROLES,
-    SERVICE_NAME,
-    ParameterSyncServicer,
-    ShardOptions,
-    add_servicer,
-)
-from shoal.param_sync.shard import warm_up
+from shoal.param_sync.service import ParameterSyncServicer
 from shoal.runtime.auth import LearnerTokenSigner
-from shoal.runtime.config import ServerConfig
-from shoal.runtime.server import RunningServer, ServiceBinding, create_server
+from shoal.runtime.server import RunningServer
 from shoal.v1 import (
     job_pb2,
     parameter_sync_service_pb2 as ps_pb2,
     parameter_sync_service_pb2_grpc as ps_grpc,
 )
+from tests.integration.shard_bed import start_shard
 from tests.support import make_tokens
 
 JOB = "job-5e1f0a2b3c4d"
@@ -96,20 +88,11 @@ def open_job(job_id: str = JOB, **kw: Any) -> ps_pb2.OpenJobRequest:
 
 @pytest.fixture
 async def shard(tmp_path: Path) -> AsyncIterator[Shard]:
-    warm_up()  # what the shard's main does before it serves (torch's lazy imports)
     tokens = make_tokens(tmp_path / "tokens")
     signer = LearnerTokenSigner.generate()
     storage = tmp_path / "storage"
-    servicer = ParameterSyncServicer(
-        ShardOptions(shard_index=0, storage_uri=storage.as_uri(), service_token=tokens["service"])
-    )
-    server = await create_server(
-        ServerConfig("parameter-sync", tokens_file=str(tmp_path / "tokens")),
-        [ServiceBinding(SERVICE_NAME, add_servicer, servicer, ROLES)],
-        errors=ERRORS,
-    )
-    assert server.credentials is not None
-    server.credentials.add_learner_key(signer.public_key_raw)
+    bed = await start_shard(tmp_path / "tokens", tokens["service"], storage.as_uri(), signer=signer)
+    server, servicer = bed.server, bed.servicer
     tokens = {
         **tokens,
         "alice": tokens["user"],
@@ -123,8 +106,7 @@ async def shard(tmp_path: Path) -> AsyncIterator[Shard]:
     yield s
     for channel in s.channels:
         await channel.close()
-    await server.stop(0)
-    await servicer.close()
+    await bed.stop()
 
 
 async def test_nobody_but_the_jobs_learners_joins_reports_or_checkpoints_it(shard: Shard) -> None:

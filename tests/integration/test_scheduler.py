@@ -29,6 +29,7 @@ from shoal.contract.data_plane import (
     coordinator_key,
     decode_coordinator,
     encode_coordinator,
+    is_legacy,
 )
 from shoal.runtime.auth import LearnerTokenSigner, LearnerTokenVerifier, Principal, Role
 from shoal.runtime.channels import connect
@@ -655,6 +656,40 @@ async def test_a_jobs_coordinator_record_is_deleted_when_it_ends_in_any_terminal
         stale = CoordinatorRecord(address=cluster.shard_addresses[0], index=0, epoch=7)
         await store.put(coordinator_key(completed), encode_coordinator(stale))
         await gone(completed, "an ended job, written again")
+    finally:
+        await stop_task(task)
+        await reconciler.peers.close()
+        await cluster.stop()
+        await store.close()
+
+
+async def test_a_new_leader_rewrites_a_legacy_json_coordinator_record_as_protobuf(
+    tmp_path: Path,
+) -> None:
+    """A coordinator record an earlier release wrote in JSON is still followed, and the leader
+    rewrites it as a CoordinatorRecordState when its term begins."""
+    cluster = await FakeCluster.start(hosts=1, gpus=2, shards=2)
+    store = MemoryStore()
+    job_id = "job-0123456789ab"
+    await store.put(
+        coordinator_key(job_id), b'{"address": "127.0.0.1:7301", "epoch": 2, "index": 1}'
+    )
+    storage = Storage((tmp_path / "storage").as_uri())
+    _table, reconciler, _api, task = await start_loop(store, cluster, storage)
+    try:
+
+        async def rewritten() -> bool:
+            kv = await store.get(coordinator_key(job_id))
+            return kv is not None and not is_legacy(kv.value)
+
+        for _ in range(200):
+            if await rewritten():
+                break
+            await asyncio.sleep(0.05)
+        kv = await store.get(coordinator_key(job_id))
+        assert kv is not None and not is_legacy(kv.value), "the legacy record was not rewritten"
+        assert decode_coordinator(kv.value) == CoordinatorRecord("127.0.0.1:7301", 1, 2)
+        assert reconciler.moves.get(job_id) == CoordinatorRecord("127.0.0.1:7301", 1, 2)
     finally:
         await stop_task(task)
         await reconciler.peers.close()

@@ -31,23 +31,15 @@ from shoal.contract.wire import (
     pack_layout,
 )
 from shoal.learner.grpc_backend import stream_methods
-from shoal.param_sync.service import (
-    ERRORS,
-    ROLES,
-    SERVICE_NAME,
-    ParameterSyncServicer,
-    ShardOptions,
-    add_servicer,
-)
-from shoal.param_sync.shard import warm_up
+from shoal.param_sync.service import ParameterSyncServicer, ShardOptions
 from shoal.runtime.auth import LearnerTokenSigner
-from shoal.runtime.config import ServerConfig
-from shoal.runtime.server import RunningServer, ServiceBinding, create_server
+from shoal.runtime.server import RunningServer
 from shoal.v1 import (
     job_pb2,
     parameter_sync_service_pb2 as ps_pb2,
     parameter_sync_service_pb2_grpc as ps_grpc,
 )
+from tests.integration.shard_bed import start_shard
 from tests.support import make_tokens
 
 JOB, OTHER = "job-a", "job-b"
@@ -145,23 +137,12 @@ def read_answer(frames: list[Any], segment: Segment | None, lane: Any) -> torch.
 
 @pytest.fixture
 async def shard(tmp_path: Path) -> AsyncIterator[Shard]:
-    warm_up()
     tokens = make_tokens(tmp_path / "tokens")
     signer = LearnerTokenSigner.generate()
-    servicer = ParameterSyncServicer(
-        ShardOptions(
-            shard_index=0,
-            storage_uri=(tmp_path / "storage").as_uri(),
-            service_token=tokens["service"],
-        )
+    bed = await start_shard(
+        tmp_path / "tokens", tokens["service"], (tmp_path / "storage").as_uri(), signer=signer
     )
-    server = await create_server(
-        ServerConfig("parameter-sync", tokens_file=str(tmp_path / "tokens")),
-        [ServiceBinding(SERVICE_NAME, add_servicer, servicer, ROLES)],
-        errors=ERRORS,
-    )
-    assert server.credentials is not None
-    server.credentials.add_learner_key(signer.public_key_raw)
+    server, servicer = bed.server, bed.servicer
     tokens = {
         **tokens,
         "learner": signer.mint(job_id=JOB, learner_id=LEARNER),
@@ -194,8 +175,7 @@ async def shard(tmp_path: Path) -> AsyncIterator[Shard]:
     await stream_methods(s.channel)["InitializeParameters"](upload(), metadata=s.md("learner"))
     yield s
     await s.channel.close()
-    await server.stop(0)
-    await servicer.close()
+    await bed.stop()
 
 
 async def test_a_lane_round_equals_a_grpc_round_and_bad_offsets_change_nothing(shard: Shard):

@@ -33,6 +33,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal.contract.processes import pid_alive
+
 __all__ = [
     "ATTACH_WINDOW_S",
     "NONCE_BYTES",
@@ -73,16 +75,6 @@ def host_id(shm_dir: str = SHM_DIR) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
     """Remove the lane segments of processes that are gone (a shard that crashed before its
     learners attached); returns the names removed. Only this user's files can be removed."""
@@ -90,7 +82,7 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
     with contextlib.suppress(OSError):
         for name in os.listdir(shm_dir):
             match = _NAME.match(name)
-            if match is None or _pid_alive(int(match.group(1))):
+            if match is None or pid_alive(int(match.group(1))):
                 continue
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(shm_dir, name))

@@ -834,6 +834,43 @@ class ThroughputState(_message.Message):
 Global___ThroughputState: _TypeAlias = ThroughputState  # noqa: Y015
 
 @_typing.final
+class CoordinatorRecordState(_message.Message):
+    """CoordinatorRecordState is where a job's parameter-sync coordinator moved, stored in etcd
+    (`/shoal/v1/parameter-sync/coordinators/<job_id>`; `shoal.contract.data_plane`) by the
+    scheduler's leader when a takeover or a re-open moves the role to another shard. Internal: no
+    RPC carries it. Records written before it (a JSON object with address, index and epoch) are
+    still read, and a new scheduler leader rewrites them in this encoding.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """The coordinator's shard address, host:port."""
+    index: _builtins.int
+    """The coordinator's shard index (>= 0)."""
+    epoch: _builtins.int
+    """The move's epoch (>= 0): it increases by at least one on each move, and a reader keeps the
+    record with the highest epoch it has seen.
+    """
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        index: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "epoch", b"epoch", "index", b"index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CoordinatorRecordState: _TypeAlias = CoordinatorRecordState  # noqa: Y015
+
+@_typing.final
 class ThroughputSample(_message.Message):
     """ThroughputSample is the running mean of one job's iteration time at one world size."""
 

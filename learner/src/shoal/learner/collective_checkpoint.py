@@ -9,20 +9,18 @@ Pure functions of the tensors and the optimizer they are given (no process group
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import fsspec
 import safetensors.torch
 import torch
-from fsspec.implementations.local import LocalFileSystem
 
 from shoal.contract import faults
+from shoal.contract.files import atomic_write
 from shoal.learner.backend import TrainingSetup
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
@@ -92,24 +90,19 @@ def write_checkpoint_file(directory: str, data: bytes, iteration: int) -> ps_pb2
     """Write ``data`` as the shard file of index 0 in ``directory`` (the manifest, written by
     the coordinator after, is the commit point) and describe it for the coordinator.
 
-    A local file is written under a temporary name and renamed (an object store's put is
-    whole), so a reader never sees a part of it. A write the storage refuses (a full disk, a
+    The file is written with ``shoal.contract.files.atomic_write`` (a local file under a
+    temporary name, fsynced and renamed; an object store's put is whole), so a reader never
+    sees a part of it. A write the storage refuses (a full disk, a
     quota, a read-only mount) leaves nothing behind and comes back as the description's
     ``error``: the learner goes on training and the coordinator decides what becomes of that
     checkpoint."""
-    fs, path = fsspec.core.url_to_fs(directory.rstrip("/") + "/" + CHECKPOINT_FILE)
-    # A local file goes under a temporary name first; an object store's single put is whole.
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}" if isinstance(fs, LocalFileSystem) else ""
     try:
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        fs.pipe_file(tmp or path, data)
-        if tmp:
-            faults.stop_before_rename(path)  # a test fault point (SHOAL_TEST_FAULT)
-            fs.mv(tmp, path)
+        atomic_write(
+            directory.rstrip("/") + "/" + CHECKPOINT_FILE,
+            data,
+            before_rename=faults.stop_before_rename,  # a test fault point (SHOAL_TEST_FAULT)
+        )
     except OSError as exc:
-        if tmp:
-            with contextlib.suppress(OSError):  # never written: nothing more to do
-                fs.rm(tmp)
         full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         return ps_pb2.CheckpointFile(
             directory=directory,

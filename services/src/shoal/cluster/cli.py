@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from shoal.contract.processes import pid_alive
+
 cluster_app = typer.Typer(help="Run a whole shoal cluster on this machine.", no_args_is_help=True)
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
@@ -77,20 +79,6 @@ def _tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of ours counts as gone.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
 @cluster_app.command()
 def up(
     state_dir: StateDir = Path(".shoal"),
@@ -135,7 +123,7 @@ def up(
 ) -> None:
     """Start etcd and every service in the background; the CLI then finds them by itself."""
     state = _read_state(state_dir)
-    if state and _alive(int(state.get("supervisor_pid", 0) or 0)):
+    if state and pid_alive(int(state.get("supervisor_pid", 0) or 0)):
         err.print(
             f"[red]error:[/red] a cluster is already running in {state_dir} (shoal cluster down)"
         )
@@ -231,12 +219,12 @@ def status(state_dir: FoundStateDir = None) -> None:
     services = dict(state.get("services") or {})  # type: ignore[call-overload]
     table = Table("PROCESS", "PID", "ALIVE", "METRICS")
     table.add_row(
-        "supervisor", str(state["supervisor_pid"]), str(_alive(int(state["supervisor_pid"]))), ""
+        "supervisor", str(state["supervisor_pid"]), str(pid_alive(int(state["supervisor_pid"]))), ""
     )
     # Restarts by the supervisor, in a table of their own (the URLs above stay on one line).
     restarts = Table("PROCESS", "STATE", "RESTARTS", "LAST EXIT")
     for name, pid in dict(state["pids"]).items():  # type: ignore[arg-type]
-        alive = _alive(int(pid)) if pid else False
+        alive = pid_alive(int(pid)) if pid else False
         table.add_row(name, str(pid), str(alive), str(metrics.get(name, "")))
         if name not in services:
             continue  # the dashboard: not restarted
@@ -271,12 +259,12 @@ def down(
         return
     pids = [int(p) for p in dict(state["pids"]).values()]  # type: ignore[arg-type]
     supervisor = int(state["supervisor_pid"])  # type: ignore[arg-type]
-    if _alive(supervisor):
+    if pid_alive(supervisor):
         os.kill(supervisor, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in [supervisor, *pids]) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in [supervisor, *pids]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = [p for p in [supervisor, *pids] if _alive(p)]
+    left = [p for p in [supervisor, *pids] if pid_alive(p)]
     for pid in left:
         try:
             os.killpg(pid, signal.SIGKILL)

@@ -33,14 +33,13 @@ import hashlib
 import json
 import os
 import re
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from shoal.contract import faults, ids
+from shoal.contract import faults, files, ids
 
 __all__ = [
     "DEFAULT_KEEP",
@@ -104,30 +103,13 @@ def sha256_hex(data: bytes | memoryview) -> str:
 
 def atomic_write(uri: str, data: bytes) -> None:
     """Write ``data`` at ``uri`` so that readers see the old file or the new one, never a
-    partial one (temp file + rename locally; a single put elsewhere). A failed write leaves
-    no temporary file behind (a full disk is not filled further by each retry)."""
-    fs, path = fsspec.core.url_to_fs(uri)
-    parent = path.rsplit("/", 1)[0]
-    tmp = ""
+    partial one (``shoal.contract.files.atomic_write``: temp file, fsync and rename locally, a
+    single put elsewhere; a failed write leaves no temporary file behind), with the
+    ``stop-before-rename`` test fault point (tests/chaos). A refusal is a StorageError."""
     try:
-        fs.makedirs(parent, exist_ok=True)
-        if isinstance(fs, LocalFileSystem):
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            faults.stop_before_rename(path)  # a test fault point (tests/chaos)
-            os.replace(tmp, path)
-            tmp = ""
-        else:
-            fs.pipe_file(path, data)
+        files.atomic_write(uri, data, before_rename=faults.stop_before_rename)
     except OSError as exc:
         raise _write_error(f"cannot write {uri}", exc) from exc
-    finally:
-        if tmp:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 def append_line(uri: str, line: str) -> None:

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from google.protobuf import json_format
-from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from shoal.contract import stored
 from shoal.contract.errors import (
     ArtifactNotFound,
     InvalidTransition,
@@ -395,7 +395,7 @@ class JobRecord:
     def is_legacy(data: bytes) -> bool:
         """Whether ``data`` is a record in the JSON encoding used before ``JobRecordState``
         (a new leader rewrites those: ``JobTable.become_leader``)."""
-        return data[:1] == b"{"
+        return stored.is_legacy_json(data)
 
     @classmethod
     def from_bytes(cls, data: bytes, *, revision: int = 0) -> JobRecord:
@@ -403,12 +403,7 @@ class JobRecord:
         before it. Raises ValueError (naming what is wrong) for anything else."""
         if cls.is_legacy(data):
             return cls._from_json(data, revision=revision)
-        try:
-            state = job_pb2.JobRecordState.FromString(data)
-        except DecodeError as exc:
-            raise ValueError(
-                f"job record ({len(data)} bytes) is not a JobRecordState: {exc}"
-            ) from None
+        state = stored.parse(job_pb2.JobRecordState, data, "job record")
         if not state.job.job_id:
             raise ValueError("job record has no job_id")
         return cls(

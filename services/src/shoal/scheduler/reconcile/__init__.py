@@ -30,6 +30,7 @@ from shoal.scheduler.reconcile.registry import (
     CoordinatorMoves,
     ShardRegistry,
     follow_prefix,
+    migrate_legacy_moves,
 )
 from shoal.scheduler.reconcile.rules import (
     SYNC_BACKENDS,
@@ -56,5 +57,6 @@ __all__ = [
     "coordinator_index",
     "follow_prefix",
     "learner_env",
+    "migrate_legacy_moves",
     "resolve_sync_mode",
 ]

@@ -38,6 +38,7 @@ from shoal.scheduler.reconcile.peers import (
     check_fenced,
     describe,
 )
+from shoal.scheduler.reconcile.registry import migrate_legacy_moves
 from shoal.scheduler.reconcile.work import JobWork
 from shoal.scheduler.store import StoreConflict
 from shoal.v1 import (
@@ -79,6 +80,14 @@ class JobLifecycle:
         self.moves.apply(coordinator_key(job_id), value)
         if record.final:  # it ended while the move was being made: nothing reads it
             await self._forget_coordinator_move(job_id)
+
+    async def _migrate_coordinator_moves(self) -> None:
+        """Rewrite the coordinator records an earlier release wrote in JSON as protobuf (once a
+        term; one not rewritten stays readable and the next leader tries again)."""
+        try:
+            await migrate_legacy_moves(self.table.store, self.table.fence)
+        except StoreError as exc:
+            log.warning("coordinator records not migrated yet: %s", exc)
 
     async def _forget_coordinator_move(self, job_id: str) -> None:
         """A job ended (COMPLETED, FAILED, CANCELLED): delete where its coordinator moved

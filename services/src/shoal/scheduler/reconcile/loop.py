@@ -208,6 +208,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         ]
         if self.registry is not None:
             loop_tasks.append(asyncio.create_task(self.registry.run(), name="scheduler-shards"))
+        self._spawn(self._migrate_coordinator_moves(), "scheduler-migrate-coordinators")
         waiters = [asyncio.create_task(self._deposed.wait())]
         if leadership is not None:
             waiters.append(asyncio.create_task(leadership.lost.wait()))

@@ -16,9 +16,11 @@ from shoal.contract.data_plane import (
     CoordinatorRecord,
     InvalidCoordinatorRecord,
     decode_coordinator,
+    encode_coordinator,
+    is_legacy,
 )
 from shoal.contract.errors import StoreError
-from shoal.runtime.store import Store
+from shoal.runtime.store import Fence, Store
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,32 @@ class CoordinatorMoves:
             lambda key: self.records.pop(key.removeprefix(self.prefix), None),
             what="coordinator records",
         )
+
+
+async def migrate_legacy_moves(
+    store: Store, fence: Fence | None, prefix: str = COORDINATORS_PREFIX
+) -> int:
+    """Rewrite the coordinator records still in the JSON encoding of earlier releases as
+    ``CoordinatorRecordState`` (the scheduler's leader does it once a term: fenced, and
+    compare-and-set on the revision read, so a move published meanwhile is never overwritten).
+    A record that is not readable is left as it is (readers ignore it); one not rewritten now
+    stays readable and the next leader tries again. Returns how many were rewritten."""
+    kvs, _ = await store.list(prefix)
+    legacy = [kv for kv in kvs if is_legacy(kv.value)]
+    migrated = 0
+    for kv in legacy:
+        try:
+            record = decode_coordinator(kv.value)
+        except InvalidCoordinatorRecord as exc:
+            log.warning("coordinator record %s not migrated: %s", kv.key, exc)
+            continue
+        if await store.compare_and_set(
+            kv.key, encode_coordinator(record), kv.mod_revision, fence=fence
+        ):
+            migrated += 1
+    if legacy:
+        log.info("migrated %d of %d coordinator records to protobuf", migrated, len(legacy))
+    return migrated
 
 
 async def follow_prefix(
