@@ -12,8 +12,12 @@ Scenarios (the same seeded jobs in each):
   steady, host lost   one host is lost: its learners are reported, capacity shrinks
   replay              the simulator: all jobs submitted at t=0, then 20 instants of events
                       (finishes, submits, host down / up), settled after each instant
+  per event           from the steady state, one event at a time, side by side: "full" is
+                      plan() over the whole state after the event (what every event cost
+                      before), "incremental" is the event applied to an IncrementalPlanner
+                      plus its decide(); both give the same Plan (checked)
 Times are the median and the best of --repeat runs of one call, in milliseconds (the replay
-is timed once, in total).
+is timed once, in total; an event is undone, untimed, between runs).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import replace
 from rich.console import Console
 from rich.table import Table
 
+from shoal.scheduler.incremental import IncrementalPlanner
 from shoal.scheduler.placement import (
     HostState,
     HostView,
@@ -79,6 +84,123 @@ def timed(fn: Callable[[], object], repeat: int) -> tuple[tuple[float, float], o
         out = fn()
         samples.append((time.perf_counter() - t0) * 1000)
     return (statistics.median(samples), min(samples)), out
+
+
+def timed_event(
+    planner: IncrementalPlanner,
+    do: Callable[[], None],
+    undo: Callable[[], None],
+    repeat: int,
+) -> tuple[tuple[float, float], tuple[float, float], Plan]:
+    """(full ms, incremental ms) of one event, and its plan.
+
+    Incremental: ``do()`` plus ``decide()``, timed. Full: ``plan()`` over the same state after
+    the event. ``undo()`` and a decide (untimed) bring the steady state back between runs."""
+    full_samples, inc_samples = [], []
+    out: Plan | None = None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        do()
+        out = planner.decide()
+        inc_samples.append((time.perf_counter() - t0) * 1000)
+        jobs, hosts, learners = planner.jobs(), planner.hosts(), planner.learners()
+        t0 = time.perf_counter()
+        reference = plan(jobs, hosts, learners, planner.config)
+        full_samples.append((time.perf_counter() - t0) * 1000)
+        assert reference == out, "the incremental decision differs from the full cycle"
+        undo()
+        planner.decide()
+    assert out is not None
+    return (
+        (statistics.median(full_samples), min(full_samples)),
+        (statistics.median(inc_samples), min(inc_samples)),
+        out,
+    )
+
+
+def per_event_rows(
+    jobs: list[JobDemand],
+    hosts: list[HostView],
+    current: list[LearnerView],
+    config: PlacementConfig,
+    repeat: int,
+    gpus: int,
+) -> list[tuple[str, tuple[float, float], Plan | None]]:
+    """Each event from the steady state, full cycle vs incremental (see the docstring)."""
+    t0 = time.perf_counter()
+    planner = IncrementalPlanner(config, jobs, hosts, current)
+    first = planner.decide()
+    build_ms = (time.perf_counter() - t0) * 1000
+    assert first.decisions == ()
+    ms, _ = timed(planner.decide, repeat)
+    rows: list[tuple[str, tuple[float, float], Plan | None]] = [
+        ("incremental: build from the steady state + first decide", (build_ms, build_ms), None),
+        ("incremental: decide, no event (cached)", ms, None),
+    ]
+    by_job: dict[str, list[LearnerView]] = {}
+    for x in current:
+        by_job.setdefault(x.job_id, []).append(x)
+    job_of = {j.job_id: j for j in jobs}
+    gone = current[len(current) // 2]
+    big = max(jobs, key=lambda j: len(by_job.get(j.job_id, ())))
+    urgent = JobDemand(
+        job_id="urgent", priority=100_000, submit_seq=len(jobs), min_workers=64, max_workers=512
+    )
+    bumped = job_of[current[0].job_id]
+    lost = hosts[1]
+    spare = HostView.with_devices("host-new", gpus)
+
+    def re_add(learners: list[LearnerView]) -> None:
+        for x in learners:
+            planner.add_learner(x)
+
+    def finish_big() -> None:
+        planner.remove_job(big.job_id)
+        for x in by_job[big.job_id]:
+            planner.remove_learner(x.learner_id)
+
+    def unfinish_big() -> None:
+        planner.submit(big)
+        re_add(by_job[big.job_id])
+
+    on_lost = [x for x in current if x.host_id == lost.host_id]
+    events: list[tuple[str, Callable[[], None], Callable[[], None]]] = [
+        (
+            "a learner exited",
+            lambda: planner.remove_learner(gone.learner_id),
+            lambda: planner.add_learner(gone),
+        ),
+        (f"a job finished (its {len(by_job[big.job_id])} learners exit)", finish_big, unfinish_big),
+        (
+            "a job submitted (prio 100000, max 512)",
+            lambda: planner.submit(urgent),
+            lambda: planner.remove_job("urgent"),
+        ),
+        (
+            "a priority change (5000 -> 7500 class)",
+            lambda: planner.update_job(
+                replace(
+                    bumped, priority=bumped.priority * 3 // 2, previous_priority=bumped.priority
+                )
+            ),
+            lambda: planner.update_job(bumped),
+        ),
+        (
+            f"a host lost ({len(on_lost)} learners)",
+            lambda: planner.put_host(replace(lost, state=HostState.LOST)),
+            lambda: planner.put_host(lost),
+        ),
+        (
+            f"a host joined ({gpus} free devices)",
+            lambda: planner.put_host(spare),
+            lambda: planner.remove_host(spare.host_id),
+        ),
+    ]
+    for name, do, undo in events:
+        full_ms, inc_ms, out = timed_event(planner, do, undo, repeat)
+        rows.append((f"per event, full cycle: {name}", full_ms, out))
+        rows.append((f"per event, incremental: {name}", inc_ms, out))
+    return rows
 
 
 def main() -> None:
@@ -141,6 +263,8 @@ def main() -> None:
     ms, out = timed(lambda: plan(jobs, lost_hosts, current, config), args.repeat)
     assert isinstance(out, Plan)
     rows.append(("steady, host lost", ms, out))
+
+    rows.extend(per_event_rows(jobs, hosts, current, config, args.repeat, args.gpus))
 
     events: list[Event] = [Submit(0.0, j) for j in jobs]
     for k in range(1, REPLAY_INSTANTS + 1):

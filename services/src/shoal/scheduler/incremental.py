@@ -84,6 +84,7 @@ class IncrementalPlanner:
         # same errors for the same input).
         plan(jobs, inventory, current, self.config)
         self._jobs: dict[str, JobDemand] = {j.job_id: j for j in jobs}
+        self._order: list[JobDemand] | None = None  # the jobs in admission order, kept
         self._hosts: dict[str, HostView] = {}
         self._live_devices: dict[str, frozenset[str]] = {}
         self._learners: dict[str, LearnerView] = {}
@@ -93,6 +94,7 @@ class IncrementalPlanner:
         self._lost: set[str] = set()
         self._occupied: dict[str, dict[str, str]] = {}  # host -> device -> live learner
         self._held: dict[str, dict[str, LearnerView]] = {}  # job -> live, not retiring
+        self._counts: dict[str, int] = {}  # job -> len(self._held[job]), for the policy
         self._free: dict[str, list[str]] = {}  # READY host -> free device ids
         self._cap: dict[str, int] = {}  # host -> its devices counted in the capacity
         self.capacity = 0
@@ -126,6 +128,7 @@ class IncrementalPlanner:
     def submit(self, job: JobDemand) -> None:
         """A job was submitted, or its demand changed (priority, min / max, last shrink)."""
         self._jobs[job.job_id] = job
+        self._order = None
         self._touch(job.job_id)
 
     update_job = submit
@@ -135,6 +138,7 @@ class IncrementalPlanner:
         if job_id not in self._jobs:
             raise ValueError(f"job_id ({job_id!r}) is not known")
         del self._jobs[job_id]
+        self._order = None
         self._touch(job_id)
 
     # -- learner events -----------------------------------------------------------------------
@@ -270,9 +274,10 @@ class IncrementalPlanner:
         if cached is not None and cached[0] == self._version:
             if cached[1] == now or not (self._hold_possible(cached[1]) or self._hold_possible(now)):
                 return cached[2]
-        counts = {job_id: len(held) for job_id, held in self._held.items() if held}
+        if self._order is None:
+            self._order = sorted(self._jobs.values(), key=admission_key(self.config.policy))
         allocation = compute_shares(
-            list(self._jobs.values()),
+            self._order,
             self.capacity,
             self.config.policy,
             now=now,
@@ -282,7 +287,8 @@ class IncrementalPlanner:
             service_thresholds=self.config.service_thresholds,
             service_decay=self.config.service_decay,
             rescale_horizon=self.config.rescale_horizon,
-            held=counts,
+            held=self._counts,
+            ordered=True,
         )
         self._cached = (self._version, now, allocation)
         return allocation
@@ -326,7 +332,9 @@ class IncrementalPlanner:
             return
         self._occupied.setdefault(learner.host_id, {})[learner.device_id] = lid
         if not learner.retiring:
-            self._held.setdefault(learner.job_id, {})[lid] = learner
+            job_id = learner.job_id
+            self._held.setdefault(job_id, {})[lid] = learner
+            self._counts[job_id] = self._counts.get(job_id, 0) + 1
 
     def _unplace(self, learner: LearnerView) -> None:
         lid = learner.learner_id
@@ -338,9 +346,14 @@ class IncrementalPlanner:
             del on_host[learner.device_id]
             if not on_host:
                 del self._occupied[learner.host_id]
-        held = self._held.get(learner.job_id)
-        if held is not None and held.pop(lid, None) is not None and not held:
-            del self._held[learner.job_id]
+        job_id = learner.job_id
+        held = self._held.get(job_id)
+        if held is not None and held.pop(lid, None) is not None:
+            if held:
+                self._counts[job_id] -= 1
+            else:
+                del self._held[job_id]
+                del self._counts[job_id]
 
     def _set_host(self, host: HostView) -> None:
         self._hosts[host.host_id] = host

@@ -236,6 +236,7 @@ def compute_shares(
     service_decay: int = 2,
     rescale_horizon: float = 0.0,
     held: Mapping[str, int] | None = None,
+    ordered: bool = False,
 ) -> Allocation:
     """Target worker counts for ``jobs`` on ``capacity`` devices under ``policy``.
 
@@ -247,7 +248,9 @@ def compute_shares(
     ``service_thresholds`` and ``service_decay`` are the attained-service classes (see the
     module docstring). ``held``, when given, is the learners each job holds now by job id,
     read instead of ``JobDemand.current`` (a job it does not list holds 0): placement passes
-    its observed counts this way instead of copying every job.
+    its observed counts this way instead of copying every job. ``ordered``: the caller
+    guarantees ``jobs`` is already sorted by ``admission_key(policy)`` (the incremental planner
+    keeps it so between job events); the sort is skipped.
 
     Raises:
         ValueError: capacity < 0, hold_time < 0, fair_fraction outside [0, 1], thresholds not
@@ -281,7 +284,7 @@ def compute_shares(
                 for j in jobs
             ]
             held = None
-    order = sorted(jobs, key=admission_key(policy))
+    order = list(jobs) if ordered else sorted(jobs, key=admission_key(policy))
     admitted: list[JobDemand] = []
     used = 0
     for i, job in enumerate(order):
