@@ -16,13 +16,16 @@ Scenarios (the same seeded jobs in each):
                       plan() over the whole state after the event (what every event cost
                       before), "incremental" is the event applied to an IncrementalPlanner
                       plus its decide(); both give the same Plan (checked)
-Times are the median and the best of --repeat runs of one call, in milliseconds (the replay
-is timed once, in total; an event is undone, untimed, between runs).
+Times are the median and the best wall-clock time of --repeat runs of one call, and the
+median CPU time of this process over them, in milliseconds (on a shared machine the CPU time
+is the steadier of the two); the replay is timed once, in total; an event is undone, untimed,
+between runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -75,15 +78,24 @@ def apply(result: Plan, current: list[LearnerView], tag: str) -> list[LearnerVie
     return kept
 
 
-def timed(fn: Callable[[], object], repeat: int) -> tuple[tuple[float, float], object]:
-    """(median ms, best ms) of ``repeat`` calls, and the last result."""
-    samples = []
+Times = tuple[float, float, float]
+"""(median wall ms, best wall ms, median CPU ms of this process)."""
+
+
+def summary(wall: list[float], cpu: list[float]) -> Times:
+    return (statistics.median(wall), min(wall), statistics.median(cpu))
+
+
+def timed(fn: Callable[[], object], repeat: int) -> tuple[Times, object]:
+    """The times of ``repeat`` calls, and the last result."""
+    wall, cpu = [], []
     out: object = None
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
-        samples.append((time.perf_counter() - t0) * 1000)
-    return (statistics.median(samples), min(samples)), out
+        wall.append((time.perf_counter() - t0) * 1000)
+        cpu.append((time.process_time() - c0) * 1000)
+    return summary(wall, cpu), out
 
 
 def timed_event(
@@ -91,31 +103,29 @@ def timed_event(
     do: Callable[[], None],
     undo: Callable[[], None],
     repeat: int,
-) -> tuple[tuple[float, float], tuple[float, float], Plan]:
+) -> tuple[Times, Times, Plan]:
     """(full ms, incremental ms) of one event, and its plan.
 
     Incremental: ``do()`` plus ``decide()``, timed. Full: ``plan()`` over the same state after
     the event. ``undo()`` and a decide (untimed) bring the steady state back between runs."""
-    full_samples, inc_samples = [], []
+    full_wall, full_cpu, inc_wall, inc_cpu = [], [], [], []
     out: Plan | None = None
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         do()
         out = planner.decide()
-        inc_samples.append((time.perf_counter() - t0) * 1000)
+        inc_wall.append((time.perf_counter() - t0) * 1000)
+        inc_cpu.append((time.process_time() - c0) * 1000)
         jobs, hosts, learners = planner.jobs(), planner.hosts(), planner.learners()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         reference = plan(jobs, hosts, learners, planner.config)
-        full_samples.append((time.perf_counter() - t0) * 1000)
+        full_wall.append((time.perf_counter() - t0) * 1000)
+        full_cpu.append((time.process_time() - c0) * 1000)
         assert reference == out, "the incremental decision differs from the full cycle"
         undo()
         planner.decide()
     assert out is not None
-    return (
-        (statistics.median(full_samples), min(full_samples)),
-        (statistics.median(inc_samples), min(inc_samples)),
-        out,
-    )
+    return summary(full_wall, full_cpu), summary(inc_wall, inc_cpu), out
 
 
 def per_event_rows(
@@ -125,28 +135,34 @@ def per_event_rows(
     config: PlacementConfig,
     repeat: int,
     gpus: int,
-) -> list[tuple[str, tuple[float, float], Plan | None]]:
+) -> list[tuple[str, Times, Plan | None]]:
     """Each event from the steady state, full cycle vs incremental (see the docstring)."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     planner = IncrementalPlanner(config, jobs, hosts, current)
     first = planner.decide()
     build_ms = (time.perf_counter() - t0) * 1000
+    build_cpu = (time.process_time() - c0) * 1000
     assert first.decisions == ()
     ms, _ = timed(planner.decide, repeat)
-    rows: list[tuple[str, tuple[float, float], Plan | None]] = [
-        ("incremental: build from the steady state + first decide", (build_ms, build_ms), None),
+    rows: list[tuple[str, Times, Plan | None]] = [
+        (
+            "incremental: build from the steady state + first decide",
+            (build_ms, build_ms, build_cpu),
+            None,
+        ),
         ("incremental: decide, no event (cached)", ms, None),
     ]
     by_job: dict[str, list[LearnerView]] = {}
     for x in current:
         by_job.setdefault(x.job_id, []).append(x)
-    job_of = {j.job_id: j for j in jobs}
     gone = current[len(current) // 2]
     big = max(jobs, key=lambda j: len(by_job.get(j.job_id, ())))
     urgent = JobDemand(
         job_id="urgent", priority=100_000, submit_seq=len(jobs), min_workers=64, max_workers=512
     )
-    bumped = job_of[current[0].job_id]
+    bumped = next(
+        j for j in jobs if j.priority == 5000 and first.shares[j.job_id] + 8 < j.max_workers
+    )
     lost = hosts[1]
     spare = HostView.with_devices("host-new", gpus)
 
@@ -177,7 +193,7 @@ def per_event_rows(
             lambda: planner.remove_job("urgent"),
         ),
         (
-            "a priority change (5000 -> 7500 class)",
+            "a priority change (5000 -> 7500)",
             lambda: planner.update_job(
                 replace(
                     bumped, priority=bumped.priority * 3 // 2, previous_priority=bumped.priority
@@ -212,11 +228,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=20240601)
     args = parser.parse_args()
 
+    load0 = os.getloadavg()
     rnd = random.Random(args.seed)
     hosts = [HostView.with_devices(f"host{h:05d}", args.gpus) for h in range(args.hosts)]
     jobs = make_jobs(args.jobs, rnd)
     capacity = args.hosts * args.gpus
-    rows: list[tuple[str, tuple[float, float], Plan | None]] = []
+    rows: list[tuple[str, Times, Plan | None]] = []
 
     for policy in (Policy.PRIORITY, Policy.FAIRSHARE, Policy.FIFO):
         ms, _ = timed(lambda p=policy: compute_shares(jobs, capacity, p), args.repeat)
@@ -289,9 +306,10 @@ def main() -> None:
                     ),
                 )
             )
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     replay = simulate(hosts, events, config)
     replay_ms = (time.perf_counter() - t0) * 1000
+    replay_cpu = (time.process_time() - c0) * 1000
 
     table = Table(
         title=(
@@ -302,17 +320,19 @@ def main() -> None:
     table.add_column("scenario")
     table.add_column("median ms", justify="right")
     table.add_column("best ms", justify="right")
+    table.add_column("cpu ms", justify="right")
     table.add_column("starts", justify="right")
     table.add_column("retires", justify="right")
     table.add_column("queued", justify="right")
     for name, ms, result in rows:
         if result is None:
-            table.add_row(name, f"{ms[0]:,.1f}", f"{ms[1]:,.1f}", "", "", "")
+            table.add_row(name, f"{ms[0]:,.1f}", f"{ms[1]:,.1f}", f"{ms[2]:,.1f}", "", "", "")
         else:
             table.add_row(
                 name,
                 f"{ms[0]:,.1f}",
                 f"{ms[1]:,.1f}",
+                f"{ms[2]:,.1f}",
                 f"{len(result.starts):,}",
                 f"{len(result.retires):,}",
                 f"{len(result.queue):,}",
@@ -322,11 +342,13 @@ def main() -> None:
         f"({replay_ms / replay.rounds:,.0f} ms/cycle), total",
         f"{replay_ms:,.1f}",
         "",
+        f"{replay_cpu:,.1f}",
         f"{replay.starts:,}",
         f"{replay.retires:,}",
         f"{len(replay.timeline[-1].queue):,}",
     )
-    Console(width=110).print(table)
+    Console(width=140).print(table)
+    print(f"load average before / after: {load0} / {os.getloadavg()}")
 
 
 if __name__ == "__main__":

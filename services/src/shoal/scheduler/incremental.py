@@ -30,7 +30,6 @@ Invalid events raise ``ValueError`` naming the field and the value, and change n
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from shoal.scheduler.placement import (
@@ -181,13 +180,11 @@ class IncrementalPlanner:
 
     def put_host(self, host: HostView) -> None:
         """A host joined, or changed (state, devices, the ledger's allocations on it)."""
-        ids = [d.device_id for d in host.devices]
-        if len(set(ids)) != len(ids):
-            twice = next(d for d, n in Counter(ids).items() if n > 1)
+        if host.repeated is not None:
             raise ValueError(
-                f"device_id ({twice!r}) is given more than once on host {host.host_id}"
+                f"device_id ({host.repeated!r}) is given more than once on host {host.host_id}"
             )
-        live = frozenset(ids) if host.state is not HostState.LOST else frozenset()
+        live = host.device_ids if host.state is not HostState.LOST else frozenset()
         seen: dict[str, str] = {}
         for lid in sorted(self._on_host.get(host.host_id, ()), key=self._seq.__getitem__):
             device = self._learners[lid].device_id
@@ -360,7 +357,7 @@ class IncrementalPlanner:
         if host.state is HostState.LOST:
             self._live_devices.pop(host.host_id, None)
         else:
-            self._live_devices[host.host_id] = frozenset(d.device_id for d in host.devices)
+            self._live_devices[host.host_id] = host.device_ids
 
     def _rehost(self, host_id: str, host: HostView | None) -> None:
         """Swap a host's view, re-classifying the learners on it (lost or live)."""
@@ -389,11 +386,7 @@ class IncrementalPlanner:
         on_host = self._occupied.get(host_id, {})
         cap = len(on_host)
         if host.state is HostState.READY:
-            ids = [
-                d.device_id
-                for d in host.devices
-                if d.allocated_to is None and d.device_id not in on_host
-            ]
+            ids = [d for d in host.unallocated if d not in on_host]
             if ids:
                 cap += len(ids)
                 self._free[host_id] = ids

@@ -103,6 +103,26 @@ class HostView:
     host_id: str
     devices: tuple[DeviceView, ...]
     state: HostState = HostState.READY
+    # Derived once, when the view is built (a view never changes; a changed host is a new
+    # view), so that a full cycle does not recompute them for every unchanged host.
+    device_ids: frozenset[str] = field(init=False, repr=False, compare=False)
+    """The ids of its devices."""
+    unallocated: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    """The ids of its devices the resource-manager has not allocated, in order."""
+    repeated: str | None = field(init=False, repr=False, compare=False)
+    """A device id given more than once (``plan`` rejects the host), or None."""
+
+    def __post_init__(self) -> None:
+        ids = [d.device_id for d in self.devices]
+        unique = frozenset(ids)
+        twice = None
+        if len(unique) != len(ids):
+            twice = next(d for d, n in Counter(ids).items() if n > 1)
+        object.__setattr__(self, "device_ids", unique)
+        object.__setattr__(
+            self, "unallocated", tuple(d.device_id for d in self.devices if d.allocated_to is None)
+        )
+        object.__setattr__(self, "repeated", twice)
 
     @classmethod
     def with_devices(cls, host_id: str, count: int, state: HostState = HostState.READY) -> HostView:
@@ -213,7 +233,7 @@ class _FreeIndex:
     entries are dropped lazily when they reach the top.
     """
 
-    def __init__(self, free: dict[str, list[str]]) -> None:
+    def __init__(self, free: Mapping[str, Sequence[str]]) -> None:
         # Device ids are kept reversed so that the next one to hand out is at the end.
         self.free = {h: sorted(d, key=_natural_key, reverse=True) for h, d in free.items() if d}
         self.total = sum(len(d) for d in self.free.values())
@@ -266,19 +286,18 @@ def plan(
             twice, two learners on one device, or any error of ``compute_shares``.
     """
     hosts: dict[str, HostView] = {}
-    live_devices: dict[str, set[str]] = {}  # device ids of the hosts that are not LOST
+    live_devices: dict[str, frozenset[str]] = {}  # device ids of the hosts that are not LOST
     for host in inventory:
         host_id = host.host_id
         if host_id in hosts:
             raise ValueError(f"host_id ({host_id!r}) is given more than once")
         hosts[host_id] = host
-        ids = [d.device_id for d in host.devices]
-        unique = set(ids)
-        if len(unique) != len(ids):
-            twice = next(d for d, n in Counter(ids).items() if n > 1)
-            raise ValueError(f"device_id ({twice!r}) is given more than once on host {host_id}")
+        if host.repeated is not None:
+            raise ValueError(
+                f"device_id ({host.repeated!r}) is given more than once on host {host_id}"
+            )
         if host.state is not HostState.LOST:
-            live_devices[host_id] = unique
+            live_devices[host_id] = host.device_ids
 
     # Who sits where; which learners are gone with their host; what each job holds (learners
     # not retiring). One pass over the learners.
@@ -315,7 +334,7 @@ def plan(
 
     # Capacity and free devices: per host, not per device, where nothing is in the way.
     capacity = 0
-    free: dict[str, list[str]] = {}
+    free: dict[str, Sequence[str]] = {}
     for host in inventory:
         state = host.state
         if state is HostState.LOST:
@@ -324,14 +343,11 @@ def plan(
         if on_host:
             capacity += len(on_host)
         if state is HostState.READY:
+            ids: Sequence[str]
             if on_host:
-                ids = [
-                    d.device_id
-                    for d in host.devices
-                    if d.allocated_to is None and d.device_id not in on_host
-                ]
+                ids = [d for d in host.unallocated if d not in on_host]
             else:
-                ids = [d.device_id for d in host.devices if d.allocated_to is None]
+                ids = host.unallocated
             if ids:
                 capacity += len(ids)
                 free[host.host_id] = ids
