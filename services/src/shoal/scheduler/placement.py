@@ -41,6 +41,10 @@ The decisions
       with the most free devices, repeatedly. Ties go to the smaller host id; on a host,
       devices are taken in natural order of their ids.
 
+``shoal.scheduler.incremental.IncrementalPlanner`` gives the same plan from indices kept
+between decisions and updated per event (the decision after an event touches only the jobs
+and hosts it changed); ``plan`` stays the full cycle and the reference.
+
 The caller's part (the reconcile loop): record ``last_shrunk_at = now`` on every job that got
 a Retire (the hold-time rule reads it), ask those learners to retire and mark them retiring,
 reserve the devices of the Starts and add the starting learners to ``current``, evict the
@@ -353,8 +357,9 @@ def plan(
                 free[host.host_id] = ids
 
     counts = {job_id: len(held) for job_id, held in held_by_job.items()}
+    order = sorted(jobs, key=admission_key(config.policy))
     allocation = compute_shares(
-        jobs,
+        order,
         capacity,
         config.policy,
         now=now,
@@ -365,8 +370,8 @@ def plan(
         service_decay=config.service_decay,
         rescale_horizon=config.rescale_horizon,
         held=counts,
+        ordered=True,
     )
-    order = sorted(jobs, key=admission_key(config.policy))
 
     # Shrink.
     retires: list[Retire] = []
