@@ -162,9 +162,8 @@ def per_event_rows(
     urgent = JobDemand(
         job_id="urgent", priority=100_000, submit_seq=len(jobs), min_workers=64, max_workers=512
     )
-    bumped = next(
-        j for j in jobs if j.priority == 5000 and first.shares[j.job_id] + 8 < j.max_workers
-    )
+    # The job of priority 5000 furthest below its max: a raise moves devices to it.
+    bumped = max(jobs, key=lambda j: (j.priority == 5000, j.max_workers - first.shares[j.job_id]))
     lost = hosts[1]
     spare = HostView.with_devices("host-new", gpus)
 
