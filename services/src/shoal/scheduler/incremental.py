@@ -29,6 +29,7 @@ Invalid events raise ``ValueError`` naming the field and the value, and change n
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterable, Mapping
 
@@ -83,7 +84,11 @@ class IncrementalPlanner:
         # same errors for the same input).
         plan(jobs, inventory, current, self.config)
         self._jobs: dict[str, JobDemand] = {j.job_id: j for j in jobs}
-        self._order: list[JobDemand] | None = None  # the jobs in admission order, kept
+        # The jobs in admission order and their sort keys, kept by the job events (a bisection
+        # and a list insert or delete, instead of sorting every job at each decision).
+        key = admission_key(self.config.policy)
+        self._order: list[JobDemand] = sorted(self._jobs.values(), key=key)
+        self._keys: list[tuple[int, int, str]] = [key(j) for j in self._order]
         self._hosts: dict[str, HostView] = {}
         self._live_devices: dict[str, frozenset[str]] = {}
         self._learners: dict[str, LearnerView] = {}
@@ -126,8 +131,14 @@ class IncrementalPlanner:
 
     def submit(self, job: JobDemand) -> None:
         """A job was submitted, or its demand changed (priority, min / max, last shrink)."""
+        old = self._jobs.get(job.job_id)
+        if old is not None:
+            self._unorder(old)
         self._jobs[job.job_id] = job
-        self._order = None
+        key = admission_key(self.config.policy)(job)
+        i = bisect.bisect_left(self._keys, key)
+        self._keys.insert(i, key)
+        self._order.insert(i, job)
         self._touch(job.job_id)
 
     update_job = submit
@@ -136,9 +147,13 @@ class IncrementalPlanner:
         """A job finished or was cancelled: its learners that remain are retired."""
         if job_id not in self._jobs:
             raise ValueError(f"job_id ({job_id!r}) is not known")
-        del self._jobs[job_id]
-        self._order = None
+        self._unorder(self._jobs.pop(job_id))
         self._touch(job_id)
+
+    def _unorder(self, job: JobDemand) -> None:
+        i = bisect.bisect_left(self._keys, admission_key(self.config.policy)(job))
+        del self._keys[i]
+        del self._order[i]
 
     # -- learner events -----------------------------------------------------------------------
 
@@ -271,8 +286,6 @@ class IncrementalPlanner:
         if cached is not None and cached[0] == self._version:
             if cached[1] == now or not (self._hold_possible(cached[1]) or self._hold_possible(now)):
                 return cached[2]
-        if self._order is None:
-            self._order = sorted(self._jobs.values(), key=admission_key(self.config.policy))
         allocation = compute_shares(
             self._order,
             self.capacity,
