@@ -11,14 +11,23 @@ Scenarios (the same seeded jobs in each):
   steady, submit      a high-priority job arrives: shares shift, many small retires
   steady, host lost   one host is lost: its learners are reported, capacity shrinks
   replay              the simulator: all jobs submitted at t=0, then 20 instants of events
-                      (finishes, submits, host down / up), settled after each instant
-Times are the median and the best of --repeat runs of one call, in milliseconds (the replay
-is timed once, in total).
+                      (finishes, submits, host down / up), settled after each instant; once
+                      with a full plan() per round, once through the IncrementalPlanner
+                      (simulate(..., incremental=True)); the two results are checked equal
+  per event           from the steady state, one event at a time, side by side: "full" is
+                      plan() over the whole state after the event (what every event cost
+                      before), "incremental" is the event applied to an IncrementalPlanner
+                      plus its decide(); both give the same Plan (checked)
+Times are the median and the best wall-clock time of --repeat runs of one call, and the
+median CPU time of this process over them, in milliseconds (on a shared machine the CPU time
+is the steadier of the two); the replay is timed once, in total; an event is undone, untimed,
+between runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -28,6 +37,7 @@ from dataclasses import replace
 from rich.console import Console
 from rich.table import Table
 
+from shoal.scheduler.incremental import IncrementalPlanner
 from shoal.scheduler.placement import (
     HostState,
     HostView,
@@ -70,15 +80,144 @@ def apply(result: Plan, current: list[LearnerView], tag: str) -> list[LearnerVie
     return kept
 
 
-def timed(fn: Callable[[], object], repeat: int) -> tuple[tuple[float, float], object]:
-    """(median ms, best ms) of ``repeat`` calls, and the last result."""
-    samples = []
+Times = tuple[float, float, float]
+"""(median wall ms, best wall ms, median CPU ms of this process)."""
+
+
+def summary(wall: list[float], cpu: list[float]) -> Times:
+    return (statistics.median(wall), min(wall), statistics.median(cpu))
+
+
+def timed(fn: Callable[[], object], repeat: int) -> tuple[Times, object]:
+    """The times of ``repeat`` calls, and the last result."""
+    wall, cpu = [], []
     out: object = None
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
-        samples.append((time.perf_counter() - t0) * 1000)
-    return (statistics.median(samples), min(samples)), out
+        wall.append((time.perf_counter() - t0) * 1000)
+        cpu.append((time.process_time() - c0) * 1000)
+    return summary(wall, cpu), out
+
+
+def timed_event(
+    planner: IncrementalPlanner,
+    do: Callable[[], None],
+    undo: Callable[[], None],
+    repeat: int,
+) -> tuple[Times, Times, Plan]:
+    """(full ms, incremental ms) of one event, and its plan.
+
+    Incremental: ``do()`` plus ``decide()``, timed. Full: ``plan()`` over the same state after
+    the event. ``undo()`` and a decide (untimed) bring the steady state back between runs."""
+    full_wall, full_cpu, inc_wall, inc_cpu = [], [], [], []
+    out: Plan | None = None
+    for _ in range(repeat):
+        t0, c0 = time.perf_counter(), time.process_time()
+        do()
+        out = planner.decide()
+        inc_wall.append((time.perf_counter() - t0) * 1000)
+        inc_cpu.append((time.process_time() - c0) * 1000)
+        jobs, hosts, learners = planner.jobs(), planner.hosts(), planner.learners()
+        t0, c0 = time.perf_counter(), time.process_time()
+        reference = plan(jobs, hosts, learners, planner.config)
+        full_wall.append((time.perf_counter() - t0) * 1000)
+        full_cpu.append((time.process_time() - c0) * 1000)
+        assert reference == out, "the incremental decision differs from the full cycle"
+        undo()
+        planner.decide()
+    assert out is not None
+    return summary(full_wall, full_cpu), summary(inc_wall, inc_cpu), out
+
+
+def per_event_rows(
+    jobs: list[JobDemand],
+    hosts: list[HostView],
+    current: list[LearnerView],
+    config: PlacementConfig,
+    repeat: int,
+    gpus: int,
+) -> list[tuple[str, Times, Plan | None]]:
+    """Each event from the steady state, full cycle vs incremental (see the docstring)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    planner = IncrementalPlanner(config, jobs, hosts, current)
+    first = planner.decide()
+    build_ms = (time.perf_counter() - t0) * 1000
+    build_cpu = (time.process_time() - c0) * 1000
+    assert first.decisions == ()
+    ms, _ = timed(planner.decide, repeat)
+    rows: list[tuple[str, Times, Plan | None]] = [
+        (
+            "incremental: build from the steady state + first decide",
+            (build_ms, build_ms, build_cpu),
+            None,
+        ),
+        ("incremental: decide, no event (cached)", ms, None),
+    ]
+    by_job: dict[str, list[LearnerView]] = {}
+    for x in current:
+        by_job.setdefault(x.job_id, []).append(x)
+    gone = current[len(current) // 2]
+    big = max(jobs, key=lambda j: len(by_job.get(j.job_id, ())))
+    urgent = JobDemand(
+        job_id="urgent", priority=100_000, submit_seq=len(jobs), min_workers=64, max_workers=512
+    )
+    # The job of priority 5000 furthest below its max: a raise moves devices to it.
+    bumped = max(jobs, key=lambda j: (j.priority == 5000, j.max_workers - first.shares[j.job_id]))
+    lost = hosts[1]
+    spare = HostView.with_devices("host-new", gpus)
+
+    def re_add(learners: list[LearnerView]) -> None:
+        for x in learners:
+            planner.add_learner(x)
+
+    def finish_big() -> None:
+        planner.remove_job(big.job_id)
+        for x in by_job[big.job_id]:
+            planner.remove_learner(x.learner_id)
+
+    def unfinish_big() -> None:
+        planner.submit(big)
+        re_add(by_job[big.job_id])
+
+    on_lost = [x for x in current if x.host_id == lost.host_id]
+    events: list[tuple[str, Callable[[], None], Callable[[], None]]] = [
+        (
+            "a learner exited",
+            lambda: planner.remove_learner(gone.learner_id),
+            lambda: planner.add_learner(gone),
+        ),
+        (f"a job finished (its {len(by_job[big.job_id])} learners exit)", finish_big, unfinish_big),
+        (
+            "a job submitted (prio 100000, max 512)",
+            lambda: planner.submit(urgent),
+            lambda: planner.remove_job("urgent"),
+        ),
+        (
+            "a priority change (5000 -> 7500)",
+            lambda: planner.update_job(
+                replace(
+                    bumped, priority=bumped.priority * 3 // 2, previous_priority=bumped.priority
+                )
+            ),
+            lambda: planner.update_job(bumped),
+        ),
+        (
+            f"a host lost ({len(on_lost)} learners)",
+            lambda: planner.put_host(replace(lost, state=HostState.LOST)),
+            lambda: planner.put_host(lost),
+        ),
+        (
+            f"a host joined ({gpus} free devices)",
+            lambda: planner.put_host(spare),
+            lambda: planner.remove_host(spare.host_id),
+        ),
+    ]
+    for name, do, undo in events:
+        full_ms, inc_ms, out = timed_event(planner, do, undo, repeat)
+        rows.append((f"per event, full cycle: {name}", full_ms, out))
+        rows.append((f"per event, incremental: {name}", inc_ms, out))
+    return rows
 
 
 def main() -> None:
@@ -90,11 +229,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=20240601)
     args = parser.parse_args()
 
+    load0 = os.getloadavg()
     rnd = random.Random(args.seed)
     hosts = [HostView.with_devices(f"host{h:05d}", args.gpus) for h in range(args.hosts)]
     jobs = make_jobs(args.jobs, rnd)
     capacity = args.hosts * args.gpus
-    rows: list[tuple[str, tuple[float, float], Plan | None]] = []
+    rows: list[tuple[str, Times, Plan | None]] = []
 
     for policy in (Policy.PRIORITY, Policy.FAIRSHARE, Policy.FIFO):
         ms, _ = timed(lambda p=policy: compute_shares(jobs, capacity, p), args.repeat)
@@ -142,6 +282,8 @@ def main() -> None:
     assert isinstance(out, Plan)
     rows.append(("steady, host lost", ms, out))
 
+    rows.extend(per_event_rows(jobs, hosts, current, config, args.repeat, args.gpus))
+
     events: list[Event] = [Submit(0.0, j) for j in jobs]
     for k in range(1, REPLAY_INSTANTS + 1):
         t = float(k)
@@ -165,9 +307,16 @@ def main() -> None:
                     ),
                 )
             )
-    t0 = time.perf_counter()
-    replay = simulate(hosts, events, config)
-    replay_ms = (time.perf_counter() - t0) * 1000
+    replays = []
+    for incremental in (False, True):
+        t0, c0 = time.perf_counter(), time.process_time()
+        replay = simulate(hosts, events, config, incremental=incremental)
+        replay_ms = (time.perf_counter() - t0) * 1000
+        replay_cpu = (time.process_time() - c0) * 1000
+        replays.append(
+            ("incremental" if incremental else "full cycles", replay, replay_ms, replay_cpu)
+        )
+    assert replays[0][1] == replays[1][1], "the incremental replay differs from the full one"
 
     table = Table(
         title=(
@@ -178,31 +327,36 @@ def main() -> None:
     table.add_column("scenario")
     table.add_column("median ms", justify="right")
     table.add_column("best ms", justify="right")
+    table.add_column("cpu ms", justify="right")
     table.add_column("starts", justify="right")
     table.add_column("retires", justify="right")
     table.add_column("queued", justify="right")
     for name, ms, result in rows:
         if result is None:
-            table.add_row(name, f"{ms[0]:,.1f}", f"{ms[1]:,.1f}", "", "", "")
+            table.add_row(name, f"{ms[0]:,.1f}", f"{ms[1]:,.1f}", f"{ms[2]:,.1f}", "", "", "")
         else:
             table.add_row(
                 name,
                 f"{ms[0]:,.1f}",
                 f"{ms[1]:,.1f}",
+                f"{ms[2]:,.1f}",
                 f"{len(result.starts):,}",
                 f"{len(result.retires):,}",
                 f"{len(result.queue):,}",
             )
-    table.add_row(
-        f"replay: {len(events):,} events, {replay.rounds} cycles "
-        f"({replay_ms / replay.rounds:,.0f} ms/cycle), total",
-        f"{replay_ms:,.1f}",
-        "",
-        f"{replay.starts:,}",
-        f"{replay.retires:,}",
-        f"{len(replay.timeline[-1].queue):,}",
-    )
-    Console(width=110).print(table)
+    for kind, replay, replay_ms, replay_cpu in replays:
+        table.add_row(
+            f"replay, {kind}: {len(events):,} events, {replay.rounds} cycles "
+            f"({replay_ms / replay.rounds:,.1f} ms/cycle), total",
+            f"{replay_ms:,.1f}",
+            "",
+            f"{replay_cpu:,.1f}",
+            f"{replay.starts:,}",
+            f"{replay.retires:,}",
+            f"{len(replay.timeline[-1].queue):,}",
+        )
+    Console(width=140).print(table)
+    print(f"load average before / after: {load0} / {os.getloadavg()}")
 
 
 if __name__ == "__main__":

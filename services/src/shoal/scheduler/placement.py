@@ -41,6 +41,10 @@ The decisions
       with the most free devices, repeatedly. Ties go to the smaller host id; on a host,
       devices are taken in natural order of their ids.
 
+``shoal.scheduler.incremental.IncrementalPlanner`` gives the same plan from indices kept
+between decisions and updated per event (the decision after an event touches only the jobs
+and hosts it changed); ``plan`` stays the full cycle and the reference.
+
 The caller's part (the reconcile loop): record ``last_shrunk_at = now`` on every job that got
 a Retire (the hold-time rule reads it), ask those learners to retire and mark them retiring,
 reserve the devices of the Starts and add the starting learners to ``current``, evict the
@@ -53,7 +57,7 @@ import enum
 import heapq
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from shoal.scheduler.policy import JobDemand, Policy, admission_key, compute_shares
 
@@ -103,6 +107,26 @@ class HostView:
     host_id: str
     devices: tuple[DeviceView, ...]
     state: HostState = HostState.READY
+    # Derived once, when the view is built (a view never changes; a changed host is a new
+    # view), so that a full cycle does not recompute them for every unchanged host.
+    device_ids: frozenset[str] = field(init=False, repr=False, compare=False)
+    """The ids of its devices."""
+    unallocated: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    """The ids of its devices the resource-manager has not allocated, in order."""
+    repeated: str | None = field(init=False, repr=False, compare=False)
+    """A device id given more than once (``plan`` rejects the host), or None."""
+
+    def __post_init__(self) -> None:
+        ids = [d.device_id for d in self.devices]
+        unique = frozenset(ids)
+        twice = None
+        if len(unique) != len(ids):
+            twice = next(d for d, n in Counter(ids).items() if n > 1)
+        object.__setattr__(self, "device_ids", unique)
+        object.__setattr__(
+            self, "unallocated", tuple(d.device_id for d in self.devices if d.allocated_to is None)
+        )
+        object.__setattr__(self, "repeated", twice)
 
     @classmethod
     def with_devices(cls, host_id: str, count: int, state: HostState = HostState.READY) -> HostView:
@@ -213,7 +237,7 @@ class _FreeIndex:
     entries are dropped lazily when they reach the top.
     """
 
-    def __init__(self, free: dict[str, list[str]]) -> None:
+    def __init__(self, free: Mapping[str, Sequence[str]]) -> None:
         # Device ids are kept reversed so that the next one to hand out is at the end.
         self.free = {h: sorted(d, key=_natural_key, reverse=True) for h, d in free.items() if d}
         self.total = sum(len(d) for d in self.free.values())
@@ -266,73 +290,76 @@ def plan(
             twice, two learners on one device, or any error of ``compute_shares``.
     """
     hosts: dict[str, HostView] = {}
-    devices_of: dict[str, dict[str, DeviceView]] = {}
+    live_devices: dict[str, frozenset[str]] = {}  # device ids of the hosts that are not LOST
     for host in inventory:
-        if host.host_id in hosts:
-            raise ValueError(f"host_id ({host.host_id!r}) is given more than once")
-        hosts[host.host_id] = host
-        by_id: dict[str, DeviceView] = {}
-        for device in host.devices:
-            if device.device_id in by_id:
-                raise ValueError(
-                    f"device_id ({device.device_id!r}) is given more than once "
-                    f"on host {host.host_id}"
-                )
-            by_id[device.device_id] = device
-        devices_of[host.host_id] = by_id
+        host_id = host.host_id
+        if host_id in hosts:
+            raise ValueError(f"host_id ({host_id!r}) is given more than once")
+        hosts[host_id] = host
+        if host.repeated is not None:
+            raise ValueError(
+                f"device_id ({host.repeated!r}) is given more than once on host {host_id}"
+            )
+        if host.state is not HostState.LOST:
+            live_devices[host_id] = host.device_ids
 
-    # Who sits where; which learners are gone with their host.
+    # Who sits where; which learners are gone with their host; what each job holds (learners
+    # not retiring). One pass over the learners.
     learner_ids: set[str] = set()
-    occupant: dict[tuple[str, str], str] = {}
-    live: list[LearnerView] = []
+    occupied: dict[str, dict[str, str]] = {}  # host -> device -> learner
+    held_by_job: dict[str, list[LearnerView]] = {}
     lost: list[str] = []
     for learner in current:
-        if learner.learner_id in learner_ids:
-            raise ValueError(f"learner_id ({learner.learner_id!r}) is given more than once")
-        learner_ids.add(learner.learner_id)
-        home = hosts.get(learner.host_id)
-        if (
-            home is None
-            or home.state is HostState.LOST
-            or learner.device_id not in devices_of[learner.host_id]
-        ):
-            lost.append(learner.learner_id)
+        learner_id = learner.learner_id
+        if learner_id in learner_ids:
+            raise ValueError(f"learner_id ({learner_id!r}) is given more than once")
+        learner_ids.add(learner_id)
+        host_id, device_id = learner.host_id, learner.device_id
+        devices = live_devices.get(host_id)
+        if devices is None or device_id not in devices:
+            lost.append(learner_id)
             continue
-        slot = (learner.host_id, learner.device_id)
-        if slot in occupant:
+        on_host = occupied.get(host_id)
+        if on_host is None:
+            occupied[host_id] = {device_id: learner_id}
+        elif device_id in on_host:
             raise ValueError(
-                f"device ({learner.host_id}, {learner.device_id}) is held by two learners: "
-                f"{occupant[slot]} and {learner.learner_id}"
+                f"device ({host_id}, {device_id}) is held by two learners: "
+                f"{on_host[device_id]} and {learner_id}"
             )
-        occupant[slot] = learner.learner_id
-        live.append(learner)
-
-    # Capacity and free devices.
-    capacity = 0
-    free: dict[str, list[str]] = {}
-    for host in inventory:
-        if host.state is HostState.LOST:
-            continue
-        ready = host.state is HostState.READY
-        for device in host.devices:
-            occupied = (host.host_id, device.device_id) in occupant
-            if occupied:
-                capacity += 1
-            elif device.allocated_to is None and ready:
-                capacity += 1
-                free.setdefault(host.host_id, []).append(device.device_id)
-
-    # What each job holds (learners not retiring), by host.
-    held_by_job: dict[str, list[LearnerView]] = {}
-    for learner in live:
+        else:
+            on_host[device_id] = learner_id
         if not learner.retiring:
-            held_by_job.setdefault(learner.job_id, []).append(learner)
-    observed = []
-    for job in jobs:
-        count = len(held_by_job.get(job.job_id, ()))
-        observed.append(job if job.current == count else replace(job, current=count))
+            job_held = held_by_job.get(learner.job_id)
+            if job_held is None:
+                held_by_job[learner.job_id] = [learner]
+            else:
+                job_held.append(learner)
+
+    # Capacity and free devices: per host, not per device, where nothing is in the way.
+    capacity = 0
+    free: dict[str, Sequence[str]] = {}
+    for host in inventory:
+        state = host.state
+        if state is HostState.LOST:
+            continue
+        on_host = occupied.get(host.host_id)
+        if on_host:
+            capacity += len(on_host)
+        if state is HostState.READY:
+            ids: Sequence[str]
+            if on_host:
+                ids = [d for d in host.unallocated if d not in on_host]
+            else:
+                ids = host.unallocated
+            if ids:
+                capacity += len(ids)
+                free[host.host_id] = ids
+
+    counts = {job_id: len(held) for job_id, held in held_by_job.items()}
+    order = sorted(jobs, key=admission_key(config.policy))
     allocation = compute_shares(
-        observed,
+        order,
         capacity,
         config.policy,
         now=now,
@@ -342,8 +369,9 @@ def plan(
         service_thresholds=config.service_thresholds,
         service_decay=config.service_decay,
         rescale_horizon=config.rescale_horizon,
+        held=counts,
+        ordered=True,
     )
-    order = sorted(observed, key=admission_key(config.policy))
 
     # Shrink.
     retires: list[Retire] = []
@@ -363,7 +391,7 @@ def plan(
     for job in order:
         if index.total == 0:
             break
-        need = allocation.share(job.job_id) - job.current
+        need = allocation.share(job.job_id) - counts.get(job.job_id, 0)
         if need > 0:
             starts.extend(_choose_starts(job.job_id, held_by_job.get(job.job_id, []), need, index))
 

@@ -235,6 +235,8 @@ def compute_shares(
     service_thresholds: Sequence[float] = (),
     service_decay: int = 2,
     rescale_horizon: float = 0.0,
+    held: Mapping[str, int] | None = None,
+    ordered: bool = False,
 ) -> Allocation:
     """Target worker counts for ``jobs`` on ``capacity`` devices under ``policy``.
 
@@ -244,7 +246,11 @@ def compute_shares(
 
     ``fair_fraction`` is GOODPUT's fairness floor and ``rescale_horizon`` its rescale cost;
     ``service_thresholds`` and ``service_decay`` are the attained-service classes (see the
-    module docstring).
+    module docstring). ``held``, when given, is the learners each job holds now by job id,
+    read instead of ``JobDemand.current`` (a job it does not list holds 0): placement passes
+    its observed counts this way instead of copying every job. ``ordered``: the caller
+    guarantees ``jobs`` is already sorted by ``admission_key(policy)`` (the incremental planner
+    keeps it so between job events); the sort is skipped.
 
     Raises:
         ValueError: capacity < 0, hold_time < 0, fair_fraction outside [0, 1], thresholds not
@@ -267,7 +273,18 @@ def compute_shares(
             raise ValueError(f"job_id ({job.job_id!r}) is given more than once")
         seen.add(job.job_id)
 
-    order = sorted(jobs, key=admission_key(policy))
+    if held is not None:
+        for job_id, count in held.items():
+            if count < 0:
+                raise ValueError(f"held[{job_id!r}] ({count}) must be >= 0")
+        if policy is Policy.GOODPUT:
+            # GOODPUT reads current in many places: copy the (few) jobs whose count differs.
+            jobs = [
+                j if j.current == held.get(j.job_id, 0) else _with_current(j, held.get(j.job_id, 0))
+                for j in jobs
+            ]
+            held = None
+    order = list(jobs) if ordered else sorted(jobs, key=admission_key(policy))
     admitted: list[JobDemand] = []
     used = 0
     for i, job in enumerate(order):
@@ -279,6 +296,10 @@ def compute_shares(
     else:
         queue = ()
 
+    if held is None:
+        current = [j.current for j in admitted]
+    else:
+        current = [held.get(j.job_id, 0) for j in admitted]
     if policy is Policy.FIFO:
         ideal = _fifo_fill(admitted, capacity)
         weights = [1] * len(admitted)
@@ -293,15 +314,26 @@ def compute_shares(
             ]
         reweighted = by_priority and any(j.priority_changed for j in admitted)
         if policy is Policy.GOODPUT:
-            fair = _water_fill(admitted, weights, capacity, sticky=False)
+            fair = _water_fill(admitted, weights, capacity, False, current)
             ideal = _goodput_fill(admitted, weights, fair, capacity, fair_fraction, rescale_horizon)
         else:
-            ideal = _water_fill(admitted, weights, capacity, sticky_rounding and not reweighted)
+            ideal = _water_fill(
+                admitted, weights, capacity, sticky_rounding and not reweighted, current
+            )
 
-    final, held = _apply_holds(admitted, weights, ideal, policy, now, hold_time)
+    final, kept = _apply_holds(admitted, weights, ideal, policy, now, hold_time, current)
     shares = dict.fromkeys(queue, 0)
     shares.update((j.job_id, s) for j, s in zip(admitted, final, strict=True))
-    return Allocation(shares=shares, queue=queue, held=frozenset(held))
+    return Allocation(shares=shares, queue=queue, held=frozenset(kept))
+
+
+def _with_current(job: JobDemand, current: int) -> JobDemand:
+    """``replace(job, current=current)`` without validating again (job was validated)."""
+    new = object.__new__(JobDemand)
+    for name in JobDemand.__slots__:
+        object.__setattr__(new, name, getattr(job, name))
+    object.__setattr__(new, "current", current)
+    return new
 
 
 def service_class(attained: float, thresholds: Sequence[float]) -> int:
@@ -506,7 +538,11 @@ def _ratio_key_scale(weights: Sequence[int]) -> int:
 
 
 def _water_fill(
-    admitted: list[JobDemand], weights: list[int], capacity: int, sticky: bool
+    admitted: list[JobDemand],
+    weights: list[int],
+    capacity: int,
+    sticky: bool,
+    current: list[int],
 ) -> list[int]:
     """Weighted max-min water-filling with [min, max] bounds, rounded by largest remainder.
 
@@ -560,7 +596,7 @@ def _water_fill(
             whole, rem = divmod(scaled, den)
             shares.append(whole)
             if rem:
-                keeps = sticky and job.current > whole
+                keeps = sticky and current[i] > whole
                 remainders.append((not keeps, -rem, -job.priority, job.submit_seq, job.job_id, i))
     left = capacity - sum(shares)
     # The exact shares sum to the capacity, so 0 <= left < len(remainders) + 1.
@@ -576,8 +612,10 @@ def _apply_holds(
     policy: Policy,
     now: float,
     hold_time: float,
+    current: list[int],
 ) -> tuple[list[int], list[str]]:
-    """Apply the hold-time rule of the module docstring to the water-filling shares."""
+    """Apply the hold-time rule of the module docstring to the water-filling shares
+    (``current[i]``: what ``admitted[i]`` holds)."""
     if hold_time <= 0:
         return ideal, []
     holders = [
@@ -585,7 +623,7 @@ def _apply_holds(
         for i, job in enumerate(admitted)
         if job.last_shrunk_at is not None
         and now - job.last_shrunk_at < hold_time
-        and ideal[i] < min(job.current, job.max_workers)
+        and ideal[i] < min(current[i], job.max_workers)
     ]
     if not holders:
         return ideal, []
@@ -611,7 +649,7 @@ def _apply_holds(
     held: list[str] = []
     for h in holders:
         job = admitted[h]
-        want = min(job.current, job.max_workers) - shares[h]
+        want = min(current[h], job.max_workers) - shares[h]
         while want > 0 and donors:
             donor = donors[0][-1]
             if admitted[donor].priority > job.priority:

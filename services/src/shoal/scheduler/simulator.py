@@ -177,8 +177,16 @@ def simulate(
     hosts: Sequence[HostView],
     events: Sequence[Event],
     config: PlacementConfig,
+    *,
+    incremental: bool = False,
 ) -> SimulationResult:
-    """Replay ``events`` (stably sorted by time) and sample after each instant."""
+    """Replay ``events`` (stably sorted by time) and sample after each instant.
+
+    ``incremental``: every event and every acted-on decision goes to an
+    ``IncrementalPlanner`` and each round is its ``decide`` instead of a full ``plan``: the
+    same result (the planner's decisions equal plan's), at the cost of what changed."""
+    if incremental:
+        return _simulate_incremental(hosts, events, config)
     sim = Simulator({h.host_id: h for h in hosts}, config)
     timeline: list[Sample] = []
     ordered = sorted(events, key=lambda e: e.at)
@@ -187,3 +195,75 @@ def simulate(
             sim.apply_event(event)
         timeline.append(sim.settle(at))
     return SimulationResult(tuple(timeline), sim.rounds, sim.starts, sim.retires)
+
+
+def _simulate_incremental(
+    hosts: Sequence[HostView], events: Sequence[Event], config: PlacementConfig
+) -> SimulationResult:
+    """``simulate`` through an ``IncrementalPlanner`` (same semantics as ``Simulator``)."""
+    from shoal.scheduler.incremental import IncrementalPlanner
+
+    views = {h.host_id: h for h in hosts}
+    planner = IncrementalPlanner(config, inventory=views.values())
+    jobs: dict[str, JobDemand] = {}
+    by_job: dict[str, dict[str, LearnerView]] = {}
+    by_host: dict[str, set[str]] = {}
+    ids = itertools.count()
+    rounds = starts = retires = 0
+    timeline: list[Sample] = []
+
+    def drop(learner_id: str) -> None:
+        learner = by_job[job_of[learner_id]].pop(learner_id)
+        by_host[learner.host_id].discard(learner_id)
+        del job_of[learner_id]
+        planner.remove_learner(learner_id)
+
+    job_of: dict[str, str] = {}
+    ordered = sorted(events, key=lambda e: e.at)
+    for at, group in itertools.groupby(ordered, key=lambda e: e.at):
+        for event in group:
+            if isinstance(event, Submit):
+                job = replace(event.job, current=0, last_shrunk_at=None)
+                jobs[job.job_id] = job
+                planner.submit(job)
+            elif isinstance(event, Finish):
+                if jobs.pop(event.job_id, None) is not None:
+                    planner.remove_job(event.job_id)
+                for learner_id in list(by_job.get(event.job_id, ())):
+                    drop(learner_id)
+            elif isinstance(event, SetPriority):
+                jobs[event.job_id] = replace(jobs[event.job_id], priority=event.priority)
+                planner.update_job(jobs[event.job_id])
+            elif isinstance(event, HostDown):
+                views[event.host_id] = replace(views[event.host_id], state=HostState.LOST)
+                for learner_id in sorted(by_host.get(event.host_id, ())):
+                    drop(learner_id)
+                planner.put_host(views[event.host_id])
+            else:
+                views[event.host_id] = replace(views[event.host_id], state=HostState.READY)
+                planner.put_host(views[event.host_id])
+        for _ in range(100):
+            result = planner.decide(at)
+            rounds += 1
+            for retire in result.retires:
+                drop(retire.learner_id)  # exits at its next boundary, at once here
+                job = jobs.get(retire.job_id)
+                if job is not None:
+                    jobs[retire.job_id] = replace(job, last_shrunk_at=at)
+                    planner.update_job(jobs[retire.job_id])
+            for start in result.starts:
+                learner_id = f"{start.job_id}/l{next(ids)}"
+                learner = LearnerView(learner_id, start.job_id, start.host_id, start.device_id)
+                by_job.setdefault(start.job_id, {})[learner_id] = learner
+                by_host.setdefault(start.host_id, set()).add(learner_id)
+                job_of[learner_id] = start.job_id
+                planner.add_learner(learner)
+            starts += len(result.starts)
+            retires += len(result.retires)
+            if not result.decisions:
+                break
+        else:
+            raise RuntimeError(f"no fixed point after max_rounds (100) at {at}")
+        workers = {j: len(held) for j, held in sorted(by_job.items()) if held}
+        timeline.append(Sample(at, workers, result.queue))
+    return SimulationResult(tuple(timeline), rounds, starts, retires)

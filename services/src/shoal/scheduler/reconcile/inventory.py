@@ -1,5 +1,10 @@
 """The resource-manager's view the scheduler keeps: hosts and the allocation ledger, as
-WatchInventory last told them."""
+WatchInventory last told them.
+
+The placement views of the hosts (``host_views``) are cached per host and rebuilt only for the
+hosts an event changed (put, lost, an allocation made or released on it): a cycle no longer
+rebuilds 80,000 device views at 10,000 hosts x 8 GPUs when one host changed. Every change goes
+through the methods below (the hosts and the ledger are read, never written, elsewhere)."""
 
 from __future__ import annotations
 
@@ -22,6 +27,19 @@ class Inventory:
         self.hosts: dict[str, resources_pb2.Host] = {}
         self.ledger: dict[str, resources_pb2.Allocation] = {}
         self.synced = False
+        self._views: dict[str, HostView] = {}
+        self._stale: set[str] = set()  # hosts whose view must be rebuilt
+        self._allocs_on: dict[str, set[str]] = {}  # host -> ids of the allocations on it
+
+    def _index(self, allocation: resources_pb2.Allocation) -> None:
+        self._allocs_on.setdefault(allocation.host_id, set()).add(allocation.allocation_id)
+        self._stale.add(allocation.host_id)
+
+    def _unindex(self, allocation: resources_pb2.Allocation) -> None:
+        on_host = self._allocs_on.get(allocation.host_id)
+        if on_host is not None:
+            on_host.discard(allocation.allocation_id)
+        self._stale.add(allocation.host_id)
 
     def reset(
         self, hosts: Iterable[resources_pb2.Host], allocations: Iterable[resources_pb2.Allocation]
@@ -33,10 +51,16 @@ class Inventory:
             for device in host.devices:
                 if device.HasField("allocation") and device.allocation.allocation_id:
                     self.ledger.setdefault(device.allocation.allocation_id, device.allocation)
+        self._views = {}
+        self._allocs_on = {}
+        for a in self.ledger.values():
+            self._allocs_on.setdefault(a.host_id, set()).add(a.allocation_id)
+        self._stale = set(self.hosts)
         self.synced = True
 
     def put_host(self, host: resources_pb2.Host) -> None:
         self.hosts[host.host_id] = host
+        self._stale.add(host.host_id)
 
     def lose_host(self, host: resources_pb2.Host) -> None:
         known = self.hosts.get(host.host_id)
@@ -44,14 +68,21 @@ class Inventory:
         lost.CopyFrom(known if known is not None else host)
         lost.state = resources_pb2.HOST_STATE_LOST
         self.hosts[host.host_id] = lost
+        self._stale.add(host.host_id)
 
     def allocated(self, allocations: Iterable[resources_pb2.Allocation]) -> None:
         for a in allocations:
+            old = self.ledger.get(a.allocation_id)
+            if old is not None:
+                self._unindex(old)
             self.ledger[a.allocation_id] = a
+            self._index(a)
 
     def released(self, allocation_ids: Iterable[str]) -> None:
-        for a in allocation_ids:
-            self.ledger.pop(a, None)
+        for allocation_id in allocation_ids:
+            a = self.ledger.pop(allocation_id, None)
+            if a is not None:
+                self._unindex(a)
 
     def device(self, host_id: str, device_id: str) -> resources_pb2.Device | None:
         host = self.hosts.get(host_id)
@@ -60,20 +91,31 @@ class Inventory:
         return next((d for d in host.devices if d.device_id == device_id), None)
 
     def host_views(self) -> list[HostView]:
-        by_device = {(a.host_id, a.device_id): a.learner_id for a in self.ledger.values()}
-        views = []
-        for host in self.hosts.values():
-            if host.state == resources_pb2.HOST_STATE_LOST:
-                state = HostState.LOST
-            elif host.cordoned or host.draining:
-                state = HostState.CORDONED
+        """The placement view of every host: the cached ones, those an event changed rebuilt."""
+        for host_id in self._stale:
+            host = self.hosts.get(host_id)
+            if host is None:
+                self._views.pop(host_id, None)
             else:
-                state = HostState.READY
-            devices = []
-            for d in host.devices:
-                owner = by_device.get((host.host_id, d.device_id))
-                if owner is None and d.health == resources_pb2.DEVICE_HEALTH_UNHEALTHY:
-                    owner = "<unhealthy>"  # never free, not capacity
-                devices.append(DeviceView(d.device_id, owner))
-            views.append(HostView(host.host_id, tuple(devices), state))
-        return views
+                self._views[host_id] = self._view(host)
+        self._stale.clear()
+        return list(self._views.values())
+
+    def _view(self, host: resources_pb2.Host) -> HostView:
+        by_device = {}
+        for allocation_id in self._allocs_on.get(host.host_id, ()):
+            a = self.ledger[allocation_id]
+            by_device[a.device_id] = a.learner_id
+        if host.state == resources_pb2.HOST_STATE_LOST:
+            state = HostState.LOST
+        elif host.cordoned or host.draining:
+            state = HostState.CORDONED
+        else:
+            state = HostState.READY
+        devices = []
+        for d in host.devices:
+            owner = by_device.get(d.device_id)
+            if owner is None and d.health == resources_pb2.DEVICE_HEALTH_UNHEALTHY:
+                owner = "<unhealthy>"  # never free, not capacity
+            devices.append(DeviceView(d.device_id, owner))
+        return HostView(host.host_id, tuple(devices), state)
