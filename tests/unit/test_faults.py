@@ -31,6 +31,7 @@ print("WRITTEN", flush=True)
         ("", None),
         ("commit-partial@12", ("commit-partial", 12)),
         ("save-shard@0", ("save-shard", 0)),
+        ("raise-floor@23", ("raise-floor", 23)),
         ("stop-before-rename@/tmp/a@b/trigger", ("stop-before-rename", "/tmp/a@b/trigger")),
     ],
 )
@@ -39,7 +40,8 @@ def test_fault_values_parse_to_a_point_and_its_argument(value, parsed) -> None:
 
 
 @pytest.mark.parametrize(
-    "value", ["commit-partial", "save-shard@k", "stop-before-rename@", "explode@3", "@3"]
+    "value",
+    ["commit-partial", "save-shard@k", "raise-floor@-1", "stop-before-rename@", "explode@3", "@3"],
 )
 def test_a_malformed_fault_is_refused_naming_the_variable_and_the_value(value) -> None:
     with pytest.raises(ValueError, match=rf"SHOAL_TEST_FAULT \({value!r}\)"):

@@ -12,6 +12,12 @@ Points:
   and k + 1).
 * ``save-shard@<k>``: a shard asked to write its checkpoint file for iteration k SIGKILLs
   itself before it writes (a shard lost during a checkpoint write).
+* ``raise-floor@<k>``: the first SyncStep of global iteration k that reaches the shard finds
+  the shard's generation floor raised above the running generation (the held sums of the
+  iteration dropped, the floor set to the running generation + 1, as the SetCoordinator bug of
+  issue 12's livelock did), without the coordinator being told: the shard refuses the
+  iteration as stale until the coordinator's floor guard re-issues it above the floor
+  (docs/data-plane.md, "Generation floor drift"). Once per process.
 * ``stop-before-rename@<trigger file>``: armed while the trigger file exists and holds parts
   of a file's path (whitespace-separated, e.g. ``shard-1.safetensors`` or
   ``<job id>/ shard-1.safetensors``): the thread writing a file whose path contains every
@@ -30,16 +36,20 @@ import sys
 import threading
 from typing import NoReturn
 
-__all__ = ["ENV", "POINTS", "armed", "die", "parse", "stop_before_rename"]
+__all__ = ["ENV", "POINTS", "armed", "die", "fire_once", "parse", "stop_before_rename"]
 
 log = logging.getLogger("shoal.param_sync.faults")
 
 #: The points that kill the process at a global iteration.
 KILL_POINTS = frozenset({"commit-partial", "save-shard"})
+#: The point that raises a shard's generation floor at a global iteration (once).
+RAISE_FLOOR = "raise-floor"
+#: The points whose argument is a global iteration.
+ITERATION_POINTS = KILL_POINTS | {RAISE_FLOOR}
 #: The point that stops the process before a checkpoint file's rename (argument: a trigger
 #: file).
 STOP_BEFORE_RENAME = "stop-before-rename"
-POINTS = KILL_POINTS | {STOP_BEFORE_RENAME}
+POINTS = ITERATION_POINTS | {STOP_BEFORE_RENAME}
 ENV = "SHOAL_TEST_FAULT"
 
 
@@ -50,13 +60,13 @@ def parse(value: str) -> tuple[str, int | str] | None:
     if not value:
         return None
     point, _, at = value.partition("@")
-    if point in KILL_POINTS and at.isdigit():
+    if point in ITERATION_POINTS and at.isascii() and at.isdigit():
         return point, int(at)
     if point == STOP_BEFORE_RENAME and at:
         return point, at
     raise ValueError(
         f"{ENV} ({value!r}) must be <point>@<global iteration> with point one of "
-        f"{sorted(KILL_POINTS)}, or {STOP_BEFORE_RENAME}@<trigger file>"
+        f"{sorted(ITERATION_POINTS)}, or {STOP_BEFORE_RENAME}@<trigger file>"
     )
 
 
@@ -66,6 +76,18 @@ _ARMED = parse(os.environ.get(ENV, ""))
 def armed(point: str, iteration: int) -> bool:
     """Whether this process must die at ``point`` of ``iteration``."""
     return _ARMED is not None and _ARMED == (point, iteration)
+
+
+_FIRED: set[tuple[str, int]] = set()
+
+
+def fire_once(point: str, iteration: int) -> bool:
+    """Whether this process reaches ``point`` of ``iteration`` armed, the first time only."""
+    if not armed(point, iteration) or (point, iteration) in _FIRED:
+        return False
+    _FIRED.add((point, iteration))
+    log.warning("test fault %s at iteration %d", point, iteration)
+    return True
 
 
 def die(point: str) -> NoReturn:
