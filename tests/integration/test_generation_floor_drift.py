@@ -77,7 +77,8 @@ def test_a_shards_floor_raised_above_the_running_generation_is_reissued_above_an
     assert_matches_reference(plane.final_model(job), epochs)
     for name, proc in learners.items():
         steps = [r["step"] for r in plane.history(name)["history"]]
-        assert steps == list(range(total)), (name, steps)  # none lost, none run twice
+        # none lost, none run twice (a learner that joined late starts after 0)
+        assert steps == list(range(steps[0], total)) and steps[0] <= at, (name, steps)
         aborted = proc.text().count("aborted; waiting for it to be re-issued")
         assert 1 <= aborted < 10, (name, aborted, proc.text()[-3000:])
         assert "ERROR_REASON_STALE_GENERATION" in proc.text()
