@@ -69,7 +69,7 @@ class FloorGuard:
                 return
             job.floor_checked[i] = (generation, now)
             floors = await self._floors_of(job, [i])
-            log.info(
+            log.debug(
                 "job %s: learner %s reports shard %d refused generation %d as stale (floor %d); "
                 "the shard says its floor is %s",
                 coord.job_id,
@@ -105,6 +105,8 @@ class FloorGuard:
         coord = job.coord
         async with job.cond:
             if self._coordinated.get(coord.job_id) is not job or job.deposed:
+                return
+            if coord.recovery is not None:  # a shard is being recovered: its end re-freezes
                 return
             generation = coord.generation
             decision = decide_on_floors(generation=generation, epoch=job.epoch, floors=floors)
