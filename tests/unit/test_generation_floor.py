@@ -15,9 +15,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc import aio
 
 from shoal.contract.errors import GENERATION_FLOOR_METADATA_KEY, decode_rpc_error
 from shoal.contract.wire import TensorMeta, pack_layout
+from shoal.learner.grpc_calls import _refusal_of, _Shard
 from shoal.param_sync.coordinator import (
     Action,
     Coordinator,
@@ -324,3 +326,22 @@ async def test_a_floor_of_a_later_epoch_is_never_jumped_to_and_said_once(tmp_pat
         assert len(said) == 1 and f"shard 0 is at generation {E1} of coordinator epoch 1" in said[0]
     finally:
         await servicer.close()
+
+
+def _rpc_error(*trailers: tuple[str, str]) -> aio.AioRpcError:
+    return aio.AioRpcError(
+        grpc.StatusCode.FAILED_PRECONDITION, aio.Metadata(), aio.Metadata(*trailers), "stale"
+    )
+
+
+def test_a_learner_passes_a_shards_floor_on_with_its_next_boundary():
+    shard = _Shard(index=1, address="127.0.0.1:7301", tensors=[])
+    stale = ("shoal-error-reason", "ERROR_REASON_STALE_GENERATION")
+    floor = (GENERATION_FLOOR_METADATA_KEY, str(E1 + 24))
+    assert _refusal_of(_rpc_error(stale, floor), shard) == ps_pb2.StaleRefusal(
+        shard_index=1, generation_floor=E1 + 24
+    )
+    assert _refusal_of(_rpc_error(stale), shard) is None  # no floor said (not a member)
+    other = ("shoal-error-reason", "ERROR_REASON_WRONG_STATE")
+    assert _refusal_of(_rpc_error(other, floor), shard) is None
+    assert _refusal_of(_rpc_error(stale, floor), None) is None  # which shard is not known
