@@ -534,7 +534,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         between iterations the next freeze continues from it. Returns the abort to deliver.
         Nothing changes (None) for a generation not above the current one, in collective mode
         (no shard keeps a floor), or while every shard is ready for the running iteration (it
-        commits; the next freeze is then re-checked by the caller)."""
+        commits first; a floor still above is acted on at the next report or probe)."""
         if generation <= self.generation or self.collective:
             return None
         if not (self.running and self.members):
