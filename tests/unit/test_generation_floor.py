@@ -213,10 +213,14 @@ def test_a_malformed_floor_trailer_is_no_floor(value):
 # -- the servicer's guard (local path, no servers) --------------------------------------------
 
 
-def _servicer_with_a_drift(tmp_path: Path) -> tuple[ParameterSyncServicer, _CoordinatedJob]:
+def _servicer_with_a_drift(
+    tmp_path: Path, probe_s: float = 1.0
+) -> tuple[ParameterSyncServicer, _CoordinatedJob]:
     """Shard 0 coordinates a one-shard job running iteration 0 in generation g; its own slice
     accepts generations from g (no drift yet)."""
-    servicer = ParameterSyncServicer(ShardOptions(shard_index=0, storage_uri=tmp_path.as_uri()))
+    servicer = ParameterSyncServicer(
+        ShardOptions(shard_index=0, storage_uri=tmp_path.as_uri(), shard_probe_s=probe_s)
+    )
     coord = _running(num_shards=1)
     job = _CoordinatedJob(coord)
     servicer._coordinated[coord.job_id] = job
@@ -264,6 +268,24 @@ async def test_a_drifted_floor_reported_by_a_learner_is_checked_and_the_iteratio
         assert a is not None and a.generation == g + 1
         sj.check_iteration(a.generation, 0)  # the shard takes the re-issued generation
     finally:
+        await servicer.close()
+
+
+async def test_the_watchdog_finds_a_drift_no_learner_reported(tmp_path: Path):
+    servicer, job = _servicer_with_a_drift(tmp_path, probe_s=0.1)
+    coord, sj = job.coord, servicer._slices[job.coord.job_id].job
+    g = coord.generation
+    sj.min_generation = g + 5  # drifted; the learners (old ones) send no report
+    watchdog = asyncio.create_task(servicer._watch_shards(job))
+    try:
+        for _ in range(300):
+            if coord.generation != g:
+                break
+            await asyncio.sleep(0.02)
+        assert coord.generation == g + 5 and coord.running and coord.completed == 0
+        await _settled(job)
+    finally:
+        watchdog.cancel()
         await servicer.close()
 
 
