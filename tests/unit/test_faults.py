@@ -32,6 +32,7 @@ print("WRITTEN", flush=True)
         ("commit-partial@12", ("commit-partial", 12)),
         ("save-shard@0", ("save-shard", 0)),
         ("stop-after-vote@7", ("stop-after-vote", 7)),
+        ("raise-floor@23", ("raise-floor", 23)),
         ("stop-before-rename@/tmp/a@b/trigger", ("stop-before-rename", "/tmp/a@b/trigger")),
     ],
 )
@@ -45,6 +46,7 @@ def test_fault_values_parse_to_a_point_and_its_argument(value, parsed) -> None:
         "commit-partial",
         "save-shard@k",
         "stop-after-vote@",
+        "raise-floor@-1",
         "stop-before-rename@",
         "explode@3",
         "@3",

@@ -25,6 +25,9 @@ from typing import Any
 
 REASON_METADATA_KEY = "shoal-error-reason"
 LEADER_METADATA_KEY = "shoal-leader"
+#: A parameter-sync shard's refusal of a stale generation carries the lowest generation it
+#: accepts (its generation floor), as a decimal integer (:class:`StaleGeneration`).
+GENERATION_FLOOR_METADATA_KEY = "shoal-generation-floor"
 
 #: The names of ``shoal.v1.ErrorReason`` (protos/shoal/v1/errors.proto); a unit test keeps this
 #: set equal to the enum, so a typo in a ``reason`` fails at once without importing protobuf.
@@ -253,7 +256,15 @@ class StaleCoordinator(FailedPrecondition):
 
 
 class StaleGeneration(FailedPrecondition):
+    """A generation (or learner) that is no longer current. ``floor``: when a parameter-sync
+    shard refuses a contribution below its generation floor, the lowest generation it accepts
+    (sent in the ``shoal-generation-floor`` trailer, :data:`GENERATION_FLOOR_METADATA_KEY`)."""
+
     reason = "ERROR_REASON_STALE_GENERATION"
+
+    def __init__(self, message: str, *, floor: int | None = None) -> None:
+        super().__init__(message)
+        self.floor = floor
 
 
 class DeviceBusy(FailedPrecondition):
@@ -358,13 +369,16 @@ class RpcErrorInfo:
     """What a failed call said. ``code`` is the call's status code as the library gave it
     (a ``grpc.StatusCode``), ``code_name`` its name (``"UNKNOWN"`` when absent); ``reason`` the
     ``ErrorReason`` name from ``shoal-error-reason`` (``""`` when the server sent none);
-    ``leader`` the address from ``shoal-leader`` (``""`` when none); ``message`` the details."""
+    ``leader`` the address from ``shoal-leader`` (``""`` when none); ``message`` the details;
+    ``generation_floor`` the refusing shard's floor from ``shoal-generation-floor`` (None when
+    absent or not a non-negative integer)."""
 
     code: Any
     code_name: str
     reason: str
     leader: str
     message: str
+    generation_floor: int | None = None
 
 
 def _text(value: object) -> str:
@@ -385,4 +399,13 @@ def decode_rpc_error(exc: Any) -> RpcErrorInfo:
         reason=trailers.get(REASON_METADATA_KEY, ""),
         leader=trailers.get(LEADER_METADATA_KEY, ""),
         message=exc.details() or "",
+        generation_floor=_floor(trailers.get(GENERATION_FLOOR_METADATA_KEY, "")),
     )
+
+
+def _floor(text: str) -> int | None:
+    """A ``shoal-generation-floor`` trailer's value (None when absent or malformed: a hint,
+    never trusted for more than that)."""
+    if not text.isascii() or not text.isdigit() or len(text) > 20:
+        return None
+    return int(text)

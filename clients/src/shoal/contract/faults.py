@@ -20,6 +20,12 @@ Points:
   the first learner's commit vote for iteration k has arrived and before the last one (k not
   committed), so that the test can SIGKILL it with a vote in flight (the successor's "run k
   again" path, tests/integration/test_collective_coordinator_failover.py).
+* ``raise-floor@<k>``: the first SyncStep of global iteration k that reaches the shard finds
+  the shard's generation floor raised above the running generation (the held sums of the
+  iteration dropped, the floor set to the running generation + 1, as the SetCoordinator bug of
+  issue 12's livelock did), without the coordinator being told: the shard refuses the
+  iteration as stale until the coordinator's floor guard re-issues it above the floor
+  (docs/data-plane.md, "Generation floor drift"). Once per process.
 * ``stop-before-rename@<trigger file>``: armed while the trigger file exists and holds parts
   of a file's path (whitespace-separated, e.g. ``shard-1.safetensors`` or
   ``<job id>/ shard-1.safetensors``): the thread writing a file whose path contains every
@@ -44,10 +50,12 @@ from typing import NoReturn
 __all__ = [
     "ENV",
     "POINTS",
+    "RAISE_FLOOR",
     "STOP_AFTER_VOTE",
     "STOP_BEFORE_RENAME",
     "armed",
     "die",
+    "fire_once",
     "parse",
     "stop",
     "stop_before_rename",
@@ -55,10 +63,13 @@ __all__ = [
 
 log = logging.getLogger("shoal.faults")
 
-#: The points at a global iteration: the first two kill the process, the last stops it.
+#: The points at a global iteration that kill the process.
 KILL_POINTS = frozenset({"commit-partial", "save-shard"})
 STOP_AFTER_VOTE = "stop-after-vote"
-ITERATION_POINTS = KILL_POINTS | {STOP_AFTER_VOTE}
+#: The point that raises a shard's generation floor at a global iteration (once).
+RAISE_FLOOR = "raise-floor"
+#: The points whose argument is a global iteration.
+ITERATION_POINTS = KILL_POINTS | {STOP_AFTER_VOTE, RAISE_FLOOR}
 #: The point that stops the process before a checkpoint file's rename (argument: a trigger
 #: file).
 STOP_BEFORE_RENAME = "stop-before-rename"
@@ -73,7 +84,7 @@ def parse(value: str) -> tuple[str, int | str] | None:
     if not value:
         return None
     point, _, at = value.partition("@")
-    if point in ITERATION_POINTS and at.isdigit():
+    if point in ITERATION_POINTS and at.isascii() and at.isdigit():
         return point, int(at)
     if point == STOP_BEFORE_RENAME and at:
         return point, at
@@ -89,6 +100,18 @@ _ARMED = parse(os.environ.get(ENV, ""))
 def armed(point: str, iteration: int) -> bool:
     """Whether this process must fail at ``point`` of ``iteration``."""
     return _ARMED is not None and _ARMED == (point, iteration)
+
+
+_FIRED: set[tuple[str, int]] = set()
+
+
+def fire_once(point: str, iteration: int) -> bool:
+    """Whether this process reaches ``point`` of ``iteration`` armed, the first time only."""
+    if not armed(point, iteration) or (point, iteration) in _FIRED:
+        return False
+    _FIRED.add((point, iteration))
+    log.warning("test fault %s at iteration %d", point, iteration)
+    return True
 
 
 def die(point: str) -> NoReturn:

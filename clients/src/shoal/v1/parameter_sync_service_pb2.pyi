@@ -780,6 +780,7 @@ class BoundaryRequest(_message.Message):
     CHECKPOINT_FILE_FIELD_NUMBER: _builtins.int
     METRIC_SUMS_FIELD_NUMBER: _builtins.int
     METRIC_SAMPLES_FIELD_NUMBER: _builtins.int
+    STALE_REFUSAL_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     learner_id: _builtins.str
@@ -812,6 +813,15 @@ class BoundaryRequest(_message.Message):
         sample-weighted mean).
         """
 
+    @_builtins.property
+    def stale_refusal(self) -> Global___StaleRefusal:
+        """PARAMETER_SERVER only: a shard refused this learner's SyncStep of `generation` as stale
+        (ERROR_REASON_STALE_GENERATION) and said its generation floor (the trailer
+        `shoal-generation-floor`). A hint: the coordinator asks that shard for its floor itself
+        and, when the floor is above its generation within its own coordinator epoch, re-issues
+        the running iteration at the floor (docs/data-plane.md, "Generation floor drift").
+        """
+
     def __init__(
         self,
         *,
@@ -825,14 +835,41 @@ class BoundaryRequest(_message.Message):
         checkpoint_file: Global___CheckpointFile | None = ...,
         metric_sums: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         metric_samples: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        stale_refusal: Global___StaleRefusal | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_file", b"checkpoint_file"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_file", b"checkpoint_file", "stale_refusal", b"stale_refusal"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_file", b"checkpoint_file", "completed_iteration", b"completed_iteration", "generation", b"generation", "iteration_failed", b"iteration_failed", "job_id", b"job_id", "learner_id", b"learner_id", "loss_sum", b"loss_sum", "metric_samples", b"metric_samples", "metric_sums", b"metric_sums", "num_samples", b"num_samples"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_file", b"checkpoint_file", "completed_iteration", b"completed_iteration", "generation", b"generation", "iteration_failed", b"iteration_failed", "job_id", b"job_id", "learner_id", b"learner_id", "loss_sum", b"loss_sum", "metric_samples", b"metric_samples", "metric_sums", b"metric_sums", "num_samples", b"num_samples", "stale_refusal", b"stale_refusal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BoundaryRequest: _TypeAlias = BoundaryRequest  # noqa: Y015
+
+@_typing.final
+class StaleRefusal(_message.Message):
+    """StaleRefusal says which shard refused a learner's SyncStep as stale, and at which floor."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_INDEX_FIELD_NUMBER: _builtins.int
+    GENERATION_FLOOR_FIELD_NUMBER: _builtins.int
+    shard_index: _builtins.int
+    """The refusing shard's index."""
+    generation_floor: _builtins.int
+    """The lowest generation that shard accepts, as its refusal said."""
+    def __init__(
+        self,
+        *,
+        shard_index: _builtins.int = ...,
+        generation_floor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation_floor", b"generation_floor", "shard_index", b"shard_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StaleRefusal: _TypeAlias = StaleRefusal  # noqa: Y015
 
 @_typing.final
 class BoundaryResponse(_message.Message):
@@ -1756,22 +1793,28 @@ class GetShardStatusResponse(_message.Message):
     HOLDS_JOB_FIELD_NUMBER: _builtins.int
     INITIALIZED_FIELD_NUMBER: _builtins.int
     COMPLETED_ITERATIONS_FIELD_NUMBER: _builtins.int
+    GENERATION_FLOOR_FIELD_NUMBER: _builtins.int
     holds_job: _builtins.bool
     """True when the shard holds a configured slice of the job."""
     initialized: _builtins.bool
     """True when that slice holds parameters (initialized or loaded)."""
     completed_iterations: _builtins.int
     """The number of iterations the slice has stepped (or loaded), -1 without a slice."""
+    generation_floor: _builtins.int
+    """The lowest generation the slice accepts contributions of (its generation floor); 0
+    without a slice.
+    """
     def __init__(
         self,
         *,
         holds_job: _builtins.bool = ...,
         initialized: _builtins.bool = ...,
         completed_iterations: _builtins.int = ...,
+        generation_floor: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "holds_job", b"holds_job", "initialized", b"initialized"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "generation_floor", b"generation_floor", "holds_job", b"holds_job", "initialized", b"initialized"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

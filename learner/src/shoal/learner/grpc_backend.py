@@ -71,6 +71,7 @@ from shoal.learner.grpc_calls import (
     _bytes_of,
     _copy_sink,
     _cpu,
+    _refusal_of,
     _Shard,
     _shard_lost,
     _translate,
@@ -147,6 +148,10 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
         # A shard refused this learner's generation: the coordinator that issued it may have
         # been replaced (and fenced); the next control call asks the shards first.
         self._recheck_coordinator = False
+        # A shard refused this learner's SyncStep as stale and said its generation floor: the
+        # next Boundary tells the coordinator (which re-issues the iteration above the floor if
+        # it drifted above its generation; docs/data-plane.md, "Generation floor drift").
+        self._stale_refusal: ps_pb2.StaleRefusal | None = None
         # The coordinator moved (FindCoordinator named a newer one): Join it before any other
         # control call; and which shard the next liveness probe asks (shoal.learner.liveness).
         self._rejoin = False
@@ -373,6 +378,9 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
 
     async def _boundary(self, md: Any = None) -> ps_pb2.BoundaryResponse:
         request = self._boundary_request(*self._report)
+        refusal, self._stale_refusal = self._stale_refusal, None
+        if refusal is not None:
+            request.stale_refusal.CopyFrom(refusal)
         reply = await self._control("Boundary", request, md)
         if reply.routing_epoch > self._routing_epoch and reply.shards:
             # A lost shard's slice moved to its backup: send and pull there from now on.
@@ -624,6 +632,7 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
             error = _translate(exc)
             if isinstance(error, LearnerEvicted):
                 self._recheck_coordinator = True  # a stale generation: was it a fenced one's?
+                self._stale_refusal = _refusal_of(exc, failed.get(id(exc)))
             lost = _shard_lost(exc)
             if lost:
                 await asyncio.sleep(_SHARD_LOST_PAUSE_S)

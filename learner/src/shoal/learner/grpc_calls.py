@@ -132,6 +132,20 @@ def _why(exc: aio.AioRpcError, shard: _Shard | None) -> str:
     return f"{where}: {exc.code().name} {reason}: {exc.details() or ''}"
 
 
+def _refusal_of(exc: aio.AioRpcError, shard: _Shard | None) -> ps_pb2.StaleRefusal | None:
+    """A shard's refusal of this learner's SyncStep as stale, with the generation floor it
+    said (the ``shoal-generation-floor`` trailer), for the next Boundary; None when the
+    refusal says no floor (the learner is not a member, or an older shard)."""
+    info = decode_rpc_error(exc)
+    if (
+        shard is None
+        or info.reason != "ERROR_REASON_STALE_GENERATION"
+        or info.generation_floor is None
+    ):
+        return None
+    return ps_pb2.StaleRefusal(shard_index=shard.index, generation_floor=info.generation_floor)
+
+
 def _translate(exc: aio.AioRpcError) -> Exception:
     """Map a failed call to the learner's exceptions."""
     code = exc.code()

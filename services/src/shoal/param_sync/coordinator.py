@@ -525,6 +525,31 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         self._touch()
         return True
 
+    def reissue_at(self, generation: int) -> ResolveTask | None:
+        """A shard's generation floor drifted above this coordinator's generation, so it
+        refuses every contribution of the running iteration as stale: continue in
+        ``generation`` (at or above that floor, within this coordinator's epoch:
+        ``generation_floor.decide_on_floors``). A running iteration is aborted (no shard
+        stepped it) and re-issued to the same members (plus ready joiners) in ``generation``;
+        between iterations the next freeze continues from it. Returns the abort to deliver.
+        Nothing changes (None) for a generation not above the current one, in collective mode
+        (no shard keeps a floor), or while every shard is ready for the running iteration (it
+        commits first; a floor still above is acted on at the next report or probe)."""
+        if generation <= self.generation or self.collective:
+            return None
+        if not (self.running and self.members):
+            self.generation = generation
+            self._touch()
+            return None
+        if self.sharding is not None and len(self.ready_shards) >= self.sharding.active_shards:
+            return None
+        k, g = self.completed, self.generation
+        self.generation = generation - 1
+        self._admit(list(self.members), new_generation=True)
+        task = ResolveTask(g, k, commit=False)
+        self._hold(task)
+        return task
+
     def membership(self, generation: int) -> tuple[tuple[str, ...], int]:
         """Members and iteration of ``generation`` (for shards validating contributions)."""
         if generation < self.generation:

@@ -19,6 +19,12 @@ metric                                      labels  meaning
 ``shoal_sync_lane_streams_total``           job_id  SyncSteps whose bytes came through the
                                                     same-host shared-memory lane, per
                                                     shard (the others came as gRPC chunks)
+``shoal_sync_generation_drifts_total``      job_id  times the job's coordinator found a
+                                                    shard's generation floor above its
+                                                    generation and re-issued the running
+                                                    iteration above it (docs/data-plane.md,
+                                                    "Generation floor drift"); 0 unless
+                                                    something is wrong
 ==========================================  ======  ======================================
 
 A shard has no leadership: every shard reports the rounds it served; only a job's
@@ -63,6 +69,11 @@ class SyncMetrics:
             "shoal_sync_lane_streams",
             description="SyncSteps whose bytes came through the same-host shared-memory lane",
         )
+        self._drift = m.create_counter(
+            "shoal_sync_generation_drifts",
+            description="Times the job's coordinator found a shard's generation floor above "
+            "its generation and re-issued the running iteration above it",
+        )
         # (job, generation, iteration) -> when its first contribution arrived on this shard
         self._started: dict[tuple[str, int, int], float] = {}
 
@@ -84,6 +95,10 @@ class SyncMetrics:
     def iteration_committed(self, job_id: str) -> None:
         """The coordinator delivered an iteration's commit to every shard of the job."""
         self._committed.add(1, {"job_id": job_id})
+
+    def generation_drift(self, job_id: str) -> None:
+        """The coordinator re-issued an iteration above a shard's drifted generation floor."""
+        self._drift.add(1, {"job_id": job_id})
 
     def lane_stream(self, job_id: str) -> None:
         """A SyncStep's bytes came through the same-host lane."""

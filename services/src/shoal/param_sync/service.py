@@ -53,6 +53,7 @@ from shoal.param_sync.servicer_common import (
     _ShardSlice,
 )
 from shoal.param_sync.servicer_data import DataHandlers
+from shoal.param_sync.servicer_floor import FloorGuard
 from shoal.param_sync.servicer_jobs import JobHandlers
 from shoal.param_sync.servicer_learners import LearnerHandlers
 from shoal.param_sync.servicer_peers import PeerHandlers, decode_replicate
@@ -238,6 +239,7 @@ class ParameterSyncServicer(
     LearnerHandlers,
     CollectiveTakeoverHandlers,
     CoordinatorTasks,
+    FloorGuard,
     DataHandlers,
     PeerHandlers,
     LaneHandlers,

@@ -70,6 +70,12 @@ class _CoordinatedJob:
     checkpoint_error: str = ""
     # Iteration records whose write to metrics/iterations.jsonl failed: written first next time.
     unwritten_metrics: list[dict[str, Any]] = field(default_factory=list)
+    # The generation floor guard (servicer_floor.py): one check at a time; per shard, the
+    # coordinator generation and time of its last check on a learner's report; the (shard,
+    # epoch) of floors of a later coordinator epoch already logged.
+    floor_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    floor_checked: dict[int, tuple[int, float]] = field(default_factory=dict)
+    foreign_floors: set[tuple[int, int]] = field(default_factory=set)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from shoal.contract.wire import Frame, encode_header
+from shoal.contract import faults
 from shoal.param_sync.authz import authorize
 from shoal.param_sync.servicer_common import (
     _aborted,
@@ -94,6 +95,8 @@ class DataHandlers:
             g, k, learner = header.generation, header.iteration, header.sender_id
             if header.num_samples < 0:
                 raise InvalidField("header.num_samples", header.num_samples, "must be >= 0")
+            if k == sj.completed and faults.fire_once(faults.RAISE_FLOOR, k):
+                await self._raise_floor_for_test(part, g, k)
             sj.check_iteration(g, k)
             self.metrics.round_started(header.job_id, g, k)
             members = await self._members(part, g)
@@ -135,6 +138,21 @@ class DataHandlers:
         yield encode_header(ps_pb2.SyncStepResponse, encoded.header)
         for i in range(encoded.count):
             yield encoded.chunk(i)
+
+    async def _raise_floor_for_test(self: _S, part: _ShardSlice, generation: int, k: int) -> None:
+        """The test fault ``raise-floor`` (``faults.py``): drop iteration k's sums and raise the
+        floor above the running generation, telling no one (a drift the guard must undo)."""
+        sj = part.job
+        await self._compute(sj.abort, generation, k)
+        self._fail_superseded(part)
+        log.warning(
+            "test fault raise-floor: shard %d's generation floor raised to %d (iteration %d runs "
+            "in generation %d)",
+            sj.shard_index,
+            sj.min_generation,
+            k,
+            generation,
+        )
 
     async def _members(self: _S, part: _ShardSlice, generation: int) -> frozenset[str]:
         """The members of ``generation`` (asked from the coordinator once: a generation's

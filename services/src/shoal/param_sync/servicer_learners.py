@@ -160,6 +160,8 @@ class LearnerHandlers:
         user = check_user_metrics(request.metric_sums, request.metric_samples)
         job = self._job(request.job_id)
         coord = job.coord
+        if request.HasField("stale_refusal"):  # a shard refused its SyncStep as stale
+            await self._stale_refusal(job, request.stale_refusal, request.learner_id)
         async with job.cond:
             if request.iteration_failed:
                 if coord.fail(request.learner_id, request.generation):

@@ -400,6 +400,7 @@ class PeerHandlers:
             holds_job=True,
             initialized=part.job.initialized,
             completed_iterations=part.job.completed,
+            generation_floor=part.job.min_generation,
         )
 
 

@@ -130,7 +130,9 @@ class CoordinatorTasks:
     async def _watch_shards(self: _S, job: _CoordinatedJob) -> None:
         """Probe the other shards of a parameter-server job every ``shard_probe_s``: a shard
         that answers without its slice (it restarted), or misses ``shard_probe_misses``
-        probes in a row, starts a recovery (:meth:`Coordinator.shard_lost`)."""
+        probes in a row, starts a recovery (:meth:`Coordinator.shard_lost`); a generation
+        floor above the coordinator's generation (its own slice's included) is acted on by the
+        floor guard (:meth:`~shoal.param_sync.servicer_floor.FloorGuard._apply_floors`)."""
         coord = job.coord
         misses: dict[int, int] = {}
         while self._coordinated.get(coord.job_id) is job and not coord.done:
@@ -142,8 +144,10 @@ class CoordinatorTasks:
                 or coord.recovery is not None
             ):
                 continue
+            floors: dict[int, int] = {}
             for i in self._active(coord):
                 if i == self.options.shard_index:
+                    floors.update(await self._floors_of(job, [i]))
                     continue
                 reason = ""
                 before = (coord.completed, coord.commit_in_flight)
@@ -159,6 +163,8 @@ class CoordinatorTasks:
                     continue
                 else:
                     misses[i] = 0
+                    if status.holds_job and status.initialized:
+                        floors[i] = int(status.generation_floor)
                     if not status.holds_job or not status.initialized:
                         reason = "lost its state (restarted)"
                     elif (
@@ -177,6 +183,10 @@ class CoordinatorTasks:
                             self._kick(job)
                             job.cond.notify_all()
                     break
+            else:
+                # A shard whose floor drifted above the coordinator's generation refuses every
+                # contribution: re-issue above it (servicer_floor.py).
+                await self._apply_floors(job, floors)
 
     async def _restore_from_replicas(self: _S, job: _CoordinatedJob, task: RecoverTask) -> bool:
         """Restore the lost shard from the replicas: its own slice from its backup, the

@@ -308,7 +308,8 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
         if generation < self.min_generation:
             raise StaleGeneration(
                 f"generation ({generation}) is stale: shard {self.shard_index} of job "
-                f"{self.job_id!r} is at generation {self.min_generation}"
+                f"{self.job_id!r} is at generation {self.min_generation}",
+                floor=self.min_generation,
             )
         if iteration != self.completed:
             raise StaleGeneration(

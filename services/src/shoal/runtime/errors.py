@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from shoal.contract.errors import (
+    GENERATION_FLOOR_METADATA_KEY,
     LEADER_METADATA_KEY,
     REASON_METADATA_KEY,
     Aborted,
@@ -57,6 +58,7 @@ __all__ = [
     "BASE_TABLE",
     "DEFAULT_TABLE",
     "FOREIGN_REASONS",
+    "GENERATION_FLOOR_METADATA_KEY",
     "LEADER_METADATA_KEY",
     "REASON_METADATA_KEY",
     "Aborted",
@@ -161,6 +163,8 @@ class ErrorTable:
                     metadata.append((REASON_METADATA_KEY, FOREIGN_REASONS[klass]))
             if isinstance(exc, NotLeader) and exc.leader:
                 metadata.append((LEADER_METADATA_KEY, exc.leader))
+            if isinstance(exc, StaleGeneration) and exc.floor is not None:
+                metadata.append((GENERATION_FLOOR_METADATA_KEY, str(int(exc.floor))))
             return MappedError(code, message, tuple(metadata))
         return None
 
