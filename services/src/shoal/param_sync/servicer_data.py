@@ -11,8 +11,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from shoal.contract.wire import Frame, encode_header
 from shoal.contract import faults
+from shoal.contract.wire import Frame, encode_header
 from shoal.param_sync.authz import authorize
 from shoal.param_sync.servicer_common import (
     _aborted,
