@@ -17,4 +17,6 @@ part of the contract:
 * ``keys`` -- the etcd key schema: every prefix under ``/shoal/v1/`` (elections, auth, the
   scheduler's and the resource manager's state, shard registrations, moved coordinators).
 * ``environment`` -- the names of the ``SHOAL_*`` variables a learner is given and reads.
+* ``batch_schedule`` -- the sample positions of a job whose global batch changes (the opt-in
+  adaptive batch) and the learning-rate rules that follow the batch.
 """

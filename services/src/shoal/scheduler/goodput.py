@@ -33,6 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from shoal.scheduler.adaptive_batch import AdaptiveBounds, choose_batch
 from shoal.scheduler.policy import JobDemand
 from shoal.scheduler.throughput import (
     PRIOR,
@@ -168,11 +169,18 @@ class GoodputTracker:
         track.anchor = point
 
     def observe_job(self, job: job_pb2.Job, progress: job_pb2.JobProgress, now: float) -> None:
-        """The reconcile loop's hook: observe a poll of ``job`` and set ``job.throughput``."""
+        """The reconcile loop's hook: observe a poll of ``job`` and set ``job.throughput``
+        (and, when its spec opts in to the adaptive batch, ``job.adaptive_batch_size``: the
+        batch ``shoal.scheduler.adaptive_batch`` picks at its target world size)."""
         self.observe(job.job_id, job.spec.batch_size, progress, now)
         model = self.describe(job.job_id, job.spec.max_workers)
         if model is not None:
             job.throughput.CopyFrom(model)
+        bounds = AdaptiveBounds.of(job.spec)
+        track = self._jobs.get(job.job_id)
+        if bounds is not None and track is not None:
+            world = job.target_workers or progress.world_size or 1
+            job.adaptive_batch_size = choose_batch(track.model.curve(), world, bounds)
 
     def annotate(self, demands: Sequence[JobDemand]) -> list[JobDemand]:
         """``demands`` with each job's predicted curve, attained service and rescale pause

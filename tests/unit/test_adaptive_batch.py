@@ -1,0 +1,265 @@
+"""The opt-in adaptive batch: the spec's validation, the scheduler's choice of the batch
+(shoal.scheduler.adaptive_batch), the sample positions across batch changes and the
+learning-rate rules (shoal.contract.batch_schedule)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from shoal.contract.batch_schedule import (
+    BatchRule,
+    BatchSchedule,
+    Segment,
+    scaled_learning_rate,
+)
+from shoal.learner import partition
+from shoal.runtime.auth import Principal, Role
+from shoal.runtime.errors import InvalidField
+from shoal.scheduler.adaptive_batch import (
+    AdaptiveBounds,
+    choose_batch,
+    efficiency,
+    goodput,
+    iteration_time,
+)
+from shoal.scheduler.goodput import GoodputTracker
+from shoal.scheduler.jobs import validate_spec
+from shoal.scheduler.throughput import ThroughputCurve
+from shoal.v1 import job_pb2
+
+ALICE = Principal("alice", Role.USER)
+LINEAR = job_pb2.BATCH_SCALING_RULE_LINEAR
+SQRT = job_pb2.BATCH_SCALING_RULE_SQRT
+
+
+def spec(batch: int = 64, lo: int = 32, hi: int = 512, rule: int = LINEAR) -> job_pb2.JobSpec:
+    return job_pb2.JobSpec(
+        name="mnist",
+        entry_point="train.py",
+        artifact_id="ab" * 32,
+        batch_size=batch,
+        epochs=2,
+        max_workers=4,
+        adaptive_batch=job_pb2.AdaptiveBatch(min_global_batch=lo, max_global_batch=hi, rule=rule),
+    )
+
+
+# -- validation at submit ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field_name", "value_text"),
+    [
+        ({"lo": 0}, "spec.adaptive_batch.min_global_batch", "(0)"),
+        ({"lo": -4}, "spec.adaptive_batch.min_global_batch", "(-4)"),
+        ({"lo": 64, "hi": 48}, "spec.adaptive_batch.max_global_batch", "(48)"),
+        ({"hi": (1 << 20) + 1}, "spec.adaptive_batch.max_global_batch", "(1048577)"),
+        ({"batch": 16}, "spec.batch_size", "(16)"),
+        ({"batch": 1024}, "spec.batch_size", "(1024)"),
+        ({"rule": job_pb2.BATCH_SCALING_RULE_UNSPECIFIED}, "spec.adaptive_batch.rule", "(0)"),
+        ({"rule": 9}, "spec.adaptive_batch.rule", "(9)"),
+    ],
+)
+def test_a_bad_adaptive_batch_is_refused_naming_the_field_and_value(
+    kwargs: dict[str, int], field_name: str, value_text: str
+) -> None:
+    raw = spec(**kwargs)
+    before = raw.SerializeToString(deterministic=True)
+    with pytest.raises(InvalidField) as caught:
+        validate_spec(raw, principal=ALICE)
+    assert caught.value.field_name == field_name
+    assert str(caught.value).startswith(f"{field_name} {value_text}")
+    assert raw.SerializeToString(deterministic=True) == before  # nothing changed
+
+
+def test_a_valid_adaptive_batch_is_kept_and_a_spec_without_one_stays_without() -> None:
+    clean = validate_spec(spec(batch=64, lo=64, hi=64, rule=SQRT), principal=ALICE)
+    assert clean.HasField("adaptive_batch")
+    assert (clean.adaptive_batch.min_global_batch, clean.adaptive_batch.max_global_batch) == (
+        64,
+        64,
+    )
+    plain = job_pb2.JobSpec()
+    plain.CopyFrom(spec())
+    plain.ClearField("adaptive_batch")
+    assert not validate_spec(plain, principal=ALICE).HasField("adaptive_batch")
+    assert AdaptiveBounds.of(plain) is None
+
+
+# -- the scheduler's choice -------------------------------------------------------------------
+
+SYNC_BOUND = ThroughputCurve(overhead=0.01, compute=0.1, sync=0.3, sync_per_worker=0.05, batch=64)
+COMPUTE_BOUND = ThroughputCurve(overhead=0.0, compute=1.0, sync=0.0, sync_per_worker=0.0, batch=64)
+
+
+def test_iteration_time_scales_only_the_divided_part_with_the_batch() -> None:
+    assert iteration_time(SYNC_BOUND, 2, 64) == pytest.approx(SYNC_BOUND.iteration_time(2))
+    assert iteration_time(SYNC_BOUND, 2, 128) == pytest.approx(0.01 + 0.2 / 2 + 0.3 + 0.05)
+    with pytest.raises(ValueError, match=r"batch \(0\)"):
+        iteration_time(SYNC_BOUND, 1, 0)
+
+
+def test_efficiency_is_one_at_the_declared_batch_and_two_thirds_at_twice_it() -> None:
+    assert efficiency(64, 64) == 1.0
+    assert efficiency(128, 64) == pytest.approx(2 / 3)
+    assert efficiency(128, 64, noise_scale=1e9) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="noise_scale"):
+        efficiency(1, 1, noise_scale=math.nan)
+
+
+def test_the_batch_grows_with_the_world_size_of_a_sync_bound_job() -> None:
+    bounds = AdaptiveBounds(64, 32, 4096)
+    picks = [choose_batch(SYNC_BOUND, w, bounds) for w in (1, 2, 4, 8)]
+    assert picks == sorted(picks) and picks[-1] > picks[0]
+    assert picks[-1] > 64
+    # The pick is the best of its candidates, within a quarter octave of the model's optimum.
+    for w, b in zip((1, 2, 4, 8), picks, strict=True):
+        a = SYNC_BOUND.overhead + (SYNC_BOUND.sync + SYNC_BOUND.sync_per_worker * (w - 1)) * (w > 1)
+        optimum = 64 * math.sqrt(w * a / SYNC_BOUND.compute)
+        clipped = min(max(optimum, 32), 4096)
+        assert clipped / 2**0.25 <= b <= clipped * 2**0.25
+        assert goodput(SYNC_BOUND, w, b, 64) >= goodput(SYNC_BOUND, w, 64, 64)
+
+
+def test_a_compute_bound_job_never_gains_from_a_larger_batch() -> None:
+    # No overhead, no sync: throughput does not depend on the batch, efficiency falls with it.
+    bounds = AdaptiveBounds(64, 64, 1024)
+    assert [choose_batch(COMPUTE_BOUND, w, bounds) for w in (1, 4, 16)] == [64, 64, 64]
+
+
+def test_the_pick_stays_within_the_bounds() -> None:
+    assert choose_batch(SYNC_BOUND, 16, AdaptiveBounds(64, 64, 100)) == 100
+    assert choose_batch(COMPUTE_BOUND, 1, AdaptiveBounds(64, 1, 64)) == 1
+    assert choose_batch(SYNC_BOUND, 8, AdaptiveBounds(64, 64, 64)) == 64
+    with pytest.raises(ValueError, match="min 65"):
+        AdaptiveBounds(64, 65, 100)
+
+
+def test_jobs_get_shows_the_batch_the_scheduler_picks_only_for_jobs_that_opt_in() -> None:
+    tracker = GoodputTracker()
+    job = job_pb2.Job(job_id="job-1", spec=spec(batch=64, lo=64, hi=4096), target_workers=8)
+    plain = job_pb2.Job(job_id="job-2", spec=spec(), target_workers=8)
+    plain.spec.ClearField("adaptive_batch")
+    for j in (job, plain):
+        for generation, (t, done) in enumerate([(100.0, 10), (101.0, 20), (102.0, 30)]):
+            progress = job_pb2.JobProgress(
+                completed_iterations=done, world_size=8, generation=1 + generation // 10
+            )
+            progress.update_time.FromSeconds(int(t))
+            tracker.observe_job(j, progress, t)
+    assert job.HasField("throughput") and plain.HasField("throughput")
+    assert job.adaptive_batch_size >= 64
+    expected = choose_batch(tracker.model("job-1").curve(), 8, AdaptiveBounds.of(job.spec))
+    assert job.adaptive_batch_size == expected
+    assert plain.adaptive_batch_size == 0
+
+
+# -- sample positions across batch changes ----------------------------------------------------
+
+
+def visited(schedule: BatchSchedule, epochs: int) -> dict[int, list[tuple[int, int]]]:
+    out: dict[int, list[tuple[int, int]]] = {}
+    for k in range(schedule.total_iterations(epochs)):
+        p = schedule.locate(k)
+        assert p.batch == schedule.batch_at(k)
+        out.setdefault(p.epoch, []).append((p.start, p.stop))
+    return out
+
+
+def test_a_fixed_schedule_is_exactly_the_fixed_batch_protocol() -> None:
+    n, b = 103, 10
+    s = BatchSchedule.fixed(n, b)
+    ipe = partition.iterations_per_epoch(n, b)
+    assert s.total_iterations(3) == 3 * ipe
+    for k in range(3 * ipe):
+        p = s.locate(k)
+        assert (p.epoch, p.iteration) == divmod(k, ipe)
+        assert (p.start, p.stop) == partition.batch_range(p.iteration, b, n)
+        for r in range(4):
+            assert p.share(r, 4) == partition.shard_range(p.iteration, b, n, r, 4)
+        assert s.is_last_of_epoch(k) == (p.iteration == ipe - 1)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_no_sample_is_skipped_or_repeated_across_batch_changes(seed: int) -> None:
+    rng = random.Random(seed)
+    n, epochs = rng.randint(1, 200), rng.randint(1, 4)
+    s = BatchSchedule.fixed(n, rng.randint(1, 64))
+    for _ in range(rng.randint(0, 6)):
+        total = s.total_iterations(epochs)
+        s = s.change(rng.randrange(total), rng.randint(1, 64))
+    per_epoch = visited(s, epochs)
+    assert sorted(per_epoch) == list(range(epochs))
+    for ranges in per_epoch.values():
+        # Consecutive, tiling [0, n): every position once, in order.
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+        assert all(stop > start for start, stop in ranges)
+    # Every rank's shares tile each iteration's range, whatever the world size.
+    k = rng.randrange(s.total_iterations(epochs))
+    p, w = s.locate(k), rng.randint(1, 9)
+    shares = [p.share(r, w) for r in range(w)]
+    assert shares[0][0] == p.start and shares[-1][1] == p.stop
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(shares))
+
+
+def test_a_change_keeps_the_past_and_starts_where_the_old_batch_would_have() -> None:
+    s = BatchSchedule.fixed(100, 10).change(3, 25)  # epoch 0: 0-10, 10-20, 20-30, then 25s
+    assert [(s.locate(k).start, s.locate(k).stop) for k in range(7)] == [
+        (0, 10),
+        (10, 20),
+        (20, 30),
+        (30, 55),
+        (55, 80),
+        (80, 100),  # the epoch's last, short
+        (0, 25),  # the next epoch, at the new batch
+    ]
+    assert s.locate(6).epoch == 1 and s.locate(5).iteration == 5
+    assert s.samples_before(6) == 100
+    assert s.total_iterations(2) == 6 + 4
+    assert s.change(3, 25) is s  # no change
+    # A change at an epoch boundary starts the next epoch at position 0.
+    t = BatchSchedule.fixed(100, 10).change(10, 40)
+    assert t.segments[-1] == Segment(10, 1, 0, 0, 40)
+    assert t.total_iterations(2) == 10 + 3
+
+
+def test_a_schedule_survives_json_and_bad_json_is_refused() -> None:
+    s = BatchSchedule.fixed(100, 10).change(3, 25).change(8, 7)
+    assert BatchSchedule.from_json(s.to_json()) == s
+    for bad, match in [
+        ("not json", "not JSON"),
+        ("[]", "object"),
+        ('{"num_samples": 100, "segments": [[0, 0, 0, 0, 0]]}', r"batch \(0\)"),
+        ('{"num_samples": 100, "segments": [[0, 0, 0, 5, 10]]}', "must start at step 0"),
+        ('{"num_samples": 100, "segments": [[0,0,0,0,10],[3,0,3,31,25]]}', "does not start"),
+        ('{"num_samples": 100, "segments": [[0,0,0,0,10],[0,0,0,0,25]]}', r"step \(0\)"),
+        ('{"num_samples": 100, "segments": [[0,0,0,0,"x"]]}', "must be an int"),
+        ('{"num_samples": 100, "segments": [[0,0,0,0]]}', "5 integers"),
+        ('{"num_samples": 0, "segments": [[0,0,0,0,1]]}', "num_samples"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            BatchSchedule.from_json(bad)
+
+
+# -- the learning-rate rules ------------------------------------------------------------------
+
+
+def test_the_learning_rate_follows_the_batch_by_the_rule() -> None:
+    assert scaled_learning_rate(0.1, 64, 64, BatchRule.LINEAR) == pytest.approx(0.1)
+    assert scaled_learning_rate(0.1, 256, 64, BatchRule.LINEAR) == pytest.approx(0.4)
+    assert scaled_learning_rate(0.1, 32, 64, BatchRule.LINEAR) == pytest.approx(0.05)
+    assert scaled_learning_rate(0.1, 256, 64, BatchRule.SQRT) == pytest.approx(0.2)
+    assert scaled_learning_rate(0.1, 16, 64, BatchRule.SQRT) == pytest.approx(0.05)
+    for bad, match in [
+        ((math.inf, 1, 1, BatchRule.LINEAR), "lr"),
+        ((0.1, 0, 1, BatchRule.LINEAR), "batch"),
+        ((0.1, 1, 0, BatchRule.SQRT), "declared"),
+        ((0.1, 1, 1, "linear"), "rule"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            scaled_learning_rate(*bad)  # type: ignore[arg-type]
