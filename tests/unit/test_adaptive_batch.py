@@ -17,8 +17,9 @@ from shoal.contract.batch_schedule import (
     scaled_learning_rate,
 )
 from shoal.learner import partition
+from shoal.param_sync.coordinator import Action, CheckpointTask, Coordinator, JobSettings
 from shoal.runtime.auth import Principal, Role
-from shoal.runtime.errors import InvalidField
+from shoal.runtime.errors import FailedPrecondition, InvalidField
 from shoal.scheduler.adaptive_batch import (
     AdaptiveBounds,
     choose_batch,
@@ -263,3 +264,120 @@ def test_the_learning_rate_follows_the_batch_by_the_rule() -> None:
     ]:
         with pytest.raises(ValueError, match=match):
             scaled_learning_rate(*bad)  # type: ignore[arg-type]
+
+
+# -- the coordinator applies the batch at a boundary ------------------------------------------
+
+
+def adaptive_coordinator(
+    n: int = 10, batch: int = 4, lo: int = 2, hi: int = 8, epochs: int = 2, every: int = 1
+) -> Coordinator:
+    from tests.unit.test_coordinator import LAYOUT, SGD, Clock
+
+    settings = JobSettings(
+        job_id="job-1",
+        batch_size=batch,
+        epochs=epochs,
+        checkpoint_every=every,
+        storage_uri="memory://x",
+        shard_addresses=("s0:1",),
+        min_batch=lo,
+        max_batch=hi,
+    )
+    coord = Coordinator(settings, clock=Clock())
+    coord.fix_layout(LAYOUT, SGD, n, coord.plan_sharding(LAYOUT, SGD, n))
+    return coord
+
+
+def run_to_end(coord: Coordinator, learners: list[str], changes: dict[int, int]) -> list[tuple]:
+    """Drive every boundary (changing the batch before the iterations in ``changes``) until
+    DONE; the assignments each learner ran, as (epoch, global_iteration, rank, start, end,
+    batch_start, batch_samples, global_batch)."""
+    from tests.unit.test_coordinator import finish_iteration
+
+    for learner in learners:
+        coord.join(learner)
+    ran: list[tuple] = []
+    for _ in range(1000):
+        if coord.completed in changes:
+            coord.set_global_batch(changes.pop(coord.completed))
+        decisions = {m: coord.decide(m) for m in learners}
+        if all(d.action is Action.DONE for d in decisions.values()):
+            return ran
+        checkpoint = next((t for t in coord.holds if isinstance(t, CheckpointTask)), None)
+        if checkpoint is not None:
+            coord.task_done(checkpoint)
+            continue
+        for d in decisions.values():
+            if d.action is Action.RUN:
+                a = d.assignment
+                ran.append(
+                    (
+                        a.epoch,
+                        a.global_iteration,
+                        a.rank,
+                        a.sample_start,
+                        a.sample_end,
+                        a.batch_start,
+                        a.batch_samples,
+                        a.global_batch,
+                    )
+                )
+        if coord.running:
+            finish_iteration(coord)
+    raise AssertionError("the job did not end")
+
+
+def test_the_coordinator_changes_the_batch_at_a_boundary_for_every_member() -> None:
+    coord = adaptive_coordinator(n=10, batch=4, lo=2, hi=8, epochs=2, every=1)
+    ran = run_to_end(coord, ["a", "b"], {1: 8, 3: 2})
+    # Every member of an iteration got the same batch, and the ranks' shares tile it.
+    by_iteration: dict[int, list[tuple]] = {}
+    for row in ran:
+        by_iteration.setdefault(row[1], []).append(row)
+    batches = [rows[0][7] for _, rows in sorted(by_iteration.items())]
+    assert batches[:3] == [4, 8, 8] and set(batches[3:]) == {2}
+    for rows in by_iteration.values():
+        assert len({r[5:] for r in rows}) == 1  # same batch range and batch for all
+        shares = sorted((r[3], r[4]) for r in rows)
+        assert shares[0][0] == rows[0][5] and shares[-1][1] == rows[0][5] + rows[0][6]
+    # Each epoch's positions are covered exactly once.
+    for epoch in (0, 1):
+        covered = sorted(p for r in ran if r[0] == epoch for p in range(r[3], r[4]))
+        assert covered == list(range(10))
+    assert coord.samples_processed == 20
+    assert coord.progress()["global_batch"] == 2
+    assert coord.done
+
+
+def test_set_global_batch_refuses_a_fixed_job_and_a_batch_out_of_bounds() -> None:
+    coord = adaptive_coordinator(lo=2, hi=8)
+    with pytest.raises(InvalidField, match=r"global_batch \(9\).*\[2, 8\]"):
+        coord.set_global_batch(9)
+    with pytest.raises(InvalidField, match=r"global_batch \(1\)"):
+        coord.set_global_batch(1)
+    assert coord.pending_batch is None and coord.global_batch == 4  # nothing changed
+    from tests.unit.test_coordinator import make
+
+    fixed = make()
+    with pytest.raises(FailedPrecondition, match="no adaptive batch"):
+        fixed.set_global_batch(4)
+    with pytest.raises(InvalidField, match=r"spec\.adaptive_batch"):
+        JobSettings(
+            job_id="j", batch_size=4, epochs=1, shard_addresses=("s:1",), min_batch=5, max_batch=8
+        )
+
+
+def test_a_fixed_job_runs_exactly_the_fixed_batch_protocol() -> None:
+    from tests.unit.test_coordinator import make
+
+    coord = make(n=10, batch=4, epochs=2, shards=1)
+    ran = run_to_end(coord, ["a", "b"], {})
+    expected = []
+    for k in range(6):
+        epoch, i = divmod(k, 3)
+        start, stop = partition.batch_range(i, 4, 10)
+        for r in range(2):
+            s0, s1 = partition.shard_range(i, 4, 10, r, 2)
+            expected.append((epoch, k, r, s0, s1, start, stop - start, 4))
+    assert sorted(ran) == sorted(expected)

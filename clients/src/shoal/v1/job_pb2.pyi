@@ -382,6 +382,7 @@ class JobProgress(_message.Message):
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
     SYNC_SECONDS_FIELD_NUMBER: _builtins.int
+    GLOBAL_BATCH_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """The current epoch (0-based)."""
     iteration: _builtins.int
@@ -409,6 +410,10 @@ class JobProgress(_message.Message):
     """Seconds a learner spent in the gradient sync per iteration (sending, waiting on the
     slowest peer and the update, receiving), the same kind of mean; 0 when not reported.
     """
+    global_batch: _builtins.int
+    """The global batch of the current iteration: spec.batch_size, or the batch the scheduler
+    picked for a job with adaptive_batch (0 when not reported).
+    """
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp:
         """When the progress was last updated."""
@@ -428,10 +433,11 @@ class JobProgress(_message.Message):
         update_time: _timestamp_pb2.Timestamp | None = ...,
         compute_seconds: _builtins.float = ...,
         sync_seconds: _builtins.float = ...,
+        global_batch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "compute_seconds", b"compute_seconds", "epoch", b"epoch", "generation", b"generation", "iteration", b"iteration", "iterations_per_epoch", b"iterations_per_epoch", "last_loss", b"last_loss", "samples_per_second", b"samples_per_second", "samples_processed", b"samples_processed", "sync_seconds", b"sync_seconds", "update_time", b"update_time", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "compute_seconds", b"compute_seconds", "epoch", b"epoch", "generation", b"generation", "global_batch", b"global_batch", "iteration", b"iteration", "iterations_per_epoch", b"iterations_per_epoch", "last_loss", b"last_loss", "samples_per_second", b"samples_per_second", "samples_processed", b"samples_processed", "sync_seconds", b"sync_seconds", "update_time", b"update_time", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from shoal.contract.batch_schedule import BatchSchedule
 from shoal.contract.errors import StaleCoordinator
 from shoal.contract.wire import TensorMeta
 from shoal.param_sync import checkpoint as ckpt
@@ -73,6 +74,8 @@ class JobHandlers:
             keep_every=spec.keep_every_nth_checkpoint,
             storage_uri=storage,
             shard_addresses=tuple(request.shard_addresses),
+            min_batch=spec.adaptive_batch.min_global_batch,
+            max_batch=spec.adaptive_batch.max_global_batch,
         )
         if len(settings.shard_addresses) <= self.options.shard_index:
             raise InvalidField(
@@ -171,6 +174,8 @@ class JobHandlers:
             keep_every=spec.keep_every_nth_checkpoint,
             storage_uri=storage,
             shard_addresses=tuple(request.shard_addresses),
+            min_batch=spec.adaptive_batch.min_global_batch,
+            max_batch=spec.adaptive_batch.max_global_batch,
         )
         me = self.options.shard_index
         if len(settings.shard_addresses) <= me:
@@ -482,6 +487,14 @@ class JobHandlers:
         ]
         optimizer = OptimizerConfig(**manifest["optimizer"])
         progress = manifest.get("progress", {})
+        schedule = None
+        if s.adaptive and "batch_schedule" in manifest:
+            try:
+                schedule = BatchSchedule.from_json(manifest["batch_schedule"])
+            except ValueError as exc:
+                raise InvalidField(
+                    "checkpoint.batch_schedule", str(manifest["batch_schedule"])[:80], str(exc)
+                ) from exc
         coord.restore(
             layout=layout,
             optimizer=optimizer,
@@ -490,6 +503,7 @@ class JobHandlers:
             samples_processed=int(progress.get("samples_processed", 0)),
             generation=int(manifest.get("generation", 0)),
             last_loss=float(progress.get("last_loss", math.nan)),
+            schedule=schedule,
         )
         assert coord.layout is not None and coord.sharding is not None
         await self._configure_all(s, coord.layout, optimizer, coord.sharding)
@@ -498,7 +512,7 @@ class JobHandlers:
             self._truncate_metrics,
             s,
             coord.completed,
-            coord.completed // coord.iterations_per_epoch,
+            coord.epoch_of(coord.completed),
         )
 
     @staticmethod

@@ -78,14 +78,14 @@ class CoordinatorTasks:
             elif isinstance(task, RecoverTask):
                 await self._recover(job, task)
             elif isinstance(task, RewindTask):
-                s, ipe = job.coord.settings, job.coord.iterations_per_epoch
+                s = job.coord.settings
                 log.warning(
                     "job %s: no learner holds the state any more; continuing from iteration %d",
                     s.job_id,
                     task.iteration,
                 )
                 await asyncio.to_thread(
-                    self._truncate_metrics, s, task.iteration, task.iteration // ipe
+                    self._truncate_metrics, s, task.iteration, job.coord.epoch_of(task.iteration)
                 )
             else:
                 result = await self._checkpoint_through_shard_loss(job, task)
@@ -471,7 +471,7 @@ class CoordinatorTasks:
                 await self._load_everywhere(coord, directory)
                 iteration = int(manifest["iteration"])
                 await asyncio.to_thread(
-                    self._truncate_metrics, s, iteration, iteration // coord.iterations_per_epoch
+                    self._truncate_metrics, s, iteration, coord.epoch_of(iteration)
                 )
                 async with job.cond:
                     log.warning(
@@ -573,6 +573,7 @@ class CoordinatorTasks:
                 "epoch": task.epoch,
                 "generation": coord.generation,
                 "batch_size": s.batch_size,
+                **({"batch_schedule": coord.schedule.to_json()} if s.adaptive else {}),
                 "epochs": s.epochs,
                 "seed": s.seed,
                 "checkpoint_every": s.checkpoint_every,
