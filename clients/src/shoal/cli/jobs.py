@@ -267,7 +267,8 @@ def batch_line(job: job_pb2.Job) -> str | None:
     ab = job.spec.adaptive_batch
     rule = job_pb2.BatchScalingRule.Name(ab.rule).removeprefix("BATCH_SCALING_RULE_").lower()
     pick = (
-        f"; scheduler's pick at {job.target_workers} learners: {job.adaptive_batch_size}"
+        f"; goodput pick at {job.progress.world_size or job.target_workers} learners: "
+        f"{job.adaptive_batch_size}"
         if job.adaptive_batch_size
         else ""
     )

@@ -481,9 +481,10 @@ class Job(_message.Message):
     queue_position: _builtins.int
     """The position in the queue (1-based) while QUEUED; 0 otherwise."""
     adaptive_batch_size: _builtins.int
-    """The global batch the scheduler picks for the job at target_workers learners when the
-    spec sets adaptive_batch (docs/scheduling.md, "Adaptive batch"); 0 when it does not. It
-    is the scheduler's decision, not yet applied to the learners: they run spec.batch_size.
+    """The global batch the scheduler's goodput model picks for the job at the world size it
+    runs at, when the spec sets adaptive_batch (docs/scheduling.md, "Adaptive batch"); 0 when
+    it does not. The coordinator is told and runs it from its next iteration boundary
+    (progress.global_batch is the batch in use).
     """
     @_builtins.property
     def spec(self) -> Global___JobSpec:

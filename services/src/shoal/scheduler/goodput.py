@@ -33,7 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from shoal.scheduler.adaptive_batch import AdaptiveBounds, choose_batch
+from shoal.scheduler.adaptive_batch import AdaptiveBounds, choose_batch, iteration_time
 from shoal.scheduler.policy import JobDemand
 from shoal.scheduler.throughput import (
     PRIOR,
@@ -56,6 +56,7 @@ class _Anchor:
     world_size: int
     iterations: int
     at: float
+    batch: int = 0
 
 
 @dataclass
@@ -145,22 +146,41 @@ class GoodputTracker:
         track.service_world = max(0, progress.world_size)
 
         at = progress.update_time.ToNanoseconds() / 1e9 if progress.HasField("update_time") else now
-        point = _Anchor(progress.generation, progress.world_size, progress.completed_iterations, at)
+        in_use = progress.global_batch or batch
+        point = _Anchor(
+            progress.generation,
+            progress.world_size,
+            progress.completed_iterations,
+            at,
+            in_use,
+        )
         last = track.anchor
         if point.world_size < 1 or not math.isfinite(at):
             return
-        if last is None or point.iterations < last.iterations or at < last.at:
-            track.anchor = point  # first poll, a rewind or a clock step: start over
+        if (
+            last is None
+            or point.iterations < last.iterations
+            or at < last.at
+            or (last.batch and last.batch != point.batch)
+        ):
+            # First poll, a rewind, a clock step or a change of the (adaptive) batch between
+            # the polls: start over.
+            track.anchor = point
             return
         done = point.iterations - last.iterations
         if done == 0:
             return  # no progress since: keep the anchor (a pause is measured when it ends)
         elapsed = at - last.at
         if point.generation == last.generation and point.world_size == last.world_size:
+            seconds, compute_s = elapsed / done, progress.compute_seconds
+            if in_use != track.model.batch:
+                seconds, compute_s = _at_declared_batch(
+                    track.model, point.world_size, in_use, seconds, compute_s
+                )
             track.model.observe(
                 point.world_size,
-                elapsed / done,
-                compute_s=progress.compute_seconds,
+                seconds,
+                compute_s=compute_s,
                 sync_s=progress.sync_seconds,
             )
         else:
@@ -171,7 +191,7 @@ class GoodputTracker:
     def observe_job(self, job: job_pb2.Job, progress: job_pb2.JobProgress, now: float) -> None:
         """The reconcile loop's hook: observe a poll of ``job`` and set ``job.throughput``
         (and, when its spec opts in to the adaptive batch, ``job.adaptive_batch_size``: the
-        batch ``shoal.scheduler.adaptive_batch`` picks at its target world size)."""
+        batch ``shoal.scheduler.adaptive_batch`` picks at the world size it runs at)."""
         self.observe(job.job_id, job.spec.batch_size, progress, now)
         model = self.describe(job.job_id, job.spec.max_workers)
         if model is not None:
@@ -179,7 +199,7 @@ class GoodputTracker:
         bounds = AdaptiveBounds.of(job.spec)
         track = self._jobs.get(job.job_id)
         if bounds is not None and track is not None:
-            world = job.target_workers or progress.world_size or 1
+            world = progress.world_size or job.target_workers or 1
             job.adaptive_batch_size = choose_batch(track.model.curve(), world, bounds)
 
     def annotate(self, demands: Sequence[JobDemand]) -> list[JobDemand]:
@@ -215,6 +235,24 @@ class GoodputTracker:
         if track is None:
             return None
         return describe(track.model, max_workers, attained=track.service)
+
+
+def _at_declared_batch(
+    model: ThroughputModel, world_size: int, batch: int, seconds: float, compute_s: float
+) -> tuple[float, float]:
+    """An iteration time (and the learners' compute seconds) measured at an adaptive batch
+    ``batch`` as it would be at the model's (declared) batch: the compute the learners
+    reported scales with the batch, the rest does not; without a report, the model's own
+    ratio ``T(w, B0) / T(w, B)`` (``shoal.scheduler.adaptive_batch.iteration_time``)."""
+    ratio = model.batch / batch
+    if compute_s > 0 and math.isfinite(compute_s):
+        compute_s = min(compute_s, seconds)
+        return seconds - compute_s * (1 - ratio), compute_s * ratio
+    curve = model.curve()
+    factor = iteration_time(curve, world_size, model.batch) / iteration_time(
+        curve, world_size, batch
+    )
+    return seconds * factor, compute_s
 
 
 def describe(
