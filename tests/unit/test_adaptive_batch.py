@@ -17,7 +17,13 @@ from shoal.contract.batch_schedule import (
     scaled_learning_rate,
 )
 from shoal.learner import partition
-from shoal.param_sync.coordinator import Action, CheckpointTask, Coordinator, JobSettings
+from shoal.param_sync.coordinator import (
+    Action,
+    CheckpointTask,
+    Coordinator,
+    JobSettings,
+    ScheduleTask,
+)
 from shoal.runtime.auth import Principal, Role
 from shoal.runtime.errors import FailedPrecondition, InvalidField
 from shoal.scheduler.adaptive_batch import (
@@ -289,12 +295,18 @@ def adaptive_coordinator(
     return coord
 
 
-def run_to_end(coord: Coordinator, learners: list[str], changes: dict[int, int]) -> list[tuple]:
+def run_to_end(
+    coord: Coordinator,
+    learners: list[str],
+    changes: dict[int, int],
+    stored: list[ScheduleTask] | None = None,
+) -> list[tuple]:
     """Drive every boundary (changing the batch before the iterations in ``changes``) until
     DONE; the assignments each learner ran, as (epoch, global_iteration, rank, start, end,
     batch_start, batch_samples, global_batch)."""
     from tests.unit.test_coordinator import finish_iteration
 
+    stored = [] if stored is None else stored
     for learner in learners:
         coord.join(learner)
     ran: list[tuple] = []
@@ -304,9 +316,12 @@ def run_to_end(coord: Coordinator, learners: list[str], changes: dict[int, int])
         decisions = {m: coord.decide(m) for m in learners}
         if all(d.action is Action.DONE for d in decisions.values()):
             return ran
-        checkpoint = next((t for t in coord.holds if isinstance(t, CheckpointTask)), None)
-        if checkpoint is not None:
-            coord.task_done(checkpoint)
+        held = next((t for t in coord.holds if isinstance(t, (CheckpointTask, ScheduleTask))), None)
+        if held is not None:
+            if isinstance(held, ScheduleTask):  # nobody runs before it is stored
+                assert all(d.action is Action.WAIT for d in decisions.values()), decisions
+                stored.append(held)
+            coord.task_done(held)
             continue
         for d in decisions.values():
             if d.action is Action.RUN:
@@ -330,7 +345,11 @@ def run_to_end(coord: Coordinator, learners: list[str], changes: dict[int, int])
 
 def test_the_coordinator_changes_the_batch_at_a_boundary_for_every_member() -> None:
     coord = adaptive_coordinator(n=10, batch=4, lo=2, hi=8, epochs=2, every=1)
-    ran = run_to_end(coord, ["a", "b"], {1: 8, 3: 2})
+    stored: list[ScheduleTask] = []
+    ran = run_to_end(coord, ["a", "b"], {1: 8, 3: 2}, stored)
+    # Each change was stored (for a successor coordinator) before anyone ran at it.
+    assert [t.iteration for t in stored] == [1, 3]
+    assert BatchSchedule.from_json(stored[-1].schedule_json) == coord.schedule
     # Every member of an iteration got the same batch, and the ranks' shares tile it.
     by_iteration: dict[int, list[tuple]] = {}
     for row in ran:
@@ -381,3 +400,31 @@ def test_a_fixed_job_runs_exactly_the_fixed_batch_protocol() -> None:
             s0, s1 = partition.shard_range(i, 4, 10, r, 2)
             expected.append((epoch, k, r, s0, s1, start, stop - start, 4))
     assert sorted(ran) == sorted(expected)
+
+
+def test_a_restored_adaptive_job_takes_the_checkpoints_schedule_and_stores_it_again() -> None:
+    from tests.unit.test_coordinator import LAYOUT, SGD
+
+    saved = BatchSchedule.fixed(10, 4).change(1, 8)  # iterations: [0,4) [4,10) | [0,8) ...
+    coord = adaptive_coordinator()
+    coord.restore(
+        layout=LAYOUT,
+        optimizer=SGD,
+        dataset_size=10,
+        completed=2,
+        samples_processed=10,
+        generation=3,
+        schedule=saved,
+    )
+    assert coord.schedule == saved and coord.position(2).epoch == 1
+    assert ScheduleTask(2, saved.to_json()) in coord.holds
+    with pytest.raises(InvalidField, match="num_samples"):
+        adaptive_coordinator().restore(
+            layout=LAYOUT,
+            optimizer=SGD,
+            dataset_size=11,
+            completed=2,
+            samples_processed=10,
+            generation=3,
+            schedule=saved,
+        )

@@ -71,6 +71,7 @@ from shoal.param_sync.coordinator_records import (
     RecoverTask,
     ResolveTask,
     RewindTask,
+    ScheduleTask,
     Task,
     UserMetrics,
     check_same_shape,
@@ -93,6 +94,7 @@ __all__ = [
     "RecoverTask",
     "ResolveTask",
     "RewindTask",
+    "ScheduleTask",
 ]
 
 
@@ -230,7 +232,11 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         batch, self.pending_batch = self.pending_batch, None
         if self.completed >= self.total_iterations:
             return  # the job is done: nothing left to run at another batch
-        self.schedule = self.schedule.change(self.completed, batch)
+        before = self.schedule
+        self.schedule = before.change(self.completed, batch)
+        if self.schedule is not before:
+            # Durable before anyone runs at the new batch (a successor reads it back).
+            self._hold(ScheduleTask(self.completed, self.schedule.to_json()))
 
     def plan_sharding(
         self, layout: Sequence[TensorMeta], optimizer: OptimizerConfig, dataset_size: int

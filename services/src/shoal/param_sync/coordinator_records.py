@@ -176,7 +176,17 @@ class RecoverTask:
     reason: str
 
 
-Task = ResolveTask | CheckpointTask | RewindTask | RecoverTask
+@dataclass(frozen=True)
+class ScheduleTask:
+    """A job with an adaptive batch changed its batch from iteration ``iteration`` on: store
+    the job's batch schedule (``schedule_json``, ``BatchSchedule.to_json``) where a successor
+    coordinator finds it, before any learner runs at the new batch."""
+
+    iteration: int
+    schedule_json: str
+
+
+Task = ResolveTask | CheckpointTask | RewindTask | RecoverTask | ScheduleTask
 
 
 UserMetrics = Mapping[str, tuple[float, int]]

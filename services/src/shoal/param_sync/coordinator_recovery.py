@@ -22,6 +22,7 @@ from shoal.param_sync.coordinator_records import (
     OptimizerConfig,
     RecoverTask,
     ResolveTask,
+    ScheduleTask,
     Task,
 )
 from shoal.param_sync.sharding import Sharding
@@ -203,6 +204,10 @@ class RecoveryMixin:
         self.fix_layout(layout, optimizer, dataset_size, sharding)
         if schedule is not None:
             self.schedule = schedule
+        if self.settings.adaptive:
+            # The stored schedule must be this one from now on (it may hold changes made
+            # after the checkpoint, by iterations that are run again).
+            self._hold(ScheduleTask(completed, self.schedule.to_json()))
         self.completed = completed
         self.samples_processed = samples_processed
         self.generation = generation + 1

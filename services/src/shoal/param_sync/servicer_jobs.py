@@ -26,6 +26,7 @@ from shoal.param_sync.servicer_common import (
     _progress_proto,
     _TakeOver,
 )
+from shoal.param_sync.servicer_tasks import read_schedule
 from shoal.param_sync.shard import build_optimizer
 from shoal.param_sync.sharding import Sharding
 from shoal.param_sync.takeover import (
@@ -257,6 +258,9 @@ class JobHandlers:
             recorded = await asyncio.to_thread(self._last_recorded, settings)
             coord = Coordinator(settings, clock=self._clock)
             coord.completed = completed  # reported before the first learner re-joins
+            schedule = await asyncio.to_thread(read_schedule, settings)
+            if schedule is not None:  # an adaptive batch: the positions go on in samples
+                coord.schedule = schedule
             job = _CoordinatedJob(coord, owner=request.owner, epoch=epoch)
             job.takeover = _TakeOver(
                 lost,
