@@ -428,3 +428,69 @@ def test_a_restored_adaptive_job_takes_the_checkpoints_schedule_and_stores_it_ag
             generation=3,
             schedule=saved,
         )
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_submit_parses_adaptive_batch_bounds_and_refuses_malformed_ones() -> None:
+    import typer
+
+    from shoal.cli import jobs as cli_jobs
+
+    ab = cli_jobs.adaptive_batch_spec("32:256", cli_jobs.BatchRuleOption.sqrt)
+    assert (ab.min_global_batch, ab.max_global_batch, ab.rule) == (32, 256, SQRT)
+    for bad in ("32", "a:b", "32:", ":64", "-1:4", "1:2:3"):
+        with pytest.raises(typer.BadParameter, match=r"--adaptive-batch \("):
+            cli_jobs.adaptive_batch_spec(bad, cli_jobs.BatchRuleOption.linear)
+
+
+def test_jobs_get_shows_the_batch_in_use_only_for_an_adaptive_job() -> None:
+    from shoal.cli import jobs as cli_jobs
+
+    job = job_pb2.Job(job_id="job-1", spec=spec(batch=64, lo=32, hi=512, rule=SQRT))
+    job.progress.global_batch, job.progress.world_size, job.adaptive_batch_size = 128, 4, 256
+    assert cli_jobs.batch_line(job) == (
+        "batch: 128 in use (declared 64, adaptive 32..512, lr rule sqrt; goodput pick at 4 "
+        "learners: 256)"
+    )
+    job.spec.ClearField("adaptive_batch")
+    assert cli_jobs.batch_line(job) is None
+
+
+# -- the learner --------------------------------------------------------------------------------
+
+
+def test_the_learner_checks_an_adaptive_assignment_and_scales_its_learning_rate() -> None:
+    from torch import nn
+
+    from shoal.learner import env as learner_env
+    from shoal.learner.sync_types import Assignment, TrainingPlan
+    from shoal.learner.trainer import ElasticTrainer
+
+    plan = TrainingPlan(epochs=2, batch_size=4, num_samples=10)
+
+    def assignment(start: int, stop: int, batch: int) -> Assignment:
+        return Assignment(1, 0, 1, 1, 0, 2, start, stop, global_batch=batch)
+
+    last = assignment(4, 10, 8)  # the epoch's last iteration, short of its batch of 8
+    ElasticTrainer._check_assignment(last, plan, adaptive=True)
+    ElasticTrainer._check_assignment(assignment(2, 10, 8), plan, adaptive=True)
+    with pytest.raises(RuntimeError, match="no adaptive batch"):
+        ElasticTrainer._check_assignment(last, plan)  # a fixed job refuses another batch
+    for bad in (assignment(0, 5, 8), assignment(0, 9, 8), assignment(4, 11, 8)):
+        with pytest.raises(RuntimeError, match="does not match the plan"):
+            ElasticTrainer._check_assignment(bad, plan, adaptive=True)
+
+    trainer = ElasticTrainer(
+        nn.Linear(1, 1), lambda: (None, None), nn.MSELoss(), ("SGD", {"lr": 0.1})
+    )
+    assert trainer._lr(last) is None  # a fixed batch: the optimizer's own rate
+    trainer._batch_rule, trainer._declared_batch = BatchRule.SQRT, 4
+    assert trainer._lr(last) == pytest.approx(0.1 * math.sqrt(2))
+    assert trainer._lr(assignment(0, 4, 4)) == pytest.approx(0.1)  # back at B0: B0's rate
+
+    assert learner_env.batch_rule({"SHOAL_BATCH_RULE": "sqrt"}) == "sqrt"
+    assert learner_env.batch_rule({}) is None
+    with pytest.raises(ValueError, match=r"SHOAL_BATCH_RULE \('adascale'\)"):
+        learner_env.batch_rule({"SHOAL_BATCH_RULE": "adascale"})
