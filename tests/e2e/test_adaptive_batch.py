@@ -26,6 +26,7 @@ from shoal.v1 import job_pb2
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
+EPOCHS = 20
 TRAIN_SAMPLES = 1797 - int(1797 * 0.2)  # examples/digits: 80% of the 1797 images
 FINAL = {job_pb2.JOB_STATE_COMPLETED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_CANCELLED}
 
@@ -42,7 +43,7 @@ def test_a_job_with_an_adaptive_batch_changes_its_batch_as_it_scales_and_complet
     )
     with LocalCluster(spec) as cluster, Client(cluster.client_config()) as client:
         artifact = client.upload_directory(ROOT / "examples" / "digits")
-        s = job_spec("adaptive", artifact, epochs=60, batch_size=32, max_workers=1)
+        s = job_spec("adaptive", artifact, epochs=EPOCHS, batch_size=32, max_workers=1)
         s.adaptive_batch.CopyFrom(
             job_pb2.AdaptiveBatch(
                 min_global_batch=32,
@@ -83,14 +84,14 @@ def test_a_job_with_an_adaptive_batch_changes_its_batch_as_it_scales_and_complet
         assert isinstance(done, job_pb2.Job)
         assert done.state == job_pb2.JOB_STATE_COMPLETED, done.state_reason
         assert done.progress.global_batch in range(32, 257)
-        assert done.progress.samples_processed == 60 * TRAIN_SAMPLES
+        assert done.progress.samples_processed == EPOCHS * TRAIN_SAMPLES
 
         metrics = client.get_metrics(job_id).iterations
         assert [m.epoch for m in metrics] == sorted(m.epoch for m in metrics)
         by_epoch: dict[int, list[job_pb2.IterationMetric]] = {}
         for m in metrics:
             by_epoch.setdefault(m.epoch, []).append(m)
-        assert sorted(by_epoch) == list(range(60))
+        assert sorted(by_epoch) == list(range(EPOCHS))
         batches = set()
         for epoch, records in by_epoch.items():
             # One record per iteration, numbered 0.. within the epoch, the samples adding up

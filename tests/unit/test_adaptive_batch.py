@@ -494,3 +494,23 @@ def test_the_learner_checks_an_adaptive_assignment_and_scales_its_learning_rate(
     assert learner_env.batch_rule({}) is None
     with pytest.raises(ValueError, match=r"SHOAL_BATCH_RULE \('adascale'\)"):
         learner_env.batch_rule({"SHOAL_BATCH_RULE": "adascale"})
+
+
+def test_the_parameter_sync_server_serves_every_rpc_of_its_service() -> None:
+    """SetGlobalBatch was first missing from the hand-written handler table (the e2e test
+    saw 'Method not found'): every method of the proto service must be served."""
+    from shoal.param_sync.service import ParameterSyncServicer, add_servicer
+    from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+
+    class Server:
+        methods: set[str] = set()
+
+        def add_generic_rpc_handlers(self, handlers: object) -> None:
+            pass
+
+        def add_registered_method_handlers(self, name: str, handlers: dict) -> None:
+            Server.methods = set(handlers)
+
+    add_servicer(ParameterSyncServicer.__new__(ParameterSyncServicer), Server())  # type: ignore[arg-type]
+    wanted = {m.name for m in ps_pb2.DESCRIPTOR.services_by_name["ParameterSyncService"].methods}
+    assert wanted == Server.methods
