@@ -138,6 +138,20 @@ def test_a_compute_bound_job_never_gains_from_a_larger_batch() -> None:
     assert [choose_batch(COMPUTE_BOUND, w, bounds) for w in (1, 4, 16)] == [64, 64, 64]
 
 
+def test_the_batch_in_use_is_kept_unless_the_best_is_clearly_better() -> None:
+    bounds = AdaptiveBounds(64, 32, 4096)
+    best = choose_batch(SYNC_BOUND, 8, bounds)
+    near = next(b for b in range(best - 1, 31, -1) if b != best)
+    # A batch in use just below the best is within 5% of it: kept.
+    assert goodput(SYNC_BOUND, 8, near, 64) * 1.05 >= goodput(SYNC_BOUND, 8, best, 64)
+    assert choose_batch(SYNC_BOUND, 8, bounds, current=near) == near
+    # Far away (the declared batch at 8 learners of a sync-bound job): the best is taken.
+    assert goodput(SYNC_BOUND, 8, 64, 64) * 1.05 < goodput(SYNC_BOUND, 8, best, 64)
+    assert choose_batch(SYNC_BOUND, 8, bounds, current=64) == best
+    assert choose_batch(SYNC_BOUND, 8, bounds, current=64, min_gain=10.0) == 64
+    assert choose_batch(SYNC_BOUND, 8, bounds, current=8192) == best  # out of bounds: not kept
+
+
 def test_the_pick_stays_within_the_bounds() -> None:
     assert choose_batch(SYNC_BOUND, 16, AdaptiveBounds(64, 64, 100)) == 100
     assert choose_batch(COMPUTE_BOUND, 1, AdaptiveBounds(64, 1, 64)) == 1

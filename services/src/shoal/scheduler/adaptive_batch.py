@@ -46,7 +46,9 @@ dominates (a job that must not go below its declared batch sets ``min_global_bat
 The scheduler does not pick ``B*`` itself but the best of a quarter-octave grid, the bounds,
 ``B0`` and the batches ``B0 x 2^(k/4)`` inside them (by unimodality, one of the two grid
 points around ``B*``): the choice moves in whole steps, so noise in the fitted curve does not
-change the batch at every poll. Ties go to the batch closest to ``B0``.
+change the batch at every poll, and the batch in use is kept unless the best one is predicted to
+be ``MIN_GAIN`` (5%) better (hysteresis: the fit moves a little with every measurement). Ties
+go to the batch closest to ``B0``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ __all__ = [
 ]
 
 _GRID_STEPS_PER_OCTAVE = 4
+MIN_GAIN = 0.05
+"""The predicted goodput gain (a fraction) below which the batch in use is kept."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +150,15 @@ def choose_batch(
     world_size: int,
     bounds: AdaptiveBounds,
     noise_scale: float | None = None,
+    *,
+    current: int | None = None,
+    min_gain: float = MIN_GAIN,
 ) -> int:
     """The global batch in ``bounds`` with the highest :func:`goodput` at ``world_size``
-    (ties: the closest to the declared batch, then the smaller)."""
+    (ties: the closest to the declared batch, then the smaller). With ``current`` (the batch
+    in use, inside the bounds), that batch is kept unless the best one's predicted goodput is
+    higher by more than ``min_gain`` (a fraction): noise in the fitted curve does not move the
+    batch back and forth."""
     if curve.batch != bounds.declared:
         curve = ThroughputCurve(
             curve.overhead, curve.compute, curve.sync, curve.sync_per_worker, bounds.declared
@@ -159,4 +169,9 @@ def choose_batch(
         # Round so that float noise does not break ties between equal goodputs.
         return (-round(g, 9), abs(b - bounds.declared), b)
 
-    return min(_candidates(bounds), key=key)
+    best = min(_candidates(bounds), key=key)
+    if current is None or not bounds.minimum <= current <= bounds.maximum or best == current:
+        return best
+    now = goodput(curve, world_size, current, bounds.declared, noise_scale)
+    then = goodput(curve, world_size, best, bounds.declared, noise_scale)
+    return best if then > now * (1 + min_gain) else current

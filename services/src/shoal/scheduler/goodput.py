@@ -200,7 +200,9 @@ class GoodputTracker:
         track = self._jobs.get(job.job_id)
         if bounds is not None and track is not None:
             world = progress.world_size or job.target_workers or 1
-            job.adaptive_batch_size = choose_batch(track.model.curve(), world, bounds)
+            job.adaptive_batch_size = choose_batch(
+                track.model.curve(), world, bounds, current=progress.global_batch or None
+            )
 
     def annotate(self, demands: Sequence[JobDemand]) -> list[JobDemand]:
         """``demands`` with each job's predicted curve, attained service and rescale pause
