@@ -528,3 +528,33 @@ def test_the_parameter_sync_server_serves_every_rpc_of_its_service() -> None:
     add_servicer(ParameterSyncServicer.__new__(ParameterSyncServicer), Server())  # type: ignore[arg-type]
     wanted = {m.name for m in ps_pb2.DESCRIPTOR.services_by_name["ParameterSyncService"].methods}
     assert wanted == Server.methods
+
+
+def test_the_batch_changes_at_most_twice_per_world_size_whatever_the_noise() -> None:
+    """The scheduler picks the batch when the world size changes (from the prediction) and
+    reviews it once after measuring there; noisy iteration times never move it again."""
+    rng = random.Random(7)
+    tracker = GoodputTracker()
+    job = job_pb2.Job(job_id="job-1", spec=spec(batch=64, lo=32, hi=4096))
+    t, done, in_use = 1000.0, 0, 64
+    picks: dict[int, list[int]] = {}
+    for world, polls in ((1, 30), (4, 30), (2, 30)):
+        job.target_workers = world
+        for _ in range(polls):
+            step = iteration_time(SYNC_BOUND, world, in_use) * rng.uniform(0.7, 1.3)
+            t, done = t + 5 * step, done + 5
+            progress = job_pb2.JobProgress(
+                completed_iterations=done,
+                world_size=world,
+                generation=world,
+                global_batch=in_use,
+                compute_seconds=SYNC_BOUND.compute * in_use / 64 / world,
+            )
+            progress.update_time.FromNanoseconds(int(t * 1e9))
+            tracker.observe_job(job, progress, t)
+            in_use = job.adaptive_batch_size  # the coordinator applies it at the boundary
+            picks.setdefault(world, [])
+            if not picks[world] or picks[world][-1] != in_use:
+                picks[world].append(in_use)
+    assert all(len(p) <= 2 for p in picks.values()), picks
+    assert picks[4][-1] > picks[1][-1], picks  # the sync-bound job's batch grew with w

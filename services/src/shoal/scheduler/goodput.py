@@ -66,6 +66,25 @@ class _Track:
     service: float = 0.0
     service_at: float | None = None
     service_world: int = 0
+    observations: dict[int, int] = field(default_factory=dict)  # iteration times fed, by w
+    batch_plan: _BatchPlan | None = None  # an adaptive job's batch at its world size
+
+
+@dataclass(frozen=True)
+class _BatchPlan:
+    """The batch an adaptive job runs at ``world_size``: picked from the prediction when it
+    got there (``measured_from`` = the observations at that size then), picked once more when
+    ``BATCH_REVIEW_AFTER`` more were measured (``final``), then kept until the world size
+    changes: a batch changes at most twice per world size, never on the fit's noise."""
+
+    world_size: int
+    batch: int
+    measured_from: int
+    final: bool = False
+
+
+BATCH_REVIEW_AFTER = 3
+"""Measured iteration times at a new world size after which its batch is picked once more."""
 
 
 @dataclass
@@ -183,6 +202,7 @@ class GoodputTracker:
                 compute_s=compute_s,
                 sync_s=progress.sync_seconds,
             )
+            track.observations[point.world_size] = track.observations.get(point.world_size, 0) + 1
         else:
             expected = done * track.model.curve().iteration_time(point.world_size)
             track.model.observe_pause(max(0.0, elapsed - expected))
@@ -199,10 +219,25 @@ class GoodputTracker:
         bounds = AdaptiveBounds.of(job.spec)
         track = self._jobs.get(job.job_id)
         if bounds is not None and track is not None:
-            world = progress.world_size or job.target_workers or 1
-            job.adaptive_batch_size = choose_batch(
-                track.model.curve(), world, bounds, current=progress.global_batch or None
-            )
+            job.adaptive_batch_size = self._plan_batch(track, job, progress, bounds)
+
+    @staticmethod
+    def _plan_batch(
+        track: _Track, job: job_pb2.Job, progress: job_pb2.JobProgress, bounds: AdaptiveBounds
+    ) -> int:
+        """An adaptive job's batch (:class:`_BatchPlan`): picked when its world size changes
+        (the rescale boundary), reviewed once after measurements there, else kept."""
+        world = progress.world_size or job.target_workers or 1
+        seen = track.observations.get(world, 0)
+        plan = track.batch_plan
+        if plan is not None and plan.world_size == world:
+            if plan.final or seen < plan.measured_from + BATCH_REVIEW_AFTER:
+                return plan.batch
+        current = progress.global_batch or (plan.batch if plan is not None else None)
+        pick = choose_batch(track.model.curve(), world, bounds, current=current)
+        review = plan is not None and plan.world_size == world
+        track.batch_plan = _BatchPlan(world, pick, seen, final=review)
+        return pick
 
     def annotate(self, demands: Sequence[JobDemand]) -> list[JobDemand]:
         """``demands`` with each job's predicted curve, attained service and rescale pause
