@@ -558,3 +558,33 @@ def test_the_batch_changes_at_most_twice_per_world_size_whatever_the_noise() -> 
                 picks[world].append(in_use)
     assert all(len(p) <= 2 for p in picks.values()), picks
     assert picks[4][-1] > picks[1][-1], picks  # the sync-bound job's batch grew with w
+
+
+def test_a_successor_reads_the_stored_schedule_and_ignores_a_corrupt_one(tmp_path) -> None:
+    from shoal.param_sync import checkpoint as ckpt
+    from shoal.param_sync.servicer_tasks import read_schedule, schedule_uri
+
+    settings = JobSettings(
+        job_id="job-1",
+        batch_size=4,
+        epochs=2,
+        storage_uri=tmp_path.as_uri(),
+        shard_addresses=("s0:1",),
+        min_batch=2,
+        max_batch=8,
+    )
+    assert read_schedule(settings) is None  # nothing stored yet
+    saved = BatchSchedule.fixed(10, 4).change(1, 8)
+    ckpt.atomic_write(schedule_uri(settings), saved.to_json().encode())
+    assert read_schedule(settings) == saved
+    ckpt.atomic_write(schedule_uri(settings), b'{"num_samples": 10, "segments": [[0,0,0,3,4]]}')
+    assert read_schedule(settings) is None  # not trusted: logged and ignored
+    fixed = JobSettings(
+        job_id="job-1",
+        batch_size=4,
+        epochs=2,
+        storage_uri=tmp_path.as_uri(),
+        shard_addresses=("s0:1",),
+    )
+    ckpt.atomic_write(schedule_uri(settings), saved.to_json().encode())
+    assert read_schedule(fixed) is None  # a fixed job never reads one
