@@ -100,6 +100,7 @@ def test_a_job_with_an_adaptive_batch_changes_its_batch_as_it_scales_and_complet
             assert [r.iteration for r in records] == list(range(len(records))), epoch
             assert sum(r.samples for r in records) == TRAIN_SAMPLES, epoch
             batches |= {r.samples for r in records[:-1]}  # the last of an epoch may be short
+        print(f"(world size, global batch) polled: {sorted(seen)}; batches run: {sorted(batches)}")
         assert len(batches) >= 2, (batches, sorted(seen))  # the batch did change
         assert batches <= set(range(8, 257)), batches
         assert {w for w, _ in seen} >= {1, 2, 3}, sorted(seen)

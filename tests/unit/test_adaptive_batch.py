@@ -588,3 +588,17 @@ def test_a_successor_reads_the_stored_schedule_and_ignores_a_corrupt_one(tmp_pat
     )
     ckpt.atomic_write(schedule_uri(settings), saved.to_json().encode())
     assert read_schedule(fixed) is None  # a fixed job never reads one
+
+
+def test_a_schedule_full_of_changes_keeps_its_batch_instead_of_failing() -> None:
+    import shoal.param_sync.coordinator as coordinator_module
+
+    coord = adaptive_coordinator(n=10, batch=4, lo=2, hi=8, epochs=50)
+    original = coordinator_module.MAX_SEGMENTS
+    coordinator_module.MAX_SEGMENTS = 2
+    try:
+        ran = run_to_end(coord, ["a"], {1: 8, 2: 2, 3: 6})
+    finally:
+        coordinator_module.MAX_SEGMENTS = original
+    assert len(coord.schedule.segments) == 2 and coord.global_batch == 8
+    assert {r[7] for r in ran} == {4, 8} and coord.done

@@ -53,7 +53,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shoal.contract.batch_schedule import BatchSchedule, Position
+from shoal.contract.batch_schedule import MAX_SEGMENTS, BatchSchedule, Position
 from shoal.contract.wire import TensorMeta
 from shoal.param_sync.coordinator_progress import ProgressMixin
 from shoal.param_sync.coordinator_records import (
@@ -233,6 +233,8 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         if self.completed >= self.total_iterations:
             return  # the job is done: nothing left to run at another batch
         before = self.schedule
+        if len(before.segments) >= MAX_SEGMENTS and before.batch_at(self.completed) != batch:
+            return  # as many changes as a schedule records: the batch stays (never seen)
         self.schedule = before.change(self.completed, batch)
         if self.schedule is not before:
             # Durable before anyone runs at the new batch (a successor reads it back).

@@ -224,6 +224,7 @@ class JobLifecycle:
     async def _forget_throughput(self, job_id: str) -> None:
         """The job ended: delete its stored throughput model (fenced; a failure is logged and
         the next leader deletes it when it finds the state of an ended job)."""
+        self._batch_sent.pop(job_id, None)
         try:
             await self.table.delete_throughput(job_id)
         except (Unavailable, NotLeader) as exc:
