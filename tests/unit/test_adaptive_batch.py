@@ -166,16 +166,26 @@ def test_jobs_get_shows_the_batch_the_scheduler_picks_only_for_jobs_that_opt_in(
     plain = job_pb2.Job(job_id="job-2", spec=spec(), target_workers=8)
     plain.spec.ClearField("adaptive_batch")
     for j in (job, plain):
-        for generation, (t, done) in enumerate([(100.0, 10), (101.0, 20), (102.0, 30)]):
+        for i in range(6):
+            t = 100.0 + i
             progress = job_pb2.JobProgress(
-                completed_iterations=done, world_size=8, generation=1 + generation // 10
+                completed_iterations=10 * (i + 1),
+                world_size=8,
+                generation=1,
+                global_batch=j.adaptive_batch_size or 64,
+                compute_seconds=0.01,  # of the 0.1 s per iteration: sync-bound
+                sync_seconds=0.09,
             )
             progress.update_time.FromSeconds(int(t))
             tracker.observe_job(j, progress, t)
+            if i == 0:  # nothing measured yet: the declared batch, not the prior's pick
+                assert j is plain or j.adaptive_batch_size == 64
     assert job.HasField("throughput") and plain.HasField("throughput")
-    assert job.adaptive_batch_size >= 64
-    expected = choose_batch(tracker.model("job-1").curve(), 8, AdaptiveBounds.of(job.spec))
-    assert job.adaptive_batch_size == expected
+    # Reviewed after 3 measured iterations at 8 learners: the model's pick for a sync-bound
+    # job is a larger batch, and it is final at this world size.
+    assert job.adaptive_batch_size > 64
+    plan = tracker._jobs["job-1"].batch_plan
+    assert plan is not None and plan.final and plan.batch == job.adaptive_batch_size
     assert plain.adaptive_batch_size == 0
 
 

@@ -73,9 +73,10 @@ class _Track:
 @dataclass(frozen=True)
 class _BatchPlan:
     """The batch an adaptive job runs at ``world_size``: picked from the prediction when it
-    got there (``measured_from`` = the observations at that size then), picked once more when
-    ``BATCH_REVIEW_AFTER`` more were measured (``final``), then kept until the world size
-    changes: a batch changes at most twice per world size, never on the fit's noise."""
+    got there (``measured_from`` = the observations at that size then; the batch in use while
+    nothing at all was measured), picked once more when ``BATCH_REVIEW_AFTER`` more were
+    measured (``final``), then kept until the world size changes: a batch changes at most
+    twice per world size, never on the fit's noise."""
 
     world_size: int
     batch: int
@@ -234,6 +235,10 @@ class GoodputTracker:
             if plan.final or seen < plan.measured_from + BATCH_REVIEW_AFTER:
                 return plan.batch
         current = progress.global_batch or (plan.batch if plan is not None else None)
+        if not track.observations:
+            # Nothing measured yet: the prior alone is no reason to leave the declared batch.
+            track.batch_plan = _BatchPlan(world, current or bounds.declared, seen)
+            return track.batch_plan.batch
         pick = choose_batch(track.model.curve(), world, bounds, current=current)
         review = plan is not None and plan.world_size == world
         track.batch_plan = _BatchPlan(world, pick, seen, final=review)
