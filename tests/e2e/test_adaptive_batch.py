@@ -1,7 +1,7 @@
 """The opt-in adaptive batch end to end (issue 17) on the embedded local cluster: real etcd,
 every service a real process, real PyTorch learners on the digits example.
 
-A digits job declares ``adaptive_batch`` (8..256 around its batch of 32, square-root
+A digits job declares ``adaptive_batch`` (16..256 around its batch of 32, square-root
 learning-rate rule) and is
 grown (1 -> 3 learners) and shrunk (3 -> 2) with ``UpdateJob``. Asserted: the scheduler's
 goodput model picks batches other than the declared one and the coordinator runs them (the
@@ -47,7 +47,7 @@ def test_a_job_with_an_adaptive_batch_changes_its_batch_as_it_scales_and_complet
         s = job_spec("adaptive", artifact, epochs=EPOCHS, batch_size=32, max_workers=1)
         s.adaptive_batch.CopyFrom(
             job_pb2.AdaptiveBatch(
-                min_global_batch=8,
+                min_global_batch=16,
                 max_global_batch=256,
                 rule=job_pb2.BATCH_SCALING_RULE_SQRT,
             )
@@ -66,7 +66,7 @@ def test_a_job_with_an_adaptive_batch_changes_its_batch_as_it_scales_and_complet
 
         def batch_moved(world: int) -> job_pb2.Job | None:
             job = at(world)
-            if job is None or job.progress.completed_iterations < 10:
+            if job is None or job.progress.completed_iterations < 20:
                 return None
             return job if job.progress.global_batch == job.adaptive_batch_size else None
 
@@ -84,7 +84,7 @@ def test_a_job_with_an_adaptive_batch_changes_its_batch_as_it_scales_and_complet
         )
         assert isinstance(done, job_pb2.Job)
         assert done.state == job_pb2.JOB_STATE_COMPLETED, done.state_reason
-        assert done.progress.global_batch in range(8, 257)
+        assert done.progress.global_batch in range(16, 257)
         assert done.progress.samples_processed == EPOCHS * TRAIN_SAMPLES
 
         metrics = client.get_metrics(job_id).iterations
@@ -102,5 +102,5 @@ def test_a_job_with_an_adaptive_batch_changes_its_batch_as_it_scales_and_complet
             batches |= {r.samples for r in records[:-1]}  # the last of an epoch may be short
         print(f"(world size, global batch) polled: {sorted(seen)}; batches run: {sorted(batches)}")
         assert len(batches) >= 2, (batches, sorted(seen))  # the batch did change
-        assert batches <= set(range(8, 257)), batches
+        assert batches <= set(range(16, 257)), batches
         assert {w for w, _ in seen} >= {1, 2, 3}, sorted(seen)
