@@ -38,6 +38,16 @@ class SyncModeOption(StrEnum):
     collective = "collective"
 
 
+class BatchRuleOption(StrEnum):
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+BATCH_RULES = {
+    BatchRuleOption.linear: job_pb2.BATCH_SCALING_RULE_LINEAR,
+    BatchRuleOption.sqrt: job_pb2.BATCH_SCALING_RULE_SQRT,
+}
+
 SYNC_MODES = {
     SyncModeOption.auto: job_pb2.SYNC_MODE_AUTO,
     SyncModeOption.parameter_server: job_pb2.SYNC_MODE_PARAMETER_SERVER,
@@ -97,6 +107,22 @@ def submit(
         int, typer.Option(help="Checkpoint every N epochs (0: at the end).")
     ] = 1,
     seed: Annotated[int, typer.Option(help="Seed of the data order.")] = 0,
+    adaptive_batch: Annotated[
+        str | None,
+        typer.Option(
+            help="Opt in to the adaptive batch: the scheduler may pick the global batch in "
+            "MIN:MAX with the world size to maximise goodput (trades the exact equivalence to "
+            "one process for speed; docs/scheduling.md). --batch-size must lie in it.",
+            metavar="MIN:MAX",
+        ),
+    ] = None,
+    batch_rule: Annotated[
+        BatchRuleOption,
+        typer.Option(
+            help="How the learning rate follows an adaptive batch B: lr x B/B0 "
+            "(linear) or lr x sqrt(B/B0) (sqrt), B0 the --batch-size."
+        ),
+    ] = BatchRuleOption.linear,
     keep_checkpoints: Annotated[
         int,
         typer.Option(
@@ -146,6 +172,9 @@ def submit(
         raise typer.Exit(1)
 
     resume = resume_spec(resume_from) if resume_from is not None else ""
+    adaptive = (
+        adaptive_batch_spec(adaptive_batch, batch_rule) if adaptive_batch is not None else None
+    )
     silent = quiet()
     bars = not silent and err_console.is_terminal
 
@@ -194,6 +223,8 @@ def submit(
             keep_every_nth_checkpoint=keep_every,
             resume_from=resume,
         )
+        if adaptive is not None:
+            spec.adaptive_batch.CopyFrom(adaptive)
         return await client.submit_job(spec)
 
     job = run(body)
@@ -209,6 +240,42 @@ def submit(
         from shoal.cli.follow import finish, follow_job  # registers its commands after these
 
         finish(job.job_id, run(lambda c: follow_job(c, job.job_id, logs=follow)))
+
+
+def adaptive_batch_spec(text: str, rule: BatchRuleOption) -> job_pb2.AdaptiveBatch:
+    """``--adaptive-batch MIN:MAX`` as JobSpec.adaptive_batch (the scheduler checks the
+    bounds against --batch-size)."""
+    lo, sep, hi = text.partition(":")
+    if not sep or not lo.strip().isdigit() or not hi.strip().isdigit():
+        raise typer.BadParameter(
+            f"--adaptive-batch ({text!r}) must be MIN:MAX, two positive integers",
+            param_hint="--adaptive-batch",
+        )
+    return job_pb2.AdaptiveBatch(
+        min_global_batch=int(lo),
+        max_global_batch=int(hi),
+        rule=BATCH_RULES[rule],
+    )
+
+
+def batch_line(job: job_pb2.Job) -> str | None:
+    """``shoal jobs get``'s line on the global batch: in use, and an adaptive batch's bounds,
+    rule and the scheduler's pick."""
+    in_use = job.progress.global_batch or job.spec.batch_size
+    if not job.spec.HasField("adaptive_batch"):
+        return None
+    ab = job.spec.adaptive_batch
+    rule = job_pb2.BatchScalingRule.Name(ab.rule).removeprefix("BATCH_SCALING_RULE_").lower()
+    pick = (
+        f"; goodput pick at {job.progress.world_size or job.target_workers} learners: "
+        f"{job.adaptive_batch_size}"
+        if job.adaptive_batch_size
+        else ""
+    )
+    return (
+        f"batch: {in_use} in use (declared {job.spec.batch_size}, adaptive "
+        f"{ab.min_global_batch}..{ab.max_global_batch}, lr rule {rule}{pick})"
+    )
 
 
 def resume_spec(text: str) -> str:
@@ -267,6 +334,8 @@ def jobs_get(job_id: str) -> None:
         print_table(console, jobs_table([job], wide=wide))
         if job.state_reason:
             console.print(f"reason: {job.state_reason}", highlight=False, soft_wrap=True)
+        if (line := batch_line(job)) is not None:
+            console.print(line, highlight=False, soft_wrap=True)
         for line in simulate.throughput_lines(job):  # the scheduler's throughput model
             console.print(line, highlight=False, soft_wrap=True)
 

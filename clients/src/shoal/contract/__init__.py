@@ -23,4 +23,6 @@ part of the contract:
 * ``stored`` -- the encoding of records kept in etcd (protobuf; the JSON of earlier releases
   told apart by its first byte).
 * ``processes`` -- whether a recorded pid is still alive (the lane's sweep, ``shoal cluster``).
+* ``batch_schedule`` -- the sample positions of a job whose global batch changes (the opt-in
+  adaptive batch) and the learning-rate rules that follow the batch.
 """

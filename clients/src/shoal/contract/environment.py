@@ -10,6 +10,7 @@ library.
 from __future__ import annotations
 
 __all__ = [
+    "BATCH_RULE",
     "BATCH_SIZE",
     "COLLECTIVE_TIMEOUT_S",
     "COORDINATOR",
@@ -54,6 +55,8 @@ TRACE_EVERY = "SHOAL_TRACE_EVERY"
 COLLECTIVE_TIMEOUT_S = "SHOAL_COLLECTIVE_TIMEOUT_S"
 EPOCHS = "SHOAL_EPOCHS"
 BATCH_SIZE = "SHOAL_BATCH_SIZE"
+#: Set only for a job with an adaptive batch: how the learning rate follows the batch.
+BATCH_RULE = "SHOAL_BATCH_RULE"
 SEED = "SHOAL_SEED"
 DATASET_URIS = "SHOAL_DATASET_URIS"
 #: Read by every shoal process (services, learners, the dashboard): the logging level.
@@ -79,6 +82,7 @@ LEARNER_VARIABLES = frozenset(
         COLLECTIVE_TIMEOUT_S,
         EPOCHS,
         BATCH_SIZE,
+        BATCH_RULE,
         SEED,
         DATASET_URIS,
     }

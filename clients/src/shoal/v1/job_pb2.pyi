@@ -139,6 +139,32 @@ SCHEDULING_POLICY_GOODPUT: SchedulingPolicy.ValueType  # 4
 """Devices to the jobs they speed up most, weighted by priority, above a fairness floor."""
 Global___SchedulingPolicy: _TypeAlias = SchedulingPolicy  # noqa: Y015
 
+class _BatchScalingRule:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BatchScalingRuleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BatchScalingRule.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BATCH_SCALING_RULE_UNSPECIFIED: _BatchScalingRule.ValueType  # 0
+    """Not set: refused when adaptive_batch is set."""
+    BATCH_SCALING_RULE_LINEAR: _BatchScalingRule.ValueType  # 1
+    """lr x B / B0 (Goyal et al. 2017, "Accurate, Large Minibatch SGD"), for SGD."""
+    BATCH_SCALING_RULE_SQRT: _BatchScalingRule.ValueType  # 2
+    """lr x sqrt(B / B0) (Krizhevsky 2014; Hoffer et al. 2017), for adaptive optimizers."""
+
+class BatchScalingRule(_BatchScalingRule, metaclass=_BatchScalingRuleEnumTypeWrapper):
+    """BatchScalingRule is how an adaptive batch's learning rate follows its global batch B,
+    relative to the declared batch B0 (JobSpec.batch_size) and the optimizer's learning rate.
+    """
+
+BATCH_SCALING_RULE_UNSPECIFIED: BatchScalingRule.ValueType  # 0
+"""Not set: refused when adaptive_batch is set."""
+BATCH_SCALING_RULE_LINEAR: BatchScalingRule.ValueType  # 1
+"""lr x B / B0 (Goyal et al. 2017, "Accurate, Large Minibatch SGD"), for SGD."""
+BATCH_SCALING_RULE_SQRT: BatchScalingRule.ValueType  # 2
+"""lr x sqrt(B / B0) (Krizhevsky 2014; Hoffer et al. 2017), for adaptive optimizers."""
+Global___BatchScalingRule: _TypeAlias = BatchScalingRule  # noqa: Y015
+
 class _JobEventKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -211,6 +237,7 @@ class JobSpec(_message.Message):
     KEEP_CHECKPOINTS_FIELD_NUMBER: _builtins.int
     RESUME_FROM_FIELD_NUMBER: _builtins.int
     KEEP_EVERY_NTH_CHECKPOINT_FIELD_NUMBER: _builtins.int
+    ADAPTIVE_BATCH_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """A human-readable name (1 to 128 characters)."""
     entry_point: _builtins.str
@@ -265,6 +292,15 @@ class JobSpec(_message.Message):
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Extra environment variables for the learners."""
 
+    @_builtins.property
+    def adaptive_batch(self) -> Global___AdaptiveBatch:
+        """Opt-in adaptive batch (docs/scheduling.md, "Adaptive batch"): when set, the scheduler
+        may pick the job's global batch within these bounds together with its world size, to
+        maximise goodput, and the learning rate is scaled by the rule. Unset (the default): the
+        global batch is batch_size whatever the world size, exactly equivalent to one process.
+        Setting it trades that exact equivalence for speed.
+        """
+
     def __init__(
         self,
         *,
@@ -286,14 +322,47 @@ class JobSpec(_message.Message):
         keep_checkpoints: _builtins.int = ...,
         resume_from: _builtins.str = ...,
         keep_every_nth_checkpoint: _builtins.int = ...,
+        adaptive_batch: Global___AdaptiveBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adaptive_batch", b"adaptive_batch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "artifact_id", b"artifact_id", "batch_size", b"batch_size", "checkpoint_every", b"checkpoint_every", "dataset_uris", b"dataset_uris", "entry_point", b"entry_point", "env", b"env", "epochs", b"epochs", "keep_checkpoints", b"keep_checkpoints", "keep_every_nth_checkpoint", b"keep_every_nth_checkpoint", "max_batch_per_device", b"max_batch_per_device", "max_workers", b"max_workers", "min_workers", b"min_workers", "name", b"name", "priority", b"priority", "resume_from", b"resume_from", "seed", b"seed", "sync_mode", b"sync_mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adaptive_batch", b"adaptive_batch", "args", b"args", "artifact_id", b"artifact_id", "batch_size", b"batch_size", "checkpoint_every", b"checkpoint_every", "dataset_uris", b"dataset_uris", "entry_point", b"entry_point", "env", b"env", "epochs", b"epochs", "keep_checkpoints", b"keep_checkpoints", "keep_every_nth_checkpoint", b"keep_every_nth_checkpoint", "max_batch_per_device", b"max_batch_per_device", "max_workers", b"max_workers", "min_workers", b"min_workers", "name", b"name", "priority", b"priority", "resume_from", b"resume_from", "seed", b"seed", "sync_mode", b"sync_mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JobSpec: _TypeAlias = JobSpec  # noqa: Y015
+
+@_typing.final
+class AdaptiveBatch(_message.Message):
+    """AdaptiveBatch bounds the global batch the scheduler may pick for a job and says how the
+    learning rate follows it. min_global_batch <= JobSpec.batch_size <= max_global_batch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MIN_GLOBAL_BATCH_FIELD_NUMBER: _builtins.int
+    MAX_GLOBAL_BATCH_FIELD_NUMBER: _builtins.int
+    RULE_FIELD_NUMBER: _builtins.int
+    min_global_batch: _builtins.int
+    """The smallest global batch the scheduler may pick (>= 1)."""
+    max_global_batch: _builtins.int
+    """The largest global batch the scheduler may pick (>= min_global_batch, <= 1048576)."""
+    rule: Global___BatchScalingRule.ValueType
+    """How the learning rate follows the batch."""
+    def __init__(
+        self,
+        *,
+        min_global_batch: _builtins.int = ...,
+        max_global_batch: _builtins.int = ...,
+        rule: Global___BatchScalingRule.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_global_batch", b"max_global_batch", "min_global_batch", b"min_global_batch", "rule", b"rule"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdaptiveBatch: _TypeAlias = AdaptiveBatch  # noqa: Y015
 
 @_typing.final
 class JobProgress(_message.Message):
@@ -313,6 +382,7 @@ class JobProgress(_message.Message):
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
     SYNC_SECONDS_FIELD_NUMBER: _builtins.int
+    GLOBAL_BATCH_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """The current epoch (0-based)."""
     iteration: _builtins.int
@@ -340,6 +410,10 @@ class JobProgress(_message.Message):
     """Seconds a learner spent in the gradient sync per iteration (sending, waiting on the
     slowest peer and the update, receiving), the same kind of mean; 0 when not reported.
     """
+    global_batch: _builtins.int
+    """The global batch of the current iteration: spec.batch_size, or the batch the scheduler
+    picked for a job with adaptive_batch (0 when not reported).
+    """
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp:
         """When the progress was last updated."""
@@ -359,10 +433,11 @@ class JobProgress(_message.Message):
         update_time: _timestamp_pb2.Timestamp | None = ...,
         compute_seconds: _builtins.float = ...,
         sync_seconds: _builtins.float = ...,
+        global_batch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "compute_seconds", b"compute_seconds", "epoch", b"epoch", "generation", b"generation", "iteration", b"iteration", "iterations_per_epoch", b"iterations_per_epoch", "last_loss", b"last_loss", "samples_per_second", b"samples_per_second", "samples_processed", b"samples_processed", "sync_seconds", b"sync_seconds", "update_time", b"update_time", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "compute_seconds", b"compute_seconds", "epoch", b"epoch", "generation", b"generation", "global_batch", b"global_batch", "iteration", b"iteration", "iterations_per_epoch", b"iterations_per_epoch", "last_loss", b"last_loss", "samples_per_second", b"samples_per_second", "samples_processed", b"samples_processed", "sync_seconds", b"sync_seconds", "update_time", b"update_time", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -388,6 +463,7 @@ class Job(_message.Message):
     EFFECTIVE_SYNC_MODE_FIELD_NUMBER: _builtins.int
     QUEUE_POSITION_FIELD_NUMBER: _builtins.int
     THROUGHPUT_FIELD_NUMBER: _builtins.int
+    ADAPTIVE_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job's id, assigned at submit."""
     owner: _builtins.str
@@ -404,6 +480,12 @@ class Job(_message.Message):
     """The sync mode in effect (AUTO resolved)."""
     queue_position: _builtins.int
     """The position in the queue (1-based) while QUEUED; 0 otherwise."""
+    adaptive_batch_size: _builtins.int
+    """The global batch the scheduler's goodput model picks for the job at the world size it
+    runs at, when the spec sets adaptive_batch (docs/scheduling.md, "Adaptive batch"); 0 when
+    it does not. The coordinator is told and runs it from its next iteration boundary
+    (progress.global_batch is the batch in use).
+    """
     @_builtins.property
     def spec(self) -> Global___JobSpec:
         """The spec as submitted (priority and max_workers as last updated)."""
@@ -447,10 +529,11 @@ class Job(_message.Message):
         effective_sync_mode: Global___SyncMode.ValueType = ...,
         queue_position: _builtins.int = ...,
         throughput: Global___ThroughputModel | None = ...,
+        adaptive_batch_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "progress", b"progress", "spec", b"spec", "start_time", b"start_time", "throughput", b"throughput"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_workers", b"allocated_workers", "create_time", b"create_time", "effective_sync_mode", b"effective_sync_mode", "end_time", b"end_time", "job_id", b"job_id", "owner", b"owner", "progress", b"progress", "queue_position", b"queue_position", "spec", b"spec", "start_time", b"start_time", "state", b"state", "state_reason", b"state_reason", "target_workers", b"target_workers", "throughput", b"throughput"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adaptive_batch_size", b"adaptive_batch_size", "allocated_workers", b"allocated_workers", "create_time", b"create_time", "effective_sync_mode", b"effective_sync_mode", "end_time", b"end_time", "job_id", b"job_id", "owner", b"owner", "progress", b"progress", "queue_position", b"queue_position", "spec", b"spec", "start_time", b"start_time", "state", b"state", "state_reason", b"state_reason", "target_workers", b"target_workers", "throughput", b"throughput"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -635,6 +635,8 @@ class Assignment(_message.Message):
     SAMPLE_START_FIELD_NUMBER: _builtins.int
     SAMPLE_END_FIELD_NUMBER: _builtins.int
     BATCH_SAMPLES_FIELD_NUMBER: _builtins.int
+    BATCH_START_FIELD_NUMBER: _builtins.int
+    GLOBAL_BATCH_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     """The generation the iteration runs in."""
     epoch: _builtins.int
@@ -653,6 +655,16 @@ class Assignment(_message.Message):
     """One past the last position of the learner's share."""
     batch_samples: _builtins.int
     """The number of samples in the global batch of this iteration."""
+    batch_start: _builtins.int
+    """The first position (in the epoch's order) of the global batch of this iteration. Always
+    set by coordinators that know it; 0 with batch_samples set and global_batch unset means
+    an older coordinator, whose batch starts at iteration x the job's batch_size.
+    """
+    global_batch: _builtins.int
+    """The global batch B of this iteration: the job's batch_size, or the batch the scheduler
+    picked for a job with an adaptive batch (batch_samples < B only for an epoch's last
+    iteration); 0 from an older coordinator.
+    """
     def __init__(
         self,
         *,
@@ -665,10 +677,12 @@ class Assignment(_message.Message):
         sample_start: _builtins.int = ...,
         sample_end: _builtins.int = ...,
         batch_samples: _builtins.int = ...,
+        batch_start: _builtins.int = ...,
+        global_batch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_samples", b"batch_samples", "epoch", b"epoch", "generation", b"generation", "global_iteration", b"global_iteration", "iteration", b"iteration", "rank", b"rank", "sample_end", b"sample_end", "sample_start", b"sample_start", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_samples", b"batch_samples", "batch_start", b"batch_start", "epoch", b"epoch", "generation", b"generation", "global_batch", b"global_batch", "global_iteration", b"global_iteration", "iteration", b"iteration", "rank", b"rank", "sample_end", b"sample_end", "sample_start", b"sample_start", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1111,6 +1125,62 @@ class RetireLearnersResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RetireLearnersResponse: _TypeAlias = RetireLearnersResponse  # noqa: Y015
+
+@_typing.final
+class SetGlobalBatchRequest(_message.Message):
+    """SetGlobalBatchRequest names the global batch a job runs from its next boundary."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    GLOBAL_BATCH_FIELD_NUMBER: _builtins.int
+    FENCING_TOKEN_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    global_batch: _builtins.int
+    """The global batch (within the job's adaptive_batch bounds)."""
+    @_builtins.property
+    def fencing_token(self) -> _resources_pb2.FencingToken:
+        """The scheduler's leadership token."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        global_batch: _builtins.int = ...,
+        fencing_token: _resources_pb2.FencingToken | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fencing_token", b"fencing_token", "global_batch", b"global_batch", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetGlobalBatchRequest: _TypeAlias = SetGlobalBatchRequest  # noqa: Y015
+
+@_typing.final
+class SetGlobalBatchResponse(_message.Message):
+    """SetGlobalBatchResponse acknowledges a SetGlobalBatch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CURRENT_GLOBAL_BATCH_FIELD_NUMBER: _builtins.int
+    current_global_batch: _builtins.int
+    """The global batch of the iterations run so far from the latest change (the batch in use
+    until the next boundary).
+    """
+    def __init__(
+        self,
+        *,
+        current_global_batch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_global_batch", b"current_global_batch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetGlobalBatchResponse: _TypeAlias = SetGlobalBatchResponse  # noqa: Y015
 
 @_typing.final
 class EvictLearnerRequest(_message.Message):

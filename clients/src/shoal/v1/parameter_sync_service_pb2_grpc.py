@@ -85,6 +85,11 @@ class ParameterSyncServiceStub:
                 request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.EvictLearnerRequest.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.EvictLearnerResponse.FromString,
                 _registered_method=True)
+        self.SetGlobalBatch = channel.unary_unary(
+                '/shoal.v1.ParameterSyncService/SetGlobalBatch',
+                request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.SetGlobalBatchRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.SetGlobalBatchResponse.FromString,
+                _registered_method=True)
         self.CreateCheckpoint = channel.unary_unary(
                 '/shoal.v1.ParameterSyncService/CreateCheckpoint',
                 request_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.CreateCheckpointRequest.SerializeToString,
@@ -259,6 +264,17 @@ class ParameterSyncServiceServicer:
         """EvictLearner removes a dead learner at once: the in-flight iteration is aborted (partial
         sums dropped) and re-issued to the survivors. Returns NOT_FOUND, FAILED_PRECONDITION
         (stale fencing token), UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetGlobalBatch(self, request, context):
+        """SetGlobalBatch asks the coordinator to run a job with an adaptive batch at another
+        global batch from its next iteration boundary on (every member of that iteration gets the
+        same batch; the position in the epoch is kept in samples). Called by the scheduler.
+        Returns NOT_FOUND, INVALID_ARGUMENT (global_batch out of the job's bounds),
+        FAILED_PRECONDITION (stale fencing token), UNAUTHENTICATED, PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -469,6 +485,11 @@ def add_ParameterSyncServiceServicer_to_server(servicer, server):
                     servicer.EvictLearner,
                     request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.EvictLearnerRequest.FromString,
                     response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.EvictLearnerResponse.SerializeToString,
+            ),
+            'SetGlobalBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetGlobalBatch,
+                    request_deserializer=shoal_dot_v1_dot_parameter__sync__service__pb2.SetGlobalBatchRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_parameter__sync__service__pb2.SetGlobalBatchResponse.SerializeToString,
             ),
             'CreateCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateCheckpoint,
@@ -800,6 +821,33 @@ class ParameterSyncService:
             '/shoal.v1.ParameterSyncService/EvictLearner',
             shoal_dot_v1_dot_parameter__sync__service__pb2.EvictLearnerRequest.SerializeToString,
             shoal_dot_v1_dot_parameter__sync__service__pb2.EvictLearnerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetGlobalBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.ParameterSyncService/SetGlobalBatch',
+            shoal_dot_v1_dot_parameter__sync__service__pb2.SetGlobalBatchRequest.SerializeToString,
+            shoal_dot_v1_dot_parameter__sync__service__pb2.SetGlobalBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

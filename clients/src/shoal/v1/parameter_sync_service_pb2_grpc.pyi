@@ -91,6 +91,13 @@ class ParameterSyncServiceStub:
     sums dropped) and re-issued to the survivors. Returns NOT_FOUND, FAILED_PRECONDITION
     (stale fencing token), UNAUTHENTICATED, PERMISSION_DENIED.
     """
+    SetGlobalBatch: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.SetGlobalBatchRequest, _parameter_sync_service_pb2.SetGlobalBatchResponse]
+    """SetGlobalBatch asks the coordinator to run a job with an adaptive batch at another
+    global batch from its next iteration boundary on (every member of that iteration gets the
+    same batch; the position in the epoch is kept in samples). Called by the scheduler.
+    Returns NOT_FOUND, INVALID_ARGUMENT (global_batch out of the job's bounds),
+    FAILED_PRECONDITION (stale fencing token), UNAUTHENTICATED, PERMISSION_DENIED.
+    """
     CreateCheckpoint: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.CreateCheckpointRequest, _parameter_sync_service_pb2.CreateCheckpointResponse]
     """CreateCheckpoint writes a checkpoint of the job now (shards' safetensors, then the
     manifest). Returns NOT_FOUND, FAILED_PRECONDITION (not initialized), UNAUTHENTICATED.
@@ -248,6 +255,13 @@ class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
     """EvictLearner removes a dead learner at once: the in-flight iteration is aborted (partial
     sums dropped) and re-issued to the survivors. Returns NOT_FOUND, FAILED_PRECONDITION
     (stale fencing token), UNAUTHENTICATED, PERMISSION_DENIED.
+    """
+    SetGlobalBatch: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.SetGlobalBatchRequest, _parameter_sync_service_pb2.SetGlobalBatchResponse]  # type: ignore[assignment]
+    """SetGlobalBatch asks the coordinator to run a job with an adaptive batch at another
+    global batch from its next iteration boundary on (every member of that iteration gets the
+    same batch; the position in the epoch is kept in samples). Called by the scheduler.
+    Returns NOT_FOUND, INVALID_ARGUMENT (global_batch out of the job's bounds),
+    FAILED_PRECONDITION (stale fencing token), UNAUTHENTICATED, PERMISSION_DENIED.
     """
     CreateCheckpoint: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.CreateCheckpointRequest, _parameter_sync_service_pb2.CreateCheckpointResponse]  # type: ignore[assignment]
     """CreateCheckpoint writes a checkpoint of the job now (shards' safetensors, then the
@@ -457,6 +471,19 @@ class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         """EvictLearner removes a dead learner at once: the in-flight iteration is aborted (partial
         sums dropped) and re-issued to the survivors. Returns NOT_FOUND, FAILED_PRECONDITION
         (stale fencing token), UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+
+    @_abc_1.abstractmethod
+    def SetGlobalBatch(
+        self,
+        request: _parameter_sync_service_pb2.SetGlobalBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_parameter_sync_service_pb2.SetGlobalBatchResponse, _abc.Awaitable[_parameter_sync_service_pb2.SetGlobalBatchResponse]]:
+        """SetGlobalBatch asks the coordinator to run a job with an adaptive batch at another
+        global batch from its next iteration boundary on (every member of that iteration gets the
+        same batch; the position in the epoch is kept in samples). Called by the scheduler.
+        Returns NOT_FOUND, INVALID_ARGUMENT (global_batch out of the job's bounds),
+        FAILED_PRECONDITION (stale fencing token), UNAUTHENTICATED, PERMISSION_DENIED.
         """
 
     @_abc_1.abstractmethod

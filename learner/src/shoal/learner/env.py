@@ -44,6 +44,10 @@ OTEL_EXPORTER_OTLP_ENDPOINT unset (no tracing)      OTLP/gRPC collector for the 
 SHOAL_EPOCHS                unset                   Job settings; when set they win over the
 SHOAL_BATCH_SIZE            unset                   script's arguments (on the cluster the job,
 SHOAL_SEED                  unset                   not the script, decides them).
+SHOAL_BATCH_RULE            unset (fixed batch)     ``linear`` or ``sqrt``: the job opted in to
+                                                    the adaptive batch; the learning rate is
+                                                    scaled by this rule from SHOAL_BATCH_SIZE to
+                                                    the batch the coordinator assigns.
 SHOAL_DATASET_URIS          empty                   Comma-separated dataset URIs of the job
                                                     (``shoal submit --dataset``): ``file://``,
                                                     ``s3://``, ``gs://``... read through fsspec
@@ -239,6 +243,15 @@ def batch_size(environ: Mapping[str, str] | None = None) -> int | None:
     return _int(environment.BATCH_SIZE, environ, 1)
 
 
+def batch_rule(environ: Mapping[str, str] | None = None) -> str | None:
+    """SHOAL_BATCH_RULE: ``linear`` or ``sqrt`` when the job has an adaptive batch
+    (default: unset, the batch is fixed)."""
+    value = _str(environment.BATCH_RULE, environ)
+    if value is not None and value not in ("linear", "sqrt"):
+        raise ValueError(f"{environment.BATCH_RULE} ({value!r}) must be 'linear' or 'sqrt'")
+    return value
+
+
 def seed(environ: Mapping[str, str] | None = None) -> int | None:
     """SHOAL_SEED: the job's data-order seed; overrides the script's (default: unset)."""
     return _int(environment.SEED, environ, 0)
@@ -283,6 +296,7 @@ class LearnerEnv:
     batch_size: int | None = None
     seed: int | None = None
     dataset_uris: tuple[str, ...] = ()
+    batch_rule: str | None = None
 
     @property
     def standalone(self) -> bool:
@@ -312,4 +326,5 @@ class LearnerEnv:
             batch_size=batch_size(environ),
             seed=seed(environ),
             dataset_uris=dataset_uris(environ),
+            batch_rule=batch_rule(environ),
         )

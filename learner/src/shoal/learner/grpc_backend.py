@@ -403,7 +403,9 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
             raise RuntimeError(f"unknown boundary action {reply.action}")
         a = reply.assignment
         self._generation = int(a.generation)
-        start = a.iteration * plan.batch_size
+        # A coordinator that sends the global batch sends where it starts (positions are kept
+        # in samples: with an adaptive batch it is not iteration x B).
+        start = int(a.batch_start) if a.global_batch else a.iteration * plan.batch_size
         assignment = Assignment(
             generation=int(a.generation),
             epoch=a.epoch,
@@ -414,6 +416,7 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
             batch_start=start,
             batch_stop=start + a.batch_samples,
             pull_parameters=reply.pull_parameters,
+            global_batch=a.global_batch,
         )
         if assignment.share != (a.sample_start, a.sample_end):
             raise RuntimeError(

@@ -416,8 +416,9 @@ class Assignment:
     checkpoint).
 
     Wire mapping (``shoal.v1.Assignment``): ``step`` is ``global_iteration``; ``batch_start``
-    is ``iteration * B`` and ``batch_stop`` is ``batch_start + batch_samples``; :attr:`share`
-    is ``[sample_start, sample_end)``.
+    is the wire's ``batch_start`` (``iteration * B`` from a coordinator that does not send
+    ``global_batch``) and ``batch_stop`` is ``batch_start + batch_samples``; :attr:`share` is
+    ``[sample_start, sample_end)``.
     """
 
     generation: int
@@ -430,6 +431,9 @@ class Assignment:
     batch_stop: int
     retire: bool = False
     pull_parameters: bool = False
+    #: The global batch B of the iteration (0: the plan's fixed batch). It differs from the
+    #: plan's only for a job with an adaptive batch (``shoal.contract.batch_schedule``).
+    global_batch: int = 0
 
     def __post_init__(self) -> None:
         if self.retire:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from shoal.contract.batch_schedule import BatchRule, scaled_learning_rate
 from shoal.learner import partition
 from shoal.learner.backend import (
     Assignment,
@@ -251,6 +252,8 @@ class ElasticTrainer:
             dataset_uris = [dataset_uris]
         self.dataset_uris = tuple(dataset_uris)
         self._assignment: Assignment | None = None
+        self._batch_rule: BatchRule | None = None
+        self._declared_batch = 0
         self._world_one = False
         self._metric_log = MetricLog()
 
@@ -359,6 +362,14 @@ class ElasticTrainer:
                 )
             plan = state.plan
             self._schedule = self._resolve_schedule(plan)
+            self._batch_rule = BatchRule(env.batch_rule) if env.batch_rule else None
+            self._declared_batch = plan.batch_size
+            if self._batch_rule is not None and self._schedule is None and self._base_lr() is None:
+                raise ValueError(
+                    f"the job has an adaptive batch (SHOAL_BATCH_RULE={env.batch_rule}) but the "
+                    "optimizer has no numeric 'lr' and no lr_schedule: there is no learning "
+                    "rate to scale with the batch"
+                )
             have_state = state.params is not None and state.buffers is not None
             if state.params is not None and state.buffers is not None:
                 self._load(state.params, state.buffers)
@@ -383,7 +394,7 @@ class ElasticTrainer:
                     result.retired = True
                     self._assignment = None
                     break
-                self._check_assignment(a, plan)
+                self._check_assignment(a, plan, adaptive=self._batch_rule is not None)
                 previous, self._assignment = self._assignment, a
                 if previous is not None and (
                     previous.generation != a.generation or previous.world_size != a.world_size
@@ -497,7 +508,7 @@ class ElasticTrainer:
                 )
                 result.history.append(record)
                 callbacks.on_iteration_end(record)
-                if plan.is_last_of_epoch(a.iteration):
+                if a.batch_stop == plan.num_samples:  # the epoch's last iteration
                     epoch_result = None
                     if a.rank == 0:
                         epoch_result = self._end_epoch(
@@ -555,14 +566,38 @@ class ElasticTrainer:
         return resolve_schedule(spec, base_lr=self._base_lr(), total=total)
 
     def _lr(self, a: Assignment) -> float | None:
-        if self._schedule is None:
-            return None
-        return float(self._schedule(a.epoch if self.lr_schedule_unit == "epoch" else a.step))
+        lr = None
+        if self._schedule is not None:
+            lr = float(self._schedule(a.epoch if self.lr_schedule_unit == "epoch" else a.step))
+        if self._batch_rule is None:
+            return lr
+        # An adaptive batch: the rate (the schedule's, else the optimizer's) scaled by the rule
+        # from the declared batch to this iteration's (always sent, so that a batch back at
+        # the declared one gets the declared rate again).
+        base = lr if lr is not None else self._base_lr()
+        assert base is not None  # checked at train()
+        batch = a.global_batch or self._declared_batch
+        return scaled_learning_rate(base, batch, self._declared_batch, self._batch_rule)
 
     @staticmethod
-    def _check_assignment(a: Assignment, plan: TrainingPlan) -> None:
-        expected = partition.batch_range(a.iteration, plan.batch_size, plan.num_samples)
-        if (a.batch_start, a.batch_stop) != expected or a.epoch >= plan.epochs:
+    def _check_assignment(a: Assignment, plan: TrainingPlan, *, adaptive: bool = False) -> None:
+        if a.global_batch and a.global_batch != plan.batch_size and not adaptive:
+            raise RuntimeError(
+                f"assignment's global batch ({a.global_batch}) differs from the job's fixed "
+                f"batch ({plan.batch_size}) but the job has no adaptive batch"
+            )
+        if adaptive:
+            # Positions are kept in samples (shoal.contract.batch_schedule): a batch of at
+            # most B inside the epoch, short only at the epoch's end.
+            b = a.global_batch or plan.batch_size
+            ok = a.batch_stop <= plan.num_samples and (
+                a.batch_size == b or (a.batch_size < b and a.batch_stop == plan.num_samples)
+            )
+            expected = (a.batch_start, a.batch_start + b)
+        else:
+            expected = partition.batch_range(a.iteration, plan.batch_size, plan.num_samples)
+            ok = (a.batch_start, a.batch_stop) == expected
+        if not ok or a.epoch >= plan.epochs:
             raise RuntimeError(
                 f"assignment (epoch {a.epoch}, iteration {a.iteration}, batch "
                 f"[{a.batch_start}, {a.batch_stop})) does not match the plan "

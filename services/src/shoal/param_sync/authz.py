@@ -63,6 +63,7 @@ SERVICE_METHODS = frozenset(
         "OpenJob",
         "CloseJob",
         "RetireLearners",
+        "SetGlobalBatch",
         "EvictLearner",
         "ConfigureShard",
         "ShardReady",

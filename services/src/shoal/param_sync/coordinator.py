@@ -53,6 +53,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from shoal.contract.batch_schedule import MAX_SEGMENTS, BatchSchedule, Position
 from shoal.contract.wire import TensorMeta
 from shoal.param_sync.coordinator_progress import ProgressMixin
 from shoal.param_sync.coordinator_records import (
@@ -70,6 +71,7 @@ from shoal.param_sync.coordinator_records import (
     RecoverTask,
     ResolveTask,
     RewindTask,
+    ScheduleTask,
     Task,
     UserMetrics,
     check_same_shape,
@@ -92,6 +94,7 @@ __all__ = [
     "RecoverTask",
     "ResolveTask",
     "RewindTask",
+    "ScheduleTask",
 ]
 
 
@@ -105,6 +108,10 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         self.layout: tuple[TensorMeta, ...] | None = None
         self.optimizer: OptimizerConfig | None = None
         self.dataset_size: int | None = None
+        # The batches over the global iterations (None: the fixed batch of the settings); a
+        # job with an adaptive batch changes it at a boundary (:meth:`set_global_batch`).
+        self._schedule: BatchSchedule | None = None
+        self.pending_batch: int | None = None
         self.sharding: Sharding | None = None
         self.initialized = False
         self.initializer: str | None = None
@@ -155,14 +162,83 @@ class Coordinator(RecoveryMixin, ProgressMixin):
     # -- shape --------------------------------------------------------------------------------
 
     @property
+    def schedule(self) -> BatchSchedule:
+        """The job's batches over its global iterations (after :meth:`fix_layout`)."""
+        assert self.dataset_size is not None
+        if self._schedule is None or self._schedule.num_samples != self.dataset_size:
+            self._schedule = BatchSchedule.fixed(self.dataset_size, self.settings.batch_size)
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, value: BatchSchedule) -> None:
+        self._schedule = value
+
+    @property
     def iterations_per_epoch(self) -> int:
+        """Iterations per epoch at the current batch (the last one set)."""
         if self.dataset_size is None:
             return 0
-        return -(-self.dataset_size // self.settings.batch_size)
+        return -(-self.dataset_size // self.global_batch)
+
+    @property
+    def global_batch(self) -> int:
+        """The global batch of the iterations from now on."""
+        if self.dataset_size is None:
+            return self.settings.batch_size
+        return self.schedule.segments[-1].batch
 
     @property
     def total_iterations(self) -> int:
-        return self.iterations_per_epoch * self.settings.epochs
+        if self.dataset_size is None:
+            return 0
+        return self.schedule.total_iterations(self.settings.epochs)
+
+    def position(self, global_iteration: int) -> Position:
+        """Where ``global_iteration`` stands (epoch, iteration, sample positions, batch)."""
+        return self.schedule.locate(global_iteration)
+
+    def epoch_of(self, global_iteration: int) -> int:
+        """The epoch of ``global_iteration`` (``settings.epochs`` once all are done)."""
+        if self.dataset_size is None:
+            return 0
+        return self.position(global_iteration).epoch
+
+    def set_global_batch(self, batch: int) -> None:
+        """Run the iterations from the next boundary (the next freeze of a generation) with
+        the global batch ``batch`` (the scheduler's pick for a job with an adaptive batch).
+        Every member gets the same batch since they get their shares of the same frozen
+        iteration; positions are kept in samples, so no sample of the epoch is skipped or
+        repeated (``shoal.contract.batch_schedule``)."""
+        s = self.settings
+        if not s.adaptive:
+            raise FailedPrecondition(
+                f"job {self.job_id!r} has no adaptive batch: its global batch is fixed "
+                f"({s.batch_size})"
+            )
+        if isinstance(batch, bool) or not isinstance(batch, int):
+            raise InvalidField("global_batch", batch, "must be an int")
+        if not s.min_batch <= batch <= s.max_batch:
+            raise InvalidField(
+                "global_batch",
+                batch,
+                f"must be within the job's adaptive batch [{s.min_batch}, {s.max_batch}]",
+            )
+        self.pending_batch = batch
+        self._touch()
+
+    def _apply_pending_batch(self) -> None:
+        if self.pending_batch is None or self.dataset_size is None:
+            return
+        batch, self.pending_batch = self.pending_batch, None
+        if self.completed >= self.total_iterations:
+            return  # the job is done: nothing left to run at another batch
+        before = self.schedule
+        if len(before.segments) >= MAX_SEGMENTS and before.batch_at(self.completed) != batch:
+            return  # as many changes as a schedule records: the batch stays (never seen)
+        self.schedule = before.change(self.completed, batch)
+        if self.schedule is not before:
+            # Durable before anyone runs at the new batch (a successor reads it back).
+            self._hold(ScheduleTask(self.completed, self.schedule.to_json()))
 
     def plan_sharding(
         self, layout: Sequence[TensorMeta], optimizer: OptimizerConfig, dataset_size: int
@@ -378,25 +454,26 @@ class Coordinator(RecoveryMixin, ProgressMixin):
             and self.completed > max(self.last_checkpoint, 0)
         ):
             # The leaving learners hold the only copy of the state: checkpoint it first.
-            ipe = self.iterations_per_epoch
-            self._hold(CheckpointTask(self.completed, self.completed // ipe if ipe else 0))
+            self._hold(CheckpointTask(self.completed, self.epoch_of(self.completed)))
             return
         for m in leaving:
             self.retiring.discard(m)
             self.retired.add(m)
+        self._apply_pending_batch()
         self._admit(survivors)
         if self.collective and self.members and not set(self.members) & self.synced:
             self._rewind()
-        c, ipe = self.completed, self.iterations_per_epoch
+        c = self.completed
+        here = self.position(c)
         every = self.settings.checkpoint_every
         if (
             c > 0
-            and c % ipe == 0
+            and here.start == 0
             and every > 0
-            and (c // ipe) % every == 0
+            and here.epoch % every == 0
             and self.last_checkpoint != c
         ):
-            self._hold(CheckpointTask(c, c // ipe))
+            self._hold(CheckpointTask(c, here.epoch))
 
     def _rewind(self) -> None:
         """Collective mode: no member holds the state (its holders died). Continue from the
@@ -411,7 +488,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
             self._hold(RewindTask(target))
             self._collecting = {k: v for k, v in self._collecting.items() if k < target}
             self.completed = target
-            self.samples_processed = sum(self.batch_samples(k) for k in range(target))
+            self.samples_processed = self.schedule.samples_before(target)
 
     def _admit(self, survivors: list[str], *, new_generation: bool = False) -> None:
         members = survivors + [j for j in self.ready if j not in self.evicted]
@@ -433,27 +510,24 @@ class Coordinator(RecoveryMixin, ProgressMixin):
 
     def _assignment(self, learner: str) -> Assignment:
         rank, world = self.members.index(learner), len(self.members)
-        epoch, iteration = divmod(self.completed, self.iterations_per_epoch)
-        assert self.dataset_size is not None
-        start = iteration * self.settings.batch_size
-        b = min(self.settings.batch_size, self.dataset_size - start)
+        here = self.position(self.completed)
+        sample_start, sample_end = here.share(rank, world)
         return Assignment(
             generation=self.generation,
-            epoch=epoch,
-            iteration=iteration,
+            epoch=here.epoch,
+            iteration=here.iteration,
             global_iteration=self.completed,
             rank=rank,
             world_size=world,
-            sample_start=start + rank * b // world,
-            sample_end=start + (rank + 1) * b // world,
-            batch_samples=b,
+            sample_start=sample_start,
+            sample_end=sample_end,
+            batch_samples=here.samples,
+            batch_start=here.start,
+            global_batch=here.batch,
         )
 
     def batch_samples(self, global_iteration: int) -> int:
-        assert self.dataset_size is not None
-        iteration = global_iteration % self.iterations_per_epoch
-        start = iteration * self.settings.batch_size
-        return min(self.settings.batch_size, self.dataset_size - start)
+        return self.position(global_iteration).samples
 
     # -- membership changes -------------------------------------------------------------------
 
@@ -614,8 +688,8 @@ class Coordinator(RecoveryMixin, ProgressMixin):
             start = self._last_commit_time
         seconds = now - start
         self._paused = False
-        samples = self.batch_samples(k)
-        epoch, iteration = divmod(k, self.iterations_per_epoch)
+        here = self.position(k)
+        samples, epoch, iteration = here.samples, here.epoch, here.iteration
         self._collecting[k] = IterationInfo(
             global_iteration=k,
             epoch=epoch,
@@ -667,7 +741,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         for :attr:`commit_in_flight` to clear first."""
         if any(isinstance(t, CheckpointTask) for t in self._holds):
             return None
-        epoch = self.completed // self.iterations_per_epoch if self.iterations_per_epoch else 0
+        epoch = self.epoch_of(self.completed)
         task = CheckpointTask(self.completed, epoch)
         self._hold(task)
         return task

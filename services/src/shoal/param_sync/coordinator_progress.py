@@ -61,9 +61,13 @@ class ProgressMixin:
     def progress(self) -> dict[str, Any]:
         ipe = self.iterations_per_epoch
         compute, sync = self.split.at(len(self.members))
-        epoch, iteration = divmod(self.completed, ipe) if ipe else (0, 0)
-        if ipe and epoch >= self.settings.epochs:
-            epoch, iteration = self.settings.epochs - 1, ipe - 1
+        epoch, iteration = 0, 0
+        if ipe:
+            here = self.position(self.completed)
+            epoch, iteration = here.epoch, here.iteration
+            if epoch >= self.settings.epochs:
+                last = self.position(self.completed - 1)
+                epoch, iteration = last.epoch, last.iteration
         return {
             "epoch": epoch,
             "iteration": iteration,
@@ -77,6 +81,7 @@ class ProgressMixin:
             "update_time": self.update_time,
             "compute_seconds": compute,
             "sync_seconds": sync,
+            "global_batch": self.global_batch,
         }
 
     def _touch(self) -> None:

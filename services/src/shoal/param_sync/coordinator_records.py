@@ -34,6 +34,9 @@ class JobSettings:
     keep_every: int = 0  # every Nth checkpoint is also kept for good; 0: none
     storage_uri: str = ""
     shard_addresses: tuple[str, ...] = ()
+    # The adaptive batch's bounds (spec.adaptive_batch); 0, 0: the batch is fixed.
+    min_batch: int = 0
+    max_batch: int = 0
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -50,8 +53,22 @@ class JobSettings:
             raise InvalidField("spec.keep_checkpoints", self.keep_checkpoints, "must be >= 0")
         if self.keep_every < 0:
             raise InvalidField("spec.keep_every_nth_checkpoint", self.keep_every, "must be >= 0")
+        if (self.min_batch, self.max_batch) != (0, 0) and not (
+            1 <= self.min_batch <= self.batch_size <= self.max_batch
+        ):
+            raise InvalidField(
+                "spec.adaptive_batch",
+                [self.min_batch, self.max_batch],
+                f"must satisfy 1 <= min_global_batch <= batch_size ({self.batch_size}) "
+                "<= max_global_batch",
+            )
         if not self.shard_addresses:
             raise InvalidField("shard_addresses", [], "must name at least one shard")
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the job opted in to the adaptive batch."""
+        return self.max_batch > 0
 
     @property
     def num_shards(self) -> int:
@@ -87,6 +104,8 @@ class Assignment:
     sample_start: int
     sample_end: int
     batch_samples: int
+    batch_start: int = 0  # the first position of the global batch in the epoch's order
+    global_batch: int = 0  # the global batch B of the iteration (batch_samples < B: short)
 
 
 class Action(enum.Enum):
@@ -157,7 +176,17 @@ class RecoverTask:
     reason: str
 
 
-Task = ResolveTask | CheckpointTask | RewindTask | RecoverTask
+@dataclass(frozen=True)
+class ScheduleTask:
+    """A job with an adaptive batch changed its batch from iteration ``iteration`` on: store
+    the job's batch schedule (``schedule_json``, ``BatchSchedule.to_json``) where a successor
+    coordinator finds it, before any learner runs at the new batch."""
+
+    iteration: int
+    schedule_json: str
+
+
+Task = ResolveTask | CheckpointTask | RewindTask | RecoverTask | ScheduleTask
 
 
 UserMetrics = Mapping[str, tuple[float, int]]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from shoal.contract.batch_schedule import BatchSchedule
 from shoal.contract.wire import TensorMeta
 from shoal.param_sync.coordinator_records import (
     CheckpointTask,
@@ -21,6 +22,7 @@ from shoal.param_sync.coordinator_records import (
     OptimizerConfig,
     RecoverTask,
     ResolveTask,
+    ScheduleTask,
     Task,
 )
 from shoal.param_sync.sharding import Sharding
@@ -98,7 +100,7 @@ class RecoveryMixin:
         ``generation``): continue from it in a new generation, every member pulling. Records
         of iterations at or after it are dropped (they will be run again)."""
         self.completed = iteration
-        self.samples_processed = sum(self.batch_samples(k) for k in range(iteration))
+        self.samples_processed = self.schedule.samples_before(iteration)
         self._collecting = {k: v for k, v in self._collecting.items() if k < iteration}
         self._finished = [r for r in self._finished if r["global_iteration"] < iteration]
         self.synced = set()
@@ -154,11 +156,11 @@ class RecoveryMixin:
         self.set_mode(False)
         self.resumed = False
         self.initialized = True
-        self.samples_processed = sum(self.batch_samples(k) for k in range(completed))
+        self.samples_processed = self.schedule.samples_before(completed)
         self.last_checkpoint = last_checkpoint
         if completed > 0 and collect_last:
             k = completed - 1
-            epoch, iteration = divmod(k, self.iterations_per_epoch)
+            epoch, iteration = self.position(k).epoch, self.position(k).iteration
             self._collecting[k] = IterationInfo(
                 global_iteration=k,
                 epoch=epoch,
@@ -185,12 +187,27 @@ class RecoveryMixin:
         samples_processed: int,
         generation: int,
         last_loss: float = math.nan,
+        schedule: BatchSchedule | None = None,
     ) -> None:
         """Continue from a checkpoint: the layout is fixed, the shards hold the parameters
         after ``completed`` iterations, every learner pulls them; generations continue after
-        the checkpoint's so that no learner of the previous life is taken for a member."""
+        the checkpoint's so that no learner of the previous life is taken for a member.
+        ``schedule``: the batches the checkpoint recorded (a job with an adaptive batch);
+        None: the settings' fixed batch."""
+        if schedule is not None and schedule.num_samples != dataset_size:
+            raise InvalidField(
+                "batch_schedule.num_samples",
+                schedule.num_samples,
+                f"differs from the checkpoint's dataset_size ({dataset_size})",
+            )
         sharding = self.plan_sharding(layout, optimizer, dataset_size)
         self.fix_layout(layout, optimizer, dataset_size, sharding)
+        if schedule is not None:
+            self.schedule = schedule
+        if self.settings.adaptive:
+            # The stored schedule must be this one from now on (it may hold changes made
+            # after the checkpoint, by iterations that are run again).
+            self._hold(ScheduleTask(completed, self.schedule.to_json()))
         self.completed = completed
         self.samples_processed = samples_processed
         self.generation = generation + 1

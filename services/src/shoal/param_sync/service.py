@@ -181,6 +181,7 @@ def add_servicer(servicer: object, server: aio.Server) -> None:
         "Join": (ps_pb2.JoinRequest, ps_pb2.JoinResponse),
         "Boundary": (ps_pb2.BoundaryRequest, ps_pb2.BoundaryResponse),
         "RetireLearners": (ps_pb2.RetireLearnersRequest, ps_pb2.RetireLearnersResponse),
+        "SetGlobalBatch": (ps_pb2.SetGlobalBatchRequest, ps_pb2.SetGlobalBatchResponse),
         "EvictLearner": (ps_pb2.EvictLearnerRequest, ps_pb2.EvictLearnerResponse),
         "CreateCheckpoint": (ps_pb2.CreateCheckpointRequest, ps_pb2.CreateCheckpointResponse),
         "ReportEpochMetrics": (

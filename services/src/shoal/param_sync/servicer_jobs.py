@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from shoal.contract.batch_schedule import BatchSchedule
 from shoal.contract.errors import StaleCoordinator
 from shoal.contract.wire import TensorMeta
 from shoal.param_sync import checkpoint as ckpt
@@ -25,6 +26,7 @@ from shoal.param_sync.servicer_common import (
     _progress_proto,
     _TakeOver,
 )
+from shoal.param_sync.servicer_tasks import read_schedule
 from shoal.param_sync.shard import build_optimizer
 from shoal.param_sync.sharding import Sharding
 from shoal.param_sync.takeover import (
@@ -73,6 +75,8 @@ class JobHandlers:
             keep_every=spec.keep_every_nth_checkpoint,
             storage_uri=storage,
             shard_addresses=tuple(request.shard_addresses),
+            min_batch=spec.adaptive_batch.min_global_batch,
+            max_batch=spec.adaptive_batch.max_global_batch,
         )
         if len(settings.shard_addresses) <= self.options.shard_index:
             raise InvalidField(
@@ -171,6 +175,8 @@ class JobHandlers:
             keep_every=spec.keep_every_nth_checkpoint,
             storage_uri=storage,
             shard_addresses=tuple(request.shard_addresses),
+            min_batch=spec.adaptive_batch.min_global_batch,
+            max_batch=spec.adaptive_batch.max_global_batch,
         )
         me = self.options.shard_index
         if len(settings.shard_addresses) <= me:
@@ -252,6 +258,9 @@ class JobHandlers:
             recorded = await asyncio.to_thread(self._last_recorded, settings)
             coord = Coordinator(settings, clock=self._clock)
             coord.completed = completed  # reported before the first learner re-joins
+            schedule = await asyncio.to_thread(read_schedule, settings)
+            if schedule is not None:  # an adaptive batch: the positions go on in samples
+                coord.schedule = schedule
             job = _CoordinatedJob(coord, owner=request.owner, epoch=epoch)
             job.takeover = _TakeOver(
                 lost,
@@ -482,6 +491,14 @@ class JobHandlers:
         ]
         optimizer = OptimizerConfig(**manifest["optimizer"])
         progress = manifest.get("progress", {})
+        schedule = None
+        if s.adaptive and "batch_schedule" in manifest:
+            try:
+                schedule = BatchSchedule.from_json(manifest["batch_schedule"])
+            except ValueError as exc:
+                raise InvalidField(
+                    "checkpoint.batch_schedule", str(manifest["batch_schedule"])[:80], str(exc)
+                ) from exc
         coord.restore(
             layout=layout,
             optimizer=optimizer,
@@ -490,6 +507,7 @@ class JobHandlers:
             samples_processed=int(progress.get("samples_processed", 0)),
             generation=int(manifest.get("generation", 0)),
             last_loss=float(progress.get("last_loss", math.nan)),
+            schedule=schedule,
         )
         assert coord.layout is not None and coord.sharding is not None
         await self._configure_all(s, coord.layout, optimizer, coord.sharding)
@@ -498,7 +516,7 @@ class JobHandlers:
             self._truncate_metrics,
             s,
             coord.completed,
-            coord.completed // coord.iterations_per_epoch,
+            coord.epoch_of(coord.completed),
         )
 
     @staticmethod

@@ -1,7 +1,7 @@
 # mypy: disable-error-code="misc"
 # (the parts annotate self as the assembled ParameterSyncServicer, a subclass of each part)
 """The coordinator's RPCs for learners and users: Join, InitializeParameters, Boundary,
-RetireLearners, EvictLearner, CreateCheckpoint, ReportEpochMetrics, GetJobProgress,
+RetireLearners, SetGlobalBatch, EvictLearner, CreateCheckpoint, ReportEpochMetrics, GetJobProgress,
 GetMembership. Part of the ParameterSyncService servicer (``service.py``)."""
 
 from __future__ import annotations
@@ -252,6 +252,8 @@ class LearnerHandlers:
                     sample_start=a.sample_start,
                     sample_end=a.sample_end,
                     batch_samples=a.batch_samples,
+                    batch_start=a.batch_start,
+                    global_batch=a.global_batch,
                 )
             )
         elif decision.action is Action.RETIRE:
@@ -308,6 +310,23 @@ class LearnerHandlers:
             job.cond.notify_all()
         log.info("job %s: retiring %s", request.job_id, list(request.learner_ids))
         return ps_pb2.RetireLearnersResponse(effective_generation=effective)
+
+    async def SetGlobalBatch(self: _S, request: ps_pb2.SetGlobalBatchRequest, context: Any) -> Any:
+        authorize(current_principal(), "SetGlobalBatch", job_id=request.job_id)
+        job = self._job(request.job_id)
+        self._check_fence(request.job_id, request.fencing_token)
+        async with job.cond:
+            current = job.coord.global_batch
+            job.coord.set_global_batch(request.global_batch)
+            job.cond.notify_all()
+        if request.global_batch != current:
+            log.info(
+                "job %s: global batch %d from the next boundary (was %d)",
+                request.job_id,
+                request.global_batch,
+                current,
+            )
+        return ps_pb2.SetGlobalBatchResponse(current_global_batch=current)
 
     async def EvictLearner(self: _S, request: ps_pb2.EvictLearnerRequest, context: Any) -> Any:
         authorize(current_principal(), "EvictLearner", job_id=request.job_id)

@@ -17,6 +17,7 @@ from shoal.contract.wire import TensorMeta
 from shoal.param_sync import checkpoint as ckpt
 from shoal.param_sync.coordinator import Coordinator, JobSettings, OptimizerConfig
 from shoal.param_sync.servicer_common import _CoordinatedJob, _progress_proto
+from shoal.param_sync.servicer_tasks import read_schedule
 from shoal.param_sync.shard import build_optimizer
 from shoal.param_sync.takeover_collective import CollectiveTakeover, LearnerState, apply_resume
 from shoal.runtime.errors import Unavailable
@@ -68,6 +69,9 @@ class CollectiveTakeoverHandlers:
         recorded = await asyncio.to_thread(self._last_recorded, settings)
         coord = Coordinator(settings, clock=self._clock)
         coord.set_mode(True)
+        schedule = await asyncio.to_thread(read_schedule, settings)
+        if schedule is not None:  # an adaptive batch: the positions go on in samples
+            coord.schedule = schedule
         coord.completed = max(recorded + 1, last_checkpoint, 0)  # until the learners say
         job = _CoordinatedJob(coord, owner=owner, epoch=epoch)
         job.collective_takeover = CollectiveTakeover(

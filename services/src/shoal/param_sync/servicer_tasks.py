@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 
 from shoal.contract import faults
+from shoal.contract.batch_schedule import BatchSchedule
 from shoal.param_sync import checkpoint as ckpt
 from shoal.param_sync.coordinator import (
     CheckpointTask,
@@ -23,6 +24,7 @@ from shoal.param_sync.coordinator import (
     RecoverTask,
     ResolveTask,
     RewindTask,
+    ScheduleTask,
 )
 from shoal.param_sync.servicer_common import (
     _CoordinatedJob,
@@ -47,6 +49,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("shoal.param_sync.service")
 
 
+SCHEDULE_FILE = "batch_schedule.json"
+"""A job with an adaptive batch: its batch schedule, under the job's storage, rewritten at each
+change before a learner runs at the new batch (a successor coordinator reads it back)."""
+
+
+def schedule_uri(settings: JobSettings) -> str:
+    return ckpt.job_uri(settings.storage_uri, settings.job_id, SCHEDULE_FILE)
+
+
+def read_schedule(settings: JobSettings) -> BatchSchedule | None:
+    """The stored batch schedule of an adaptive job (None: none stored, or the job's batch is
+    fixed). A file that does not parse is logged and ignored (the scheduler's next pick
+    starts a new one) rather than trusted."""
+    if not settings.adaptive:
+        return None
+    data = ckpt.read_bytes(schedule_uri(settings))
+    if data is None:
+        return None
+    try:
+        return BatchSchedule.from_json(data)
+    except ValueError as exc:
+        log.error("job %s: stored batch schedule ignored: %s", settings.job_id, exc)
+        return None
+
+
 class CoordinatorTasks:
     """Part of :class:`~shoal.param_sync.service.ParameterSyncServicer` (see there)."""
 
@@ -67,7 +94,7 @@ class CoordinatorTasks:
     async def _run_task(
         self: _S,
         job: _CoordinatedJob,
-        task: ResolveTask | CheckpointTask | RewindTask | RecoverTask,
+        task: ResolveTask | CheckpointTask | RewindTask | RecoverTask | ScheduleTask,
         future: asyncio.Future[Any],
     ) -> None:
         ok, result = True, None
@@ -78,15 +105,18 @@ class CoordinatorTasks:
                     self.metrics.iteration_committed(job.coord.job_id)
             elif isinstance(task, RecoverTask):
                 await self._recover(job, task)
+            elif isinstance(task, ScheduleTask):
+                uri = schedule_uri(job.coord.settings)
+                await asyncio.to_thread(ckpt.atomic_write, uri, task.schedule_json.encode())
             elif isinstance(task, RewindTask):
-                s, ipe = job.coord.settings, job.coord.iterations_per_epoch
+                s = job.coord.settings
                 log.warning(
                     "job %s: no learner holds the state any more; continuing from iteration %d",
                     s.job_id,
                     task.iteration,
                 )
                 await asyncio.to_thread(
-                    self._truncate_metrics, s, task.iteration, task.iteration // ipe
+                    self._truncate_metrics, s, task.iteration, job.coord.epoch_of(task.iteration)
                 )
             else:
                 result = await self._checkpoint_through_shard_loss(job, task)
@@ -482,7 +512,7 @@ class CoordinatorTasks:
                 await self._load_everywhere(coord, directory)
                 iteration = int(manifest["iteration"])
                 await asyncio.to_thread(
-                    self._truncate_metrics, s, iteration, iteration // coord.iterations_per_epoch
+                    self._truncate_metrics, s, iteration, coord.epoch_of(iteration)
                 )
                 async with job.cond:
                     log.warning(
@@ -584,6 +614,7 @@ class CoordinatorTasks:
                 "epoch": task.epoch,
                 "generation": coord.generation,
                 "batch_size": s.batch_size,
+                **({"batch_schedule": coord.schedule.to_json()} if s.adaptive else {}),
                 "epochs": s.epochs,
                 "seed": s.seed,
                 "checkpoint_every": s.checkpoint_every,

@@ -218,12 +218,12 @@ def apply_resume(
     coord.set_mode(True)
     coord.resumed = False
     coord.initialized = True
-    coord.samples_processed = sum(coord.batch_samples(k) for k in range(completed))
+    coord.samples_processed = coord.schedule.samples_before(completed)
     coord.last_checkpoint = takeover.last_checkpoint
     if resume.committed and takeover.recorded < completed - 1:
         # Its loss reports are the voters' votes, which they send again (same generation).
         k = completed - 1
-        epoch, iteration = divmod(k, coord.iterations_per_epoch)
+        epoch, iteration = coord.position(k).epoch, coord.position(k).iteration
         coord._collecting[k] = IterationInfo(
             global_iteration=k,
             epoch=epoch,

@@ -33,6 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from shoal.scheduler.adaptive_batch import AdaptiveBounds, choose_batch, iteration_time
 from shoal.scheduler.policy import JobDemand
 from shoal.scheduler.throughput import (
     PRIOR,
@@ -55,6 +56,7 @@ class _Anchor:
     world_size: int
     iterations: int
     at: float
+    batch: int = 0
 
 
 @dataclass
@@ -64,6 +66,26 @@ class _Track:
     service: float = 0.0
     service_at: float | None = None
     service_world: int = 0
+    observations: dict[int, int] = field(default_factory=dict)  # iteration times fed, by w
+    batch_plan: _BatchPlan | None = None  # an adaptive job's batch at its world size
+
+
+@dataclass(frozen=True)
+class _BatchPlan:
+    """The batch an adaptive job runs at ``world_size``: picked from the prediction when it
+    got there (``measured_from`` = the observations at that size then; the batch in use while
+    nothing at all was measured), picked once more when ``BATCH_REVIEW_AFTER`` more were
+    measured (``final``), then kept until the world size changes: a batch changes at most
+    twice per world size, never on the fit's noise."""
+
+    world_size: int
+    batch: int
+    measured_from: int
+    final: bool = False
+
+
+BATCH_REVIEW_AFTER = 3
+"""Measured iteration times at a new world size after which its batch is picked once more."""
 
 
 @dataclass
@@ -144,35 +166,83 @@ class GoodputTracker:
         track.service_world = max(0, progress.world_size)
 
         at = progress.update_time.ToNanoseconds() / 1e9 if progress.HasField("update_time") else now
-        point = _Anchor(progress.generation, progress.world_size, progress.completed_iterations, at)
+        in_use = progress.global_batch or batch
+        point = _Anchor(
+            progress.generation,
+            progress.world_size,
+            progress.completed_iterations,
+            at,
+            in_use,
+        )
         last = track.anchor
         if point.world_size < 1 or not math.isfinite(at):
             return
-        if last is None or point.iterations < last.iterations or at < last.at:
-            track.anchor = point  # first poll, a rewind or a clock step: start over
+        if (
+            last is None
+            or point.iterations < last.iterations
+            or at < last.at
+            or (last.batch and last.batch != point.batch)
+        ):
+            # First poll, a rewind, a clock step or a change of the (adaptive) batch between
+            # the polls: start over.
+            track.anchor = point
             return
         done = point.iterations - last.iterations
         if done == 0:
             return  # no progress since: keep the anchor (a pause is measured when it ends)
         elapsed = at - last.at
         if point.generation == last.generation and point.world_size == last.world_size:
+            seconds, compute_s = elapsed / done, progress.compute_seconds
+            if in_use != track.model.batch:
+                seconds, compute_s = _at_declared_batch(
+                    track.model, point.world_size, in_use, seconds, compute_s
+                )
             track.model.observe(
                 point.world_size,
-                elapsed / done,
-                compute_s=progress.compute_seconds,
+                seconds,
+                compute_s=compute_s,
                 sync_s=progress.sync_seconds,
             )
+            track.observations[point.world_size] = track.observations.get(point.world_size, 0) + 1
         else:
             expected = done * track.model.curve().iteration_time(point.world_size)
             track.model.observe_pause(max(0.0, elapsed - expected))
         track.anchor = point
 
     def observe_job(self, job: job_pb2.Job, progress: job_pb2.JobProgress, now: float) -> None:
-        """The reconcile loop's hook: observe a poll of ``job`` and set ``job.throughput``."""
+        """The reconcile loop's hook: observe a poll of ``job`` and set ``job.throughput``
+        (and, when its spec opts in to the adaptive batch, ``job.adaptive_batch_size``: the
+        batch ``shoal.scheduler.adaptive_batch`` picks at the world size it runs at)."""
         self.observe(job.job_id, job.spec.batch_size, progress, now)
         model = self.describe(job.job_id, job.spec.max_workers)
         if model is not None:
             job.throughput.CopyFrom(model)
+        bounds = AdaptiveBounds.of(job.spec)
+        track = self._jobs.get(job.job_id)
+        if bounds is not None and track is not None:
+            job.adaptive_batch_size = self._plan_batch(track, job, progress, bounds)
+
+    @staticmethod
+    def _plan_batch(
+        track: _Track, job: job_pb2.Job, progress: job_pb2.JobProgress, bounds: AdaptiveBounds
+    ) -> int:
+        """An adaptive job's batch (:class:`_BatchPlan`): picked when its world size changes
+        (the rescale boundary), reviewed once after measurements there, else kept."""
+        world = progress.world_size or job.target_workers or 1
+        seen = track.observations.get(world, 0)
+        plan = track.batch_plan
+        if plan is not None and plan.world_size == world:
+            if plan.final or seen < plan.measured_from + BATCH_REVIEW_AFTER:
+                return plan.batch
+        current = progress.global_batch or (plan.batch if plan is not None else None)
+        if not track.observations:
+            # Nothing measured yet: the prior alone is no reason to leave the declared batch.
+            track.batch_plan = _BatchPlan(world, current or bounds.declared, seen)
+            return track.batch_plan.batch
+        pick = choose_batch(track.model.curve(), world, bounds, current=current)
+        review = plan is not None and plan.world_size == world
+        track.batch_plan = _BatchPlan(world, pick, seen, final=review)
+        return pick
 
     def annotate(self, demands: Sequence[JobDemand]) -> list[JobDemand]:
         """``demands`` with each job's predicted curve, attained service and rescale pause
@@ -207,6 +277,24 @@ class GoodputTracker:
         if track is None:
             return None
         return describe(track.model, max_workers, attained=track.service)
+
+
+def _at_declared_batch(
+    model: ThroughputModel, world_size: int, batch: int, seconds: float, compute_s: float
+) -> tuple[float, float]:
+    """An iteration time (and the learners' compute seconds) measured at an adaptive batch
+    ``batch`` as it would be at the model's (declared) batch: the compute the learners
+    reported scales with the batch, the rest does not; without a report, the model's own
+    ratio ``T(w, B0) / T(w, B)`` (``shoal.scheduler.adaptive_batch.iteration_time``)."""
+    ratio = model.batch / batch
+    if compute_s > 0 and math.isfinite(compute_s):
+        compute_s = min(compute_s, seconds)
+        return seconds - compute_s * (1 - ratio), compute_s * ratio
+    curve = model.curve()
+    factor = iteration_time(curve, world_size, model.batch) / iteration_time(
+        curve, world_size, batch
+    )
+    return seconds * factor, compute_s
 
 
 def describe(

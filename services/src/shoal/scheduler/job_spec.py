@@ -30,6 +30,7 @@ URI_MAX = 4096
 DATASET_URIS_MAX = 1024
 ENV_MAX = 256
 ENV_VALUE_MAX = 32 * 1024
+MAX_GLOBAL_BATCH = 1 << 20
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Variables the scheduler or the host-agent set for every learner; a job may not override them.
@@ -123,6 +124,8 @@ def validate_spec(
         raise InvalidField(
             "spec.max_batch_per_device", spec.max_batch_per_device, "must be >= 0 (0: no limit)"
         )
+    if spec.HasField("adaptive_batch"):
+        _check_adaptive_batch(spec)
     if len(spec.env) > ENV_MAX:
         raise InvalidField("spec.env", len(spec.env), f"must hold at most {ENV_MAX} variables")
     for key in sorted(spec.env):
@@ -141,6 +144,38 @@ def validate_spec(
     if out.sync_mode == job_pb2.SYNC_MODE_UNSPECIFIED:
         out.sync_mode = job_pb2.SYNC_MODE_AUTO
     return out
+
+
+def _check_adaptive_batch(spec: job_pb2.JobSpec) -> None:
+    """The bounds of an opt-in adaptive batch: 1 <= min <= batch_size <= max <= limit, and a
+    known learning-rate rule."""
+    ab = spec.adaptive_batch
+    if ab.min_global_batch < 1:
+        raise InvalidField(
+            "spec.adaptive_batch.min_global_batch", ab.min_global_batch, "must be >= 1"
+        )
+    if ab.max_global_batch > MAX_GLOBAL_BATCH:
+        raise InvalidField(
+            "spec.adaptive_batch.max_global_batch",
+            ab.max_global_batch,
+            f"must be <= {MAX_GLOBAL_BATCH}",
+        )
+    if ab.max_global_batch < ab.min_global_batch:
+        raise InvalidField(
+            "spec.adaptive_batch.max_global_batch",
+            ab.max_global_batch,
+            f"must be >= spec.adaptive_batch.min_global_batch ({ab.min_global_batch})",
+        )
+    if not ab.min_global_batch <= spec.batch_size <= ab.max_global_batch:
+        raise InvalidField(
+            "spec.batch_size",
+            spec.batch_size,
+            f"must be within spec.adaptive_batch [{ab.min_global_batch}, {ab.max_global_batch}]",
+        )
+    if ab.rule not in (job_pb2.BATCH_SCALING_RULE_LINEAR, job_pb2.BATCH_SCALING_RULE_SQRT):
+        raise InvalidField(
+            "spec.adaptive_batch.rule", ab.rule, "must be one of LINEAR (1), SQRT (2)"
+        )
 
 
 def _check_priority(name: str, value: int, principal: Principal, user_limit: int) -> None:

@@ -166,6 +166,8 @@ class JobLifecycle:
         if response.HasField("progress"):
             self.goodput.observe_job(record.job, response.progress, self.clock())
             await self._save_throughput(record.job_id)
+            if record.state == S.JOB_STATE_RUNNING and not response.done:
+                await self._tell_batch(record, response.progress)
         if response.HasField("progress") and response.progress != record.job.progress:
             if response.progress.completed_iterations > record.job.progress.completed_iterations:
                 record.failures = 0
@@ -180,6 +182,37 @@ class JobLifecycle:
         if response.done and record.state in STARTED_STATES:
             await self._complete(record)
         return response
+
+    async def _tell_batch(self, record: JobRecord, progress: job_pb2.JobProgress) -> None:
+        """A job with an adaptive batch: when the batch the goodput model picks
+        (``Job.adaptive_batch_size``) differs from the one in use, tell the coordinator
+        (SetGlobalBatch), which runs it from the next iteration boundary, the same for every
+        learner. Told once per pick; a failed call is logged and told again at the next poll."""
+        pick = record.job.adaptive_batch_size
+        if not pick or not progress.global_batch or pick == progress.global_batch:
+            self._batch_sent.pop(record.job_id, None)
+            return
+        if self._batch_sent.get(record.job_id) == pick:
+            return
+        request = ps_pb2.SetGlobalBatchRequest(
+            job_id=record.job_id, global_batch=pick, fencing_token=self._token
+        )
+        try:
+            await self.peers.shard(record.coordinator_address).SetGlobalBatch(
+                request, timeout=self.config.call_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            check_fenced(exc)
+            log.warning("job %s: global batch %d not set: %s", record.job_id, pick, exc.details())
+            return
+        self._batch_sent[record.job_id] = pick
+        log.info(
+            "job %s: global batch %d -> %d at %d learners (adaptive batch, goodput)",
+            record.job_id,
+            progress.global_batch,
+            pick,
+            progress.world_size,
+        )
 
     async def _save_throughput(self, job_id: str) -> None:
         """Store the job's throughput model in etcd, at most every ``progress_persist_s``
@@ -200,6 +233,7 @@ class JobLifecycle:
     async def _forget_throughput(self, job_id: str) -> None:
         """The job ended: delete its stored throughput model (fenced; a failure is logged and
         the next leader deletes it when it finds the state of an ended job)."""
+        self._batch_sent.pop(job_id, None)
         try:
             await self.table.delete_throughput(job_id)
         except (Unavailable, NotLeader) as exc:

@@ -125,6 +125,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self.rescales = RescaleTracker(clock=clock)
         self.goodput = GoodputTracker()  # throughput models and attained service (goodput.py)
         self._throughput_saved: dict[str, float] = {}  # job -> when its model was last stored
+        self._batch_sent: dict[str, int] = {}  # job -> the adaptive batch last told its coordinator
         self._triggered_at: float | None = None
 
     def _reset(self) -> None:

@@ -21,6 +21,12 @@ SYNC_BACKENDS = {
     job_pb2.SYNC_MODE_COLLECTIVE: "collective",
 }
 
+#: SHOAL_BATCH_RULE's value for each JobSpec.adaptive_batch.rule.
+BATCH_RULES = {
+    job_pb2.BATCH_SCALING_RULE_LINEAR: "linear",
+    job_pb2.BATCH_SCALING_RULE_SQRT: "sqrt",
+}
+
 
 def coordinator_index(job_id: str, shards: int) -> int:
     """The job's coordinator shard: a stable hash of the job id modulo the shard count."""
@@ -70,6 +76,8 @@ def learner_env(
     )
     if spec.max_batch_per_device > 0:
         env[environment.MAX_BATCH_PER_DEVICE] = str(spec.max_batch_per_device)
+    if spec.HasField("adaptive_batch"):
+        env[environment.BATCH_RULE] = BATCH_RULES.get(spec.adaptive_batch.rule, "linear")
     if spec.dataset_uris:
         env[environment.DATASET_URIS] = ",".join(spec.dataset_uris)
     if token:
