@@ -62,8 +62,11 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The buffers that travel with the gradients: the persistent ones (those in the model's
     ``state_dict``, e.g. BatchNorm running statistics), in ``named_buffers`` order."""
+    named = list(model.named_buffers())
+    if not named:  # no buffer at all (e.g. an MLP): no state_dict to build, every iteration
+        return []
     keys = set(model.state_dict(keep_vars=True))
-    return [(name, b) for name, b in model.named_buffers() if name in keys]
+    return [(name, b) for name, b in named if name in keys]
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
