@@ -151,6 +151,8 @@ class CollectiveBackend(GrpcBackend):
         self._first_bucket_bytes = first_bucket_bytes
         self.overlap = overlap
         self._bucketer: GradientBucketer | None = None
+        # Gradient buckets sent by the hooks while backward ran, and in all (overlap only).
+        self.buckets_sent = [0, 0]
         self._rendezvous = ""
         self._rendezvous_prefix = ""
         self._store: Any = None
@@ -522,7 +524,9 @@ class CollectiveBackend(GrpcBackend):
         if bucketer is not None and bucketer.finished:
             # The trainer's backward already sent the buckets (on this generation's group:
             # groups change only in next_assignment, which drops what is in flight).
+            self.buckets_sent[0] += bucketer.launched_in_backward
             launched = bucketer.take()
+            self.buckets_sent[1] += len(launched.buckets)
             if launched.n != contribution.n_samples:
                 raise ValueError(
                     f"contribution has {contribution.n_samples} samples, its gradient buckets "
