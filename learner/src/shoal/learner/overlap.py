@@ -286,7 +286,8 @@ class GradientBucketer:
                         target.copy_(grad)
             assert bucket.flat is not None
             if self._inv_scale is not None:
-                bucket.flat.mul_(self._inv_scale.to(bucket.flat.dtype))
+                # On the bucket's device: a gloo group of CUDA learners buckets on the CPU.
+                bucket.flat.mul_(self._inv_scale.to(bucket.flat.device, bucket.flat.dtype))
             bucket.flat.mul_(self._n)
         if self._failure is not None:
             return  # the group already failed: nothing more is sent on it
