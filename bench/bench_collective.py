@@ -53,17 +53,13 @@ ENV = {
 }
 
 
-def build_model(width: int) -> nn.Module:
+def build_model(width: int, depth: int = 3) -> nn.Module:
+    """64 -> width (x ``depth`` layers) -> 10."""
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(64, width),
-        nn.ReLU(),
-        nn.Linear(width, width),
-        nn.ReLU(),
-        nn.Linear(width, width),
-        nn.ReLU(),
-        nn.Linear(width, 10),
-    )
+    layers: list[nn.Module] = [nn.Linear(64, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 def digits() -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +91,7 @@ def run_learner(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     x, y = digits()
     trainer = ElasticTrainer(
-        build_model(args.width),
+        build_model(args.width, args.depth),
         lambda: (TensorDataset(x, y), None),
         nn.CrossEntropyLoss(),
         ("SGD", {"lr": 0.05, "momentum": 0.9}),
@@ -175,9 +171,12 @@ class Cluster:
         gate: Path | None = None,
         device: str = "cpu",
         gpu: int = 0,
+        depth: int = 3,
+        overlap: bool = True,
     ):
         args = [sys.executable, __file__, "--learner", "--epochs", str(epochs)]
-        args += ["--width", str(width), "--history", str(self.tmp / f"{name}.json")]
+        args += ["--width", str(width), "--depth", str(depth)]
+        args += ["--history", str(self.tmp / f"{name}.json")]
         args += ["--device", device]
         if gate is not None:
             args += ["--gate", str(gate)]
@@ -188,6 +187,7 @@ class Cluster:
             "SHOAL_COORDINATOR": self.address,
             "SHOAL_SYNC_ENDPOINTS": self.address,
             "SHOAL_SYNC_BACKEND": "collective",
+            "SHOAL_COLLECTIVE_OVERLAP": "on" if overlap else "off",
         }
         if device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -221,15 +221,19 @@ def gaps(records: list[dict[str, Any]]) -> list[float]:
     return [b["time"] - a["time"] for a, b in itertools.pairwise(records)]
 
 
-def bench_shoal(world: int, width: int, iters: int, device: str = "cpu") -> float:
+def bench_shoal(
+    world: int, width: int, iters: int, device: str = "cpu", depth: int = 3, overlap: bool = True
+) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(Path(tmp))
         try:
-            job, epochs = f"per-iter-{world}", -(-(iters + WARMUP) // 6)
+            job, epochs = f"per-iter-{world}-{overlap}", -(-(iters + WARMUP) // 6)
             cluster.open_job(job, epochs)
             gate = Path(tmp) / "gate"
             procs = [
-                cluster.learner(job, f"l{i}", epochs, width, gate, device, gpu=i)
+                cluster.learner(
+                    job, f"l{i}", epochs, width, gate, device, gpu=i, depth=depth, overlap=overlap
+                )
                 for i in range(world)
             ]
             for i in range(world):
@@ -250,7 +254,14 @@ def bench_shoal(world: int, width: int, iters: int, device: str = "cpu") -> floa
 
 
 def ddp_worker(
-    rank: int, world: int, port: int, width: int, iters: int, out: Any, device: str = "cpu"
+    rank: int,
+    world: int,
+    port: int,
+    width: int,
+    iters: int,
+    out: Any,
+    device: str = "cpu",
+    depth: int = 3,
 ) -> None:
     import torch.distributed as dist
 
@@ -264,9 +275,11 @@ def ddp_worker(
     )
     if cuda:
         torch.cuda.set_device(rank)
-        model = nn.parallel.DistributedDataParallel(build_model(width).cuda(), device_ids=[rank])
+        model = nn.parallel.DistributedDataParallel(
+            build_model(width, depth).cuda(), device_ids=[rank]
+        )
     else:
-        model = nn.parallel.DistributedDataParallel(build_model(width))
+        model = nn.parallel.DistributedDataParallel(build_model(width, depth))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     x, y = digits()
@@ -289,14 +302,14 @@ def ddp_worker(
     dist.destroy_process_group()
 
 
-def bench_ddp(world: int, width: int, iters: int, device: str = "cpu") -> float:
+def bench_ddp(world: int, width: int, iters: int, device: str = "cpu", depth: int = 3) -> float:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=ddp_worker, args=(r, world, port, width, iters, out, device))
+        ctx.Process(target=ddp_worker, args=(r, world, port, width, iters, out, device, depth))
         for r in range(world)
     ]
     for p in procs:
@@ -369,28 +382,42 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=3, help="hidden layers of the MLP")
     parser.add_argument("--iters", type=int, default=60)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--overlap",
+        choices=("on", "off", "both"),
+        default="both",
+        help="shoal's gradient buckets sent during backward (SHOAL_COLLECTIVE_OVERLAP)",
+    )
     parser.add_argument("--no-rescale", action="store_true", help="skip the re-forming run")
     args = parser.parse_args()
     if args.learner:
         return run_learner(args)
-    params = sum(p.numel() for p in build_model(args.width).parameters())
+    params = sum(p.numel() for p in build_model(args.width, args.depth).parameters())
     where = cpu_model()
     if args.device == "cuda":
         where += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     comm = "NCCL" if args.device == "cuda" else "gloo"
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.overlap]
     print(
         f"# {time.strftime('%Y-%m-%d')}, {where}, {os.cpu_count()} cores, torch "
-        f"{torch.__version__}; MLP 64-{args.width}x3-10 ({params:,} params, "
+        f"{torch.__version__}; MLP 64-{args.width}x{args.depth}-10 ({params:,} params, "
         f"{params * 4 / 2**20:.1f} MiB), global batch {BATCH}"
     )
-    print(f"| world | shoal collective (ms/iter) | DDP {comm} (ms/iter) | ratio |")
-    print("|---|---|---|---|")
+    names = {False: "shoal, overlap off", True: "shoal, overlap on"}
+    head = " | ".join(f"{names[m]} (ms/iter)" for m in modes)
+    print(f"| world | {head} | DDP {comm} (ms/iter) | shoal / DDP |")
+    print("|---|" + "---|" * (len(modes) + 2))
     for world in args.world:
-        shoal = bench_shoal(world, args.width, args.iters, args.device)
-        ddp = bench_ddp(world, args.width, args.iters, args.device)
-        print(f"| {world} | {shoal * 1e3:.1f} | {ddp * 1e3:.1f} | {shoal / ddp:.2f} |", flush=True)
+        shoal = [
+            bench_shoal(world, args.width, args.iters, args.device, args.depth, m) for m in modes
+        ]
+        ddp = bench_ddp(world, args.width, args.iters, args.device, args.depth)
+        cells = " | ".join(f"{t * 1e3:.1f}" for t in shoal)
+        ratios = " / ".join(f"{t / ddp:.2f}" for t in shoal)
+        print(f"| {world} | {cells} | {ddp * 1e3:.1f} | {ratios} |", flush=True)
     if args.no_rescale:
         return 0
     r = bench_rescale(args.width)

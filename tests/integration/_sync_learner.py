@@ -12,7 +12,9 @@ mid-iteration). ``--history FILE`` receives the iterations this learner complete
 id and (collective) the process groups it formed. ``--clip-grad-norm X`` and ``--amp DTYPE``
 (with ``--init-scale S``) turn on global clipping and mixed precision; the history then also
 holds each iteration's loss scale and whether its step was skipped, and the callbacks' view
-(``is_primary``, ``rescales``).
+(``is_primary``, ``rescales``). ``--bucket-bytes N`` (collective) sets the gradient bucket
+size; the history's ``buckets_sent`` counts the buckets the overlap hooks sent during backward
+and in all.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def main() -> int:
     parser.add_argument("--amp", default=None)
     parser.add_argument("--init-scale", type=float, default=2.0**16)
     parser.add_argument("--param-groups", type=int, default=0)
+    # Collective mode: gradient bucket size in bytes (first bucket too), to get many buckets
+    # out of the small MLP.
+    parser.add_argument("--bucket-bytes", type=int, default=0)
     # 1: the loss function logs loss_x2 (twice each micro-batch's mean loss) and a callback
     # logs prev_step (the step just ended) between steps, with trainer.log.
     parser.add_argument("--log-metrics", type=int, default=0)
@@ -91,6 +96,8 @@ def main() -> int:
     torch.manual_seed(args.seed)
     model = digits.build_model()
     backend = create_backend(args.backend)
+    if args.bucket_bytes:
+        backend._bucket_bytes = backend._first_bucket_bytes = args.bucket_bytes
     sync = backend.sync
     pauses = {int(k) for k in args.pause_at.split(",") if k}
 
@@ -184,6 +191,7 @@ def main() -> int:
                 "history": history,
                 "pid": os.getpid(),
                 "formations": getattr(backend, "formations", []),
+                "buckets_sent": getattr(backend, "buckets_sent", None),
                 "is_primary": result.is_primary,
                 "primary_steps": watch.primary_steps,
                 "rescales": watch.rescales,

@@ -119,6 +119,51 @@ def test_collective_learners_match_single_process_training(plane: DataPlane, lea
 
 
 @pytest.mark.slow
+def test_collective_overlapped_buckets_match_single_process_training(plane: DataPlane):
+    # Gradient buckets sent by autograd hooks while backward runs (shoal.learner.overlap):
+    # small buckets (many of them out of the MLP), shares accumulated in micro-batches of 8
+    # (only the last backward sends), and one learner with overlap off, which issues the same
+    # collectives after backward: the job still equals single-process training.
+    job, epochs = "c-overlap", 1
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    names = [f"{job}-l{i}" for i in range(3)]
+    gate = plane.tmp / f"{job}.gate"
+    procs = [
+        start(
+            plane,
+            job,
+            name,
+            epochs,
+            gate=gate,
+            bucket_bytes=4096,
+            env={
+                "SHOAL_MAX_BATCH_PER_DEVICE": "8",
+                "SHOAL_COLLECTIVE_OVERLAP": "off" if i == 0 else "on",
+            },
+        )
+        for i, name in enumerate(names)
+    ]
+    for proc in procs:
+        proc.wait_for("READY", timeout=90)
+    gate.touch()
+    for proc in procs:
+        assert proc.wait() == 0, proc.text()[-3000:]
+    assert_matches_reference(plane.final_model(job), epochs)
+    records = assert_each_iteration_recorded_once(plane, job, total)
+    _, reference_losses = reference_training(epochs, BATCH)
+    assert [r["loss"] for r in records] == pytest.approx(list(reference_losses), abs=1e-4)
+    assert plane.history(names[0])["buckets_sent"] == [0, 0]
+    for name in names[1:]:
+        in_backward, sent = plane.history(name)["buckets_sent"]
+        steps = len(plane.history(name)["history"])
+        # The MLP's 6 tensors in 4 KiB buckets: 6 buckets (a tensor is never split), each
+        # sent by the hooks during backward (at worst the last, the first layer's, by
+        # finish()).
+        assert sent == 6 * steps and in_backward >= 5 * steps, (in_backward, sent, steps)
+
+
+@pytest.mark.slow
 def test_collective_clipping_float16_and_param_groups_match_the_single_process_recipe(
     plane: DataPlane,
 ):

@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "BATCH_RULE",
     "BATCH_SIZE",
+    "COLLECTIVE_OVERLAP",
     "COLLECTIVE_TIMEOUT_S",
     "COORDINATOR",
     "DATASET_URIS",
@@ -53,6 +54,10 @@ TLS_CERT = "SHOAL_TLS_CERT"
 TLS_KEY = "SHOAL_TLS_KEY"
 TRACE_EVERY = "SHOAL_TRACE_EVERY"
 COLLECTIVE_TIMEOUT_S = "SHOAL_COLLECTIVE_TIMEOUT_S"
+#: ``on`` (default) or ``off``: a collective-mode learner sends its gradient buckets while
+#: backward runs (read by ``shoal.learner.collective`` itself, like the shared-memory lane's
+#: ``SHOAL_SHM_LANE``; not part of what the scheduler writes).
+COLLECTIVE_OVERLAP = "SHOAL_COLLECTIVE_OVERLAP"
 EPOCHS = "SHOAL_EPOCHS"
 BATCH_SIZE = "SHOAL_BATCH_SIZE"
 #: Set only for a job with an adaptive batch: how the learning rate follows the batch.

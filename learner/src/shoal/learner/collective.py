@@ -17,7 +17,10 @@ Per learner (docs/data-plane.md, "Collective mode"):
   died), rank 0 loads the checkpoint the coordinator names and broadcasts it.
 * :meth:`CollectiveBackend.sync` all-reduces ``n_i * g_i`` in buckets with the sample counts,
   loss sums and buffers (so the result is exactly the parameter-server weighting,
-  :func:`~shoal.learner.backend.reduce_contributions`), then votes at the coordinator. The
+  :func:`~shoal.learner.backend.reduce_contributions`), then votes at the coordinator. With
+  overlap (the default, :meth:`CollectiveBackend.overlap_hooks`), the gradient buckets were
+  already sent by autograd hooks while backward ran (:mod:`shoal.learner.overlap`); sync
+  waits for them with the rest. The
   update is applied only once the coordinator says the iteration committed (every member's
   all-reduce succeeded); until then it is pending, so an abort needs no rollback of the
   parameters or optimizer (the trainer restores the buffers the forward passes touched).
@@ -71,6 +74,13 @@ from shoal.learner.collective_checkpoint import (
     write_checkpoint_file,
 )
 from shoal.learner.grpc_backend import GrpcBackend
+from shoal.learner.overlap import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_FIRST_BUCKET_BYTES,
+    GradientBucketer,
+    LaunchedBuckets,
+    bucket_layout,
+)
 from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
 
 __all__ = ["BACKEND_NAME", "CHECKPOINT_FILE", "CollectiveBackend", "CollectiveError"]
@@ -79,7 +89,6 @@ log = logging.getLogger("shoal.learner.collective")
 
 BACKEND_NAME = "collective"
 DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # as DistributedDataParallel's default bucket_cap_mb
 
 
 class CollectiveError(RuntimeError):
@@ -101,7 +110,10 @@ class CollectiveBackend(GrpcBackend):
     """A learner of a job in collective mode (see the module docstring).
 
     ``timeout_s`` bounds every collective and the rendezvous; ``bucket_bytes`` is the size of
-    the gradient buckets all-reduced concurrently.
+    the gradient buckets all-reduced concurrently (the first one ``first_bucket_bytes``, as
+    DDP). ``overlap`` (default: ``SHOAL_COLLECTIVE_OVERLAP``, on) sends the buckets while
+    backward runs (:mod:`shoal.learner.overlap`); off, they leave after it. Both issue the
+    same collectives, so members may differ in it.
     """
 
     SYNC_MODE = job_pb2.SYNC_MODE_COLLECTIVE
@@ -111,6 +123,8 @@ class CollectiveBackend(GrpcBackend):
         *,
         timeout_s: float | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+        overlap: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -124,9 +138,21 @@ class CollectiveBackend(GrpcBackend):
             raise ValueError(f"timeout_s ({timeout_s!r}) must be > 0")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes ({bucket_bytes!r}) must be >= 1")
+        if first_bucket_bytes < 1:
+            raise ValueError(f"first_bucket_bytes ({first_bucket_bytes!r}) must be >= 1")
+        if overlap is None:
+            raw = os.environ.get(environment.COLLECTIVE_OVERLAP, "on").strip().lower()
+            if raw not in ("on", "off"):
+                raise ValueError(f"SHOAL_COLLECTIVE_OVERLAP ({raw!r}) must be 'on' or 'off'")
+            overlap = raw == "on"
         self.timeout_s = timeout_s
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._bucket_bytes = bucket_bytes
+        self._first_bucket_bytes = first_bucket_bytes
+        self.overlap = overlap
+        self._bucketer: GradientBucketer | None = None
+        # Gradient buckets sent by the hooks while backward ran, and in all (overlap only).
+        self.buckets_sent = [0, 0]
         self._rendezvous = ""
         self._rendezvous_prefix = ""
         self._store: Any = None
@@ -351,6 +377,8 @@ class CollectiveBackend(GrpcBackend):
         """Destroy the group. For gloo that closes its sockets, so peers blocked on this
         learner fail at once instead of at their timeout; NCCL is aborted first (a kernel may
         still wait on the device)."""
+        if self._bucketer is not None:
+            self._bucketer.discard()  # a pending work holds the group: it must not outlive it
         pg, self._pg = self._pg, None
         if pg is not None and self.backend_name == "nccl":
             try:
@@ -446,6 +474,33 @@ class CollectiveBackend(GrpcBackend):
             state = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
             optimizer.load_state_dict(state)
 
+    # -- overlap (shoal.learner.overlap) -------------------------------------------------------
+
+    def overlap_hooks(self, params: Sequence[torch.nn.Parameter]) -> GradientBucketer | None:
+        """Hooks on the model's ``params`` (the trainer's, in spec order) that send the
+        gradient buckets as backward produces them; None when overlap is off."""
+        if not self.overlap:
+            return None
+        if len(params) != len(self._params) or not all(
+            p.data_ptr() == q.data_ptr() and p.shape == q.shape
+            for p, q in zip(params, self._params, strict=True)
+        ):
+            raise ValueError("params are not the model's parameters this backend was set up with")
+        if self._bucketer is None:
+            self._bucketer = GradientBucketer(
+                params,
+                self._launch_bucket,
+                self._comm_device,
+                bucket_bytes=self._bucket_bytes,
+                first_bucket_bytes=self._first_bucket_bytes,
+            )
+        return self._bucketer
+
+    def _launch_bucket(self, flat: torch.Tensor) -> Any:
+        if self._pg is None:
+            raise RuntimeError("no process group (it failed or is being re-formed)")
+        return self._allreduce([flat])[0]
+
     # -- sync ---------------------------------------------------------------------------------
 
     def sync(
@@ -464,8 +519,21 @@ class CollectiveBackend(GrpcBackend):
                 f"assignment of generation {assignment.generation} without its group "
                 f"(formed: {self._pg_generation}); call next_assignment() first"
             )
+        launched = None
+        bucketer = self._bucketer
+        if bucketer is not None and bucketer.finished:
+            # The trainer's backward already sent the buckets (on this generation's group:
+            # groups change only in next_assignment, which drops what is in flight).
+            self.buckets_sent[0] += bucketer.launched_in_backward
+            launched = bucketer.take()
+            self.buckets_sent[1] += len(launched.buckets)
+            if launched.n != contribution.n_samples:
+                raise ValueError(
+                    f"contribution has {contribution.n_samples} samples, its gradient buckets "
+                    f"were sent for {launched.n}"
+                )
         try:
-            grads, buffers, total, loss_sum = self._reduce(contribution)
+            grads, buffers, total, loss_sum = self._reduce(contribution, launched)
         except CollectiveError as exc:
             failure: str | None = str(exc)
         else:
@@ -513,31 +581,39 @@ class CollectiveBackend(GrpcBackend):
 
     @torch.no_grad()
     def _reduce(
-        self, contribution: Contribution
+        self, contribution: Contribution, launched: LaunchedBuckets | None = None
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], float, float]:
-        """All-reduce ``n * grad`` (in buckets), ``n``, the loss sum, which parameters got a
-        gradient, ``n * buffer`` (float buffers) and the buffers' maximum (integer ones), as
-        :func:`~shoal.learner.backend.reduce_contributions` weighs them."""
+        """All-reduce ``n * grad`` (in buckets of :func:`~shoal.learner.overlap.bucket_layout`,
+        already launched during backward when ``launched`` is given), ``n``, the loss sum,
+        which parameters got a gradient, ``n * buffer`` (float buffers) and the buffers'
+        maximum (integer ones), as :func:`~shoal.learner.backend.reduce_contributions` weighs
+        them. Both paths issue the same collectives in the same order."""
         n = contribution.n_samples
         device = self._comm_device()
         meta = torch.zeros(2 + len(self._params), dtype=torch.float64)  # built on the host
         meta[0], meta[1] = float(n), float(contribution.loss_sum)
-        grads: list[torch.Tensor] = []
-        for j, (param, g) in enumerate(zip(self._params, contribution.grads, strict=True)):
+        for j, g in enumerate(contribution.grads):
             if g is not None and n > 0:
                 meta[2 + j] = 1.0
-                grads.append(g.detach())
-            else:
-                grads.append(torch.zeros_like(param))
+        works: list[Any] = []
+        if launched is None:
+            grads = [
+                g.detach() if g is not None and n > 0 else torch.zeros_like(param)
+                for param, g in zip(self._params, contribution.grads, strict=True)
+            ]
+            buckets = []
+            for indices in bucket_layout(grads, self._bucket_bytes, self._first_bucket_bytes):
+                flat = _flatten_dense_tensors([grads[j] for j in indices]).to(device)
+                flat.mul_(n)
+                buckets.append((indices, flat))
+            works += self._allreduce([flat for _, flat in buckets])
+        else:
+            buckets, works = launched.buckets, launched.works
+            if launched.failure is not None:
+                works.clear()  # they hold the group, which the caller drops
+                raise CollectiveError(launched.failure)
         meta = meta.to(device)
-        works = self._allreduce([meta])
-        buckets = _buckets(grads, self._bucket_bytes)
-        flats = []
-        for bucket in buckets:
-            flat = _flatten_dense_tensors([grads[j] for j in bucket]).to(device)
-            flat.mul_(n)
-            flats.append(flat)
-        works += self._allreduce(flats)
+        works += self._allreduce([meta])
         floats = [j for j, b in enumerate(contribution.buffers) if b.is_floating_point()]
         ints = [j for j, b in enumerate(contribution.buffers) if not b.is_floating_point()]
         flat_f = flat_i = None
@@ -559,12 +635,15 @@ class CollectiveBackend(GrpcBackend):
         if total <= 0:
             raise RuntimeError("no member of the iteration had a sample")
         reduced: list[torch.Tensor | None] = [None] * len(self._params)
-        for bucket, flat in zip(buckets, flats, strict=True):
+        for indices, flat in buckets:
             flat.div_(total)
-            views = _unflatten_dense_tensors(flat, [grads[j] for j in bucket])
-            for j, view in zip(bucket, views, strict=True):
+            offset = 0
+            for j in indices:
+                param = self._params[j]
                 if meta[2 + j] > 0:
-                    reduced[j] = view.to(self._params[j].device)
+                    view = flat.narrow(0, offset, param.numel()).view(param.shape)
+                    reduced[j] = view.to(param.device)
+                offset += param.numel()
         # Every buffer is in one of the two fresh flat tensors: keep views of them.
         buffers = list(contribution.buffers)
         for indices, flat_b in ((floats, flat_f), (ints, flat_i)):
@@ -632,6 +711,8 @@ class CollectiveBackend(GrpcBackend):
 
     def close(self) -> None:
         self._drop_group()
+        if self._bucketer is not None:
+            self._bucketer.remove()
         self._store = None
         super().close()
 
@@ -639,26 +720,6 @@ class CollectiveBackend(GrpcBackend):
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
-    """Indices of ``tensors`` in buckets of one dtype and at most ``limit`` bytes (a larger
-    tensor is a bucket of its own), in order."""
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    dtype: torch.dtype | None = None
-    for j, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        if current and (t.dtype != dtype or size + nbytes > limit):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(j)
-        size += nbytes
-        dtype = t.dtype
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 def _to_cpu(obj: Any) -> Any:

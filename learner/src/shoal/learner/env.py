@@ -53,6 +53,9 @@ SHOAL_DATASET_URIS          empty                   Comma-separated dataset URIs
                                                     ``s3://``, ``gs://``... read through fsspec
                                                     (``shoal.learner.data``); handed to
                                                     ``get_datasets`` when it takes an argument.
+SHOAL_COLLECTIVE_OVERLAP    ``on``                  Collective mode: gradient buckets are sent
+                                                    while backward runs (``off``: after it).
+                                                    Read by ``shoal.learner.collective``.
 SHOAL_TRAIN_MARKER          unset                   File the learner touches when the script
                                                     calls ``Trainer.train()``; the host agent
                                                     fails a learner that exits 0 without it.

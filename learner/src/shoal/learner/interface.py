@@ -10,9 +10,9 @@ re-exports every public name here.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
-from typing import TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from shoal.learner.env import LearnerEnv
 from shoal.learner.sync_types import (
@@ -24,6 +24,9 @@ from shoal.learner.sync_types import (
     SyncResult,
     TrainingSetup,
 )
+
+if TYPE_CHECKING:
+    from shoal.learner.overlap import GradientHooks
 
 # --------------------------------------------------------------------------------------------
 # The interface
@@ -67,6 +70,14 @@ class SyncBackend(ABC):
         :class:`IterationAborted` when the iteration was aborted. The backend also writes
         checkpoints when the completed step calls for one (``TrainingPlan.is_checkpoint_step``)
         and the final model at the end of the job."""
+
+    def overlap_hooks(self, params: Sequence[Any]) -> GradientHooks | None:
+        """Optional: hooks on the model's ``params`` (``nn.Parameter``, in spec order) that
+        send gradients while backward runs; the trainer hands them to
+        :func:`~shoal.learner.steps.compute_contribution` and calls their ``remove()`` at the
+        end. None (the default): the gradients leave in :meth:`sync`. Called once, after
+        :meth:`initialize`."""
+        return None
 
     def pull_parameters(self) -> ModelState:
         """The job's current parameters and buffers, fetched when an assignment says

@@ -22,6 +22,7 @@ from shoal.learner import partition
 from shoal.learner.backend import Contribution, OptimizerSpec
 from shoal.learner.loader import BatchFetcher
 from shoal.learner.metrics import MetricsFn, classification_metrics
+from shoal.learner.overlap import GradientHooks
 from shoal.learner.user_metrics import MetricLog
 
 #: A mean-reduced loss: ``(output, target) -> scalar``.
@@ -87,6 +88,7 @@ def compute_contribution(
     loss_scale: float | None = None,
     fetcher: BatchFetcher | None = None,
     metrics: MetricLog | None = None,
+    hooks: GradientHooks | None = None,
 ) -> Contribution:
     """Run forward and backward over the share ``indices`` of ``dataset`` and return this
     learner's :class:`Contribution`: the mean gradient over the share, its size, the sum of
@@ -106,14 +108,27 @@ def compute_contribution(
     fraction of the global batch, so that each sample's term is scaled as on one process.)
     With ``fetcher`` the micro-batches are fetched by its worker processes (the same samples,
     prefetched). With ``metrics``, what the loss function or the model logs (``trainer.log``)
-    during a micro-batch is weighted by that micro-batch's sample count.
+    during a micro-batch is weighted by that micro-batch's sample count. With ``hooks`` (a
+    backend's :meth:`~shoal.learner.interface.SyncBackend.overlap_hooks`) the gradient leaves
+    during the last micro-batch's backward: they are begun here, armed just before that
+    backward (with ``n`` and the loss scale's inverse) and finished after it, before the
+    gradients are unscaled.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     params = [p for _, p in model.named_parameters()]
     model.zero_grad(set_to_none=True)
     n = int(indices.numel())
+    if hooks is not None:
+        hooks.begin()
     if n == 0:
+        if hooks is not None:
+            hooks.finish()  # an empty share still takes part in every collective (zeros)
         return Contribution([None] * len(params), 0, 0.0, [b for _, b in persistent_buffers(model)])
+    inv_scale = (
+        None
+        if loss_scale is None
+        else torch.tensor(1.0 / loss_scale, dtype=torch.float32, device=device)
+    )
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     chunks = list(partition.micro_batches(indices, max_per_device))
     fetched = (
@@ -121,7 +136,7 @@ def compute_contribution(
         if fetcher is not None
         else (fetch_batch(dataset, chunk) for chunk in chunks)
     )
-    for chunk, batch in zip(chunks, fetched, strict=True):
+    for index, (chunk, batch) in enumerate(zip(chunks, fetched, strict=True)):
         inputs, targets = split_batch(to_device(batch, device))
         m = int(chunk.numel())
         if metrics is not None:
@@ -136,11 +151,14 @@ def compute_contribution(
             if metrics is not None:
                 metrics.chunk = None
         scaled = loss if loss_scale is None else loss * loss_scale
+        if hooks is not None and index == len(chunks) - 1:
+            hooks.arm(n, inv_scale)  # the last backward: the gradient becomes final
         (scaled if m == n else scaled * (m / n)).backward()
         loss_sum += loss.detach().to(torch.float64) * m
+    if hooks is not None:
+        hooks.finish()
     grads = [p.grad for p in params]
-    if loss_scale is not None:
-        inv_scale = torch.tensor(1.0 / loss_scale, dtype=torch.float32, device=device)
+    if inv_scale is not None:
         with torch.no_grad():
             for g in grads:
                 if g is not None:

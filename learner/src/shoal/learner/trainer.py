@@ -352,9 +352,12 @@ class ElasticTrainer:
             else create_backend(self.backend, env)
         )
         self._world_one = isinstance(backend, LocalBackend)
+        hooks = None
         try:
             tracing.begin_join()
             state = backend.initialize(setup)
+            # Gradients sent as backward produces them (collective mode; None elsewhere).
+            hooks = backend.overlap_hooks([p for _, p in named_params])
             if state.plan.num_samples != num_samples:
                 raise ValueError(
                     f"num_samples ({num_samples}) of this learner's training set differs from "
@@ -444,6 +447,7 @@ class ElasticTrainer:
                             else scaler.scale * (stop - start) / a.batch_size
                         ),
                         metrics=self._metric_log,
+                        hooks=hooks,
                     )
                     if self.device.type == "cuda":  # the kernels queued count as compute
                         torch.cuda.synchronize(self.device)
@@ -529,6 +533,8 @@ class ElasticTrainer:
             else:
                 result.completed = True
         finally:
+            if hooks is not None:
+                hooks.remove()
             tracing.close()
             if fetcher is not None:
                 fetcher.close()
