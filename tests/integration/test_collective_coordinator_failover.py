@@ -92,6 +92,33 @@ def _take_over(plane: DataPlane, job: str, epochs: int) -> Any:
     )
 
 
+def _assert_nothing_lost(
+    plane: DataPlane,
+    job: str,
+    learners: dict[str, Any],
+    total: int,
+    epochs: int,
+    *,
+    left: tuple[str, ...] = (),
+) -> dict[str, dict[str, Any]]:
+    """Each iteration recorded once, the model equal to single-process training, and every
+    learner the process it started as (not restarted), its steps never repeated and, unless it
+    ``left`` the job, reaching the last iteration. Returns each learner's history."""
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    histories = {}
+    for name, proc in learners.items():
+        history = histories[name] = plane.history(name)
+        assert history["pid"] == proc.popen.pid  # not restarted
+        steps = [r["step"] for r in history["history"]]
+        assert steps == sorted(set(steps)), (name, steps)  # no iteration completed twice
+        if name in left:
+            assert steps[-1] < total - 1, (name, steps)  # it left before the end
+        else:
+            assert steps[-1] == total - 1, (name, steps)
+    return histories
+
+
 @pytest.mark.slow
 def test_a_killed_coordinator_shard_of_a_collective_job_is_taken_over_without_a_rewind(
     tmp_path: Path,
@@ -130,15 +157,10 @@ def test_a_killed_coordinator_shard_of_a_collective_job_is_taken_over_without_a_
     assert "took over as coordinator (epoch 1) from lost shard 0" in successor_log
     assert "collective takeover: continuing at iteration" in successor_log, successor_log[-3000:]
     assert "no learner holds the state" not in successor_log
-    assert_each_iteration_recorded_once(plane, job, total)
-    assert_matches_reference(plane.final_model(job), epochs)
+    histories = _assert_nothing_lost(plane, job, learners, total, epochs)
     for name, proc in learners.items():
-        history = plane.history(name)
-        assert history["pid"] == proc.popen.pid  # not restarted
-        formed = [g for g, _, _ in history["formations"]]
+        formed = [g for g, _, _ in histories[name]["formations"]]
         assert formed == sorted(set(formed)) and formed[-1] >= 1 << 32, formed  # in place
-        steps = [r["step"] for r in history["history"]]
-        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)
         text = proc.text()
         assert "coordinator moved" in text and "rendezvous moved with the coordinator" in text
     decision = next(
@@ -185,13 +207,8 @@ def test_a_paused_coordinator_of_a_collective_job_is_left_and_steps_down_when_it
         old.wait_for("stepping down (epoch 0)", timeout=60)
     finally:
         plane.kill_all()
-    assert_each_iteration_recorded_once(plane, job, total)
-    assert_matches_reference(plane.final_model(job), epochs)
+    _assert_nothing_lost(plane, job, learners, total, epochs)
     for name, proc in learners.items():
-        history = plane.history(name)
-        assert history["pid"] == proc.popen.pid
-        steps = [r["step"] for r in history["history"]]
-        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)
         assert "which hangs, after the role moved" in proc.text(), (name, proc.text()[-3000:])
 
 
@@ -229,17 +246,7 @@ def test_a_coordinator_shard_killed_during_a_rescale_of_a_collective_job_loses_n
         assert plane.progress(job).done
     finally:
         plane.kill_all()
-    assert_each_iteration_recorded_once(plane, job, total)
-    assert_matches_reference(plane.final_model(job), epochs)
-    for name, proc in learners.items():
-        history = plane.history(name)
-        assert history["pid"] == proc.popen.pid  # not restarted
-        steps = [r["step"] for r in history["history"]]
-        assert steps == sorted(set(steps)), (name, steps)  # no iteration completed twice
-        if name == "r2":
-            assert steps[-1] < total - 1, steps  # it left before the end
-        else:
-            assert steps[-1] == total - 1, (name, steps)
+    _assert_nothing_lost(plane, job, learners, total, epochs, left=("r2",))
 
 
 def _verified_checkpoint(directory: Path) -> dict[str, torch.Tensor] | None:
@@ -312,15 +319,9 @@ def test_a_coordinator_shard_killed_during_a_learners_checkpoint_write_loses_not
     successor_log = plane.shards[1].text()
     assert "took over as coordinator (epoch 1) from lost shard 0" in successor_log
     assert "no learner holds the state" not in successor_log
-    assert_each_iteration_recorded_once(plane, job, total)
-    assert_matches_reference(plane.final_model(job), epochs)
-    for n, proc in learners.items():
-        history = plane.history(n)
-        assert history["pid"] == proc.popen.pid  # not restarted
-        steps = [r["step"] for r in history["history"]]
-        # None repeated; a learner that re-joins after the successor decided from another's
-        # report may miss the iteration the first one ran alone (the job's are contiguous).
-        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (n, steps)
+    # None repeated; a learner that re-joins after the successor decided from another's
+    # report may miss the iteration the first one ran alone (the job's are contiguous).
+    _assert_nothing_lost(plane, job, learners, total, epochs)
     # The checkpoint being written: whole or absent, never partial.
     interrupted = _verified_checkpoint(written)
     if interrupted is not None:
@@ -383,13 +384,7 @@ def test_a_coordinator_shard_killed_with_a_vote_in_flight_runs_the_iteration_aga
     )
     assert f"continuing at iteration {k} (no iteration in flight was committed)" in decision
     assert f"iteration {k} was aborted: its update is dropped" in learners["v0"].text()
-    assert_each_iteration_recorded_once(plane, job, total)
-    assert_matches_reference(plane.final_model(job), epochs)
-    for n, proc in learners.items():
-        history = plane.history(n)
-        assert history["pid"] == proc.popen.pid  # not restarted
-        steps = [r["step"] for r in history["history"]]
-        assert steps[-1] == total - 1 and steps == sorted(set(steps)), (n, steps)
-    v0 = [r["step"] for r in plane.history("v0")["history"]]
+    histories = _assert_nothing_lost(plane, job, learners, total, epochs)
+    v0 = [r["step"] for r in histories["v0"]["history"]]
     assert v0 == list(range(total)), v0  # k once: its first attempt was dropped, not completed
     print(decision.split("job ")[-1])
