@@ -31,6 +31,7 @@ __all__ = [
     "BatchSchedule",
     "Position",
     "Segment",
+    "check_int",
     "scaled_learning_rate",
 ]
 
@@ -54,8 +55,8 @@ def scaled_learning_rate(lr: float, batch: int, declared: int, rule: BatchRule) 
     declared batch ``declared``. Equal to ``lr`` at ``batch == declared``."""
     if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr)):
         raise ValueError(f"lr ({lr!r}) must be a finite number")
-    _check_int("batch", batch, 1)
-    _check_int("declared", declared, 1)
+    check_int("batch", batch, 1)
+    check_int("declared", declared, 1)
     ratio = batch / declared
     if rule is BatchRule.LINEAR:
         return lr * ratio
@@ -64,7 +65,10 @@ def scaled_learning_rate(lr: float, batch: int, declared: int, rule: BatchRule) 
     raise ValueError(f"rule ({rule!r}) must be a BatchRule")
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` if it is an int (not a bool: ``rank=True`` is not rank 1) of at least
+    ``minimum``; a ValueError naming ``name`` and the value otherwise. The learner's sample
+    partition checks its arguments with it too."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} ({value!r}) must be an int")
     if value < minimum:
@@ -104,8 +108,8 @@ class Position:
     def share(self, rank: int, world_size: int) -> tuple[int, int]:
         """Positions ``[start, stop)`` of rank ``rank`` of ``world_size``:
         ``[start + r*b//W, start + (r+1)*b//W)``, as with a fixed batch."""
-        _check_int("world_size", world_size, 1)
-        _check_int("rank", rank, 0)
+        check_int("world_size", world_size, 1)
+        check_int("rank", rank, 0)
         if rank >= world_size:
             raise ValueError(f"rank ({rank}) must be < world_size ({world_size})")
         b = self.samples
@@ -116,7 +120,7 @@ class BatchSchedule:
     """The batches of a job over its global iterations (see the module docstring)."""
 
     def __init__(self, num_samples: int, segments: list[Segment]) -> None:
-        self.num_samples = _check_int("num_samples", num_samples, 1)
+        self.num_samples = check_int("num_samples", num_samples, 1)
         if not segments:
             raise ValueError("segments must not be empty")
         if len(segments) > MAX_SEGMENTS:
@@ -126,8 +130,8 @@ class BatchSchedule:
             raise ValueError(f"the first segment ({first}) must start at step 0, position 0")
         for i, seg in enumerate(segments):
             for name in ("step", "epoch", "iteration", "position"):
-                _check_int(f"segments[{i}].{name}", getattr(seg, name), 0)
-            _check_int(f"segments[{i}].batch", seg.batch, 1)
+                check_int(f"segments[{i}].{name}", getattr(seg, name), 0)
+            check_int(f"segments[{i}].batch", seg.batch, 1)
             if seg.position >= num_samples:
                 raise ValueError(
                     f"segments[{i}].position ({seg.position}) must be < num_samples ({num_samples})"
@@ -151,7 +155,7 @@ class BatchSchedule:
     @classmethod
     def fixed(cls, num_samples: int, batch: int) -> BatchSchedule:
         """The schedule of a job whose batch never changes."""
-        return cls(num_samples, [Segment(0, 0, 0, 0, _check_int("batch", batch, 1))])
+        return cls(num_samples, [Segment(0, 0, 0, 0, check_int("batch", batch, 1))])
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -164,7 +168,7 @@ class BatchSchedule:
         return f"BatchSchedule({self.num_samples}, {self.segments!r})"
 
     def _segment(self, step: int) -> Segment:
-        _check_int("step", step, 0)
+        check_int("step", step, 0)
         lo, hi = 0, len(self.segments)
         while hi - lo > 1:  # the last segment whose step is <= step
             mid = (lo + hi) // 2
@@ -197,7 +201,7 @@ class BatchSchedule:
     def total_iterations(self, epochs: int) -> int:
         """The number of global iterations of ``epochs`` epochs (the job's length) with the
         current last batch."""
-        _check_int("epochs", epochs, 1)
+        check_int("epochs", epochs, 1)
         seg = self.segments[-1]
         if seg.epoch >= epochs:
             raise ValueError(f"epochs ({epochs}) must be > the last segment's epoch ({seg.epoch})")
@@ -220,7 +224,7 @@ class BatchSchedule:
         ``step`` starts where the previous batch would have. Iterations after ``step`` that
         an earlier schedule had planned are forgotten. Unchanged if ``batch`` is already the
         batch at ``step``."""
-        _check_int("batch", batch, 1)
+        check_int("batch", batch, 1)
         if self.batch_at(step) == batch:
             return self
         here = self.locate(step)

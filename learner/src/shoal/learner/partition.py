@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from shoal.contract.batch_schedule import check_int as _check_int
+
 __all__ = [
     "batch_range",
     "epoch_order",
@@ -34,15 +36,6 @@ __all__ = [
 # torch.Generator.manual_seed accepts seeds in [-2**63, 2**64); shoal keeps seeds non-negative so
 # that ``seed + epoch`` is the same number in every language the protocol is implemented in.
 _MAX_SEED = 2**63 - 1
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    # bool is an int subclass; reject it so that ``rank=True`` is not silently rank 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} ({value!r}) must be an int")
-    if value < minimum:
-        raise ValueError(f"{name} ({value}) must be >= {minimum}")
-    return value
 
 
 def iterations_per_epoch(num_samples: int, batch_size: int) -> int:
