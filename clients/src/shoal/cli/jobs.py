@@ -122,7 +122,8 @@ def submit(
         BatchRuleOption,
         typer.Option(
             help="How the learning rate follows an adaptive batch B: lr x B/B0 "
-            "(linear) or lr x sqrt(B/B0) (sqrt), B0 the --batch-size."
+            "(linear), lr x sqrt(B/B0) (sqrt) or lr x AdaScale's gain from the measured "
+            "gradient noise scale (adascale), B0 the --batch-size."
         ),
     ] = BatchRuleOption.linear,
     keep_checkpoints: Annotated[
