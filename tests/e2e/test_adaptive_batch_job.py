@@ -8,7 +8,9 @@ goodput model picks batches other than the declared one and the coordinator runs
 iteration records carry the global batch of each iteration), every member of an iteration got
 the same batch (one record per iteration, contiguous global iterations), each epoch visited
 every training sample exactly once across the batch changes (the samples of an epoch's
-iterations add up to the training set, in consecutive ranges), and the job COMPLETES. Jobs
+iterations add up to the training set, in consecutive ranges), the gradient noise scale is
+measured once more than one learner runs (``JobProgress.gradient_noise_scale`` over at least
+``MIN_SAMPLES`` iterations), and the job COMPLETES. Jobs
 without ``adaptive_batch`` keep the exact fixed-batch protocol (the reference scenario and
 the unit tests of ``tests/unit/test_adaptive_batch.py``).
 """
@@ -22,6 +24,7 @@ import pytest
 from shoal.client import Client
 from shoal.cluster.local import ClusterSpec, LocalCluster
 from shoal.cluster.scenario import job_spec, wait_for
+from shoal.contract.noise_scale import MIN_SAMPLES
 from shoal.v1 import job_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -54,13 +57,21 @@ def test_a_job_with_an_adaptive_batch_changes_its_batch_as_it_scales_and_complet
         )
         job_id = client.submit_job(s).job_id
         seen: set[tuple[int, int]] = set()  # (world size, global batch) the polls saw
+        noise: list[tuple[int, float]] = []  # (iterations averaged, phi) the polls saw
 
-        def at(world: int) -> job_pb2.Job | None:
+        def polled() -> job_pb2.Job:
             job = client.get_job(job_id)
-            assert job.state not in FINAL, (job.state, job.state_reason, sorted(seen))
             p = job.progress
             if p.world_size and p.global_batch:
                 seen.add((p.world_size, p.global_batch))
+            if p.gradient_noise_samples:
+                noise.append((p.gradient_noise_samples, p.gradient_noise_scale))
+            return job
+
+        def at(world: int) -> job_pb2.Job | None:
+            job = polled()
+            assert job.state not in FINAL, (job.state, job.state_reason, sorted(seen))
+            p = job.progress
             ok = p.world_size == world and job.allocated_workers == world
             return job if ok and job.adaptive_batch_size else None
 
@@ -78,7 +89,7 @@ def test_a_job_with_an_adaptive_batch_changes_its_batch_as_it_scales_and_complet
 
         done = wait_for(
             "the job's end",
-            lambda: (lambda j: j if j.state in FINAL else None)(client.get_job(job_id)),
+            lambda: (lambda j: j if j.state in FINAL else None)(polled()),
             timeout=600,
             interval=1.0,
         )
@@ -104,3 +115,10 @@ def test_a_job_with_an_adaptive_batch_changes_its_batch_as_it_scales_and_complet
         assert len(batches) >= 2, (batches, sorted(seen))  # the batch did change
         assert batches <= set(range(16, 257)), batches
         assert {w for w, _ in seen} >= {1, 2, 3}, sorted(seen)
+        # Measured from 3 and 2 learners (one learner has no second batch to compare; the job
+        # runs its last epochs at 2): the smoothed estimate is over many iterations and
+        # positive.
+        print(f"gradient noise scale polled (iterations, phi): {noise[::10]} .. {noise[-1:]}")
+        samples, phi = max(noise)
+        assert samples >= MIN_SAMPLES, noise
+        assert phi > 0, noise

@@ -5,6 +5,7 @@ next boundary, with positions kept in samples, and is stored for a successor coo
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -25,14 +26,14 @@ from tests.integration.test_param_sync import (
 __all__ = ["cluster"]  # the fixture, shared with test_param_sync.py
 
 
-async def open_adaptive(c: Cluster, job: str) -> None:
+async def open_adaptive(
+    c: Cluster, job: str, epochs: int = 2, rule: int = job_pb2.BATCH_SCALING_RULE_LINEAR
+) -> None:
     spec = job_pb2.JobSpec(
         batch_size=4,
-        epochs=2,
+        epochs=epochs,
         seed=1,
-        adaptive_batch=job_pb2.AdaptiveBatch(
-            min_global_batch=2, max_global_batch=6, rule=job_pb2.BATCH_SCALING_RULE_LINEAR
-        ),
+        adaptive_batch=job_pb2.AdaptiveBatch(min_global_batch=2, max_global_batch=6, rule=rule),
     )
     request = ps_pb2.OpenJobRequest(job_id=job, spec=spec, shard_addresses=c.addresses)
     await c.call("OpenJob", request, role="service")
@@ -96,3 +97,80 @@ async def test_set_global_batch_refuses_bad_calls_and_changes_the_batch_at_the_n
     stored = ckpt.read_bytes(ckpt.job_uri(c.storage_uri, "ada", "batch_schedule.json"))
     assert stored is not None
     assert json.loads(stored)["segments"] == [[0, 0, 0, 0, 4], [1, 0, 1, 4, 6]]
+
+
+async def test_the_noise_scale_is_measured_reported_and_frozen_into_each_assignment(
+    cluster: Cluster,
+) -> None:
+    """Two learners of an ADASCALE job over gRPC: the shards compute the global norm without
+    clipping (OptimizerSpec.measure_grad_norm), the learners' estimates travel in the Boundary
+    metrics, GetJobProgress reports the smoothed noise scale, and once it averages
+    MIN_SAMPLES iterations every member's Assignment carries the same value."""
+    from shoal.contract import user_metrics
+    from shoal.contract.noise_scale import MIN_SAMPLES
+    from tests.integration.test_param_sync import LAYOUT
+
+    c = cluster
+    await open_adaptive(c, "gns", epochs=1, rule=job_pb2.BATCH_SCALING_RULE_ADASCALE)
+    learners = ["l1", "l2"]
+    for x in learners:
+        request = ps_pb2.JoinRequest(
+            job_id="gns",
+            learner_id=x,
+            layout=[m.to_proto() for m in LAYOUT],
+            optimizer=ps_pb2.OptimizerSpec(
+                name="SGD", hyperparameters_json='{"lr": 0.5}', measure_grad_norm=True
+            ),
+            dataset_size=64,  # 16 iterations of 4
+        )
+        reply = await c.call("Join", request)
+        for s in reply.shards:
+            for name in s.tensor_names:
+                c.slices[name] = s.shard_index
+    await c.upload("gns", "l1", initial())
+    buffers = {k: v for k, v in initial().items() if k.startswith("bn.")}
+    answers = {x: (await c.boundary("gns", x)).assignment for x in learners}
+    metrics = {
+        "l1": {user_metrics.GNS_GRAD_SQ: 1.0, user_metrics.GNS_TRACE: 10.0},
+        "l2": {user_metrics.GNS_GRAD_SQ: 3.0, user_metrics.GNS_TRACE: 90.0},
+    }
+    frozen: list[set[float]] = []
+    for k in range(MIN_SAMPLES + 2):
+        frozen.append({answers[x].gradient_noise_scale for x in learners})
+        assert {answers[x].global_iteration for x in learners} == {k}
+        results = await asyncio.gather(
+            *(
+                contribute(c, "gns", x, answers[x], grads(k + i), buffers, n=2)
+                for i, x in enumerate(learners)
+            )
+        )
+        # Every shard's answer carries the global gradient's norm, measured without clipping.
+        norms = {header.grad_norm for per_learner in results for header, _ in per_learner}
+        assert len(norms) == 1 and norms.pop() > 0
+        replies = await asyncio.gather(
+            *(
+                c.call(
+                    "Boundary",
+                    ps_pb2.BoundaryRequest(
+                        job_id="gns",
+                        learner_id=x,
+                        generation=answers[x].generation,
+                        completed_iteration=k,
+                        loss_sum=1.0,
+                        num_samples=2,
+                        metric_sums={n: v * 2 for n, v in metrics[x].items()},
+                        metric_samples={n: 2 for n in metrics[x]},
+                    ),
+                )
+                for x in learners
+            )
+        )
+        answers = {x: r.assignment for x, r in zip(learners, replies, strict=True)}
+    # Each iteration's members got one value; 0 until MIN_SAMPLES iterations were averaged.
+    assert all(len(values) == 1 for values in frozen), frozen
+    values = [v.pop() for v in frozen]
+    assert values[: MIN_SAMPLES + 1] == [0.0] * (MIN_SAMPLES + 1)
+    assert values[-1] == pytest.approx(25.0)  # sample-weighted |G|^2 2, tr 50
+    progress = (await c.call("GetJobProgress", ps_pb2.GetJobProgressRequest(job_id="gns"))).progress
+    assert progress.gradient_noise_scale == pytest.approx(25.0)
+    assert progress.gradient_noise_samples >= MIN_SAMPLES

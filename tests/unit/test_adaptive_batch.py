@@ -476,7 +476,12 @@ def test_jobs_get_shows_the_batch_in_use_only_for_an_adaptive_job() -> None:
     job.progress.global_batch, job.progress.world_size, job.adaptive_batch_size = 128, 4, 256
     assert cli_jobs.batch_line(job) == (
         "batch: 128 in use (declared 64, adaptive 32..512, lr rule sqrt; goodput pick at 4 "
-        "learners: 256)"
+        "learners: 256; gradient noise scale not measured yet (0 iterations))"
+    )
+    job.progress.gradient_noise_scale, job.progress.gradient_noise_samples = 412.5, 12
+    assert cli_jobs.batch_line(job) == (
+        "batch: 128 in use (declared 64, adaptive 32..512, lr rule sqrt; goodput pick at 4 "
+        "learners: 256; gradient noise scale 412.5 samples (over 12 iterations))"
     )
     job.spec.ClearField("adaptive_batch")
     assert cli_jobs.batch_line(job) is None
@@ -516,8 +521,9 @@ def test_the_learner_checks_an_adaptive_assignment_and_scales_its_learning_rate(
 
     assert learner_env.batch_rule({"SHOAL_BATCH_RULE": "sqrt"}) == "sqrt"
     assert learner_env.batch_rule({}) is None
-    with pytest.raises(ValueError, match=r"SHOAL_BATCH_RULE \('adascale'\)"):
-        learner_env.batch_rule({"SHOAL_BATCH_RULE": "adascale"})
+    assert learner_env.batch_rule({"SHOAL_BATCH_RULE": "adascale"}) == "adascale"
+    with pytest.raises(ValueError, match=r"SHOAL_BATCH_RULE \('cubic'\)"):
+        learner_env.batch_rule({"SHOAL_BATCH_RULE": "cubic"})
 
 
 def test_the_parameter_sync_server_serves_every_rpc_of_its_service() -> None:

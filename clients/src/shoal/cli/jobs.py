@@ -41,11 +41,13 @@ class SyncModeOption(StrEnum):
 class BatchRuleOption(StrEnum):
     linear = "linear"
     sqrt = "sqrt"
+    adascale = "adascale"
 
 
 BATCH_RULES = {
     BatchRuleOption.linear: job_pb2.BATCH_SCALING_RULE_LINEAR,
     BatchRuleOption.sqrt: job_pb2.BATCH_SCALING_RULE_SQRT,
+    BatchRuleOption.adascale: job_pb2.BATCH_SCALING_RULE_ADASCALE,
 }
 
 SYNC_MODES = {
@@ -120,7 +122,8 @@ def submit(
         BatchRuleOption,
         typer.Option(
             help="How the learning rate follows an adaptive batch B: lr x B/B0 "
-            "(linear) or lr x sqrt(B/B0) (sqrt), B0 the --batch-size."
+            "(linear), lr x sqrt(B/B0) (sqrt) or lr x AdaScale's gain from the measured "
+            "gradient noise scale (adascale), B0 the --batch-size."
         ),
     ] = BatchRuleOption.linear,
     keep_checkpoints: Annotated[
@@ -272,9 +275,16 @@ def batch_line(job: job_pb2.Job) -> str | None:
         if job.adaptive_batch_size
         else ""
     )
+    p = job.progress
+    noise = (
+        f"; gradient noise scale {p.gradient_noise_scale:.4g} samples "
+        f"(over {p.gradient_noise_samples} iterations)"
+        if p.gradient_noise_scale > 0
+        else f"; gradient noise scale not measured yet ({p.gradient_noise_samples} iterations)"
+    )
     return (
         f"batch: {in_use} in use (declared {job.spec.batch_size}, adaptive "
-        f"{ab.min_global_batch}..{ab.max_global_batch}, lr rule {rule}{pick})"
+        f"{ab.min_global_batch}..{ab.max_global_batch}, lr rule {rule}{pick}{noise})"
     )
 
 

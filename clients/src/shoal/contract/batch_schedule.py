@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from shoal.contract.noise_scale import adascale_gain
+
 __all__ = [
     "BatchRule",
     "BatchSchedule",
@@ -48,11 +50,18 @@ class BatchRule(Enum):
     SQRT = "sqrt"
     """``lr x sqrt(B / B0)`` (Krizhevsky 2014, "One weird trick"; Hoffer et al. 2017; the
     usual rule for Adam-like optimizers)."""
+    ADASCALE = "adascale"
+    """``lr x r`` with AdaScale's gain ``r = S (phi + B0) / (phi + B)``, ``S = B / B0``, from
+    the measured gradient noise scale ``phi`` (Johnson et al. 2020, "AdaScale SGD";
+    ``shoal.contract.noise_scale.adascale_gain``); ``r = 1`` until ``phi`` is measured."""
 
 
-def scaled_learning_rate(lr: float, batch: int, declared: int, rule: BatchRule) -> float:
+def scaled_learning_rate(
+    lr: float, batch: int, declared: int, rule: BatchRule, noise_scale: float | None = None
+) -> float:
     """The learning rate at global batch ``batch`` for a job whose rate is ``lr`` at its
-    declared batch ``declared``. Equal to ``lr`` at ``batch == declared``."""
+    declared batch ``declared``. Equal to ``lr`` at ``batch == declared``. ``noise_scale``
+    (the measured ``phi``, None: not measured) is used by :attr:`BatchRule.ADASCALE` only."""
     if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr)):
         raise ValueError(f"lr ({lr!r}) must be a finite number")
     check_int("batch", batch, 1)
@@ -62,6 +71,8 @@ def scaled_learning_rate(lr: float, batch: int, declared: int, rule: BatchRule) 
         return lr * ratio
     if rule is BatchRule.SQRT:
         return lr * math.sqrt(ratio)
+    if rule is BatchRule.ADASCALE:
+        return lr * adascale_gain(noise_scale, batch, declared)
     raise ValueError(f"rule ({rule!r}) must be a BatchRule")
 
 

@@ -10,6 +10,8 @@ import re
 
 __all__ = [
     "COMPUTE_SECONDS",
+    "GNS_GRAD_SQ",
+    "GNS_TRACE",
     "MAX_NAMES",
     "NAME_PATTERN",
     "NAME_RULE",
@@ -28,3 +30,8 @@ RESERVED_PREFIX = "shoal."
 COMPUTE_SECONDS = "shoal.compute_s"
 #: A learner's seconds in the gradient sync of its previous iteration in the generation.
 SYNC_SECONDS = "shoal.sync_s"
+#: An adaptive-batch learner's one-iteration unbiased estimate of the true gradient's squared
+#: norm |G|^2 (of its previous iteration; ``shoal.contract.noise_scale``).
+GNS_GRAD_SQ = "shoal.gns_grad_sq"
+#: The same iteration's unbiased estimate of the per-sample gradient covariance's trace.
+GNS_TRACE = "shoal.gns_trace"

@@ -151,6 +151,11 @@ class _BatchScalingRuleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Batc
     """lr x B / B0 (Goyal et al. 2017, "Accurate, Large Minibatch SGD"), for SGD."""
     BATCH_SCALING_RULE_SQRT: _BatchScalingRule.ValueType  # 2
     """lr x sqrt(B / B0) (Krizhevsky 2014; Hoffer et al. 2017), for adaptive optimizers."""
+    BATCH_SCALING_RULE_ADASCALE: _BatchScalingRule.ValueType  # 3
+    """AdaScale (Johnson et al. 2020): lr x r with the gain r = S (phi + B0) / (phi + B),
+    S = B / B0 and phi the measured gradient noise scale (JobProgress.gradient_noise_scale);
+    r = 1 until phi is measured.
+    """
 
 class BatchScalingRule(_BatchScalingRule, metaclass=_BatchScalingRuleEnumTypeWrapper):
     """BatchScalingRule is how an adaptive batch's learning rate follows its global batch B,
@@ -163,6 +168,11 @@ BATCH_SCALING_RULE_LINEAR: BatchScalingRule.ValueType  # 1
 """lr x B / B0 (Goyal et al. 2017, "Accurate, Large Minibatch SGD"), for SGD."""
 BATCH_SCALING_RULE_SQRT: BatchScalingRule.ValueType  # 2
 """lr x sqrt(B / B0) (Krizhevsky 2014; Hoffer et al. 2017), for adaptive optimizers."""
+BATCH_SCALING_RULE_ADASCALE: BatchScalingRule.ValueType  # 3
+"""AdaScale (Johnson et al. 2020): lr x r with the gain r = S (phi + B0) / (phi + B),
+S = B / B0 and phi the measured gradient noise scale (JobProgress.gradient_noise_scale);
+r = 1 until phi is measured.
+"""
 Global___BatchScalingRule: _TypeAlias = BatchScalingRule  # noqa: Y015
 
 class _JobEventKind:
@@ -383,6 +393,8 @@ class JobProgress(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
     SYNC_SECONDS_FIELD_NUMBER: _builtins.int
     GLOBAL_BATCH_FIELD_NUMBER: _builtins.int
+    GRADIENT_NOISE_SCALE_FIELD_NUMBER: _builtins.int
+    GRADIENT_NOISE_SAMPLES_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """The current epoch (0-based)."""
     iteration: _builtins.int
@@ -414,6 +426,16 @@ class JobProgress(_message.Message):
     """The global batch of the current iteration: spec.batch_size, or the batch the scheduler
     picked for a job with adaptive_batch (0 when not reported).
     """
+    gradient_noise_scale: _builtins.float
+    """The gradient noise scale phi measured online (samples; McCandlish et al. 2018), for a job
+    with adaptive_batch: smoothed estimates of tr(covariance) / |gradient|^2 from the
+    learners' share gradients and the aggregated one (docs/scheduling.md). 0 when not
+    measured yet (fewer than 2 learners with samples, or no estimate with |gradient|^2 > 0).
+    """
+    gradient_noise_samples: _builtins.int
+    """The number of iterations averaged into gradient_noise_scale (the scheduler uses it in
+    place of its prior once this reaches 10).
+    """
     @_builtins.property
     def update_time(self) -> _timestamp_pb2.Timestamp:
         """When the progress was last updated."""
@@ -434,10 +456,12 @@ class JobProgress(_message.Message):
         compute_seconds: _builtins.float = ...,
         sync_seconds: _builtins.float = ...,
         global_batch: _builtins.int = ...,
+        gradient_noise_scale: _builtins.float = ...,
+        gradient_noise_samples: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "compute_seconds", b"compute_seconds", "epoch", b"epoch", "generation", b"generation", "global_batch", b"global_batch", "iteration", b"iteration", "iterations_per_epoch", b"iterations_per_epoch", "last_loss", b"last_loss", "samples_per_second", b"samples_per_second", "samples_processed", b"samples_processed", "sync_seconds", b"sync_seconds", "update_time", b"update_time", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_iterations", b"completed_iterations", "compute_seconds", b"compute_seconds", "epoch", b"epoch", "generation", b"generation", "global_batch", b"global_batch", "gradient_noise_samples", b"gradient_noise_samples", "gradient_noise_scale", b"gradient_noise_scale", "iteration", b"iteration", "iterations_per_epoch", b"iterations_per_epoch", "last_loss", b"last_loss", "samples_per_second", b"samples_per_second", "samples_processed", b"samples_processed", "sync_seconds", b"sync_seconds", "update_time", b"update_time", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

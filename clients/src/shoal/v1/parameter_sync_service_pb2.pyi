@@ -218,6 +218,7 @@ class OptimizerSpec(_message.Message):
     CLIP_GRAD_NORM_FIELD_NUMBER: _builtins.int
     SKIP_NONFINITE_FIELD_NUMBER: _builtins.int
     PARAM_GROUPS_JSON_FIELD_NUMBER: _builtins.int
+    MEASURE_GRAD_NORM_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The class name in torch.optim, for example "SGD" or "AdamW"."""
     hyperparameters_json: _builtins.str
@@ -236,6 +237,10 @@ class OptimizerSpec(_message.Message):
     parameters no group names form a last group with the constructor's arguments. Each
     shard builds every group over the parameters of its slice. Empty: one group.
     """
+    measure_grad_norm: _builtins.bool
+    """Compute the global gradient's 2-norm every iteration (StepHeader.grad_norm) even
+    without clipping or skipping: an adaptive-batch job measures its gradient noise scale.
+    """
     def __init__(
         self,
         *,
@@ -244,10 +249,11 @@ class OptimizerSpec(_message.Message):
         clip_grad_norm: _builtins.float = ...,
         skip_nonfinite: _builtins.bool = ...,
         param_groups_json: _builtins.str = ...,
+        measure_grad_norm: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_grad_norm", b"clip_grad_norm", "hyperparameters_json", b"hyperparameters_json", "name", b"name", "param_groups_json", b"param_groups_json", "skip_nonfinite", b"skip_nonfinite"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_grad_norm", b"clip_grad_norm", "hyperparameters_json", b"hyperparameters_json", "measure_grad_norm", b"measure_grad_norm", "name", b"name", "param_groups_json", b"param_groups_json", "skip_nonfinite", b"skip_nonfinite"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -637,6 +643,7 @@ class Assignment(_message.Message):
     BATCH_SAMPLES_FIELD_NUMBER: _builtins.int
     BATCH_START_FIELD_NUMBER: _builtins.int
     GLOBAL_BATCH_FIELD_NUMBER: _builtins.int
+    GRADIENT_NOISE_SCALE_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     """The generation the iteration runs in."""
     epoch: _builtins.int
@@ -665,6 +672,11 @@ class Assignment(_message.Message):
     picked for a job with an adaptive batch (batch_samples < B only for an epoch's last
     iteration); 0 from an older coordinator.
     """
+    gradient_noise_scale: _builtins.float
+    """The job's measured gradient noise scale (JobProgress.gradient_noise_scale) once it
+    averages enough iterations, frozen with the iteration so that every member scales its
+    learning rate alike (the ADASCALE rule); 0 when not measured or not an adaptive job.
+    """
     def __init__(
         self,
         *,
@@ -679,10 +691,11 @@ class Assignment(_message.Message):
         batch_samples: _builtins.int = ...,
         batch_start: _builtins.int = ...,
         global_batch: _builtins.int = ...,
+        gradient_noise_scale: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_samples", b"batch_samples", "batch_start", b"batch_start", "epoch", b"epoch", "generation", b"generation", "global_batch", b"global_batch", "global_iteration", b"global_iteration", "iteration", b"iteration", "rank", b"rank", "sample_end", b"sample_end", "sample_start", b"sample_start", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_samples", b"batch_samples", "batch_start", b"batch_start", "epoch", b"epoch", "generation", b"generation", "global_batch", b"global_batch", "global_iteration", b"global_iteration", "gradient_noise_scale", b"gradient_noise_scale", "iteration", b"iteration", "rank", b"rank", "sample_end", b"sample_end", "sample_start", b"sample_start", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -44,10 +44,11 @@ OTEL_EXPORTER_OTLP_ENDPOINT unset (no tracing)      OTLP/gRPC collector for the 
 SHOAL_EPOCHS                unset                   Job settings; when set they win over the
 SHOAL_BATCH_SIZE            unset                   script's arguments (on the cluster the job,
 SHOAL_SEED                  unset                   not the script, decides them).
-SHOAL_BATCH_RULE            unset (fixed batch)     ``linear`` or ``sqrt``: the job opted in to
-                                                    the adaptive batch; the learning rate is
-                                                    scaled by this rule from SHOAL_BATCH_SIZE to
-                                                    the batch the coordinator assigns.
+SHOAL_BATCH_RULE            unset (fixed batch)     ``linear``, ``sqrt`` or ``adascale``: the job
+                                                    opted in to the adaptive batch; the learning
+                                                    rate is scaled by this rule from
+                                                    SHOAL_BATCH_SIZE to the batch the
+                                                    coordinator assigns.
 SHOAL_DATASET_URIS          empty                   Comma-separated dataset URIs of the job
                                                     (``shoal submit --dataset``): ``file://``,
                                                     ``s3://``, ``gs://``... read through fsspec
@@ -247,11 +248,13 @@ def batch_size(environ: Mapping[str, str] | None = None) -> int | None:
 
 
 def batch_rule(environ: Mapping[str, str] | None = None) -> str | None:
-    """SHOAL_BATCH_RULE: ``linear`` or ``sqrt`` when the job has an adaptive batch
-    (default: unset, the batch is fixed)."""
+    """SHOAL_BATCH_RULE: ``linear``, ``sqrt`` or ``adascale`` when the job has an adaptive
+    batch (default: unset, the batch is fixed)."""
     value = _str(environment.BATCH_RULE, environ)
-    if value is not None and value not in ("linear", "sqrt"):
-        raise ValueError(f"{environment.BATCH_RULE} ({value!r}) must be 'linear' or 'sqrt'")
+    if value is not None and value not in ("linear", "sqrt", "adascale"):
+        raise ValueError(
+            f"{environment.BATCH_RULE} ({value!r}) must be 'linear', 'sqrt' or 'adascale'"
+        )
     return value
 
 

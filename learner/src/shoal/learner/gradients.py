@@ -98,8 +98,9 @@ def apply_gradient_policy(
     Returns ``(norm before clipping, skip)``: ``skip`` is true when ``setup.skip_nonfinite``
     and the norm is not finite (an inf/NaN anywhere), in which case the caller must not step
     the optimizer, as ``torch.amp.GradScaler.step`` skips it. Without clipping or skipping the
-    gradient is left alone and the norm is not computed (``(None, False)``)."""
-    if setup.clip_grad_norm is None and not setup.skip_nonfinite:
+    gradient is left alone and the norm is not computed (``(None, False)``) unless
+    ``setup.measure_grad_norm``."""
+    if setup.clip_grad_norm is None and not setup.skip_nonfinite and not setup.measure_grad_norm:
         return None, False
     norm = global_grad_norm(grads)
     value = float(norm)

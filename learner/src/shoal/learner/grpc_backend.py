@@ -417,6 +417,7 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
             batch_stop=start + a.batch_samples,
             pull_parameters=reply.pull_parameters,
             global_batch=a.global_batch,
+            gradient_noise_scale=a.gradient_noise_scale,
         )
         if assignment.share != (a.sample_start, a.sample_end):
             raise RuntimeError(
@@ -536,7 +537,9 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
         )
         loss = loss_sum / total if total else float("nan")
         setup = self._setup
-        measured = setup is not None and (setup.clip_grad_norm is not None or setup.skip_nonfinite)
+        measured = setup is not None and (
+            setup.clip_grad_norm is not None or setup.skip_nonfinite or setup.measure_grad_norm
+        )
         # Every shard committed with the same global norm and skip decision.
         return SyncResult(
             self._recv[:n_params],

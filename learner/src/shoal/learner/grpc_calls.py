@@ -101,6 +101,7 @@ def optimizer_proto(setup: TrainingSetup) -> ps_pb2.OptimizerSpec:
         hyperparameters_json=json.dumps(dict(setup.optimizer.kwargs), sort_keys=True),
         clip_grad_norm=setup.clip_grad_norm or 0.0,
         skip_nonfinite=setup.skip_nonfinite,
+        measure_grad_norm=setup.measure_grad_norm,
         param_groups_json=json.dumps([[list(n), dict(o)] for n, o in groups], sort_keys=True)
         if groups
         else "",

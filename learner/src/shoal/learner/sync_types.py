@@ -361,6 +361,9 @@ class TrainingSetup:
     buffers: Sequence[torch.Tensor]
     clip_grad_norm: float | None = None
     skip_nonfinite: bool = False
+    #: Compute the global gradient's norm every iteration even without clipping or skipping
+    #: (``SyncResult.grad_norm``): an adaptive-batch job measures its gradient noise scale.
+    measure_grad_norm: bool = False
 
     def __post_init__(self) -> None:
         clip = self.clip_grad_norm
@@ -434,6 +437,9 @@ class Assignment:
     #: The global batch B of the iteration (0: the plan's fixed batch). It differs from the
     #: plan's only for a job with an adaptive batch (``shoal.contract.batch_schedule``).
     global_batch: int = 0
+    #: The job's measured gradient noise scale frozen for this iteration (0: not measured);
+    #: the ADASCALE rule's gain comes from it, the same for every member.
+    gradient_noise_scale: float = 0.0
 
     def __post_init__(self) -> None:
         if self.retire:

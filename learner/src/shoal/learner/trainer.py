@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from shoal.contract.batch_schedule import BatchRule, scaled_learning_rate
+from shoal.contract.noise_scale import two_batch_estimate
 from shoal.learner import partition
 from shoal.learner.backend import (
     Assignment,
@@ -44,6 +45,7 @@ from shoal.learner.backend import (
     TrainingPlan,
     TrainingSetup,
     create_backend,
+    global_grad_norm,
 )
 from shoal.learner.callbacks import Callback, CallbackList
 from shoal.learner.env import LearnerEnv, train_marker
@@ -63,7 +65,7 @@ from shoal.learner.steps import (
     with_param_groups,
 )
 from shoal.learner.tracing import LearnerTracing
-from shoal.learner.user_metrics import MetricLog, means, with_timings
+from shoal.learner.user_metrics import MetricLog, means, with_noise_estimate, with_timings
 
 __all__ = [
     "DatasetsFn",
@@ -331,6 +333,8 @@ class ElasticTrainer:
             buffers=[b for _, b in named_buffers],
             clip_grad_norm=self.clip_grad_norm,
             skip_nonfinite=self.amp is not None and self.amp.scaling,
+            # An adaptive batch measures its gradient noise scale from the global norm.
+            measure_grad_norm=env.batch_rule is not None,
         )
         scaler = LossScaler(self.amp) if self.amp is not None and self.amp.scaling else None
         autocast_dtype = None if self.amp is None else self.amp.torch_dtype
@@ -391,6 +395,9 @@ class ElasticTrainer:
             begun_epoch = -1
             epoch_start = time.monotonic()
             last_sync: tuple[int, float] | None = None  # (generation, seconds) of the last sync
+            # The last iteration's (|G|^2, tr(S)) estimate of an adaptive-batch job's
+            # gradient noise scale, reported with the next iteration's metrics.
+            noise_estimate: tuple[float, float] | None = None
             while (a := tracing.next_assignment(backend)) is not None:
                 if a.retire:
                     logger.info("retired at step %d (generation %d)", a.step, a.generation)
@@ -452,19 +459,31 @@ class ElasticTrainer:
                     if self.device.type == "cuda":  # the kernels queued count as compute
                         torch.cuda.synchronize(self.device)
                 compute_s = time.perf_counter() - compute_started
+                # An adaptive batch's share gradient for the noise scale (McCandlish et al.
+                # 2018, app. A): its squared norm against the global one after the sync. Only
+                # a share strictly inside the batch helps, and not under float16 loss scaling
+                # (the share's gradient is scaled).
+                share_sq = (
+                    float(global_grad_norm(contribution.grads)) ** 2
+                    if self._batch_rule is not None
+                    and scaler is None
+                    and 0 < contribution.n_samples < a.batch_size
+                    else None
+                )
                 step_metrics = self._metric_log.end_step(contribution.n_samples)
                 # The compute/sync split travels with the script's metrics (the sync's of the
                 # previous iteration of this generation: a collective learner reports inside
                 # its sync).
-                backend.log_metrics(
-                    a.step,
-                    with_timings(
-                        step_metrics,
-                        contribution.n_samples,
-                        compute_s,
-                        last_sync[1] if last_sync and last_sync[0] == a.generation else None,
-                    ),
+                reported = with_timings(
+                    step_metrics,
+                    contribution.n_samples,
+                    compute_s,
+                    last_sync[1] if last_sync and last_sync[0] == a.generation else None,
                 )
+                if noise_estimate is not None:
+                    reported = with_noise_estimate(reported, contribution.n_samples, noise_estimate)
+                    noise_estimate = None
+                backend.log_metrics(a.step, reported)
                 lr = self._lr(a)
                 sync_started = time.perf_counter()
                 try:
@@ -486,6 +505,10 @@ class ElasticTrainer:
                 self._load(synced.params, synced.buffers)
                 self._snapshot_buffers(synced_buffers)
                 tracing.end_iteration()
+                if share_sq is not None and synced.grad_norm is not None:
+                    noise_estimate = two_batch_estimate(
+                        contribution.n_samples, share_sq, a.batch_size, synced.grad_norm**2
+                    )
                 loss_scale = None if scaler is None else scaler.scale
                 if scaler is not None:
                     scaler.update(synced.skipped)
@@ -583,7 +606,13 @@ class ElasticTrainer:
         base = lr if lr is not None else self._base_lr()
         assert base is not None  # checked at train()
         batch = a.global_batch or self._declared_batch
-        return scaled_learning_rate(base, batch, self._declared_batch, self._batch_rule)
+        return scaled_learning_rate(
+            base,
+            batch,
+            self._declared_batch,
+            self._batch_rule,
+            a.gradient_noise_scale if a.gradient_noise_scale > 0 else None,
+        )
 
     @staticmethod
     def _check_assignment(a: Assignment, plan: TrainingPlan, *, adaptive: bool = False) -> None:

@@ -27,7 +27,14 @@ from typing import Any
 
 from shoal.contract import user_metrics as contract
 
-__all__ = ["MAX_NAMES", "MetricLog", "StepMetrics", "means", "with_timings"]
+__all__ = [
+    "MAX_NAMES",
+    "MetricLog",
+    "StepMetrics",
+    "means",
+    "with_noise_estimate",
+    "with_timings",
+]
 
 MAX_NAMES = contract.MAX_NAMES
 
@@ -54,6 +61,24 @@ def with_timings(
     for name, value in zip(names, (compute_s, sync_s), strict=False):
         if value is not None and math.isfinite(value) and value >= 0:
             out[name] = (value * n_samples, n_samples)
+    return out
+
+
+def with_noise_estimate(
+    step: StepMetrics, n_samples: int, estimate: tuple[float, float]
+) -> StepMetrics:
+    """``step`` with one iteration's gradient-noise estimate ``(|G|^2, tr(S))`` of an
+    adaptive-batch job (``shoal.contract.noise_scale``) under shoal's names, weighted by the
+    share's ``n_samples``: the coordinator's sample-weighted mean over the learners is again
+    an unbiased estimate. Left out when it does not fit or is not finite."""
+    names = (contract.GNS_GRAD_SQ, contract.GNS_TRACE)
+    if n_samples <= 0 or len(step) + len(names) > MAX_NAMES:
+        return step
+    if not all(math.isfinite(v) for v in estimate):
+        return step
+    out = dict(step)
+    for name, value in zip(names, estimate, strict=True):
+        out[name] = (value * n_samples, n_samples)
     return out
 
 

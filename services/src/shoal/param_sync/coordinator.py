@@ -54,6 +54,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from shoal.contract.batch_schedule import MAX_SEGMENTS, BatchSchedule, Position
+from shoal.contract.noise_scale import NoiseScaleEstimate
 from shoal.contract.wire import TensorMeta
 from shoal.param_sync.coordinator_progress import ProgressMixin
 from shoal.param_sync.coordinator_records import (
@@ -157,6 +158,9 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         self.last_loss = math.nan
         self._recent: deque[tuple[int, float]] = deque(maxlen=20)
         self.split = IterationSplit()  # the learners' compute/sync seconds (JobProgress)
+        # An adaptive-batch job's gradient noise scale (JobProgress.gradient_noise_scale).
+        self.noise = NoiseScaleEstimate()
+        self.frozen_noise_scale = 0.0
         self.update_time = clock()
 
     # -- shape --------------------------------------------------------------------------------
@@ -460,6 +464,8 @@ class Coordinator(RecoveryMixin, ProgressMixin):
             self.retiring.discard(m)
             self.retired.add(m)
         self._apply_pending_batch()
+        # The ADASCALE rule's phi, the same for every member of the iteration.
+        self.frozen_noise_scale = (self.noise.ready() or 0.0) if self.settings.adaptive else 0.0
         self._admit(survivors)
         if self.collective and self.members and not set(self.members) & self.synced:
             self._rewind()
@@ -524,6 +530,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
             batch_samples=here.samples,
             batch_start=here.start,
             global_batch=here.batch,
+            gradient_noise_scale=self.frozen_noise_scale,
         )
 
     def batch_samples(self, global_iteration: int) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from shoal.contract import user_metrics
 from shoal.param_sync.coordinator_records import IterationInfo, mean_user_metrics
 
 
@@ -32,6 +33,10 @@ class ProgressMixin:
             self.last_loss = loss
         if info.user:
             self.split.add(info.world_size, values := mean_user_metrics(info.user.values()))
+            grad_sq = values.get(user_metrics.GNS_GRAD_SQ)
+            trace = values.get(user_metrics.GNS_TRACE)
+            if grad_sq is not None and trace is not None:
+                self.noise.add(grad_sq, trace)
         self._finished.append(
             {
                 "epoch": info.epoch,
@@ -82,6 +87,8 @@ class ProgressMixin:
             "compute_seconds": compute,
             "sync_seconds": sync,
             "global_batch": self.global_batch,
+            "gradient_noise_scale": self.noise.phi or 0.0,
+            "gradient_noise_samples": self.noise.count,
         }
 
     def _touch(self) -> None:

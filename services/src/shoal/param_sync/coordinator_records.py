@@ -86,11 +86,14 @@ class OptimizerConfig:
     #: Parameter groups, JSON ``[[names, overrides], ...]`` ("": one group); see
     #: ``shard.build_optimizer``.
     param_groups_json: str = ""
+    #: Report the global gradient's norm without clipping or skipping (an adaptive-batch
+    #: job measures its gradient noise scale from it).
+    measure_grad_norm: bool = False
 
     @property
     def needs_norm(self) -> bool:
-        """Whether the shards report their slices' norms (clipping or skipping)."""
-        return self.clip_grad_norm > 0 or self.skip_nonfinite
+        """Whether the shards report their slices' norms (clipping, skipping, measuring)."""
+        return self.clip_grad_norm > 0 or self.skip_nonfinite or self.measure_grad_norm
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class Assignment:
     batch_samples: int
     batch_start: int = 0  # the first position of the global batch in the epoch's order
     global_batch: int = 0  # the global batch B of the iteration (batch_samples < B: short)
+    gradient_noise_scale: float = 0.0  # the measured phi frozen with the iteration (0: none)
 
 
 class Action(enum.Enum):

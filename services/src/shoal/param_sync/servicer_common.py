@@ -111,6 +111,7 @@ def _optimizer_config(spec: ps_pb2.OptimizerSpec) -> OptimizerConfig:
         clip,
         spec.skip_nonfinite,
         spec.param_groups_json,
+        spec.measure_grad_norm,
     )
 
 
@@ -163,4 +164,5 @@ def _optimizer_spec(optimizer: OptimizerConfig) -> ps_pb2.OptimizerSpec:
         clip_grad_norm=optimizer.clip_grad_norm,
         skip_nonfinite=optimizer.skip_nonfinite,
         param_groups_json=optimizer.param_groups_json,
+        measure_grad_norm=optimizer.measure_grad_norm,
     )

@@ -254,6 +254,7 @@ class LearnerHandlers:
                     batch_samples=a.batch_samples,
                     batch_start=a.batch_start,
                     global_batch=a.global_batch,
+                    gradient_noise_scale=a.gradient_noise_scale,
                 )
             )
         elif decision.action is Action.RETIRE:

@@ -625,6 +625,7 @@ class CoordinatorTasks:
                     "clip_grad_norm": coord.optimizer.clip_grad_norm,
                     "skip_nonfinite": coord.optimizer.skip_nonfinite,
                     "param_groups_json": coord.optimizer.param_groups_json,
+                    "measure_grad_norm": coord.optimizer.measure_grad_norm,
                 },
                 "layout": [
                     {

@@ -33,6 +33,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from shoal.contract.noise_scale import MIN_SAMPLES as NOISE_MIN_SAMPLES
 from shoal.scheduler.adaptive_batch import AdaptiveBounds, choose_batch, iteration_time
 from shoal.scheduler.policy import JobDemand
 from shoal.scheduler.throughput import (
@@ -239,7 +240,9 @@ class GoodputTracker:
             # Nothing measured yet: the prior alone is no reason to leave the declared batch.
             track.batch_plan = _BatchPlan(world, current or bounds.declared, seen)
             return track.batch_plan.batch
-        pick = choose_batch(track.model.curve(), world, bounds, current=current)
+        pick = choose_batch(
+            track.model.curve(), world, bounds, measured_noise_scale(progress), current=current
+        )
         review = plan is not None and plan.world_size == world
         track.batch_plan = _BatchPlan(world, pick, seen, final=review)
         return pick
@@ -277,6 +280,16 @@ class GoodputTracker:
         if track is None:
             return None
         return describe(track.model, max_workers, attained=track.service)
+
+
+def measured_noise_scale(progress: job_pb2.JobProgress) -> float | None:
+    """The job's measured gradient noise scale once it averages ``MIN_SAMPLES`` (10)
+    iterations' estimates; None (the scheduler's prior phi = B0) before, or when it is 0
+    (not measured: no estimate with a positive |G|^2)."""
+    phi = progress.gradient_noise_scale
+    if progress.gradient_noise_samples < NOISE_MIN_SAMPLES or not (math.isfinite(phi) and phi > 0):
+        return None
+    return phi
 
 
 def _at_declared_batch(

@@ -172,9 +172,15 @@ def _check_adaptive_batch(spec: job_pb2.JobSpec) -> None:
             spec.batch_size,
             f"must be within spec.adaptive_batch [{ab.min_global_batch}, {ab.max_global_batch}]",
         )
-    if ab.rule not in (job_pb2.BATCH_SCALING_RULE_LINEAR, job_pb2.BATCH_SCALING_RULE_SQRT):
+    if ab.rule not in (
+        job_pb2.BATCH_SCALING_RULE_LINEAR,
+        job_pb2.BATCH_SCALING_RULE_SQRT,
+        job_pb2.BATCH_SCALING_RULE_ADASCALE,
+    ):
         raise InvalidField(
-            "spec.adaptive_batch.rule", ab.rule, "must be one of LINEAR (1), SQRT (2)"
+            "spec.adaptive_batch.rule",
+            ab.rule,
+            "must be one of LINEAR (1), SQRT (2), ADASCALE (3)",
         )
 
 

@@ -25,6 +25,7 @@ SYNC_BACKENDS = {
 BATCH_RULES = {
     job_pb2.BATCH_SCALING_RULE_LINEAR: "linear",
     job_pb2.BATCH_SCALING_RULE_SQRT: "sqrt",
+    job_pb2.BATCH_SCALING_RULE_ADASCALE: "adascale",
 }
 
 
