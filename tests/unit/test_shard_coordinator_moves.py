@@ -23,7 +23,7 @@ from shoal.param_sync.service import ParameterSyncServicer, ShardOptions
 from shoal.param_sync.servicer_common import _ShardSlice
 from shoal.param_sync.shard import Contribution, ShardJob
 from shoal.param_sync.takeover import PendingAction, pending_on_move
-from shoal.runtime.errors import Aborted, StaleGeneration
+from shoal.runtime.errors import Aborted, JobNotFound, StaleGeneration, Unavailable
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 JOB = "job-0123456789ab"
@@ -120,5 +120,23 @@ async def test_a_real_move_drops_an_older_coordinators_sums_and_aborts_its_waite
         with pytest.raises(StaleGeneration):
             sj.check_iteration(old, 840)
         assert isinstance(waiter.exception(), Aborted)
+    finally:
+        await servicer.close()
+
+
+async def test_a_job_being_taken_over_is_unavailable_not_unknown_until_it_is_coordinated(
+    tmp_path: Path,
+):
+    """TakeOverJob tells the shards (itself included) that this shard coordinates the job
+    before it has read the job's bookkeeping: a learner that follows the move at once (its
+    FindCoordinator names this shard) must be told to retry, not that the job is unknown,
+    which it takes as fatal (seen in CI: a collective learner exited on "job not found")."""
+    servicer = ParameterSyncServicer(ShardOptions(shard_index=1, storage_uri=tmp_path.as_uri()))
+    try:
+        with servicer._taking_over_job(JOB):
+            with pytest.raises(Unavailable, match="taking over as its coordinator"):
+                servicer._job(JOB)
+        with pytest.raises(JobNotFound):  # after it (the takeover failed): unknown again
+            servicer._job(JOB)
     finally:
         await servicer.close()

@@ -23,12 +23,13 @@ errors, options, the codec registration) and the state and helpers every part us
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -263,6 +264,9 @@ class ParameterSyncServicer(
         # Jobs inside OpenJob (fencing the shards, loading the checkpoint): their calls to the
         # shards carry the epoch the opening took, before the job is coordinated.
         self._opening: dict[str, _CoordinatedJob] = {}
+        # Jobs inside TakeOverJob: the shards were told this one coordinates them (and its
+        # FindCoordinator may say so) before the job is in ``_coordinated``.
+        self._taking_over: set[str] = set()
         self._slices: dict[str, _ShardSlice] = {}
         # Replicas this shard keeps of other shards' slices: (job, whose index) -> state.
         self._replicas: dict[tuple[str, int], ShardJob] = {}
@@ -371,8 +375,24 @@ class ParameterSyncServicer(
     def _job(self, job_id: str) -> _CoordinatedJob:
         job = self._coordinated.get(job_id)
         if job is None:
+            if job_id in self._taking_over:
+                # A learner that followed the move, or the scheduler, came before the takeover
+                # finished: a moment later the job is here (a retryable status, not NOT_FOUND,
+                # which a learner takes as fatal and the scheduler as "not a member").
+                raise Unavailable(
+                    f"job {job_id!r}: this shard is taking over as its coordinator; retry"
+                )
             raise JobNotFound(job_id)
         return job
+
+    @contextlib.contextmanager
+    def _taking_over_job(self, job_id: str) -> Iterator[None]:
+        """While this shard takes the coordinator role of ``job_id`` over (see ``_job``)."""
+        self._taking_over.add(job_id)
+        try:
+            yield
+        finally:
+            self._taking_over.discard(job_id)
 
     def _slice(self, job_id: str) -> _ShardSlice:
         part = self._slices.get(job_id)

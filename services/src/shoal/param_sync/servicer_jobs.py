@@ -219,74 +219,78 @@ class JobHandlers:
                     f"coordinator_epoch ({epoch}) of job {request.job_id!r} is held by "
                     f"{address} already: take a higher one"
                 )
-            generation = epoch << 32  # above every generation of an earlier coordinator
-            move = ps_pb2.SetCoordinatorRequest(
-                job_id=request.job_id,
-                coordinator_address=settings.shard_addresses[me],
-                coordinator_epoch=epoch,
-                min_generation=generation,
-                keep_pending=True,
-            )
-            if request.sync_mode == job_pb2.SYNC_MODE_COLLECTIVE:  # the learners hold it
-                return await self._take_over_collective(
-                    settings, owner=request.owner, lost=lost, epoch=epoch, move=move
+            # Until the job is coordinated here, its learners and the scheduler are told to retry
+            # (UNAVAILABLE), not that it is unknown: the move below names this shard already.
+            with self._taking_over_job(request.job_id):
+                generation = epoch << 32  # above every generation of an earlier coordinator
+                move = ps_pb2.SetCoordinatorRequest(
+                    job_id=request.job_id,
+                    coordinator_address=settings.shard_addresses[me],
+                    coordinator_epoch=epoch,
+                    min_generation=generation,
+                    keep_pending=True,
                 )
-            others = [i for i in range(settings.num_shards) if i != lost]
-            results = await asyncio.gather(
-                *(self._call_shard(settings, i, "SetCoordinator", move) for i in others),
-                return_exceptions=True,
-            )
-            states: dict[int, ShardState] = {}
-            for i, result in zip(others, results, strict=True):
-                if isinstance(result, Unavailable):  # taken to hold nothing (takeover.py)
-                    log.warning("job %s: takeover: shard %d is down", request.job_id, i)
-                elif isinstance(result, BaseException):
-                    log.warning(
-                        "job %s: takeover: shard %d did not accept the move: %s",
-                        request.job_id,
-                        i,
-                        result,
+                if request.sync_mode == job_pb2.SYNC_MODE_COLLECTIVE:  # the learners hold it
+                    return await self._take_over_collective(
+                        settings, owner=request.owner, lost=lost, epoch=epoch, move=move
                     )
-                    raise result
-                else:
-                    states[i] = _shard_state(result)
-            plan = plan_takeover(request.job_id, states)
-            await self._settle_takeover(settings, epoch, plan)
-            completed = plan.completed
-            found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
-            last_checkpoint = int(found[1]["iteration"]) if found is not None else -1
-            recorded = await asyncio.to_thread(self._last_recorded, settings)
-            coord = Coordinator(settings, clock=self._clock)
-            coord.completed = completed  # reported before the first learner re-joins
-            schedule = await asyncio.to_thread(read_schedule, settings)
-            if schedule is not None:  # an adaptive batch: the positions go on in samples
-                coord.schedule = schedule
-            job = _CoordinatedJob(coord, owner=request.owner, epoch=epoch)
-            job.takeover = _TakeOver(
-                lost,
-                completed,
-                last_checkpoint,
-                generation,
-                recorded < completed - 1,
-                {i: st.tensors for i, st in states.items() if st.completed >= 0},
-            )
-            coord.recovering = (
-                f"coordinator shard {lost} lost at iteration {completed}; shard {me} took "
-                "over, waiting for the learners to re-join"
-            )
-            self._coordinated[request.job_id] = job
-            job.watchdog = asyncio.create_task(self._watch_shards(job))
-            deposer = asyncio.create_task(self._depose(job, lost))
-            job.background.add(deposer)
-            deposer.add_done_callback(job.background.discard)
-            log.warning(
-                "job %s: took over as coordinator (epoch %d) from lost shard %d at iteration %d",
-                request.job_id,
-                epoch,
-                lost,
-                completed,
-            )
-            return ps_pb2.TakeOverJobResponse(progress=_progress_proto(coord.progress()))
+                others = [i for i in range(settings.num_shards) if i != lost]
+                results = await asyncio.gather(
+                    *(self._call_shard(settings, i, "SetCoordinator", move) for i in others),
+                    return_exceptions=True,
+                )
+                states: dict[int, ShardState] = {}
+                for i, result in zip(others, results, strict=True):
+                    if isinstance(result, Unavailable):  # taken to hold nothing (takeover.py)
+                        log.warning("job %s: takeover: shard %d is down", request.job_id, i)
+                    elif isinstance(result, BaseException):
+                        log.warning(
+                            "job %s: takeover: shard %d did not accept the move: %s",
+                            request.job_id,
+                            i,
+                            result,
+                        )
+                        raise result
+                    else:
+                        states[i] = _shard_state(result)
+                plan = plan_takeover(request.job_id, states)
+                await self._settle_takeover(settings, epoch, plan)
+                completed = plan.completed
+                found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
+                last_checkpoint = int(found[1]["iteration"]) if found is not None else -1
+                recorded = await asyncio.to_thread(self._last_recorded, settings)
+                coord = Coordinator(settings, clock=self._clock)
+                coord.completed = completed  # reported before the first learner re-joins
+                schedule = await asyncio.to_thread(read_schedule, settings)
+                if schedule is not None:  # an adaptive batch: the positions go on in samples
+                    coord.schedule = schedule
+                job = _CoordinatedJob(coord, owner=request.owner, epoch=epoch)
+                job.takeover = _TakeOver(
+                    lost,
+                    completed,
+                    last_checkpoint,
+                    generation,
+                    recorded < completed - 1,
+                    {i: st.tensors for i, st in states.items() if st.completed >= 0},
+                )
+                coord.recovering = (
+                    f"coordinator shard {lost} lost at iteration {completed}; shard {me} took "
+                    "over, waiting for the learners to re-join"
+                )
+                self._coordinated[request.job_id] = job
+                job.watchdog = asyncio.create_task(self._watch_shards(job))
+                deposer = asyncio.create_task(self._depose(job, lost))
+                job.background.add(deposer)
+                deposer.add_done_callback(job.background.discard)
+                log.warning(
+                    "job %s: took over as coordinator (epoch %d) from lost shard %d "
+                    "at iteration %d",
+                    request.job_id,
+                    epoch,
+                    lost,
+                    completed,
+                )
+                return ps_pb2.TakeOverJobResponse(progress=_progress_proto(coord.progress()))
 
     async def _settle_takeover(
         self: _S, settings: JobSettings, epoch: int, plan: TakeoverPlan
