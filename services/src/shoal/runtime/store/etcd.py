@@ -4,7 +4,6 @@ channels, with endpoint failover, per-call deadlines and watches that resume fro
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -16,6 +15,7 @@ import grpc
 from aetcd import rpc
 
 from shoal.contract.errors import FencedOut, LeaseExpired, StoreError, StoreUnavailable
+from shoal.runtime.retrying import resumed, stream_wait
 from shoal.runtime.store.base import Expect, Fence, KeyValue, Op, PutOp, Store, WatchEvent
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,9 @@ _TRANSIENT_CODES = frozenset(
         grpc.StatusCode.CANCELLED,
     }
 )
+
+# What breaks a watch stream and is retried (on the next endpoint) while the store is open.
+_WATCH_TRANSIENT = (grpc.aio.AioRpcError, StoreUnavailable)
 
 # Errors that show the request never reached the server, so even a write may go elsewhere.
 _NOT_SENT_MARKERS = (
@@ -372,12 +375,15 @@ class EtcdStore(Store):
         if next_revision <= 0:
             _, current = await self.list(prefix)
             next_revision = current + 1
-        delay = 0.05
         index = self._preferred
-        while not self._closed:
+
+        async def session() -> AsyncGenerator[WatchEvent | None, None]:
+            """One watch stream from ``next_revision`` on the endpoint at ``index``; yields None
+            once etcd created it (so the backoff starts over, as after an event), then the
+            events. A failure moves ``index`` to the next endpoint."""
+            nonlocal index, next_revision
             endpoint = self._endpoints[index % len(self._endpoints)]
             call = self._stubs_for(endpoint).watch.Watch()
-            failed = True
             try:
                 await call.write(
                     rpc.WatchRequest(
@@ -389,10 +395,13 @@ class EtcdStore(Store):
                         )
                     )
                 )
+                created = False
                 while True:
                     response = await call.read()
                     if response is grpc.aio.EOF:
-                        break
+                        if created:
+                            return  # reopened at once, on the same endpoint
+                        raise StoreUnavailable(f"watch {prefix!r}: {endpoint} ended the stream")
                     if response.compact_revision:
                         log.info(
                             "watch %r: revision %d compacted (at %d); resyncing",
@@ -402,21 +411,22 @@ class EtcdStore(Store):
                         )
                         kvs, revision = await self.list(prefix)
                         next_revision = revision + 1
-                        failed = False
                         yield WatchEvent("resync", prefix, b"", revision, tuple(kvs))
-                        break
+                        return  # reopened at once from the listing's revision
                     if response.canceled:
-                        failed = True
                         log.warning(
                             "watch %r canceled by etcd at %s: %s",
                             prefix,
                             endpoint,
                             response.cancel_reason,
                         )
-                        break
+                        raise StoreUnavailable(
+                            f"watch {prefix!r} canceled by etcd at {endpoint}: "
+                            f"{response.cancel_reason}"
+                        )
                     if response.created:
-                        delay = 0.05
-                        failed = False
+                        created = True
+                        yield None
                         continue
                     if not response.events:
                         # A progress notification: everything up to header.revision was sent.
@@ -435,15 +445,29 @@ class EtcdStore(Store):
                                 "put", event.kv.key.decode(), bytes(event.kv.value), revision
                             )
                     next_revision = last + 1
-            except (grpc.aio.AioRpcError, StoreUnavailable) as exc:
+            except _WATCH_TRANSIENT as exc:
                 log.debug("watch %r on %s interrupted: %s", prefix, endpoint, exc)
-                failed = True
+                index += 1
+                raise
             finally:
                 call.cancel()
-            if failed and not self._closed:
-                index += 1
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self._watch_backoff_max)
+
+        # Retried (tenacity, shoal.contract.retrying.resumed) while the store is open: any RPC
+        # error or outage, on the next endpoint, 0.05 s doubling to watch_backoff_max apart;
+        # the waits start over once a stream is created. Once closed, the watch just ends.
+        try:
+            async for event in resumed(
+                session,
+                retry=lambda exc: isinstance(exc, _WATCH_TRANSIENT) and not self._closed,
+                wait=stream_wait(self._watch_backoff_max),
+                reopen_on_end=True,
+            ):
+                if event is not None:
+                    yield event
+        except (*_WATCH_TRANSIENT, StoreError):
+            if self._closed:
+                return
+            raise
 
     async def grant_lease(self, ttl: float) -> int:
         if ttl <= 0:
