@@ -369,28 +369,38 @@ class Credentials:
 
     async def watch(self, store: Store, *, retry_s: float = 1.0) -> None:
         """List then watch the auth records in ``store`` until cancelled."""
-        from shoal.runtime.store import StoreError
+        from shoal.runtime.store import StoreError, StoreUnavailable
 
-        while True:
-            try:
-                kvs, revision = await store.list(AUTH_PREFIX)
-                self._replace_all(kvs)
-                self.synced.set()
-                async for event in store.watch(AUTH_PREFIX, revision + 1):
-                    if event.kind == "resync":
-                        self._replace_all(event.kvs)
-                        continue
-                    try:
-                        self.apply(event.key, event.value if event.kind == "put" else None)
-                    except Exception as exc:
-                        log.warning("ignoring auth record %s: %s", event.key, exc)
-            except asyncio.CancelledError:
-                raise
-            except (StoreError, OSError) as exc:
+        async def session() -> None:
+            kvs, revision = await store.list(AUTH_PREFIX)
+            self._replace_all(kvs)
+            self.synced.set()
+            async for event in store.watch(AUTH_PREFIX, revision + 1):
+                if event.kind == "resync":
+                    self._replace_all(event.kvs)
+                    continue
+                try:
+                    self.apply(event.key, event.value if event.kind == "put" else None)
+                except Exception as exc:
+                    log.warning("ignoring auth record %s: %s", event.key, exc)
+            raise StoreUnavailable("the watch of the auth records ended")  # list again
+
+        def retries(state: tenacity.RetryCallState) -> None:
+            assert state.outcome is not None
+            exc = state.outcome.exception()
+            if isinstance(exc, (StoreError, OSError)):
                 log.warning("auth records: etcd unreachable (%s); the last known stay", exc)
-            except Exception:
-                log.exception("auth records watch failed; retrying")
-            await asyncio.sleep(retry_s)
+            else:
+                log.error("auth records watch failed; retrying", exc_info=exc)
+
+        # Any error (never a cancellation: it is no Exception) retried every retry_s, forever.
+        async for attempt in tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(Exception),
+            wait=tenacity.wait_fixed(retry_s),
+            before_sleep=retries,
+        ):
+            with attempt:
+                await session()
 
 
 async def publish_learner_key(

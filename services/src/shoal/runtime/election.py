@@ -51,6 +51,7 @@ import tenacity
 
 from shoal.contract.keys import ELECTION_PREFIX
 from shoal.runtime.metrics import meter
+from shoal.runtime.retrying import resumed, store_outage, stream_wait
 from shoal.runtime.store import (
     Fence,
     KeyValue,
@@ -466,26 +467,35 @@ class LeaderElection:
         Runs until closed; store outages are retried. Use ``contextlib.aclosing``."""
         unset = object()
         last: object = unset
-        delay = 0.05
-        while True:
-            try:
-                kvs, revision = await self.store.list(self.prefix)
-                state = {kv.key: kv for kv in kvs}
-                current = _leader_of(state)
+
+        async def session() -> AsyncGenerator[str | None, None]:
+            """List, then watch: the leader after the listing (so the backoff starts over
+            once the store answers) and after every event."""
+            kvs, revision = await self.store.list(self.prefix)
+            state = {kv.key: kv for kv in kvs}
+            yield _leader_of(state)
+            async with contextlib.aclosing(self.store.watch(self.prefix, revision + 1)) as events:
+                async for event in events:
+                    _apply(state, event)
+                    yield _leader_of(state)
+            # The watch ended (a closed store raises on the next listing): list again, after
+            # the first wait.
+            raise StoreUnavailable(f"the watch of {self.prefix!r} ended")
+
+        def retries(state: tenacity.RetryCallState) -> None:
+            assert state.outcome is not None
+            log.info("%r: observe retries: %s", self, state.outcome.exception())
+
+        # Store outages retried (tenacity) 0.05 s doubling to 1 s apart; other errors raised.
+        async with contextlib.aclosing(
+            resumed(
+                session,
+                retry=store_outage,
+                wait=stream_wait(),
+                before_sleep=retries,
+            )
+        ) as leaders:
+            async for current in leaders:
                 if current != last:
                     last = current
                     yield current
-                delay = 0.05
-                async with contextlib.aclosing(
-                    self.store.watch(self.prefix, revision + 1)
-                ) as events:
-                    async for event in events:
-                        _apply(state, event)
-                        current = _leader_of(state)
-                        if current != last:
-                            last = current
-                            yield current
-            except StoreUnavailable as exc:
-                log.info("%r: observe retries: %s", self, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)

@@ -16,6 +16,8 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+import tenacity
+
 from shoal.contract.errors import StoreError
 from shoal.runtime import metrics, telemetry
 from shoal.runtime.config import ServerConfig
@@ -118,12 +120,19 @@ async def follow_leader(
 ) -> None:
     """Call ``on_leader(address)`` with the leader's candidate id now and after every change
     (None: nobody leads), forever; a store error is logged and the watch started again after
-    ``retry_s``."""
-    while True:
-        try:
+    ``retry_s`` (tenacity; ``observe`` itself retries store outages with backoff)."""
+
+    def retries(state: tenacity.RetryCallState) -> None:
+        assert state.outcome is not None
+        exc = state.outcome.exception()
+        log.warning("observing the %s leader failed (retrying): %s", election.name, exc)
+
+    async for attempt in tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception_type(StoreError),
+        wait=tenacity.wait_fixed(retry_s),
+        before_sleep=retries,
+    ):
+        with attempt:
             async with contextlib.aclosing(election.observe()) as leaders:  # type: ignore[type-var]
                 async for leader in leaders:
                     on_leader(leader)
-        except StoreError as exc:
-            log.warning("observing the %s leader failed (retrying): %s", election.name, exc)
-            await asyncio.sleep(retry_s)
