@@ -18,6 +18,7 @@ from shoal.resource_manager.service import (
     ResourceManagerConfig,
     bindings,
 )
+from shoal.resource_manager.store import host_key
 from shoal.runtime.channels import connect
 from shoal.runtime.config import ServerConfig
 from shoal.runtime.election import DEFAULT_PREFIX, LeaderElection, Leadership
@@ -735,3 +736,44 @@ async def test_a_standby_takes_over_with_the_same_ledger_and_no_double_allocatio
         if sched.leadership is not None:
             await sched.leadership.resign()
         await store.close()
+
+
+async def test_a_write_conflict_reloads_the_state_and_recomputes_once(bed, leader, caplog):
+    svc, admin = bed.stub(leader), bed.stub(leader, "admin")
+    await svc.RegisterHost(register_request("h1"))
+    # Another writer touches the host's record behind the leader's back: the leader's next
+    # write on it fails its compare-and-set, reloads the state and succeeds on the recompute.
+    record = await bed.store.get(host_key("h1"))
+    assert record is not None
+    await bed.store.put(host_key("h1"), record.value)
+    caplog.set_level("INFO", logger="shoal.resource_manager.service")
+    cordoned = await admin.CordonHost(rm.CordonHostRequest(host_id="h1", cordon=True))
+    assert cordoned.host.cordoned
+    assert any("write conflict (attempt 1)" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_write_that_conflicts_twice_answers_unavailable_and_writes_nothing(bed, leader):
+    svc, admin = bed.stub(leader), bed.stub(leader, "admin")
+    await svc.RegisterHost(register_request("h1"))
+    store = leader.rm.store
+    transaction = store.transaction
+    attempts = 0
+
+    async def always_conflicting(ops, *, expect=(), fence=None):
+        nonlocal attempts
+        attempts += 1
+        await bed.store.put(host_key("h1"), (await bed.store.get(host_key("h1"))).value)
+        return await transaction(ops, expect=expect, fence=fence)  # the expectation fails
+
+    store.transaction = always_conflicting
+    try:
+        await expect_error(
+            admin.CordonHost(rm.CordonHostRequest(host_id="h1", cordon=True)),
+            grpc.StatusCode.UNAVAILABLE,
+            "concurrent write twice",
+        )
+    finally:
+        del store.transaction
+    assert attempts == 2  # once, then once more on the reloaded state
+    hosts = (await admin.ListHosts(rm.ListHostsRequest())).hosts
+    assert [h.cordoned for h in hosts] == [False]

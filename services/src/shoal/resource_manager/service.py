@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import tenacity
+
 from shoal.contract.keys import election_prefix
 from shoal.resource_manager import core
 from shoal.resource_manager.core import Change, Event, EventKind, Inventory
@@ -102,6 +104,17 @@ ELECTION_NAME = "resource-manager"
 ERRORS: ErrorTable = DEFAULT_TABLE.extend({})
 
 T = TypeVar("T")
+
+# A write is tried this many times: once, then once more on the reloaded state after a conflict.
+_WRITE_ATTEMPTS = 2
+
+
+class _WriteConflict(Exception):
+    """A write's compare-and-set failed: the state changed under it (reload, recompute)."""
+
+
+def _log_conflict(state: tenacity.RetryCallState) -> None:
+    log.info("write conflict (attempt %d): reloading the state", state.attempt_number)
 
 
 @dataclass(frozen=True)
@@ -317,41 +330,59 @@ class ResourceManager:
         token: resources_pb2.FencingToken | None = None,
     ) -> T:
         """Compute a change against the current state, write it (fenced, compare-and-set) and
-        apply it; on a conflict reload the state from the store and recompute once."""
+        apply it; on a conflict reload the state from the store and recompute once, at once
+        (tenacity, no wait: the reload is what the retry needs)."""
         async with self._lock:
-            for attempt in range(2):
-                leadership = self.require_leader()
-                if self._stale:
-                    await self._resync()
-                scheduler_expect = [await self._verify_token(token)] if token is not None else []
-                change, result = compute()
-                if not change.writes:
-                    self._apply(change)
-                    return result
-                ops, expects = change_ops(change, self._revisions)
-                try:
-                    leadership.check()
-                    revision = await self.store.transaction(
-                        ops, expect=[*expects, *scheduler_expect], fence=leadership.fence
-                    )
-                except (StoreFencedOut, LeadershipLost) as exc:
-                    self._step_down(str(exc))
-                    raise NotLeader(ELECTION_NAME, None) from exc
-                except StoreUnavailable as exc:
-                    self._stale = True
-                    raise Unavailable(f"the store is unavailable: {exc}") from exc
-                if revision is None:
-                    log.info("write conflict (attempt %d): reloading the state", attempt + 1)
-                    self._stale = True
-                    continue
-                for op in ops:
-                    if isinstance(op, PutOp):
-                        self._revisions[op.key] = revision
-                    else:
-                        self._revisions.pop(op.key, None)
-                self._apply(change)
-                return result
-        raise Unavailable("the state changed under a concurrent write twice; retry")
+            try:
+                async for attempt in tenacity.AsyncRetrying(
+                    retry=tenacity.retry_if_exception_type(_WriteConflict),
+                    stop=tenacity.stop_after_attempt(_WRITE_ATTEMPTS),
+                    before_sleep=_log_conflict,
+                    reraise=True,
+                ):
+                    with attempt:
+                        return await self._mutate_once(compute, token)
+            except _WriteConflict:
+                raise Unavailable(
+                    "the state changed under a concurrent write twice; retry"
+                ) from None
+        raise AssertionError("unreachable")
+
+    async def _mutate_once(
+        self, compute: Callable[[], tuple[Change, T]], token: resources_pb2.FencingToken | None
+    ) -> T:
+        """One compute-write-apply; raises :class:`_WriteConflict` (the state is then marked
+        stale, so the next attempt reloads it) when a compare-and-set fails."""
+        leadership = self.require_leader()
+        if self._stale:
+            await self._resync()
+        scheduler_expect = [await self._verify_token(token)] if token is not None else []
+        change, result = compute()
+        if not change.writes:
+            self._apply(change)
+            return result
+        ops, expects = change_ops(change, self._revisions)
+        try:
+            leadership.check()
+            revision = await self.store.transaction(
+                ops, expect=[*expects, *scheduler_expect], fence=leadership.fence
+            )
+        except (StoreFencedOut, LeadershipLost) as exc:
+            self._step_down(str(exc))
+            raise NotLeader(ELECTION_NAME, None) from exc
+        except StoreUnavailable as exc:
+            self._stale = True
+            raise Unavailable(f"the store is unavailable: {exc}") from exc
+        if revision is None:
+            self._stale = True
+            raise _WriteConflict()
+        for op in ops:
+            if isinstance(op, PutOp):
+                self._revisions[op.key] = revision
+            else:
+                self._revisions.pop(op.key, None)
+        self._apply(change)
+        return result
 
     def _apply(self, change: Change) -> None:
         self.inventory.apply(change)
