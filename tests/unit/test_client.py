@@ -289,3 +289,20 @@ async def test_cli_get_and_list_show_a_recovering_job_and_its_reason(cluster, mo
     listed = await asyncio.to_thread(runner.invoke, app, ["jobs", "list", "--state", "recovering"])
     assert listed.exit_code == 0, listed.output
     assert f"job-1 recovering: {reason}" in " ".join(listed.output.split())
+
+
+async def test_a_stream_refused_before_its_first_item_is_retried_then_fails_with_the_error():
+    config = ServerConfig(service_name="fake", allow_no_auth=True)
+    roles = MethodRoles(SERVICE, USERS_AND_SERVICES)
+    add = job_scheduler_service_pb2_grpc.add_JobSchedulerServiceServicer_to_server
+    standby = FailingOverScheduler([], [], break_after=99)
+    server = await create_server(config, [ServiceBinding(SERVICE, add, standby, roles)])
+    standby.leader_address = server.address  # a standby that names itself: never a leader
+    try:
+        client_config = ClientConfig(scheduler=(server.address,))
+        async with AsyncClient(client_config, retries=2, failover_s=0) as client:
+            with pytest.raises(ShoalClientError, match="UNAVAILABLE"):
+                _ = [e async for e in client.watch_job("j")]
+    finally:
+        await server.stop(0)
+    assert standby.opened == 3  # the first attempt and ``retries`` more, then the error

@@ -18,6 +18,7 @@ from shoal.client.config import ClientConfig
 from shoal.client.errors import ShoalClientError
 from shoal.client.tls import channel_credentials
 from shoal.contract.errors import decode_rpc_error
+from shoal.contract.retrying import backoff, resumed
 from shoal.v1 import (
     job_pb2,
     job_scheduler_service_pb2 as js,
@@ -205,38 +206,54 @@ class AsyncClient:
         open it again on the new leader and go on; the caller drops what it has already seen
         (watch, logs). One warning is logged per resume. Without it a broken stream raises."""
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.failover_s
-        attempt = 0
-        delay = 0.1
-        while True:
+
+        async def session() -> AsyncIterator[Any]:
             stub = js_grpc.JobSchedulerServiceStub(self._scheduler.channel())
             call = getattr(stub, method)(request, metadata=self.metadata)
-            received = False
             try:
                 async for item in call:
-                    if not received and attempt:
-                        give_up, attempt, delay = loop.time() + self.failover_s, 0, 0.1
-                    received = True
                     yield item
-                return
-            except aio.AioRpcError as err:
-                attempt += 1
-                if (
-                    (received and not resume)
-                    or err.code() not in RETRYABLE
-                    or self._exhausted(attempt, give_up)
-                ):
-                    raise ShoalClientError.from_rpc(err, method, config=self.config) from None
-                if received:
-                    log.warning(
-                        "%s: the stream broke (%s); resuming on the job-scheduler leader",
-                        method,
-                        err.code().name,
-                    )
-                    give_up, attempt = loop.time() + self.failover_s, 1
-                self._scheduler.follow(err)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+            finally:
+                call.cancel()  # a stream closed early ends its call (no-op once it is done)
+
+        def retryable(exc: BaseException) -> bool:
+            return isinstance(exc, aio.AioRpcError) and exc.code() in RETRYABLE
+
+        def resumable(exc: BaseException) -> bool:
+            if not (resume and retryable(exc)):
+                return False
+            log.warning(
+                "%s: the stream broke (%s); resuming on the job-scheduler leader",
+                method,
+                exc.code().name,  # type: ignore[attr-defined]
+            )
+            return True
+
+        def stop() -> Callable[[tenacity.RetryCallState], bool]:
+            # The failover window starts over with every retry sequence (after items arrived).
+            give_up = loop.time() + self.failover_s
+            return lambda state: self._exhausted(state.attempt_number, give_up)
+
+        def follow(state: tenacity.RetryCallState) -> None:
+            assert state.outcome is not None
+            self._scheduler.follow(state.outcome.exception())  # type: ignore[arg-type]
+
+        # tenacity (shoal.contract.retrying.resumed) opens the stream until its first item: a
+        # retryable failure moves to the leader a standby named (or the next address) and is
+        # retried 0.1 s doubling to 1 s apart until _exhausted; a break after items starts
+        # that over (with ``resume``) or raises.
+        try:
+            async for item in resumed(
+                session,
+                retry=retryable,
+                resume=resumable,
+                wait=backoff(0.1, 1.0),
+                stop=stop,
+                before_sleep=follow,
+            ):
+                yield item
+        except aio.AioRpcError as err:
+            raise ShoalClientError.from_rpc(err, method, config=self.config) from None
 
     # -- jobs ---------------------------------------------------------------------------
 
