@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import tenacity
 from google.protobuf import timestamp_pb2
 from grpc import aio
 
@@ -43,6 +44,7 @@ from shoal.runtime.auth import SERVICES, MethodRoles
 from shoal.runtime.channels import connect
 from shoal.runtime.config import ServerConfig, TLSConfig
 from shoal.runtime.errors import DEFAULT_TABLE, ErrorTable
+from shoal.runtime.retrying import backoff
 from shoal.runtime.server import ServiceBinding
 from shoal.v1 import (
     host_agent_service_pb2 as ha_pb2,
@@ -220,6 +222,11 @@ class SchedulerSource(ArtifactSource):
 # --------------------------------------------------------------------------------------------
 
 
+# A failed registration is retried after 0.05 s, doubling up to 2 s (then up to a quarter of the
+# grace the resource manager gave, if that is shorter).
+_REGISTER_FIRST_S, _REGISTER_CAP_S = 0.05, 2.0
+
+
 class _Reregister(Exception):
     """The heartbeat stream ended; register again."""
 
@@ -267,28 +274,42 @@ class ResourceManagerLink:
         return True
 
     async def run(self) -> None:
-        backoff = 0.05
-        # Retry at least a few times within the grace the resource manager gave us, so that
-        # after a failover we re-register before the new leader's fresh grace runs out.
-        cap = 2.0
+        """Register, heartbeat until the link breaks, register again, forever."""
+        cap = _REGISTER_CAP_S
         while True:
-            try:
-                address, response = await self._register()
-            except ConnectionError as exc:
-                log.warning("registration failed: %s", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, cap)
-                continue
-            backoff = 0.05
-            cap = min(2.0, max(response.lost_after_ms / 1000 / 4, 0.05))
+            address, response = await self._register_retrying(cap)
+            # Retry at least a few times within the grace the resource manager gave us, so
+            # that after a failover we re-register before the new leader's fresh grace runs
+            # out.
+            cap = min(_REGISTER_CAP_S, max(response.lost_after_ms / 1000 / 4, _REGISTER_FIRST_S))
             try:
                 await self._heartbeat(address, response)
             except _Reregister as exc:
                 log.info("registering again: %s", exc)
             except Exception:  # never let the link die: register again
                 log.exception("heartbeat stream to %s failed; registering again", address)
-                await asyncio.sleep(backoff)
+                # A pause, not a retry (registering is retried above): a bug that breaks
+                # every heartbeat stream at once must not spin.
+                await asyncio.sleep(_REGISTER_FIRST_S)
             self.registered.clear()
+
+    async def _register_retrying(self, cap: float) -> tuple[str, rm_pb2.RegisterHostResponse]:
+        """:meth:`_register` until it succeeds (tenacity): every ConnectionError retried,
+        0.05 s doubling to ``cap`` apart; a fresh sequence per registration, so the waits
+        start over after each success."""
+
+        def failed(state: tenacity.RetryCallState) -> None:
+            assert state.outcome is not None
+            log.warning("registration failed: %s", state.outcome.exception())
+
+        async for attempt in tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(ConnectionError),
+            wait=backoff(_REGISTER_FIRST_S, cap),
+            before_sleep=failed,
+        ):
+            with attempt:
+                return await self._register()
+        raise AssertionError("unreachable")
 
     def _request(self) -> rm_pb2.RegisterHostRequest:
         cfg = self.agent.config
@@ -305,6 +326,8 @@ class ResourceManagerLink:
         candidates = [a for a in [self.leader, *self.addresses] if a]
         tried: set[str] = set()
         problems: list[str] = []
+        # Iteration, not a retry: each known address (the leader first, then any a standby
+        # names) is tried once, at once; run() retries the whole with backoff.
         while candidates:
             address = candidates.pop(0)
             if address in tried:

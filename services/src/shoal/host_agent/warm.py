@@ -54,9 +54,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tenacity
+
 from shoal.host_agent import warm_boot
 from shoal.host_agent.groups import kill_marked
 from shoal.runtime.procs import die_with_parent
+from shoal.runtime.retrying import backoff
 
 __all__ = [
     "BOOT_SOURCE",
@@ -249,20 +252,32 @@ class WarmPool:
     # -- filling -------------------------------------------------------------------------------
 
     async def _fill(self) -> None:
-        backoff = _BACKOFF_FIRST_S
+        """Keep ``size`` ready processes: spawn one whenever fewer are ready. A process that
+        dies before it is ready is spawned again after 1 s, doubling to 60 s (tenacity); the
+        waits start over once one comes up."""
+
+        def died(state: tenacity.RetryCallState) -> None:
+            assert state.next_action is not None
+            log.warning(
+                "a warm learner process died before it was ready; retry in %g s",
+                state.next_action.sleep,
+            )
+
         while True:
             self._ready = [w for w in self._ready if w.process.returncode is None]
             if len(self._ready) >= self.size:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            warm = await self._spawn_one()
-            if warm is not None:
-                backoff = _BACKOFF_FIRST_S
-                continue
-            log.warning("a warm learner process died before it was ready; retry in %g s", backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            async for attempt in tenacity.AsyncRetrying(
+                retry=tenacity.retry_if_result(lambda warm: warm is None),
+                wait=backoff(_BACKOFF_FIRST_S, _BACKOFF_MAX_S),
+                before_sleep=died,
+            ):
+                with attempt:
+                    warm = await self._spawn_one()
+                if not attempt.retry_state.outcome.failed:  # type: ignore[union-attr]
+                    attempt.retry_state.set_result(warm)
 
     async def _spawn_one(self) -> WarmProcess | None:
         token = secrets.token_hex(8)

@@ -209,6 +209,8 @@ class EtcdStore(Store):
         """Run ``fn`` against the preferred endpoint, failing over as the class doc says."""
         n = len(self._endpoints)
         last: tuple[StoreError, grpc.aio.AioRpcError] | None = None
+        # Iteration, not a retry: each endpoint is tried once, at once (a member that is down
+        # says nothing about the next one); callers retry outages with their own backoff.
         for attempt in range(n):
             index = (self._preferred + attempt) % n
             endpoint = self._endpoints[index]
