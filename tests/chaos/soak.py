@@ -26,6 +26,7 @@ Exit status 0 when every check holds; the report (JSON) goes to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import re
@@ -38,6 +39,7 @@ from pathlib import Path
 
 from shoal.v1 import job_pb2
 from tests.chaos.harness import TERMINAL, TINY_MODEL, ChaosCluster, job_spec, model_difference
+from tests.support import wait_until
 
 GRACE_S = 3.0
 # The job's model against plain single-process training: they differ only by the float
@@ -197,21 +199,24 @@ def run(minutes: float, seed: int, out: Path, state_dir: Path) -> int:
         for fault in plan:
             delay = fault.at_s - (time.monotonic() - t0)
             if delay > 0:
-                time.sleep(delay)
+                time.sleep(delay)  # the schedule's pace (a fault at its seeded offset), no wait
             print(f"   applying {fault}", flush=True)
             soak.apply(fault)
-        # drain: no more faults; every job must reach a terminal state
-        drain_deadline = time.monotonic() + max(300.0, minutes * 60)
+        # drain: no more faults; every job must reach a terminal state (a job that does not
+        # within the drain time is reported below)
         states: dict[str, int] = {}
-        while time.monotonic() < drain_deadline:
+
+        def ended() -> bool:
             try:
-                states = {k: chaos.client.get_job(j).state for k, j in jobs.items()}
-            except Exception:
-                time.sleep(2)
-                continue
-            if all(s in TERMINAL for s in states.values()):
-                break
-            time.sleep(2)
+                states.update({k: chaos.client.get_job(j).state for k, j in jobs.items()})
+            except Exception:  # a failover in progress: ask again at the next poll
+                return False
+            return all(s in TERMINAL for s in states.values())
+
+        with contextlib.suppress(AssertionError):
+            wait_until(
+                ended, timeout=max(300.0, minutes * 60), interval=2.0, what="every job to end"
+            )
         problems: list[str] = []
         summary = {}
         for key, job_id in jobs.items():

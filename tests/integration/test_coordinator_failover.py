@@ -346,7 +346,7 @@ def test_a_coordinator_killed_mid_checkpoint_and_restarted_is_restored_and_train
                     timeout=30,
                 )
                 pokes += 1
-                time.sleep(0.05)
+                time.sleep(0.05)  # the pokes' rate (a load generator; the loop waits on progress)
         finally:
             channel.close()
         done = plane.progress(job).progress.completed_iterations

@@ -34,7 +34,10 @@ print(json.dumps({"files": sorted(os.listdir(".")), "job": os.environ["SHOAL_JOB
 sys.stdout.flush()
 open("mine.txt", "w").write(os.environ["SHOAL_LEARNER_ID"])
 open(os.environ["SHOAL_TRAIN_MARKER"], "w").close()
-while not os.path.exists(os.environ["RELEASE"]):
+deadline = time.monotonic() + 300  # a bound: a test that never lets it go fails, not hangs
+while not os.path.exists(os.environ["RELEASE"]):  # the condition; 0.02 s is its poll interval
+    if time.monotonic() > deadline:
+        sys.exit("RELEASE never appeared in 300 s")
     time.sleep(0.02)
 """
 FILES = {"main.py": HOLD, "data/x.txt": "x"}
@@ -169,7 +172,10 @@ import os, sys, time
 import a_private
 a_private.SECRET = os.environ["SHOAL_TOKEN"]
 open(os.environ["SHOAL_TRAIN_MARKER"], "w").close()
-while not os.path.exists(os.environ["RELEASE"]):
+deadline = time.monotonic() + 300  # a bound: a test that never lets it go fails, not hangs
+while not os.path.exists(os.environ["RELEASE"]):  # the condition; 0.02 s is its poll interval
+    if time.monotonic() > deadline:
+        sys.exit("RELEASE never appeared in 300 s")
     time.sleep(0.02)
 """
 B_MAIN = """

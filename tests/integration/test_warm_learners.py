@@ -265,10 +265,12 @@ from pathlib import Path
 by_path = Path("path-open.txt").open("w")
 by_path.write("this too")
 pool = concurrent.futures.ThreadPoolExecutor(1)  # never shut down
+# A task still running at exit (workload, not a wait: the executor's exit hook joins it before
+# the main thread stops, so it cannot wait for that).
 pool.submit(time.sleep, 0.2)
 
 def late():
-    time.sleep(0.3)
+    threading.main_thread().join()  # until the script has exited (no timing involved)
     print("thread done", flush=True)
 
 threading.Thread(target=late).start()  # a non-daemon thread outlives the script
