@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import tenacity
 from google.protobuf import duration_pb2
 from grpc import aio
 
@@ -616,21 +617,24 @@ async def follow_until(stub, learner_id: str, prefix: str, seen: list) -> AsyncI
     """The learner's log followed (retried while the agent does not know the learner yet);
     lines are appended to ``seen`` until one starts with ``prefix``; the call is returned so
     the caller can read on."""
-    deadline = time.monotonic() + 60
-    while True:
-        call = stub.StreamLearnerLogs(
-            ha.StreamLearnerLogsRequest(learner_id=learner_id, follow=True), timeout=120
-        )
-        try:
+    async for attempt in tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception(
+            lambda exc: isinstance(exc, aio.AioRpcError) and exc.code() == grpc.StatusCode.NOT_FOUND
+        ),
+        wait=tenacity.wait_fixed(0.05),
+        stop=tenacity.stop_after_delay(60),
+        reraise=True,
+    ):
+        with attempt:
+            call = stub.StreamLearnerLogs(
+                ha.StreamLearnerLogsRequest(learner_id=learner_id, follow=True), timeout=120
+            )
             async for reply in call:
                 seen.extend(reply.lines)
                 if any(x.text.startswith(prefix) for x in reply.lines):
                     return call
             raise AssertionError(f"{learner_id}'s log ended before {prefix!r}: {seen}")
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+    raise AssertionError("unreachable")
 
 
 async def test_an_environment_builds_progress_streams_live_and_stop_learner_kills_the_build(

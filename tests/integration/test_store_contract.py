@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import tenacity
 
 from shoal.runtime.etcd_server import EtcdCluster, EtcdServer, EtcdTLS
 from shoal.runtime.store import (
@@ -474,14 +475,17 @@ async def test_etcd_watch_resumes_across_an_etcd_restart_without_gaps_or_duplica
 
 
 async def _retry_unavailable(call: Callable[[], Awaitable[T]], timeout: float = 10.0) -> T:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        try:
+    """``call()``, retried (tenacity) 0.05 s apart while the store is unavailable, for at most
+    ``timeout`` seconds."""
+    async for attempt in tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception_type(StoreUnavailable),
+        wait=tenacity.wait_fixed(0.05),
+        stop=tenacity.stop_after_delay(timeout),
+        reraise=True,
+    ):
+        with attempt:
             return await call()
-        except StoreUnavailable:
-            if asyncio.get_running_loop().time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+    raise AssertionError("unreachable")
 
 
 async def test_etcd_watch_resumes_after_a_dropped_connection_and_replays_what_it_missed(

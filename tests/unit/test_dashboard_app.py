@@ -23,6 +23,7 @@ import uvicorn
 from shoal.dashboard.app import COOKIE, create_app
 from shoal.dashboard.config import DashboardConfig
 from shoal.v1 import job_scheduler_service_pb2 as js
+from tests.support import async_wait_until
 from tests.unit.test_scheduler_checkpoints import write_checkpoint
 from tests.unit.test_scheduler_service import Bed, bed, submit, upload
 
@@ -128,9 +129,12 @@ async def site(bed: Bed) -> AsyncIterator[Site]:
         uvicorn.Config(create_app(config), log_config=None, timeout_graceful_shutdown=1)
     )
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        await asyncio.sleep(0.01)
+
+    def started() -> bool:
         assert not task.done(), task.exception()
+        return server.started
+
+    await async_wait_until(started, timeout=30, what="the dashboard to listen")
     yield Site(bed, f"http://{host}:{port}")
     server.should_exit = True
     await asyncio.wait_for(task, 10)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.chaos.linkproxy import LinkProxy
+from tests.support import wait_until
 
 
 class _Echo(socketserver.BaseRequestHandler):
@@ -57,9 +58,7 @@ def test_forwards_both_ways_and_counts(proxy: LinkProxy) -> None:
     with _connect(proxy) as sock:
         assert _echo(sock, b"hello") == b"hello"
     # the proxy counts after its write returns, which can be just after the client has read
-    deadline = time.monotonic() + 10
-    while proxy.stats.down_bytes < 5 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: proxy.stats.down_bytes >= 5, timeout=10, what="5 bytes counted down")
     assert proxy.stats.connections == 1
     assert proxy.stats.up_bytes == 5 and proxy.stats.down_bytes == 5
 
