@@ -32,6 +32,8 @@ log = logging.getLogger("shoal.client")
 
 CHUNK = 1024 * 1024
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Between the attempts of a call or of opening a stream: 0.1 s, doubling, at most 1 s.
+RETRY_WAIT = backoff(0.1, 1.0)
 MAX_MESSAGE = 64 * 1024 * 1024
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -176,7 +178,7 @@ class AsyncClient:
         return tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception(retryable),
             stop=lambda state: self._exhausted(state.attempt_number, give_up),
-            wait=tenacity.wait_exponential(multiplier=0.1, max=1.0),
+            wait=RETRY_WAIT,
             before_sleep=follow,
             reraise=True,
         )
@@ -220,7 +222,7 @@ class AsyncClient:
             return isinstance(exc, aio.AioRpcError) and exc.code() in RETRYABLE
 
         def resumable(exc: BaseException) -> bool:
-            if not (resume and retryable(exc)):
+            if not (resume and retryable(exc)) or self.retries <= 0:
                 return False
             log.warning(
                 "%s: the stream broke (%s); resuming on the job-scheduler leader",
@@ -247,7 +249,7 @@ class AsyncClient:
                 session,
                 retry=retryable,
                 resume=resumable,
-                wait=backoff(0.1, 1.0),
+                wait=RETRY_WAIT,
                 stop=stop,
                 before_sleep=follow,
             ):
