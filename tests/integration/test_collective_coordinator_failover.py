@@ -386,5 +386,7 @@ def test_a_coordinator_shard_killed_with_a_vote_in_flight_runs_the_iteration_aga
     assert f"iteration {k} was aborted: its update is dropped" in learners["v0"].text()
     histories = _assert_nothing_lost(plane, job, learners, total, epochs)
     v0 = [r["step"] for r in histories["v0"]["history"]]
-    assert v0 == list(range(total)), v0  # k once: its first attempt was dropped, not completed
+    # k once: its first attempt was dropped, not completed. (v0 may have joined after the
+    # first iteration on a loaded machine: v1 can start alone.)
+    assert v0[0] < k and v0 == list(range(v0[0], total)), v0
     print(decision.split("job ")[-1])

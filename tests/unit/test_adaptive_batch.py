@@ -315,7 +315,7 @@ def adaptive_coordinator(
         max_batch=hi,
     )
     coord = Coordinator(settings, clock=Clock())
-    coord.fix_layout(LAYOUT, SGD, n, coord.plan_sharding(LAYOUT, SGD, n))
+    coord.shape.fix_layout(LAYOUT, SGD, n, coord.shape.plan_sharding(LAYOUT, SGD, n))
     return coord
 
 
@@ -373,7 +373,7 @@ def test_the_coordinator_changes_the_batch_at_a_boundary_for_every_member() -> N
     ran = run_to_end(coord, ["a", "b"], {1: 8, 3: 2}, stored)
     # Each change was stored (for a successor coordinator) before anyone ran at it.
     assert [t.iteration for t in stored] == [1, 3]
-    assert BatchSchedule.from_json(stored[-1].schedule_json) == coord.schedule
+    assert BatchSchedule.from_json(stored[-1].schedule_json) == coord.shape.schedule
     # Every member of an iteration got the same batch, and the ranks' shares tile it.
     by_iteration: dict[int, list[tuple]] = {}
     for row in ran:
@@ -399,7 +399,7 @@ def test_set_global_batch_refuses_a_fixed_job_and_a_batch_out_of_bounds() -> Non
         coord.set_global_batch(9)
     with pytest.raises(InvalidField, match=r"global_batch \(1\)"):
         coord.set_global_batch(1)
-    assert coord.pending_batch is None and coord.global_batch == 4  # nothing changed
+    assert coord.shape.pending_batch is None and coord.shape.global_batch == 4  # nothing changed
     from tests.unit.test_coordinator import make
 
     fixed = make()
@@ -440,7 +440,7 @@ def test_a_restored_adaptive_job_takes_the_checkpoints_schedule_and_stores_it_ag
         generation=3,
         schedule=saved,
     )
-    assert coord.schedule == saved and coord.position(2).epoch == 1
+    assert coord.shape.schedule == saved and coord.shape.position(2).epoch == 1
     assert ScheduleTask(2, saved.to_json()) in coord.holds
     with pytest.raises(InvalidField, match="num_samples"):
         adaptive_coordinator().restore(
@@ -607,7 +607,7 @@ def test_a_successor_reads_the_stored_schedule_and_ignores_a_corrupt_one(tmp_pat
 
 
 def test_a_schedule_full_of_changes_keeps_its_batch_instead_of_failing() -> None:
-    import shoal.param_sync.coordinator as coordinator_module
+    import shoal.param_sync.coordinator_shape as coordinator_module
 
     coord = adaptive_coordinator(n=10, batch=4, lo=2, hi=8, epochs=50)
     original = coordinator_module.MAX_SEGMENTS
@@ -616,5 +616,5 @@ def test_a_schedule_full_of_changes_keeps_its_batch_instead_of_failing() -> None
         ran = run_to_end(coord, ["a"], {1: 8, 2: 2, 3: 6})
     finally:
         coordinator_module.MAX_SEGMENTS = original
-    assert len(coord.schedule.segments) == 2 and coord.global_batch == 8
+    assert len(coord.shape.schedule.segments) == 2 and coord.shape.global_batch == 8
     assert {r[7] for r in ran} == {4, 8} and coord.done

@@ -51,14 +51,14 @@ def make(
         shard_addresses=tuple(f"s{i}:1" for i in range(shards)),
     )
     coord = Coordinator(settings, clock=Clock())
-    coord.fix_layout(LAYOUT, SGD, n, coord.plan_sharding(LAYOUT, SGD, n))
-    coord.dataset_size = n
+    coord.shape.fix_layout(LAYOUT, SGD, n, coord.shape.plan_sharding(LAYOUT, SGD, n))
+    coord.shape.dataset_size = n
     return coord
 
 
 def active(coord: Coordinator) -> list[int]:
-    assert coord.sharding is not None
-    return [i for i, names in enumerate(coord.sharding.tensors) if names]
+    assert coord.shape.sharding is not None
+    return [i for i, names in enumerate(coord.shape.sharding.tensors) if names]
 
 
 def start(coord: Coordinator, *learners: str) -> None:
@@ -96,12 +96,12 @@ def test_a_join_with_another_layout_optimizer_or_dataset_is_refused_and_changes_
     other = [LAYOUT[0], LAYOUT[1].at(LAYOUT[1].offset), LAYOUT[2]]
     other[1] = TensorMeta("b", "float32", (5,), other[1].offset, 20)
     with pytest.raises(InvalidField, match=r"layout\[1\]"):
-        coord.plan_sharding(other, SGD, 10)
+        coord.shape.plan_sharding(other, SGD, 10)
     with pytest.raises(InvalidField, match="optimizer"):
-        coord.plan_sharding(LAYOUT, OptimizerConfig("Adam", "{}"), 10)
+        coord.shape.plan_sharding(LAYOUT, OptimizerConfig("Adam", "{}"), 10)
     with pytest.raises(InvalidField, match="dataset_size"):
-        coord.plan_sharding(LAYOUT, SGD, 11)
-    assert coord.layout == tuple(LAYOUT) and coord.known == set()
+        coord.shape.plan_sharding(LAYOUT, SGD, 11)
+    assert coord.shape.layout == tuple(LAYOUT) and coord.known == set()
 
 
 def test_joiners_wait_until_the_initializer_has_uploaded_then_all_are_admitted():

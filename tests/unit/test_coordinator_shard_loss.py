@@ -96,7 +96,7 @@ def test_shard_loss_is_ignored_in_collective_mode_before_the_start_and_for_empty
 
 def test_a_final_checkpoint_dropped_by_a_rewind_neither_counts_nor_ends_the_job() -> None:
     coord = running("a", epochs=1)
-    while coord.completed < coord.total_iterations:
+    while coord.completed < coord.shape.total_iterations:
         runs(coord, "a")
         finish_iteration(coord)
     assert coord.decide("a").action is Action.WAIT  # the final checkpoint is held
@@ -111,15 +111,15 @@ def test_a_final_checkpoint_dropped_by_a_rewind_neither_counts_nor_ends_the_job(
 
 def test_a_promotion_moves_the_lost_slice_to_its_backup_in_layout_order() -> None:
     coord = running("a", "b")
-    assert coord.sharding is not None
-    before = coord.sharding
+    assert coord.shape.sharding is not None
+    before = coord.shape.sharding
     lost, backup = active(coord)[-1], active(coord)[0]
     abort, recover = coord.shard_lost(lost, "unreachable")
     coord.task_done(abort)
     after = coord.promote(lost, backup)
     assert after.tensors[lost] == () and coord.routing_epoch == 1
     assert set(after.tensors[backup]) == set(before.tensors[lost]) | set(before.tensors[backup])
-    order = [m.name for m in coord.layout or ()]
+    order = [m.name for m in coord.shape.layout or ()]
     assert list(after.tensors[backup]) == [n for n in order if n in after.tensors[backup]]
     assert active(coord) == [backup] and after.active_shards == 1
     coord.rewind(recover, coord.completed, generation=coord.generation)

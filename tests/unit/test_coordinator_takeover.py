@@ -105,8 +105,8 @@ def test_a_successor_takes_the_sharding_the_shards_hold_after_an_earlier_promoti
         sharding=held,
     )
     assert tasks == [RecoverTask(0, "lost (it was the coordinator)")]
-    assert coord.sharding == held
-    assert coord.sharding.tensors == (("w", "bn.running_mean"), ("b",), ())
+    assert coord.shape.sharding == held
+    assert coord.shape.sharding.tensors == (("w", "bn.running_mean"), ("b",), ())
     assert coord.promote(0, 1).tensors == ((), ("w", "b", "bn.running_mean"), ())
     with pytest.raises(InvalidField, match="must have 3 shards"):
         Coordinator(settings, clock=Clock()).take_over(

@@ -115,7 +115,7 @@ def _running(num_shards: int = 2) -> Coordinator:
             shard_addresses=tuple(f"127.0.0.1:{7300 + i}" for i in range(num_shards)),
         )
     )
-    coord.fix_layout(layout, OPT, 32, assign_shards(layout, num_shards))
+    coord.shape.fix_layout(layout, OPT, 32, assign_shards(layout, num_shards))
     coord.set_mode(False)
     assert coord.join("l1")
     coord.join("l2")

@@ -174,7 +174,7 @@ def test_an_iteration_re_issued_for_ever_is_a_stall_not_progress() -> None:
         shard_addresses=("s0:1", "s1:1"),
     )
     coord = Coordinator(settings)
-    coord.fix_layout(layout, sgd, 40, coord.plan_sharding(layout, sgd, 40))
+    coord.shape.fix_layout(layout, sgd, 40, coord.shape.plan_sharding(layout, sgd, 40))
     for learner in ("l1", "l2"):
         coord.join(learner)
     health = JobHealth(iterations=0, progress_at=0.0)

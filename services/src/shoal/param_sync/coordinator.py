@@ -41,7 +41,8 @@ it comes back holding the slice at the current iteration, nothing was lost
 no job fails for it.
 
 The values it takes and gives (settings, decisions, tasks) are in ``coordinator_records.py``,
-re-exported here; shard loss, coordinator failover and resume are in
+re-exported here; the job's shape (layout, sharding, batches) is a
+:class:`~shoal.param_sync.coordinator_shape.JobShape`, ``coord.shape``; shard loss, coordinator failover and resume are in
 ``coordinator_recovery.py`` (:class:`~shoal.param_sync.coordinator_recovery.RecoveryMixin`).
 """
 
@@ -53,9 +54,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shoal.contract.batch_schedule import MAX_SEGMENTS, BatchSchedule, Position
 from shoal.contract.noise_scale import NoiseScaleEstimate
-from shoal.contract.wire import TensorMeta
 from shoal.param_sync.coordinator_progress import ProgressMixin
 from shoal.param_sync.coordinator_records import (
     MAX_USER_METRICS as MAX_USER_METRICS,
@@ -75,12 +74,10 @@ from shoal.param_sync.coordinator_records import (
     ScheduleTask,
     Task,
     UserMetrics,
-    check_same_shape,
-    check_shape,
     check_user_metrics as check_user_metrics,
 )
 from shoal.param_sync.coordinator_recovery import RecoveryMixin
-from shoal.param_sync.sharding import Sharding, assign_shards
+from shoal.param_sync.coordinator_shape import JobShape
 from shoal.runtime.errors import FailedPrecondition, InvalidField, StaleGeneration
 
 __all__ = [
@@ -105,15 +102,9 @@ class Coordinator(RecoveryMixin, ProgressMixin):
     def __init__(self, settings: JobSettings, *, clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
         self._clock = clock
-        # The job's shape, fixed by the first Join (or the checkpoint it resumed from).
-        self.layout: tuple[TensorMeta, ...] | None = None
-        self.optimizer: OptimizerConfig | None = None
-        self.dataset_size: int | None = None
-        # The batches over the global iterations (None: the fixed batch of the settings); a
-        # job with an adaptive batch changes it at a boundary (:meth:`set_global_batch`).
-        self._schedule: BatchSchedule | None = None
-        self.pending_batch: int | None = None
-        self.sharding: Sharding | None = None
+        # The job's shape, fixed by the first Join (or the checkpoint it resumed from), and
+        # its batches (:meth:`set_global_batch`).
+        self.shape = JobShape(settings)
         self.initialized = False
         self.initializer: str | None = None
         self.resumed = False
@@ -163,122 +154,18 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         self.frozen_noise_scale = 0.0
         self.update_time = clock()
 
-    # -- shape --------------------------------------------------------------------------------
-
-    @property
-    def schedule(self) -> BatchSchedule:
-        """The job's batches over its global iterations (after :meth:`fix_layout`)."""
-        assert self.dataset_size is not None
-        if self._schedule is None or self._schedule.num_samples != self.dataset_size:
-            self._schedule = BatchSchedule.fixed(self.dataset_size, self.settings.batch_size)
-        return self._schedule
-
-    @schedule.setter
-    def schedule(self, value: BatchSchedule) -> None:
-        self._schedule = value
-
-    @property
-    def iterations_per_epoch(self) -> int:
-        """Iterations per epoch at the current batch (the last one set)."""
-        if self.dataset_size is None:
-            return 0
-        return -(-self.dataset_size // self.global_batch)
-
-    @property
-    def global_batch(self) -> int:
-        """The global batch of the iterations from now on."""
-        if self.dataset_size is None:
-            return self.settings.batch_size
-        return self.schedule.segments[-1].batch
-
-    @property
-    def total_iterations(self) -> int:
-        if self.dataset_size is None:
-            return 0
-        return self.schedule.total_iterations(self.settings.epochs)
-
-    def position(self, global_iteration: int) -> Position:
-        """Where ``global_iteration`` stands (epoch, iteration, sample positions, batch)."""
-        return self.schedule.locate(global_iteration)
-
-    def epoch_of(self, global_iteration: int) -> int:
-        """The epoch of ``global_iteration`` (``settings.epochs`` once all are done)."""
-        if self.dataset_size is None:
-            return 0
-        return self.position(global_iteration).epoch
-
     def set_global_batch(self, batch: int) -> None:
         """Run the iterations from the next boundary (the next freeze of a generation) with
-        the global batch ``batch`` (the scheduler's pick for a job with an adaptive batch).
-        Every member gets the same batch since they get their shares of the same frozen
-        iteration; positions are kept in samples, so no sample of the epoch is skipped or
-        repeated (``shoal.contract.batch_schedule``)."""
-        s = self.settings
-        if not s.adaptive:
-            raise FailedPrecondition(
-                f"job {self.job_id!r} has no adaptive batch: its global batch is fixed "
-                f"({s.batch_size})"
-            )
-        if isinstance(batch, bool) or not isinstance(batch, int):
-            raise InvalidField("global_batch", batch, "must be an int")
-        if not s.min_batch <= batch <= s.max_batch:
-            raise InvalidField(
-                "global_batch",
-                batch,
-                f"must be within the job's adaptive batch [{s.min_batch}, {s.max_batch}]",
-            )
-        self.pending_batch = batch
+        the global batch ``batch`` (:meth:`JobShape.request_batch`). Every member gets the
+        same batch since they get their shares of the same frozen iteration."""
+        self.shape.request_batch(batch)
         self._touch()
 
     def _apply_pending_batch(self) -> None:
-        if self.pending_batch is None or self.dataset_size is None:
-            return
-        batch, self.pending_batch = self.pending_batch, None
-        if self.completed >= self.total_iterations:
-            return  # the job is done: nothing left to run at another batch
-        before = self.schedule
-        if len(before.segments) >= MAX_SEGMENTS and before.batch_at(self.completed) != batch:
-            return  # as many changes as a schedule records: the batch stays (never seen)
-        self.schedule = before.change(self.completed, batch)
-        if self.schedule is not before:
+        changed = self.shape.apply_pending_batch(self.completed)
+        if changed is not None:
             # Durable before anyone runs at the new batch (a successor reads it back).
-            self._hold(ScheduleTask(self.completed, self.schedule.to_json()))
-
-    def plan_sharding(
-        self, layout: Sequence[TensorMeta], optimizer: OptimizerConfig, dataset_size: int
-    ) -> Sharding:
-        """Check a Join's job description against the job's (or, for the first, on its own)
-        and return the sharding it implies. Changes nothing."""
-        if self.layout is not None:
-            self._check_same(layout, optimizer, dataset_size)
-            assert self.sharding is not None
-            return self.sharding
-        check_shape(layout, optimizer, dataset_size)
-        return assign_shards(layout, self.settings.num_shards)
-
-    def _check_same(
-        self, layout: Sequence[TensorMeta], optimizer: OptimizerConfig, dataset_size: int
-    ) -> None:
-        assert self.layout is not None
-        check_same_shape(
-            self.layout, self.optimizer, self.dataset_size, layout, optimizer, dataset_size
-        )
-
-    def fix_layout(
-        self,
-        layout: Sequence[TensorMeta],
-        optimizer: OptimizerConfig,
-        dataset_size: int,
-        sharding: Sharding,
-    ) -> None:
-        """Make ``layout`` the job's (after the shards were configured with ``sharding``)."""
-        if self.layout is not None:
-            self._check_same(layout, optimizer, dataset_size)
-            return
-        self.layout = tuple(layout)
-        self.optimizer = optimizer
-        self.dataset_size = dataset_size
-        self.sharding = sharding
+            self._hold(ScheduleTask(self.completed, changed.to_json()))
 
     def join(self, learner: str) -> bool:
         """Admit ``learner`` to the ready set (after :meth:`fix_layout`). Returns whether it
@@ -287,7 +174,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
             raise InvalidField("learner_id", learner, "must not be empty")
         if learner in self.evicted:
             raise StaleGeneration(f"learner {learner!r} was evicted from job {self.job_id!r}")
-        if self.layout is None:
+        if self.shape.layout is None:
             raise FailedPrecondition(f"job {self.job_id!r} has no layout yet")
         self.known.add(learner)
         self.synced.discard(learner)
@@ -388,7 +275,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         if self._holds or not self.initialized:
             return self._writer_or_wait(learner)
         if not self.running:
-            if self.completed >= self.total_iterations:
+            if self.completed >= self.shape.total_iterations:
                 self._hold(CheckpointTask(self.completed, self.settings.epochs, final=True))
                 return self._writer_or_wait(learner)
             self._freeze()
@@ -458,7 +345,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
             and self.completed > max(self.last_checkpoint, 0)
         ):
             # The leaving learners hold the only copy of the state: checkpoint it first.
-            self._hold(CheckpointTask(self.completed, self.epoch_of(self.completed)))
+            self._hold(CheckpointTask(self.completed, self.shape.epoch_of(self.completed)))
             return
         for m in leaving:
             self.retiring.discard(m)
@@ -470,7 +357,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         if self.collective and self.members and not set(self.members) & self.synced:
             self._rewind()
         c = self.completed
-        here = self.position(c)
+        here = self.shape.position(c)
         every = self.settings.checkpoint_every
         if (
             c > 0
@@ -494,7 +381,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
             self._hold(RewindTask(target))
             self._collecting = {k: v for k, v in self._collecting.items() if k < target}
             self.completed = target
-            self.samples_processed = self.schedule.samples_before(target)
+            self.samples_processed = self.shape.schedule.samples_before(target)
 
     def _admit(self, survivors: list[str], *, new_generation: bool = False) -> None:
         members = survivors + [j for j in self.ready if j not in self.evicted]
@@ -516,7 +403,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
 
     def _assignment(self, learner: str) -> Assignment:
         rank, world = self.members.index(learner), len(self.members)
-        here = self.position(self.completed)
+        here = self.shape.position(self.completed)
         sample_start, sample_end = here.share(rank, world)
         return Assignment(
             generation=self.generation,
@@ -532,9 +419,6 @@ class Coordinator(RecoveryMixin, ProgressMixin):
             global_batch=here.batch,
             gradient_noise_scale=self.frozen_noise_scale,
         )
-
-    def batch_samples(self, global_iteration: int) -> int:
-        return self.position(global_iteration).samples
 
     # -- membership changes -------------------------------------------------------------------
 
@@ -622,7 +506,10 @@ class Coordinator(RecoveryMixin, ProgressMixin):
             self.generation = generation
             self._touch()
             return None
-        if self.sharding is not None and len(self.ready_shards) >= self.sharding.active_shards:
+        if (
+            self.shape.sharding is not None
+            and len(self.ready_shards) >= self.shape.sharding.active_shards
+        ):
             return None
         k, g = self.completed, self.generation
         self.generation = generation - 1
@@ -654,9 +541,9 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         commit to deliver to every shard once all active shards are ready. ``grad_sq_norm`` is
         the squared norm of the shard's slice of the mean gradient (when the job clips); the
         commit carries the global norm."""
-        if self.sharding is None or not 0 <= shard_index < self.sharding.num_shards:
+        if self.shape.sharding is None or not 0 <= shard_index < self.shape.sharding.num_shards:
             raise InvalidField("shard_index", shard_index, "is not a shard of the job")
-        if not self.sharding.tensors[shard_index]:
+        if not self.shape.sharding.tensors[shard_index]:
             raise InvalidField("shard_index", shard_index, "holds none of the job's tensors")
         if not self.running or generation != self.generation or iteration != self.completed:
             raise StaleGeneration(
@@ -667,7 +554,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         if shard_index not in self.ready_shards:
             self._grad_sq_norm += float(grad_sq_norm)
         self.ready_shards.add(shard_index)
-        if len(self.ready_shards) < self.sharding.active_shards:
+        if len(self.ready_shards) < self.shape.sharding.active_shards:
             return None
         if any(isinstance(t, CheckpointTask) for t in self._holds):
             self._deferred_commit = True  # committed when the checkpoint is written
@@ -695,7 +582,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
             start = self._last_commit_time
         seconds = now - start
         self._paused = False
-        here = self.position(k)
+        here = self.shape.position(k)
         samples, epoch, iteration = here.samples, here.epoch, here.iteration
         self._collecting[k] = IterationInfo(
             global_iteration=k,
@@ -748,7 +635,7 @@ class Coordinator(RecoveryMixin, ProgressMixin):
         for :attr:`commit_in_flight` to clear first."""
         if any(isinstance(t, CheckpointTask) for t in self._holds):
             return None
-        epoch = self.epoch_of(self.completed)
+        epoch = self.shape.epoch_of(self.completed)
         task = CheckpointTask(self.completed, epoch)
         self._hold(task)
         return task

@@ -64,14 +64,14 @@ class ProgressMixin:
         return samples / seconds if seconds > 0 else 0.0
 
     def progress(self) -> dict[str, Any]:
-        ipe = self.iterations_per_epoch
+        ipe = self.shape.iterations_per_epoch
         compute, sync = self.split.at(len(self.members))
         epoch, iteration = 0, 0
         if ipe:
-            here = self.position(self.completed)
+            here = self.shape.position(self.completed)
             epoch, iteration = here.epoch, here.iteration
             if epoch >= self.settings.epochs:
-                last = self.position(self.completed - 1)
+                last = self.shape.position(self.completed - 1)
                 epoch, iteration = last.epoch, last.iteration
         return {
             "epoch": epoch,
@@ -86,7 +86,7 @@ class ProgressMixin:
             "update_time": self.update_time,
             "compute_seconds": compute,
             "sync_seconds": sync,
-            "global_batch": self.global_batch,
+            "global_batch": self.shape.global_batch,
             "gradient_noise_scale": self.noise.phi or 0.0,
             "gradient_noise_samples": self.noise.count,
         }

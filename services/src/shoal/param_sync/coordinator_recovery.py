@@ -43,14 +43,14 @@ class RecoveryMixin:
         iteration (its sums may be gone) and holds a :class:`RecoverTask`, so every boundary
         waits until the shard answers again. Returns the tasks to start (none when the job is
         in collective mode, not started, done, or already recovering)."""
-        if self.sharding is None or not 0 <= shard_index < self.sharding.num_shards:
+        if self.shape.sharding is None or not 0 <= shard_index < self.shape.sharding.num_shards:
             raise InvalidField("shard_index", shard_index, "is not a shard of the job")
         if (
             self.collective is not False
             or not self.initialized
             or self.done
             or self.recovery is not None
-            or not self.sharding.tensors[shard_index]
+            or not self.shape.sharding.tensors[shard_index]
         ):
             return []
         self.recovering = f"shard {shard_index} {reason} at iteration {self.completed}"
@@ -70,24 +70,24 @@ class RecoveryMixin:
         """Move the lost shard's tensors to ``backup`` (which kept their replica): the new
         sharding, in layout order; the lost shard holds nothing from now on (it may come back
         as a spare). Increases the routing epoch, so learners re-route."""
-        sharding = self.sharding
+        sharding = self.shape.sharding
         if sharding is None or not (
             0 <= lost < sharding.num_shards and 0 <= backup < sharding.num_shards
         ):
             raise InvalidField("shard_index", (lost, backup), "is not a shard of the job")
         if lost == backup or not sharding.tensors[backup]:
             raise InvalidField("backup", backup, f"cannot take shard {lost}'s tensors")
-        assert self.layout is not None
+        assert self.shape.layout is not None
         moved = set(sharding.tensors[lost]) | set(sharding.tensors[backup])
         tensors = list(sharding.tensors)
         loads = list(sharding.loads)
-        tensors[backup] = tuple(m.name for m in self.layout if m.name in moved)
+        tensors[backup] = tuple(m.name for m in self.shape.layout if m.name in moved)
         tensors[lost] = ()
         loads[backup] += loads[lost]
         loads[lost] = 0
-        self.sharding = Sharding(tuple(tensors), tuple(loads))
+        self.shape.sharding = Sharding(tuple(tensors), tuple(loads))
         self.routing_epoch += 1
-        return self.sharding
+        return self.shape.sharding
 
     def recovered(self, task: RecoverTask) -> None:
         """The lost shard answered holding its slice at the current iteration: nothing was
@@ -100,7 +100,7 @@ class RecoveryMixin:
         ``generation``): continue from it in a new generation, every member pulling. Records
         of iterations at or after it are dropped (they will be run again)."""
         self.completed = iteration
-        self.samples_processed = self.schedule.samples_before(iteration)
+        self.samples_processed = self.shape.schedule.samples_before(iteration)
         self._collecting = {k: v for k, v in self._collecting.items() if k < iteration}
         self._finished = [r for r in self._finished if r["global_iteration"] < iteration]
         self.synced = set()
@@ -152,22 +152,22 @@ class RecoveryMixin:
                 raise InvalidField(
                     "sharding", sharding.num_shards, f"must have {self.settings.num_shards} shards"
                 )
-            self.sharding = sharding
+            self.shape.sharding = sharding
         self.set_mode(False)
         self.resumed = False
         self.initialized = True
-        self.samples_processed = self.schedule.samples_before(completed)
+        self.samples_processed = self.shape.schedule.samples_before(completed)
         self.last_checkpoint = last_checkpoint
         if completed > 0 and collect_last:
             k = completed - 1
-            epoch, iteration = self.position(k).epoch, self.position(k).iteration
+            epoch, iteration = self.shape.position(k).epoch, self.shape.position(k).iteration
             self._collecting[k] = IterationInfo(
                 global_iteration=k,
                 epoch=epoch,
                 iteration=iteration,
                 generation=-1,
                 world_size=0,
-                samples=self.batch_samples(k),
+                samples=self.shape.batch_samples(k),
                 seconds=1e-9,
                 time=self._clock(),
                 expected=set(),
@@ -200,14 +200,14 @@ class RecoveryMixin:
                 schedule.num_samples,
                 f"differs from the checkpoint's dataset_size ({dataset_size})",
             )
-        sharding = self.plan_sharding(layout, optimizer, dataset_size)
-        self.fix_layout(layout, optimizer, dataset_size, sharding)
+        sharding = self.shape.plan_sharding(layout, optimizer, dataset_size)
+        self.shape.fix_layout(layout, optimizer, dataset_size, sharding)
         if schedule is not None:
-            self.schedule = schedule
+            self.shape.schedule = schedule
         if self.settings.adaptive:
             # The stored schedule must be this one from now on (it may hold changes made
             # after the checkpoint, by iterations that are run again).
-            self._hold(ScheduleTask(completed, self.schedule.to_json()))
+            self._hold(ScheduleTask(completed, self.shape.schedule.to_json()))
         self.completed = completed
         self.samples_processed = samples_processed
         self.generation = generation + 1

@@ -58,6 +58,8 @@ from shoal.param_sync.servicer_floor import FloorGuard
 from shoal.param_sync.servicer_jobs import JobHandlers
 from shoal.param_sync.servicer_learners import LearnerHandlers
 from shoal.param_sync.servicer_peers import PeerHandlers, decode_replicate
+from shoal.param_sync.servicer_recovery import ShardLossHandlers
+from shoal.param_sync.servicer_takeover import TakeoverHandlers
 from shoal.param_sync.servicer_takeover_collective import CollectiveTakeoverHandlers
 from shoal.param_sync.servicer_tasks import CoordinatorTasks
 from shoal.param_sync.shard import (
@@ -238,9 +240,11 @@ def add_servicer(servicer: object, server: aio.Server) -> None:
 
 class ParameterSyncServicer(
     JobHandlers,
+    TakeoverHandlers,
     LearnerHandlers,
     CollectiveTakeoverHandlers,
     CoordinatorTasks,
+    ShardLossHandlers,
     FloorGuard,
     DataHandlers,
     PeerHandlers,

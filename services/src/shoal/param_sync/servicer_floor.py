@@ -44,7 +44,7 @@ class FloorGuard:
         hint) and act on what it says. Checked before anything changes: a bad index is
         INVALID_ARGUMENT naming the field."""
         coord = job.coord
-        sharding = coord.sharding
+        sharding = coord.shape.sharding
         if coord.collective is not False or sharding is None:
             return  # only parameter-server shards keep a floor
         i = refusal.shard_index

@@ -73,8 +73,8 @@ class LearnerHandlers:
             await self._rejoin_collective(job, request, layout, optimizer)
             return self._join_response(coord, False, collective=True)
         async with job.configure_lock:
-            sharding = coord.plan_sharding(layout, optimizer, request.dataset_size)
-            if job.takeover is not None and coord.layout is None:
+            sharding = coord.shape.plan_sharding(layout, optimizer, request.dataset_size)
+            if job.takeover is not None and coord.shape.layout is None:
                 if collective:
                     raise FailedPrecondition(
                         f"job {request.job_id!r} was taken over from a lost coordinator in "
@@ -82,11 +82,11 @@ class LearnerHandlers:
                     )
                 await self._complete_takeover(job, layout, optimizer, request.dataset_size)
             coord.set_mode(collective)
-            if coord.layout is None:
+            if coord.shape.layout is None:
                 build_optimizer(optimizer, [])  # refuse a bad optimizer before any state
                 if not collective:  # in collective mode the learners hold the state
                     await self._configure_all(coord.settings, layout, optimizer, sharding)
-                coord.fix_layout(layout, optimizer, request.dataset_size, sharding)
+                coord.shape.fix_layout(layout, optimizer, request.dataset_size, sharding)
             async with job.cond:
                 initialize = coord.join(request.learner_id)
                 job.cond.notify_all()
@@ -96,13 +96,13 @@ class LearnerHandlers:
         self: _S, coord: Coordinator, initialize: bool, *, collective: bool
     ) -> ps_pb2.JoinResponse:
         s = coord.settings
-        assert coord.sharding is not None
+        assert coord.shape.sharding is not None
         return ps_pb2.JoinResponse(
             initialize=initialize,
             shards=[
                 ps_pb2.ShardSlice(shard_index=i, address=address, tensor_names=names)
                 for i, (address, names) in enumerate(
-                    zip(s.shard_addresses, coord.sharding.tensors, strict=True)
+                    zip(s.shard_addresses, coord.shape.sharding.tensors, strict=True)
                 )
             ],
             batch_size=s.batch_size,
@@ -232,12 +232,12 @@ class LearnerHandlers:
         if decision.action is Action.RUN:
             a = decision.assignment
             assert a is not None
-            if coord.routing_epoch and coord.sharding is not None:
+            if coord.routing_epoch and coord.shape.sharding is not None:
                 response.routing_epoch = coord.routing_epoch
                 response.shards.extend(
                     ps_pb2.ShardSlice(shard_index=i, address=address, tensor_names=names)
                     for i, (address, names) in enumerate(
-                        zip(s.shard_addresses, coord.sharding.tensors, strict=True)
+                        zip(s.shard_addresses, coord.shape.sharding.tensors, strict=True)
                     )
                 )
             response.action = ps_pb2.BOUNDARY_ACTION_RUN
@@ -317,7 +317,7 @@ class LearnerHandlers:
         job = self._job(request.job_id)
         self._check_fence(request.job_id, request.fencing_token)
         async with job.cond:
-            current = job.coord.global_batch
+            current = job.coord.shape.global_batch
             job.coord.set_global_batch(request.global_batch)
             job.cond.notify_all()
         if request.global_batch != current:
@@ -356,7 +356,7 @@ class LearnerHandlers:
         job = self._job(request.job_id)
         coord = job.coord
         async with job.cond:
-            if not coord.initialized or coord.layout is None:
+            if not coord.initialized or coord.shape.layout is None:
                 raise FailedPrecondition(f"job {request.job_id!r} has no parameters yet")
             while True:
                 await job.cond.wait_for(lambda: not coord.commit_in_flight)

@@ -14,10 +14,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from shoal.contract.wire import TensorMeta
-from shoal.param_sync import checkpoint as ckpt
-from shoal.param_sync.coordinator import Coordinator, JobSettings, OptimizerConfig
+from shoal.param_sync.coordinator import JobSettings, OptimizerConfig
 from shoal.param_sync.servicer_common import _CoordinatedJob, _progress_proto
-from shoal.param_sync.servicer_tasks import read_schedule
 from shoal.param_sync.shard import build_optimizer
 from shoal.param_sync.takeover_collective import CollectiveTakeover, LearnerState, apply_resume
 from shoal.runtime.errors import Unavailable
@@ -46,32 +44,9 @@ class CollectiveTakeoverHandlers:
         and a woken old coordinator is refused; they hold nothing of the job to settle), read
         the bookkeeping from storage, and wait for the learners' re-Joins, which bring the
         state (:meth:`_rejoin_collective`)."""
-        others = [i for i in range(settings.num_shards) if i != lost]
-        results = await asyncio.gather(
-            *(self._call_shard(settings, i, "SetCoordinator", move) for i in others),
-            return_exceptions=True,
-        )
-        for i, result in zip(others, results, strict=True):
-            if isinstance(result, Unavailable):
-                log.warning("job %s: takeover: shard %d is down", settings.job_id, i)
-            elif isinstance(result, BaseException):
-                log.warning(
-                    "job %s: takeover: shard %d did not accept the move: %s",
-                    settings.job_id,
-                    i,
-                    result,
-                )
-                raise result
-        found = await asyncio.to_thread(
-            ckpt.latest_checkpoint, settings.storage_uri, settings.job_id
-        )
-        last_checkpoint = int(found[1]["iteration"]) if found is not None else -1
-        recorded = await asyncio.to_thread(self._last_recorded, settings)
-        coord = Coordinator(settings, clock=self._clock)
+        await self._move_role_here(settings, lost, move)
+        coord, last_checkpoint, recorded = await self._successor(settings)
         coord.set_mode(True)
-        schedule = await asyncio.to_thread(read_schedule, settings)
-        if schedule is not None:  # an adaptive batch: the positions go on in samples
-            coord.schedule = schedule
         coord.completed = max(recorded + 1, last_checkpoint, 0)  # until the learners say
         job = _CoordinatedJob(coord, owner=owner, epoch=epoch)
         job.collective_takeover = CollectiveTakeover(
@@ -86,9 +61,7 @@ class CollectiveTakeoverHandlers:
             "(collective mode: they hold the state)"
         )
         self._coordinated[settings.job_id] = job
-        deposer = asyncio.create_task(self._depose(job, lost))
-        job.background.add(deposer)
-        deposer.add_done_callback(job.background.discard)
+        self._start_deposing(job, lost)
         log.warning(
             "job %s: took over as coordinator (epoch %d) from lost shard %d at iteration %d "
             "(collective mode)",
@@ -120,7 +93,7 @@ class CollectiveTakeoverHandlers:
             generation=int(cs.generation),
             world_size=int(cs.world_size),
         )
-        coord.plan_sharding(layout, optimizer, request.dataset_size)  # checks it
+        coord.shape.plan_sharding(layout, optimizer, request.dataset_size)  # checks it
         build_optimizer(optimizer, [])  # refuse a bad optimizer before any state
         async with job.cond:
             takeover.report(request.learner_id, state)
@@ -140,7 +113,7 @@ class CollectiveTakeoverHandlers:
                     )
             resume = takeover.resume
             assert resume is not None
-            if job.collective_takeover is takeover and coord.layout is None:
+            if job.collective_takeover is takeover and coord.shape.layout is None:
                 apply_resume(
                     coord,
                     takeover,
@@ -160,7 +133,7 @@ class CollectiveTakeoverHandlers:
                     len(resume.holders),
                     sorted(resume.holders),
                 )
-            coord.plan_sharding(layout, optimizer, request.dataset_size)  # the job's layout
+            coord.shape.plan_sharding(layout, optimizer, request.dataset_size)  # the job's layout
             coord.join(request.learner_id)
             # A holder at the decision, while the job is still there (a learner that re-joins
             # later, whatever it holds, receives the state as a joiner).

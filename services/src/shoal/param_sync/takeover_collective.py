@@ -218,19 +218,19 @@ def apply_resume(
     coord.set_mode(True)
     coord.resumed = False
     coord.initialized = True
-    coord.samples_processed = coord.schedule.samples_before(completed)
+    coord.samples_processed = coord.shape.schedule.samples_before(completed)
     coord.last_checkpoint = takeover.last_checkpoint
     if resume.committed and takeover.recorded < completed - 1:
         # Its loss reports are the voters' votes, which they send again (same generation).
         k = completed - 1
-        epoch, iteration = coord.position(k).epoch, coord.position(k).iteration
+        epoch, iteration = coord.shape.position(k).epoch, coord.shape.position(k).iteration
         coord._collecting[k] = IterationInfo(
             global_iteration=k,
             epoch=epoch,
             iteration=iteration,
             generation=resume.vote_generation,
             world_size=len(resume.voters),
-            samples=coord.batch_samples(k),
+            samples=coord.shape.batch_samples(k),
             seconds=1e-9,
             time=coord._clock(),
             expected=set(resume.voters),
