@@ -250,6 +250,14 @@ def run_grpc(name: str, data_dir: str, epochs: int, tmp: Path, lane: bool = Fals
 # ------------------------------------------------------------------------------------------
 
 
+VARIANTS = {
+    "plain": "plain PyTorch loop",
+    "local": "ElasticTrainer, local backend",
+    "grpc": "ElasticTrainer, 1 learner + 1 shard (gRPC)",
+    "lane": "ElasticTrainer, 1 learner + 1 shard (shm lane)",
+}
+
+
 def cpu_model() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
     for line in out.splitlines():
@@ -265,6 +273,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="rounds of all the variants")
     parser.add_argument("--cifar-per-batch", type=int, default=512, help="fake images per file")
     parser.add_argument("--workloads", nargs="+", default=["digits", "cifar10"])
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="which variants to run (plain is always run: it is the anchor)",
+    )
     parser.add_argument("--learner", help=argparse.SUPPRESS)  # internal: the learner process
     parser.add_argument("--data-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results here")
@@ -289,21 +304,14 @@ def main() -> int:
         for repeat in range(args.repeats):
             for name in args.workloads:
                 epochs = args.digits_epochs if name == "digits" else args.epochs
-                for variant, fn in (
-                    ("plain PyTorch loop", partial(run_plain, name, data_dir, epochs)),
-                    (
-                        "ElasticTrainer, local backend",
-                        partial(run_trainer, name, data_dir, epochs, "local"),
-                    ),
-                    (
-                        "ElasticTrainer, 1 learner + 1 shard (gRPC)",
-                        partial(run_grpc, name, data_dir, epochs, tmp),
-                    ),
-                    (
-                        "ElasticTrainer, 1 learner + 1 shard (shm lane)",
-                        partial(run_grpc, name, data_dir, epochs, tmp, lane=True),
-                    ),
-                ):
+                runs = {
+                    "plain": partial(run_plain, name, data_dir, epochs),
+                    "local": partial(run_trainer, name, data_dir, epochs, "local"),
+                    "grpc": partial(run_grpc, name, data_dir, epochs, tmp),
+                    "lane": partial(run_grpc, name, data_dir, epochs, tmp, lane=True),
+                }
+                chosen = ["plain", *(v for v in args.variants if v != "plain")]
+                for variant, fn in ((VARIANTS[v], runs[v]) for v in chosen):
                     t0 = time.monotonic()
                     rates = fn()
                     # drop each run's first epoch (warm-up)

@@ -46,7 +46,7 @@ def fetch_batch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
 
 def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, device) for b in batch)
     if isinstance(batch, Mapping):
@@ -70,6 +70,28 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, b) for name, b in named if name in keys]
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelTensors:
+    """A model's parameters (``named_parameters`` order) and persistent buffers
+    (:func:`persistent_buffers`), listed once: walking the module tree for them costs more
+    than a small model's whole iteration. Valid while the model's modules and parameters are
+    not replaced (the job's layout is fixed for a training run anyway)."""
+
+    params: list[torch.Tensor]
+    buffers: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelTensors:
+        return cls(
+            [p for _, p in model.named_parameters()], [b for _, b in persistent_buffers(model)]
+        )
+
+    def zero_grad(self) -> None:
+        """What ``model.zero_grad(set_to_none=True)`` does."""
+        for p in self.params:
+            p.grad = None
+
+
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are views of the same memory (a backend may hand back the
     model's own tensors, as the collective one does)."""
@@ -89,6 +111,7 @@ def compute_contribution(
     fetcher: BatchFetcher | None = None,
     metrics: MetricLog | None = None,
     hooks: GradientHooks | None = None,
+    tensors: ModelTensors | None = None,
 ) -> Contribution:
     """Run forward and backward over the share ``indices`` of ``dataset`` and return this
     learner's :class:`Contribution`: the mean gradient over the share, its size, the sum of
@@ -112,24 +135,30 @@ def compute_contribution(
     backend's :meth:`~shoal.learner.interface.SyncBackend.overlap_hooks`) the gradient leaves
     during the last micro-batch's backward: they are begun here, armed just before that
     backward (with ``n`` and the loss scale's inverse) and finished after it, before the
-    gradients are unscaled.
+    gradients are unscaled. ``tensors``: the model's :class:`ModelTensors`, when the caller
+    keeps them (else they are listed here).
     """
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    params = [p for _, p in model.named_parameters()]
-    model.zero_grad(set_to_none=True)
+    if tensors is None:
+        tensors = ModelTensors.of(model)
+    params = tensors.params
+    device = torch.device(device) if device is not None else params[0].device
+    tensors.zero_grad()
     n = int(indices.numel())
     if hooks is not None:
         hooks.begin()
     if n == 0:
         if hooks is not None:
             hooks.finish()  # an empty share still takes part in every collective (zeros)
-        return Contribution([None] * len(params), 0, 0.0, [b for _, b in persistent_buffers(model)])
+        return Contribution([None] * len(params), 0, 0.0, list(tensors.buffers))
     inv_scale = (
         None
         if loss_scale is None
         else torch.tensor(1.0 / loss_scale, dtype=torch.float32, device=device)
     )
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    # The sum of the per-sample losses in float64: a Python float on the CPU (no tensor op per
+    # micro-batch; the same value), a device tensor elsewhere (no sync per micro-batch).
+    on_cpu = device.type == "cpu"
+    loss_sum: Any = 0.0 if on_cpu else torch.zeros((), dtype=torch.float64, device=device)
     chunks = list(partition.micro_batches(indices, max_per_device))
     fetched = (
         fetcher.batches(chunks)
@@ -154,7 +183,8 @@ def compute_contribution(
         if hooks is not None and index == len(chunks) - 1:
             hooks.arm(n, inv_scale)  # the last backward: the gradient becomes final
         (scaled if m == n else scaled * (m / n)).backward()
-        loss_sum += loss.detach().to(torch.float64) * m
+        term = loss.detach()
+        loss_sum += float(term) * m if on_cpu else term.to(torch.float64) * m
     if hooks is not None:
         hooks.finish()
     grads = [p.grad for p in params]
@@ -163,8 +193,7 @@ def compute_contribution(
             for g in grads:
                 if g is not None:
                     g.mul_(inv_scale.to(g.dtype))
-    buffers = [b for _, b in persistent_buffers(model)]
-    return Contribution(grads, n, float(loss_sum), buffers)
+    return Contribution(grads, n, float(loss_sum), list(tensors.buffers))
 
 
 @torch.no_grad()

@@ -56,6 +56,7 @@ from shoal.learner.results import EpochResult, IterationRecord, TrainResult
 from shoal.learner.schedules import resolve_schedule
 from shoal.learner.steps import (
     LossFn,
+    ModelTensors,
     compute_contribution,
     default_device,
     evaluate,
@@ -258,6 +259,7 @@ class ElasticTrainer:
         self._declared_batch = 0
         self._world_one = False
         self._metric_log = MetricLog()
+        self._tensors = ModelTensors([], [])  # the model's, listed once per train()
 
     def log(self, values: Mapping[str, Any]) -> None:
         """Record the script's own metrics of the iteration, e.g.
@@ -324,6 +326,9 @@ class ElasticTrainer:
         model.train()
         named_params = list(model.named_parameters())
         named_buffers = persistent_buffers(model)
+        self._tensors = tensors = ModelTensors(
+            [p for _, p in named_params], [b for _, b in named_buffers]
+        )
         setup = TrainingSetup(
             plan=plan,
             optimizer=self.optimizer_spec,
@@ -380,7 +385,7 @@ class ElasticTrainer:
             have_state = state.params is not None and state.buffers is not None
             if state.params is not None and state.buffers is not None:
                 self._load(state.params, state.buffers)
-            synced_buffers = [b.detach().clone() for _, b in persistent_buffers(model)]
+            synced_buffers = [b.detach().clone() for b in tensors.buffers]
             result = TrainResult(plan=plan, params={})
             logger.info(
                 "training %d samples, %d epochs of batch %d (%d iterations each), from step %d",
@@ -455,6 +460,7 @@ class ElasticTrainer:
                         ),
                         metrics=self._metric_log,
                         hooks=hooks,
+                        tensors=tensors,
                     )
                     if self.device.type == "cuda":  # the kernels queued count as compute
                         torch.cuda.synchronize(self.device)
@@ -501,7 +507,7 @@ class ElasticTrainer:
                     self._restore_buffers(synced_buffers)
                     continue
                 finally:
-                    model.zero_grad(set_to_none=True)
+                    tensors.zero_grad()
                 self._load(synced.params, synced.buffers)
                 self._snapshot_buffers(synced_buffers)
                 tracing.end_iteration()
@@ -641,8 +647,7 @@ class ElasticTrainer:
 
     @torch.no_grad()
     def _load(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
-        model_params = [p for _, p in self.model.named_parameters()]
-        model_buffers = [b for _, b in persistent_buffers(self.model)]
+        model_params, model_buffers = self._tensors.params, self._tensors.buffers
         if len(params) != len(model_params) or len(buffers) != len(model_buffers):
             raise RuntimeError(
                 f"backend sent {len(params)} parameters and {len(buffers)} buffers, the model "
@@ -655,12 +660,12 @@ class ElasticTrainer:
 
     @torch.no_grad()
     def _snapshot_buffers(self, saved: Sequence[torch.Tensor]) -> None:
-        for dst, (_, src) in zip(saved, persistent_buffers(self.model), strict=True):
+        for dst, src in zip(saved, self._tensors.buffers, strict=True):
             dst.copy_(src)
 
     @torch.no_grad()
     def _restore_buffers(self, saved: Sequence[torch.Tensor]) -> None:
-        for (_, dst), src in zip(persistent_buffers(self.model), saved, strict=True):
+        for dst, src in zip(self._tensors.buffers, saved, strict=True):
             dst.copy_(src)
 
     def _end_epoch(
