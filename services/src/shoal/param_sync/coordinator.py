@@ -42,8 +42,9 @@ no job fails for it.
 
 The values it takes and gives (settings, decisions, tasks) are in ``coordinator_records.py``,
 re-exported here; the job's shape (layout, sharding, batches) is a
-:class:`~shoal.param_sync.coordinator_shape.JobShape`, ``coord.shape``; shard loss, coordinator failover and resume are in
-``coordinator_recovery.py`` (:class:`~shoal.param_sync.coordinator_recovery.RecoveryMixin`).
+:class:`~shoal.param_sync.coordinator_shape.JobShape`, ``coord.shape``; shard loss,
+coordinator failover and resume are in ``coordinator_recovery.py``
+(:class:`~shoal.param_sync.coordinator_recovery.RecoveryMixin`).
 """
 
 from __future__ import annotations
