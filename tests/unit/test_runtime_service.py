@@ -53,3 +53,52 @@ async def test_lead_forever_steps_down_resigns_and_campaigns_again_after_each_te
             task.cancel()
         await asyncio.gather(leading, follower, return_exceptions=True)
         await store.close()
+
+
+class _FlakyElection(LeaderElection):
+    """A campaign that fails with an unexpected error ``failures`` times, then campaigns."""
+
+    def __init__(self, store: MemoryStore, failures: int) -> None:
+        super().__init__(store, "svc", "a", ttl=5.0)
+        self.failures = failures
+        self.calls = 0
+
+    async def campaign(self) -> Leadership:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise RuntimeError(f"campaign bug {self.calls}")
+        return await super().campaign()
+
+
+async def test_a_failing_campaign_is_tried_again_until_it_wins_and_not_once_closing() -> None:
+    store = MemoryStore()
+    election = _FlakyElection(store, failures=2)
+    terms: list[Leadership] = []
+
+    async def term(leadership: Leadership) -> None:
+        terms.append(leadership)
+
+    leading = asyncio.create_task(
+        lead_forever(
+            election, term, step_down=lambda _: None, retry_s=0.01, closing=lambda: bool(terms)
+        )
+    )
+    try:
+        await asyncio.wait_for(leading, timeout=30)  # won on the third try, one term, closed
+        assert election.calls == 3 and len(terms) == 1
+        # Closing while the campaign keeps failing: lead_forever returns, nothing raised.
+        closing = asyncio.Event()
+        never = _FlakyElection(store, failures=10**6)
+        stuck = asyncio.create_task(
+            lead_forever(
+                never, term, step_down=lambda _: None, retry_s=0.01, closing=closing.is_set
+            )
+        )
+        await async_wait_until(lambda: never.calls >= 2, timeout=30)
+        closing.set()
+        await asyncio.wait_for(stuck, timeout=30)
+        assert len(terms) == 1
+    finally:
+        leading.cancel()
+        await asyncio.gather(leading, return_exceptions=True)
+        await store.close()

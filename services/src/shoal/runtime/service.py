@@ -23,6 +23,7 @@ from shoal.runtime import metrics, telemetry
 from shoal.runtime.config import ServerConfig
 from shoal.runtime.election import LeaderElection, Leadership
 from shoal.runtime.errors import ErrorTable
+from shoal.runtime.retrying import transient
 from shoal.runtime.server import RunningServer, ServiceBinding, create_server, run_until_signalled
 from shoal.runtime.store import Store
 
@@ -89,14 +90,9 @@ async def lead_forever(
     traceback; neither stops the campaigning. ``pause_s`` is waited after every term,
     ``retry_s`` more after one that failed (or a campaign that failed)."""
     while not closing():
-        try:
-            leadership = await election.campaign()
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # never stop campaigning
-            log.exception("%s: campaign failed; campaigning again", election.name)
-            await asyncio.sleep(max(retry_s, 0.1))
-            continue
+        leadership = await _campaign(election, retry_s, closing)
+        if leadership is None:
+            return  # closing
         failed = False
         try:
             await term(leadership)
@@ -113,6 +109,35 @@ async def lead_forever(
                 await asyncio.shield(leadership.resign())
         log.info("%s: no longer the leader; campaigning again", election.name)
         await asyncio.sleep(pause_s + (retry_s if failed else 0.0))
+
+
+async def _campaign(
+    election: LeaderElection, retry_s: float, closing: Callable[[], bool]
+) -> Leadership | None:
+    """``election.campaign()`` (which rides out store outages itself), tried again after any
+    other error every ``max(retry_s, 0.1)`` seconds (logged with its traceback: campaigning
+    never stops) until it wins; None once ``closing()``."""
+
+    def failed(state: tenacity.RetryCallState) -> None:
+        assert state.outcome is not None
+        exc = state.outcome.exception()
+        log.error("%s: campaign failed; campaigning again", election.name, exc_info=exc)
+
+    try:
+        async for attempt in tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(transient(lambda exc: isinstance(exc, Exception))),
+            wait=tenacity.wait_fixed(max(retry_s, 0.1)),
+            stop=lambda _state: closing(),
+            before_sleep=failed,
+            reraise=True,
+        ):
+            with attempt:
+                return await election.campaign()
+    except Exception:
+        if closing():
+            return None
+        raise
+    return None
 
 
 async def follow_leader(
