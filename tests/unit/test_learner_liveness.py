@@ -6,7 +6,9 @@ so to its clients: the connection stays open) and a shard that says the role mov
 from __future__ import annotations
 
 import asyncio
+import logging
 
+import grpc
 import pytest
 from grpc import aio
 
@@ -212,3 +214,64 @@ def test_a_slow_boundary_of_a_live_coordinator_is_not_dropped() -> None:
         assert other.asked >= 2 and len(coordinator.boundaries) == 1
     finally:
         _shutdown(session, servers)
+
+
+# -- the retries of a control call (tenacity) ------------------------------------------------
+
+
+class _Flaky(ps_grpc.ParameterSyncServiceServicer):
+    """A coordinator whose Boundary fails with ``code`` ``failures`` times, then answers."""
+
+    def __init__(self, failures: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        self.failures, self.code, self.calls = failures, code, 0
+
+    async def Boundary(self, request, context):
+        self.calls += 1
+        if self.calls <= self.failures:
+            await context.abort(self.code, f"try {self.calls} refused")
+        return ps_pb2.BoundaryResponse(action=ps_pb2.BOUNDARY_ACTION_DONE)
+
+
+def test_a_control_call_retries_an_unreachable_coordinator_with_doubling_pauses(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    flaky = _Flaky(failures=3)
+    session, servers, _ = _session_with(flaky)
+    caplog.set_level(logging.WARNING, logger="shoal.learner.grpc")
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
+        reply = session.run(asyncio.wait_for(session.control("Boundary", request), 60))
+    finally:
+        _shutdown(session, servers)
+    assert reply.action == ps_pb2.BOUNDARY_ACTION_DONE and flaky.calls == 4
+    pauses = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert pauses == [
+        "try 1 refused; retrying in 0.1 s",
+        "try 2 refused; retrying in 0.2 s",
+        "try 3 refused; retrying in 0.4 s",
+    ]
+
+
+def test_a_control_call_gives_up_once_the_coordinator_stays_unreachable_past_retry_s() -> None:
+    flaky = _Flaky(failures=10**6)
+    session, servers, _ = _session_with(flaky)
+    session.retry_s = 0.5
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
+        with pytest.raises(RuntimeError, match="UNAVAILABLE: try"):
+            session.run(asyncio.wait_for(session.control("Boundary", request), 60))
+    finally:
+        _shutdown(session, servers)
+    assert flaky.calls >= 2  # retried within the window, then the last error was raised
+
+
+def test_a_control_call_refused_by_the_coordinator_is_not_retried() -> None:
+    flaky = _Flaky(failures=1, code=grpc.StatusCode.INVALID_ARGUMENT)
+    session, servers, _ = _session_with(flaky)
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
+        with pytest.raises(ValueError, match="try 1 refused"):
+            session.run(asyncio.wait_for(session.control("Boundary", request), 60))
+    finally:
+        _shutdown(session, servers)
+    assert flaky.calls == 1

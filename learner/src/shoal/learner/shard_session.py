@@ -27,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+import tenacity
 from grpc import aio
 
 from shoal.client.tls import TLSFiles, channel_credentials
@@ -50,6 +51,53 @@ __all__ = ["ShardSession"]
 
 log = logging.getLogger("shoal.learner.grpc")
 T = TypeVar("T")
+
+
+class _Followed(Exception):
+    """A control call's try found the coordinator moved and followed it: ask the new one at
+    once, with a fresh retry window."""
+
+
+class _Unanswered(Exception):
+    """A control call's try got no usable answer (the coordinator unreachable, or answering
+    from a fenced epoch) and no move was found: ask again after a pause."""
+
+
+class _Window:
+    """How long a control call keeps retrying an unreachable coordinator (restarted by each
+    move followed)."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self.restart()
+
+    def restart(self) -> None:
+        self._ends = time.monotonic() + self._seconds
+
+    def over(self) -> bool:
+        return time.monotonic() > self._ends
+
+
+class _Pauses:
+    """tenacity's wait of a control call: none after a followed move; otherwise 0.1 s doubling
+    to 2 s, counted over the pauses taken (a move neither grows nor resets it)."""
+
+    def __init__(self) -> None:
+        self._next = 0.1
+
+    def __call__(self, state: tenacity.RetryCallState) -> float:
+        assert state.outcome is not None
+        if isinstance(state.outcome.exception(), _Followed):
+            return 0.0
+        pause, self._next = self._next, min(self._next * 2, 2.0)
+        return pause
+
+
+def _log_pause(state: tenacity.RetryCallState) -> None:
+    assert state.outcome is not None and state.next_action is not None
+    exc = state.outcome.exception()
+    if isinstance(exc, _Unanswered):
+        log.warning("%s; retrying in %.1f s", exc, state.next_action.sleep)
 
 
 class ShardSession:
@@ -190,41 +238,55 @@ class ShardSession:
         another took the role over): then the learner joins the new one and asks it. An answer
         from a coordinator older than one already followed is refused (it was fenced). A call
         that hangs (a frozen coordinator) is watched: the shards are asked where the
-        coordinator is while it waits, and it is dropped for the new one (``watch``)."""
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.1
+        coordinator is while it waits, and it is dropped for the new one (``watch``).
+
+        The retries are tenacity's: each try is :meth:`_ask`; after a followed move the next
+        try goes at once with a fresh window of ``retry_s``, otherwise after a pause of 0.1 s
+        doubling to 2 s; an UNAVAILABLE or DEADLINE_EXCEEDED past the window (or any other
+        error) ends the call."""
         if self.recheck_coordinator:
             self.recheck_coordinator = False
             await self.find_coordinator(metadata)
-        while True:
-            if self._rejoin and method != "Join" and self.rejoin is not None:
-                await self.rejoin(metadata)
-            try:
-                call = getattr(self.coordinator_stub(), method)
-                reply = await self.watch(call(request, metadata=metadata or self.metadata))
-            except CoordinatorMoved:
-                deadline = time.monotonic() + self.retry_s
-                continue
-            except aio.AioRpcError as exc:
-                if exc.code() not in _RETRYABLE or time.monotonic() > deadline:
-                    raise _translate(exc) from exc
-                why = exc.details()
-            else:
-                epoch = getattr(reply, "coordinator_epoch", None)
-                if epoch is None or epoch >= self.coordinator_epoch:
-                    if epoch is not None:
-                        self.coordinator_epoch = epoch
-                    return reply
-                why = (
-                    f"coordinator {self.coordinator} answered from epoch {epoch}, older than "
-                    f"{self.coordinator_epoch}"
-                )
-            if await self.find_coordinator(metadata) or (self._rejoin and method != "Join"):
-                deadline = time.monotonic() + self.retry_s
-                continue
-            log.warning("%s; retrying in %.1f s", why, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+        window = _Window(self.retry_s)
+        async for attempt in tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type((_Followed, _Unanswered)),
+            wait=_Pauses(),
+            before_sleep=_log_pause,
+            reraise=True,
+        ):
+            with attempt:
+                return await self._ask(method, request, metadata, window)
+        raise AssertionError("unreachable")
+
+    async def _ask(self, method: str, request: Any, metadata: Any, window: _Window) -> Any:
+        """One try of :meth:`control`: its reply, or :class:`_Followed` / :class:`_Unanswered`
+        (try again), or the call's error translated (give up)."""
+        if self._rejoin and method != "Join" and self.rejoin is not None:
+            await self.rejoin(metadata)
+        try:
+            call = getattr(self.coordinator_stub(), method)
+            reply = await self.watch(call(request, metadata=metadata or self.metadata))
+        except CoordinatorMoved:
+            window.restart()
+            raise _Followed from None
+        except aio.AioRpcError as exc:
+            if exc.code() not in _RETRYABLE or window.over():
+                raise _translate(exc) from exc
+            why = exc.details()
+        else:
+            epoch = getattr(reply, "coordinator_epoch", None)
+            if epoch is None or epoch >= self.coordinator_epoch:
+                if epoch is not None:
+                    self.coordinator_epoch = epoch
+                return reply
+            why = (
+                f"coordinator {self.coordinator} answered from epoch {epoch}, older than "
+                f"{self.coordinator_epoch}"
+            )
+        if await self.find_coordinator(metadata) or (self._rejoin and method != "Join"):
+            window.restart()
+            raise _Followed
+        raise _Unanswered(why)
 
     async def watch(self, call: Awaitable[T]) -> T:
         """``call`` (an RPC, or a gather of streams) watched for a coordinator that hangs
