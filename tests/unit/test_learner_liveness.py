@@ -1,17 +1,19 @@
 """A learner's calls on a coordinator that hangs (issue 12): ``shoal.learner.liveness.watched``
-and the grpc backend's use of it, against real in-process gRPC servers: a coordinator whose
-Boundary never answers (a SIGSTOPped process looks so to its clients: the connection stays
-open) and a shard that says the role moved."""
+and the shard session's use of it (both backends on the shards hold one), against real
+in-process gRPC servers: a coordinator whose Boundary never answers (a SIGSTOPped process looks
+so to its clients: the connection stays open) and a shard that says the role moved."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
+import grpc
 import pytest
 from grpc import aio
 
-from shoal.learner.grpc_backend import GrpcBackend
 from shoal.learner.liveness import CoordinatorMoved, watched
+from shoal.learner.shard_session import ShardSession
 from shoal.v1 import (
     parameter_sync_service_pb2 as ps_pb2,
     parameter_sync_service_pb2_grpc as ps_grpc,
@@ -106,7 +108,7 @@ def test_watch_periods_must_be_positive(after: float, every: float) -> None:
         asyncio.run(main())
 
 
-# -- the grpc backend on a frozen coordinator ---------------------------------------------------
+# -- the shard session on a frozen coordinator --------------------------------------------------
 
 
 class _Frozen(ps_grpc.ParameterSyncServiceServicer):
@@ -156,39 +158,39 @@ async def _serve(servicer: ps_grpc.ParameterSyncServiceServicer) -> tuple[aio.Se
     return server, f"127.0.0.1:{port}"
 
 
-def _backend_with(*servicers: ps_grpc.ParameterSyncServiceServicer):
-    """A grpc backend whose own event loop also serves ``servicers`` (one server each):
-    the backend's coordinator is the first, every server is a sync endpoint."""
-    backend = GrpcBackend(job_id="j", learner_id="l0", coordinator="unset:1")
-    served = [backend._run(_serve(s)) for s in servicers]
-    backend.coordinator = served[0][1]
-    backend._endpoints = tuple(address for _, address in served)
-    backend.watch_after_s = backend.watch_every_s = 0.1
-    return backend, [server for server, _ in served], [address for _, address in served]
+def _session_with(*servicers: ps_grpc.ParameterSyncServiceServicer):
+    """A shard session whose own event loop also serves ``servicers`` (one server each):
+    the session's coordinator is the first, every server is a sync endpoint."""
+    session = ShardSession(job_id="j", learner_id="l0", coordinator="unset:1")
+    served = [session.run(_serve(s)) for s in servicers]
+    session.coordinator = served[0][1]
+    session.endpoints = tuple(address for _, address in served)
+    session.watch_after_s = session.watch_every_s = 0.1
+    return session, [server for server, _ in served], [address for _, address in served]
 
 
-def _shutdown(backend: GrpcBackend, servers: list[aio.Server]) -> None:
+def _shutdown(session: ShardSession, servers: list[aio.Server]) -> None:
     for server in servers:
-        backend._run(server.stop(None))
-    backend.close()
+        session.run(server.stop(None))
+    session.close()
 
 
 def test_a_boundary_blocked_on_a_frozen_coordinator_follows_the_successor() -> None:
     """Without the watch this Boundary waits forever (the frozen server keeps the call)."""
     frozen, successor = _Frozen(), _Successor(moved_after=2)
-    backend, servers, (_, new) = _backend_with(frozen, successor)
+    session, servers, (_, new) = _session_with(frozen, successor)
     successor.address = new
     try:
         request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0", completed_iteration=7)
-        reply = backend._run(asyncio.wait_for(backend._control("Boundary", request), 60))
+        reply = session.run(asyncio.wait_for(session.control("Boundary", request), 60))
         assert reply.action == ps_pb2.BOUNDARY_ACTION_DONE
-        assert (backend.coordinator, backend._coordinator_epoch) == (new, 1)
+        assert (session.coordinator, session.coordinator_epoch) == (new, 1)
         # The report the frozen coordinator never took reached the successor, once.
         assert [b.completed_iteration for b in successor.boundaries] == [7]
         assert frozen.waiting == 1
         assert successor.asked == 3  # two probes saw no move, the third followed it
     finally:
-        _shutdown(backend, servers)
+        _shutdown(session, servers)
     assert frozen.cancelled == 1  # the learner dropped its call
 
 
@@ -201,14 +203,75 @@ def test_a_slow_boundary_of_a_live_coordinator_is_not_dropped() -> None:
             return await super().Boundary(request, context)
 
     coordinator, other = Slow(moved_after=0), _Successor(moved_after=10**6)
-    backend, servers, (a, _) = _backend_with(coordinator, other)
+    session, servers, (a, _) = _session_with(coordinator, other)
     coordinator.address = a
-    backend._coordinator_epoch = 1
+    session.coordinator_epoch = 1
     try:
         request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
-        reply = backend._run(asyncio.wait_for(backend._control("Boundary", request), 60))
+        reply = session.run(asyncio.wait_for(session.control("Boundary", request), 60))
         assert reply.action == ps_pb2.BOUNDARY_ACTION_DONE
-        assert backend.coordinator == a
+        assert session.coordinator == a
         assert other.asked >= 2 and len(coordinator.boundaries) == 1
     finally:
-        _shutdown(backend, servers)
+        _shutdown(session, servers)
+
+
+# -- the retries of a control call (tenacity) ------------------------------------------------
+
+
+class _Flaky(ps_grpc.ParameterSyncServiceServicer):
+    """A coordinator whose Boundary fails with ``code`` ``failures`` times, then answers."""
+
+    def __init__(self, failures: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        self.failures, self.code, self.calls = failures, code, 0
+
+    async def Boundary(self, request, context):
+        self.calls += 1
+        if self.calls <= self.failures:
+            await context.abort(self.code, f"try {self.calls} refused")
+        return ps_pb2.BoundaryResponse(action=ps_pb2.BOUNDARY_ACTION_DONE)
+
+
+def test_a_control_call_retries_an_unreachable_coordinator_with_doubling_pauses(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    flaky = _Flaky(failures=3)
+    session, servers, _ = _session_with(flaky)
+    caplog.set_level(logging.WARNING, logger="shoal.learner.grpc")
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
+        reply = session.run(asyncio.wait_for(session.control("Boundary", request), 60))
+    finally:
+        _shutdown(session, servers)
+    assert reply.action == ps_pb2.BOUNDARY_ACTION_DONE and flaky.calls == 4
+    pauses = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert pauses == [
+        "try 1 refused; retrying in 0.1 s",
+        "try 2 refused; retrying in 0.2 s",
+        "try 3 refused; retrying in 0.4 s",
+    ]
+
+
+def test_a_control_call_gives_up_once_the_coordinator_stays_unreachable_past_retry_s() -> None:
+    flaky = _Flaky(failures=10**6)
+    session, servers, _ = _session_with(flaky)
+    session.retry_s = 0.5
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
+        with pytest.raises(RuntimeError, match="UNAVAILABLE: try"):
+            session.run(asyncio.wait_for(session.control("Boundary", request), 60))
+    finally:
+        _shutdown(session, servers)
+    assert flaky.calls >= 2  # retried within the window, then the last error was raised
+
+
+def test_a_control_call_refused_by_the_coordinator_is_not_retried() -> None:
+    flaky = _Flaky(failures=1, code=grpc.StatusCode.INVALID_ARGUMENT)
+    session, servers, _ = _session_with(flaky)
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
+        with pytest.raises(ValueError, match="try 1 refused"):
+            session.run(asyncio.wait_for(session.control("Boundary", request), 60))
+    finally:
+        _shutdown(session, servers)
+    assert flaky.calls == 1

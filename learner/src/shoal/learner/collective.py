@@ -28,9 +28,11 @@ Per learner (docs/data-plane.md, "Collective mode"):
   explicit timeout, ``SHOAL_COLLECTIVE_TIMEOUT_S``, default 30 s) is reported; the coordinator
   aborts the iteration and re-freezes the survivors in a new generation, which re-forms.
 * The coordinator's shard lost (docs/data-plane.md, "Coordinator failover in collective
-  mode"): the learner follows the move as the grpc backend does, its re-Join says what it holds
-  (``collective_state``), and the next generation re-forms through the successor's store,
-  keeping model and optimizer; the pending update is applied or dropped by the next answer.
+  mode"): the learner follows the move as the grpc backend does (both hold a
+  :class:`~shoal.learner.shard_session.ShardSession`, which follows it), its re-Join says
+  what it holds (``collective_state``), and the next generation re-forms through the
+  successor's store, keeping model and optimizer; the pending update is applied or dropped by
+  the next answer.
 * Checkpoints: a learner holding the state is asked (``CHECKPOINT``) to write it as one shard
   file in the parameter-server checkpoint format; the coordinator writes the manifest, so
   checkpoints of either mode restore in either mode (the file format:
@@ -40,27 +42,28 @@ Per learner (docs/data-plane.md, "Collective mode"):
 from __future__ import annotations
 
 import datetime
-import io
 import logging
 import os
-import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shoal.contract import environment
+from shoal.contract.wire import TensorMeta
 from shoal.learner.backend import (
     Assignment,
     Contribution,
+    EpochReport,
     InitialState,
     IterationAborted,
     ModelState,
+    SyncBackend,
     SyncResult,
+    TrainingPlan,
     TrainingSetup,
     apply_gradient_policy,
     register_backend,
@@ -73,26 +76,37 @@ from shoal.learner.collective_checkpoint import (
     load_checkpoint,
     write_checkpoint_file,
 )
-from shoal.learner.grpc_backend import GrpcBackend
+from shoal.learner.collective_group import (
+    CollectiveError,
+    CollectiveGroup,
+    first_line,
+    reduce_contribution,
+)
+from shoal.learner.coordinator_messages import (
+    UserMetrics,
+    adopted_plan,
+    assignment_of,
+    boundary_request,
+    join_request,
+    layout_of,
+)
+from shoal.learner.env import LearnerEnv
+from shoal.learner.grpc_backend import session_options
 from shoal.learner.overlap import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_FIRST_BUCKET_BYTES,
     GradientBucketer,
-    LaunchedBuckets,
-    bucket_layout,
 )
+from shoal.learner.shard_session import ShardSession
 from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
 
 __all__ = ["BACKEND_NAME", "CHECKPOINT_FILE", "CollectiveBackend", "CollectiveError"]
 
 log = logging.getLogger("shoal.learner.collective")
+T = TypeVar("T")
 
 BACKEND_NAME = "collective"
 DEFAULT_TIMEOUT_S = 30.0
-
-
-class CollectiveError(RuntimeError):
-    """A collective of the current group failed (a peer died, or the timeout passed)."""
 
 
 @dataclass
@@ -106,9 +120,11 @@ class _Pending:
     skip_step: bool = False  # the global gradient was not finite (float16 loss scaling)
 
 
-class CollectiveBackend(GrpcBackend):
+class CollectiveBackend(SyncBackend):
     """A learner of a job in collective mode (see the module docstring).
 
+    The connection to the job's coordinator is a :class:`ShardSession` (``session_args`` are
+    its arguments: ``job_id``, ``learner_id``, ``coordinator``, ``token``, ``tls``, ...).
     ``timeout_s`` bounds every collective and the rendezvous; ``bucket_bytes`` is the size of
     the gradient buckets all-reduced concurrently (the first one ``first_bucket_bytes``, as
     DDP). ``overlap`` (default: ``SHOAL_COLLECTIVE_OVERLAP``, on) sends the buckets while
@@ -116,7 +132,8 @@ class CollectiveBackend(GrpcBackend):
     same collectives, so members may differ in it.
     """
 
-    SYNC_MODE = job_pb2.SYNC_MODE_COLLECTIVE
+    #: The mode this backend joins a job in (the first Join fixes the job's).
+    SYNC_MODE: int = job_pb2.SYNC_MODE_COLLECTIVE
 
     def __init__(
         self,
@@ -125,9 +142,8 @@ class CollectiveBackend(GrpcBackend):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
         overlap: bool | None = None,
-        **kwargs: Any,
+        **session_args: Any,
     ) -> None:
-        super().__init__(**kwargs)
         if timeout_s is None:
             raw = os.environ.get(environment.COLLECTIVE_TIMEOUT_S, str(DEFAULT_TIMEOUT_S))
             try:
@@ -145,55 +161,74 @@ class CollectiveBackend(GrpcBackend):
             if raw not in ("on", "off"):
                 raise ValueError(f"SHOAL_COLLECTIVE_OVERLAP ({raw!r}) must be 'on' or 'off'")
             overlap = raw == "on"
+        self.session = ShardSession(what="collective backend", **session_args)
+        self.job_id = self.session.job_id
+        self.learner_id = self.session.learner_id
         self.timeout_s = timeout_s
-        self._timeout = datetime.timedelta(seconds=timeout_s)
+        # The process group of the generation last formed (collective_group.py).
+        self._group = CollectiveGroup(datetime.timedelta(seconds=timeout_s), torch.device("cpu"))
         self._bucket_bytes = bucket_bytes
         self._first_bucket_bytes = first_bucket_bytes
         self.overlap = overlap
         self._bucketer: GradientBucketer | None = None
         # Gradient buckets sent by the hooks while backward ran, and in all (overlap only).
         self.buckets_sent = [0, 0]
-        self._rendezvous = ""
-        self._rendezvous_prefix = ""
-        self._store: Any = None
-        self._pg: Any = None
-        self._pg_generation = 0
-        self._pg_world = 0
-        self.backend_name = ""  # "gloo" or "nccl" of the current group
         self._params: list[torch.Tensor] = []
         self._buffers: list[torch.Tensor] = []
         self._optimizer: torch.optim.Optimizer | None = None
-        self._device = torch.device("cpu")
         self._state_step = -1  # the iterations whose updates the state holds (-1: none)
         self._pending: _Pending | None = None
         self._reply: ps_pb2.BoundaryResponse | None = None
         self.formations: list[tuple[int, int, float]] = []  # (generation, world, seconds)
+        self._setup: TrainingSetup | None = None
+        self._plan: TrainingPlan | None = None
+        self._layout: list[TensorMeta] = []
+        self._report = (0, -1, 0.0, 0)  # generation, completed iteration, loss_sum, samples
+        self._user: UserMetrics = (-1, {})  # trainer.log
+
+    @classmethod
+    def from_env(cls, env: LearnerEnv) -> CollectiveBackend:
+        return cls(**session_options(env, "collective backend"))
+
+    @property
+    def backend_name(self) -> str:
+        """``"gloo"`` or ``"nccl"``: the torch.distributed backend of the current group."""
+        return self._group.backend_name
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.session.run(coro)
+
+    def _md(self) -> tuple[tuple[str, str], ...]:
+        return self.session.md()
 
     # -- initialize ---------------------------------------------------------------------------
 
     def initialize(self, setup: TrainingSetup) -> InitialState:
-        self._begin(setup)
+        if self._setup is not None:
+            raise RuntimeError("initialize() was already called on this backend")
+        self._setup = setup
+        self._layout = layout_of(setup)
+        self.session.rejoin = self._join
         # The model's own tensors: the optimizer steps them in place.
         self._params = [p.detach() for p in setup.params]
         self._buffers = list(setup.buffers)
         self._optimizer = setup.optimizer.create(self._params, [s.name for s in setup.param_specs])
         if self._params:
-            self._device = self._params[0].device
+            self._group.device = self._params[0].device
         md = self._md()  # the trace context of the join span, when tracing
-        reply = self._run(self._join(setup, md))
+        reply = self._run(self._join(md))
         if not reply.rendezvous_address:
             raise RuntimeError(
-                f"coordinator {self.coordinator} gave no rendezvous address for job "
+                f"coordinator {self.session.coordinator} gave no rendezvous address for job "
                 f"{self.job_id}: the job is not in collective mode"
             )
-        self._rendezvous = reply.rendezvous_address
-        self._rendezvous_prefix = reply.rendezvous_prefix or self.job_id
-        plan = self._adopt_plan(reply, setup.plan)
+        self._group.rendezvous_at(reply.rendezvous_address, reply.rendezvous_prefix or self.job_id)
+        self._plan = plan = adopted_plan(reply, setup.plan)
         if reply.initialize:
             log.info("initializing job %s (collective)", self.job_id)
             self._state_step = 0
             return InitialState(plan, self._params, self._buffers, 0)
-        return InitialState(plan, None, None, self._run(self._completed(md)))
+        return InitialState(plan, None, None, self._run(self.session.completed(md)))
 
     # -- coordinator failover (docs/data-plane.md, "Coordinator failover in collective mode") --
 
@@ -204,31 +239,43 @@ class CollectiveBackend(GrpcBackend):
             "collective_state": ps_pb2.CollectiveLearnerState(
                 state_step=self._state_step,
                 holds_pending=self._pending is not None,
-                generation=self._pg_generation,
-                world_size=self._pg_world,
+                generation=self._group.generation,
+                world_size=self._group.world,
             )
         }
 
-    async def _join(self, setup: TrainingSetup, md: Any = None) -> ps_pb2.JoinResponse:
-        """Join; after a coordinator move, rendezvous through the new coordinator's store from
-        the next generation on (the group re-forms in place, keeping model and optimizer; a
-        pending update is applied or dropped by the next answer's completed_iterations)."""
-        reply = await super()._join(setup, md)
+    async def _join(self, md: Any = None) -> ps_pb2.JoinResponse:
+        """Join (the session's re-Join too); after a coordinator move, rendezvous through the
+        new coordinator's store from the next generation on (the group re-forms in place,
+        keeping model and optimizer; a pending update is applied or dropped by the next
+        answer's completed_iterations)."""
+        assert self._setup is not None
+        request = join_request(
+            self.job_id,
+            self.learner_id,
+            self._layout,
+            self._setup,
+            self.SYNC_MODE,
+            **self._join_fields(),
+        )
+        reply = await self.session.join(request, md)
+        self.session.route(reply.shards, self._layout)
         moved = (reply.rendezvous_address, reply.rendezvous_prefix or self.job_id)
-        if self._rendezvous and reply.rendezvous_address and moved != self._rendezvous_key():
+        group = self._group
+        if (
+            group.rendezvous
+            and reply.rendezvous_address
+            and moved != (group.rendezvous, group.prefix)
+        ):
             log.warning(
                 "rendezvous moved with the coordinator: %s -> %s (state after %d iterations%s)",
-                self._rendezvous,
+                group.rendezvous,
                 reply.rendezvous_address,
                 self._state_step,
                 ", holding the update of the last one" if self._pending is not None else "",
             )
-            self._rendezvous, self._rendezvous_prefix = moved
-            self._store = None  # the old store is gone with its coordinator
+            group.rendezvous_at(*moved)  # the old store is gone with its coordinator
         return reply
-
-    def _rendezvous_key(self) -> tuple[str, str]:
-        return self._rendezvous, self._rendezvous_prefix
 
     # -- boundaries ---------------------------------------------------------------------------
 
@@ -244,33 +291,52 @@ class CollectiveBackend(GrpcBackend):
     ) -> ps_pb2.BoundaryResponse:
         """One Boundary, then any CHECKPOINT it asks for (written, reported), until the
         coordinator answers RUN, RETIRE or DONE."""
-        request = self._boundary_request(
-            generation, completed, loss_sum, n, iteration_failed=failed
+        request = boundary_request(
+            self.job_id,
+            self.learner_id,
+            self._user,
+            generation,
+            completed,
+            loss_sum,
+            n,
+            iteration_failed=failed,
         )
+        # Not a retry: each CHECKPOINT answer is a step of the protocol (control() retries).
         while True:
-            reply = await self._control("Boundary", request, md)
+            reply = await self.session.control("Boundary", request, md)
             if reply.action != ps_pb2.BOUNDARY_ACTION_CHECKPOINT:
                 return reply
-            report = await self._loop.run_in_executor(None, self._write_checkpoint, reply)
-            request = self._boundary_request(self._pg_generation, checkpoint_file=report)
+            report = await self.session.loop.run_in_executor(None, self._write_checkpoint, reply)
+            request = boundary_request(
+                self.job_id,
+                self.learner_id,
+                self._user,
+                self._group.generation,
+                checkpoint_file=report,
+            )
+
+    def log_metrics(self, step: int, metrics: Mapping[str, tuple[float, int]]) -> None:
+        self._user = (step, dict(metrics))
 
     def next_assignment(self) -> Assignment | None:
-        self._require_plan()
+        plan = self._require_plan()
+        # Not a retry: a generation that did not form is reported, and the coordinator's
+        # answer (a new generation, or the end) is the next turn.
         while True:
             reply = (
                 self._reply if self._reply is not None else self._run(self._exchange(md=self._md()))
             )
             self._reply = None
             self._settle(reply.completed_iterations, final=True)
-            assignment = self._to_assignment(reply)
+            assignment = assignment_of(reply, plan, self._report[:2])
             if assignment is None or assignment.retire:
                 return assignment
-            if assignment.generation == self._pg_generation and self._pg is not None:
+            if assignment.generation == self._group.generation and self._group.pg is not None:
                 return assignment
             try:
                 self._form(assignment, reply.checkpoint_directory)
             except RuntimeError as exc:  # a member vanished during the rendezvous
-                failure = _first_line(exc)
+                failure = first_line(exc)
             else:
                 return assignment
             log.warning("generation %d did not form: %s", assignment.generation, failure)
@@ -310,63 +376,19 @@ class CollectiveBackend(GrpcBackend):
 
     # -- the process group --------------------------------------------------------------------
 
-    def _local_host(self, host: str, port: int) -> str:
-        """This machine's address on the route to the rendezvous host (for gloo's sockets)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                s.connect((host, port))
-                return str(s.getsockname()[0])
-            except OSError:
-                return "127.0.0.1"
-
-    def _store_client(self) -> Any:
-        if self._store is None:
-            host, _, port = self._rendezvous.rpartition(":")
-            self._store = dist.TCPStore(
-                host, int(port), is_master=False, timeout=self._timeout, use_libuv=True
-            )
-        return self._store
-
     def _form(self, a: Assignment, restore_directory: str) -> None:
         """Tear down the old group, form generation ``a.generation``'s, and bring every
         member to the job's state (broadcast from a holder, or a checkpoint)."""
         self._drop_group()
         started = time.monotonic()
-        store = dist.PrefixStore(
-            f"{self._rendezvous_prefix}/g{a.generation}/", self._store_client()
-        )
-        store.set(f"device/{a.rank}", self._device.type)
-        kinds = {store.get(f"device/{r}").decode() for r in range(a.world_size)}
-        use_nccl = kinds == {"cuda"} and dist.is_nccl_available()
-        # No local variable keeps the group: a failure's traceback must not keep it alive
-        # (gloo closes its sockets, which is how the peers learn, only when it is destroyed).
-        if use_nccl:
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self._timeout
-            self._pg = dist.ProcessGroupNCCL(store, a.rank, a.world_size, options)
-            self.backend_name = "nccl"
-        else:
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = self._timeout
-            interface = os.environ.get("GLOO_SOCKET_IFNAME")
-            if interface:
-                device = dist.ProcessGroupGloo.create_device(interface=interface)
-            else:
-                host, _, port = self._rendezvous.rpartition(":")
-                device = dist.ProcessGroupGloo.create_device(
-                    hostname=self._local_host(host, int(port))
-                )
-            options._devices = [device]
-            self._pg = dist.ProcessGroupGloo(store, a.rank, a.world_size, options)
-            self.backend_name = "gloo"
-        self._pg_generation, self._pg_world = a.generation, a.world_size
+        self._group.form(a)
         self._sync_state(a, restore_directory)
         seconds = time.monotonic() - started
         self.formations.append((a.generation, a.world_size, seconds))
         log.info(
             "generation %d: %s group of %d formed in %.3f s (rank %d, step %d)",
             a.generation,
-            self.backend_name,
+            self._group.backend_name,
             a.world_size,
             seconds,
             a.rank,
@@ -374,54 +396,17 @@ class CollectiveBackend(GrpcBackend):
         )
 
     def _drop_group(self) -> None:
-        """Destroy the group. For gloo that closes its sockets, so peers blocked on this
-        learner fail at once instead of at their timeout; NCCL is aborted first (a kernel may
-        still wait on the device)."""
+        """Destroy the group (``CollectiveGroup.drop``: peers blocked on this learner fail at
+        once), after the buckets in flight, whose works hold it."""
         if self._bucketer is not None:
             self._bucketer.discard()  # a pending work holds the group: it must not outlive it
-        pg, self._pg = self._pg, None
-        if pg is not None and self.backend_name == "nccl":
-            try:
-                pg.abort()
-            except Exception as exc:  # a broken communicator may refuse; it is dropped anyway
-                log.debug("aborting generation %d: %s", self._pg_generation, exc)
-        del pg  # the last reference (see _wait)
-
-    def _comm_device(self) -> torch.device:
-        return self._device if self.backend_name == "nccl" else torch.device("cpu")
-
-    def _allreduce(self, tensors: Sequence[torch.Tensor], op: Any = None) -> list[Any]:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM if op is None else op
-        opts.timeout = self._timeout
-        return [self._pg.allreduce([t], opts) for t in tensors]
-
-    @staticmethod
-    def _wait(works: list[Any]) -> None:
-        """Wait for every pending collective. On failure the works (which hold the group)
-        are released before the error propagates, so that dropping the group destroys it."""
-        try:
-            for w in works:
-                w.wait()
-        except RuntimeError as exc:
-            message = _first_line(exc)
-        else:
-            return
-        finally:
-            works.clear()
-        raise CollectiveError(message)
-
-    def _broadcast(self, tensors: Sequence[torch.Tensor], src: int) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.timeout = self._timeout
-        self._wait([self._pg.broadcast([t], opts) for t in tensors])
+        self._group.drop()
 
     @torch.no_grad()
     def _sync_state(self, a: Assignment, restore_directory: str) -> None:
-        steps = torch.full((a.world_size,), -1, dtype=torch.int64, device=self._comm_device())
+        steps = torch.full((a.world_size,), -1, dtype=torch.int64, device=self._group.comm_device())
         steps[a.rank] = self._state_step
-        self._wait(self._allreduce([steps], dist.ReduceOp.MAX))
+        self._group.wait(self._group.allreduce([steps], dist.ReduceOp.MAX))
         holders = [r for r, s in enumerate(steps.tolist()) if s == a.step]
         if len(holders) == a.world_size:
             return  # everyone holds it already (a shrink, or an aborted iteration)
@@ -438,41 +423,10 @@ class CollectiveBackend(GrpcBackend):
                 f"no member of generation {a.generation} holds the state after {a.step} "
                 "iterations and the coordinator named no checkpoint"
             )
-        self._broadcast_tensors([*self._params, *self._buffers], src)
-        self._broadcast_optimizer(src, a.rank)
+        self._group.broadcast_tensors([*self._params, *self._buffers], src)
+        assert self._optimizer is not None
+        self._group.broadcast_optimizer(self._optimizer, src, a.rank)
         self._state_step = a.step
-
-    def _broadcast_tensors(self, tensors: Sequence[torch.Tensor], src: int) -> None:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            flat = _flatten_dense_tensors([t.to(self._comm_device()) for t in group])
-            self._broadcast([flat], src)
-            for dst, src_t in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
-                dst.copy_(src_t)
-
-    def _broadcast_optimizer(self, src: int, rank: int) -> None:
-        optimizer = self._optimizer
-        assert optimizer is not None
-        device = self._comm_device()
-        if rank == src:
-            buffer = io.BytesIO()
-            torch.save(_to_cpu(optimizer.state_dict()), buffer)
-            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-        else:
-            size = torch.zeros(1, dtype=torch.int64, device=device)
-        self._broadcast([size], src)
-        data = (
-            payload.to(device)
-            if rank == src
-            else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        )
-        self._broadcast([data], src)
-        if rank != src:
-            state = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
-            optimizer.load_state_dict(state)
 
     # -- overlap (shoal.learner.overlap) -------------------------------------------------------
 
@@ -490,16 +444,16 @@ class CollectiveBackend(GrpcBackend):
             self._bucketer = GradientBucketer(
                 params,
                 self._launch_bucket,
-                self._comm_device,
+                self._group.comm_device,
                 bucket_bytes=self._bucket_bytes,
                 first_bucket_bytes=self._first_bucket_bytes,
             )
         return self._bucketer
 
     def _launch_bucket(self, flat: torch.Tensor) -> Any:
-        if self._pg is None:
+        if self._group.pg is None:
             raise RuntimeError("no process group (it failed or is being re-formed)")
-        return self._allreduce([flat])[0]
+        return self._group.allreduce([flat])[0]
 
     # -- sync ---------------------------------------------------------------------------------
 
@@ -514,10 +468,10 @@ class CollectiveBackend(GrpcBackend):
                 f"contribution has {len(contribution.grads)} gradients, "
                 f"expected {len(self._params)}"
             )
-        if self._pg is None or assignment.generation != self._pg_generation:
+        if self._group.pg is None or assignment.generation != self._group.generation:
             raise RuntimeError(
                 f"assignment of generation {assignment.generation} without its group "
-                f"(formed: {self._pg_generation}); call next_assignment() first"
+                f"(formed: {self._group.generation}); call next_assignment() first"
             )
         launched = None
         bucketer = self._bucketer
@@ -533,7 +487,14 @@ class CollectiveBackend(GrpcBackend):
                     f"were sent for {launched.n}"
                 )
         try:
-            grads, buffers, total, loss_sum = self._reduce(contribution, launched)
+            grads, buffers, total, loss_sum = reduce_contribution(
+                self._group,
+                self._params,
+                contribution,
+                launched,
+                self._bucket_bytes,
+                self._first_bucket_bytes,
+            )
         except CollectiveError as exc:
             failure: str | None = str(exc)
         else:
@@ -578,83 +539,6 @@ class CollectiveBackend(GrpcBackend):
         return SyncResult(
             self._params, self._buffers, assignment.step, loss_sum / total, grad_norm, skip_step
         )
-
-    @torch.no_grad()
-    def _reduce(
-        self, contribution: Contribution, launched: LaunchedBuckets | None = None
-    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], float, float]:
-        """All-reduce ``n * grad`` (in buckets of :func:`~shoal.learner.overlap.bucket_layout`,
-        already launched during backward when ``launched`` is given), ``n``, the loss sum,
-        which parameters got a gradient, ``n * buffer`` (float buffers) and the buffers'
-        maximum (integer ones), as :func:`~shoal.learner.backend.reduce_contributions` weighs
-        them. Both paths issue the same collectives in the same order."""
-        n = contribution.n_samples
-        device = self._comm_device()
-        meta = torch.zeros(2 + len(self._params), dtype=torch.float64)  # built on the host
-        meta[0], meta[1] = float(n), float(contribution.loss_sum)
-        for j, g in enumerate(contribution.grads):
-            if g is not None and n > 0:
-                meta[2 + j] = 1.0
-        works: list[Any] = []
-        if launched is None:
-            grads = [
-                g.detach() if g is not None and n > 0 else torch.zeros_like(param)
-                for param, g in zip(self._params, contribution.grads, strict=True)
-            ]
-            buckets = []
-            for indices in bucket_layout(grads, self._bucket_bytes, self._first_bucket_bytes):
-                flat = _flatten_dense_tensors([grads[j] for j in indices]).to(device)
-                flat.mul_(n)
-                buckets.append((indices, flat))
-            works += self._allreduce([flat for _, flat in buckets])
-        else:
-            buckets, works = launched.buckets, launched.works
-            if launched.failure is not None:
-                works.clear()  # they hold the group, which the caller drops
-                raise CollectiveError(launched.failure)
-        meta = meta.to(device)
-        works += self._allreduce([meta])
-        floats = [j for j, b in enumerate(contribution.buffers) if b.is_floating_point()]
-        ints = [j for j, b in enumerate(contribution.buffers) if not b.is_floating_point()]
-        flat_f = flat_i = None
-        if floats:
-            flat_f = _flatten_dense_tensors(
-                [contribution.buffers[j].detach().to(device) for j in floats]
-            ).mul_(n)
-            works += self._allreduce([flat_f])
-        if ints:
-            flat_i = _flatten_dense_tensors(
-                [contribution.buffers[j].detach().to(device) for j in ints]
-            )
-            if n == 0:
-                flat_i.fill_(torch.iinfo(flat_i.dtype).min)
-            works += self._allreduce([flat_i], dist.ReduceOp.MAX)
-        self._wait(works)
-        meta = meta.cpu()  # one copy back, not one per parameter
-        total = float(meta[0])
-        if total <= 0:
-            raise RuntimeError("no member of the iteration had a sample")
-        reduced: list[torch.Tensor | None] = [None] * len(self._params)
-        for indices, flat in buckets:
-            flat.div_(total)
-            offset = 0
-            for j in indices:
-                param = self._params[j]
-                if meta[2 + j] > 0:
-                    view = flat.narrow(0, offset, param.numel()).view(param.shape)
-                    reduced[j] = view.to(param.device)
-                offset += param.numel()
-        # Every buffer is in one of the two fresh flat tensors: keep views of them.
-        buffers = list(contribution.buffers)
-        for indices, flat_b in ((floats, flat_f), (ints, flat_i)):
-            if flat_b is None:
-                continue
-            if flat_b.is_floating_point():
-                flat_b.div_(total)
-            views = _unflatten_dense_tensors(flat_b, [buffers[j] for j in indices])
-            for j, view in zip(indices, views, strict=True):
-                buffers[j] = view
-        return reduced, buffers, total, float(meta[1])
 
     def pull_parameters(self) -> ModelState:
         """The job's state, which the group formation brought into this learner's own
@@ -709,27 +593,22 @@ class CollectiveBackend(GrpcBackend):
 
     # -- the rest -----------------------------------------------------------------------------
 
+    def report_epoch(self, report: EpochReport) -> None:
+        values = {"test_loss": float(report.loss)}
+        values.update({k: float(v) for k, v in report.metrics.items()})
+        self.session.report_epoch_metrics(report.epoch, values)
+
     def close(self) -> None:
         self._drop_group()
         if self._bucketer is not None:
             self._bucketer.remove()
-        self._store = None
-        super().close()
+        self._group.forget_store()
+        self.session.close()
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+    def _require_plan(self) -> TrainingPlan:
+        if self._plan is None:
+            raise RuntimeError("initialize() must be called first")
+        return self._plan
 
 
 if BACKEND_NAME not in registered_backends():  # also an entry point of the package

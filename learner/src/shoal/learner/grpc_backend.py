@@ -17,26 +17,26 @@ Per learner (see docs/data-plane.md for the protocol):
   stream, pulls included) raise :class:`~shoal.learner.backend.IterationAborted`: the next
   boundary re-issues the iteration (after the coordinator recovered the shard's slice).
 
-gRPC runs on an asyncio loop in a background thread; the trainer calls in from its own thread.
-The environment contract (``shoal.learner.env``): SHOAL_JOB_ID, SHOAL_LEARNER_ID,
-SHOAL_COORDINATOR (default: the first of SHOAL_SYNC_ENDPOINTS), SHOAL_TOKEN.
+The connection (the asyncio loop on a background thread that gRPC runs on, the channels, the
+routing, following the coordinator) is a :class:`~shoal.learner.shard_session.ShardSession`
+the backend holds; the messages it exchanges with the coordinator are built by
+``coordinator_messages.py``. The environment contract (``shoal.learner.env``): SHOAL_JOB_ID,
+SHOAL_LEARNER_ID, SHOAL_COORDINATOR (default: the first of SHOAL_SYNC_ENDPOINTS), SHOAL_TOKEN.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import threading
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from grpc import aio
 
-from shoal.client.tls import TLSFiles, channel_credentials
+from shoal.client.tls import TLSFiles
 from shoal.contract.shm import LaneError
 from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
@@ -63,10 +63,17 @@ from shoal.learner.backend import (
     register_backend,
     registered_backends,
 )
+from shoal.learner.coordinator_messages import (
+    UserMetrics,
+    adopted_plan,
+    assignment_of,
+    boundary_request,
+    join_request,
+    layout_of,
+)
 from shoal.learner.env import LearnerEnv
 from shoal.learner.grpc_calls import (
     _SHARD_LOST_PAUSE_S,
-    MAX_MESSAGE_BYTES,
     LearnerEvicted,
     _bytes_of,
     _copy_sink,
@@ -79,21 +86,17 @@ from shoal.learner.grpc_calls import (
     optimizer_proto,
     stream_methods,
 )
-from shoal.learner.grpc_control import CoordinatorFollowing
-from shoal.learner.grpc_lane import close_lane, lane_refused, open_lane
-from shoal.learner.liveness import WATCH_AFTER_S, WATCH_EVERY_S, CoordinatorMoved
-from shoal.learner.tracing import trace_metadata
-from shoal.v1 import (
-    job_pb2,
-    parameter_sync_service_pb2 as ps_pb2,
-    parameter_sync_service_pb2_grpc as ps_grpc,
-)
+from shoal.learner.grpc_lane import lane_refused, open_lane
+from shoal.learner.liveness import CoordinatorMoved
+from shoal.learner.shard_session import ShardSession
+from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
 
 __all__ = [
     "BACKEND_NAME",
     "GrpcBackend",
     "LearnerEvicted",
     "optimizer_proto",
+    "session_options",
     "stream_methods",
 ]
 
@@ -103,7 +106,25 @@ T = TypeVar("T")
 BACKEND_NAME = "grpc"
 
 
-class GrpcBackend(CoordinatorFollowing, SyncBackend):
+def session_options(env: LearnerEnv, what: str) -> dict[str, Any]:
+    """The :class:`ShardSession` arguments of a learner from its environment contract."""
+    if env.job_id is None or env.learner_id is None or env.coordinator is None:
+        raise ValueError(
+            f"the {what} needs SHOAL_JOB_ID, SHOAL_LEARNER_ID and SHOAL_COORDINATOR "
+            f"(or SHOAL_SYNC_ENDPOINTS); got job {env.job_id!r}, learner "
+            f"{env.learner_id!r}, coordinator {env.coordinator!r}"
+        )
+    return {
+        "job_id": env.job_id,
+        "learner_id": env.learner_id,
+        "coordinator": env.coordinator,
+        "token": env.token,
+        "tls": TLSFiles(env.tls_ca, env.tls_cert, env.tls_key) if env.tls_ca else None,
+        "sync_endpoints": env.sync_endpoints,
+    }
+
+
+class GrpcBackend(SyncBackend):
     """The parameter-server client of one learner (see the module docstring).
 
     ``channel_options`` are extra gRPC channel options. ``retry_s`` bounds how long the
@@ -112,10 +133,6 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
 
     #: The mode this backend joins a job in (the first Join fixes the job's).
     SYNC_MODE: int = job_pb2.SYNC_MODE_PARAMETER_SERVER
-    #: A call pending on the coordinator this long starts the liveness probes, one each
-    #: ``watch_every_s`` (``shoal.learner.liveness``).
-    watch_after_s: float = WATCH_AFTER_S
-    watch_every_s: float = WATCH_EVERY_S
 
     def __init__(
         self,
@@ -131,195 +148,94 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
         sync_endpoints: Sequence[str] = (),
         shm_lane: bool = True,
     ) -> None:
-        for name, value in (
-            ("job_id", job_id),
-            ("learner_id", learner_id),
-            ("coordinator", coordinator),
-        ):
-            if not value:
-                raise ValueError(f"{name} ({value!r}) must be set for the grpc backend")
+        self.session = ShardSession(
+            job_id=job_id,
+            learner_id=learner_id,
+            coordinator=coordinator,
+            token=token,
+            retry_s=retry_s,
+            channel_options=channel_options,
+            tls=tls,
+            sync_endpoints=sync_endpoints,
+        )
         self.job_id = job_id
         self.learner_id = learner_id
-        self.coordinator = coordinator
-        # Every shard (SHOAL_SYNC_ENDPOINTS): asked where the coordinator is when it does not
-        # answer (its shard was lost and another took the role over, FindCoordinator).
-        self._endpoints = tuple(sync_endpoints)
-        self._coordinator_epoch = 0
-        # A shard refused this learner's generation: the coordinator that issued it may have
-        # been replaced (and fenced); the next control call asks the shards first.
-        self._recheck_coordinator = False
+        self._metadata = self.session.metadata
         # A shard refused this learner's SyncStep as stale and said its generation floor: the
         # next Boundary tells the coordinator (which re-issues the iteration above the floor if
         # it drifted above its generation; docs/data-plane.md, "Generation floor drift").
         self._stale_refusal: ps_pb2.StaleRefusal | None = None
-        # The coordinator moved (FindCoordinator named a newer one): Join it before any other
-        # control call; and which shard the next liveness probe asks (shoal.learner.liveness).
-        self._rejoin = False
-        self._probe_turn = 0
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._tls = tls
         self._chunk_bytes = chunk_bytes
-        self._retry_s = retry_s
-        self._options = [
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            *channel_options,
-        ]
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="shoal-grpc-backend", daemon=True
-        )
-        self._thread.start()
-        self._channels: dict[str, aio.Channel] = {}
         self._setup: TrainingSetup | None = None
         self._plan: TrainingPlan | None = None
         self._layout: list[TensorMeta] = []
-        self._shards: list[_Shard] = []
-        self._routing_epoch = 0
         self._recv: list[torch.Tensor] = []
         self._recv_bytes: list[np.ndarray] = []
         self._generation = 0  # of the last assignment (pulls are checked against it)
         self._report = (0, -1, 0.0, 0)  # generation, completed iteration, loss_sum, samples
-        self._user: tuple[int, Mapping[str, tuple[float, int]]] = (-1, {})  # trainer.log
-        self._closed = False
+        self._user: UserMetrics = (-1, {})  # trainer.log
         # Same-host shards: move SyncStep bytes through shared memory (grpc_lane.py).
         self._shm_lane = shm_lane
 
     @classmethod
     def from_env(cls, env: LearnerEnv) -> GrpcBackend:
-        if env.job_id is None or env.learner_id is None or env.coordinator is None:
-            raise ValueError(
-                "the grpc backend needs SHOAL_JOB_ID, SHOAL_LEARNER_ID and SHOAL_COORDINATOR "
-                f"(or SHOAL_SYNC_ENDPOINTS); got job {env.job_id!r}, learner "
-                f"{env.learner_id!r}, coordinator {env.coordinator!r}"
-            )
         return cls(
-            job_id=env.job_id,
-            learner_id=env.learner_id,
-            coordinator=env.coordinator,
-            token=env.token,
-            tls=TLSFiles(env.tls_ca, env.tls_cert, env.tls_key) if env.tls_ca else None,
-            sync_endpoints=env.sync_endpoints,
+            **session_options(env, "grpc backend"),
             shm_lane=os.environ.get("SHOAL_SHM_LANE", "on").strip().lower()
             not in ("off", "false", "0"),
         )
 
-    # -- plumbing -----------------------------------------------------------------------------
+    # -- the session's parts the tensor streams use -------------------------------------------
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._closed:
-            coro.close()
-            raise RuntimeError("the grpc backend is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def _channel(self, address: str) -> aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            if self._tls is not None:
-                creds = channel_credentials(self._tls.ca, self._tls.cert, self._tls.key)
-                channel = aio.secure_channel(address, creds, options=self._options)
-            else:
-                channel = aio.insecure_channel(address, options=self._options)
-            self._channels[address] = channel
-        return channel
-
-    def _coordinator_stub(self) -> ps_grpc.ParameterSyncServiceStub:
-        return ps_grpc.ParameterSyncServiceStub(self._channel(self.coordinator))
+        return self.session.run(coro)
 
     def _md(self) -> tuple[tuple[str, str], ...]:
-        """Call metadata: the token, plus the trace context when the calling thread has a span
-        recording (the join, a sampled iteration: ``shoal.learner.tracing``)."""
-        return self._metadata + trace_metadata()
+        return self.session.md()
+
+    def _watch(self, call: Awaitable[T]) -> Awaitable[T]:
+        return self.session.watch(call)
+
+    @property
+    def _shards(self) -> list[_Shard]:
+        return self.session.shards
+
+    @property
+    def _recheck_coordinator(self) -> bool:
+        return self.session.recheck_coordinator
+
+    @_recheck_coordinator.setter
+    def _recheck_coordinator(self, value: bool) -> None:
+        self.session.recheck_coordinator = value
 
     # -- initialize ---------------------------------------------------------------------------
 
-    def _begin(self, setup: TrainingSetup) -> None:
-        """Take the learner's setup (once) and lay its tensors out as the job's."""
+    def initialize(self, setup: TrainingSetup) -> InitialState:
         if self._setup is not None:
             raise RuntimeError("initialize() was already called on this backend")
         self._setup = setup
-        metas = [
-            TensorMeta(s.name, s.dtype, tuple(s.shape), 0, s.nbytes, False)
-            for s in setup.param_specs
-        ] + [
-            TensorMeta(s.name, s.dtype, tuple(s.shape), 0, s.nbytes, True)
-            for s in setup.buffer_specs
-        ]
-        self._layout, _ = pack_layout(metas)
-
-    def _adopt_plan(self, reply: ps_pb2.JoinResponse, plan: TrainingPlan) -> TrainingPlan:
-        """The plan in force: the job's settings (from the Join reply) win over the script's."""
-        self._plan = TrainingPlan(
-            epochs=reply.epochs,
-            batch_size=reply.batch_size,
-            num_samples=plan.num_samples,
-            seed=int(reply.seed),
-            checkpoint_every=plan.checkpoint_every,
-            max_workers=plan.max_workers,
-        )
-        return self._plan
-
-    def initialize(self, setup: TrainingSetup) -> InitialState:
-        self._begin(setup)
+        self._layout = layout_of(setup)
+        self.session.rejoin = self._join
         self._recv = [torch.empty(m.shape, dtype=m.torch_dtype) for m in self._layout]
         self._recv_bytes = [_bytes_of(t) for t in self._recv]
         md = self._md()
-        reply = self._run(self._join(setup, md))
-        plan = self._adopt_plan(reply, setup.plan)
+        reply = self._run(self._join(md))
+        self._plan = adopted_plan(reply, setup.plan)
         if reply.initialize:
             log.info("initializing job %s", self.job_id)
             self._run(self._upload(setup, md))
-            return InitialState(plan, setup.params, setup.buffers, 0)
+            return InitialState(self._plan, setup.params, setup.buffers, 0)
         # The state comes with the first assignment (the job keeps training meanwhile).
-        return InitialState(plan, None, None, self._run(self._completed(md)))
+        return InitialState(self._plan, None, None, self._run(self.session.completed(md)))
 
-    async def _completed(self, md: Any = None) -> int:
-        request = ps_pb2.GetJobProgressRequest(job_id=self.job_id)
-        try:
-            reply = await self._control("GetJobProgress", request, md)
-        except Exception:  # informational only
-            return 0
-        return int(reply.progress.completed_iterations)
-
-    async def _join(self, setup: TrainingSetup, md: Any = None) -> ps_pb2.JoinResponse:
-        request = ps_pb2.JoinRequest(
-            job_id=self.job_id,
-            learner_id=self.learner_id,
-            layout=[m.to_proto() for m in self._layout],
-            optimizer=optimizer_proto(setup),
-            dataset_size=setup.plan.num_samples,
-            sync_mode=self.SYNC_MODE,  # type: ignore[arg-type]
-            **self._join_fields(),
+    async def _join(self, md: Any = None) -> ps_pb2.JoinResponse:
+        assert self._setup is not None
+        request = join_request(
+            self.job_id, self.learner_id, self._layout, self._setup, self.SYNC_MODE
         )
-        reply = await self._control("Join", request, md)
-        self._rejoin = False
-        self._route(reply.shards)
+        reply = await self.session.join(request, md)
+        self.session.route(reply.shards, self._layout)
         return reply
-
-    def _join_fields(self) -> dict[str, Any]:
-        """More JoinRequest fields of a subclass (the collective backend's state)."""
-        return {}
-
-    def _route(self, slices: Sequence[ps_pb2.ShardSlice]) -> None:
-        """Which shard holds which tensors (from Join, or a Boundary after a promotion)."""
-        index = {m.name: j for j, m in enumerate(self._layout)}
-        for old in self._shards:  # a slice may have moved or grown: lanes are asked anew
-            if old.lane is not None:
-                old.lane.close()
-        self._shards = []
-        for s in slices:
-            if not s.tensor_names:
-                continue
-            channel = self._channel(s.address)
-            self._shards.append(
-                _Shard(
-                    s.shard_index,
-                    s.address,
-                    sorted(index[n] for n in s.tensor_names),
-                    ps_grpc.ParameterSyncServiceStub(channel),
-                    stream_methods(channel),
-                )
-            )
 
     async def _upload(self, setup: TrainingSetup, md: Any = None) -> None:
         tensors = [*setup.params, *setup.buffers]
@@ -349,82 +265,28 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
 
     # -- boundaries ---------------------------------------------------------------------------
 
-    def _boundary_request(
-        self,
-        generation: int,
-        completed: int = -1,
-        loss_sum: float = 0.0,
-        n: int = 0,
-        **extra: Any,
-    ) -> ps_pb2.BoundaryRequest:
-        """This learner's Boundary, reporting ``completed`` (-1: none) of ``generation``,
-        with what the script logged for that iteration."""
-        step, user = self._user
-        logged = user if completed >= 0 and completed == step else {}
-        return ps_pb2.BoundaryRequest(
-            job_id=self.job_id,
-            learner_id=self.learner_id,
-            generation=generation,
-            completed_iteration=completed,
-            loss_sum=loss_sum,
-            num_samples=n,
-            metric_sums={name: total for name, (total, _) in logged.items()},
-            metric_samples={name: count for name, (_, count) in logged.items()},
-            **extra,
-        )
-
     def log_metrics(self, step: int, metrics: Mapping[str, tuple[float, int]]) -> None:
         self._user = (step, dict(metrics))
 
     async def _boundary(self, md: Any = None) -> ps_pb2.BoundaryResponse:
-        request = self._boundary_request(*self._report)
+        request = boundary_request(self.job_id, self.learner_id, self._user, *self._report)
         refusal, self._stale_refusal = self._stale_refusal, None
         if refusal is not None:
             request.stale_refusal.CopyFrom(refusal)
-        reply = await self._control("Boundary", request, md)
-        if reply.routing_epoch > self._routing_epoch and reply.shards:
+        reply = await self.session.control("Boundary", request, md)
+        if reply.routing_epoch > self.session.routing_epoch and reply.shards:
             # A lost shard's slice moved to its backup: send and pull there from now on.
-            self._route(reply.shards)
-            self._routing_epoch = reply.routing_epoch
+            self.session.route(reply.shards, self._layout)
+            self.session.routing_epoch = reply.routing_epoch
             log.warning("shards re-routed (routing epoch %d)", reply.routing_epoch)
         return reply
 
     def next_assignment(self) -> Assignment | None:
-        return self._to_assignment(self._run(self._boundary(self._md())))
-
-    def _to_assignment(self, reply: ps_pb2.BoundaryResponse) -> Assignment | None:
-        """A RUN, RETIRE or DONE answer as the trainer's :class:`Assignment` (None: done)."""
+        reply = self._run(self._boundary(self._md()))
         plan = self._require_plan()
-        if reply.action == ps_pb2.BOUNDARY_ACTION_DONE:
-            return None
-        if reply.action == ps_pb2.BOUNDARY_ACTION_RETIRE:
-            return Assignment.retirement(self._report[0], self._report[1] + 1)
-        if reply.action != ps_pb2.BOUNDARY_ACTION_RUN:
-            raise RuntimeError(f"unknown boundary action {reply.action}")
-        a = reply.assignment
-        self._generation = int(a.generation)
-        # A coordinator that sends the global batch sends where it starts (positions are kept
-        # in samples: with an adaptive batch it is not iteration x B).
-        start = int(a.batch_start) if a.global_batch else a.iteration * plan.batch_size
-        assignment = Assignment(
-            generation=int(a.generation),
-            epoch=a.epoch,
-            iteration=a.iteration,
-            step=int(a.global_iteration),
-            rank=a.rank,
-            world_size=a.world_size,
-            batch_start=start,
-            batch_stop=start + a.batch_samples,
-            pull_parameters=reply.pull_parameters,
-            global_batch=a.global_batch,
-            gradient_noise_scale=a.gradient_noise_scale,
-        )
-        if assignment.share != (a.sample_start, a.sample_end):
-            raise RuntimeError(
-                f"coordinator's sample range [{a.sample_start}, {a.sample_end}) differs from "
-                f"the partition's {assignment.share} (rank {a.rank} of {a.world_size})"
-            )
-        return assignment
+        if reply.action == ps_pb2.BOUNDARY_ACTION_RUN:
+            self._generation = int(reply.assignment.generation)
+        return assignment_of(reply, plan, self._report[:2])
 
     # -- parameters ---------------------------------------------------------------------------
 
@@ -653,45 +515,10 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
     def report_epoch(self, report: EpochReport) -> None:
         values = {"test_loss": float(report.loss)}
         values.update({k: float(v) for k, v in report.metrics.items()})
-        request = ps_pb2.ReportEpochMetricsRequest(
-            job_id=self.job_id, learner_id=self.learner_id, epoch=report.epoch, values=values
-        )
-        try:
-            self._run(self._control("ReportEpochMetrics", request))
-        except Exception as exc:  # metrics are best effort: never stop training for them
-            log.warning("epoch %d metrics not recorded: %s", report.epoch, exc)
+        self.session.report_epoch_metrics(report.epoch, values)
 
     def close(self) -> None:
-        if self._closed:
-            return
-
-        async def shutdown() -> None:
-            lanes = [s for s in self._shards if s.lane is not None]
-            await asyncio.gather(
-                *(
-                    close_lane(
-                        s.stub,
-                        s.lane,
-                        job_id=self.job_id,
-                        learner_id=self.learner_id,
-                        md=self._metadata,
-                    )
-                    for s in lanes
-                ),
-                return_exceptions=True,
-            )
-            for s in lanes:
-                s.lane = None
-            for channel in self._channels.values():
-                await channel.close()
-
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=5)
-        self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            self._loop.close()
+        self.session.close()
 
     def _require_plan(self) -> TrainingPlan:
         if self._plan is None:
