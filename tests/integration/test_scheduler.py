@@ -128,6 +128,7 @@ async def start_loop(
     max_failures: int = 5,
     registry: bool = False,
     health: HealthConfig | None = None,
+    incremental: bool = True,
 ) -> tuple[JobTable, Reconciler, JobApi, asyncio.Task[None]]:
     table = JobTable(store)
     peers = Peers([cluster.rm_address], cluster.shard_addresses, token=None)
@@ -135,6 +136,7 @@ async def start_loop(
         sync_shards=() if registry else tuple(cluster.shard_addresses),
         placement=PlacementConfig(policy=Policy.PRIORITY, hold_time=hold_time),
         resync_interval_s=0.1,
+        incremental_placement=incremental,
         stop_grace_s=0.5,
         finish_grace_s=0.5,
         max_learner_failures=max_failures,
