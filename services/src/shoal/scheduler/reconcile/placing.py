@@ -100,7 +100,9 @@ class Placing:
             self.full_cycles += 1
             return plan(demands, inventory.host_views(), current, self.config, now=now)
         changed = inventory.take_changed()
-        if self.planner is None or now - self._last_full >= self.resync_interval_s:
+        # The safety net: the term's first cycle, then every resync interval (or when the
+        # clock went back).
+        if self.planner is None or not 0 <= now - self._last_full < self.resync_interval_s:
             return self._full(demands, inventory, current, changed, now)
         try:
             self._events(demands, inventory, current, changed)
@@ -123,6 +125,9 @@ class Placing:
         *,
         compare: bool = True,
     ) -> Plan:
+        # Until this cycle succeeds (plan raises on an invalid observed state, as it always
+        # did), the next one is a full one too: the planner may hold half of the events.
+        self._last_full = -math.inf
         views = inventory.host_views()
         full = plan(demands, views, current, self.config, now=now)  # raises as before
         self.full_cycles += 1
