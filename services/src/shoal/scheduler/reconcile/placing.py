@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections.abc import Sequence
 
 from shoal.scheduler.incremental import IncrementalPlanner
@@ -76,7 +77,7 @@ class Placing:
         self.divergences = 0  # safety-net cycles where the planner's decision differed
         self.last_divergence: list[str] = []
         self._demands: dict[str, JobDemand] = {}  # as given to the planner last cycle
-        self._learners: dict[str, LearnerView] = {}  # as given to the planner last cycle
+        self._learners: set[tuple[str, str, str, str, bool]] = set()  # given last cycle
         self._hosts: set[str] = set()  # the hosts the planner knows
         self._last_full = -math.inf
 
@@ -84,7 +85,7 @@ class Placing:
         """A new leadership term: the next cycle is a full one and resyncs the planner."""
         self.planner = None
         self._demands = {}
-        self._learners = {}
+        self._learners = set()
         self._hosts = set()
         self._last_full = -math.inf
 
@@ -146,11 +147,10 @@ class Placing:
                     ", ".join(differ),
                 )
         if self.planner is None:
-            self.planner = IncrementalPlanner(self.config, demands, views, current)
-        else:
-            self.planner.resync(demands, views, current)
+            self.planner = IncrementalPlanner(self.config)
+        self.planner.resync(demands, views, current, validated=True)  # plan() just ran on it
         self._demands = {d.job_id: d for d in demands}
-        self._learners = {v.learner_id: v for v in current}
+        self._learners = set(map(_KEY, current))
         self._hosts = {v.host_id for v in views}
         self._last_full = now
         return full
@@ -167,13 +167,21 @@ class Placing:
         """Give the planner what changed since the last cycle, as events."""
         planner = self.planner
         assert planner is not None
-        learners = {v.learner_id: v for v in current}
-        old = self._learners
+        # The learners as tuples, diffed as sets (hashing and comparing in C: the loop observes
+        # every learner each cycle, and only the few that changed become events).
+        learners = set(map(_KEY, current))
+        gone = self._learners - learners
+        came = learners - self._learners
+        came_by_id = {t[0]: t for t in came}
+        retired: list[str] = []
         # Learners gone (exited and processed, lost, dropped) first: they free devices.
-        for lid, view in old.items():
-            new = learners.get(lid)
-            if new is None or (new != view and not _retired(view, new)):
-                planner.remove_learner(lid)
+        for old in sorted(gone):
+            new = came_by_id.get(old[0])
+            if new is not None and not old[4] and new[4] and old[:4] == new[:4]:
+                retired.append(old[0])  # the same learner, asked to retire
+                del came_by_id[old[0]]
+            else:
+                planner.remove_learner(old[0])
         for host_id in sorted(changed):
             view = inventory.view(host_id)
             if view is not None:
@@ -182,12 +190,10 @@ class Placing:
             elif host_id in self._hosts:
                 planner.remove_host(host_id)
                 self._hosts.discard(host_id)
-        for lid, view in learners.items():
-            before = old.get(lid)
-            if before is None or (before != view and not _retired(before, view)):
-                planner.add_learner(view)
-            elif before != view:
-                planner.retire_learner(lid)
+        for lid in retired:
+            planner.retire_learner(lid)
+        for new in sorted(came_by_id.values()):
+            planner.add_learner(LearnerView(*new))
         self._learners = learners
         wanted = {d.job_id: d for d in demands}
         for job_id in [j for j in self._demands if j not in wanted]:
@@ -198,11 +204,5 @@ class Placing:
         self._demands = wanted
 
 
-def _retired(before: LearnerView, after: LearnerView) -> bool:
-    """Whether ``after`` is ``before`` asked to retire (nothing else changed)."""
-    return (
-        not before.retiring
-        and after.retiring
-        and (before.job_id, before.host_id, before.device_id)
-        == (after.job_id, after.host_id, after.device_id)
-    )
+_KEY = operator.attrgetter("learner_id", "job_id", "host_id", "device_id", "retiring")
+"""A learner view as a tuple (what the event diff compares)."""
