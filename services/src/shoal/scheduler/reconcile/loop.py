@@ -11,7 +11,10 @@ pure functions of :mod:`shoal.scheduler.reconcile.decide`, which it applies):
 
 1. builds the observed state: the inventory (hosts, devices, the ledger) and every learner the
    jobs hold; learners on lost hosts (or on an older incarnation of their host) are lost;
-2. runs the pure policy + placement (``shoal.scheduler.placement.plan``);
+2. runs the pure policy + placement: after an event the incremental planner, given what
+   changed as events; the full ``shoal.scheduler.placement.plan`` on the safety net (the
+   term's first cycle, then every resync interval), which logs and overrides a planner that
+   disagrees (:mod:`shoal.scheduler.reconcile.placing`);
 3. turns the plan and the housekeeping each job needs (exits to process, learners to stop,
    a cancel to finish, a data plane to close, a job to requeue) into one :class:`JobWork` per
    job, and hands each to a worker task, at most one per job (a job is never reconciled twice
