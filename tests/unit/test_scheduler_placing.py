@@ -164,3 +164,19 @@ def test_diverging_jobs_names_each_difference() -> None:
     b = plan([JobDemand(job_id="j2", priority=1, submit_seq=0, max_workers=2)], [], [], config)
     assert diverging_jobs(a, a) == []
     assert diverging_jobs(a, b) == ["j1", "j2"]
+
+
+def test_the_incremental_placement_flag_is_on_by_default_and_checked() -> None:
+    from shoal.contract.errors import InvalidField
+    from shoal.scheduler.main import build_parser, config_from_args
+
+    base = ["--insecure-no-auth", "--resource-managers", "rm:1", "--sync-shards", "ps:1"]
+
+    def config(*flags: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+        return config_from_args(build_parser(env or {}).parse_args([*base, *flags]))
+
+    assert config().incremental_placement is True
+    assert config("--incremental-placement", "off").incremental_placement is False
+    assert config(env={"SHOAL_INCREMENTAL_PLACEMENT": "OFF"}).incremental_placement is False
+    with pytest.raises(InvalidField, match=r"incremental_placement.*maybe"):
+        config("--incremental-placement", "maybe")
