@@ -71,8 +71,12 @@ class IncrementalPlanner:
         jobs: Iterable[JobDemand],
         inventory: Iterable[HostView],
         current: Iterable[LearnerView],
+        *,
+        validated: bool = False,
     ) -> None:
         """Replace the whole state by the observed one (the safety net's resync), in bulk.
+        ``validated``: the caller has just run ``plan()`` over this very input (the safety
+        net does), so it is not run again here.
 
         Raises:
             ValueError: as ``plan()`` for the same input; the state is then unchanged.
@@ -82,7 +86,8 @@ class IncrementalPlanner:
         current = list(current)
         # Validate exactly as the full cycle does before touching anything (plan raises the
         # same errors for the same input).
-        plan(jobs, inventory, current, self.config)
+        if not validated:
+            plan(jobs, inventory, current, self.config)
         self._jobs: dict[str, JobDemand] = {j.job_id: j for j in jobs}
         # The jobs in admission order and their sort keys, kept by the job events (a bisection
         # and a list insert or delete, instead of sorting every job at each decision).

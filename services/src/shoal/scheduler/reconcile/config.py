@@ -21,6 +21,9 @@ class ReconcileConfig:
     """The shards in shard order; empty: read the registry the shards keep in etcd."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     resync_interval_s: float = 1.0
+    incremental_placement: bool = True
+    """Decide after an event with the incremental planner (``placing.py``), the full plan
+    every ``resync_interval_s`` as the safety net; False: the full plan every cycle."""
     call_timeout_s: float = 10.0
     start_timeout_s: float = 60.0
     stop_grace_s: float = 10.0

@@ -11,7 +11,10 @@ pure functions of :mod:`shoal.scheduler.reconcile.decide`, which it applies):
 
 1. builds the observed state: the inventory (hosts, devices, the ledger) and every learner the
    jobs hold; learners on lost hosts (or on an older incarnation of their host) are lost;
-2. runs the pure policy + placement (``shoal.scheduler.placement.plan``);
+2. runs the pure policy + placement: after an event the incremental planner, given what
+   changed as events; the full ``shoal.scheduler.placement.plan`` on the safety net (the
+   term's first cycle, then every resync interval), which logs and overrides a planner that
+   disagrees (:mod:`shoal.scheduler.reconcile.placing`);
 3. turns the plan and the housekeeping each job needs (exits to process, learners to stop,
    a cancel to finish, a data plane to close, a job to requeue) into one :class:`JobWork` per
    job, and hands each to a worker task, at most one per job (a job is never reconciled twice
@@ -54,7 +57,6 @@ from shoal.scheduler.jobs import (
 )
 from shoal.scheduler.placement import (
     Start,
-    plan,
 )
 from shoal.scheduler.reconcile import decide
 from shoal.scheduler.reconcile.config import ELECTION, ReconcileConfig
@@ -63,6 +65,7 @@ from shoal.scheduler.reconcile.lifecycle import JobLifecycle
 from shoal.scheduler.reconcile.peers import (
     Peers,
 )
+from shoal.scheduler.reconcile.placing import Placing
 from shoal.scheduler.reconcile.registry import CoordinatorMoves, ShardRegistry
 from shoal.scheduler.reconcile.watch import InventoryWatch
 from shoal.scheduler.reconcile.work import Backoff, JobWork
@@ -104,6 +107,11 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self.metrics = metrics
         self.registry = None if config.sync_shards else ShardRegistry(table.store)
         self.inventory = Inventory()
+        self.placing = Placing(
+            config.placement,
+            resync_interval_s=config.resync_interval_s,
+            incremental=config.incremental_placement,
+        )
         self.exits: dict[str, resources_pb2.Learner] = {}
         self.members: dict[str, tuple[str, ...]] = {}
         self._wake = asyncio.Event()
@@ -130,6 +138,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
 
     def _reset(self) -> None:
         self.inventory = Inventory()
+        self.placing.reset()  # a term starts from a full cycle and a resync of the planner
         self.exits = {}
         self.members = {}
         self._wake = asyncio.Event()
@@ -295,9 +304,9 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
             self._spawn(self._forget_throughput(job_id), f"forget-throughput-{job_id}")
         # Placement must not see a device twice; lost learners were left out by observe.
         targets_before = {r.job_id: r.job.target_workers for r in records.values()}
-        decided = plan(
-            demands, self.inventory.host_views(), observed.current, self.config.placement, now=now
-        )
+        # After events, the incremental planner's decision; the full plan on the safety net
+        # (the first cycle of the term, then every resync interval): placing.py.
+        decided = self.placing.decide(demands, self.inventory, observed.current, now)
         changed = []
         for job_id, (target, position) in decide.targets(records, decided).items():
             record = records[job_id]
