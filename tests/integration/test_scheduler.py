@@ -179,11 +179,14 @@ async def loop(tmp_path: Path) -> AsyncIterator[Loop]:
     await reconciler.peers.close()
     await cluster.stop()
     await store.close()
-    # Every test here runs the incremental planner (the default) with the full plan as the
-    # safety net every 0.1 s: the two never disagreed (placing.py logs and counts it).
+    # Every test here runs the incremental path (the default: only the jobs that changed are
+    # observed again, the incremental planner decides) with the full cycle as the safety net
+    # every 0.1 s: the two never disagreed, neither the observed view nor the decisions
+    # (observing.py and placing.py log and count it).
     placing = reconciler.placing
     assert placing.incremental_cycles > 0
     assert placing.divergences == 0, placing.last_divergence
+    assert reconciler.observing.divergences == 0, reconciler.observing.last_divergence
 
 
 async def test_the_reference_scenario_fairshare_priority_completion_and_host_loss(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 from collections.abc import Iterable, Mapping
 
 from shoal.scheduler.placement import (
@@ -131,6 +132,34 @@ class IncrementalPlanner:
     def learners(self) -> list[LearnerView]:
         """Every learner, in the order they were added (``plan()``'s ``current``)."""
         return list(self._learners.values())
+
+    def differs_from(
+        self,
+        jobs: Iterable[JobDemand],
+        inventory: Iterable[HostView],
+        current: Iterable[LearnerView],
+    ) -> list[str]:
+        """What of the planner's input state differs from the given one (the safety net's
+        check beside the decision): the job ids, host ids and learner ids that differ; ``[]``
+        when the state is the same (the learners' order aside)."""
+        out: list[str] = []
+        wanted = {j.job_id: j for j in jobs}
+        if wanted != self._jobs:
+            out += sorted(
+                j for j in wanted.keys() | self._jobs.keys() if wanted.get(j) != self._jobs.get(j)
+            )
+        hosts = {h.host_id: h for h in inventory}
+        if hosts != self._hosts:
+            out += sorted(
+                f"host {h}"
+                for h in hosts.keys() | self._hosts.keys()
+                if hosts.get(h) != self._hosts.get(h)
+            )
+        seen = set(map(_LEARNER_KEY, current))
+        kept = set(map(_LEARNER_KEY, self._learners.values()))
+        if seen != kept:
+            out += sorted({f"learner {k[0]} of {k[1]}" for k in seen ^ kept})
+        return out
 
     # -- job events ---------------------------------------------------------------------------
 
@@ -410,3 +439,6 @@ class IncrementalPlanner:
                 self._free[host_id] = ids
         self._cap[host_id] = cap
         self.capacity += cap
+
+
+_LEARNER_KEY = operator.attrgetter("learner_id", "job_id", "host_id", "device_id", "retiring")

@@ -22,8 +22,11 @@ class ReconcileConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     resync_interval_s: float = 1.0
     incremental_placement: bool = True
-    """Decide after an event with the incremental planner (``placing.py``), the full plan
-    every ``resync_interval_s`` as the safety net; False: the full plan every cycle."""
+    """After an event observe only the jobs that changed (``observing.py``) and decide with
+    the incremental planner (``placing.py``), the full cycle every
+    ``placement_check_interval_s`` as the safety net; False: the full cycle every cycle."""
+    placement_check_interval_s: float | None = None
+    """Seconds between the safety net's full cycles (None: ``resync_interval_s``)."""
     call_timeout_s: float = 10.0
     start_timeout_s: float = 60.0
     stop_grace_s: float = 10.0

@@ -37,6 +37,7 @@ from shoal.v1 import job_pb2 as S, resources_pb2
 __all__ = [
     "Observed",
     "decide",
+    "demand",
     "demands",
     "job_of",
     "lost_reason",
@@ -116,21 +117,22 @@ def observe(
     return seen
 
 
+def demand(r: JobRecord) -> JobDemand:
+    """One job as the share policy sees it."""
+    return JobDemand(
+        job_id=r.job_id,
+        priority=r.job.spec.priority,
+        submit_seq=r.submit_seq,
+        min_workers=r.job.spec.min_workers,
+        max_workers=r.job.spec.max_workers,
+        last_shrunk_at=r.last_shrunk_at,
+        previous_priority=r.decided_priority,
+    )
+
+
 def demands(records: Mapping[str, JobRecord]) -> list[JobDemand]:
     """Step 2: the active jobs, as the share policy sees them."""
-    return [
-        JobDemand(
-            job_id=r.job_id,
-            priority=r.job.spec.priority,
-            submit_seq=r.submit_seq,
-            min_workers=r.job.spec.min_workers,
-            max_workers=r.job.spec.max_workers,
-            last_shrunk_at=r.last_shrunk_at,
-            previous_priority=r.decided_priority,
-        )
-        for r in records.values()
-        if r.active
-    ]
+    return [demand(r) for r in records.values() if r.active]
 
 
 def targets(records: Mapping[str, JobRecord], decided: Plan) -> dict[str, tuple[int, int]]:

@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from opentelemetry import context as otel_context, trace
@@ -55,13 +55,13 @@ from shoal.scheduler.jobs import (
     JobRecord,
     LearnerRecord,
 )
-from shoal.scheduler.placement import (
-    Start,
-)
+from shoal.scheduler.placement import Plan, Start
+from shoal.scheduler.policy import JobDemand
 from shoal.scheduler.reconcile import decide
 from shoal.scheduler.reconcile.config import ELECTION, ReconcileConfig
 from shoal.scheduler.reconcile.inventory import Inventory
 from shoal.scheduler.reconcile.lifecycle import JobLifecycle
+from shoal.scheduler.reconcile.observing import Observing
 from shoal.scheduler.reconcile.peers import (
     Peers,
 )
@@ -109,9 +109,18 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self.inventory = Inventory()
         self.placing = Placing(
             config.placement,
-            resync_interval_s=config.resync_interval_s,
+            resync_interval_s=(
+                config.resync_interval_s
+                if config.placement_check_interval_s is None
+                else config.placement_check_interval_s
+            ),
             incremental=config.incremental_placement,
         )
+        self.observing = Observing()  # the kept observed view (incremental cycles)
+        self._touched: set[str] = set()  # jobs to observe again next cycle
+        self._last_shares: Mapping[str, int] = {}
+        self._last_queue: list[str] = []
+        self._last_held: set[str] = set()
         self.exits: dict[str, resources_pb2.Learner] = {}
         self.members: dict[str, tuple[str, ...]] = {}
         self._wake = asyncio.Event()
@@ -139,6 +148,11 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
     def _reset(self) -> None:
         self.inventory = Inventory()
         self.placing.reset()  # a term starts from a full cycle and a resync of the planner
+        self.observing.reset()
+        self._touched = set()
+        self._last_shares = {}
+        self._last_queue = []
+        self._last_held = set()
         self.exits = {}
         self.members = {}
         self._wake = asyncio.Event()
@@ -296,20 +310,18 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         records = self.table.records
         hosts = self.inventory.hosts
 
-        observed = decide.observe(records, hosts, self.exits, busy=self._busy)
-        demands = self.goodput.annotate(decide.demands(records))
-        for job_id in [j for j in self._throughput_saved if j not in self.goodput.jobs()]:
-            # The job ended (annotate forgot its model): its stored state goes too.
-            del self._throughput_saved[job_id]
-            self._spawn(self._forget_throughput(job_id), f"forget-throughput-{job_id}")
         # Placement must not see a device twice; lost learners were left out by observe.
-        targets_before = {r.job_id: r.job.target_workers for r in records.values()}
-        # After events, the incremental planner's decision; the full plan on the safety net
-        # (the first cycle of the term, then every resync interval): placing.py.
-        decided = self.placing.decide(demands, self.inventory, observed.current, now)
+        # After events only the jobs that changed are observed again and decided by the
+        # incremental planner; every resync interval (and with --incremental-placement off:
+        # every cycle) the full cycle, the safety net: observing.py, placing.py.
+        observed, decided, scope = self._observe_and_place(records, now)
+        targets_before = {job_id: r.job.target_workers for job_id, r in scope.items()}
         changed = []
-        for job_id, (target, position) in decide.targets(records, decided).items():
+        for job_id, (target, position) in decide.targets(scope, decided).items():
             record = records[job_id]
+            if record.decided_priority != record.job.spec.priority:
+                # The next cycle's demand of it carries the priority decided now.
+                self._touched.add(job_id)
             record.decided_priority = record.job.spec.priority
             if self.metrics is not None:
                 self.metrics.target_changed(job_id, record.job.target_workers, target, now)
@@ -317,11 +329,12 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                 record.job.target_workers = target
                 record.job.queue_position = position
                 changed.append(job_id)
+                self.table.mark(job_id)
         moved = self._moved & records.keys()
         self._moved -= moved
         held = {job_id for job_id, health in self.health.items() if health.down}
         work = decide.decide(
-            records,
+            scope,
             hosts,
             observed,
             decided,
@@ -343,7 +356,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                     bool(starts_by_job.get(r.job_id))
                     or bool(r.job_id in work and (work[r.job_id].retires or work[r.job_id].lost)),
                 )
-                for r in records.values()
+                for r in scope.values()
                 if r.active
             ],
             causes=causes,
@@ -369,16 +382,25 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                 self._wake_at(backoff.until)
                 continue
             jw.starts = self._pending_learners(record, starts, now)
+            if jw.starts:
+                self.table.mark(job_id)  # PENDING learners added in memory
             self._busy[job_id] = self._spawn(
                 self._run_worker(record, jw, causes), f"scheduler-job-{job_id}"
             )
             dispatched += 1
 
         # Exits of learners no job knows are of no use; orphans are freed by the sweep.
-        known = {lid for r in records.values() for lid in r.learners}
-        for learner_id in [lid for lid in self.exits if lid not in known]:
-            del self.exits[learner_id]
-        self._release_orphans(known)
+        if scope is records:
+            known = {lid for r in records.values() for lid in r.learners}
+            for learner_id in [lid for lid in self.exits if lid not in known]:
+                del self.exits[learner_id]
+            self._release_orphans(known)  # a full cycle: every allocation against every job
+        else:
+            for learner_id in list(self.exits):
+                owner = records.get(self.observing.job_of(learner_id) or "")
+                if owner is None or learner_id not in owner.learners:
+                    if decide.job_of(records, learner_id) is None:
+                        del self.exits[learner_id]
         self.rescales.check_all(records)
         span = trace.get_current_span()
         if span.is_recording():
@@ -387,7 +409,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                     "shoal.cycle": self.cycles,
                     "shoal.cycle.causes": causes,
                     "shoal.cycle.jobs": len(records),
-                    "shoal.cycle.jobs_active": len(demands),
+                    "shoal.cycle.jobs_looked_at": len(scope),
                     "shoal.cycle.jobs_queued": len(decided.queue),
                     "shoal.cycle.starts": len(decided.starts),
                     "shoal.cycle.retires": len(decided.retires),
@@ -396,6 +418,102 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                     "shoal.cycle.rescales_open": len(self.rescales.open),
                 }
             )
+
+    def _observe_and_place(
+        self, records: dict[str, JobRecord], now: float
+    ) -> tuple[decide.Observed, Plan, dict[str, JobRecord]]:
+        """Steps 1-2 of the cycle: (what was observed, the plan, the jobs the rest of the cycle
+        looks at). A full cycle observes every record and returns them all; an incremental
+        one observes again only the jobs that changed (the table's dirty set, the goodput
+        models polled, exits, workers, changed hosts) and returns the jobs the plan or their
+        state may give work to."""
+        hosts = self.inventory.hosts
+        placing = self.placing
+        if not placing.incremental:
+            observed = decide.observe(records, hosts, self.exits, busy=self._busy)
+            demands = self._demands(records)
+            decided = placing.decide(demands, self.inventory, observed.current, now)
+            self._last_shares = decided.shares
+            return observed, decided, records
+        changed_hosts = self.inventory.take_changed()
+        dirty = self.table.take_dirty() | self.goodput.take_changed() | self._touched
+        self._touched = set()
+        changes = self.observing.update(
+            records, hosts, self.exits, self._busy, dirty=dirty, changed_hosts=changed_hosts
+        )
+        demand_changes: dict[str, JobDemand | None] = {}
+        gone: set[tuple[str, str, str, str, bool]] = set()
+        came: set[tuple[str, str, str, str, bool]] = set()
+        for job_id, (before, after) in changes.items():
+            if before != after:
+                gone.update(before)
+                came.update(after)
+            record = records.get(job_id)
+            demand_changes[job_id] = (
+                self.goodput.annotate_one(decide.demand(record))
+                if record is not None and record.active
+                else None
+            )
+        gone, came = gone - came, came - gone
+        if placing.due(now):
+            observed = self.observing.full(records, hosts, self.exits, self._busy)
+            demands = self._demands(records)
+            decided = placing.full(
+                demands,
+                self.inventory,
+                observed.current,
+                now,
+                gone=gone,
+                came=came,
+                demand_changes=demand_changes,
+                changed_hosts=changed_hosts,
+            )
+            self._last_shares = decided.shares
+            return observed, decided, records
+        for job_id, demand in demand_changes.items():
+            if demand is None and job_id in self._throughput_saved:
+                self.goodput.forget(job_id)  # the job ended: its stored model goes too
+                del self._throughput_saved[job_id]
+                self._spawn(self._forget_throughput(job_id), f"forget-throughput-{job_id}")
+        decided = placing.step(
+            self.inventory,
+            now,
+            gone=gone,
+            came=came,
+            demand_changes=demand_changes,
+            changed_hosts=changed_hosts,
+            fallback=lambda: (self._demands(records), self.observing.current()),
+        )
+        observed = decide.Observed(work=dict(self.observing.work))
+        # The jobs the rest of the cycle looks at: those observed again, those with a timer
+        # or observed work, those the plan starts, retires, loses or gives another share or
+        # queue position, the moved, held and backed-off ones.
+        last, self._last_shares = self._last_shares, decided.shares
+        scope_ids = set(changes)
+        scope_ids |= self.observing.attention
+        scope_ids |= observed.work.keys()
+        scope_ids.update(s.job_id for s in decided.starts)
+        scope_ids.update(r.job_id for r in decided.retires)
+        scope_ids.update(filter(None, map(self.observing.job_of, decided.lost)))
+        if decided.shares is not last:
+            scope_ids.update(j for j, n in decided.shares.items() if last.get(j) != n)
+            scope_ids.update(j for j in last if j not in decided.shares)
+        scope_ids.update(decided.queue)
+        scope_ids.update(self._last_queue)
+        self._last_queue = list(decided.queue)
+        held = {job_id for job_id, health in self.health.items() if health.down}
+        scope_ids |= held | self._last_held | self._moved | self._backoff.keys()
+        self._last_held = held
+        return observed, decided, {j: records[j] for j in scope_ids if j in records}
+
+    def _demands(self, records: dict[str, JobRecord]) -> list[JobDemand]:
+        """Every active job's demand, annotated; the stored models of ended jobs go."""
+        demands = self.goodput.annotate(decide.demands(records))
+        for job_id in [j for j in self._throughput_saved if j not in self.goodput.jobs()]:
+            # The job ended (annotate forgot its model): its stored state goes too.
+            del self._throughput_saved[job_id]
+            self._spawn(self._forget_throughput(job_id), f"forget-throughput-{job_id}")
+        return demands
 
     def _coordinator_moved(self, job_id: str, moved: CoordinatorRecord) -> None:
         """The parameter-sync tier moved a job's coordinator (a shard failed over): talk to

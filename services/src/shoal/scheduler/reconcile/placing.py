@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from shoal.scheduler.incremental import IncrementalPlanner
 from shoal.scheduler.placement import LearnerView, PlacementConfig, Plan, plan
@@ -61,9 +61,18 @@ def diverging_jobs(a: Plan, b: Plan) -> list[str]:
     return sorted(out)
 
 
+LearnerKey = tuple[str, str, str, str, bool]
+
+
 class Placing:
     """The placement step of the loop's cycles (see the module docstring). One per
-    :class:`~shoal.scheduler.reconcile.loop.Reconciler`; :meth:`reset` when a term begins."""
+    :class:`~shoal.scheduler.reconcile.loop.Reconciler`; :meth:`reset` when a term begins.
+
+    Two ways to feed it: :meth:`decide` with the whole observed state (the changes are derived
+    by diffing it with the last cycle's: O(jobs + learners)), or, as the loop does, :meth:`due`
+    then :meth:`step` (after an event) or :meth:`full` (the safety net) with only what changed
+    per job (``demand_changes``, ``learner_changes``) and the hosts the inventory says changed.
+    """
 
     def __init__(
         self, config: PlacementConfig, *, resync_interval_s: float, incremental: bool = True
@@ -74,10 +83,11 @@ class Placing:
         self.planner: IncrementalPlanner | None = None
         self.incremental_cycles = 0  # decisions taken from the planner
         self.full_cycles = 0  # decisions taken from the full plan
-        self.divergences = 0  # safety-net cycles where the planner's decision differed
+        self.divergences = 0  # safety-net cycles where the planner differed
+        self.resyncs = 0  # planner rebuilds (the first, and after a divergence)
         self.last_divergence: list[str] = []
-        self._demands: dict[str, JobDemand] = {}  # as given to the planner last cycle
-        self._learners: set[tuple[str, str, str, str, bool]] = set()  # given last cycle
+        self._demands: dict[str, JobDemand] = {}  # as given to the planner
+        self._learners: set[LearnerKey] = set()  # given last cycle (decide's diff only)
         self._hosts: set[str] = set()  # the hosts the planner knows
         self._last_full = -math.inf
 
@@ -89,6 +99,16 @@ class Placing:
         self._hosts = set()
         self._last_full = -math.inf
 
+    def due(self, now: float) -> bool:
+        """Whether the cycle at ``now`` must be a full one: incremental placement off, the
+        term's first cycle, a resync interval since the last full one (or the clock went
+        back)."""
+        return (
+            not self.incremental
+            or self.planner is None
+            or not 0 <= now - self._last_full < self.resync_interval_s
+        )
+
     def decide(
         self,
         demands: Sequence[JobDemand],
@@ -96,82 +116,135 @@ class Placing:
         current: Sequence[LearnerView],
         now: float,
     ) -> Plan:
-        """The cycle's plan: the planner's after events, the full one on the safety net."""
+        """The cycle's plan from the whole observed state: the changes since the last cycle
+        are found by diffing it (the demands, the learners as sets of tuples)."""
         if not self.incremental:
             self.full_cycles += 1
             return plan(demands, inventory.host_views(), current, self.config, now=now)
         changed = inventory.take_changed()
-        # The safety net: the term's first cycle, then every resync interval (or when the
-        # clock went back).
-        if self.planner is None or not 0 <= now - self._last_full < self.resync_interval_s:
-            return self._full(demands, inventory, current, changed, now)
+        learners = set(map(_KEY, current))
+        gone, came = self._learners - learners, learners - self._learners
+        self._learners = learners
+        wanted = {d.job_id: d for d in demands}
+        demand_changes: dict[str, JobDemand | None] = {
+            j: None for j in self._demands if j not in wanted
+        }
+        demand_changes.update((j, d) for j, d in wanted.items() if self._demands.get(j) != d)
+        if self.due(now):
+            return self.full(
+                demands,
+                inventory,
+                current,
+                now,
+                gone=gone,
+                came=came,
+                demand_changes=demand_changes,
+                changed_hosts=changed,
+            )
+        return self.step(
+            inventory,
+            now,
+            gone=gone,
+            came=came,
+            demand_changes=demand_changes,
+            changed_hosts=changed,
+            fallback=lambda: (demands, current),
+        )
+
+    def step(
+        self,
+        inventory: Inventory,
+        now: float,
+        *,
+        gone: Iterable[LearnerKey],
+        came: Iterable[LearnerKey],
+        demand_changes: Mapping[str, JobDemand | None],
+        changed_hosts: Iterable[str],
+        fallback: Callable[[], tuple[Sequence[JobDemand], Sequence[LearnerView]]],
+    ) -> Plan:
+        """A cycle after events: the changes given to the planner, its decision. An event
+        it refuses (``ValueError``) makes this cycle a full one over ``fallback()`` (the
+        whole observed state: demands, learners)."""
         try:
-            self._events(demands, inventory, current, changed)
-            decided = self.planner.decide(now)
+            self._apply(inventory, gone, came, demand_changes, changed_hosts)
+            decided = self.planner.decide(now)  # type: ignore[union-attr]
         except ValueError as exc:
             log.warning("incremental placement refused an event (%s): full cycle", exc)
-            return self._full(demands, inventory, current, set(), now, compare=False)
+            demands, current = fallback()
+            return self.full(demands, inventory, current, now, compare=False)
         self.incremental_cycles += 1
         return decided
 
     # -- the safety net -----------------------------------------------------------------------
 
-    def _full(
+    def full(
         self,
         demands: Sequence[JobDemand],
         inventory: Inventory,
         current: Sequence[LearnerView],
-        changed: set[str],
         now: float,
         *,
+        gone: Iterable[LearnerKey] = (),
+        came: Iterable[LearnerKey] = (),
+        demand_changes: Mapping[str, JobDemand | None] | None = None,
+        changed_hosts: Iterable[str] = (),
         compare: bool = True,
     ) -> Plan:
+        """The full plan over the whole observed state (acted on). With ``compare`` and a
+        planner, the pending changes are given to it first and its decision and its state are
+        compared with the full plan and the observed state: on a difference one warning names
+        the jobs and the planner is rebuilt (``resync``); without one it is kept as it is."""
         # Until this cycle succeeds (plan raises on an invalid observed state, as it always
         # did), the next one is a full one too: the planner may hold half of the events.
         self._last_full = -math.inf
         views = inventory.host_views()
         full = plan(demands, views, current, self.config, now=now)  # raises as before
         self.full_cycles += 1
-        if compare and self.planner is not None:
+        rebuild = self.planner is None or not compare
+        if not rebuild:
             try:
-                self._events(demands, inventory, current, changed)
-                differ = diverging_jobs(self.planner.decide(now), full)
+                self._apply(inventory, gone, came, demand_changes or {}, changed_hosts)
+                differ = diverging_jobs(self.planner.decide(now), full)  # type: ignore[union-attr]
+                if not differ:
+                    differ = self.planner.differs_from(demands, views, current)  # type: ignore[union-attr]
             except ValueError as exc:
                 differ = [f"<event refused: {exc}>"]
             if differ:
+                rebuild = True
                 self.divergences += 1
                 self.last_divergence = differ
                 log.warning(
                     "incremental placement diverged from the full cycle on %s: the full plan "
                     "is used and the planner resynced (an event was missed)",
-                    ", ".join(differ),
+                    ", ".join(differ[:20])
+                    + (f" (+{len(differ) - 20})" if len(differ) > 20 else ""),
                 )
-        if self.planner is None:
-            self.planner = IncrementalPlanner(self.config)
-        self.planner.resync(demands, views, current, validated=True)  # plan() just ran on it
-        self._demands = {d.job_id: d for d in demands}
+        if rebuild:
+            if self.planner is None:
+                self.planner = IncrementalPlanner(self.config)
+            self.planner.resync(demands, views, current, validated=True)  # plan() just ran
+            self.resyncs += 1
+            self._demands = {d.job_id: d for d in demands}
+            self._hosts = {v.host_id for v in views}
         self._learners = set(map(_KEY, current))
-        self._hosts = {v.host_id for v in views}
         self._last_full = now
         return full
 
     # -- events -------------------------------------------------------------------------------
 
-    def _events(
+    def _apply(
         self,
-        demands: Sequence[JobDemand],
         inventory: Inventory,
-        current: Sequence[LearnerView],
-        changed: set[str],
+        gone: Iterable[LearnerKey],
+        came: Iterable[LearnerKey],
+        demand_changes: Mapping[str, JobDemand | None],
+        changed: Iterable[str],
     ) -> None:
-        """Give the planner what changed since the last cycle, as events."""
+        """Give the planner what changed since the last cycle, as events: the learners gone
+        and come (keys), the hosts changed, the jobs whose demand changed (None: no longer
+        active)."""
         planner = self.planner
         assert planner is not None
-        # The learners as tuples, diffed as sets (hashing and comparing in C: the loop observes
-        # every learner each cycle, and only the few that changed become events).
-        learners = set(map(_KEY, current))
-        gone = self._learners - learners
-        came = learners - self._learners
         came_by_id = {t[0]: t for t in came}
         retired: list[str] = []
         # Learners gone (exited and processed, lost, dropped) first: they free devices.
@@ -194,14 +267,13 @@ class Placing:
             planner.retire_learner(lid)
         for new in sorted(came_by_id.values()):
             planner.add_learner(LearnerView(*new))
-        self._learners = learners
-        wanted = {d.job_id: d for d in demands}
-        for job_id in [j for j in self._demands if j not in wanted]:
-            planner.remove_job(job_id)
-        for job_id, demand in wanted.items():
-            if self._demands.get(job_id) != demand:
+        for job_id, demand in demand_changes.items():
+            if demand is None:
+                if self._demands.pop(job_id, None) is not None:
+                    planner.remove_job(job_id)
+            elif self._demands.get(job_id) != demand:
                 planner.submit(demand)
-        self._demands = wanted
+                self._demands[job_id] = demand
 
 
 _KEY = operator.attrgetter("learner_id", "job_id", "host_id", "device_id", "retiring")
