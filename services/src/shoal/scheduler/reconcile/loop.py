@@ -139,6 +139,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self._moved: set[str] = set()
         self._takeover_tried: dict[str, float] = {}
         self.cycles = 0
+        self.jobs_looked_at = 0  # the last cycle's jobs in scope (all of them on a full one)
         self.rescales = RescaleTracker(clock=clock)
         self.goodput = GoodputTracker()  # throughput models and attained service (goodput.py)
         self._throughput_saved: dict[str, float] = {}  # job -> when its model was last stored
@@ -315,6 +316,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         # incremental planner; every resync interval (and with --incremental-placement off:
         # every cycle) the full cycle, the safety net: observing.py, placing.py.
         observed, decided, scope = self._observe_and_place(records, now)
+        self.jobs_looked_at = len(scope)
         targets_before = {job_id: r.job.target_workers for job_id, r in scope.items()}
         changed = []
         for job_id, (target, position) in decide.targets(scope, decided).items():
