@@ -121,6 +121,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self._last_shares: Mapping[str, int] = {}
         self._last_queue: list[str] = []
         self._last_held: set[str] = set()
+        self._orphans_checked = 0.0
         self.exits: dict[str, resources_pb2.Learner] = {}
         self.members: dict[str, tuple[str, ...]] = {}
         self._wake = asyncio.Event()
@@ -397,12 +398,17 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
             for learner_id in [lid for lid in self.exits if lid not in known]:
                 del self.exits[learner_id]
             self._release_orphans(known)  # a full cycle: every allocation against every job
+            self._orphans_checked = now
         else:
             for learner_id in list(self.exits):
                 owner = records.get(self.observing.job_of(learner_id) or "")
                 if owner is None or learner_id not in owner.learners:
                     if decide.job_of(records, learner_id) is None:
                         del self.exits[learner_id]
+            if now - self._orphans_checked >= self.config.resync_interval_s:
+                # At most once per resync interval, against the kept learner index.
+                self._orphans_checked = now
+                self._release_orphans(self.observing)
         self.rescales.check_all(records)
         span = trace.get_current_span()
         if span.is_recording():

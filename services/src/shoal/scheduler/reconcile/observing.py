@@ -43,10 +43,18 @@ _QUIET_STATES = frozenset({S.JOB_STATE_QUEUED, S.JOB_STATE_RUNNING})
 def needs_attention(record: JobRecord) -> bool:
     """Whether the loop must look at the job every cycle, not only when it changes: a
     learner that is not RUNNING (a timeout, a restart or a PENDING one may be due), or a job
-    that is neither QUEUED nor RUNNING (a grace to wait out, a cancel or close to finish)."""
-    if record.job.state not in _QUIET_STATES:
+    neither QUEUED nor RUNNING that still has learners (a grace to wait out, learners to
+    stop), is CANCELLING, or has a data plane to close. A finished job with nothing left does
+    not (they stay in the table forever)."""
+    if any(lr.phase is not LearnerPhase.RUNNING for lr in record.learners.values()):
         return True
-    return any(lr.phase is not LearnerPhase.RUNNING for lr in record.learners.values())
+    if record.job.state in _QUIET_STATES:
+        return False
+    return (
+        bool(record.learners)
+        or record.job.state == S.JOB_STATE_CANCELLING
+        or (record.opened and not record.closed)
+    )
 
 
 def _key(view: LearnerView) -> LearnerKey:
@@ -76,6 +84,10 @@ class Observing:
     def job_of(self, learner_id: str) -> str | None:
         """The job that held ``learner_id`` when its record was last observed."""
         return self._learner_job.get(learner_id)
+
+    def __contains__(self, learner_id: object) -> bool:
+        """Whether a job's record held ``learner_id`` when last observed."""
+        return learner_id in self._learner_job
 
     def current(self) -> list[LearnerView]:
         """Every counted learner, as ``decide.observe`` gives them (``Observed.current``)."""
