@@ -14,6 +14,7 @@ import pytest
 from shoal.runtime.store import MemoryStore
 from shoal.scheduler.artifacts import Storage
 from shoal.scheduler.reconcile.inventory import Inventory
+from shoal.scheduler.store import JobTable
 from tests.integration.fakes import FakeCluster, chunked
 from tests.integration.test_scheduler import ALICE, Loop, spec, start_loop, stop_task
 
@@ -106,3 +107,48 @@ async def test_with_incremental_placement_off_every_cycle_runs_the_full_plan(
     placing = loop.reconciler.placing
     assert placing.incremental_cycles == 0 and placing.full_cycles > 0
     assert placing.planner is None
+
+
+async def test_a_record_changed_without_being_written_or_marked_is_caught_by_the_safety_net(
+    incremental: Loop, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Incremental cycles observe only the jobs the job table's dirty set (and the exits,
+    workers, changed hosts) name. A learner record dropped in memory, its job's dirty mark
+    lost (the table's notes of j1 are dropped on purpose: the job's progress saves would
+    otherwise mark it), is invisible to them; the next full cycle sees it, logs the job once
+    (both the observed view and the planner differ) and acts on the full observation: the
+    learner's allocation is an orphan, released, and the job grows back onto the device."""
+    loop = incremental
+    j1 = (await loop.api.submit(ALICE, "", spec(loop.artifact, max_workers=8))).job_id
+    j2 = (await loop.api.submit(ALICE, "", spec(loop.artifact, max_workers=8))).job_id
+    await loop.shares({j1: 4, j2: 4}, "4/4")
+    placing, observing = loop.reconciler.placing, loop.reconciler.observing
+    assert placing.divergences == 0 and observing.divergences == 0
+    caplog.set_level(logging.WARNING, logger="shoal.scheduler.reconcile")
+    real = JobTable.take_dirty
+
+    def dropping(self: JobTable) -> set[str]:
+        return real(self) - {j1}
+
+    monkeypatch.setattr(JobTable, "take_dirty", dropping)
+    record = loop.table.records[j1]
+    dropped = next(iter(record.learners))
+    del record.learners[dropped]  # bypasses the table: no write, no mark
+    await loop.until(lambda: observing.divergences == 1, "the safety net's full cycle")
+    monkeypatch.undo()
+    assert observing.last_divergence == [j1]
+    assert placing.divergences == 1
+    assert any(j1 in item for item in placing.last_divergence), placing.last_divergence
+    warnings = [r.getMessage() for r in caplog.records if "diverged" in r.getMessage()]
+    assert len(warnings) == 2 and all(j1 in w for w in warnings)  # observation, planner
+    # Acted on: the allocation no learner holds is released (an orphan) and the full plan
+    # places a new learner of j1 on the freed device (the fake agent still runs the dropped
+    # one there, so it may stay STARTING: the device, not the process, is the point here).
+    await loop.until(
+        lambda: (
+            len(record.learners) == 4
+            and not any(a.learner_id == dropped for a in loop.reconciler.inventory.ledger.values())
+        ),
+        "the orphan released, a new learner of j1 on its device",
+    )
+    assert observing.divergences == 1 and placing.divergences == 1

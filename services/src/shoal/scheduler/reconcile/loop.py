@@ -444,7 +444,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
             self._last_shares = decided.shares
             return observed, decided, records
         changed_hosts = self.inventory.take_changed()
-        dirty = self.table.take_dirty() | self.goodput.take_changed() | self._touched
+        dirty = self.table.take_dirty() | self._touched
         self._touched = set()
         changes = self.observing.update(
             records, hosts, self.exits, self._busy, dirty=dirty, changed_hosts=changed_hosts
@@ -452,10 +452,13 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         demand_changes: dict[str, JobDemand | None] = {}
         gone: set[tuple[str, str, str, str, bool]] = set()
         came: set[tuple[str, str, str, str, bool]] = set()
-        for job_id, (before, after) in changes.items():
+        for before, after in changes.values():
             if before != after:
                 gone.update(before)
                 came.update(after)
+        # The demands of the jobs observed again and of those whose throughput model or
+        # attained service a progress poll changed (their records need no new look).
+        for job_id in changes.keys() | self.goodput.take_changed():
             record = records.get(job_id)
             demand_changes[job_id] = (
                 self.goodput.annotate_one(decide.demand(record))
