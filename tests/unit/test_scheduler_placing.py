@@ -180,3 +180,9 @@ def test_the_incremental_placement_flag_is_on_by_default_and_checked() -> None:
     assert config(env={"SHOAL_INCREMENTAL_PLACEMENT": "OFF"}).incremental_placement is False
     with pytest.raises(InvalidField, match=r"incremental_placement.*maybe"):
         config("--incremental-placement", "maybe")
+    assert config().placement_check_interval_s == 10.0
+    assert config("--placement-check-interval", "2.5").placement_check_interval_s == 2.5
+    assert config(env={"SHOAL_PLACEMENT_CHECK_INTERVAL_S": "30"}).placement_check_interval_s == 30.0
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(InvalidField, match="placement_check_interval_s"):
+            config("--placement-check-interval", bad)
