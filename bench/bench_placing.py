@@ -7,6 +7,10 @@
               changed) applied to the planner, then its ``decide``
   safety net  the periodic full cycle with the check: full plan, the planner's decision
               compared with it, the planner resynced
+  per-job     the loop's path now (``Placing.step``): the changes per job, as the kept
+              observed view (reconcile/observing.py) names them, no diff of the whole state
+  safety net  (``Placing.full``) agreeing: full plan + the planner's pending events, decision
+  (full)      and input state compared, no resync; diverging: + the resync
 
 The inputs are what the loop hands the step (demands, a real ``Inventory`` fed protos, the
 observed learners); observing the records (``decide.observe``) is not timed (the loop does it
@@ -18,6 +22,7 @@ Run: .venv/bin/python bench/bench_placing.py [--hosts N] [--gpus G] [--jobs J] [
 from __future__ import annotations
 
 import argparse
+import operator
 import random
 import statistics
 import time
@@ -92,11 +97,15 @@ def main() -> None:
         lambda: full.decide(jobs, inventory, exited, 0.0),
         steady,
     )
-    row("incremental, a learner exited", lambda: inc.decide(jobs, inventory, exited, 0.0), steady)
+    row(
+        "whole-state diff (decide), a learner exited",
+        lambda: inc.decide(jobs, inventory, exited, 0.0),
+        steady,
+    )
     last = jobs[-1]
     raised = [*jobs[:-1], replace(last, priority=20000)]
     row(
-        "incremental, a priority change",
+        "whole-state diff (decide), a priority change",
         lambda: inc.decide(raised, inventory, current, 0.0),
         steady,
     )
@@ -112,11 +121,11 @@ def main() -> None:
         inventory.put_host(hosts[0])
         steady()
 
-    row("incremental, a host lost (its learners lost)", lose, back)
+    row("whole-state diff (decide), a host lost", lose, back)
     net = Placing(config, resync_interval_s=0.0)
     net.decide(jobs, inventory, current, 0.0)
     row(
-        "safety net: full + check + resync",
+        "whole-state diff (decide), safety net",
         lambda: net.decide(jobs, inventory, current, 0.0),
         steady,
     )
@@ -125,6 +134,64 @@ def main() -> None:
         plan(jobs, inventory.host_views(), current, config),
     )
     print(f"divergences: incremental {inc.divergences}, safety net {net.divergences}; {check}")
+
+    # The loop's path now: the changes per job, as the kept observed view gives them
+    # (reconcile/observing.py), no diff of the whole state.
+    key = operator.attrgetter("learner_id", "job_id", "host_id", "device_id", "retiring")
+    lp = Placing(config, resync_interval_s=1e9)
+    lp.full(jobs, inventory, current, 0.0)  # the term's first cycle (full + resync)
+    inventory.take_changed()
+
+    def step(gone=(), came=(), demands=None, hosts_changed=()):  # type: ignore[no-untyped-def]
+        return lp.step(
+            inventory,
+            0.0,
+            gone=gone,
+            came=came,
+            demand_changes=demands or {},
+            changed_hosts=hosts_changed,
+            fallback=lambda: (jobs, current),
+        )
+
+    last_key = key(current[-1])
+    row(
+        "per-job changes (step), a learner exited",
+        lambda: step(gone={last_key}),
+        lambda: step(came={last_key}),
+    )
+    row(
+        "per-job changes (step), a priority change",
+        lambda: step(demands={last.job_id: raised[-1]}),
+        lambda: step(demands={last.job_id: last}),
+    )
+    on_host = {key(v) for v in current if v.host_id == lost.host_id}
+
+    def lose_step() -> None:
+        inventory.lose_host(lost)
+        step(gone=on_host, hosts_changed=inventory.take_changed())
+
+    def back_step() -> None:
+        inventory.put_host(hosts[0])
+        step(came=on_host, hosts_changed=inventory.take_changed())
+
+    row("per-job changes (step), a host lost", lose_step, back_step)
+    lnet = Placing(config, resync_interval_s=0.0)
+    lnet.full(jobs, inventory, current, 0.0)
+    row(
+        "safety net (full), agreeing: full + check",
+        lambda: lnet.full(jobs, inventory, current, 0.0),
+        lambda: None,
+    )
+    row(
+        "safety net (full), diverging: + resync",
+        lambda: lnet.full(raised, inventory, current, 0.0),  # the planner missed the change
+        lambda: lnet.full(jobs, inventory, current, 0.0),
+    )
+    check = diverging_jobs(step(), plan(jobs, inventory.host_views(), current, config))
+    print(
+        f"loop path: divergences {lp.divergences}, resyncs {lp.resyncs}; safety net divergences "
+        f"{lnet.divergences} (the diverging row's, on purpose), resyncs {lnet.resyncs}; {check}"
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ such cycle; ``divergences`` counts them) and keeps the fresh view.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 from collections.abc import Collection, Iterable, Mapping
 
 from shoal.scheduler.jobs import JobRecord, LearnerPhase
@@ -57,8 +59,11 @@ def needs_attention(record: JobRecord) -> bool:
     )
 
 
+_KEY = operator.attrgetter("learner_id", "job_id", "host_id", "device_id", "retiring")
+
+
 def _key(view: LearnerView) -> LearnerKey:
-    return (view.learner_id, view.job_id, view.host_id, view.device_id, view.retiring)
+    return _KEY(view)  # type: ignore[no-any-return]
 
 
 class Observing:
@@ -117,9 +122,8 @@ class Observing:
             return
         ids = tuple(record.learners)
         self._ids_of[job_id] = ids
-        for lid in ids:
-            self._learner_job[lid] = job_id
-        on = frozenset(lr.host_id for lr in record.learners.values())
+        self._learner_job.update(dict.fromkeys(ids, job_id))
+        on = frozenset([lr.host_id for lr in record.learners.values()])
         self._hosts_of[job_id] = on
         for host_id in on:
             self._on_host.setdefault(host_id, set()).add(job_id)
@@ -188,15 +192,20 @@ class Observing:
         """Observe every record from scratch (the safety net); when the kept view differs, log
         the jobs once and keep the fresh one. Returns the full observation."""
         seen = decide.observe(records, hosts, exits, busy)
-        fresh: dict[str, list[LearnerKey]] = {}
-        for view in seen.current:
-            fresh.setdefault(view.job_id, []).append(_key(view))
+        keys = list(map(_KEY, seen.current))
+        # observe lists each job's learners together: group them in C.
+        fresh = {
+            job_id: tuple(group)
+            for job_id, group in itertools.groupby(keys, key=operator.itemgetter(1))
+        }
         if compare and self.synced:
-            differ = sorted(
-                job_id
-                for job_id in fresh.keys() | self.learners.keys()
-                if sorted(fresh.get(job_id, ())) != sorted(self.learners.get(job_id, ()))
-            )
+            differ = []
+            if set(keys) != set(itertools.chain.from_iterable(self.learners.values())):
+                differ = sorted(
+                    job_id
+                    for job_id in fresh.keys() | self.learners.keys()
+                    if set(fresh.get(job_id, ())) != set(self.learners.get(job_id, ()))
+                )
             differ += sorted(
                 job_id
                 for job_id in seen.work.keys() | self.work.keys()
@@ -212,8 +221,7 @@ class Observing:
                     ", ".join(differ),
                 )
         self.reset()
-        for job_id, keys in fresh.items():
-            self.learners[job_id] = tuple(keys)
+        self.learners = fresh
         self.work = {j: w for j, w in seen.work.items() if not w.empty()}
         for record in records.values():
             self._index(record)

@@ -88,6 +88,7 @@ class Placing:
         self.last_divergence: list[str] = []
         self._demands: dict[str, JobDemand] = {}  # as given to the planner
         self._learners: set[LearnerKey] = set()  # given last cycle (decide's diff only)
+        self._diffing = False  # fed by decide (it keeps _learners), not by step / full
         self._hosts: set[str] = set()  # the hosts the planner knows
         self._last_full = -math.inf
 
@@ -121,6 +122,7 @@ class Placing:
         if not self.incremental:
             self.full_cycles += 1
             return plan(demands, inventory.host_views(), current, self.config, now=now)
+        self._diffing = True
         changed = inventory.take_changed()
         learners = set(map(_KEY, current))
         gone, came = self._learners - learners, learners - self._learners
@@ -226,7 +228,8 @@ class Placing:
             self.resyncs += 1
             self._demands = {d.job_id: d for d in demands}
             self._hosts = {v.host_id for v in views}
-        self._learners = set(map(_KEY, current))
+        if self._diffing:
+            self._learners = set(map(_KEY, current))
         self._last_full = now
         return full
 
