@@ -67,13 +67,13 @@ def build(args: argparse.Namespace, *, incremental: bool, check_s: float) -> Rec
     table = JobTable(MemoryStore())
     table.leading = True
     records: dict[str, JobRecord] = {}
-    for d in jobs:
-        job = job_pb2.Job(job_id=d.job_id, state=job_pb2.JOB_STATE_RUNNING)
-        job.spec.priority = d.priority
-        job.spec.min_workers = d.min_workers
-        job.spec.max_workers = d.max_workers
+    for demand in jobs:
+        job = job_pb2.Job(job_id=demand.job_id, state=job_pb2.JOB_STATE_RUNNING)
+        job.spec.priority = demand.priority
+        job.spec.min_workers = demand.min_workers
+        job.spec.max_workers = demand.max_workers
         job.spec.batch_size = 32
-        records[d.job_id] = JobRecord(job=job, submit_seq=d.submit_seq, opened=True)
+        records[demand.job_id] = JobRecord(job=job, submit_seq=demand.submit_seq, opened=True)
     reconciler = Reconciler(
         table,
         Peers(["127.0.0.1:1"], ["127.0.0.1:2"], token=None),

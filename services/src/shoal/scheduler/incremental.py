@@ -138,10 +138,13 @@ class IncrementalPlanner:
         jobs: Iterable[JobDemand],
         inventory: Iterable[HostView],
         current: Iterable[LearnerView],
+        *,
+        keys: set[tuple[str, str, str, str, bool]] | None = None,
     ) -> list[str]:
         """What of the planner's input state differs from the given one (the safety net's
         check beside the decision): the job ids, host ids and learner ids that differ; ``[]``
-        when the state is the same (the learners' order aside)."""
+        when the state is the same (the learners' order aside). ``keys``: ``current`` as
+        (learner id, job id, host id, device id, retiring) tuples, if the caller has them."""
         out: list[str] = []
         wanted = {j.job_id: j for j in jobs}
         if wanted != self._jobs:
@@ -155,7 +158,7 @@ class IncrementalPlanner:
                 for h in hosts.keys() | self._hosts.keys()
                 if hosts.get(h) != self._hosts.get(h)
             )
-        seen = set(map(_LEARNER_KEY, current))
+        seen = keys if keys is not None else set(map(_LEARNER_KEY, current))
         kept = set(map(_LEARNER_KEY, self._learners.values()))
         if seen != kept:
             out += sorted({f"learner {k[0]} of {k[1]}" for k in seen ^ kept})

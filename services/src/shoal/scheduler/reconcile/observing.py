@@ -85,6 +85,7 @@ class Observing:
         self._busy: frozenset[str] = frozenset()
         self._exits: frozenset[str] = frozenset()
         self.synced = False
+        self.keys: set[LearnerKey] = set()  # as of the last full observation
 
     def job_of(self, learner_id: str) -> str | None:
         """The job that held ``learner_id`` when its record was last observed."""
@@ -198,9 +199,10 @@ class Observing:
             job_id: tuple(group)
             for job_id, group in itertools.groupby(keys, key=operator.itemgetter(1))
         }
+        self.keys = set(keys)  # every counted learner (the planner's check reads it too)
         if compare and self.synced:
             differ = []
-            if set(keys) != set(itertools.chain.from_iterable(self.learners.values())):
+            if self.keys != set(itertools.chain.from_iterable(self.learners.values())):
                 differ = sorted(
                     job_id
                     for job_id in fresh.keys() | self.learners.keys()
@@ -220,7 +222,9 @@ class Observing:
                     "one is used (a record changed without being written or marked)",
                     ", ".join(differ),
                 )
+        every = self.keys
         self.reset()
+        self.keys = every
         self.learners = fresh
         self.work = {j: w for j, w in seen.work.items() if not w.empty()}
         for record in records.values():

@@ -167,9 +167,11 @@ class Placing:
         """A cycle after events: the changes given to the planner, its decision. An event
         it refuses (``ValueError``) makes this cycle a full one over ``fallback()`` (the
         whole observed state: demands, learners)."""
+        planner = self.planner
+        assert planner is not None, "step before the term's first full cycle"
         try:
             self._apply(inventory, gone, came, demand_changes, changed_hosts)
-            decided = self.planner.decide(now)  # type: ignore[union-attr]
+            decided = planner.decide(now)
         except ValueError as exc:
             log.warning("incremental placement refused an event (%s): full cycle", exc)
             demands, current = fallback()
@@ -191,24 +193,27 @@ class Placing:
         demand_changes: Mapping[str, JobDemand | None] | None = None,
         changed_hosts: Iterable[str] = (),
         compare: bool = True,
+        current_keys: set[LearnerKey] | None = None,
     ) -> Plan:
         """The full plan over the whole observed state (acted on). With ``compare`` and a
         planner, the pending changes are given to it first and its decision and its state are
         compared with the full plan and the observed state: on a difference one warning names
-        the jobs and the planner is rebuilt (``resync``); without one it is kept as it is."""
+        the jobs and the planner is rebuilt (``resync``); without one it is kept as it is.
+        ``current_keys``: ``current`` as tuples, if the caller has them (saves building them)."""
         # Until this cycle succeeds (plan raises on an invalid observed state, as it always
         # did), the next one is a full one too: the planner may hold half of the events.
         self._last_full = -math.inf
         views = inventory.host_views()
         full = plan(demands, views, current, self.config, now=now)  # raises as before
         self.full_cycles += 1
-        rebuild = self.planner is None or not compare
-        if not rebuild:
+        planner = self.planner
+        rebuild = planner is None or not compare
+        if planner is not None and not rebuild:
             try:
                 self._apply(inventory, gone, came, demand_changes or {}, changed_hosts)
-                differ = diverging_jobs(self.planner.decide(now), full)  # type: ignore[union-attr]
+                differ = diverging_jobs(planner.decide(now), full)
                 if not differ:
-                    differ = self.planner.differs_from(demands, views, current)  # type: ignore[union-attr]
+                    differ = planner.differs_from(demands, views, current, keys=current_keys)
             except ValueError as exc:
                 differ = [f"<event refused: {exc}>"]
             if differ:
