@@ -150,7 +150,7 @@ def apply(r: Reconciler, clock: Clock, event: tuple[str, int, int]) -> None:
         record.job.spec.priority = [100, 5000, 20000][b % 3]
         r.table.mark(job_id)
     elif what == "max" and record.active:
-        record.job.spec.max_workers = 1 + b % 6
+        record.job.spec.max_workers = max(record.job.spec.min_workers, 1 + b % 6)
         r.table.mark(job_id)
     elif what == "min" and record.active:  # a big min queues jobs (8 devices in all)
         record.job.spec.min_workers = 1 + b % 5
