@@ -10,11 +10,16 @@ A cycle (:meth:`Reconciler.cycle`, synchronous, no I/O; its observing and decidi
 pure functions of :mod:`shoal.scheduler.reconcile.decide`, which it applies):
 
 1. builds the observed state: the inventory (hosts, devices, the ledger) and every learner the
-   jobs hold; learners on lost hosts (or on an older incarnation of their host) are lost;
+   jobs hold; learners on lost hosts (or on an older incarnation of their host) are lost.
+   After an event only the jobs that changed are observed again (the job table's dirty set,
+   exits, workers, changed hosts: :mod:`shoal.scheduler.reconcile.observing`), the rest of
+   the observed view is kept;
 2. runs the pure policy + placement: after an event the incremental planner, given what
    changed as events; the full ``shoal.scheduler.placement.plan`` on the safety net (the
-   term's first cycle, then every resync interval), which logs and overrides a planner that
-   disagrees (:mod:`shoal.scheduler.reconcile.placing`);
+   term's first cycle, then every ``placement_check_interval_s``), which observes every
+   record and logs and overrides an observed view or a planner that disagrees
+   (:mod:`shoal.scheduler.reconcile.placing`); after an event the rest of the cycle looks only
+   at the jobs in scope (changed, with a timer or work due, or given another share);
 3. turns the plan and the housekeeping each job needs (exits to process, learners to stop,
    a cancel to finish, a data plane to close, a job to requeue) into one :class:`JobWork` per
    job, and hands each to a worker task, at most one per job (a job is never reconciled twice
@@ -314,8 +319,9 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
 
         # Placement must not see a device twice; lost learners were left out by observe.
         # After events only the jobs that changed are observed again and decided by the
-        # incremental planner; every resync interval (and with --incremental-placement off:
-        # every cycle) the full cycle, the safety net: observing.py, placing.py.
+        # incremental planner; every placement check interval (and with
+        # --incremental-placement off: every cycle) the full cycle, the safety net:
+        # observing.py, placing.py.
         observed, decided, scope = self._observe_and_place(records, now)
         self.jobs_looked_at = len(scope)
         targets_before = {job_id: r.job.target_workers for job_id, r in scope.items()}

@@ -1,28 +1,33 @@
 """The placement decision of each reconcile cycle: incremental after events, full as the
 periodic safety net.
 
-The loop observes every job's records each cycle anyway (``decide.observe``: the learners, the
-exits, the lost ones) and the inventory keeps which hosts changed since the last cycle. From
-those, :class:`Placing` turns what changed since the previous cycle into events of
-:class:`~shoal.scheduler.incremental.IncrementalPlanner`:
+The loop keeps its observed view per job (:mod:`shoal.scheduler.reconcile.observing`: after
+an event only the jobs that changed are observed again) and the inventory keeps which hosts
+changed since the last cycle. :class:`Placing` turns what changed since the previous cycle
+into events of :class:`~shoal.scheduler.incremental.IncrementalPlanner`:
 
 * a job submitted, cancelled or finished, its priority, min / max, last shrink, throughput
-  model or attained service changed: ``submit`` / ``update_job`` / ``remove_job`` (the active
-  jobs' demands, compared with the ones given last cycle);
+  model or attained service changed: ``submit`` / ``remove_job`` (the demands of the jobs
+  observed again or polled);
 * a learner started (a PENDING record), retiring or stopping, its exit reported, lost, gone:
-  ``add_learner`` / ``retire_learner`` / ``remove_learner`` (the observed learners, compared
-  with the ones given last cycle);
+  ``add_learner`` / ``retire_learner`` / ``remove_learner`` (per job observed again, its
+  counted learners before and after);
 * a host joined, lost, changed (state, devices, health), dropped by a snapshot, an allocation
   made or released on it: ``put_host`` / ``remove_host`` (``Inventory.take_changed``: only
   the hosts an event touched; their views are rebuilt, no other host's).
 
-and decides with ``planner.decide(now)`` -- no ``placement.plan``, no walk of every host and
-device. The first cycle of a leader's term, and then every ``resync_interval_s`` at the
-latest, is the *safety net*: the full ``plan`` over the observed state; when the planner's
-decision for the same state differs, a warning names the jobs (once per such cycle) and the
-full plan is the one acted on; the planner is then ``resync``-ed from the observed state. A
-missed or wrong event can so never make a wrong decision stick for longer than one resync
-interval. An event the planner refuses (``ValueError``) falls back to the full cycle at once.
+and decides with ``planner.decide(now)`` (:meth:`Placing.step`) -- no ``placement.plan``, no
+walk of every host, device or learner. (:meth:`Placing.decide` derives the same changes by
+diffing the whole observed state with the last cycle's: the first wired version, kept for
+tests and the bench.) The first cycle of a leader's term, and then every
+``resync_interval_s`` (the loop passes ``--placement-check-interval``) at the latest, is the
+*safety net* (:meth:`Placing.full`): the full ``plan`` over the fully observed state; the
+pending changes are given to the planner, and when its decision or its input state differs
+from the full plan and the observed state, a warning names the jobs (once per such cycle),
+the planner is ``resync``-ed, and the full plan is the one acted on (it always is on that
+cycle). An agreeing planner is kept as it is. A missed or wrong event can so never make a
+wrong decision stick for longer than one check interval. An event the planner refuses
+(``ValueError``) falls back to the full cycle at once.
 """
 
 from __future__ import annotations
