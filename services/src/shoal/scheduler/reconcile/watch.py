@@ -109,6 +109,7 @@ class InventoryWatch:
                     lr.allocation_id = allocation.allocation_id
                     lr.host_incarnation = allocation.host_incarnation or lr.host_incarnation
                     lr.set_phase(LearnerPhase.STARTING, self.clock())
+                    self.table.mark(record.job_id)  # changed in memory: observe it again
 
     def _release_orphans(self, known: Container[str]) -> None:
         """Free ledger allocations that no job's learner holds (a predecessor's leftovers);
