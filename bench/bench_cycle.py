@@ -18,10 +18,12 @@ released), a priority update (the record written), a host lost (the inventory's 
 CPU ms of this process (``time.process_time``) and wall ms, median of --repeat.
 
 With --poll-round, only: the incremental cycle after a progress poll of every job (each job's
-attained service changed: every demand refreshed and given to the planner).
+attained service changed). Under PRIORITY without service classes no demand changes; with
+--annotated (service classes on: a threshold no job reaches) every demand is refreshed and
+given to the planner.
 
 Run: PYTHONPATH=clients/src:services/src python bench/bench_cycle.py [--hosts N] [--gpus G]
-     [--jobs J] [--repeat R] [--poll-round]
+     [--jobs J] [--repeat R] [--poll-round [--annotated]]
 """
 
 from __future__ import annotations
@@ -50,7 +52,10 @@ from shoal.v1 import job_pb2, resources_pb2
 
 def build(args: argparse.Namespace, *, incremental: bool, check_s: float) -> Reconciler:
     rnd = random.Random(7)
-    config = PlacementConfig(policy=Policy.PRIORITY, hold_time=0.0)
+    # --annotated: service classes on (a threshold no job reaches: the same shares), so the
+    # policy reads the attained service and a progress poll changes the demands.
+    thresholds = (1e12,) if getattr(args, "annotated", False) else ()
+    config = PlacementConfig(policy=Policy.PRIORITY, hold_time=0.0, service_thresholds=thresholds)
     hosts = []
     for h in range(args.hosts):
         host = resources_pb2.Host(host_id=f"h{h:05d}", incarnation=1, agent_address="a:1")
@@ -266,6 +271,11 @@ def main() -> None:
         "--poll-round",
         action="store_true",
         help="only: the incremental cycle after a progress poll of every job",
+    )
+    ap.add_argument(
+        "--annotated",
+        action="store_true",
+        help="service classes on (a threshold no job reaches): the policy reads the service",
     )
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()}")

@@ -38,7 +38,9 @@ class Clock:
         return self.now
 
 
-def build(incremental: bool, clock: Clock) -> tuple[Reconciler, list[tuple[str, JobWork]]]:
+def build(
+    incremental: bool, clock: Clock, *, service_thresholds: tuple[float, ...] = ()
+) -> tuple[Reconciler, list[tuple[str, JobWork]]]:
     table = JobTable(MemoryStore())
     table.leading = True
     for i, job_id in enumerate(JOBS):
@@ -54,7 +56,9 @@ def build(incremental: bool, clock: Clock) -> tuple[Reconciler, list[tuple[str, 
         Storage("memory://incremental-cycle"),
         ReconcileConfig(
             sync_shards=("127.0.0.1:2",),
-            placement=PlacementConfig(policy=Policy.PRIORITY, hold_time=0.0),
+            placement=PlacementConfig(
+                policy=Policy.PRIORITY, hold_time=0.0, service_thresholds=service_thresholds
+            ),
             resync_interval_s=1.0,
             incremental_placement=incremental,
             placement_check_interval_s=1e9,  # never: the incremental path alone is compared
@@ -255,3 +259,23 @@ def test_the_incremental_cycle_gives_every_job_the_work_of_the_full_cycle(
         assert inc.jobs_looked_at <= len(JOBS)
 
     asyncio.run(run())
+
+
+def test_a_progress_poll_changes_a_demand_only_where_the_policy_reads_it() -> None:
+    """PRIORITY without service classes reads no goodput annotation: a poll (the job's
+    attained service changed) gives the planner no event. With service classes it does."""
+
+    async def run(thresholds: tuple[float, ...]) -> float:
+        r, work = build(True, Clock(), service_thresholds=thresholds)
+        for _ in range(2):
+            r.cycle()
+            await settle(r, work)
+        r.goodput.restore("j1", 32, job_pb2.ThroughputState(attained_device_seconds=42.0))
+        r.cycle()
+        await settle(r, work)
+        assert r.placing.planner is not None
+        (demand,) = [d for d in r.placing.planner.jobs() if d.job_id == "j1"]
+        return demand.attained_service
+
+    assert asyncio.run(run(())) == 0.0
+    assert asyncio.run(run((1e9,))) == 42.0

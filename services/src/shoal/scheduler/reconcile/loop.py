@@ -61,7 +61,7 @@ from shoal.scheduler.jobs import (
     LearnerRecord,
 )
 from shoal.scheduler.placement import Plan, Start
-from shoal.scheduler.policy import JobDemand
+from shoal.scheduler.policy import JobDemand, Policy
 from shoal.scheduler.reconcile import decide
 from shoal.scheduler.reconcile.config import ELECTION, ReconcileConfig
 from shoal.scheduler.reconcile.inventory import Inventory
@@ -122,6 +122,11 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
             incremental=config.incremental_placement,
         )
         self.observing = Observing()  # the kept observed view (incremental cycles)
+        # Whether the policy reads the goodput annotations of a demand (throughput curve and
+        # rescale pause: GOODPUT; attained service: the service classes). When it does not,
+        # demands go unannotated, so a progress poll changes no demand (and no decision).
+        placement = config.placement
+        self._annotated = placement.policy is Policy.GOODPUT or bool(placement.service_thresholds)
         self._touched: set[str] = set()  # jobs to observe again next cycle
         self._last_shares: Mapping[str, int] = {}
         self._last_queue: list[str] = []
@@ -464,10 +469,11 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                 came.update(after)
         # The demands of the jobs observed again and of those whose throughput model or
         # attained service a progress poll changed (their records need no new look).
-        for job_id in changes.keys() | self.goodput.take_changed():
+        polled = self.goodput.take_changed()
+        for job_id in changes.keys() | (polled if self._annotated else set()):
             record = records.get(job_id)
             demand_changes[job_id] = (
-                self.goodput.annotate_one(decide.demand(record))
+                self._annotate(decide.demand(record))
                 if record is not None and record.active
                 else None
             )
@@ -524,9 +530,16 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self._last_held = held
         return observed, decided, {j: records[j] for j in scope_ids if j in records}
 
+    def _annotate(self, demand: JobDemand) -> JobDemand:
+        """One job's demand as the cycle gives it to placement (see ``_annotated``)."""
+        return self.goodput.annotate_one(demand) if self._annotated else demand
+
     def _demands(self, records: dict[str, JobRecord]) -> list[JobDemand]:
-        """Every active job's demand, annotated; the stored models of ended jobs go."""
-        demands = self.goodput.annotate(decide.demands(records))
+        """Every active job's demand, annotated (when the policy reads it); the stored models
+        of ended jobs go."""
+        plain = decide.demands(records)
+        annotated = self.goodput.annotate(plain)  # also forgets the models of ended jobs
+        demands = annotated if self._annotated else plain
         for job_id in [j for j in self._throughput_saved if j not in self.goodput.jobs()]:
             # The job ended (annotate forgot its model): its stored state goes too.
             del self._throughput_saved[job_id]
