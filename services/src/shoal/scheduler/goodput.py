@@ -94,6 +94,15 @@ class GoodputTracker:
     """Per-job throughput models and attained service, fed by progress polls."""
 
     _jobs: dict[str, _Track] = field(default_factory=dict)
+    # The jobs whose model or attained service changed since ``take_changed`` (the reconcile
+    # loop's incremental cycles give only those jobs' demands to the planner again).
+    _changed: set[str] = field(default_factory=set)
+
+    def take_changed(self) -> set[str]:
+        """The jobs whose annotation (curve, service, pause) may have changed since the last
+        call."""
+        out, self._changed = self._changed, set()
+        return out
 
     def model(self, job_id: str) -> ThroughputModel | None:
         track = self._jobs.get(job_id)
@@ -105,6 +114,7 @@ class GoodputTracker:
 
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
+        self._changed.add(job_id)
 
     def state(self, job_id: str) -> job_pb2.ThroughputState | None:
         """What was learned of ``job_id`` as stored (None: nothing yet). Bounded: at most
@@ -155,9 +165,11 @@ class GoodputTracker:
         service = state.attained_device_seconds
         valid = math.isfinite(service) and service >= 0
         self._jobs[job_id] = _Track(model, service=service if valid else 0.0)
+        self._changed.add(job_id)
 
     def observe(self, job_id: str, batch: int, progress: job_pb2.JobProgress, now: float) -> None:
         """One progress poll of ``job_id`` (global batch ``batch``) at ``now`` (unix s)."""
+        self._changed.add(job_id)
         track = self._jobs.get(job_id)
         if track is None:
             track = self._jobs[job_id] = _Track(ThroughputModel(batch=max(1, batch)))
@@ -255,17 +267,16 @@ class GoodputTracker:
         wanted = {d.job_id for d in demands}
         for job_id in [j for j in self._jobs if j not in wanted]:
             del self._jobs[job_id]
-        out: list[JobDemand] = []
-        for d in demands:
-            curve, service = self.demand(d.job_id)
-            track = self._jobs.get(d.job_id)
-            pause = track.model.pause_s if track is not None else PRIOR_PAUSE_S
-            out.append(
-                replace(
-                    d, throughput=curve or PRIOR, attained_service=service, rescale_pause_s=pause
-                )
-            )
-        return out
+        return [self.annotate_one(d) for d in demands]
+
+    def annotate_one(self, d: JobDemand) -> JobDemand:
+        """One job's demand annotated as :meth:`annotate` does (no model is dropped)."""
+        curve, service = self.demand(d.job_id)
+        track = self._jobs.get(d.job_id)
+        pause = track.model.pause_s if track is not None else PRIOR_PAUSE_S
+        return replace(
+            d, throughput=curve or PRIOR, attained_service=service, rescale_pause_s=pause
+        )
 
     def demand(self, job_id: str) -> tuple[ThroughputCurve | None, float]:
         """(predicted curve, attained device-seconds) for the policy; (None, 0) if unknown."""

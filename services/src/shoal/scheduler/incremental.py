@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import operator
 from collections.abc import Iterable, Mapping
 
 from shoal.scheduler.placement import (
@@ -71,8 +72,12 @@ class IncrementalPlanner:
         jobs: Iterable[JobDemand],
         inventory: Iterable[HostView],
         current: Iterable[LearnerView],
+        *,
+        validated: bool = False,
     ) -> None:
         """Replace the whole state by the observed one (the safety net's resync), in bulk.
+        ``validated``: the caller has just run ``plan()`` over this very input (the safety
+        net does), so it is not run again here.
 
         Raises:
             ValueError: as ``plan()`` for the same input; the state is then unchanged.
@@ -82,7 +87,8 @@ class IncrementalPlanner:
         current = list(current)
         # Validate exactly as the full cycle does before touching anything (plan raises the
         # same errors for the same input).
-        plan(jobs, inventory, current, self.config)
+        if not validated:
+            plan(jobs, inventory, current, self.config)
         self._jobs: dict[str, JobDemand] = {j.job_id: j for j in jobs}
         # The jobs in admission order and their sort keys, kept by the job events (a bisection
         # and a list insert or delete, instead of sorting every job at each decision).
@@ -126,6 +132,37 @@ class IncrementalPlanner:
     def learners(self) -> list[LearnerView]:
         """Every learner, in the order they were added (``plan()``'s ``current``)."""
         return list(self._learners.values())
+
+    def differs_from(
+        self,
+        jobs: Iterable[JobDemand],
+        inventory: Iterable[HostView],
+        current: Iterable[LearnerView],
+        *,
+        keys: set[tuple[str, str, str, str, bool]] | None = None,
+    ) -> list[str]:
+        """What of the planner's input state differs from the given one (the safety net's
+        check beside the decision): the job ids, host ids and learner ids that differ; ``[]``
+        when the state is the same (the learners' order aside). ``keys``: ``current`` as
+        (learner id, job id, host id, device id, retiring) tuples, if the caller has them."""
+        out: list[str] = []
+        wanted = {j.job_id: j for j in jobs}
+        if wanted != self._jobs:
+            out += sorted(
+                j for j in wanted.keys() | self._jobs.keys() if wanted.get(j) != self._jobs.get(j)
+            )
+        hosts = {h.host_id: h for h in inventory}
+        if hosts != self._hosts:
+            out += sorted(
+                f"host {h}"
+                for h in hosts.keys() | self._hosts.keys()
+                if hosts.get(h) != self._hosts.get(h)
+            )
+        seen = keys if keys is not None else set(map(_LEARNER_KEY, current))
+        kept = set(map(_LEARNER_KEY, self._learners.values()))
+        if seen != kept:
+            out += sorted({f"learner {k[0]} of {k[1]}" for k in seen ^ kept})
+        return out
 
     # -- job events ---------------------------------------------------------------------------
 
@@ -405,3 +442,6 @@ class IncrementalPlanner:
                 self._free[host_id] = ids
         self._cap[host_id] = cap
         self.capacity += cap
+
+
+_LEARNER_KEY = operator.attrgetter("learner_id", "job_id", "host_id", "device_id", "retiring")

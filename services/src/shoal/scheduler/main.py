@@ -20,6 +20,12 @@ flag                        variable                   meaning (default)
 --rescale-horizon           SHOAL_RESCALE_HORIZON_S    GOODPUT: resize if gain beats pause, s (0)
 --hold-time                 SHOAL_HOLD_TIME_S          anti-thrash hold after a shrink, s (30)
 --resync-interval           SHOAL_RESYNC_INTERVAL_S    periodic reconcile and progress poll, s (1)
+--incremental-placement     SHOAL_INCREMENTAL_PLACEMENT on (default): a cycle after an event
+                                                       observes the jobs that changed and
+                                                       decides with the incremental planner,
+                                                       the full cycle every check interval as
+                                                       the safety net; off: full cycle always
+--placement-check-interval  SHOAL_PLACEMENT_CHECK_INTERVAL_S  the safety net's full cycle, s (10)
 --election-ttl              SHOAL_ELECTION_TTL_S       leader lease TTL, s (5)
 --max-artifact-mb           SHOAL_MAX_ARTIFACT_MB      artifact size limit, MiB (1024)
 --max-user-priority         SHOAL_MAX_USER_PRIORITY    highest priority a user may set (1000000)
@@ -131,6 +137,8 @@ class SchedulerConfig:
     service_decay: int = 2
     rescale_horizon_s: float = 0.0
     resync_interval_s: float = 1.0
+    incremental_placement: bool = True
+    placement_check_interval_s: float = 10.0
     election_ttl_s: float = 5.0
     max_artifact_bytes: int = 1024 * MiB
     max_user_priority: int = MAX_PRIORITY
@@ -187,6 +195,7 @@ class SchedulerConfig:
             ("hold_time_s", 0.0, 86400.0),
             ("rescale_horizon_s", 0.0, 7 * 86400.0),
             ("resync_interval_s", 0.01, 3600.0),
+            ("placement_check_interval_s", 0.01, 86400.0),
             ("election_ttl_s", 1.0, 600.0),
             ("stop_grace_s", 0.0, 3600.0),
             ("retire_timeout_s", 1.0, 86400.0),
@@ -246,6 +255,21 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("--hold-time", "SHOAL_HOLD_TIME_S", "30", "anti-thrash hold time, seconds"),
     Setting("--resync-interval", "SHOAL_RESYNC_INTERVAL_S", "1", "resync interval, seconds"),
+    Setting(
+        "--incremental-placement",
+        "SHOAL_INCREMENTAL_PLACEMENT",
+        "on",
+        "on: after an event observe only the jobs that changed and decide with the "
+        "incremental planner, the full cycle every --placement-check-interval as the safety "
+        "net (a divergence is logged, the full plan wins); off: the full cycle every cycle",
+    ),
+    Setting(
+        "--placement-check-interval",
+        "SHOAL_PLACEMENT_CHECK_INTERVAL_S",
+        "10",
+        "with --incremental-placement on: seconds between the safety net's full cycles "
+        "(observe every record, the full plan, compared with the incremental view)",
+    ),
     Setting("--election-ttl", "SHOAL_ELECTION_TTL_S", "5", "leader lease TTL, seconds"),
     Setting("--max-artifact-mb", "SHOAL_MAX_ARTIFACT_MB", "1024", "artifact size limit, MiB"),
     Setting("--max-user-priority", "SHOAL_MAX_USER_PRIORITY", str(MAX_PRIORITY), "user limit"),
@@ -344,6 +368,10 @@ def config_from_args(ns: argparse.Namespace) -> SchedulerConfig:
         service_decay=int(parse_number("service_decay", ns.service_decay, int)),
         rescale_horizon_s=float(parse_number("rescale_horizon_s", ns.rescale_horizon, float)),
         resync_interval_s=float(parse_number("resync_interval_s", ns.resync_interval, float)),
+        incremental_placement=_on_off("incremental_placement", ns.incremental_placement),
+        placement_check_interval_s=float(
+            parse_number("placement_check_interval_s", ns.placement_check_interval, float)
+        ),
         election_ttl_s=float(parse_number("election_ttl_s", ns.election_ttl, float)),
         max_artifact_bytes=int(parse_number("max_artifact_mb", ns.max_artifact_mb, float) * MiB),
         max_user_priority=int(parse_number("max_user_priority", ns.max_user_priority, int)),
@@ -442,6 +470,8 @@ async def serve(config: SchedulerConfig, *, store: Store | None = None) -> None:
                 rescale_horizon=config.rescale_horizon_s,
             ),
             resync_interval_s=config.resync_interval_s,
+            incremental_placement=config.incremental_placement,
+            placement_check_interval_s=config.placement_check_interval_s,
             call_timeout_s=config.call_timeout_s,
             stop_grace_s=config.stop_grace_s,
             retire_timeout_s=config.retire_timeout_s,

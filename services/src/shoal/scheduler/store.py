@@ -144,6 +144,10 @@ class JobTable:
         self.leading = False
         self.leader_address: str | None = None
         self.records: dict[str, JobRecord] = {}
+        # The jobs whose record was created, written or reloaded (its revision changed) or
+        # marked (``mark``) since ``take_dirty``: what the reconcile loop's incremental cycle
+        # observes again (its periodic full cycle checks every record).
+        self.dirty: set[str] = set()
         self.histories: dict[str, list[job_pb2.AllocationEvent]] = {}
         self._history_revs: dict[str, int] = {}
         # The throughput states read when leadership was won (the reconcile loop takes them).
@@ -198,6 +202,7 @@ class JobTable:
                 log.error("skipping unreadable job record %s: %s", kv.key, exc)
                 continue
             self.records[record.job_id] = record
+            self.dirty.add(record.job_id)
             self._last_seq = max(self._last_seq, record.submit_seq)
             if JobRecord.is_legacy(kv.value):
                 legacy.append(record)
@@ -369,6 +374,7 @@ class JobTable:
             return False
         record.revision = revision
         self.records[record.job_id] = record
+        self.dirty.add(record.job_id)
         return True
 
     async def save(self, record: JobRecord) -> None:
@@ -376,6 +382,15 @@ class JobTable:
         self.require_leader()
         async with self.lock(record.job_id):
             await self._write(record, record.to_bytes())
+
+    def mark(self, job_id: str) -> None:
+        """Note that the live record of ``job_id`` changed in memory (not written yet)."""
+        self.dirty.add(job_id)
+
+    def take_dirty(self) -> set[str]:
+        """The jobs created, written, reloaded or marked since the last call."""
+        out, self.dirty = self.dirty, set()
+        return out
 
     async def update(self, record: JobRecord, mutate: Callable[[JobRecord], T]) -> T:
         """Apply ``mutate`` to the job only if the change can be stored.
@@ -388,7 +403,10 @@ class JobTable:
             copy = JobRecord.from_bytes(record.to_bytes(), revision=record.revision)
             mutate(copy)
             await self._write(record, copy.to_bytes())
-            return mutate(record)
+            try:
+                return mutate(record)
+            finally:
+                self.dirty.add(record.job_id)
 
     async def _write(self, record: JobRecord, data: bytes) -> None:
         key = JOBS + record.job_id
@@ -401,11 +419,13 @@ class JobTable:
                 f"job {record.job_id} changed in the store since revision {record.revision}"
             )
         record.revision = revision
+        self.dirty.add(record.job_id)
 
     async def reload(self, job_id: str) -> JobRecord | None:
         """Replace the live record with the stored one (after a :class:`StoreConflict`)."""
         with self._translate(f"reload job {job_id}"):
             kv = await self.store.get(JOBS + job_id)
+        self.dirty.add(job_id)
         if kv is None:
             self.records.pop(job_id, None)
             return None

@@ -21,6 +21,12 @@ class ReconcileConfig:
     """The shards in shard order; empty: read the registry the shards keep in etcd."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     resync_interval_s: float = 1.0
+    incremental_placement: bool = True
+    """After an event observe only the jobs that changed (``observing.py``) and decide with
+    the incremental planner (``placing.py``), the full cycle every
+    ``placement_check_interval_s`` as the safety net; False: the full cycle every cycle."""
+    placement_check_interval_s: float | None = None
+    """Seconds between the safety net's full cycles (None: ``resync_interval_s``)."""
     call_timeout_s: float = 10.0
     start_timeout_s: float = 60.0
     stop_grace_s: float = 10.0

@@ -37,6 +37,7 @@ from shoal.v1 import job_pb2 as S, resources_pb2
 __all__ = [
     "Observed",
     "decide",
+    "demand",
     "demands",
     "job_of",
     "lost_reason",
@@ -72,10 +73,6 @@ def lost_reason(lr: LearnerRecord, host: resources_pb2.Host | None) -> str:
     return ""
 
 
-def _view(job_id: str, lr: LearnerRecord, *, retiring: bool) -> LearnerView:
-    return LearnerView(lr.learner_id, job_id, lr.host_id, lr.device_id, retiring)
-
-
 def observe(
     records: Mapping[str, JobRecord],
     hosts: Mapping[str, resources_pb2.Host],
@@ -92,45 +89,55 @@ def observe(
     def w(job_id: str) -> JobWork:
         return seen.work.setdefault(job_id, JobWork())
 
+    current = seen.current
+    add = current.append
+    pending, lost_state = LearnerPhase.PENDING, resources_pb2.HOST_STATE_LOST
     for record in records.values():
-        job_busy = record.job_id in busy
+        job_id = record.job_id
+        job_busy = job_id in busy
         for lr in record.learners.values():
-            if lr.phase is LearnerPhase.PENDING:
+            phase = lr.phase
+            if phase is pending:
                 if not job_busy:
-                    w(record.job_id).drop_pending.append(lr.learner_id)
+                    w(job_id).drop_pending.append(lr.learner_id)
                     continue
-                seen.current.append(
-                    LearnerView(lr.learner_id, record.job_id, lr.host_id, lr.device_id)
-                )
+                add(LearnerView(lr.learner_id, job_id, lr.host_id, lr.device_id))
                 continue
-            exit_ = exits.get(lr.learner_id)
+            exit_ = exits.get(lr.learner_id) if exits else None
             if exit_ is not None:
-                w(record.job_id).exits.append(exit_)
-                seen.current.append(_view(record.job_id, lr, retiring=True))
+                w(job_id).exits.append(exit_)
+                add(LearnerView(lr.learner_id, job_id, lr.host_id, lr.device_id, True))
                 continue
-            lost = lost_reason(lr, hosts.get(lr.host_id))
-            if lost:
-                w(record.job_id).lost.append((lr.learner_id, lost))
+            host = hosts.get(lr.host_id)
+            # The common case inline (a live host, the incarnation the learner started on);
+            # lost_reason says why otherwise.
+            if (
+                host is None
+                or host.state == lost_state
+                or (lr.host_incarnation and host.incarnation > lr.host_incarnation)
+            ):
+                w(job_id).lost.append((lr.learner_id, lost_reason(lr, host)))
                 continue
-            seen.current.append(_view(record.job_id, lr, retiring=lr.phase in LEAVING))
+            add(LearnerView(lr.learner_id, job_id, lr.host_id, lr.device_id, phase in LEAVING))
     return seen
+
+
+def demand(r: JobRecord) -> JobDemand:
+    """One job as the share policy sees it."""
+    return JobDemand(
+        job_id=r.job_id,
+        priority=r.job.spec.priority,
+        submit_seq=r.submit_seq,
+        min_workers=r.job.spec.min_workers,
+        max_workers=r.job.spec.max_workers,
+        last_shrunk_at=r.last_shrunk_at,
+        previous_priority=r.decided_priority,
+    )
 
 
 def demands(records: Mapping[str, JobRecord]) -> list[JobDemand]:
     """Step 2: the active jobs, as the share policy sees them."""
-    return [
-        JobDemand(
-            job_id=r.job_id,
-            priority=r.job.spec.priority,
-            submit_seq=r.submit_seq,
-            min_workers=r.job.spec.min_workers,
-            max_workers=r.job.spec.max_workers,
-            last_shrunk_at=r.last_shrunk_at,
-            previous_priority=r.decided_priority,
-        )
-        for r in records.values()
-        if r.active
-    ]
+    return [demand(r) for r in records.values() if r.active]
 
 
 def targets(records: Mapping[str, JobRecord], decided: Plan) -> dict[str, tuple[int, int]]:
@@ -267,14 +274,25 @@ def _housekeeping(
     whose phase, age or host asks for it."""
     out: list[tuple[str, str]] = []
     retiring = list(work[record.job_id].retires) if record.job_id in work else []
-    stopping_now = record.state in _STOPPING_STATES
+    state = record.state
+    stopping_now = state in _STOPPING_STATES
+    completed = state == S.JOB_STATE_COMPLETED
+    if not stopping_now and not completed and record.active:
+        # The common case first: an active job's RUNNING learners on hosts not draining need
+        # nothing (the loop below would find the same, learner by learner).
+        if all(
+            lr.phase is LearnerPhase.RUNNING
+            and not ((host := hosts.get(lr.host_id)) is not None and host.draining)
+            for lr in remaining
+        ):
+            return out
     for lr in remaining:
         age = now - lr.phase_since
         if lr.phase is LearnerPhase.PENDING:
             continue
         if stopping_now and lr.phase is not LearnerPhase.STOPPING:
             out.append(("stops", lr.learner_id))
-        elif record.state == S.JOB_STATE_COMPLETED and lr.phase is not LearnerPhase.STOPPING:
+        elif completed and lr.phase is not LearnerPhase.STOPPING:
             if age >= config.finish_grace_s:
                 out.append(("stops", lr.learner_id))
         elif lr.phase is LearnerPhase.RETIRING:

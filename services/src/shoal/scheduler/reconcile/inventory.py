@@ -29,21 +29,25 @@ class Inventory:
         self.synced = False
         self._views: dict[str, HostView] = {}
         self._stale: set[str] = set()  # hosts whose view must be rebuilt
+        self._changed: set[str] = set()  # hosts changed since take_changed (the planner's events)
         self._allocs_on: dict[str, set[str]] = {}  # host -> ids of the allocations on it
 
     def _index(self, allocation: resources_pb2.Allocation) -> None:
         self._allocs_on.setdefault(allocation.host_id, set()).add(allocation.allocation_id)
         self._stale.add(allocation.host_id)
+        self._changed.add(allocation.host_id)
 
     def _unindex(self, allocation: resources_pb2.Allocation) -> None:
         on_host = self._allocs_on.get(allocation.host_id)
         if on_host is not None:
             on_host.discard(allocation.allocation_id)
         self._stale.add(allocation.host_id)
+        self._changed.add(allocation.host_id)
 
     def reset(
         self, hosts: Iterable[resources_pb2.Host], allocations: Iterable[resources_pb2.Allocation]
     ) -> None:
+        self._changed.update(self.hosts)  # the hosts a snapshot drops are changed too
         self.hosts = {h.host_id: h for h in hosts}
         self.ledger = {a.allocation_id: a for a in allocations}
         # Allocations listed on the devices count too (a snapshot may carry them either way).
@@ -56,11 +60,13 @@ class Inventory:
         for a in self.ledger.values():
             self._allocs_on.setdefault(a.host_id, set()).add(a.allocation_id)
         self._stale = set(self.hosts)
+        self._changed.update(self.hosts)
         self.synced = True
 
     def put_host(self, host: resources_pb2.Host) -> None:
         self.hosts[host.host_id] = host
         self._stale.add(host.host_id)
+        self._changed.add(host.host_id)
 
     def lose_host(self, host: resources_pb2.Host) -> None:
         known = self.hosts.get(host.host_id)
@@ -69,6 +75,7 @@ class Inventory:
         lost.state = resources_pb2.HOST_STATE_LOST
         self.hosts[host.host_id] = lost
         self._stale.add(host.host_id)
+        self._changed.add(host.host_id)
 
     def allocated(self, allocations: Iterable[resources_pb2.Allocation]) -> None:
         for a in allocations:
@@ -89,6 +96,23 @@ class Inventory:
         if host is None:
             return None
         return next((d for d in host.devices if d.device_id == device_id), None)
+
+    def take_changed(self) -> set[str]:
+        """The ids of the hosts changed (put, lost, dropped by a snapshot, an allocation made
+        or released on them) since the last call: the incremental planner's host events."""
+        changed, self._changed = self._changed, set()
+        return changed
+
+    def view(self, host_id: str) -> HostView | None:
+        """One host's placement view (rebuilt if an event changed it), None if not known."""
+        if host_id in self._stale:
+            self._stale.discard(host_id)
+            host = self.hosts.get(host_id)
+            if host is None:
+                self._views.pop(host_id, None)
+            else:
+                self._views[host_id] = self._view(host)
+        return self._views.get(host_id)
 
     def host_views(self) -> list[HostView]:
         """The placement view of every host: the cached ones, those an event changed rebuilt."""

@@ -10,8 +10,16 @@ A cycle (:meth:`Reconciler.cycle`, synchronous, no I/O; its observing and decidi
 pure functions of :mod:`shoal.scheduler.reconcile.decide`, which it applies):
 
 1. builds the observed state: the inventory (hosts, devices, the ledger) and every learner the
-   jobs hold; learners on lost hosts (or on an older incarnation of their host) are lost;
-2. runs the pure policy + placement (``shoal.scheduler.placement.plan``);
+   jobs hold; learners on lost hosts (or on an older incarnation of their host) are lost.
+   After an event only the jobs that changed are observed again (the job table's dirty set,
+   exits, workers, changed hosts: :mod:`shoal.scheduler.reconcile.observing`), the rest of
+   the observed view is kept;
+2. runs the pure policy + placement: after an event the incremental planner, given what
+   changed as events; the full ``shoal.scheduler.placement.plan`` on the safety net (the
+   term's first cycle, then every ``placement_check_interval_s``), which observes every
+   record and logs and overrides an observed view or a planner that disagrees
+   (:mod:`shoal.scheduler.reconcile.placing`); after an event the rest of the cycle looks only
+   at the jobs in scope (changed, with a timer or work due, or given another share);
 3. turns the plan and the housekeeping each job needs (exits to process, learners to stop,
    a cancel to finish, a data plane to close, a job to requeue) into one :class:`JobWork` per
    job, and hands each to a worker task, at most one per job (a job is never reconciled twice
@@ -36,7 +44,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from opentelemetry import context as otel_context, trace
@@ -52,17 +60,17 @@ from shoal.scheduler.jobs import (
     JobRecord,
     LearnerRecord,
 )
-from shoal.scheduler.placement import (
-    Start,
-    plan,
-)
+from shoal.scheduler.placement import Plan, Start
+from shoal.scheduler.policy import JobDemand, Policy
 from shoal.scheduler.reconcile import decide
 from shoal.scheduler.reconcile.config import ELECTION, ReconcileConfig
 from shoal.scheduler.reconcile.inventory import Inventory
 from shoal.scheduler.reconcile.lifecycle import JobLifecycle
+from shoal.scheduler.reconcile.observing import Observing
 from shoal.scheduler.reconcile.peers import (
     Peers,
 )
+from shoal.scheduler.reconcile.placing import Placing
 from shoal.scheduler.reconcile.registry import CoordinatorMoves, ShardRegistry
 from shoal.scheduler.reconcile.watch import InventoryWatch
 from shoal.scheduler.reconcile.work import Backoff, JobWork
@@ -104,6 +112,26 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self.metrics = metrics
         self.registry = None if config.sync_shards else ShardRegistry(table.store)
         self.inventory = Inventory()
+        self.placing = Placing(
+            config.placement,
+            resync_interval_s=(
+                config.resync_interval_s
+                if config.placement_check_interval_s is None
+                else config.placement_check_interval_s
+            ),
+            incremental=config.incremental_placement,
+        )
+        self.observing = Observing()  # the kept observed view (incremental cycles)
+        # Whether the policy reads the goodput annotations of a demand (throughput curve and
+        # rescale pause: GOODPUT; attained service: the service classes). When it does not,
+        # demands go unannotated, so a progress poll changes no demand (and no decision).
+        placement = config.placement
+        self._annotated = placement.policy is Policy.GOODPUT or bool(placement.service_thresholds)
+        self._touched: set[str] = set()  # jobs to observe again next cycle
+        self._last_shares: Mapping[str, int] = {}
+        self._last_queue: list[str] = []
+        self._last_held: set[str] = set()
+        self._orphans_checked = 0.0
         self.exits: dict[str, resources_pb2.Learner] = {}
         self.members: dict[str, tuple[str, ...]] = {}
         self._wake = asyncio.Event()
@@ -122,6 +150,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self._moved: set[str] = set()
         self._takeover_tried: dict[str, float] = {}
         self.cycles = 0
+        self.jobs_looked_at = 0  # the last cycle's jobs in scope (all of them on a full one)
         self.rescales = RescaleTracker(clock=clock)
         self.goodput = GoodputTracker()  # throughput models and attained service (goodput.py)
         self._throughput_saved: dict[str, float] = {}  # job -> when its model was last stored
@@ -130,6 +159,12 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
 
     def _reset(self) -> None:
         self.inventory = Inventory()
+        self.placing.reset()  # a term starts from a full cycle and a resync of the planner
+        self.observing.reset()
+        self._touched = set()
+        self._last_shares = {}
+        self._last_queue = []
+        self._last_held = set()
         self.exits = {}
         self.members = {}
         self._wake = asyncio.Event()
@@ -287,20 +322,20 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         records = self.table.records
         hosts = self.inventory.hosts
 
-        observed = decide.observe(records, hosts, self.exits, busy=self._busy)
-        demands = self.goodput.annotate(decide.demands(records))
-        for job_id in [j for j in self._throughput_saved if j not in self.goodput.jobs()]:
-            # The job ended (annotate forgot its model): its stored state goes too.
-            del self._throughput_saved[job_id]
-            self._spawn(self._forget_throughput(job_id), f"forget-throughput-{job_id}")
         # Placement must not see a device twice; lost learners were left out by observe.
-        targets_before = {r.job_id: r.job.target_workers for r in records.values()}
-        decided = plan(
-            demands, self.inventory.host_views(), observed.current, self.config.placement, now=now
-        )
+        # After events only the jobs that changed are observed again and decided by the
+        # incremental planner; every placement check interval (and with
+        # --incremental-placement off: every cycle) the full cycle, the safety net:
+        # observing.py, placing.py.
+        observed, decided, scope = self._observe_and_place(records, now)
+        self.jobs_looked_at = len(scope)
+        targets_before = {job_id: r.job.target_workers for job_id, r in scope.items()}
         changed = []
-        for job_id, (target, position) in decide.targets(records, decided).items():
+        for job_id, (target, position) in decide.targets(scope, decided).items():
             record = records[job_id]
+            if record.decided_priority != record.job.spec.priority:
+                # The next cycle's demand of it carries the priority decided now.
+                self._touched.add(job_id)
             record.decided_priority = record.job.spec.priority
             if self.metrics is not None:
                 self.metrics.target_changed(job_id, record.job.target_workers, target, now)
@@ -308,11 +343,12 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                 record.job.target_workers = target
                 record.job.queue_position = position
                 changed.append(job_id)
+                self.table.mark(job_id)
         moved = self._moved & records.keys()
         self._moved -= moved
         held = {job_id for job_id, health in self.health.items() if health.down}
         work = decide.decide(
-            records,
+            scope,
             hosts,
             observed,
             decided,
@@ -334,7 +370,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                     bool(starts_by_job.get(r.job_id))
                     or bool(r.job_id in work and (work[r.job_id].retires or work[r.job_id].lost)),
                 )
-                for r in records.values()
+                for r in scope.values()
                 if r.active
             ],
             causes=causes,
@@ -360,16 +396,30 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                 self._wake_at(backoff.until)
                 continue
             jw.starts = self._pending_learners(record, starts, now)
+            if jw.starts:
+                self.table.mark(job_id)  # PENDING learners added in memory
             self._busy[job_id] = self._spawn(
                 self._run_worker(record, jw, causes), f"scheduler-job-{job_id}"
             )
             dispatched += 1
 
         # Exits of learners no job knows are of no use; orphans are freed by the sweep.
-        known = {lid for r in records.values() for lid in r.learners}
-        for learner_id in [lid for lid in self.exits if lid not in known]:
-            del self.exits[learner_id]
-        self._release_orphans(known)
+        if scope is records:
+            known = {lid for r in records.values() for lid in r.learners}
+            for learner_id in [lid for lid in self.exits if lid not in known]:
+                del self.exits[learner_id]
+            self._release_orphans(known)  # a full cycle: every allocation against every job
+            self._orphans_checked = now
+        else:
+            for learner_id in list(self.exits):
+                owner = records.get(self.observing.job_of(learner_id) or "")
+                if owner is None or learner_id not in owner.learners:
+                    if decide.job_of(records, learner_id) is None:
+                        del self.exits[learner_id]
+            if now - self._orphans_checked >= self.config.resync_interval_s:
+                # At most once per resync interval, against the kept learner index.
+                self._orphans_checked = now
+                self._release_orphans(self.observing)
         self.rescales.check_all(records)
         span = trace.get_current_span()
         if span.is_recording():
@@ -378,7 +428,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                     "shoal.cycle": self.cycles,
                     "shoal.cycle.causes": causes,
                     "shoal.cycle.jobs": len(records),
-                    "shoal.cycle.jobs_active": len(demands),
+                    "shoal.cycle.jobs_looked_at": len(scope),
                     "shoal.cycle.jobs_queued": len(decided.queue),
                     "shoal.cycle.starts": len(decided.starts),
                     "shoal.cycle.retires": len(decided.retires),
@@ -387,6 +437,114 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                     "shoal.cycle.rescales_open": len(self.rescales.open),
                 }
             )
+
+    def _observe_and_place(
+        self, records: dict[str, JobRecord], now: float
+    ) -> tuple[decide.Observed, Plan, dict[str, JobRecord]]:
+        """Steps 1-2 of the cycle: (what was observed, the plan, the jobs the rest of the cycle
+        looks at). A full cycle observes every record and returns them all; an incremental
+        one observes again only the jobs that changed (the table's dirty set, the goodput
+        models polled, exits, workers, changed hosts) and returns the jobs the plan or their
+        state may give work to."""
+        hosts = self.inventory.hosts
+        placing = self.placing
+        if not placing.incremental:
+            observed = decide.observe(records, hosts, self.exits, busy=self._busy)
+            demands = self._demands(records)
+            decided = placing.decide(demands, self.inventory, observed.current, now)
+            self._last_shares = decided.shares
+            return observed, decided, records
+        changed_hosts = self.inventory.take_changed()
+        dirty = self.table.take_dirty() | self._touched
+        self._touched = set()
+        changes = self.observing.update(
+            records, hosts, self.exits, self._busy, dirty=dirty, changed_hosts=changed_hosts
+        )
+        demand_changes: dict[str, JobDemand | None] = {}
+        gone: set[tuple[str, str, str, str, bool]] = set()
+        came: set[tuple[str, str, str, str, bool]] = set()
+        for before, after in changes.values():
+            if before != after:
+                gone.update(before)
+                came.update(after)
+        # The demands of the jobs observed again and of those whose throughput model or
+        # attained service a progress poll changed (their records need no new look).
+        polled = self.goodput.take_changed()
+        for job_id in changes.keys() | (polled if self._annotated else set()):
+            record = records.get(job_id)
+            demand_changes[job_id] = (
+                self._annotate(decide.demand(record))
+                if record is not None and record.active
+                else None
+            )
+        gone, came = gone - came, came - gone
+        if placing.due(now):
+            observed = self.observing.full(records, hosts, self.exits, self._busy)
+            demands = self._demands(records)
+            decided = placing.full(
+                demands,
+                self.inventory,
+                observed.current,
+                now,
+                gone=gone,
+                came=came,
+                demand_changes=demand_changes,
+                changed_hosts=changed_hosts,
+                current_keys=self.observing.keys,
+            )
+            self._last_shares = decided.shares
+            return observed, decided, records
+        for job_id, demand in demand_changes.items():
+            if demand is None and job_id in self._throughput_saved:
+                self.goodput.forget(job_id)  # the job ended: its stored model goes too
+                del self._throughput_saved[job_id]
+                self._spawn(self._forget_throughput(job_id), f"forget-throughput-{job_id}")
+        decided = placing.step(
+            self.inventory,
+            now,
+            gone=gone,
+            came=came,
+            demand_changes=demand_changes,
+            changed_hosts=changed_hosts,
+            fallback=lambda: (self._demands(records), self.observing.current()),
+        )
+        observed = decide.Observed(work=dict(self.observing.work))
+        # The jobs the rest of the cycle looks at: those observed again, those with a timer
+        # or observed work, those the plan starts, retires, loses or gives another share or
+        # queue position, the moved, held and backed-off ones.
+        last, self._last_shares = self._last_shares, decided.shares
+        scope_ids = set(changes)
+        scope_ids |= self.observing.attention
+        scope_ids |= observed.work.keys()
+        scope_ids.update(s.job_id for s in decided.starts)
+        scope_ids.update(r.job_id for r in decided.retires)
+        scope_ids.update(filter(None, map(self.observing.job_of, decided.lost)))
+        if decided.shares is not last:
+            scope_ids.update(j for j, n in decided.shares.items() if last.get(j) != n)
+            scope_ids.update(j for j in last if j not in decided.shares)
+        scope_ids.update(decided.queue)
+        scope_ids.update(self._last_queue)
+        self._last_queue = list(decided.queue)
+        held = {job_id for job_id, health in self.health.items() if health.down}
+        scope_ids |= held | self._last_held | self._moved | self._backoff.keys()
+        self._last_held = held
+        return observed, decided, {j: records[j] for j in scope_ids if j in records}
+
+    def _annotate(self, demand: JobDemand) -> JobDemand:
+        """One job's demand as the cycle gives it to placement (see ``_annotated``)."""
+        return self.goodput.annotate_one(demand) if self._annotated else demand
+
+    def _demands(self, records: dict[str, JobRecord]) -> list[JobDemand]:
+        """Every active job's demand, annotated (when the policy reads it); the stored models
+        of ended jobs go."""
+        plain = decide.demands(records)
+        annotated = self.goodput.annotate(plain)  # also forgets the models of ended jobs
+        demands = annotated if self._annotated else plain
+        for job_id in [j for j in self._throughput_saved if j not in self.goodput.jobs()]:
+            # The job ended (annotate forgot its model): its stored state goes too.
+            del self._throughput_saved[job_id]
+            self._spawn(self._forget_throughput(job_id), f"forget-throughput-{job_id}")
+        return demands
 
     def _coordinator_moved(self, job_id: str, moved: CoordinatorRecord) -> None:
         """The parameter-sync tier moved a job's coordinator (a shard failed over): talk to

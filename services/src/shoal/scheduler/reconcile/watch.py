@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Container
 
 import grpc
 
@@ -108,9 +109,11 @@ class InventoryWatch:
                     lr.allocation_id = allocation.allocation_id
                     lr.host_incarnation = allocation.host_incarnation or lr.host_incarnation
                     lr.set_phase(LearnerPhase.STARTING, self.clock())
+                    self.table.mark(record.job_id)  # changed in memory: observe it again
 
-    def _release_orphans(self, known: set[str]) -> None:
-        """Free ledger allocations that no job's learner holds (a predecessor's leftovers)."""
+    def _release_orphans(self, known: Container[str]) -> None:
+        """Free ledger allocations that no job's learner holds (a predecessor's leftovers);
+        ``known``: the learner ids the jobs hold."""
         if self._orphans_busy:
             return
         orphans = [

@@ -97,6 +97,7 @@ class JobWorkers:
             self._note_backoff(job_id)
         finally:
             self._busy.pop(job_id, None)
+            self.table.mark(job_id)  # observe it again: the worker changed its record
             with contextlib.suppress(Exception):
                 await self._note_allocation(record, before, work, causes)
             self.trigger()
