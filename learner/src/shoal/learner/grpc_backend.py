@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -82,6 +82,7 @@ from shoal.learner.grpc_calls import (
 from shoal.learner.grpc_control import CoordinatorFollowing
 from shoal.learner.grpc_lane import close_lane, lane_refused, open_lane
 from shoal.learner.liveness import WATCH_AFTER_S, WATCH_EVERY_S, CoordinatorMoved
+from shoal.learner.ps_overlap import StreamedGradients, overlap_enabled
 from shoal.learner.tracing import trace_metadata
 from shoal.v1 import (
     job_pb2,
@@ -184,6 +185,9 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
         self._closed = False
         # Same-host shards: move SyncStep bytes through shared memory (grpc_lane.py).
         self._shm_lane = shm_lane
+        # Gradients streamed while backward runs (ps_overlap.py; SHOAL_PS_OVERLAP).
+        self.ps_overlap = overlap_enabled()
+        self._streamed: StreamedGradients | None = None
 
     @classmethod
     def from_env(cls, env: LearnerEnv) -> GrpcBackend:
@@ -390,7 +394,24 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
         return reply
 
     def next_assignment(self) -> Assignment | None:
-        return self._to_assignment(self._run(self._boundary(self._md())))
+        assignment = self._to_assignment(self._run(self._boundary(self._md())))
+        if self._streamed is not None:
+            self._streamed.assigned(assignment)
+        return assignment
+
+    def overlap_hooks(self, params: Sequence[Any]) -> StreamedGradients | None:
+        """Hooks that stream the gradients to the shards while backward runs (ps_overlap.py);
+        None when ``ps_overlap`` is off."""
+        if not self.ps_overlap:
+            return None
+        if self._streamed is None:
+            self._streamed = StreamedGradients(self, params)
+        return self._streamed
+
+    @property
+    def tensors_sent(self) -> list[int]:
+        """Parameters streamed by the hooks while backward ran, and in all."""
+        return self._streamed.tensors_sent if self._streamed is not None else [0, 0]
 
     def _to_assignment(self, reply: ps_pb2.BoundaryResponse) -> Assignment | None:
         """A RUN, RETIRE or DONE answer as the trainer's :class:`Assignment` (None: done)."""
@@ -513,8 +534,13 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
                 tensors[j] = None if g is None else _cpu(g)
             for j, b in enumerate(contribution.buffers):
                 tensors[n_params + j] = _cpu(b)
+        streamed = (
+            self._streamed.seal(assignment, contribution, lr) if self._streamed is not None else {}
+        )
         try:
-            headers = self._run(self._sync(assignment, contribution, tensors, lr, self._md()))
+            headers = self._run(
+                self._sync(assignment, contribution, tensors, lr, self._md(), streamed)
+            )
         except IterationAborted:
             # Report this iteration's loss with the next Boundary anyway: if it was committed
             # after all (a shard died while answering, its backup took over) the coordinator
@@ -557,9 +583,12 @@ class GrpcBackend(CoordinatorFollowing, SyncBackend):
         tensors: Sequence[torch.Tensor | None],
         lr: float | None,
         md: Any = None,
+        streamed: Mapping[int, Awaitable[ps_pb2.TensorBundleHeader]] | None = None,
     ) -> list[ps_pb2.TensorBundleHeader]:
         async def one(shard: _Shard) -> ps_pb2.TensorBundleHeader:
             assert shard.streams is not None
+            if streamed and id(shard) in streamed:  # sent while backward ran (ps_overlap.py)
+                return await streamed[id(shard)]
             present = [j for j in shard.tensors if tensors[j] is not None]
             metas, total = pack_layout([self._layout[j] for j in present])
             header = header_of(
