@@ -195,7 +195,7 @@ class StreamedGradients:
             absent = []
             for place, j in enumerate(stream.declared):
                 if j >= n_params:
-                    stream.ready[place] = _cpu_copy(contribution.buffers[j - n_params])
+                    stream.ready[place] = _cpu(contribution.buffers[j - n_params])
                 elif contribution.grads[j] is None:
                     absent.append(place)
             self._send_ready(stream, until_buffers=False)
@@ -330,10 +330,11 @@ class StreamedGradients:
         grad = param.grad
         if grad is None:
             return torch.zeros(param.shape, dtype=param.dtype)
-        copy = grad.detach().clone()
-        if inv_scale is not None:
-            copy.mul_(inv_scale.to(copy.dtype))
-        return _cpu_copy(copy)
+        if inv_scale is not None:  # a new tensor: the trainer unscales p.grad in place next
+            return _cpu(grad.detach().mul(inv_scale.to(grad.dtype)))
+        # No copy on the CPU: nothing writes p.grad again before sync() returns (the share's
+        # backward is over for this parameter; the trainer sets p.grad to None after sync).
+        return _cpu(grad)
 
     def _send_ready(self, stream: _Stream, *, until_buffers: bool) -> int:
         """Hand the ready tensors at the stream's cursor to its queue; how many parameters."""
@@ -354,9 +355,8 @@ class StreamedGradients:
         return sent
 
 
-def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
-    out = tensor.detach().to("cpu", copy=True)
-    return out.contiguous()
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu").contiguous()
 
 
 def _encode_run(
