@@ -14,7 +14,8 @@ id and (collective) the process groups it formed. ``--clip-grad-norm X`` and ``-
 holds each iteration's loss scale and whether its step was skipped, and the callbacks' view
 (``is_primary``, ``rescales``). ``--bucket-bytes N`` (collective) sets the gradient bucket
 size; the history's ``buckets_sent`` counts the buckets the overlap hooks sent during backward
-and in all.
+and in all; ``tensors_sent`` (parameter-server mode) the parameters streamed during backward
+and in all. ``--unused-param 1`` adds a parameter that never gets a gradient.
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ def param_groups(model: nn.Module) -> list[dict]:
     return [{"params": [model[0].weight], "lr": 0.02}, {"params": biases, "weight_decay": 0.0}]
 
 
+class WithUnused(nn.Module):
+    """A model with a parameter its forward never uses (``--unused-param``)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.unused = nn.Parameter(torch.ones(5))
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, required=True)
@@ -79,6 +92,9 @@ def main() -> int:
     # 1: the loss function logs loss_x2 (twice each micro-batch's mean loss) and a callback
     # logs prev_step (the step just ended) between steps, with trainer.log.
     parser.add_argument("--log-metrics", type=int, default=0)
+    # 1: the model gets a parameter "unused" (ones, no gradient ever) registered before the
+    # MLP's (so the MLP's names are "net.<name>"); the MLP's initialization is unchanged.
+    parser.add_argument("--unused-param", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
@@ -95,6 +111,8 @@ def main() -> int:
     digits = load_digits_example()
     torch.manual_seed(args.seed)
     model = digits.build_model()
+    if args.unused_param:
+        model = WithUnused(model)
     backend = create_backend(args.backend)
     if args.bucket_bytes:
         backend._bucket_bytes = backend._first_bucket_bytes = args.bucket_bytes
@@ -192,6 +210,7 @@ def main() -> int:
                 "pid": os.getpid(),
                 "formations": getattr(backend, "formations", []),
                 "buckets_sent": getattr(backend, "buckets_sent", None),
+                "tensors_sent": getattr(backend, "tensors_sent", None),
                 "is_primary": result.is_primary,
                 "primary_steps": watch.primary_steps,
                 "rescales": watch.rescales,

@@ -24,6 +24,7 @@ __all__ = [
     "LOG_LEVEL",
     "MAX_BATCH_PER_DEVICE",
     "PREFIX",
+    "PS_OVERLAP",
     "SEED",
     "STORAGE_URI",
     "SYNC_BACKEND",
@@ -58,6 +59,10 @@ COLLECTIVE_TIMEOUT_S = "SHOAL_COLLECTIVE_TIMEOUT_S"
 #: backward runs (read by ``shoal.learner.collective`` itself, like the shared-memory lane's
 #: ``SHOAL_SHM_LANE``; not part of what the scheduler writes).
 COLLECTIVE_OVERLAP = "SHOAL_COLLECTIVE_OVERLAP"
+#: ``on`` (default) or ``off``: a parameter-server learner streams its gradients to the shards
+#: while backward runs (read by ``shoal.learner.ps_overlap`` itself, like
+#: ``SHOAL_COLLECTIVE_OVERLAP``; not part of what the scheduler writes).
+PS_OVERLAP = "SHOAL_PS_OVERLAP"
 EPOCHS = "SHOAL_EPOCHS"
 BATCH_SIZE = "SHOAL_BATCH_SIZE"
 #: Set only for a job with an adaptive batch: how the learning rate follows the batch.

@@ -304,11 +304,13 @@ def serialize(message: bytes | Any) -> bytes:
 
 @dataclass(frozen=True)
 class Frame:
-    """One decoded stream message: a header, a chunk (a view into the message), or neither
-    (an empty message, which the receiver rejects)."""
+    """One decoded stream message: a header, a chunk (a view into the message), a trailer
+    (SyncStep only), or none of them (an empty message, which the receiver rejects)."""
 
     header: ps_pb2.TensorBundleHeader | None = None
     chunk: memoryview | None = None
+    # SyncStepRequest only: the optional last message of a gradient stream.
+    trailer: ps_pb2.TensorBundleTrailer | None = None
 
 
 def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -337,6 +339,8 @@ def decode_frame(message_cls: type[Any], data: bytes) -> Frame:
         return Frame(header=message.header)
     if which == "chunk":
         return Frame(chunk=memoryview(message.chunk))
+    if which == "trailer":
+        return Frame(trailer=message.trailer)
     return Frame()
 
 

@@ -965,33 +965,83 @@ Global___BoundaryResponse: _TypeAlias = BoundaryResponse  # noqa: Y015
 
 @_typing.final
 class SyncStepRequest(_message.Message):
-    """SyncStepRequest is one message of a gradient upload: the header, then chunks."""
+    """SyncStepRequest is one message of a gradient upload: the header, then chunks, then
+    optionally one trailer.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    TRAILER_FIELD_NUMBER: _builtins.int
     chunk: _builtins.bytes
     """The next bytes."""
     @_builtins.property
     def header(self) -> Global___TensorBundleHeader:
         """The header (first message only)."""
 
+    @_builtins.property
+    def trailer(self) -> Global___TensorBundleTrailer:
+        """What is known only once the bytes were sent (a learner that streams its gradients
+        while backward runs): after the last chunk, at most once. Optional: a stream without a
+        trailer is taken as its header says.
+        """
+
     def __init__(
         self,
         *,
         header: Global___TensorBundleHeader | None = ...,
         chunk: _builtins.bytes = ...,
+        trailer: Global___TensorBundleTrailer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "content", b"content", "header", b"header"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "content", b"content", "header", b"header", "trailer", b"trailer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "content", b"content", "header", b"header"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "content", b"content", "header", b"header", "trailer", b"trailer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_content: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofReturnType_content: _TypeAlias = _typing.Literal["header", "chunk", "trailer"]  # noqa: Y015
     _WhichOneofArgType_content: _TypeAlias = _typing.Literal["content", b"content"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_content) -> _WhichOneofReturnType_content | None: ...
 
 Global___SyncStepRequest: _TypeAlias = SyncStepRequest  # noqa: Y015
+
+@_typing.final
+class TensorBundleTrailer(_message.Message):
+    """TensorBundleTrailer ends a gradient stream whose header declared every tensor of the
+    shard's slice before the learner knew which of them would get a gradient.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ABSENT_TENSORS_FIELD_NUMBER: _builtins.int
+    LOSS_SUM_FIELD_NUMBER: _builtins.int
+    LEARNING_RATE_FIELD_NUMBER: _builtins.int
+    loss_sum: _builtins.float
+    """The sum of the per-sample losses; replaces the header's `loss_sum`."""
+    learning_rate: _builtins.float
+    """The learning rate for this iteration (0 keeps the optimizer's); replaces the header's
+    `learning_rate`.
+    """
+    @_builtins.property
+    def absent_tensors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Indices into the header's `tensors` of parameters that got no gradient: their bytes
+        were sent (as zeros) but count as absent, exactly like a parameter the header left out
+        (not stepped). Each index at most once; a buffer may not be named.
+        """
+
+    def __init__(
+        self,
+        *,
+        absent_tensors: _abc.Iterable[_builtins.int] | None = ...,
+        loss_sum: _builtins.float = ...,
+        learning_rate: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["absent_tensors", b"absent_tensors", "learning_rate", b"learning_rate", "loss_sum", b"loss_sum"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorBundleTrailer: _TypeAlias = TensorBundleTrailer  # noqa: Y015
 
 @_typing.final
 class SyncStepResponse(_message.Message):

@@ -57,6 +57,10 @@ SHOAL_DATASET_URIS          empty                   Comma-separated dataset URIs
 SHOAL_COLLECTIVE_OVERLAP    ``on``                  Collective mode: gradient buckets are sent
                                                     while backward runs (``off``: after it).
                                                     Read by ``shoal.learner.collective``.
+SHOAL_PS_OVERLAP            ``on``                  Parameter-server mode: gradients stream to
+                                                    the shards while backward runs (``off``:
+                                                    after it). Read by
+                                                    ``shoal.learner.ps_overlap``.
 SHOAL_TRAIN_MARKER          unset                   File the learner touches when the script
                                                     calls ``Trainer.train()``; the host agent
                                                     fails a learner that exits 0 without it.

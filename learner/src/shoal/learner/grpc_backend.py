@@ -88,6 +88,7 @@ from shoal.learner.grpc_calls import (
 )
 from shoal.learner.grpc_lane import lane_refused, open_lane
 from shoal.learner.liveness import CoordinatorMoved
+from shoal.learner.ps_overlap import StreamedGradients, overlap_enabled
 from shoal.learner.shard_session import ShardSession
 from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
 
@@ -176,6 +177,9 @@ class GrpcBackend(SyncBackend):
         self._user: UserMetrics = (-1, {})  # trainer.log
         # Same-host shards: move SyncStep bytes through shared memory (grpc_lane.py).
         self._shm_lane = shm_lane
+        # Gradients streamed while backward runs (ps_overlap.py; SHOAL_PS_OVERLAP).
+        self.ps_overlap = overlap_enabled()
+        self._streamed: StreamedGradients | None = None
 
     @classmethod
     def from_env(cls, env: LearnerEnv) -> GrpcBackend:
@@ -286,7 +290,24 @@ class GrpcBackend(SyncBackend):
         plan = self._require_plan()
         if reply.action == ps_pb2.BOUNDARY_ACTION_RUN:
             self._generation = int(reply.assignment.generation)
-        return assignment_of(reply, plan, self._report[:2])
+        assignment = assignment_of(reply, plan, self._report[:2])
+        if self._streamed is not None:
+            self._streamed.assigned(assignment)
+        return assignment
+
+    def overlap_hooks(self, params: Sequence[Any]) -> StreamedGradients | None:
+        """Hooks that stream the gradients to the shards while backward runs (ps_overlap.py);
+        None when ``ps_overlap`` is off."""
+        if not self.ps_overlap:
+            return None
+        if self._streamed is None:
+            self._streamed = StreamedGradients(self, params)
+        return self._streamed
+
+    @property
+    def tensors_sent(self) -> list[int]:
+        """Parameters streamed by the hooks while backward ran, and in all."""
+        return self._streamed.tensors_sent if self._streamed is not None else [0, 0]
 
     # -- parameters ---------------------------------------------------------------------------
 
@@ -375,8 +396,13 @@ class GrpcBackend(SyncBackend):
                 tensors[j] = None if g is None else _cpu(g)
             for j, b in enumerate(contribution.buffers):
                 tensors[n_params + j] = _cpu(b)
+        streamed = (
+            self._streamed.seal(assignment, contribution, lr) if self._streamed is not None else {}
+        )
         try:
-            headers = self._run(self._sync(assignment, contribution, tensors, lr, self._md()))
+            headers = self._run(
+                self._sync(assignment, contribution, tensors, lr, self._md(), streamed)
+            )
         except IterationAborted:
             # Report this iteration's loss with the next Boundary anyway: if it was committed
             # after all (a shard died while answering, its backup took over) the coordinator
@@ -419,9 +445,12 @@ class GrpcBackend(SyncBackend):
         tensors: Sequence[torch.Tensor | None],
         lr: float | None,
         md: Any = None,
+        streamed: Mapping[int, Awaitable[ps_pb2.TensorBundleHeader]] | None = None,
     ) -> list[ps_pb2.TensorBundleHeader]:
         async def one(shard: _Shard) -> ps_pb2.TensorBundleHeader:
             assert shard.streams is not None
+            if streamed and id(shard) in streamed:  # sent while backward ran (ps_overlap.py)
+                return await streamed[id(shard)]
             present = [j for j in shard.tensors if tensors[j] is not None]
             metas, total = pack_layout([self._layout[j] for j in present])
             header = header_of(

@@ -147,10 +147,30 @@ async def _first_header(frames: AsyncIterator[Frame]) -> ps_pb2.TensorBundleHead
     return first.header
 
 
-async def _collect(frames: AsyncIterator[Frame], sj: ShardJob, contribution: Contribution) -> None:
+async def _collect(
+    frames: AsyncIterator[Frame],
+    sj: ShardJob,
+    contribution: Contribution,
+    *,
+    trailer: bool = False,
+) -> None:
+    """Keep a stream's chunks (no copy). With ``trailer`` (SyncStep) the last message may be
+    a ``TensorBundleTrailer``, checked and applied to ``contribution`` by the shard
+    (:meth:`ShardJob.take_trailer`)."""
+    ended = False
     async for frame in frames:
+        if frame.trailer is not None and trailer:
+            if ended:
+                raise InvalidField("trailer", "a second trailer", "at most one may end a stream")
+            sj.take_trailer(contribution, frame.trailer)
+            ended = True
+            continue
         if frame.chunk is None:
             raise InvalidField("chunk", "header", "only the first message may be a header")
+        if ended:
+            raise InvalidField(
+                "chunk", f"{frame.chunk.nbytes} bytes", "must not follow the trailer"
+            )
         sj.take_chunk(contribution, frame.chunk)
     sj.check_complete(contribution)
 

@@ -119,7 +119,7 @@ class DataHandlers:
             if header.shared_memory:  # the bytes are in the learner's same-host lane
                 lane = await self._lane_collect(frames, header, sj, contribution)
             else:
-                await _collect(frames, sj, contribution)
+                await _collect(frames, sj, contribution, trailer=True)
         future = part.futures.get((g, k))
         if future is None:
             future = asyncio.get_running_loop().create_future()

@@ -115,6 +115,9 @@ class Contribution:
     metas: list[tuple[int, TensorMeta]]  # (local index, meta in the stream)
     total_bytes: int
     chunks: list[memoryview] = field(default_factory=list)
+    # Local indices of declared tensors the stream's trailer marked as without a gradient:
+    # their bytes are received but count as absent (as if the header had left them out).
+    absent: frozenset[int] = frozenset()
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -265,6 +268,37 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
                 f"was not reached: the stream ended after {received} bytes",
             )
 
+    @staticmethod
+    def take_trailer(contribution: Contribution, trailer: ps_pb2.TensorBundleTrailer) -> None:
+        """Check a SyncStep trailer against its stream and apply it to ``contribution`` (not
+        yet added to anything): it must follow the last byte the header declared, and name
+        each declared parameter at most once (never a buffer). Refused: INVALID_ARGUMENT
+        naming the field and the value, ``contribution`` unchanged."""
+        received = sum(c.nbytes for c in contribution.chunks)
+        if received != contribution.total_bytes:
+            raise InvalidField(
+                "trailer",
+                f"after {received} bytes",
+                f"must follow the last chunk (header.total_bytes is {contribution.total_bytes})",
+            )
+        declared = len(contribution.metas)
+        absent: set[int] = set()
+        for position, i in enumerate(trailer.absent_tensors):
+            where = f"trailer.absent_tensors[{position}]"
+            if not 0 <= i < declared:
+                raise InvalidField(
+                    where, i, f"is not an index of the header's {declared} declared tensors"
+                )
+            j, m = contribution.metas[i]
+            if j in absent:
+                raise InvalidField(where, i, f"repeats {m.name}")
+            if m.buffer:
+                raise InvalidField(where, i, f"names buffer {m.name}: buffers are never absent")
+            absent.add(j)
+        contribution.absent = frozenset(absent)
+        contribution.loss_sum = trailer.loss_sum
+        contribution.learning_rate = trailer.learning_rate
+
     def _feed(self, contribution: Contribution, sink: Any) -> None:
         metas = [m for _, m in contribution.metas]
         local = [j for j, _ in contribution.metas]
@@ -347,8 +381,14 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
             return False
         n = contribution.num_samples
         if n > 0:
-            self._feed(contribution, lambda j, off, seg: self._add(j, off, seg, n))
+            absent = contribution.absent
+            self._feed(
+                contribution,
+                lambda j, off, seg: None if j in absent else self._add(j, off, seg, n),
+            )
             for j, m in contribution.metas:
+                if j in absent:
+                    continue  # marked by the trailer: no gradient, as if left out
                 if m.buffer:
                     pending.buffer_weight[j] += n
                 else:
