@@ -503,13 +503,13 @@ def test_the_learner_checks_an_adaptive_assignment_and_scales_its_learning_rate(
         return Assignment(1, 0, 1, 1, 0, 2, start, stop, global_batch=batch)
 
     last = assignment(4, 10, 8)  # the epoch's last iteration, short of its batch of 8
-    ElasticTrainer._check_assignment(last, plan, adaptive=True)
-    ElasticTrainer._check_assignment(assignment(2, 10, 8), plan, adaptive=True)
+    plan.check_assignment(last, adaptive=True)
+    plan.check_assignment(assignment(2, 10, 8), adaptive=True)
     with pytest.raises(RuntimeError, match="no adaptive batch"):
-        ElasticTrainer._check_assignment(last, plan)  # a fixed job refuses another batch
+        plan.check_assignment(last)  # a fixed job refuses another batch
     for bad in (assignment(0, 5, 8), assignment(0, 9, 8), assignment(4, 11, 8)):
         with pytest.raises(RuntimeError, match="does not match the plan"):
-            ElasticTrainer._check_assignment(bad, plan, adaptive=True)
+            plan.check_assignment(bad, adaptive=True)
 
     trainer = ElasticTrainer(
         nn.Linear(1, 1), lambda: (None, None), nn.MSELoss(), ("SGD", {"lr": 0.1})

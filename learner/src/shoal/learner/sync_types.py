@@ -298,6 +298,32 @@ class TrainingPlan:
         """Iterations of the whole job."""
         return self.epochs * self.iterations_per_epoch
 
+    def check_assignment(self, a: Assignment, *, adaptive: bool = False) -> None:
+        """Refuse (RuntimeError) an assignment that does not fit this plan: another batch for a
+        job without an adaptive batch, a batch outside the epoch, an epoch past the last."""
+        if a.global_batch and a.global_batch != self.batch_size and not adaptive:
+            raise RuntimeError(
+                f"assignment's global batch ({a.global_batch}) differs from the job's fixed "
+                f"batch ({self.batch_size}) but the job has no adaptive batch"
+            )
+        if adaptive:
+            # Positions are kept in samples (shoal.contract.batch_schedule): a batch of at
+            # most B inside the epoch, short only at the epoch's end.
+            b = a.global_batch or self.batch_size
+            ok = a.batch_stop <= self.num_samples and (
+                a.batch_size == b or (a.batch_size < b and a.batch_stop == self.num_samples)
+            )
+            expected = (a.batch_start, a.batch_start + b)
+        else:
+            expected = partition.batch_range(a.iteration, self.batch_size, self.num_samples)
+            ok = (a.batch_start, a.batch_stop) == expected
+        if not ok or a.epoch >= self.epochs:
+            raise RuntimeError(
+                f"assignment (epoch {a.epoch}, iteration {a.iteration}, batch "
+                f"[{a.batch_start}, {a.batch_stop})) does not match the plan "
+                f"(epochs {self.epochs}, batch {list(expected)})"
+            )
+
     def position(self, step: int) -> tuple[int, int]:
         """``(epoch, iteration within the epoch)`` of global iteration ``step``."""
         return divmod(step, self.iterations_per_epoch)

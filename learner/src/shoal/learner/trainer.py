@@ -409,7 +409,7 @@ class ElasticTrainer:
                     result.retired = True
                     self._assignment = None
                     break
-                self._check_assignment(a, plan, adaptive=self._batch_rule is not None)
+                plan.check_assignment(a, adaptive=self._batch_rule is not None)
                 previous, self._assignment = self._assignment, a
                 if previous is not None and (
                     previous.generation != a.generation or previous.world_size != a.world_size
@@ -619,31 +619,6 @@ class ElasticTrainer:
             self._batch_rule,
             a.gradient_noise_scale if a.gradient_noise_scale > 0 else None,
         )
-
-    @staticmethod
-    def _check_assignment(a: Assignment, plan: TrainingPlan, *, adaptive: bool = False) -> None:
-        if a.global_batch and a.global_batch != plan.batch_size and not adaptive:
-            raise RuntimeError(
-                f"assignment's global batch ({a.global_batch}) differs from the job's fixed "
-                f"batch ({plan.batch_size}) but the job has no adaptive batch"
-            )
-        if adaptive:
-            # Positions are kept in samples (shoal.contract.batch_schedule): a batch of at
-            # most B inside the epoch, short only at the epoch's end.
-            b = a.global_batch or plan.batch_size
-            ok = a.batch_stop <= plan.num_samples and (
-                a.batch_size == b or (a.batch_size < b and a.batch_stop == plan.num_samples)
-            )
-            expected = (a.batch_start, a.batch_start + b)
-        else:
-            expected = partition.batch_range(a.iteration, plan.batch_size, plan.num_samples)
-            ok = (a.batch_start, a.batch_stop) == expected
-        if not ok or a.epoch >= plan.epochs:
-            raise RuntimeError(
-                f"assignment (epoch {a.epoch}, iteration {a.iteration}, batch "
-                f"[{a.batch_start}, {a.batch_stop})) does not match the plan "
-                f"(epochs {plan.epochs}, batch {list(expected)})"
-            )
 
     @torch.no_grad()
     def _load(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
