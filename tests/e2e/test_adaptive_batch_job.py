@@ -123,6 +123,7 @@ def test_a_job_with_an_adaptive_batch_changes_its_batch_as_it_scales_and_complet
         # runs its last epochs at 2): the smoothed estimate is over many iterations and
         # positive.
         print(f"gradient noise scale polled (iterations, phi): {noise[::10]} .. {noise[-1:]}")
-        samples, phi = max(noise)
-        assert samples >= MIN_SAMPLES, noise
-        assert phi > 0, noise
+        # (Near the end the model has converged and the smoothed |G|^2 can be all noise: the
+        # estimate then reads 0, "no finite value", which a CI run saw at its last poll.)
+        assert max(samples for samples, _ in noise) >= MIN_SAMPLES, noise
+        assert any(samples >= MIN_SAMPLES and phi > 0 for samples, phi in noise), noise

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc import aio
 
+from shoal.contract.errors import REASON_METADATA_KEY
 from shoal.learner.liveness import CoordinatorMoved, watched
 from shoal.learner.shard_session import ShardSession
 from shoal.v1 import (
@@ -222,12 +223,19 @@ def test_a_slow_boundary_of_a_live_coordinator_is_not_dropped() -> None:
 class _Flaky(ps_grpc.ParameterSyncServiceServicer):
     """A coordinator whose Boundary fails with ``code`` ``failures`` times, then answers."""
 
-    def __init__(self, failures: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
-        self.failures, self.code, self.calls = failures, code, 0
+    def __init__(
+        self,
+        failures: int,
+        code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+        reason: str = "",
+    ):
+        self.failures, self.code, self.reason, self.calls = failures, code, reason, 0
 
     async def Boundary(self, request, context):
         self.calls += 1
         if self.calls <= self.failures:
+            if self.reason:
+                context.set_trailing_metadata(((REASON_METADATA_KEY, self.reason),))
             await context.abort(self.code, f"try {self.calls} refused")
         return ps_pb2.BoundaryResponse(action=ps_pb2.BOUNDARY_ACTION_DONE)
 
@@ -275,3 +283,48 @@ def test_a_control_call_refused_by_the_coordinator_is_not_retried() -> None:
     finally:
         _shutdown(session, servers)
     assert flaky.calls == 1
+
+
+def test_a_coordinator_that_restarted_without_the_job_is_asked_again_within_the_window() -> None:
+    """A coordinator shard restarted by its supervisor holds no job and answers NOT_FOUND
+    (job not found) until the role moves: that is the coordinator lost, not the job, and the
+    learner asks again (and asks the other shards where the coordinator is) within its
+    window instead of exiting (seen in CI: both learners of a job exited that way in the
+    second between a restart and the takeover)."""
+    restarted = _Flaky(
+        failures=2, code=grpc.StatusCode.NOT_FOUND, reason="ERROR_REASON_JOB_NOT_FOUND"
+    )
+    session, servers, _ = _session_with(restarted)
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
+        reply = session.run(asyncio.wait_for(session.control("Boundary", request), 60))
+    finally:
+        _shutdown(session, servers)
+    assert reply.action == ps_pb2.BOUNDARY_ACTION_DONE and restarted.calls == 3
+
+
+def test_a_job_still_unknown_past_the_window_fails_the_call_and_an_unknown_learner_at_once() -> (
+    None
+):
+    gone = _Flaky(
+        failures=10**6, code=grpc.StatusCode.NOT_FOUND, reason="ERROR_REASON_JOB_NOT_FOUND"
+    )
+    session, servers, _ = _session_with(gone)
+    session.retry_s = 0.5
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
+        with pytest.raises(ValueError, match="refused"):
+            session.run(asyncio.wait_for(session.control("Boundary", request), 60))
+    finally:
+        _shutdown(session, servers)
+    assert gone.calls >= 2
+    # Any other NOT_FOUND (an unknown learner: it must leave) is not asked again.
+    unknown = _Flaky(failures=1, code=grpc.StatusCode.NOT_FOUND)
+    session, servers, _ = _session_with(unknown)
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
+        with pytest.raises(ValueError, match="try 1 refused"):
+            session.run(asyncio.wait_for(session.control("Boundary", request), 60))
+    finally:
+        _shutdown(session, servers)
+    assert unknown.calls == 1

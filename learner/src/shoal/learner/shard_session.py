@@ -27,10 +27,12 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+import grpc
 import tenacity
 from grpc import aio
 
 from shoal.client.tls import TLSFiles, channel_credentials
+from shoal.contract.errors import decode_rpc_error
 from shoal.contract.wire import TensorMeta
 from shoal.learner.grpc_calls import (
     _RETRYABLE,
@@ -98,6 +100,18 @@ def _log_pause(state: tenacity.RetryCallState) -> None:
     exc = state.outcome.exception()
     if isinstance(exc, _Unanswered):
         log.warning("%s; retrying in %.1f s", exc, state.next_action.sleep)
+
+
+def _job_lost(exc: aio.AioRpcError) -> bool:
+    """Whether the coordinator followed answered that it does not know the job: its shard was
+    restarted (a fresh process holds no job) and the role has not moved yet, or has moved and
+    this learner has not heard. Asked again within the window, after asking the other shards
+    where the coordinator is; a job that really is gone fails the call once the window is
+    spent, as before."""
+    return (
+        exc.code() == grpc.StatusCode.NOT_FOUND
+        and decode_rpc_error(exc).reason == "ERROR_REASON_JOB_NOT_FOUND"
+    )
 
 
 class ShardSession:
@@ -270,7 +284,7 @@ class ShardSession:
             window.restart()
             raise _Followed from None
         except aio.AioRpcError as exc:
-            if exc.code() not in _RETRYABLE or window.over():
+            if not (exc.code() in _RETRYABLE or _job_lost(exc)) or window.over():
                 raise _translate(exc) from exc
             why = exc.details()
         else:
