@@ -285,16 +285,29 @@ def test_a_control_call_refused_by_the_coordinator_is_not_retried() -> None:
     assert flaky.calls == 1
 
 
+class _Holder(ps_grpc.ParameterSyncServiceServicer):
+    """Another shard of the job that still holds its slice: it names the coordinator it knows
+    (``address``; "" once it holds nothing of the job either)."""
+
+    def __init__(self, address: str = "old:1") -> None:
+        self.address = address
+
+    async def FindCoordinator(self, request, context):
+        return ps_pb2.FindCoordinatorResponse(coordinator_address=self.address)
+
+
+def _job_not_found(failures: int) -> _Flaky:
+    return _Flaky(failures, grpc.StatusCode.NOT_FOUND, reason="ERROR_REASON_JOB_NOT_FOUND")
+
+
 def test_a_coordinator_that_restarted_without_the_job_is_asked_again_within_the_window() -> None:
     """A coordinator shard restarted by its supervisor holds no job and answers NOT_FOUND
-    (job not found) until the role moves: that is the coordinator lost, not the job, and the
-    learner asks again (and asks the other shards where the coordinator is) within its
-    window instead of exiting (seen in CI: both learners of a job exited that way in the
-    second between a restart and the takeover)."""
-    restarted = _Flaky(
-        failures=2, code=grpc.StatusCode.NOT_FOUND, reason="ERROR_REASON_JOB_NOT_FOUND"
-    )
-    session, servers, _ = _session_with(restarted)
+    (job not found) until the role moves: while another shard still knows the job that is the
+    coordinator lost, not the job, and the learner asks again within its window instead of
+    exiting (seen in CI: both learners of a job exited that way in the second between a
+    restart and the takeover)."""
+    restarted = _job_not_found(failures=2)
+    session, servers, _ = _session_with(restarted, _Holder())
     try:
         request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
         reply = session.run(asyncio.wait_for(session.control("Boundary", request), 60))
@@ -303,13 +316,21 @@ def test_a_coordinator_that_restarted_without_the_job_is_asked_again_within_the_
     assert reply.action == ps_pb2.BOUNDARY_ACTION_DONE and restarted.calls == 3
 
 
-def test_a_job_still_unknown_past_the_window_fails_the_call_and_an_unknown_learner_at_once() -> (
-    None
-):
-    gone = _Flaky(
-        failures=10**6, code=grpc.StatusCode.NOT_FOUND, reason="ERROR_REASON_JOB_NOT_FOUND"
-    )
-    session, servers, _ = _session_with(gone)
+def test_a_job_no_shard_knows_fails_at_once_and_one_still_unknown_past_the_window_too() -> None:
+    # Every shard restarted (the whole data plane died): no one to wait for, the learner
+    # leaves at once and the scheduler resumes the job from its checkpoint.
+    gone = _job_not_found(failures=10**6)
+    session, servers, _ = _session_with(gone, _Holder(address=""))
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
+        with pytest.raises(ValueError, match="try 1 refused"):
+            session.run(asyncio.wait_for(session.control("Boundary", request), 60))
+    finally:
+        _shutdown(session, servers)
+    assert gone.calls == 1
+    # Another shard knows it but the coordinator never does: failed once the window is spent.
+    stuck = _job_not_found(failures=10**6)
+    session, servers, _ = _session_with(stuck, _Holder())
     session.retry_s = 0.5
     try:
         request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
@@ -317,10 +338,10 @@ def test_a_job_still_unknown_past_the_window_fails_the_call_and_an_unknown_learn
             session.run(asyncio.wait_for(session.control("Boundary", request), 60))
     finally:
         _shutdown(session, servers)
-    assert gone.calls >= 2
+    assert stuck.calls >= 2
     # Any other NOT_FOUND (an unknown learner: it must leave) is not asked again.
     unknown = _Flaky(failures=1, code=grpc.StatusCode.NOT_FOUND)
-    session, servers, _ = _session_with(unknown)
+    session, servers, _ = _session_with(unknown, _Holder())
     try:
         request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
         with pytest.raises(ValueError, match="try 1 refused"):

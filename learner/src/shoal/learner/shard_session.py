@@ -65,6 +65,13 @@ class _Unanswered(Exception):
     from a fenced epoch) and no move was found: ask again after a pause."""
 
 
+#: How long a learner waits for the role to move when the coordinator it follows says "job not
+#: found" while another shard still knows the job (its shard restarted): the scheduler takes
+#: the role over --coordinator-grace (2 s) after the loss; where it does not (failover off, the
+#: checkpoint path), the learner leaves after this and is replaced.
+JOB_LOST_WAIT_S = 6.0
+
+
 class _Window:
     """How long a control call keeps retrying an unreachable coordinator (restarted by each
     move followed)."""
@@ -75,9 +82,18 @@ class _Window:
 
     def restart(self) -> None:
         self._ends = time.monotonic() + self._seconds
+        self._job_lost_ends: float | None = None
 
     def over(self) -> bool:
         return time.monotonic() > self._ends
+
+    def job_lost_over(self) -> bool:
+        """Whether the coordinator has said "job not found" for longer than
+        :data:`JOB_LOST_WAIT_S` (counted from the first such answer in this window)."""
+        now = time.monotonic()
+        if self._job_lost_ends is None:
+            self._job_lost_ends = now + JOB_LOST_WAIT_S
+        return now > min(self._job_lost_ends, self._ends)
 
 
 class _Pauses:
@@ -105,9 +121,9 @@ def _log_pause(state: tenacity.RetryCallState) -> None:
 def _job_lost(exc: aio.AioRpcError) -> bool:
     """Whether the coordinator followed answered that it does not know the job: its shard was
     restarted (a fresh process holds no job) and the role has not moved yet, or has moved and
-    this learner has not heard. Asked again within the window, after asking the other shards
-    where the coordinator is; a job that really is gone fails the call once the window is
-    spent, as before."""
+    this learner has not heard. While another shard still knows the job it is asked again for
+    up to :data:`JOB_LOST_WAIT_S` (after asking where the coordinator is); when none does, the
+    call fails at once, as before."""
     return (
         exc.code() == grpc.StatusCode.NOT_FOUND
         and decode_rpc_error(exc).reason == "ERROR_REASON_JOB_NOT_FOUND"
@@ -284,7 +300,11 @@ class ShardSession:
             window.restart()
             raise _Followed from None
         except aio.AioRpcError as exc:
-            if not (exc.code() in _RETRYABLE or _job_lost(exc)) or window.over():
+            if _job_lost(exc):
+                retry = not window.job_lost_over() and await self._job_known_elsewhere(metadata)
+            else:
+                retry = exc.code() in _RETRYABLE and not window.over()
+            if not retry:
                 raise _translate(exc) from exc
             why = exc.details()
         else:
@@ -343,6 +363,24 @@ class ShardSession:
         names a newer coordinator than the one followed."""
         for address in self._candidates():
             if await self._ask_where(address, metadata or self.metadata, timeout=5.0):
+                return True
+        return False
+
+    async def _job_known_elsewhere(self, metadata: Any = None) -> bool:
+        """Whether another shard still knows the job (names a coordinator for it): then the
+        coordinator followed lost it by restarting and the role moves, or has moved; when none
+        does, the job's whole data plane is gone (the scheduler resumes it from its checkpoint
+        with new learners) and the learner leaves at once."""
+        request = ps_pb2.FindCoordinatorRequest(job_id=self.job_id)
+        for address in self._candidates():
+            stub = ps_grpc.ParameterSyncServiceStub(self.channel(address))
+            try:
+                reply = await stub.FindCoordinator(
+                    request, metadata=metadata or self.metadata, timeout=5.0
+                )
+            except aio.AioRpcError:
+                continue
+            if reply.coordinator_address:
                 return True
         return False
 
