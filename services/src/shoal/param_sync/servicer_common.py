@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,9 +64,13 @@ class _CoordinatedJob:
     # Collective mode: a takeover whose state comes from the re-joining learners
     # (servicer_takeover_collective.py); kept after its decision (later Joins read it).
     collective_takeover: CollectiveTakeover | None = None
-    # Another shard took the role over at a higher epoch (SetCoordinator): every waiting
-    # Boundary fails UNAVAILABLE, so that its learner looks for the new coordinator.
+    # Another shard took the role over at a higher epoch (SetCoordinator), or storage names
+    # another holder (holder.py): every waiting Boundary fails UNAVAILABLE, so that its
+    # learner looks for the new coordinator.
     deposed: bool = False
+    # This coordinator's token in the job's storage mark (holder.py): it writes the job's
+    # files only while the mark names it.
+    holder: str = field(default_factory=lambda: uuid.uuid4().hex)
     # Why the last checkpoint write failed (a full disk), in words; "" once one commits.
     checkpoint_error: str = ""
     # Iteration records whose write to metrics/iterations.jsonl failed: written first next time.

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from shoal.contract.batch_schedule import BatchSchedule
 from shoal.contract.wire import TensorMeta
-from shoal.param_sync import checkpoint as ckpt
+from shoal.param_sync import checkpoint as ckpt, holder
 from shoal.param_sync.authz import authorize, check_storage_uri
 from shoal.param_sync.coordinator import Coordinator, JobSettings, OptimizerConfig
 from shoal.param_sync.servicer_common import (
@@ -71,6 +71,16 @@ class JobHandlers:
             self._opening[request.job_id] = job
             try:
                 await self._fence_the_shards(job, request.coordinator_epoch)
+                # The job's files are this coordinator's from now on (holder.py), before it
+                # reads any of them.
+                await asyncio.to_thread(
+                    holder.mark_holder,
+                    storage,
+                    request.job_id,
+                    job.holder,
+                    shard=self.options.shard_index,
+                    epoch=job.epoch,
+                )
                 found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
                 if found is not None:
                     await self._resume(job, *found)
@@ -130,7 +140,8 @@ class JobHandlers:
         assert coord.shape.layout is not None and coord.shape.sharding is not None
         await self._configure_all(s, coord.shape.layout, optimizer, coord.shape.sharding)
         await self._load_everywhere(coord, directory)
-        await asyncio.to_thread(
+        await self._as_holder(
+            job,
             self._truncate_metrics,
             s,
             coord.completed,

@@ -390,7 +390,7 @@ class LearnerHandlers:
             }
         )
         uri = ckpt.job_uri(s.storage_uri, s.job_id, "metrics", "epochs.jsonl")
-        await asyncio.to_thread(ckpt.append_line, uri, line)
+        await self._as_holder(job, ckpt.append_line, uri, line)
         return ps_pb2.ReportEpochMetricsResponse()
 
     async def GetJobProgress(self: _S, request: ps_pb2.GetJobProgressRequest, context: Any) -> Any:

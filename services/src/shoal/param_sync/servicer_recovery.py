@@ -411,8 +411,8 @@ class ShardLossHandlers:
                 )
                 await self._load_everywhere(coord, directory)
                 iteration = int(manifest["iteration"])
-                await asyncio.to_thread(
-                    self._truncate_metrics, s, iteration, coord.shape.epoch_of(iteration)
+                await self._as_holder(
+                    job, self._truncate_metrics, s, iteration, coord.shape.epoch_of(iteration)
                 )
                 async with job.cond:
                     log.warning(

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from shoal.contract.errors import StaleCoordinator
 from shoal.contract.wire import TensorMeta
-from shoal.param_sync import checkpoint as ckpt
+from shoal.param_sync import checkpoint as ckpt, holder
 from shoal.param_sync.authz import authorize, check_storage_uri
 from shoal.param_sync.coordinator import Coordinator, JobSettings, OptimizerConfig
 from shoal.param_sync.servicer_common import _CoordinatedJob, _progress_proto, _TakeOver
@@ -157,9 +158,12 @@ class TakeoverHandlers:
                 plan = plan_takeover(request.job_id, states)
                 await self._settle_takeover(settings, epoch, plan)
                 completed = plan.completed
-                coord, last_checkpoint, recorded = await self._successor(settings)
+                job_holder = uuid.uuid4().hex
+                coord, last_checkpoint, recorded = await self._successor(
+                    settings, job_holder, epoch
+                )
                 coord.completed = completed  # reported before the first learner re-joins
-                job = _CoordinatedJob(coord, owner=request.owner, epoch=epoch)
+                job = _CoordinatedJob(coord, owner=request.owner, epoch=epoch, holder=job_holder)
                 job.takeover = _TakeOver(
                     lost,
                     completed,
@@ -246,10 +250,22 @@ class TakeoverHandlers:
                 answers[i] = result
         return answers
 
-    async def _successor(self: _S, settings: JobSettings) -> tuple[Coordinator, int, int]:
-        """A new coordinator for a job taken over, with what storage says of it: returns it
-        (with the adaptive batch's schedule, if any, so positions go on in samples), the
-        latest checkpoint's iteration and the last recorded iteration (-1: none)."""
+    async def _successor(
+        self: _S, settings: JobSettings, job_holder: str, epoch: int
+    ) -> tuple[Coordinator, int, int]:
+        """A new coordinator for a job taken over, with what storage says of it: marks the
+        job's files as ``job_holder``'s first (holder.py: a paused old coordinator that wakes
+        writes nothing after this read), then returns it (with the adaptive batch's schedule,
+        if any, so positions go on in samples), the latest checkpoint's iteration and the last
+        recorded iteration (-1: none)."""
+        await asyncio.to_thread(
+            holder.mark_holder,
+            settings.storage_uri,
+            settings.job_id,
+            job_holder,
+            shard=self.options.shard_index,
+            epoch=epoch,
+        )
         found = await asyncio.to_thread(
             ckpt.latest_checkpoint, settings.storage_uri, settings.job_id
         )
@@ -327,6 +343,23 @@ class TakeoverHandlers:
             self._kick(job)
             job.cond.notify_all()
 
+    async def _step_down(self: _S, job: _CoordinatedJob, why: str) -> None:
+        """This shard coordinated ``job`` before and the role moved meanwhile (it was paused
+        or partitioned; ``why``: how it learned it): stop coordinating it; its waiting learners
+        are answered UNAVAILABLE and find the new coordinator. Not called with ``job.cond``
+        held."""
+        job_id = job.coord.job_id
+        if job.deposed:
+            return
+        log.warning("job %s: %s; stepping down (epoch %d)", job_id, why, job.epoch)
+        if self._coordinated.get(job_id) is job:
+            del self._coordinated[job_id]
+        if job.watchdog is not None:
+            job.watchdog.cancel()
+        async with job.cond:
+            job.deposed = True
+            job.cond.notify_all()
+
     async def SetCoordinator(self: _S, request: ps_pb2.SetCoordinatorRequest, context: Any) -> Any:
         authorize(current_principal(), "SetCoordinator", job_id=request.job_id)
         return await self._local_SetCoordinator(request)
@@ -344,19 +377,11 @@ class TakeoverHandlers:
         if mine is not None and mine.epoch < request.coordinator_epoch:
             # This shard coordinated the job before (it was paused or partitioned, and the
             # role moved meanwhile): step down; its learners find the new coordinator.
-            log.warning(
-                "job %s: coordinator role moved to %s (epoch %d); stepping down (epoch %d)",
-                request.job_id,
-                request.coordinator_address,
-                request.coordinator_epoch,
-                mine.epoch,
+            await self._step_down(
+                mine,
+                f"coordinator role moved to {request.coordinator_address} "
+                f"(epoch {request.coordinator_epoch})",
             )
-            del self._coordinated[request.job_id]
-            if mine.watchdog is not None:
-                mine.watchdog.cancel()
-            async with mine.cond:
-                mine.deposed = True
-                mine.cond.notify_all()
         part = self._slices.get(request.job_id)
         if part is None:
             return ps_pb2.SetCoordinatorResponse(completed_iterations=-1, pending_iteration=-1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -45,10 +46,11 @@ class CollectiveTakeoverHandlers:
         the bookkeeping from storage, and wait for the learners' re-Joins, which bring the
         state (:meth:`_rejoin_collective`)."""
         await self._move_role_here(settings, lost, move)
-        coord, last_checkpoint, recorded = await self._successor(settings)
+        job_holder = uuid.uuid4().hex
+        coord, last_checkpoint, recorded = await self._successor(settings, job_holder, epoch)
         coord.set_mode(True)
         coord.completed = max(recorded + 1, last_checkpoint, 0)  # until the learners say
-        job = _CoordinatedJob(coord, owner=owner, epoch=epoch)
+        job = _CoordinatedJob(coord, owner=owner, epoch=epoch, holder=job_holder)
         job.collective_takeover = CollectiveTakeover(
             lost=lost,
             generation=move.min_generation,

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import safetensors.torch
 
 from shoal.contract import faults
 from shoal.contract.batch_schedule import BatchSchedule
-from shoal.param_sync import checkpoint as ckpt
+from shoal.param_sync import checkpoint as ckpt, holder
 from shoal.param_sync.coordinator import (
     CheckpointTask,
     Coordinator,
@@ -35,6 +36,7 @@ from shoal.param_sync.shard import model_from_shard_files, shard_file_name
 from shoal.runtime.errors import (
     FailedPrecondition,
     StorageFull,
+    Unavailable,
 )
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
@@ -42,6 +44,12 @@ if TYPE_CHECKING:
     from shoal.param_sync.service import ParameterSyncServicer as _S
 
 log = logging.getLogger("shoal.param_sync.service")
+
+T = TypeVar("T")
+
+
+def _nothing() -> None:
+    return None
 
 
 SCHEDULE_FILE = "batch_schedule.json"
@@ -74,6 +82,22 @@ class CoordinatorTasks:
 
     # -- side effects of the coordinator ------------------------------------------------------
 
+    async def _as_holder(self: _S, job: _CoordinatedJob, write: Callable[..., T], *args: Any) -> T:
+        """``write(*args)`` in a thread, if the job's storage mark still names this
+        coordinator (holder.py; checked in the same thread just before): a coordinator
+        superseded while it was paused writes nothing, steps down and raises UNAVAILABLE."""
+        s = job.coord.settings
+        try:
+            return await asyncio.to_thread(
+                holder.as_holder, s.storage_uri, s.job_id, job.holder, write, *args
+            )
+        except holder.Superseded as exc:
+            await self._step_down(job, str(exc))
+            raise Unavailable(
+                f"shard {self.options.shard_index} no longer coordinates job {s.job_id!r}: "
+                f"{exc}; ask the other shards (FindCoordinator)"
+            ) from exc
+
     def _kick(self: _S, job: _CoordinatedJob) -> None:
         """Start the side effects the coordinator asked for (called with ``job.cond`` held)."""
         for task in job.coord.holds:
@@ -102,7 +126,7 @@ class CoordinatorTasks:
                 await self._recover(job, task)
             elif isinstance(task, ScheduleTask):
                 uri = schedule_uri(job.coord.settings)
-                await asyncio.to_thread(ckpt.atomic_write, uri, task.schedule_json.encode())
+                await self._as_holder(job, ckpt.atomic_write, uri, task.schedule_json.encode())
             elif isinstance(task, RewindTask):
                 s = job.coord.settings
                 log.warning(
@@ -110,7 +134,8 @@ class CoordinatorTasks:
                     s.job_id,
                     task.iteration,
                 )
-                await asyncio.to_thread(
+                await self._as_holder(
+                    job,
                     self._truncate_metrics,
                     s,
                     task.iteration,
@@ -120,8 +145,8 @@ class CoordinatorTasks:
                 result = await self._checkpoint_through_shard_loss(job, task)
         except Exception as exc:
             ok = False
-            # a storage refusal was logged in words where it happened: no traceback
-            quiet = isinstance(exc, (ckpt.StorageError, StorageFull))
+            # a storage refusal (or a step-down) was logged in words where it happened: no traceback
+            quiet = isinstance(exc, (ckpt.StorageError, StorageFull, Unavailable))
             log.error(
                 "job %s: %s failed: %s",
                 job.coord.job_id,
@@ -201,6 +226,9 @@ class CoordinatorTasks:
                 request = ps_pb2.SaveShardRequest(
                     job_id=s.job_id, directory=directory, global_iteration=task.iteration
                 )
+                await self._as_holder(
+                    job, _nothing
+                )  # a superseded coordinator writes no shard file
                 # Every shard's write ends before a failure is raised: a failed checkpoint's
                 # files are deleted after it, and none is written after that.
                 results = await asyncio.gather(
@@ -265,14 +293,14 @@ class CoordinatorTasks:
                 ],
                 "time": self._clock(),
             }
-            await asyncio.to_thread(ckpt.write_manifest_and_latest, directory, manifest)
+            await self._as_holder(job, ckpt.write_manifest_and_latest, directory, manifest)
             log.info("job %s: checkpoint %s written", s.job_id, directory)
             await self._prune_checkpoints(s)
-        elif not coord.collective and await asyncio.to_thread(ckpt.advance_latest, directory):
+        elif not coord.collective and await self._as_holder(job, ckpt.advance_latest, directory):
             # written before, but its commit stopped between the manifest and ``latest``
             log.info("job %s: latest now names %s", s.job_id, directory)
         if task.final:
-            await asyncio.to_thread(self._write_model, s, directory, manifest)
+            await self._as_holder(job, self._write_model, s, directory, manifest)
         return directory, task.iteration
 
     @staticmethod
@@ -321,7 +349,7 @@ class CoordinatorTasks:
                 for r in records
             ]
             try:
-                await asyncio.to_thread(ckpt.append_line, uri, "\n".join(lines))
+                await self._as_holder(job, ckpt.append_line, uri, "\n".join(lines))
             except ckpt.StorageError as exc:
                 job.unwritten_metrics = records  # written with the next flush
                 log.error(

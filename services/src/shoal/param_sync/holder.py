@@ -1,0 +1,73 @@
+"""The storage fence: which coordinator may write a job's files (docs/data-plane.md, "The
+storage fence").
+
+The shards fence a deposed coordinator by epoch (SetCoordinator), but storage cannot: a
+coordinator paused (SIGSTOP, a long GC, a partition) through a takeover wakes with records
+and checkpoints it still means to write, and the successor, which read storage when it took
+the role, may have written the same iteration already. So a coordinator marks the job as its
+own when it takes the role (OpenJob, TakeOverJob), in ``jobs/<job_id>/coordinator.json``,
+before it reads any of the job's state; and before every write of the job's files (iteration
+and epoch records, the batch schedule, a checkpoint's manifest and ``latest``, the final
+model, a truncation after a rewind) it checks, in the same thread and just before the write,
+that the mark still names it. A coordinator that finds another's mark was superseded: it writes
+nothing more and steps down, as if SetCoordinator had told it.
+
+Last taker wins, with no epoch to compare: the scheduler gives the role to a new coordinator
+only once it judged the old one lost, and a scheduler that lost its state (epochs start at 0
+again) must still be able to open the job. Without compare-and-swap on every store a window of
+microseconds is left (a coordinator stopped after its check and before its write); the mark
+closes the one of seconds that a pause through a takeover opens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from shoal.param_sync import checkpoint as ckpt
+
+__all__ = ["HOLDER", "Superseded", "as_holder", "check_holder", "mark_holder"]
+
+HOLDER = "coordinator.json"
+
+T = TypeVar("T")
+
+
+class Superseded(Exception):
+    """Another coordinator took the job over: its storage names another holder."""
+
+
+def mark_holder(storage_uri: str, job_id: str, holder: str, *, shard: int, epoch: int) -> None:
+    """Make ``holder`` (a coordinator's own token) the job's writer from now on."""
+    mark = {"holder": holder, "shard": shard, "epoch": epoch, "time": time.time()}
+    ckpt.atomic_write(ckpt.job_uri(storage_uri, job_id, HOLDER), json.dumps(mark).encode())
+
+
+def check_holder(storage_uri: str, job_id: str, holder: str) -> None:
+    """Raise :class:`Superseded` when the job's mark names another coordinator than
+    ``holder``. No mark (a job's files from before the fence): nothing to check. A mark that
+    is not JSON is a StorageError naming the file (the write it guards does not happen)."""
+    uri = ckpt.job_uri(storage_uri, job_id, HOLDER)
+    data = ckpt.read_bytes(uri)
+    if data is None:
+        return
+    try:
+        mark = json.loads(data)
+        named = mark["holder"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ckpt.StorageError(f"{uri} is not a coordinator mark: {exc!r}") from exc
+    if named != holder:
+        raise Superseded(
+            f"its files name the coordinator on shard {mark.get('shard')} "
+            f"(epoch {mark.get('epoch')}) now"
+        )
+
+
+def as_holder(
+    storage_uri: str, job_id: str, holder: str, write: Callable[..., T], *args: object
+) -> T:
+    """``write(*args)`` if ``holder`` still holds the job (checked just before it)."""
+    check_holder(storage_uri, job_id, holder)
+    return write(*args)

@@ -1,0 +1,86 @@
+"""The storage fence (shoal.param_sync.holder) on a real in-process shard pair: a coordinator
+marks the job's files as its own when it opens the job, and one whose mark another coordinator
+took (as a TakeOverJob on another shard does while it is paused) writes no record, epoch
+report, checkpoint or model after that, answers UNAVAILABLE and steps down."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc import aio
+
+from shoal.param_sync import holder
+from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+from tests.integration.test_param_sync import Cluster, contribute, grads, initial, started
+from tests.support import make_tokens
+
+
+@pytest.fixture
+async def pair(tmp_path: Path) -> AsyncIterator[Cluster]:
+    """Two in-process shards (shard 0 coordinates), as in test_param_sync."""
+    tokens = make_tokens(tmp_path / "tokens")
+    c = await Cluster(tmp_path, tokens, tmp_path / "tokens").start()
+    try:
+        yield c
+    finally:
+        await c.stop()
+
+
+def _records(job_dir: Path) -> list[int]:
+    lines = (job_dir / "metrics" / "iterations.jsonl").read_text().splitlines()
+    return [json.loads(line)["global_iteration"] for line in lines]
+
+
+async def test_opening_a_job_marks_its_files_as_the_coordinators(pair, tmp_path):
+    c = pair
+    await started(c, "j", ["l1"], batch=4, epochs=1)
+    mark = json.loads((tmp_path / "storage" / "jobs" / "j" / holder.HOLDER).read_text())
+    assert mark["holder"] == c.servicers[0]._coordinated["j"].holder
+    assert (mark["shard"], mark["epoch"]) == (0, 0)
+
+
+async def test_a_coordinator_superseded_in_storage_writes_nothing_more_and_steps_down(
+    pair, tmp_path, caplog
+):
+    c = pair
+    job_dir = tmp_path / "storage" / "jobs" / "j"
+    [a] = await started(c, "j", ["l1"], batch=4, epochs=1)  # 8 samples: 2 iterations
+    buffers = {k: v for k, v in initial().items() if k.startswith("bn.")}
+    await contribute(c, "j", "l1", a, grads(1), buffers, n=4, loss_sum=8.0)
+    a = (await c.boundary("j", "l1", generation=1, completed=0, loss_sum=8.0, n=4)).assignment
+    assert _records(job_dir) == [0]
+
+    # Another shard takes the job over (its TakeOverJob marks the files) while this
+    # coordinator is, say, paused; then this one goes on with the iteration it was running.
+    holder.mark_holder(c.storage_uri, "j", "the-successor", shard=1, epoch=1)
+    await contribute(c, "j", "l1", a, grads(2), buffers, n=4, loss_sum=4.0)
+    with caplog.at_level(logging.WARNING, logger="shoal.param_sync.service"):
+        with pytest.raises(aio.AioRpcError) as info:
+            await c.boundary("j", "l1", generation=1, completed=1, loss_sum=4.0, n=4)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no longer coordinates job 'j'" in info.value.details()
+    assert (
+        "job j: its files name the coordinator on shard 1 (epoch 1) now; stepping down "
+        "(epoch 0)" in caplog.text
+    )
+
+    # Nothing of the last iteration reached the job's files: its record, the final
+    # checkpoint and the model are the successor's to write.
+    assert _records(job_dir) == [0]
+    assert not (job_dir / "model.safetensors").exists()
+    assert not (job_dir / "checkpoints" / "latest").exists()
+    assert "j" not in c.servicers[0]._coordinated
+    with pytest.raises(aio.AioRpcError):
+        await c.call(
+            "ReportEpochMetrics",
+            ps_pb2.ReportEpochMetricsRequest(
+                job_id="j", learner_id="l1", epoch=0, values={"accuracy": 0.5}
+            ),
+        )
+    assert not (job_dir / "metrics" / "epochs.jsonl").exists()
+    assert json.loads((job_dir / holder.HOLDER).read_text())["holder"] == "the-successor"
