@@ -58,6 +58,7 @@ import heapq
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from shoal.scheduler.policy import JobDemand, Policy, admission_key, compute_shares
 
@@ -134,9 +135,13 @@ class HostView:
         return cls(host_id, tuple(DeviceView(str(d)) for d in range(count)), state)
 
 
-@dataclass(frozen=True, slots=True)
-class LearnerView:
-    """One learner the scheduler knows about (starting, running or retiring)."""
+class LearnerView(NamedTuple):
+    """One learner the scheduler knows about (starting, running or retiring).
+
+    A named tuple (learner id, job id, host id, device id, retiring): the reconcile loop's
+    full cycle builds one per learner (80,000 at 10,000 hosts x 8 GPUs), and a tuple is
+    several times cheaper to build than a frozen dataclass; it equals the loop's
+    ``LearnerKey`` tuple of the same fields."""
 
     learner_id: str
     job_id: str

@@ -128,6 +128,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         placement = config.placement
         self._annotated = placement.policy is Policy.GOODPUT or bool(placement.service_thresholds)
         self._touched: set[str] = set()  # jobs to observe again next cycle
+        self._demand_cache: decide.DemandCache = {}  # the demands of the last full cycle
         self._last_shares: Mapping[str, int] = {}
         self._last_queue: list[str] = []
         self._last_held: set[str] = set()
@@ -162,6 +163,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self.placing.reset()  # a term starts from a full cycle and a resync of the planner
         self.observing.reset()
         self._touched = set()
+        self._demand_cache = {}
         self._last_shares = {}
         self._last_queue = []
         self._last_held = set()
@@ -537,10 +539,14 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
     def _demands(self, records: dict[str, JobRecord]) -> list[JobDemand]:
         """Every active job's demand, annotated (when the policy reads it); the stored models
         of ended jobs go."""
-        plain = decide.demands(records)
-        annotated = self.goodput.annotate(plain)  # also forgets the models of ended jobs
-        demands = annotated if self._annotated else plain
-        for job_id in [j for j in self._throughput_saved if j not in self.goodput.jobs()]:
+        plain = decide.demands(records, self._demand_cache)
+        if self._annotated:
+            demands = self.goodput.annotate(plain)  # also forgets the models of ended jobs
+        else:  # the policy reads no annotation: only forget the models of ended jobs
+            self.goodput.retain({d.job_id for d in plain})
+            demands = plain
+        modelled = self.goodput.jobs()
+        for job_id in [j for j in self._throughput_saved if j not in modelled]:
             # The job ended (annotate forgot its model): its stored state goes too.
             del self._throughput_saved[job_id]
             self._spawn(self._forget_throughput(job_id), f"forget-throughput-{job_id}")
