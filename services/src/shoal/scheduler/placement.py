@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -310,16 +311,19 @@ def plan(
 
     # Who sits where; which learners are gone with their host; what each job holds (learners
     # not retiring). One pass over the learners.
+    # Learner ids given twice are looked for learner by learner (and named, in order) only
+    # when the set of them says there are some.
+    check_ids = len(set(map(operator.itemgetter(0), current))) != len(current)
     learner_ids: set[str] = set()
     occupied: dict[str, dict[str, str]] = {}  # host -> device -> learner
     held_by_job: dict[str, list[LearnerView]] = {}
     lost: list[str] = []
     for learner in current:
-        learner_id = learner.learner_id
-        if learner_id in learner_ids:
-            raise ValueError(f"learner_id ({learner_id!r}) is given more than once")
-        learner_ids.add(learner_id)
-        host_id, device_id = learner.host_id, learner.device_id
+        learner_id, job_id, host_id, device_id, retiring = learner
+        if check_ids:
+            if learner_id in learner_ids:
+                raise ValueError(f"learner_id ({learner_id!r}) is given more than once")
+            learner_ids.add(learner_id)
         devices = live_devices.get(host_id)
         if devices is None or device_id not in devices:
             lost.append(learner_id)
@@ -334,10 +338,10 @@ def plan(
             )
         else:
             on_host[device_id] = learner_id
-        if not learner.retiring:
-            job_held = held_by_job.get(learner.job_id)
+        if not retiring:
+            job_held = held_by_job.get(job_id)
             if job_held is None:
-                held_by_job[learner.job_id] = [learner]
+                held_by_job[job_id] = [learner]
             else:
                 job_held.append(learner)
 

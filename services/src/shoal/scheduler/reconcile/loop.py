@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -60,7 +61,7 @@ from shoal.scheduler.jobs import (
     JobRecord,
     LearnerRecord,
 )
-from shoal.scheduler.placement import Plan, Start
+from shoal.scheduler.placement import LearnerView, Plan, Start
 from shoal.scheduler.policy import JobDemand, Policy
 from shoal.scheduler.reconcile import decide
 from shoal.scheduler.reconcile.config import ELECTION, ReconcileConfig
@@ -129,6 +130,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self._annotated = placement.policy is Policy.GOODPUT or bool(placement.service_thresholds)
         self._touched: set[str] = set()  # jobs to observe again next cycle
         self._demand_cache: decide.DemandCache = {}  # the demands of the last full cycle
+        self._views: dict[str, LearnerView] = {}  # the learners it observed (reused views)
         self._last_shares: Mapping[str, int] = {}
         self._last_queue: list[str] = []
         self._last_held: set[str] = set()
@@ -164,6 +166,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self.observing.reset()
         self._touched = set()
         self._demand_cache = {}
+        self._views = {}
         self._last_shares = {}
         self._last_queue = []
         self._last_held = set()
@@ -407,7 +410,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
 
         # Exits of learners no job knows are of no use; orphans are freed by the sweep.
         if scope is records:
-            known = {lid for r in records.values() for lid in r.learners}
+            known = set(itertools.chain.from_iterable(r.learners for r in records.values()))
             for learner_id in [lid for lid in self.exits if lid not in known]:
                 del self.exits[learner_id]
             self._release_orphans(known)  # a full cycle: every allocation against every job
@@ -451,7 +454,10 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         hosts = self.inventory.hosts
         placing = self.placing
         if not placing.incremental:
-            observed = decide.observe(records, hosts, self.exits, busy=self._busy)
+            observed = decide.observe(
+                records, hosts, self.exits, busy=self._busy, reuse=self._views
+            )
+            self._views = decide.index(observed.current)
             demands = self._demands(records)
             decided = placing.decide(demands, self.inventory, observed.current, now)
             self._last_shares = decided.shares

@@ -59,13 +59,6 @@ def needs_attention(record: JobRecord) -> bool:
     )
 
 
-_KEY = operator.attrgetter("learner_id", "job_id", "host_id", "device_id", "retiring")
-
-
-def _key(view: LearnerView) -> LearnerKey:
-    return _KEY(view)  # type: ignore[no-any-return]
-
-
 class Observing:
     """The per-job observed view (see the module docstring). :meth:`reset` on a new term."""
 
@@ -75,7 +68,7 @@ class Observing:
         self.last_divergence: list[str] = []
 
     def reset(self) -> None:
-        self.learners: dict[str, tuple[LearnerKey, ...]] = {}  # job -> its counted learners
+        self.learners: dict[str, tuple[LearnerView, ...]] = {}  # job -> its counted learners
         self.work: dict[str, JobWork] = {}  # job -> its observed work (non-empty only)
         self.attention: set[str] = set()  # jobs to look at every cycle (needs_attention)
         self._on_host: dict[str, set[str]] = {}  # host -> jobs with a learner on it
@@ -86,6 +79,7 @@ class Observing:
         self._exits: frozenset[str] = frozenset()
         self.synced = False
         self.keys: set[LearnerKey] = set()  # as of the last full observation
+        self._views: dict[str, LearnerView] = {}  # its views, by learner id (full reuses them)
 
     def job_of(self, learner_id: str) -> str | None:
         """The job that held ``learner_id`` when its record was last observed."""
@@ -97,7 +91,7 @@ class Observing:
 
     def current(self) -> list[LearnerView]:
         """Every counted learner, as ``decide.observe`` gives them (``Observed.current``)."""
-        return [LearnerView(*k) for keys in self.learners.values() for k in keys]
+        return list(itertools.chain.from_iterable(self.learners.values()))
 
     # -- one job ------------------------------------------------------------------------------
 
@@ -142,7 +136,7 @@ class Observing:
             return
         seen = decide.observe({job_id: record}, hosts, exits, busy)
         if seen.current:
-            self.learners[job_id] = tuple(map(_key, seen.current))
+            self.learners[job_id] = tuple(seen.current)
         work = seen.work.get(job_id)
         if work is not None and not work.empty():
             self.work[job_id] = work
@@ -192,8 +186,9 @@ class Observing:
     ) -> decide.Observed:
         """Observe every record from scratch (the safety net); when the kept view differs, log
         the jobs once and keep the fresh one. Returns the full observation."""
-        seen = decide.observe(records, hosts, exits, busy)
-        keys = list(map(_KEY, seen.current))
+        seen = decide.observe(records, hosts, exits, busy, reuse=self._views)
+        views = self._views = decide.index(seen.current)
+        keys = seen.current  # the views are (learner id, job id, host id, device id, retiring)
         # observe lists each job's learners together: group them in C.
         fresh = {
             job_id: tuple(group)
@@ -202,7 +197,11 @@ class Observing:
         self.keys = set(keys)  # every counted learner (the planner's check reads it too)
         if compare and self.synced:
             differ = []
-            if self.keys != set(itertools.chain.from_iterable(self.learners.values())):
+            # The same tuples per job (the common case: a cheap comparison of the reused
+            # views) are the same sets; else the sets are compared, job by job.
+            if fresh != self.learners and self.keys != set(
+                itertools.chain.from_iterable(self.learners.values())
+            ):
                 differ = sorted(
                     job_id
                     for job_id in fresh.keys() | self.learners.keys()
@@ -225,6 +224,7 @@ class Observing:
         every = self.keys
         self.reset()
         self.keys = every
+        self._views = views
         self.learners = fresh
         self.work = {j: w for j, w in seen.work.items() if not w.empty()}
         for record in records.values():
