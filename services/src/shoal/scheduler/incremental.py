@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import operator
 from collections.abc import Iterable, Mapping
 
 from shoal.scheduler.placement import (
@@ -158,8 +157,9 @@ class IncrementalPlanner:
                 for h in hosts.keys() | self._hosts.keys()
                 if hosts.get(h) != self._hosts.get(h)
             )
-        seen = keys if keys is not None else set(map(_LEARNER_KEY, current))
-        kept = set(map(_LEARNER_KEY, self._learners.values()))
+        # A LearnerView is the tuple (learner id, job id, host id, device id, retiring).
+        seen = keys if keys is not None else set(current)
+        kept = set(self._learners.values())
         if seen != kept:
             out += sorted({f"learner {k[0]} of {k[1]}" for k in seen ^ kept})
         return out
@@ -442,6 +442,3 @@ class IncrementalPlanner:
                 self._free[host_id] = ids
         self._cap[host_id] = cap
         self.capacity += cap
-
-
-_LEARNER_KEY = operator.attrgetter("learner_id", "job_id", "host_id", "device_id", "retiring")

@@ -318,19 +318,28 @@ def plan(
     occupied: dict[str, dict[str, str]] = {}  # host -> device -> learner
     held_by_job: dict[str, list[LearnerView]] = {}
     lost: list[str] = []
+    # A job's learners come together, mostly on few hosts: the last host's and the last
+    # job's entries are looked up again only when the host or the job changes.
+    last_host: str | None = None
+    devices: frozenset[str] | None = None
+    on_host: dict[str, str] | None = None
+    last_job: str | None = None
+    job_held: list[LearnerView] | None = None
     for learner in current:
         learner_id, job_id, host_id, device_id, retiring = learner
         if check_ids:
             if learner_id in learner_ids:
                 raise ValueError(f"learner_id ({learner_id!r}) is given more than once")
             learner_ids.add(learner_id)
-        devices = live_devices.get(host_id)
+        if host_id != last_host:
+            last_host = host_id
+            devices = live_devices.get(host_id)
+            on_host = occupied.get(host_id)
         if devices is None or device_id not in devices:
             lost.append(learner_id)
             continue
-        on_host = occupied.get(host_id)
         if on_host is None:
-            occupied[host_id] = {device_id: learner_id}
+            on_host = occupied[host_id] = {device_id: learner_id}
         elif device_id in on_host:
             raise ValueError(
                 f"device ({host_id}, {device_id}) is held by two learners: "
@@ -339,11 +348,12 @@ def plan(
         else:
             on_host[device_id] = learner_id
         if not retiring:
-            job_held = held_by_job.get(job_id)
-            if job_held is None:
-                held_by_job[job_id] = [learner]
-            else:
-                job_held.append(learner)
+            if job_id != last_job:
+                last_job = job_id
+                job_held = held_by_job.get(job_id)
+                if job_held is None:
+                    job_held = held_by_job[job_id] = []
+            job_held.append(learner)  # type: ignore[union-attr]
 
     # Capacity and free devices: per host, not per device, where nothing is in the way.
     capacity = 0

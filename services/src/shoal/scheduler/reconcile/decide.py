@@ -17,6 +17,7 @@ they return:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -49,6 +50,9 @@ __all__ = [
 
 #: Not a host incarnation (an int64): a host ``observe`` has not looked up yet.
 _UNSEEN = -(2**64)
+
+_PHASE = operator.attrgetter("phase")
+_HOST = operator.attrgetter("host_id")
 
 #: Job states in which every learner is stopped.
 _STOPPING_STATES = frozenset({S.JOB_STATE_CANCELLING, S.JOB_STATE_CANCELLED, S.JOB_STATE_FAILED})
@@ -107,6 +111,7 @@ def observe(
     # host id -> its incarnation, None if it is gone or lost: each host's protobuf read once
     # per call, not once per learner on it.
     live: dict[str, int | None] = {}
+    last_host, incarnation = None, None
     for record in records.values():
         job_id = record.job_id
         job_busy = job_id in busy
@@ -125,11 +130,15 @@ def observe(
                     add(view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, True)))
                     continue
             host_id = lr.host_id
-            incarnation = live.get(host_id, _UNSEEN)
-            if incarnation == _UNSEEN:
-                host = hosts.get(host_id)
-                incarnation = None if host is None or host.state == lost_state else host.incarnation
-                live[host_id] = incarnation
+            if host_id != last_host:  # a job's learners are mostly on few hosts, together
+                last_host = host_id
+                incarnation = live.get(host_id, _UNSEEN)
+                if incarnation == _UNSEEN:
+                    host = hosts.get(host_id)
+                    incarnation = (
+                        None if host is None or host.state == lost_state else host.incarnation
+                    )
+                    live[host_id] = incarnation
             # The common case inline (a live host, the incarnation the learner started on);
             # lost_reason says why otherwise.
             if incarnation is None or (lr.host_incarnation and incarnation > lr.host_incarnation):
@@ -348,9 +357,9 @@ def _housekeeping(
     if not stopping_now and not completed and state in ACTIVE_STATES:
         # The common case first: an active job's RUNNING learners on hosts not draining need
         # nothing (the loop below would find the same, learner by learner).
-        running = LearnerPhase.RUNNING
-        if all(lr.phase is running for lr in remaining):
-            for host_id in {lr.host_id for lr in remaining}:
+        # (In C: the phases listed and counted by identity, the hosts put in a set.)
+        if list(map(_PHASE, remaining)).count(LearnerPhase.RUNNING) == len(remaining):
+            for host_id in set(map(_HOST, remaining)):
                 drains = draining.get(host_id)
                 if drains is None:
                     host = hosts.get(host_id)

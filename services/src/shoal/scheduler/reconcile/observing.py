@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 LearnerKey = tuple[str, str, str, str, bool]
 """(learner id, job id, host id, device id, retiring): a learner as placement counts it."""
 
+_PHASE = operator.attrgetter("phase")
+_HOST = operator.attrgetter("host_id")
+
 #: Job states whose learners need no timer: RUNNING / QUEUED jobs with every learner RUNNING.
 _QUIET_STATES = frozenset({S.JOB_STATE_QUEUED, S.JOB_STATE_RUNNING})
 
@@ -48,7 +51,9 @@ def needs_attention(record: JobRecord) -> bool:
     neither QUEUED nor RUNNING that still has learners (a grace to wait out, learners to
     stop), is CANCELLING, or has a data plane to close. A finished job with nothing left does
     not (they stay in the table forever)."""
-    if any(lr.phase is not LearnerPhase.RUNNING for lr in record.learners.values()):
+    learners = record.learners
+    # (In C: the phases listed and counted by identity.)
+    if list(map(_PHASE, learners.values())).count(LearnerPhase.RUNNING) != len(learners):
         return True
     if record.job.state in _QUIET_STATES:
         return False
@@ -118,7 +123,7 @@ class Observing:
         ids = tuple(record.learners)
         self._ids_of[job_id] = ids
         self._learner_job.update(dict.fromkeys(ids, job_id))
-        on = frozenset([lr.host_id for lr in record.learners.values()])
+        on = frozenset(map(_HOST, record.learners.values()))
         self._hosts_of[job_id] = on
         for host_id in on:
             self._on_host.setdefault(host_id, set()).add(job_id)
