@@ -98,7 +98,10 @@ class Inventory:
     def orphans(self, known: Container[str]) -> list[str]:
         """The ids of the ledger's allocations whose learner is not in ``known``, in the
         ledger's order (from a plain index: no protobuf read per allocation)."""
-        return [a for a, learner_id in self._holders.items() if learner_id not in known]
+        holders = self._holders
+        if isinstance(known, (set, frozenset)) and known.issuperset(holders.values()):
+            return []  # the common case, in C
+        return [a for a, learner_id in holders.items() if learner_id not in known]
 
     def device(self, host_id: str, device_id: str) -> resources_pb2.Device | None:
         host = self.hosts.get(host_id)

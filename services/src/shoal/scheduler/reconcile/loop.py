@@ -334,7 +334,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         # observing.py, placing.py.
         observed, decided, scope = self._observe_and_place(records, now)
         self.jobs_looked_at = len(scope)
-        targets_before = {job_id: r.job.target_workers for job_id, r in scope.items()}
+        targets_before: dict[str, int] = {}  # the jobs given another target: the one before
         changed = []
         for job_id, (target, position) in decide.targets(scope, decided).items():
             record = records[job_id]
@@ -345,6 +345,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
             if self.metrics is not None:
                 self.metrics.target_changed(job_id, record.job.target_workers, target, now)
             if (record.job.target_workers, record.job.queue_position) != (target, position):
+                targets_before[job_id] = record.job.target_workers
                 record.job.target_workers = target
                 record.job.queue_position = position
                 changed.append(job_id)
@@ -365,18 +366,21 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         )
         starts_by_job = decide.starts_by_job(decided)
 
-        # Rescales (traces only): jobs whose target changed or whose learners change.
+        # Rescales (traces only): jobs whose target changed or whose learners change (the
+        # tracker looks at no other job: the others are not listed, in the scope's order).
+        learners_change = {j for j, jw in work.items() if jw.retires or jw.lost}
+        learners_change.update(j for j, s in starts_by_job.items() if s)
+        candidates = targets_before.keys() | learners_change
         self.rescales.decided(
             [
                 (
                     r,
-                    targets_before.get(r.job_id, 0),
+                    targets_before.get(job_id, r.job.target_workers),
                     r.job.target_workers,
-                    bool(starts_by_job.get(r.job_id))
-                    or bool(r.job_id in work and (work[r.job_id].retires or work[r.job_id].lost)),
+                    job_id in learners_change,
                 )
-                for r in scope.values()
-                if r.active
+                for job_id, r in scope.items()
+                if job_id in candidates and r.active
             ],
             causes=causes,
             decided_from=min(decided_from, now),
