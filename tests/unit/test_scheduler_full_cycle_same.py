@@ -608,3 +608,49 @@ def test_the_inventorys_orphans_are_the_ledgers(seed: int) -> None:
             inventory.released([f"a{rnd.randint(0, 9)}"])
         known = {f"l{i}" for i in range(10) if rnd.random() < 0.5}
         assert inventory.orphans(known) == ref_orphans(inventory, known)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kept=st.lists(
+        st.tuples(
+            st.sampled_from(["l0", "l1", "l2", "l3", "l4", "l5"]),
+            st.sampled_from(["j0", "j1"]),
+            st.sampled_from(["h0", "h1"]),
+            st.sampled_from(["0", "1", "2"]),
+            st.booleans(),
+        ),
+        max_size=6,
+        unique_by=(lambda t: t[0], lambda t: (t[2], t[3])),
+    ),
+    seen=st.lists(
+        st.tuples(
+            st.sampled_from(["l0", "l1", "l2", "l3", "l4", "l5"]),
+            st.sampled_from(["j0", "j1"]),
+            st.sampled_from(["h0", "h1"]),
+            st.sampled_from(["0", "1", "2"]),
+            st.booleans(),
+        ),
+        max_size=6,
+        unique_by=lambda t: t[0],
+    ),
+)
+def test_the_planners_check_by_learner_id_is_the_check_by_sets(
+    kept: list[tuple[str, str, str, str, bool]], seen: list[tuple[str, str, str, str, bool]]
+) -> None:
+    """``differs_from(..., by_id=)`` (the safety net's check now) names what the check over
+    two sets of learner tuples names."""
+    from shoal.scheduler.incremental import IncrementalPlanner
+
+    jobs = [
+        JobDemand(job_id=j, priority=100, submit_seq=i, max_workers=4)
+        for i, j in enumerate(["j0", "j1"])
+    ]
+    hosts = [HostView.with_devices(h, 3) for h in ("h0", "h1")]
+    planner = IncrementalPlanner(
+        PlacementConfig(policy=Policy.PRIORITY), jobs, hosts, [LearnerView(*t) for t in kept]
+    )
+    current = [LearnerView(*t) for t in seen]
+    assert planner.differs_from(
+        jobs, hosts, current, by_id=D.index(current)
+    ) == planner.differs_from(jobs, hosts, current)

@@ -502,7 +502,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                 came=came,
                 demand_changes=demand_changes,
                 changed_hosts=changed_hosts,
-                current_keys=self.observing.keys,
+                current_by_id=self.observing.views,
             )
             self._last_shares = decided.shares
             return observed, decided, records

@@ -83,8 +83,9 @@ class Observing:
         self._busy: frozenset[str] = frozenset()
         self._exits: frozenset[str] = frozenset()
         self.synced = False
-        self.keys: set[LearnerKey] = set()  # as of the last full observation
-        self._views: dict[str, LearnerView] = {}  # its views, by learner id (full reuses them)
+        # The views of the last full observation, by learner id (the next one reuses them;
+        # the planner's check compares them with its own).
+        self.views: dict[str, LearnerView] = {}
 
     def job_of(self, learner_id: str) -> str | None:
         """The job that held ``learner_id`` when its record was last observed."""
@@ -191,20 +192,19 @@ class Observing:
     ) -> decide.Observed:
         """Observe every record from scratch (the safety net); when the kept view differs, log
         the jobs once and keep the fresh one. Returns the full observation."""
-        seen = decide.observe(records, hosts, exits, busy, reuse=self._views)
-        views = self._views = decide.index(seen.current)
+        seen = decide.observe(records, hosts, exits, busy, reuse=self.views)
+        views = self.views = decide.index(seen.current)
         keys = seen.current  # the views are (learner id, job id, host id, device id, retiring)
         # observe lists each job's learners together: group them in C.
         fresh = {
             job_id: tuple(group)
             for job_id, group in itertools.groupby(keys, key=operator.itemgetter(1))
         }
-        self.keys = set(keys)  # every counted learner (the planner's check reads it too)
         if compare and self.synced:
             differ = []
             # The same tuples per job (the common case: a cheap comparison of the reused
             # views) are the same sets; else the sets are compared, job by job.
-            if fresh != self.learners and self.keys != set(
+            if fresh != self.learners and set(keys) != set(
                 itertools.chain.from_iterable(self.learners.values())
             ):
                 differ = sorted(
@@ -226,10 +226,8 @@ class Observing:
                     "one is used (a record changed without being written or marked)",
                     ", ".join(differ),
                 )
-        every = self.keys
         self.reset()
-        self.keys = every
-        self._views = views
+        self.views = views
         self.learners = fresh
         self.work = {j: w for j, w in seen.work.items() if not w.empty()}
         for record in records.values():
