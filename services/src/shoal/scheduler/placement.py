@@ -365,7 +365,7 @@ def plan(
         on_host = occupied.get(host.host_id)
         if on_host:
             capacity += len(on_host)
-        if state is HostState.READY:
+        if state is HostState.READY and host.unallocated:  # (a full host: nothing free)
             ids: Sequence[str]
             if on_host:
                 ids = [d for d in host.unallocated if d not in on_host]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import time
@@ -319,7 +320,24 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
 
     def cycle(self) -> None:
         """One reconcile cycle: observe, plan, dispatch (no I/O; see the module docstring).
-        The decisions are the pure functions of ``decide``; this applies them."""
+        The decisions are the pure functions of ``decide``; this applies them.
+
+        Python's cyclic garbage collector is paused for the cycle (synchronous, bounded): a
+        full cycle's temporaries (a dict per host, a list per job, ...) would otherwise
+        trigger dozens of young collections and, every few cycles, a full one over the whole
+        heap (~0.1 s at 80,000 learners), having been promoted while still in use. Freed by
+        reference counting when the cycle ends, they are never scanned; what is left is
+        collected as usual after it."""
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            self._cycle()
+        finally:
+            if paused:
+                gc.enable()
+
+    def _cycle(self) -> None:
         self.cycles += 1
         now = self.clock()
         causes, self._causes = self._causes, []
