@@ -654,3 +654,22 @@ def test_the_planners_check_by_learner_id_is_the_check_by_sets(
     assert planner.differs_from(
         jobs, hosts, current, by_id=D.index(current)
     ) == planner.differs_from(jobs, hosts, current)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_the_full_observations_index_is_the_per_job_index(seed: int) -> None:
+    """``Observing.full`` indexes every record inline: the same index (jobs to look at, jobs
+    per host, hosts per job, learner -> job, learner ids per job) as ``_index`` job by job."""
+    from shoal.scheduler.reconcile.observing import Observing
+
+    rnd = random.Random(seed)
+    records, hosts = cluster(rnd)
+    exits, busy = exits_and_busy(rnd, records)
+    full = Observing()
+    full.full(records, hosts, exits, busy)
+    one_by_one = Observing()
+    for record in records.values():
+        one_by_one._index(record)
+    for name in ("attention", "_on_host", "_hosts_of", "_learner_job", "_ids_of"):
+        assert getattr(full, name) == getattr(one_by_one, name), name

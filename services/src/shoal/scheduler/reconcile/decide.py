@@ -170,7 +170,8 @@ def index(current: Iterable[LearnerView]) -> dict[str, LearnerView]:
 
 
 def demand(r: JobRecord) -> JobDemand:
-    """One job as the share policy sees it."""
+    """One job as the share policy sees it (every field it reads is in :func:`demands`'
+    cache key: keep them in step)."""
     spec = r.job.spec
     return JobDemand(
         job_id=r.job_id,

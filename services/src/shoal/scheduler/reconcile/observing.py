@@ -129,6 +129,39 @@ class Observing:
         for host_id in on:
             self._on_host.setdefault(host_id, set()).add(job_id)
 
+    def _index_all(self, records: Mapping[str, JobRecord]) -> None:
+        """:meth:`_index` of every record (after :meth:`reset`), inline: the same index."""
+        attention, ids_of, hosts_of = self.attention, self._ids_of, self._hosts_of
+        on_host, learner_job = self._on_host, self._learner_job
+        running = LearnerPhase.RUNNING
+        for record in records.values():
+            learners = record.learners
+            if not learners:
+                if needs_attention(record):
+                    attention.add(record.job_id)
+                continue
+            job = record.job
+            job_id = job.job_id
+            values = learners.values()
+            # needs_attention, for a job with learners: one not RUNNING, or a state that is
+            # neither QUEUED nor RUNNING.
+            if (
+                list(map(_PHASE, values)).count(running) != len(learners)
+                or job.state not in _QUIET_STATES
+            ):
+                attention.add(job_id)
+            ids = tuple(learners)
+            ids_of[job_id] = ids
+            learner_job.update(dict.fromkeys(ids, job_id))
+            on = frozenset(map(_HOST, values))
+            hosts_of[job_id] = on
+            for host_id in on:
+                jobs = on_host.get(host_id)
+                if jobs is None:
+                    on_host[host_id] = {job_id}
+                else:
+                    jobs.add(job_id)
+
     def _put(
         self,
         job_id: str,
@@ -230,8 +263,7 @@ class Observing:
         self.views = views
         self.learners = fresh
         self.work = {j: w for j, w in seen.work.items() if not w.empty()}
-        for record in records.values():
-            self._index(record)
+        self._index_all(records)
         self._exits = frozenset(exits)
         self._busy = frozenset(busy)
         self.synced = True
