@@ -512,6 +512,7 @@ def test_observe_demands_decide_are_those_of_the_code_they_replaced(seed: int) -
     ):
         assert new.current == old.current
         assert all(type(v) is LearnerView for v in new.current)
+        assert new.by_id is None or new.by_id == D.index(new.current)
         assert summary(new.work) == summary(old.work)
 
     wanted = [ref_demand(r) for r in records.values() if r.active]

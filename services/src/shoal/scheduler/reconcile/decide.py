@@ -65,6 +65,8 @@ class Observed:
 
     current: list[LearnerView] = field(default_factory=list)
     work: dict[str, JobWork] = field(default_factory=dict)
+    by_id: dict[str, LearnerView] | None = None
+    """``current`` by learner id (:func:`index`), when :func:`observe` was given ``reuse``."""
 
 
 def lost_reason(lr: LearnerRecord, host: resources_pb2.Host | None) -> str:
@@ -95,9 +97,13 @@ def observe(
     agent reported (``exits``, by learner id) is processed and still counts, as leaving; a
     learner on a lost (or restarted) host is lost and does not count.
 
-    ``reuse``: learner id -> a view of an earlier observation (``Observed.index``); a counted
-    learner whose view equals it gets that very view (the same value, no new tuple)."""
+    ``reuse``: learner id -> a view of an earlier observation (``Observed.by_id``); a counted
+    learner whose view equals it gets that very view (the same value, no new tuple). With
+    ``reuse``, ``Observed.by_id`` is filled (what the next call may reuse)."""
     seen = Observed()
+    by_id: dict[str, LearnerView] = {}
+    if reuse is not None:
+        seen.by_id = by_id
 
     def w(job_id: str) -> JobWork:
         return seen.work.setdefault(job_id, JobWork())
@@ -121,13 +127,19 @@ def observe(
                 if not job_busy:
                     w(job_id).drop_pending.append(lr.learner_id)
                     continue
-                add(view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, False)))
+                new = view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, False))
+                add(new)
+                if reuse is not None:
+                    by_id[new[0]] = new
                 continue
             if exit_of is not None:
                 exit_ = exit_of(lr.learner_id)
                 if exit_ is not None:
                     w(job_id).exits.append(exit_)
-                    add(view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, True)))
+                    new = view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, True))
+                    add(new)
+                    if reuse is not None:
+                        by_id[new[0]] = new
                     continue
             host_id = lr.host_id
             if host_id != last_host:  # a job's learners are mostly on few hosts, together
@@ -159,6 +171,7 @@ def observe(
                 ):
                     old = view(LearnerView, (learner_id, job_id, host_id, device_id, leaving))
                 add(old)
+                by_id[learner_id] = old
                 continue
             add(view(LearnerView, (learner_id, job_id, host_id, device_id, leaving)))
     return seen

@@ -479,7 +479,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
             observed = decide.observe(
                 records, hosts, self.exits, busy=self._busy, reuse=self._views
             )
-            self._views = decide.index(observed.current)
+            self._views = observed.by_id or {}
             demands = self._demands(records)
             decided = placing.decide(demands, self.inventory, observed.current, now)
             self._last_shares = decided.shares

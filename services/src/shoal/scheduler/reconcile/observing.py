@@ -226,7 +226,7 @@ class Observing:
         """Observe every record from scratch (the safety net); when the kept view differs, log
         the jobs once and keep the fresh one. Returns the full observation."""
         seen = decide.observe(records, hosts, exits, busy, reuse=self.views)
-        views = self.views = decide.index(seen.current)
+        views = self.views = seen.by_id or {}
         keys = seen.current  # the views are (learner id, job id, host id, device id, retiring)
         # observe lists each job's learners together: group them in C.
         fresh = {
