@@ -356,16 +356,18 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         changed = []
         for job_id, (target, position) in decide.targets(scope, decided).items():
             record = records[job_id]
-            if record.decided_priority != record.job.spec.priority:
+            job = record.job
+            priority = job.spec.priority
+            if record.decided_priority != priority:
                 # The next cycle's demand of it carries the priority decided now.
                 self._touched.add(job_id)
-            record.decided_priority = record.job.spec.priority
+            record.decided_priority = priority
             if self.metrics is not None:
-                self.metrics.target_changed(job_id, record.job.target_workers, target, now)
-            if (record.job.target_workers, record.job.queue_position) != (target, position):
-                targets_before[job_id] = record.job.target_workers
-                record.job.target_workers = target
-                record.job.queue_position = position
+                self.metrics.target_changed(job_id, job.target_workers, target, now)
+            if job.target_workers != target or job.queue_position != position:
+                targets_before[job_id] = job.target_workers
+                job.target_workers = target
+                job.queue_position = position
                 changed.append(job_id)
                 self.table.mark(job_id)
         moved = self._moved & records.keys()
