@@ -199,7 +199,7 @@ CONFIGS = st.builds(PlacementConfig, policy=ALL_POLICIES, hold_time=HOLD)
 def apply(result: Plan, current: list[LearnerView], tag: str) -> list[LearnerView]:
     """The observed state once the plan's decisions are acted on (no learner exited yet)."""
     retire = {r.learner_id for r in result.retires}
-    after = [replace(x, retiring=True) if x.learner_id in retire else x for x in current]
+    after = [x._replace(retiring=True) if x.learner_id in retire else x for x in current]
     after += [
         LearnerView(f"{tag}{i}", s.job_id, s.host_id, s.device_id)
         for i, s in enumerate(result.starts)

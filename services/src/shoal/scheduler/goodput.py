@@ -30,7 +30,7 @@ since the last save.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field, replace
 
 from shoal.contract.noise_scale import MIN_SAMPLES as NOISE_MIN_SAMPLES
@@ -264,10 +264,14 @@ class GoodputTracker:
         filled in (a job not polled yet: the priors and no service, as ``shoal simulate``
         assumes); the
         models of jobs no longer among them are dropped (the jobs ended)."""
-        wanted = {d.job_id for d in demands}
-        for job_id in [j for j in self._jobs if j not in wanted]:
-            del self._jobs[job_id]
+        self.retain({d.job_id for d in demands})
         return [self.annotate_one(d) for d in demands]
+
+    def retain(self, job_ids: Container[str]) -> None:
+        """Drop the models of the jobs not in ``job_ids`` (the jobs ended), as
+        :meth:`annotate` does, without annotating anything."""
+        for job_id in [j for j in self._jobs if j not in job_ids]:
+            del self._jobs[job_id]
 
     def annotate_one(self, d: JobDemand) -> JobDemand:
         """One job's demand annotated as :meth:`annotate` does (no model is dropped)."""

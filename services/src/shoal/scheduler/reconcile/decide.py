@@ -17,12 +17,13 @@ they return:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shoal.scheduler.jobs import (
+    ACTIVE_STATES,
     HOLDING,
-    LEAVING,
     STARTED_STATES,
     JobRecord,
     LearnerPhase,
@@ -39,12 +40,19 @@ __all__ = [
     "decide",
     "demand",
     "demands",
+    "index",
     "job_of",
     "lost_reason",
     "observe",
     "starts_by_job",
     "targets",
 ]
+
+#: Not a host incarnation (an int64): a host ``observe`` has not looked up yet.
+_UNSEEN = -(2**64)
+
+_PHASE = operator.attrgetter("phase")
+_HOST = operator.attrgetter("host_id")
 
 #: Job states in which every learner is stopped.
 _STOPPING_STATES = frozenset({S.JOB_STATE_CANCELLING, S.JOB_STATE_CANCELLED, S.JOB_STATE_FAILED})
@@ -57,6 +65,8 @@ class Observed:
 
     current: list[LearnerView] = field(default_factory=list)
     work: dict[str, JobWork] = field(default_factory=dict)
+    by_id: dict[str, LearnerView] | None = None
+    """``current`` by learner id (:func:`index`), when :func:`observe` was given ``reuse``."""
 
 
 def lost_reason(lr: LearnerRecord, host: resources_pb2.Host | None) -> str:
@@ -78,20 +88,36 @@ def observe(
     hosts: Mapping[str, resources_pb2.Host],
     exits: Mapping[str, resources_pb2.Learner],
     busy: Collection[str],
+    *,
+    reuse: Mapping[str, LearnerView] | None = None,
 ) -> Observed:
     """Step 1: every learner of every job, as placement must count it. A PENDING learner of a
     job whose worker is not running (``busy``: the job ids with a worker) was left by a worker
     that failed: it is dropped; one of a busy job holds its device. A learner whose exit an
     agent reported (``exits``, by learner id) is processed and still counts, as leaving; a
-    learner on a lost (or restarted) host is lost and does not count."""
+    learner on a lost (or restarted) host is lost and does not count.
+
+    ``reuse``: learner id -> a view of an earlier observation (``Observed.by_id``); a counted
+    learner whose view equals it gets that very view (the same value, no new tuple). With
+    ``reuse``, ``Observed.by_id`` is filled (what the next call may reuse)."""
     seen = Observed()
+    by_id: dict[str, LearnerView] = {}
+    if reuse is not None:
+        seen.by_id = by_id
 
     def w(job_id: str) -> JobWork:
         return seen.work.setdefault(job_id, JobWork())
 
     current = seen.current
     add = current.append
-    pending, lost_state = LearnerPhase.PENDING, resources_pb2.HOST_STATE_LOST
+    view = tuple.__new__  # LearnerView is a named tuple: built without its Python __new__
+    pending, retiring, stopping = LearnerPhase.PENDING, LearnerPhase.RETIRING, LearnerPhase.STOPPING
+    lost_state = resources_pb2.HOST_STATE_LOST
+    exit_of = exits.get if exits else None
+    # host id -> its incarnation, None if it is gone or lost: each host's protobuf read once
+    # per call, not once per learner on it.
+    live: dict[str, int | None] = {}
+    last_host, incarnation = None, None
     for record in records.values():
         job_id = record.job_id
         job_busy = job_id in busy
@@ -101,43 +127,111 @@ def observe(
                 if not job_busy:
                     w(job_id).drop_pending.append(lr.learner_id)
                     continue
-                add(LearnerView(lr.learner_id, job_id, lr.host_id, lr.device_id))
+                new = view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, False))
+                add(new)
+                if reuse is not None:
+                    by_id[new[0]] = new
                 continue
-            exit_ = exits.get(lr.learner_id) if exits else None
-            if exit_ is not None:
-                w(job_id).exits.append(exit_)
-                add(LearnerView(lr.learner_id, job_id, lr.host_id, lr.device_id, True))
-                continue
-            host = hosts.get(lr.host_id)
+            if exit_of is not None:
+                exit_ = exit_of(lr.learner_id)
+                if exit_ is not None:
+                    w(job_id).exits.append(exit_)
+                    new = view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, True))
+                    add(new)
+                    if reuse is not None:
+                        by_id[new[0]] = new
+                    continue
+            host_id = lr.host_id
+            if host_id != last_host:  # a job's learners are mostly on few hosts, together
+                last_host = host_id
+                incarnation = live.get(host_id, _UNSEEN)
+                if incarnation == _UNSEEN:
+                    host = hosts.get(host_id)
+                    incarnation = (
+                        None if host is None or host.state == lost_state else host.incarnation
+                    )
+                    live[host_id] = incarnation
             # The common case inline (a live host, the incarnation the learner started on);
             # lost_reason says why otherwise.
-            if (
-                host is None
-                or host.state == lost_state
-                or (lr.host_incarnation and host.incarnation > lr.host_incarnation)
-            ):
-                w(job_id).lost.append((lr.learner_id, lost_reason(lr, host)))
+            if incarnation is None or (lr.host_incarnation and incarnation > lr.host_incarnation):
+                w(job_id).lost.append((lr.learner_id, lost_reason(lr, hosts.get(host_id))))
                 continue
-            add(LearnerView(lr.learner_id, job_id, lr.host_id, lr.device_id, phase in LEAVING))
+            learner_id, device_id = lr.learner_id, lr.device_id
+            leaving = phase is retiring or phase is stopping
+            if reuse is not None:
+                # The view of the last observation when it is the same (no new tuple: a full
+                # cycle allocates no 80,000 views, nor the garbage collections they cause).
+                old = reuse.get(learner_id)
+                if (
+                    old is None
+                    or old[3] != device_id
+                    or old[2] != host_id
+                    or old[1] != job_id
+                    or old[4] is not leaving
+                ):
+                    old = view(LearnerView, (learner_id, job_id, host_id, device_id, leaving))
+                add(old)
+                by_id[learner_id] = old
+                continue
+            add(view(LearnerView, (learner_id, job_id, host_id, device_id, leaving)))
     return seen
 
 
+def index(current: Iterable[LearnerView]) -> dict[str, LearnerView]:
+    """Learner id -> view: what the next :func:`observe` may ``reuse``."""
+    return {view[0]: view for view in current}
+
+
 def demand(r: JobRecord) -> JobDemand:
-    """One job as the share policy sees it."""
+    """One job as the share policy sees it (every field it reads is in :func:`demands`'
+    cache key: keep them in step)."""
+    spec = r.job.spec
     return JobDemand(
         job_id=r.job_id,
-        priority=r.job.spec.priority,
+        priority=spec.priority,
         submit_seq=r.submit_seq,
-        min_workers=r.job.spec.min_workers,
-        max_workers=r.job.spec.max_workers,
+        min_workers=spec.min_workers,
+        max_workers=spec.max_workers,
         last_shrunk_at=r.last_shrunk_at,
         previous_priority=r.decided_priority,
     )
 
 
-def demands(records: Mapping[str, JobRecord]) -> list[JobDemand]:
-    """Step 2: the active jobs, as the share policy sees them."""
-    return [demand(r) for r in records.values() if r.active]
+DemandCache = dict[str, tuple[tuple[object, ...], JobDemand]]
+"""job id -> (what its demand was built from, the demand): see :func:`demands`."""
+
+
+def demands(records: Mapping[str, JobRecord], cache: DemandCache | None = None) -> list[JobDemand]:
+    """Step 2: the active jobs, as the share policy sees them.
+
+    ``cache`` (the loop's, kept between cycles): a job whose fields are those its cached
+    demand was built from gets that demand again (a ``JobDemand`` is immutable: the same
+    value), not a new one validated again; the cache is left holding the active jobs only."""
+    if cache is None:
+        return [demand(r) for r in records.values() if r.active]
+    out: list[JobDemand] = []
+    fresh: DemandCache = {}
+    for r in records.values():
+        job = r.job
+        if job.state not in ACTIVE_STATES:
+            continue
+        spec = job.spec
+        key = (
+            spec.priority,
+            r.submit_seq,
+            spec.min_workers,
+            spec.max_workers,
+            r.last_shrunk_at,
+            r.decided_priority,
+        )
+        job_id = job.job_id
+        hit = cache.get(job_id)
+        d = hit[1] if hit is not None and hit[0] == key else demand(r)
+        fresh[job_id] = (key, d)
+        out.append(d)
+    cache.clear()
+    cache.update(fresh)
+    return out
 
 
 def targets(records: Mapping[str, JobRecord], decided: Plan) -> dict[str, tuple[int, int]]:
@@ -226,14 +320,17 @@ def decide(
         if owner is not None and owner.active and chosen is not None and chosen.phase in HOLDING:
             w(retire.job_id).retires.append(retire.learner_id)
     starts = starts_by_job(decided)
+    draining: dict[str, bool] = {}  # host id -> draining, each host's protobuf read once
 
     for record in records.values():
         job_id = record.job_id
         jw = work.get(job_id)
-        gone = {lid for lid, _ in jw.lost} | {e.learner_id for e in jw.exits} if jw else set()
-        remaining = [lr for lr in record.learners.values() if lr.learner_id not in gone]
-        for learner_id in _housekeeping(record, remaining, hosts, work, config, now):
-            kind, lid = learner_id
+        if jw is None:
+            remaining = list(record.learners.values())
+        else:
+            gone = {lid for lid, _ in jw.lost} | {e.learner_id for e in jw.exits}
+            remaining = [lr for lr in record.learners.values() if lr.learner_id not in gone]
+        for kind, lid in _housekeeping(record, remaining, hosts, draining, work, config, now):
             getattr(w(job_id), kind).append(lid)
         if job_id in moved:
             w(job_id).save = True  # its coordinator moved: persist the new address
@@ -246,18 +343,12 @@ def decide(
                 if lr.phase is LearnerPhase.RETIRING and lr.learner_id not in w(job_id).retires
             ]
             w(job_id).retires.extend(again)
-        live = [lr for lr in remaining if lr.phase is not LearnerPhase.PENDING]
-        pending = [lr for lr in remaining if lr.phase is LearnerPhase.PENDING]
-        if not record.active and not live and not pending:
+        if remaining:  # a learner live or PENDING: nothing to finish or requeue
+            continue
+        if not record.active:
             if record.state == S.JOB_STATE_CANCELLING or (record.opened and not record.closed):
                 w(job_id).finish = True
-        if (
-            record.state in STARTED_STATES
-            and not live
-            and not pending
-            and not starts.get(job_id)
-            and job_id not in held
-        ):
+        if record.state in STARTED_STATES and not starts.get(job_id) and job_id not in held:
             w(job_id).requeue = True
     return work
 
@@ -266,6 +357,7 @@ def _housekeeping(
     record: JobRecord,
     remaining: Sequence[LearnerRecord],
     hosts: Mapping[str, resources_pb2.Host],
+    draining: dict[str, bool],
     work: Mapping[str, JobWork],
     config: ReconcileConfig,
     now: float,
@@ -273,19 +365,24 @@ def _housekeeping(
     """(``"stops"`` | ``"restarts"`` | ``"retires"``, learner id) for each learner of the job
     whose phase, age or host asks for it."""
     out: list[tuple[str, str]] = []
-    retiring = list(work[record.job_id].retires) if record.job_id in work else []
     state = record.state
     stopping_now = state in _STOPPING_STATES
     completed = state == S.JOB_STATE_COMPLETED
-    if not stopping_now and not completed and record.active:
+    if not stopping_now and not completed and state in ACTIVE_STATES:
         # The common case first: an active job's RUNNING learners on hosts not draining need
         # nothing (the loop below would find the same, learner by learner).
-        if all(
-            lr.phase is LearnerPhase.RUNNING
-            and not ((host := hosts.get(lr.host_id)) is not None and host.draining)
-            for lr in remaining
-        ):
-            return out
+        # (In C: the phases listed and counted by identity, the hosts put in a set.)
+        if list(map(_PHASE, remaining)).count(LearnerPhase.RUNNING) == len(remaining):
+            for host_id in set(map(_HOST, remaining)):
+                drains = draining.get(host_id)
+                if drains is None:
+                    host = hosts.get(host_id)
+                    drains = draining[host_id] = host is not None and host.draining
+                if drains:
+                    break
+            else:
+                return out
+    retiring = list(work[record.job_id].retires) if record.job_id in work else []
     for lr in remaining:
         age = now - lr.phase_since
         if lr.phase is LearnerPhase.PENDING:

@@ -8,7 +8,7 @@ through the methods below (the hosts and the ledger are read, never written, els
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from shoal.scheduler.placement import (
     DeviceView,
@@ -31,6 +31,7 @@ class Inventory:
         self._stale: set[str] = set()  # hosts whose view must be rebuilt
         self._changed: set[str] = set()  # hosts changed since take_changed (the planner's events)
         self._allocs_on: dict[str, set[str]] = {}  # host -> ids of the allocations on it
+        self._holders: dict[str, str] = {}  # allocation id -> learner id, as the ledger's
 
     def _index(self, allocation: resources_pb2.Allocation) -> None:
         self._allocs_on.setdefault(allocation.host_id, set()).add(allocation.allocation_id)
@@ -57,6 +58,7 @@ class Inventory:
                     self.ledger.setdefault(device.allocation.allocation_id, device.allocation)
         self._views = {}
         self._allocs_on = {}
+        self._holders = {a.allocation_id: a.learner_id for a in self.ledger.values()}
         for a in self.ledger.values():
             self._allocs_on.setdefault(a.host_id, set()).add(a.allocation_id)
         self._stale = set(self.hosts)
@@ -83,13 +85,23 @@ class Inventory:
             if old is not None:
                 self._unindex(old)
             self.ledger[a.allocation_id] = a
+            self._holders[a.allocation_id] = a.learner_id
             self._index(a)
 
     def released(self, allocation_ids: Iterable[str]) -> None:
         for allocation_id in allocation_ids:
             a = self.ledger.pop(allocation_id, None)
             if a is not None:
+                del self._holders[allocation_id]
                 self._unindex(a)
+
+    def orphans(self, known: Container[str]) -> list[str]:
+        """The ids of the ledger's allocations whose learner is not in ``known``, in the
+        ledger's order (from a plain index: no protobuf read per allocation)."""
+        holders = self._holders
+        if isinstance(known, (set, frozenset)) and known.issuperset(holders.values()):
+            return []  # the common case, in C
+        return [a for a, learner_id in holders.items() if learner_id not in known]
 
     def device(self, host_id: str, device_id: str) -> resources_pb2.Device | None:
         host = self.hosts.get(host_id)

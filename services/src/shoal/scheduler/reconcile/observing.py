@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 LearnerKey = tuple[str, str, str, str, bool]
 """(learner id, job id, host id, device id, retiring): a learner as placement counts it."""
 
+_PHASE = operator.attrgetter("phase")
+_HOST = operator.attrgetter("host_id")
+
 #: Job states whose learners need no timer: RUNNING / QUEUED jobs with every learner RUNNING.
 _QUIET_STATES = frozenset({S.JOB_STATE_QUEUED, S.JOB_STATE_RUNNING})
 
@@ -48,7 +51,9 @@ def needs_attention(record: JobRecord) -> bool:
     neither QUEUED nor RUNNING that still has learners (a grace to wait out, learners to
     stop), is CANCELLING, or has a data plane to close. A finished job with nothing left does
     not (they stay in the table forever)."""
-    if any(lr.phase is not LearnerPhase.RUNNING for lr in record.learners.values()):
+    learners = record.learners
+    # (In C: the phases listed and counted by identity.)
+    if list(map(_PHASE, learners.values())).count(LearnerPhase.RUNNING) != len(learners):
         return True
     if record.job.state in _QUIET_STATES:
         return False
@@ -57,13 +62,6 @@ def needs_attention(record: JobRecord) -> bool:
         or record.job.state == S.JOB_STATE_CANCELLING
         or (record.opened and not record.closed)
     )
-
-
-_KEY = operator.attrgetter("learner_id", "job_id", "host_id", "device_id", "retiring")
-
-
-def _key(view: LearnerView) -> LearnerKey:
-    return _KEY(view)  # type: ignore[no-any-return]
 
 
 class Observing:
@@ -75,7 +73,7 @@ class Observing:
         self.last_divergence: list[str] = []
 
     def reset(self) -> None:
-        self.learners: dict[str, tuple[LearnerKey, ...]] = {}  # job -> its counted learners
+        self.learners: dict[str, tuple[LearnerView, ...]] = {}  # job -> its counted learners
         self.work: dict[str, JobWork] = {}  # job -> its observed work (non-empty only)
         self.attention: set[str] = set()  # jobs to look at every cycle (needs_attention)
         self._on_host: dict[str, set[str]] = {}  # host -> jobs with a learner on it
@@ -85,7 +83,9 @@ class Observing:
         self._busy: frozenset[str] = frozenset()
         self._exits: frozenset[str] = frozenset()
         self.synced = False
-        self.keys: set[LearnerKey] = set()  # as of the last full observation
+        # The views of the last full observation, by learner id (the next one reuses them;
+        # the planner's check compares them with its own).
+        self.views: dict[str, LearnerView] = {}
 
     def job_of(self, learner_id: str) -> str | None:
         """The job that held ``learner_id`` when its record was last observed."""
@@ -97,7 +97,7 @@ class Observing:
 
     def current(self) -> list[LearnerView]:
         """Every counted learner, as ``decide.observe`` gives them (``Observed.current``)."""
-        return [LearnerView(*k) for keys in self.learners.values() for k in keys]
+        return list(itertools.chain.from_iterable(self.learners.values()))
 
     # -- one job ------------------------------------------------------------------------------
 
@@ -124,10 +124,43 @@ class Observing:
         ids = tuple(record.learners)
         self._ids_of[job_id] = ids
         self._learner_job.update(dict.fromkeys(ids, job_id))
-        on = frozenset([lr.host_id for lr in record.learners.values()])
+        on = frozenset(map(_HOST, record.learners.values()))
         self._hosts_of[job_id] = on
         for host_id in on:
             self._on_host.setdefault(host_id, set()).add(job_id)
+
+    def _index_all(self, records: Mapping[str, JobRecord]) -> None:
+        """:meth:`_index` of every record (after :meth:`reset`), inline: the same index."""
+        attention, ids_of, hosts_of = self.attention, self._ids_of, self._hosts_of
+        on_host, learner_job = self._on_host, self._learner_job
+        running = LearnerPhase.RUNNING
+        for record in records.values():
+            learners = record.learners
+            if not learners:
+                if needs_attention(record):
+                    attention.add(record.job_id)
+                continue
+            job = record.job
+            job_id = job.job_id
+            values = learners.values()
+            # needs_attention, for a job with learners: one not RUNNING, or a state that is
+            # neither QUEUED nor RUNNING.
+            if (
+                list(map(_PHASE, values)).count(running) != len(learners)
+                or job.state not in _QUIET_STATES
+            ):
+                attention.add(job_id)
+            ids = tuple(learners)
+            ids_of[job_id] = ids
+            learner_job.update(dict.fromkeys(ids, job_id))
+            on = frozenset(map(_HOST, values))
+            hosts_of[job_id] = on
+            for host_id in on:
+                jobs = on_host.get(host_id)
+                if jobs is None:
+                    on_host[host_id] = {job_id}
+                else:
+                    jobs.add(job_id)
 
     def _put(
         self,
@@ -142,7 +175,7 @@ class Observing:
             return
         seen = decide.observe({job_id: record}, hosts, exits, busy)
         if seen.current:
-            self.learners[job_id] = tuple(map(_key, seen.current))
+            self.learners[job_id] = tuple(seen.current)
         work = seen.work.get(job_id)
         if work is not None and not work.empty():
             self.work[job_id] = work
@@ -192,17 +225,21 @@ class Observing:
     ) -> decide.Observed:
         """Observe every record from scratch (the safety net); when the kept view differs, log
         the jobs once and keep the fresh one. Returns the full observation."""
-        seen = decide.observe(records, hosts, exits, busy)
-        keys = list(map(_KEY, seen.current))
+        seen = decide.observe(records, hosts, exits, busy, reuse=self.views)
+        views = self.views = seen.by_id or {}
+        keys = seen.current  # the views are (learner id, job id, host id, device id, retiring)
         # observe lists each job's learners together: group them in C.
         fresh = {
             job_id: tuple(group)
             for job_id, group in itertools.groupby(keys, key=operator.itemgetter(1))
         }
-        self.keys = set(keys)  # every counted learner (the planner's check reads it too)
         if compare and self.synced:
             differ = []
-            if self.keys != set(itertools.chain.from_iterable(self.learners.values())):
+            # The same tuples per job (the common case: a cheap comparison of the reused
+            # views) are the same sets; else the sets are compared, job by job.
+            if fresh != self.learners and set(keys) != set(
+                itertools.chain.from_iterable(self.learners.values())
+            ):
                 differ = sorted(
                     job_id
                     for job_id in fresh.keys() | self.learners.keys()
@@ -222,13 +259,11 @@ class Observing:
                     "one is used (a record changed without being written or marked)",
                     ", ".join(differ),
                 )
-        every = self.keys
         self.reset()
-        self.keys = every
+        self.views = views
         self.learners = fresh
         self.work = {j: w for j, w in seen.work.items() if not w.empty()}
-        for record in records.values():
-            self._index(record)
+        self._index_all(records)
         self._exits = frozenset(exits)
         self._busy = frozenset(busy)
         self.synced = True

@@ -199,12 +199,14 @@ class Placing:
         changed_hosts: Iterable[str] = (),
         compare: bool = True,
         current_keys: set[LearnerKey] | None = None,
+        current_by_id: Mapping[str, LearnerView] | None = None,
     ) -> Plan:
         """The full plan over the whole observed state (acted on). With ``compare`` and a
         planner, the pending changes are given to it first and its decision and its state are
         compared with the full plan and the observed state: on a difference one warning names
         the jobs and the planner is rebuilt (``resync``); without one it is kept as it is.
-        ``current_keys``: ``current`` as tuples, if the caller has them (saves building them)."""
+        ``current_keys``: ``current`` as tuples, if the caller has them (saves building them);
+        ``current_by_id``: ``current`` by learner id, if the caller has it (a cheaper check)."""
         # Until this cycle succeeds (plan raises on an invalid observed state, as it always
         # did), the next one is a full one too: the planner may hold half of the events.
         self._last_full = -math.inf
@@ -218,7 +220,9 @@ class Placing:
                 self._apply(inventory, gone, came, demand_changes or {}, changed_hosts)
                 differ = diverging_jobs(planner.decide(now), full)
                 if not differ:
-                    differ = planner.differs_from(demands, views, current, keys=current_keys)
+                    differ = planner.differs_from(
+                        demands, views, current, keys=current_keys, by_id=current_by_id
+                    )
             except ValueError as exc:
                 differ = [f"<event refused: {exc}>"]
             if differ:

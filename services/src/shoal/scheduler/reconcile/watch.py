@@ -116,9 +116,7 @@ class InventoryWatch:
         ``known``: the learner ids the jobs hold."""
         if self._orphans_busy:
             return
-        orphans = [
-            a.allocation_id for a in self.inventory.ledger.values() if a.learner_id not in known
-        ]
+        orphans = self.inventory.orphans(known)
         if not orphans:
             return
 
