@@ -1,11 +1,13 @@
 """The same-host lane with real processes: two shard processes and two learner processes on
 this host, one learner on the lane (the default) and one with ``SHOAL_SHM_LANE=off`` (gRPC
-streams), in one job. The lane is used (both sides log it), the job still equals
-single-process training (atol 1e-5), and no segment is left under /dev/shm after the job."""
+streams), in one job. The lane is used (both sides log it, each descriptor is handed once),
+the job still equals single-process training (atol 1e-5), and no lane segment of the shards
+has a name under /dev/shm at any time (watched while the job runs) or after it."""
 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -36,6 +38,16 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
     tokens = make_tokens(tmp_path / "tokens")
     plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
     plane.start_shards()
+    pids = [s.popen.pid for s in plane.shards]
+    seen: list[str] = []
+    done = threading.Event()
+
+    def watch() -> None:  # every few ms while the job runs: a name would be seen
+        while not done.wait(0.005):
+            seen.extend(segments_of(pids))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
         job = "lane"
         plane.open_job(job, batch=BATCH, epochs=EPOCHS)
@@ -45,12 +57,17 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
         )
         for proc in (on, off):
             assert proc.wait(timeout=300) == 0, proc.text()[-3000:]
+        done.set()
+        watcher.join(timeout=30)
+        assert seen == []  # the segments never had a name
         # The lane was used by the learner that may, and only by it.
         assert on.text().count(LANE_OPEN) == 2, on.text()[-3000:]
         assert LANE_OPEN not in off.text()
         for shard in plane.shards:
             assert "shared-memory lane of learner lane-l0 opened" in shard.text()
+            assert shard.text().count("lane of learner lane-l0: descriptor handed") == 1
             assert "lane of learner lane-l1" not in shard.text()
+            assert "lane handoff refused" not in shard.text()
         # Exactly plain PyTorch.
         reference, _ = reference_training(EPOCHS, BATCH)
         model = plane.final_model(job)
@@ -65,6 +82,7 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
                 interval=0.1,
                 what="the lane closed",
             )
-        assert segments_of([s.popen.pid for s in plane.shards]) == []
+        assert segments_of(pids) == []
     finally:
+        done.set()
         plane.kill_all()
