@@ -68,6 +68,7 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
             assert shard.text().count("lane of learner lane-l0: descriptor handed") == 1
             assert "lane of learner lane-l1" not in shard.text()
             assert "lane handoff refused" not in shard.text()
+            assert "not dumpable: processes of this user cannot read its memory" in shard.text()
         # Exactly plain PyTorch.
         reference, _ = reference_training(EPOCHS, BATCH)
         model = plane.final_model(job)
