@@ -51,10 +51,16 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
     try:
         job = "lane"
         plane.open_job(job, batch=BATCH, epochs=EPOCHS)
-        on = plane.start_learner(job, "lane-l0", epochs=EPOCHS, batch=BATCH)
+        # Both warm before either joins: else one may train the whole epoch alone while the
+        # other still imports (seen under load: the lane learner joined after the last step).
+        gate = tmp_path / "gate"
+        on = plane.start_learner(job, "lane-l0", epochs=EPOCHS, batch=BATCH, gate=gate)
         off = plane.start_learner(
-            job, "lane-l1", epochs=EPOCHS, batch=BATCH, env={"SHOAL_SHM_LANE": "off"}
+            job, "lane-l1", epochs=EPOCHS, batch=BATCH, gate=gate, env={"SHOAL_SHM_LANE": "off"}
         )
+        for proc in (on, off):
+            proc.wait_for("READY", timeout=120)
+        gate.touch()
         for proc in (on, off):
             assert proc.wait(timeout=300) == 0, proc.text()[-3000:]
         done.set()
