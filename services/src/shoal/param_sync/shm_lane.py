@@ -123,7 +123,10 @@ class LaneHandlers:
         try:
             if not self._handoff.started:
                 self._handoff.start()
-            segment = await asyncio.to_thread(Segment.create, size)
+            # In the loop, not a thread: nothing can cancel between its creation and its
+            # lane (a cancelled RPC would leak it); memfd_create, ftruncate and mmap take
+            # microseconds whatever the size (no page is touched but the nonce's).
+            segment = Segment.create(size)
         except OSError as exc:
             return ps_pb2.OpenSharedLaneResponse(refused=f"no segment: {exc}")
         lane = Lane(segment, in_offset, in_capacity, out_offset)
