@@ -15,6 +15,7 @@ refusal) leaves the learner on gRPC streams for that shard.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -119,6 +120,11 @@ async def open_lane(
         return None
     if not reply.socket_address:  # an older shard: a named segment, which this learner skips
         log.info("no shared-memory lane to shard %s: it offers a named segment", address)
+        # Have it drop the segment now (its name would stay up to 30 s, the memory till the
+        # job ends).
+        close = ps_pb2.OpenSharedLaneRequest(job_id=job_id, learner_id=learner_id, close=True)
+        with contextlib.suppress(aio.AioRpcError):
+            await stub.OpenSharedLane(close, metadata=metadata, timeout=2.0)
         return None
     if not 0 < reply.in_offset <= reply.in_offset + reply.in_capacity <= reply.out_offset:
         log.warning("shard %s offered a malformed lane: %s", address, reply)
