@@ -122,6 +122,27 @@ async def test_a_silent_peer_is_cut_off(server, monkeypatch) -> None:
     assert srv.refused == 1
 
 
+async def test_silent_peers_beyond_the_limit_are_cut_off_at_once(server, monkeypatch) -> None:
+    srv, _ = server
+    monkeypatch.setattr(lane_handoff, "MAX_PENDING", 2)
+    seg = Segment.create(4096)
+    token = srv.offer(seg.fd, window_s=30, on_sent=lambda: None, what="lane x")
+    silent = []
+    for _ in range(2):
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect("\0" + srv.address[1:])
+        silent.append(sock)
+    await async_wait_until(lambda: len(srv._connections) == 2, timeout=30, what="2 pending")
+    with pytest.raises(LaneError):  # a third, even with the right token: nothing
+        await fetch(srv, token)
+    assert srv.offers == 1 and srv.handed == 0
+    for sock in silent:
+        sock.close()
+    await async_wait_until(lambda: not srv._connections, timeout=30, what="the silent ones gone")
+    os.close(await fetch(srv, token))  # then it works
+    seg.close()
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a peer as another user")
 async def test_a_peer_of_another_user_gets_nothing_even_with_the_token(server) -> None:
     srv, _ = server

@@ -11,9 +11,10 @@ descriptor over a Unix socket (``SCM_RIGHTS``) to whoever shows the lane's one-t
   descriptor with the byte ``L``; it checks the segment behind it (``Segment.from_fd``).
 * The shard hands a token's descriptor once, before the offer's deadline, and only to a peer
   running as its own user (``SO_PEERCRED``). Anything else (a wrong, used or expired token,
-  another user, a peer silent for :data:`READ_TIMEOUT_S`) closes the connection with nothing
-  sent, and changes nothing; it is logged, one line per refusal, at most one line per
-  :data:`LOG_EVERY_S` (the line counts those not logged).
+  another user, a peer silent for :data:`READ_TIMEOUT_S`, one beyond :data:`MAX_PENDING`
+  waiting peers) closes the connection with nothing sent, and changes nothing; it is logged,
+  one line per refusal, at most one line per :data:`LOG_EVERY_S` (the line counts those not
+  logged).
 
 Linux only (abstract sockets, ``SO_PEERCRED``); nothing here imports gRPC or torch.
 """
@@ -36,6 +37,7 @@ from shoal.contract.shm import LaneError
 
 __all__ = [
     "LOG_EVERY_S",
+    "MAX_PENDING",
     "READ_TIMEOUT_S",
     "TOKEN_BYTES",
     "HandoffServer",
@@ -51,6 +53,9 @@ TOKEN_BYTES = 32
 READ_TIMEOUT_S = 5.0
 #: At most one refusal line per this many seconds (the next line counts the ones not logged).
 LOG_EVERY_S = 10.0
+#: Connections waiting for their token at once; more are closed at once (a flood of silent
+#: peers cannot pile up descriptors in the shard).
+MAX_PENDING = 64
 _OK = b"L"
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -146,6 +151,10 @@ class HandoffServer:
             except OSError as exc:  # EMFILE and friends: do not spin
                 log.warning("lane handoff socket: %s", exc)
                 await asyncio.sleep(0.1)
+                continue
+            if len(self._connections) >= MAX_PENDING:
+                conn.close()
+                self._refuse(f"{MAX_PENDING} connections wait for their token already")
                 continue
             task = loop.create_task(self._handle(conn))
             self._connections.add(task)
