@@ -6,8 +6,10 @@ has a name under /dev/shm at any time (watched while the job runs) or after it."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,20 @@ pytestmark = pytest.mark.skipif(
     not os.access(SHM_DIR, os.W_OK), reason=f"{SHM_DIR} is not writable here"
 )
 LANE_OPEN = "shared-memory lane to shard"
+
+
+def lane_fds_and_maps(pid: int) -> tuple[int, int] | None:
+    """Descriptors of process ``pid`` that are lane segments, and its mappings of them (None
+    where /proc does not let this user look: a non-dumpable shard, unless root)."""
+    fds = 0
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(FileNotFoundError):
+                fds += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:shoal-lane")
+        maps = Path(f"/proc/{pid}/maps").read_text().count("/memfd:shoal-lane")
+    except PermissionError:
+        return None
+    return fds, maps
 
 
 def segments_of(pids: list[int]) -> list[str]:
@@ -53,14 +69,25 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
         plane.open_job(job, batch=BATCH, epochs=EPOCHS)
         # Both warm before either joins: else one may train the whole epoch alone while the
         # other still imports (seen under load: the lane learner joined after the last step).
+        # (--delay paces the job: the test looks at the processes while it runs.)
         gate = tmp_path / "gate"
-        on = plane.start_learner(job, "lane-l0", epochs=EPOCHS, batch=BATCH, gate=gate)
+        on = plane.start_learner(job, "lane-l0", epochs=EPOCHS, batch=BATCH, gate=gate, delay=0.1)
         off = plane.start_learner(
             job, "lane-l1", epochs=EPOCHS, batch=BATCH, gate=gate, env={"SHOAL_SHM_LANE": "off"}
         )
         for proc in (on, off):
             proc.wait_for("READY", timeout=120)
         gate.touch()
+        # The learner maps both lanes and holds no descriptor of them (nor does any shard once
+        # the learner fetched it): none can be opened through /proc/<pid>/fd.
+        wait_until(
+            lambda: lane_fds_and_maps(on.popen.pid) == (0, 2),
+            timeout=120,
+            interval=0.01,
+            what="the learner's two lanes mapped, with no descriptor",
+        )
+        for pid in pids:
+            assert lane_fds_and_maps(pid) in (None, (0, 1)), pid  # None: not ours to look at
         for proc in (on, off):
             assert proc.wait(timeout=300) == 0, proc.text()[-3000:]
         done.set()

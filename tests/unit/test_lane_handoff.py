@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
@@ -224,3 +226,42 @@ def test_an_address_that_is_not_an_abstract_socket_is_refused_naming_it() -> Non
     for address in ("/tmp/sock", "", "@", "@a\0b"):
         with pytest.raises(LaneError, match="socket_address"):
             fetch_fd(address, bytes(TOKEN_BYTES))
+
+
+def segments_open() -> int:
+    """Descriptors of this process that are lane segments."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:shoal-lane")
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    return count
+
+
+@pytest.mark.parametrize("count", [0, 2, 3])
+def test_fetch_takes_exactly_one_descriptor_and_closes_any_others(count: int) -> None:
+    """A socket that answers with no descriptor, or with more than one: refused, and the ones
+    received are closed (none leaks into the learner)."""
+    name = f"shoal-lane-test-{secrets.token_hex(8)}"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind("\0" + name)
+    listener.listen(1)
+    seg = Segment.create(4096)
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(TOKEN_BYTES)
+            socket.send_fds(conn, [b"L"], [seg.fd] * count)
+            conn.recv(1)  # until the learner hung up
+
+    server = threading.Thread(target=answer, daemon=True)
+    server.start()
+    assert segments_open() == 1  # the shard's own
+    with pytest.raises(LaneError, match=f"handed {min(count, 2)} descriptors"):
+        fetch_fd("@" + name, bytes(TOKEN_BYTES), timeout=30)
+    server.join(timeout=30)
+    assert segments_open() == 1  # nothing received stayed open
+    listener.close()
+    seg.close()

@@ -4,6 +4,7 @@ segments older shards left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -45,6 +46,36 @@ def test_a_segment_has_no_name_is_sealed_and_starts_with_a_random_nonce() -> Non
     a.close()
     b.close()
     assert b.fd == -1
+
+
+def lane_descriptors() -> int:
+    """Descriptors of this process that are lane segments (memfds named shoal-lane)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:shoal-lane")
+    return count
+
+
+def test_a_mapped_segment_keeps_no_descriptor_and_unmaps_with_its_last_view() -> None:
+    """Python's mmap would keep a duplicate descriptor for the mapping's life, openable through
+    /proc/<pid>/fd by processes of the same user: the segments map without it."""
+    before = lane_descriptors()
+    seg = Segment.create(1 << 20)
+    assert lane_descriptors() == before + 1  # seg.fd only
+    peer = Segment.from_fd(seg.fd, 1 << 20, seg.nonce)
+    assert lane_descriptors() == before + 1
+    seg.release_fd()
+    assert lane_descriptors() == before  # both mapped, no descriptor left anywhere
+    region = peer.region(64, 8, lo=64, hi=1 << 20, what="x")
+    seg.region(64, 8, lo=64, hi=1 << 20, what="x")[:] = b"12345678"
+    assert bytes(region) == b"12345678"
+    maps = Path("/proc/self/maps").read_text().count("/memfd:shoal-lane")
+    peer.close()  # a view is still held: the mapping stays until it goes
+    assert bytes(region) == b"12345678"
+    region.release()
+    seg.close()
+    assert Path("/proc/self/maps").read_text().count("/memfd:shoal-lane") == maps - 2
 
 
 def test_from_fd_sees_the_same_bytes_and_checks_what_it_maps() -> None:

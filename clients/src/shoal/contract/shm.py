@@ -27,6 +27,7 @@ Nothing here imports gRPC or torch.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import mmap
@@ -35,6 +36,7 @@ import re
 import secrets
 import socket
 import stat
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +113,35 @@ SEALS = (
 )
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_shared(fd: int, size: int) -> memoryview:
+    """``size`` bytes of ``fd`` mapped shared, read-write, as a byte view that keeps no
+    descriptor open: Python's ``mmap.mmap`` keeps a duplicate of the descriptor for as long as
+    it lives (until 3.13's ``trackfd=False``), which would leave the segment openable through
+    ``/proc/<pid>/fd`` by processes of the same user for the lane's whole life. The memory is
+    unmapped when the last view of it (slices included) is released."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mmap of {size} bytes: {os.strerror(errno)}")
+    buffer = (ctypes.c_ubyte * size).from_address(addr)
+    weakref.finalize(buffer, _libc.munmap, addr, size)
+    return memoryview(buffer).cast("B")
+
+
 @dataclass
 class Segment:
     """One mapped segment. ``fd`` is the shard's descriptor of it until it was handed to the
@@ -119,7 +150,7 @@ class Segment:
 
     size: int
     nonce: bytes
-    _map: mmap.mmap
+    _view: memoryview  # the whole mapping (no descriptor behind it: _map_shared)
     fd: int = -1
 
     @classmethod
@@ -134,13 +165,13 @@ class Segment:
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            mapped = mmap.mmap(fd, size)
+            view = _map_shared(fd, size)
         except BaseException:
             os.close(fd)
             raise
         nonce = secrets.token_bytes(NONCE_BYTES)
-        mapped[:NONCE_BYTES] = nonce
-        return cls(size, nonce, mapped, fd)
+        view[:NONCE_BYTES] = nonce
+        return cls(size, nonce, view, fd)
 
     @classmethod
     def from_fd(cls, fd: int, size: int, nonce: bytes) -> Segment:
@@ -167,11 +198,11 @@ class Segment:
             raise LaneError(f"seals ({seals:#x}) must include {SEALS:#x}")
         if st.st_size != size:
             raise LaneError(f"size ({size}) differs from the segment's ({st.st_size})")
-        mapped = mmap.mmap(fd, size)
-        if mapped[:NONCE_BYTES] != nonce:
-            mapped.close()
+        view = _map_shared(fd, size)
+        if view[:NONCE_BYTES] != nonce:
+            view.release()
             raise LaneError("the segment is not the shard's (nonce differs)")
-        return cls(size, nonce, mapped)
+        return cls(size, nonce, view)
 
     def region(self, offset: int, length: int, *, lo: int, hi: int, what: str) -> memoryview:
         """A view of ``[offset, offset + length)``, which must lie inside ``[lo, hi)`` (itself
@@ -184,7 +215,7 @@ class Segment:
             raise LaneError(
                 f"{what} ({offset}) with {length} bytes is outside the lane region [{lo}, {hi})"
             )
-        return memoryview(self._map)[offset : offset + length]
+        return self._view[offset : offset + length]
 
     def release_fd(self) -> None:
         """Close the descriptor (handed over, or no longer to be): the mapping stays."""
@@ -194,7 +225,7 @@ class Segment:
 
     def close(self) -> None:
         """Close the descriptor (if still open) and unmap. Views still held keep the mapping
-        alive until they are released (the mapping is closed when the last goes)."""
+        alive until they are released (it is unmapped when the last goes)."""
         self.release_fd()
-        with contextlib.suppress(BufferError):
-            self._map.close()
+        with contextlib.suppress(BufferError):  # exported from the whole view: goes with them
+            self._view.release()
