@@ -87,9 +87,15 @@ class HandoffServer:
     event loop (:meth:`start`); the descriptors stay the caller's (``on_sent`` tells it one
     was handed: it may close its own then)."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_refused: Callable[[], None] | None = None,
+    ) -> None:
         self.address = f"@shoal-lane-{secrets.token_hex(16)}"
         self._clock = clock
+        self._on_refused = on_refused  # a metric, for each refusal
         self._offers: dict[bytes, _Offer] = {}
         self._sock: socket.socket | None = None
         self._serving: asyncio.Task[None] | None = None
@@ -205,6 +211,8 @@ class HandoffServer:
 
     def _refuse(self, why: str) -> None:
         self.refused += 1
+        if self._on_refused is not None:
+            self._on_refused()
         now = self._clock()
         if now - self._last_line < LOG_EVERY_S:
             self._unlogged += 1

@@ -293,7 +293,7 @@ class ParameterSyncServicer(
         self._lanes: dict[tuple[str, str], Lane] = {}
         self._host_id = host_id(options.shm_dir) if options.shm_lane else ""
         # The Unix socket that hands the lanes' descriptors (started with the first lane).
-        self._handoff = HandoffServer()
+        self._handoff = HandoffServer(on_refused=self.metrics.lane_handoff_refused)
 
     def _rendezvous_prefix(self, job_id: str) -> str:
         """The job's key prefix in the rendezvous store: a secret only its learners get
