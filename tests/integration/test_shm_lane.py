@@ -1,14 +1,17 @@
 """The same-host shared-memory lane against a real shard (in this process, real gRPC, auth on)
 driven by a hand-written learner, so every offset is the test's choice: a round through the
 lane gives exactly the gRPC round's update; out-of-bounds offsets, a lane that does not exist
-and another job's learner are refused with a clear error and change nothing; the segment
-loses its name once attached and the lane goes with the job. The lane under real learner
-processes is in ``test_shm_lane_processes.py``."""
+and another job's learner are refused with a clear error and change nothing; the segment never
+has a name, its descriptor is handed once to the right token only (a wrong, used or expired
+token gets nothing), a learner whose fetch fails stays on gRPC, and the lane goes with the
+job. The lane under real learner processes is in ``test_shm_lane_processes.py``."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import logging
 import os
-import stat
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +23,8 @@ import pytest
 import torch
 from grpc import aio
 
-from shoal.contract.shm import SHM_DIR, Segment, host_id
+from shoal.contract.lane_handoff import TOKEN_BYTES, fetch_fd
+from shoal.contract.shm import PREFIX, SHM_DIR, LaneError, Segment, host_id
 from shoal.contract.wire import (
     BundleReceiver,
     TensorMeta,
@@ -31,6 +35,7 @@ from shoal.contract.wire import (
     pack_layout,
 )
 from shoal.learner.grpc_backend import stream_methods
+from shoal.learner.grpc_lane import open_lane
 from shoal.param_sync.service import ParameterSyncServicer, ShardOptions
 from shoal.runtime.auth import LearnerTokenSigner
 from shoal.runtime.server import RunningServer
@@ -40,7 +45,7 @@ from shoal.v1 import (
     parameter_sync_service_pb2_grpc as ps_grpc,
 )
 from tests.integration.shard_bed import start_shard
-from tests.support import make_tokens
+from tests.support import async_wait_until, make_tokens
 
 JOB, OTHER = "job-a", "job-b"
 # The lane needs a writable /dev/shm (every Linux host; a container may lack one).
@@ -90,6 +95,27 @@ class Shard:
             "service", "GetJobProgress", ps_pb2.GetJobProgressRequest(job_id=JOB)
         )
         return int(reply.progress.completed_iterations)
+
+
+def lane_request(learner: str = LEARNER, **fields: Any) -> ps_pb2.OpenSharedLaneRequest:
+    fields = {"host_id": host_id(), "fetch_fd": True, **fields}
+    return ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=learner, **fields)
+
+
+def named_segments() -> list[str]:
+    """Lane names of this process (the shard's) under /dev/shm: there must never be one."""
+    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}{os.getpid()}-")]
+
+
+async def take(lane: ps_pb2.OpenSharedLaneResponse, token: bytes | None = None) -> Segment:
+    """What the learner does with the reply: fetch the descriptor, map the segment."""
+    fd = await asyncio.to_thread(
+        fetch_fd, lane.socket_address, lane.token if token is None else token, timeout=30
+    )
+    try:
+        return Segment.from_fd(fd, lane.size, lane.nonce)
+    finally:
+        os.close(fd)
 
 
 def grad_header(generation: int, **lane: Any) -> ps_pb2.TensorBundleHeader:
@@ -182,28 +208,34 @@ async def test_a_lane_round_equals_a_grpc_round_and_bad_offsets_change_nothing(s
     s = shard
     boundary = ps_pb2.BoundaryRequest(job_id=JOB, learner_id=LEARNER)
     a = (await s.call("learner", "Boundary", boundary)).assignment
-    lane = await s.call(
-        "learner",
-        "OpenSharedLane",
-        ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=LEARNER, host_id=host_id()),
-    )
+    lane = await s.call("learner", "OpenSharedLane", lane_request())
     assert not lane.refused, lane.refused
-    st = os.stat(lane.path)
-    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    # Before the learner fetched it: the segment has no name, under /dev/shm or anywhere.
+    assert named_segments() == [] and not lane.path
+    assert lane.socket_address.startswith("@shoal-lane-") and len(lane.token) == TOKEN_BYTES
     assert lane.in_capacity == TOTAL and lane.out_offset >= lane.in_offset + TOTAL
-    segment = Segment.attach(lane.path, lane.size, lane.nonce)
+    # A wrong token gets nothing and changes nothing; the right one the descriptor, once.
+    wrong = bytes(b ^ 0xFF for b in lane.token)
+    with pytest.raises(LaneError, match="handed 0 descriptors"):
+        await take(lane, wrong)
+    assert s.servicer._lanes[(JOB, LEARNER)].token == lane.token
+    segment = await take(lane)
+    with pytest.raises(LaneError, match="handed 0 descriptors"):
+        await take(lane)  # replayed
+    assert s.servicer._handoff.handed == 1 and s.servicer._handoff.refused == 2
+    assert s.servicer._lanes[(JOB, LEARNER)].segment.fd == -1  # the shard's descriptor closed
 
     # Another job's learner, or another learner of the job, gets no lane of this learner.
     for who, job in (("other", JOB), ("learner-2", JOB), ("other", OTHER)):
-        request = ps_pb2.OpenSharedLaneRequest(job_id=job, learner_id=LEARNER, host_id=host_id())
+        request = ps_pb2.OpenSharedLaneRequest(
+            job_id=job, learner_id=LEARNER, host_id=host_id(), fetch_fd=True
+        )
         code, _ = await s.status(who, "OpenSharedLane", request)
         assert code == grpc.StatusCode.PERMISSION_DENIED, (who, job)
     # Another host gets none either (it streams over gRPC).
-    elsewhere = ps_pb2.OpenSharedLaneRequest(
-        job_id=JOB, learner_id=f"{JOB}-l2", host_id="elsewhere"
-    )
+    elsewhere = lane_request(f"{JOB}-l2", host_id="elsewhere")
     reply = await s.call("learner-2", "OpenSharedLane", elsewhere)
-    assert "is not shard 0's host" in reply.refused and not reply.path
+    assert "is not shard 0's host" in reply.refused and not reply.token
 
     g = torch.tensor([[1.0, -2.0], [0.5, 4.0], [3.0, 0.0], [-1.0, 2.0]])
     lo, hi = lane.in_offset, lane.in_offset + lane.in_capacity
@@ -228,7 +260,6 @@ async def test_a_lane_round_equals_a_grpc_round_and_bad_offsets_change_nothing(s
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "must not follow a shared_memory header" in info.value.details()
     assert await s.completed() == 0
-    assert os.path.exists(lane.path)  # not used yet: still named
 
     # Nothing changed: one round through the lane gives exactly W0 - lr * g.
     region = segment.region(lo, TOTAL, lo=lo, hi=hi, what="bundle")
@@ -238,7 +269,7 @@ async def test_a_lane_round_equals_a_grpc_round_and_bad_offsets_change_nothing(s
     new = read_answer(frames, segment, lane)
     torch.testing.assert_close(new, W0 - LR * g, atol=0, rtol=0)
     assert await s.completed() == 1
-    assert not os.path.exists(lane.path)  # attached and used: the name is gone
+    assert named_segments() == []
 
     # A learner that synced in generation g and is not a member of a later one (evicted,
     # retired) loses its lane when the shard learns that generation; members keep theirs.
@@ -254,24 +285,79 @@ async def test_a_lane_round_equals_a_grpc_round_and_bad_offsets_change_nothing(s
 
 async def test_an_evicted_learners_lane_goes_with_the_next_generation(shard: Shard):
     s = shard
-    request = ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=LEARNER, host_id=host_id())
-    assert not (await s.call("learner", "OpenSharedLane", request)).refused
+    assert not (await s.call("learner", "OpenSharedLane", lane_request())).refused
     s.servicer._lanes[(JOB, LEARNER)].generation = 1  # it synced in generation 1
     s.servicer._prune_lanes(JOB, 2, frozenset({f"{JOB}-l2"}))
-    assert not s.servicer._lanes
+    assert not s.servicer._lanes and s.servicer._handoff.offers == 0
 
 
 async def test_a_lane_off_shard_refuses_and_close_drops_the_lane(shard: Shard):
     s = shard
-    request = ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=LEARNER, host_id=host_id())
-    lane = await s.call("learner", "OpenSharedLane", request)
-    assert lane.path and os.path.exists(lane.path)
+    lane = await s.call("learner", "OpenSharedLane", lane_request())
+    assert lane.token and s.servicer._handoff.offers == 1
     await s.call(
         "learner",
         "OpenSharedLane",
         ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=LEARNER, close=True),
     )
-    assert not s.servicer._lanes and not os.path.exists(lane.path)
+    assert not s.servicer._lanes and s.servicer._handoff.offers == 0
+    with pytest.raises(LaneError):
+        await take(lane)  # closed before it was fetched: its token fetches nothing
     s.servicer.options = ShardOptions(shard_index=0, storage_uri="", shm_lane=False)
-    reply = await s.call("learner", "OpenSharedLane", request)
+    reply = await s.call("learner", "OpenSharedLane", lane_request())
     assert "--shm-lane off" in reply.refused and not s.servicer._lanes
+
+
+async def test_a_lane_not_fetched_in_time_is_dropped_and_its_token_gets_nothing(shard: Shard):
+    s = shard
+    s.servicer.options = dataclasses.replace(s.servicer.options, shm_fetch_window_s=0.3)
+    lane = await s.call("learner", "OpenSharedLane", lane_request())
+    assert not lane.refused and (JOB, LEARNER) in s.servicer._lanes
+    await async_wait_until(
+        lambda: (JOB, LEARNER) not in s.servicer._lanes, timeout=30, what="the lane dropped"
+    )
+    assert s.servicer._handoff.offers == 0
+    with pytest.raises(LaneError, match="handed 0 descriptors"):
+        await take(lane)
+    # A lane SyncStep now finds no lane: the learner would send chunks (and ask again).
+    a = (
+        await s.call("learner", "Boundary", ps_pb2.BoundaryRequest(job_id=JOB, learner_id=LEARNER))
+    ).assignment
+    header = grad_header(a.generation, shared_memory=True, shared_memory_offset=64)
+    with pytest.raises(aio.AioRpcError) as info:
+        await s.sync("learner", header, [])
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no shared-memory lane" in info.value.details()
+
+
+async def test_a_learner_whose_fetch_fails_stays_on_grpc(shard: Shard, caplog):
+    """The learner's own path (``open_lane``): the token expired before it fetched, so it
+    gets no lane and logs why; its round then goes through gRPC chunks, exactly."""
+    s = shard
+    s.servicer.options = dataclasses.replace(s.servicer.options, shm_fetch_window_s=0.0)
+    caplog.set_level(logging.INFO, logger="shoal.learner.grpc")
+    stub = ps_grpc.ParameterSyncServiceStub(s.channel)
+    lane = await open_lane(
+        stub, job_id=JOB, learner_id=LEARNER, metadata=s.md("learner"), address="shard-0"
+    )
+    assert lane is None
+    assert any("handed 0 descriptors" in r.getMessage() for r in caplog.records), caplog.text
+    a = (
+        await s.call("learner", "Boundary", ps_pb2.BoundaryRequest(job_id=JOB, learner_id=LEARNER))
+    ).assignment
+    g = torch.tensor([[2.0, 1.0], [0.0, -4.0], [1.0, 1.0], [0.5, 0.5]])
+    frames = await s.sync(
+        "learner", grad_header(a.generation), list(encode_chunks(LAYOUT, [byte_view(g)], TOTAL))
+    )
+    assert not frames[0].header.shared_memory
+    torch.testing.assert_close(read_answer(frames, None, None), W0 - LR * g, atol=0, rtol=0)
+
+
+async def test_an_older_learner_gets_no_lane_and_a_reason(shard: Shard):
+    """A learner without ``fetch_fd`` would look for a named segment: the shard says no (it
+    uses gRPC streams), and makes no segment."""
+    s = shard
+    request = ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=LEARNER, host_id=host_id())
+    reply = await s.call("learner", "OpenSharedLane", request)
+    assert "an older learner" in reply.refused and not reply.path and not reply.token
+    assert not s.servicer._lanes and s.servicer._handoff.offers == 0

@@ -1,11 +1,15 @@
 """The same-host lane with real processes: two shard processes and two learner processes on
 this host, one learner on the lane (the default) and one with ``SHOAL_SHM_LANE=off`` (gRPC
-streams), in one job. The lane is used (both sides log it), the job still equals
-single-process training (atol 1e-5), and no segment is left under /dev/shm after the job."""
+streams), in one job. The lane is used (both sides log it, each descriptor is handed once),
+the job still equals single-process training (atol 1e-5), and no lane segment of the shards
+has a name under /dev/shm at any time (watched while the job runs) or after it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +27,20 @@ pytestmark = pytest.mark.skipif(
 LANE_OPEN = "shared-memory lane to shard"
 
 
+def lane_fds_and_maps(pid: int) -> tuple[int, int] | None:
+    """Descriptors of process ``pid`` that are lane segments, and its mappings of them (None
+    where /proc does not let this user look: a non-dumpable shard, unless root)."""
+    fds = 0
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(FileNotFoundError):
+                fds += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:shoal-lane")
+        maps = Path(f"/proc/{pid}/maps").read_text().count("/memfd:shoal-lane")
+    except PermissionError:
+        return None
+    return fds, maps
+
+
 def segments_of(pids: list[int]) -> list[str]:
     return [
         name
@@ -36,21 +54,54 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
     tokens = make_tokens(tmp_path / "tokens")
     plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
     plane.start_shards()
+    pids = [s.popen.pid for s in plane.shards]
+    seen: list[str] = []
+    done = threading.Event()
+
+    def watch() -> None:  # every few ms while the job runs: a name would be seen
+        while not done.wait(0.005):
+            seen.extend(segments_of(pids))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
         job = "lane"
         plane.open_job(job, batch=BATCH, epochs=EPOCHS)
-        on = plane.start_learner(job, "lane-l0", epochs=EPOCHS, batch=BATCH)
+        # Both warm before either joins: else one may train the whole epoch alone while the
+        # other still imports (seen under load: the lane learner joined after the last step).
+        # (--delay paces the job: the test looks at the processes while it runs.)
+        gate = tmp_path / "gate"
+        on = plane.start_learner(job, "lane-l0", epochs=EPOCHS, batch=BATCH, gate=gate, delay=0.1)
         off = plane.start_learner(
-            job, "lane-l1", epochs=EPOCHS, batch=BATCH, env={"SHOAL_SHM_LANE": "off"}
+            job, "lane-l1", epochs=EPOCHS, batch=BATCH, gate=gate, env={"SHOAL_SHM_LANE": "off"}
         )
         for proc in (on, off):
+            proc.wait_for("READY", timeout=120)
+        gate.touch()
+        # The learner maps both lanes and holds no descriptor of them (nor does any shard once
+        # the learner fetched it): none can be opened through /proc/<pid>/fd.
+        wait_until(
+            lambda: lane_fds_and_maps(on.popen.pid) == (0, 2),
+            timeout=120,
+            interval=0.01,
+            what="the learner's two lanes mapped, with no descriptor",
+        )
+        for pid in pids:
+            assert lane_fds_and_maps(pid) in (None, (0, 1)), pid  # None: not ours to look at
+        for proc in (on, off):
             assert proc.wait(timeout=300) == 0, proc.text()[-3000:]
+        done.set()
+        watcher.join(timeout=30)
+        assert seen == []  # the segments never had a name
         # The lane was used by the learner that may, and only by it.
         assert on.text().count(LANE_OPEN) == 2, on.text()[-3000:]
         assert LANE_OPEN not in off.text()
         for shard in plane.shards:
             assert "shared-memory lane of learner lane-l0 opened" in shard.text()
+            assert shard.text().count("lane of learner lane-l0: descriptor handed") == 1
             assert "lane of learner lane-l1" not in shard.text()
+            assert "lane handoff refused" not in shard.text()
+            assert "not dumpable: processes of this user cannot read its memory" in shard.text()
         # Exactly plain PyTorch.
         reference, _ = reference_training(EPOCHS, BATCH)
         model = plane.final_model(job)
@@ -65,6 +116,7 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
                 interval=0.1,
                 what="the lane closed",
             )
-        assert segments_of([s.popen.pid for s in plane.shards]) == []
+        assert segments_of(pids) == []
     finally:
+        done.set()
         plane.kill_all()

@@ -165,6 +165,7 @@ def test_a_sync_round_is_timed_from_its_first_stream_to_its_commit_and_aborts_ar
     m.round_committed("j1", 2, 1)
     m.iteration_committed("j1")
     m.lane_stream("j1")
+    m.lane_handoff_refused()
     m.generation_drift("j1")
     points = collect(reader)
     (hist,) = points["shoal_sync_round_duration"]
@@ -175,6 +176,8 @@ def test_a_sync_round_is_timed_from_its_first_stream_to_its_commit_and_aborts_ar
     assert counter.value == 2 and counter.attributes == {"job_id": "j1"}
     (lane,) = points["shoal_sync_lane_streams"]
     assert lane.value == 1 and lane.attributes == {"job_id": "j1"}
+    (refused,) = points["shoal_sync_lane_handoffs_refused"]
+    assert refused.value == 1 and not refused.attributes
     (drift,) = points["shoal_sync_generation_drifts"]
     assert drift.value == 1 and drift.attributes == {"job_id": "j1"}
     provider.shutdown()

@@ -32,6 +32,7 @@ def test_flags_and_environment_turn_replication_off_and_set_the_times() -> None:
         (["--shard-probe", "soon"], "shard_probe ('soon')"),
         (["--promote-after", "-1"], "promote_after_s (-1.0)"),
         (["--shm-lane", "sometimes"], "shm_lane ('sometimes')"),
+        (["--dumpable", "yes please"], "dumpable ('yes please')"),
     ],
 )
 def test_bad_values_are_refused_naming_the_flag_and_the_value(argv: list[str], names: str) -> None:
@@ -44,3 +45,9 @@ def test_the_shared_memory_lane_is_on_by_default_and_turned_off_per_cluster() ->
     assert parse_config(BASE, env={}).shm_lane is True
     assert parse_config([*BASE, "--shm-lane", "off"], env={}).shm_lane is False
     assert parse_config(BASE, env={"SHOAL_SHM_LANE": "off"}).shm_lane is False
+
+
+def test_the_shard_is_not_dumpable_unless_asked_for_debugging() -> None:
+    assert parse_config(BASE, env={}).dumpable is False
+    assert parse_config([*BASE, "--dumpable", "on"], env={}).dumpable is True
+    assert parse_config(BASE, env={"SHOAL_SHARD_DUMPABLE": "on"}).dumpable is True

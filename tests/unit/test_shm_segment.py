@@ -1,18 +1,21 @@
-"""The segments of the same-host lane (``shoal.contract.shm``): how they are created (mode
-0600, unguessable names), what attaching checks, the bounds of every region, and the sweep of
-segments whose shard is gone."""
+"""The segments of the same-host lane (``shoal.contract.shm``): nameless sealed memfds, what
+taking one from a descriptor checks, the bounds of every region, and the sweep of the named
+segments older shards left behind."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import mmap
 import os
-import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from shoal.contract.shm import NONCE_BYTES, PREFIX, LaneError, Segment, host_id, sweep_stale
+from shoal.contract.shm import NONCE_BYTES, PREFIX, SEALS, LaneError, Segment, host_id, sweep_stale
 
 
 @pytest.fixture
@@ -20,46 +23,91 @@ def shm_dir(tmp_path: Path) -> str:
     return str(tmp_path)
 
 
-def test_a_segment_is_this_users_mode_0600_with_an_unguessable_name(shm_dir: str) -> None:
-    os.umask(0o000)  # even a permissive umask gives 0600
-    try:
-        a = Segment.create(4096, shm_dir)
-        b = Segment.create(4096, shm_dir)
-    finally:
-        os.umask(0o022)
-    st = os.stat(a.path)
-    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
-    assert st.st_size == 4096
-    name = os.path.basename(a.path)
-    assert name.startswith(f"{PREFIX}{os.getpid()}-") and len(name.rsplit("-", 1)[1]) == 32
-    assert a.path != b.path and a.nonce != b.nonce and len(a.nonce) == NONCE_BYTES
+def test_a_segment_has_no_name_is_sealed_and_starts_with_a_random_nonce() -> None:
+    a = Segment.create(4096)
+    b = Segment.create(4096)
+    assert os.readlink(f"/proc/self/fd/{a.fd}") == "/memfd:shoal-lane (deleted)"
+    st = os.fstat(a.fd)
+    # No link in any directory: nothing can list or open it by a name.
+    assert st.st_size == 4096 and st.st_uid == os.getuid() and st.st_nlink == 0
+    assert fcntl.fcntl(a.fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+    assert not os.get_inheritable(a.fd)  # close-on-exec
+    with pytest.raises(PermissionError):  # sealed: whoever holds it cannot shrink it (SIGBUS)
+        os.ftruncate(a.fd, 16)
+    with pytest.raises(PermissionError):
+        os.ftruncate(a.fd, 8192)
+    assert a.nonce != b.nonce and len(a.nonce) == NONCE_BYTES
+    fd = a.fd
+    a.release_fd()
+    assert a.fd == -1
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed (unless reused: not in this test)
+    a.region(64, 4, lo=64, hi=4096, what="x")[:] = b"abcd"  # the mapping outlives the fd
     a.close()
     b.close()
-    assert not os.path.exists(a.path) and not os.path.exists(b.path)
+    assert b.fd == -1
 
 
-def test_attach_sees_the_same_bytes_and_checks_what_it_opens(shm_dir: str) -> None:
-    seg = Segment.create(1024, shm_dir)
-    peer = Segment.attach(seg.path, 1024, seg.nonce, shm_dir)
+def lane_descriptors() -> int:
+    """Descriptors of this process that are lane segments (memfds named shoal-lane)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:shoal-lane")
+    return count
+
+
+def test_a_mapped_segment_keeps_no_descriptor_and_unmaps_with_its_last_view() -> None:
+    """Python's mmap would keep a duplicate descriptor for the mapping's life, openable through
+    /proc/<pid>/fd by processes of the same user: the segments map without it."""
+    before = lane_descriptors()
+    seg = Segment.create(1 << 20)
+    assert lane_descriptors() == before + 1  # seg.fd only
+    peer = Segment.from_fd(seg.fd, 1 << 20, seg.nonce)
+    assert lane_descriptors() == before + 1
+    seg.release_fd()
+    assert lane_descriptors() == before  # both mapped, no descriptor left anywhere
+    region = peer.region(64, 8, lo=64, hi=1 << 20, what="x")
+    seg.region(64, 8, lo=64, hi=1 << 20, what="x")[:] = b"12345678"
+    assert bytes(region) == b"12345678"
+    maps = Path("/proc/self/maps").read_text().count("/memfd:shoal-lane")
+    peer.close()  # a view is still held: the mapping stays until it goes
+    assert bytes(region) == b"12345678"
+    region.release()
+    seg.close()
+    assert Path("/proc/self/maps").read_text().count("/memfd:shoal-lane") == maps - 2
+
+
+def test_from_fd_sees_the_same_bytes_and_checks_what_it_maps() -> None:
+    seg = Segment.create(1024)
+    peer = Segment.from_fd(seg.fd, 1024, seg.nonce)
     seg.region(100, 4, lo=64, hi=1024, what="x")[:] = b"abcd"
     assert bytes(peer.region(100, 4, lo=64, hi=1024, what="x")) == b"abcd"
+    peer.region(200, 2, lo=64, hi=1024, what="x")[:] = b"zz"
+    assert bytes(seg.region(200, 2, lo=64, hi=1024, what="x")) == b"zz"
     with pytest.raises(LaneError, match="nonce differs"):
-        Segment.attach(seg.path, 1024, bytes(NONCE_BYTES), shm_dir)
+        Segment.from_fd(seg.fd, 1024, bytes(NONCE_BYTES))
     with pytest.raises(LaneError, match=r"size \(2048\) differs"):
-        Segment.attach(seg.path, 2048, seg.nonce, shm_dir)
-    with pytest.raises(LaneError, match="is not a lane segment"):
-        Segment.attach("/etc/passwd", 1024, seg.nonce, shm_dir)
-    with pytest.raises(LaneError, match="is not a lane segment"):
-        Segment.attach(os.path.join(shm_dir, "..", os.path.basename(seg.path)), 1024, seg.nonce)
-    os.chmod(seg.path, 0o644)
-    with pytest.raises(LaneError, match="mode 0600"):
-        Segment.attach(seg.path, 1024, seg.nonce, shm_dir)
-    # Unlinked once attached: the mapping stays, the name is gone.
-    seg.unlink()
-    assert not os.path.exists(seg.path)
-    assert bytes(peer.region(100, 4, lo=64, hi=1024, what="x")) == b"abcd"
-    with pytest.raises(FileNotFoundError):
-        Segment.attach(seg.path, 1024, seg.nonce, shm_dir)
+        Segment.from_fd(seg.fd, 2048, seg.nonce)
+    with pytest.raises(LaneError, match=r"nonce \(3 bytes\)"):
+        Segment.from_fd(seg.fd, 1024, b"abc")
+    # A plain file (named, unsealed), an unsealed memfd, a pipe: refused.
+    with tempfile.TemporaryFile() as plain:
+        plain.truncate(1024)
+        with pytest.raises(LaneError, match="is not a memfd"):
+            Segment.from_fd(plain.fileno(), 1024, seg.nonce)
+    unsealed = os.memfd_create("shoal-lane", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, 1024)
+    with mmap.mmap(unsealed, 1024) as m:
+        m[:NONCE_BYTES] = seg.nonce
+    with pytest.raises(LaneError, match="seals"):
+        Segment.from_fd(unsealed, 1024, seg.nonce)
+    os.close(unsealed)
+    r, w = os.pipe()
+    with pytest.raises(LaneError, match="must be a file"):
+        Segment.from_fd(r, 1024, seg.nonce)
+    os.close(r)
+    os.close(w)
     peer.close()
     seg.close()
 
@@ -77,9 +125,9 @@ def test_attach_sees_the_same_bytes_and_checks_what_it_opens(shm_dir: str) -> No
     ],
 )
 def test_a_region_outside_its_bounds_is_refused_naming_the_field(
-    shm_dir: str, offset: int, length: int, message: str
+    offset: int, length: int, message: str
 ) -> None:
-    seg = Segment.create(1024, shm_dir)
+    seg = Segment.create(1024)
     with pytest.raises(LaneError, match=message) as info:
         seg.region(offset, length, lo=64, hi=512, what="header.offset")
     assert "header.offset" in str(info.value) or "length" in str(info.value)
@@ -89,8 +137,7 @@ def test_a_region_outside_its_bounds_is_refused_naming_the_field(
     seg.close()
 
 
-def test_the_sweep_removes_the_segments_of_dead_processes_only(shm_dir: str) -> None:
-    mine = Segment.create(64, shm_dir)
+def test_the_sweep_removes_the_named_segments_of_dead_processes_only(shm_dir: str) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         check=True,
@@ -100,11 +147,12 @@ def test_the_sweep_removes_the_segments_of_dead_processes_only(shm_dir: str) -> 
     pid = int(dead.stdout)
     stale = Path(shm_dir) / f"{PREFIX}{pid}-{'ab' * 16}"
     stale.write_bytes(b"x")
+    alive = Path(shm_dir) / f"{PREFIX}{os.getpid()}-{'cd' * 16}"  # an older shard, running
+    alive.write_bytes(b"x")
     other = Path(shm_dir) / "someone-elses-file"
     other.write_bytes(b"x")
     assert sweep_stale(shm_dir) == [stale.name]
-    assert not stale.exists() and other.exists() and os.path.exists(mine.path)
-    mine.close()
+    assert not stale.exists() and other.exists() and alive.exists()
 
 
 def test_the_host_id_is_stable_and_differs_for_another_shm_mount(shm_dir: str) -> None:

@@ -2,21 +2,24 @@
 
 A learner and a shard on the same host move a SyncStep's bytes through a segment instead of
 gRPC chunks; the stream itself still carries the header (the control). This module is the
-segment: created by the shard only (:meth:`Segment.create`), opened by the learner
-(:meth:`Segment.attach`), and every read or write of a region checked against the segment's
-bounds (:meth:`Segment.region`), so an offset or length from the other side can never reach
-outside it.
+segment: created by the shard only (:meth:`Segment.create`), taken by the learner from the
+file descriptor the shard hands it (:meth:`Segment.from_fd`, over the Unix socket of
+``shoal.contract.lane_handoff``), and every read or write of a region checked against the
+segment's bounds (:meth:`Segment.region`), so an offset or length from the other side can
+never reach outside it.
 
 Safety (docs/data-plane.md, "The same-host lane"):
 
-* the file is created under ``/dev/shm`` with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600
-  (owned by the shard's user: a learner running as another user cannot open it, and falls
-  back to gRPC), its name carries 128 random bits;
-* the shard unlinks it as soon as the learner attached (its first lane SyncStep) or after
-  :data:`ATTACH_WINDOW_S`, whichever comes first, so a segment has no name for long and the
-  memory goes back to the system when both processes unmapped it, crashed or not;
-* a shard that crashed inside that window leaves a named file: the next shard on the host
-  removes every ``shoal-lane-<pid>-*`` whose ``pid`` is not alive (:func:`sweep_stale`).
+* the segment has no name anywhere: ``memfd_create`` (close-on-exec), so no other process can
+  list or open it; only a process the shard hands the descriptor to can map it;
+* it is sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``):
+  the learner holds a writable descriptor, and a shrunk segment would kill the shard with
+  SIGBUS on its next access; the learner checks the seals, the size and the nonce;
+* the memory goes back to the system when the last descriptor and mapping are gone, also
+  when either process crashes;
+* older shards named their segments ``/dev/shm/shoal-lane-<pid>-<random>``; a shard that
+  crashed before the name went left a file behind: a shard removes every such file whose
+  ``pid`` is not alive when it starts (:func:`sweep_stale`).
 
 Nothing here imports gRPC or torch.
 """
@@ -24,12 +27,16 @@ Nothing here imports gRPC or torch.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
 import hashlib
 import mmap
 import os
 import re
 import secrets
 import socket
+import stat
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +44,10 @@ from shoal.contract.processes import pid_alive
 
 __all__ = [
     "ATTACH_WINDOW_S",
+    "MEMFD_NAME",
     "NONCE_BYTES",
     "PREFIX",
+    "SEALS",
     "SHM_DIR",
     "LaneError",
     "Segment",
@@ -47,9 +56,13 @@ __all__ = [
 ]
 
 SHM_DIR = "/dev/shm"
+#: The name prefix of the segments older shards created under ``SHM_DIR`` (swept only).
 PREFIX = "shoal-lane-"
+#: What ``/proc/<pid>/fd`` shows of a lane segment (``/memfd:shoal-lane (deleted)``): a label
+#: for people, in no namespace; nothing can open a memfd by it.
+MEMFD_NAME = "shoal-lane"
 NONCE_BYTES = 16
-#: Seconds a created segment keeps its name when no learner attaches to it.
+#: Seconds the learner has to fetch a new lane's descriptor (else the shard drops the lane).
 ATTACH_WINDOW_S = 30.0
 _NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]{{32}}$")
 
@@ -60,9 +73,9 @@ class LaneError(ValueError):
 
 
 def host_id(shm_dir: str = SHM_DIR) -> str:
-    """An id equal for two processes exactly when they can share a segment under ``shm_dir``:
-    the kernel's boot id, the host name and the device of ``shm_dir`` (two containers on one
-    host with their own /dev/shm differ)."""
+    """An id equal for two processes of one host: the kernel's boot id, the host name and
+    the device of ``shm_dir`` (two containers of one host with their own /dev/shm differ, and
+    get no lane between them; segments were files there before they became nameless)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -76,8 +89,9 @@ def host_id(shm_dir: str = SHM_DIR) -> str:
 
 
 def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove the lane segments of processes that are gone (a shard that crashed before its
-    learners attached); returns the names removed. Only this user's files can be removed."""
+    """Remove the named lane segments older shards left when they crashed before their
+    learners attached (those whose shard pid is gone); returns the names removed. Only this
+    user's files can be removed. Lanes of this version leave no name to sweep."""
     removed = []
     with contextlib.suppress(OSError):
         for name in os.listdir(shm_dir):
@@ -90,65 +104,105 @@ def sweep_stale(shm_dir: str = SHM_DIR) -> list[str]:
     return removed
 
 
+#: The seals every lane segment carries (the learner refuses a descriptor without them);
+#: 0 where the platform has no file sealing (not Linux: no lane there).
+SEALS = (
+    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    if hasattr(fcntl, "F_ADD_SEALS")
+    else 0
+)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_shared(fd: int, size: int) -> memoryview:
+    """``size`` bytes of ``fd`` mapped shared, read-write, as a byte view that keeps no
+    descriptor open: Python's ``mmap.mmap`` keeps a duplicate of the descriptor for as long as
+    it lives (until 3.13's ``trackfd=False``), which would leave the segment openable through
+    ``/proc/<pid>/fd`` by processes of the same user for the lane's whole life. The memory is
+    unmapped when the last view of it (slices included) is released."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mmap of {size} bytes: {os.strerror(errno)}")
+    buffer = (ctypes.c_ubyte * size).from_address(addr)
+    weakref.finalize(buffer, _libc.munmap, addr, size)
+    return memoryview(buffer).cast("B")
+
+
 @dataclass
 class Segment:
-    """One mapped segment. ``path`` is its name while it has one (``unlink`` drops it)."""
+    """One mapped segment. ``fd`` is the shard's descriptor of it until it was handed to the
+    learner (or the time to fetch it ended: :meth:`release_fd`); -1 after that and on the
+    learner's side (the mapping outlives the descriptor)."""
 
-    path: str
     size: int
     nonce: bytes
-    _map: mmap.mmap
-    linked: bool = True
+    _view: memoryview  # the whole mapping (no descriptor behind it: _map_shared)
+    fd: int = -1
 
     @classmethod
-    def create(cls, size: int, shm_dir: str = SHM_DIR) -> Segment:
-        """A new zeroed segment of ``size`` bytes (mode 0600, unguessable name), its first
-        :data:`NONCE_BYTES` a random nonce."""
+    def create(cls, size: int) -> Segment:
+        """A new zeroed, nameless, sealed segment of ``size`` bytes, its first
+        :data:`NONCE_BYTES` a random nonce; the caller owns ``fd`` (:meth:`release_fd`)."""
         if size < NONCE_BYTES:
             raise LaneError(f"size ({size}) must be >= {NONCE_BYTES}")
-        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
-        path = os.path.join(shm_dir, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        if not SEALS or not hasattr(os, "memfd_create"):
+            raise OSError("no memfd_create with file sealing on this platform")
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.fchmod(fd, 0o600)  # whatever the umask
             os.ftruncate(fd, size)
-            mapped = mmap.mmap(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            view = _map_shared(fd, size)
         except BaseException:
-            os.unlink(path)
-            raise
-        finally:
             os.close(fd)
+            raise
         nonce = secrets.token_bytes(NONCE_BYTES)
-        mapped[:NONCE_BYTES] = nonce
-        return cls(path, size, nonce, mapped)
+        view[:NONCE_BYTES] = nonce
+        return cls(size, nonce, view, fd)
 
     @classmethod
-    def attach(cls, path: str, size: int, nonce: bytes, shm_dir: str = SHM_DIR) -> Segment:
-        """Open the segment the shard named: it must be a plain file of ``shm_dir`` with a lane
-        name, owned by this user, mode 0600, of exactly ``size`` bytes, starting with
-        ``nonce`` (else :class:`LaneError`; an OSError when it cannot be opened at all)."""
-        name = os.path.basename(path)
-        if os.path.dirname(path) != shm_dir or _NAME.match(name) is None:
-            raise LaneError(f"path ({path!r}) is not a lane segment of {shm_dir}")
+    def from_fd(cls, fd: int, size: int, nonce: bytes) -> Segment:
+        """Map the segment behind ``fd`` (which the caller still owns and closes): it must be
+        a memfd, this user's, sealed against shrinking and growing (:data:`SEALS`), of
+        exactly ``size`` bytes, and start with ``nonce`` (else :class:`LaneError`)."""
         if len(nonce) != NONCE_BYTES:
             raise LaneError(f"nonce ({len(nonce)} bytes) must be {NONCE_BYTES} bytes")
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise LaneError(
+                f"descriptor (mode {oct(st.st_mode)}, uid {st.st_uid}) must be a file of this "
+                f"user (uid {os.getuid()})"
+            )
+        with contextlib.suppress(FileNotFoundError):  # no /proc: the seals decide
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if not target.startswith("/memfd:"):
+                raise LaneError(f"descriptor ({target!r}) is not a memfd")
         try:
-            st = os.fstat(fd)
-            if st.st_uid != os.getuid() or st.st_mode & 0o077:
-                raise LaneError(
-                    f"segment {path!r} (uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}) "
-                    "must be this user's with mode 0600"
-                )
-            if st.st_size != size:
-                raise LaneError(f"size ({size}) differs from the segment's ({st.st_size})")
-            mapped = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        if mapped[:NONCE_BYTES] != nonce:
-            mapped.close()
-            raise LaneError(f"segment {path!r} is not the shard's (nonce differs)")
-        return cls(path, size, nonce, mapped, linked=False)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise LaneError(f"descriptor has no seals ({exc})") from None
+        if seals & SEALS != SEALS:
+            raise LaneError(f"seals ({seals:#x}) must include {SEALS:#x}")
+        if st.st_size != size:
+            raise LaneError(f"size ({size}) differs from the segment's ({st.st_size})")
+        view = _map_shared(fd, size)
+        if view[:NONCE_BYTES] != nonce:
+            view.release()
+            raise LaneError("the segment is not the shard's (nonce differs)")
+        return cls(size, nonce, view)
 
     def region(self, offset: int, length: int, *, lo: int, hi: int, what: str) -> memoryview:
         """A view of ``[offset, offset + length)``, which must lie inside ``[lo, hi)`` (itself
@@ -161,18 +215,17 @@ class Segment:
             raise LaneError(
                 f"{what} ({offset}) with {length} bytes is outside the lane region [{lo}, {hi})"
             )
-        return memoryview(self._map)[offset : offset + length]
+        return self._view[offset : offset + length]
 
-    def unlink(self) -> None:
-        """Drop the segment's name (the memory stays until every mapping is gone)."""
-        if self.linked:
-            self.linked = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+    def release_fd(self) -> None:
+        """Close the descriptor (handed over, or no longer to be): the mapping stays."""
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
 
     def close(self) -> None:
-        """Unlink (if still named) and unmap. Views still held keep the mapping alive until
-        they are released (the mapping is closed when the last goes)."""
-        self.unlink()
-        with contextlib.suppress(BufferError):
-            self._map.close()
+        """Close the descriptor (if still open) and unmap. Views still held keep the mapping
+        alive until they are released (it is unmapped when the last goes)."""
+        self.release_fd()
+        with contextlib.suppress(BufferError):  # exported from the whole view: goes with them
+            self._view.release()

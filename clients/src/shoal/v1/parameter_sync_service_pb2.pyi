@@ -19,6 +19,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class _BoundaryAction:
@@ -2314,6 +2319,7 @@ class OpenSharedLaneRequest(_message.Message):
     LEARNER_ID_FIELD_NUMBER: _builtins.int
     HOST_ID_FIELD_NUMBER: _builtins.int
     CLOSE_FIELD_NUMBER: _builtins.int
+    FETCH_FD_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     learner_id: _builtins.str
@@ -2324,6 +2330,11 @@ class OpenSharedLaneRequest(_message.Message):
     """
     close: _builtins.bool
     """Drop this learner's lane instead (the learner is leaving)."""
+    fetch_fd: _builtins.bool
+    """The learner fetches the segment's file descriptor over the shard's Unix socket
+    (`OpenSharedLaneResponse.socket_address`, `token`). A shard refuses a lane to a learner
+    without it (an older one, which would look for a named segment).
+    """
     def __init__(
         self,
         *,
@@ -2331,10 +2342,11 @@ class OpenSharedLaneRequest(_message.Message):
         learner_id: _builtins.str = ...,
         host_id: _builtins.str = ...,
         close: _builtins.bool = ...,
+        fetch_fd: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "host_id", b"host_id", "job_id", b"job_id", "learner_id", b"learner_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "fetch_fd", b"fetch_fd", "host_id", b"host_id", "job_id", b"job_id", "learner_id", b"learner_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2353,10 +2365,24 @@ class OpenSharedLaneResponse(_message.Message):
     IN_OFFSET_FIELD_NUMBER: _builtins.int
     IN_CAPACITY_FIELD_NUMBER: _builtins.int
     OUT_OFFSET_FIELD_NUMBER: _builtins.int
+    SOCKET_ADDRESS_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     refused: _builtins.str
     """Why no lane was opened ("" when one was): the learner uses gRPC streams."""
-    path: _builtins.str
-    """The segment's path (under /dev/shm); unlinked once the learner attached."""
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def path(self) -> _builtins.str:
+        """Unused: always empty since segments have no name (the learner fetches a descriptor from
+        `socket_address`). Older learners look for a file here, find none and use gRPC streams.
+        """
+
+    @path.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def path(self, value: _builtins.str) -> None:
+        """Unused: always empty since segments have no name (the learner fetches a descriptor from
+        `socket_address`). Older learners look for a file here, find none and use gRPC streams.
+        """
+
     size: _builtins.int
     """The segment's size in bytes."""
     nonce: _builtins.bytes
@@ -2369,6 +2395,15 @@ class OpenSharedLaneResponse(_message.Message):
     """The size of that region (this shard's slice, packed)."""
     out_offset: _builtins.int
     """The region where the shard puts the new parameters: [out_offset, size)."""
+    socket_address: _builtins.str
+    """The shard's Unix socket that hands the segment's file descriptor, in Linux's abstract
+    namespace ("@" then the name: 128 random bits). It hands it only to a process of the
+    shard's own user that sends `token`.
+    """
+    token: _builtins.bytes
+    """A one-time token (32 random bytes) for this lane's descriptor: it fetches the descriptor
+    once, within 30 seconds of the reply; the shard drops a lane not fetched by then.
+    """
     def __init__(
         self,
         *,
@@ -2379,10 +2414,12 @@ class OpenSharedLaneResponse(_message.Message):
         in_offset: _builtins.int = ...,
         in_capacity: _builtins.int = ...,
         out_offset: _builtins.int = ...,
+        socket_address: _builtins.str = ...,
+        token: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_capacity", b"in_capacity", "in_offset", b"in_offset", "nonce", b"nonce", "out_offset", b"out_offset", "path", b"path", "refused", b"refused", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_capacity", b"in_capacity", "in_offset", b"in_offset", "nonce", b"nonce", "out_offset", b"out_offset", "path", b"path", "refused", b"refused", "size", b"size", "socket_address", b"socket_address", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -427,12 +427,14 @@ class ParameterSyncServiceServicer:
 
     def OpenSharedLane(self, request, context):
         """OpenSharedLane (learner to a shard of its job on the same host) opens the same-host
-        shared-memory lane of this learner on this shard: a segment the shard creates (mode 0600,
-        an unguessable name, unlinked once the learner attached) through which SyncStep's bytes
-        then travel instead of chunks (`TensorBundleHeader.shared_memory`). The reply's `refused`
-        says why there is no lane (another host, the lane turned off): the learner then streams
-        over gRPC. `close` drops the learner's lane. Returns NOT_FOUND (unknown job),
-        UNAUTHENTICATED, PERMISSION_DENIED (another job, or another learner).
+        shared-memory lane of this learner on this shard: a nameless segment the shard creates
+        (a sealed memfd) through which SyncStep's bytes then travel instead of chunks
+        (`TensorBundleHeader.shared_memory`). The learner fetches the segment's file descriptor
+        from the reply's `socket_address` with the reply's one-time `token`. The reply's `refused`
+        says why there is no lane (another host, the lane turned off, a learner that cannot fetch
+        a descriptor): the learner then streams over gRPC. `close` drops the learner's lane.
+        Returns NOT_FOUND (unknown job), UNAUTHENTICATED, PERMISSION_DENIED (another job, or
+        another learner).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

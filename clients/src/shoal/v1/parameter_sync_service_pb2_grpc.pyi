@@ -185,12 +185,14 @@ class ParameterSyncServiceStub:
     """
     OpenSharedLane: _grpc.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.OpenSharedLaneRequest, _parameter_sync_service_pb2.OpenSharedLaneResponse]
     """OpenSharedLane (learner to a shard of its job on the same host) opens the same-host
-    shared-memory lane of this learner on this shard: a segment the shard creates (mode 0600,
-    an unguessable name, unlinked once the learner attached) through which SyncStep's bytes
-    then travel instead of chunks (`TensorBundleHeader.shared_memory`). The reply's `refused`
-    says why there is no lane (another host, the lane turned off): the learner then streams
-    over gRPC. `close` drops the learner's lane. Returns NOT_FOUND (unknown job),
-    UNAUTHENTICATED, PERMISSION_DENIED (another job, or another learner).
+    shared-memory lane of this learner on this shard: a nameless segment the shard creates
+    (a sealed memfd) through which SyncStep's bytes then travel instead of chunks
+    (`TensorBundleHeader.shared_memory`). The learner fetches the segment's file descriptor
+    from the reply's `socket_address` with the reply's one-time `token`. The reply's `refused`
+    says why there is no lane (another host, the lane turned off, a learner that cannot fetch
+    a descriptor): the learner then streams over gRPC. `close` drops the learner's lane.
+    Returns NOT_FOUND (unknown job), UNAUTHENTICATED, PERMISSION_DENIED (another job, or
+    another learner).
     """
 
 @_typing.type_check_only
@@ -350,12 +352,14 @@ class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
     """
     OpenSharedLane: _aio.UnaryUnaryMultiCallable[_parameter_sync_service_pb2.OpenSharedLaneRequest, _parameter_sync_service_pb2.OpenSharedLaneResponse]  # type: ignore[assignment]
     """OpenSharedLane (learner to a shard of its job on the same host) opens the same-host
-    shared-memory lane of this learner on this shard: a segment the shard creates (mode 0600,
-    an unguessable name, unlinked once the learner attached) through which SyncStep's bytes
-    then travel instead of chunks (`TensorBundleHeader.shared_memory`). The reply's `refused`
-    says why there is no lane (another host, the lane turned off): the learner then streams
-    over gRPC. `close` drops the learner's lane. Returns NOT_FOUND (unknown job),
-    UNAUTHENTICATED, PERMISSION_DENIED (another job, or another learner).
+    shared-memory lane of this learner on this shard: a nameless segment the shard creates
+    (a sealed memfd) through which SyncStep's bytes then travel instead of chunks
+    (`TensorBundleHeader.shared_memory`). The learner fetches the segment's file descriptor
+    from the reply's `socket_address` with the reply's one-time `token`. The reply's `refused`
+    says why there is no lane (another host, the lane turned off, a learner that cannot fetch
+    a descriptor): the learner then streams over gRPC. `close` drops the learner's lane.
+    Returns NOT_FOUND (unknown job), UNAUTHENTICATED, PERMISSION_DENIED (another job, or
+    another learner).
     """
 
 class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -668,12 +672,14 @@ class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_parameter_sync_service_pb2.OpenSharedLaneResponse, _abc.Awaitable[_parameter_sync_service_pb2.OpenSharedLaneResponse]]:
         """OpenSharedLane (learner to a shard of its job on the same host) opens the same-host
-        shared-memory lane of this learner on this shard: a segment the shard creates (mode 0600,
-        an unguessable name, unlinked once the learner attached) through which SyncStep's bytes
-        then travel instead of chunks (`TensorBundleHeader.shared_memory`). The reply's `refused`
-        says why there is no lane (another host, the lane turned off): the learner then streams
-        over gRPC. `close` drops the learner's lane. Returns NOT_FOUND (unknown job),
-        UNAUTHENTICATED, PERMISSION_DENIED (another job, or another learner).
+        shared-memory lane of this learner on this shard: a nameless segment the shard creates
+        (a sealed memfd) through which SyncStep's bytes then travel instead of chunks
+        (`TensorBundleHeader.shared_memory`). The learner fetches the segment's file descriptor
+        from the reply's `socket_address` with the reply's one-time `token`. The reply's `refused`
+        says why there is no lane (another host, the lane turned off, a learner that cannot fetch
+        a descriptor): the learner then streams over gRPC. `close` drops the learner's lane.
+        Returns NOT_FOUND (unknown job), UNAUTHENTICATED, PERMISSION_DENIED (another job, or
+        another learner).
         """
 
 def add_ParameterSyncServiceServicer_to_server(servicer: ParameterSyncServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -2,17 +2,22 @@
 lane").
 
 When a shard of the job runs on the learner's host (same :func:`shoal.contract.shm.host_id`)
-and has the lane on, :func:`open_lane` gets this learner's segment from it
-(``OpenSharedLane``) and maps it. A SyncStep to that shard then writes the gradients into the
-segment's in-region and sends only the header (``shared_memory``); the shard answers with a
-header naming where in the out-region it wrote the new parameters. gRPC stays the control
-channel; anything that does not work (another host, another user, an old shard, a refusal)
-leaves the learner on gRPC streams for that shard.
+and has the lane on, :func:`open_lane` gets this learner's lane from it (``OpenSharedLane``),
+fetches the nameless segment's descriptor from the shard's Unix socket with the reply's
+one-time token (``shoal.contract.lane_handoff``), checks it and maps it. A SyncStep to that
+shard then writes the gradients into the segment's in-region and sends only the header
+(``shared_memory``); the shard answers with a header naming where in the out-region it wrote
+the new parameters. gRPC stays the control channel; anything that does not work (another
+host, another user, another network namespace, an old shard that offers a named segment, a
+refusal) leaves the learner on gRPC streams for that shard.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +26,7 @@ import grpc
 import numpy as np
 from grpc import aio
 
+from shoal.contract.lane_handoff import fetch_fd
 from shoal.contract.shm import SHM_DIR, LaneError, Segment, host_id
 from shoal.contract.wire import BundleReceiver, TensorMeta
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
@@ -81,6 +87,19 @@ class ClientLane:
         self.segment.close()
 
 
+#: Seconds the learner waits for the shard's socket to hand the descriptor.
+FETCH_TIMEOUT_S = 10.0
+
+
+def _take_segment(address: str, token: bytes, size: int, nonce: bytes) -> Segment:
+    """Fetch the descriptor, check and map the segment behind it, close the descriptor."""
+    fd = fetch_fd(address, token, timeout=FETCH_TIMEOUT_S)
+    try:
+        return Segment.from_fd(fd, size, nonce)
+    finally:
+        os.close(fd)
+
+
 async def open_lane(
     stub: Any, *, job_id: str, learner_id: str, metadata: Any, address: str, shm_dir: str = SHM_DIR
 ) -> ClientLane | None:
@@ -88,7 +107,9 @@ async def open_lane(
     mine = host_id(shm_dir)
     if not mine:
         return None
-    request = ps_pb2.OpenSharedLaneRequest(job_id=job_id, learner_id=learner_id, host_id=mine)
+    request = ps_pb2.OpenSharedLaneRequest(
+        job_id=job_id, learner_id=learner_id, host_id=mine, fetch_fd=True
+    )
     try:
         reply = await stub.OpenSharedLane(request, metadata=metadata, timeout=10.0)
     except aio.AioRpcError as exc:  # an older shard (UNIMPLEMENTED), a shard going away
@@ -97,12 +118,22 @@ async def open_lane(
     if reply.refused:
         log.info("no shared-memory lane to shard %s: %s", address, reply.refused)
         return None
+    if not reply.socket_address:  # an older shard: a named segment, which this learner skips
+        log.info("no shared-memory lane to shard %s: it offers a named segment", address)
+        # Have it drop the segment now (its name would stay up to 30 s, the memory till the
+        # job ends).
+        close = ps_pb2.OpenSharedLaneRequest(job_id=job_id, learner_id=learner_id, close=True)
+        with contextlib.suppress(aio.AioRpcError):
+            await stub.OpenSharedLane(close, metadata=metadata, timeout=2.0)
+        return None
     if not 0 < reply.in_offset <= reply.in_offset + reply.in_capacity <= reply.out_offset:
         log.warning("shard %s offered a malformed lane: %s", address, reply)
         return None
     try:
-        segment = Segment.attach(reply.path, reply.size, reply.nonce, shm_dir)
-    except (OSError, LaneError) as exc:  # another /dev/shm, another user
+        segment = await asyncio.to_thread(
+            _take_segment, reply.socket_address, reply.token, reply.size, reply.nonce
+        )
+    except (OSError, LaneError) as exc:  # another network namespace, another user, refused
         log.info("no shared-memory lane to shard %s: %s", address, exc)
         return None
     if reply.out_offset > segment.size:

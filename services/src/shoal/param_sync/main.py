@@ -42,6 +42,7 @@ from shoal.runtime.config import (
     server_config_from_args,
 )
 from shoal.runtime.errors import InvalidField
+from shoal.runtime.procs import set_dumpable
 from shoal.runtime.server import RunningServer, ServiceBinding
 from shoal.runtime.service import run_service
 from shoal.runtime.settings import Setting, add_settings
@@ -80,6 +81,7 @@ class ParamSyncConfig:
     replication: bool = True
     promote_after_s: float = 2.0
     shm_lane: bool = True
+    dumpable: bool = False
 
     def __post_init__(self) -> None:
         if self.shard_index < 0:
@@ -148,8 +150,18 @@ SETTINGS: tuple[Setting, ...] = (
         "--shm-lane",
         "SHOAL_SHM_LANE",
         "on",
-        "on or off: learners on this shard's host move their SyncStep bytes through shared "
-        "memory (/dev/shm) instead of gRPC chunks",
+        "on or off: learners on this shard's host move their SyncStep bytes through a "
+        "nameless shared-memory segment instead of gRPC chunks",
+    ),
+    Setting(
+        "--dumpable",
+        "SHOAL_SHARD_DUMPABLE",
+        "off",
+        "on or off: off (the default) makes the shard process non-dumpable "
+        "(prctl PR_SET_DUMPABLE 0), so that other processes of its user (learners of any "
+        "job) can neither ptrace it nor read its memory or open its descriptors through "
+        "/proc; it also writes no core dump and refuses debuggers (py-spy, gdb) not run as "
+        "root. on keeps it dumpable, for debugging",
     ),
 )
 """The settings of a shard process (docs/configuration.md is generated from them)."""
@@ -190,6 +202,9 @@ def parse_config(
     shm_lane = str(ns.shm_lane).strip().lower()
     if shm_lane not in ("on", "off", "true", "false", "1", "0"):
         raise InvalidField("shm_lane", ns.shm_lane, "must be on or off")
+    dumpable = str(ns.dumpable).strip().lower()
+    if dumpable not in ("on", "off", "true", "false", "1", "0"):
+        raise InvalidField("dumpable", ns.dumpable, "must be on or off")
     try:
         probe = float(ns.shard_probe)
     except ValueError:
@@ -211,6 +226,7 @@ def parse_config(
         replication=replication in ("on", "true", "1"),
         promote_after_s=promote_after,
         shm_lane=shm_lane in ("on", "true", "1"),
+        dumpable=dumpable in ("on", "true", "1"),
     )
 
 
@@ -257,6 +273,13 @@ async def serve(config: ParamSyncConfig) -> None:
     The etcd registration is this shard's own: a lease it keeps alive under its index, not a
     leader election, so it is started here once the server listens (its address is then known)
     and stopped before the server drains."""
+    if not config.dumpable:
+        try:
+            set_dumpable(False)
+        except OSError as exc:
+            log.warning("the shard stays dumpable: %s", exc)
+        else:
+            log.info("not dumpable: processes of this user cannot read its memory (--dumpable)")
     telemetry.setup_tracing(f"parameter-sync-{config.shard_index}")
     warm_up()
     if config.shm_lane:

@@ -19,6 +19,11 @@ metric                                      labels  meaning
 ``shoal_sync_lane_streams_total``           job_id  SyncSteps whose bytes came through the
                                                     same-host shared-memory lane, per
                                                     shard (the others came as gRPC chunks)
+``shoal_sync_lane_handoffs_refused_total``  (none)  connections to this shard's lane
+                                                    handoff socket that got no descriptor
+                                                    (a wrong, used or expired token,
+                                                    another user, a silent peer); 0 unless
+                                                    something probes it
 ``shoal_sync_generation_drifts_total``      job_id  times the job's coordinator found a
                                                     shard's generation floor above its
                                                     generation and re-issued the running
@@ -69,6 +74,11 @@ class SyncMetrics:
             "shoal_sync_lane_streams",
             description="SyncSteps whose bytes came through the same-host shared-memory lane",
         )
+        self._handoff_refused = m.create_counter(
+            "shoal_sync_lane_handoffs_refused",
+            description="Connections to the shard's lane handoff socket that got no "
+            "descriptor (a wrong, used or expired token, another user, a silent peer)",
+        )
         self._drift = m.create_counter(
             "shoal_sync_generation_drifts",
             description="Times the job's coordinator found a shard's generation floor above "
@@ -103,6 +113,10 @@ class SyncMetrics:
     def lane_stream(self, job_id: str) -> None:
         """A SyncStep's bytes came through the same-host lane."""
         self._lane.add(1, {"job_id": job_id})
+
+    def lane_handoff_refused(self) -> None:
+        """A connection to the lane handoff socket got no descriptor."""
+        self._handoff_refused.add(1)
 
     def forget(self, job_id: str) -> None:
         """The job was closed or reloaded on this shard."""

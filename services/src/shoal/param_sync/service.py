@@ -38,7 +38,8 @@ import grpc
 from grpc import aio
 
 from shoal.contract.errors import StaleCoordinator, decode_rpc_error
-from shoal.contract.shm import SHM_DIR, host_id
+from shoal.contract.lane_handoff import HandoffServer
+from shoal.contract.shm import ATTACH_WINDOW_S, SHM_DIR, host_id
 from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
     frame_decoder,
@@ -164,9 +165,12 @@ class ShardOptions:
     # backup takes its slice over (a restart within it is restored in place instead).
     promote_after_s: float = 2.0
     # The same-host shared-memory lane (shm_lane.py): learners on this host may move their
-    # SyncStep bytes through a segment under ``shm_dir`` instead of gRPC chunks.
+    # SyncStep bytes through a nameless segment instead of gRPC chunks (``shm_dir`` only
+    # enters the host id). A lane whose descriptor was not fetched within
+    # ``shm_fetch_window_s`` of OpenSharedLane is dropped.
     shm_lane: bool = True
     shm_dir: str = SHM_DIR
+    shm_fetch_window_s: float = ATTACH_WINDOW_S
 
 
 # ------------------------------------------------------------------------------------------
@@ -288,6 +292,8 @@ class ParameterSyncServicer(
         # Same-host lanes, by (job, learner); this host's id (shoal.contract.shm.host_id).
         self._lanes: dict[tuple[str, str], Lane] = {}
         self._host_id = host_id(options.shm_dir) if options.shm_lane else ""
+        # The Unix socket that hands the lanes' descriptors (started with the first lane).
+        self._handoff = HandoffServer(on_refused=self.metrics.lane_handoff_refused)
 
     def _rendezvous_prefix(self, job_id: str) -> str:
         """The job's key prefix in the rendezvous store: a secret only its learners get
@@ -327,6 +333,7 @@ class ParameterSyncServicer(
             await channel.close()
         self._channels.clear()
         self._drop_lanes()
+        await self._handoff.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- helpers ------------------------------------------------------------------------------

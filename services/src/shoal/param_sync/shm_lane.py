@@ -4,20 +4,25 @@
 lane"). Part of the ParameterSyncService servicer (``service.py``).
 
 A learner on this shard's host asks for its lane (``OpenSharedLane``); the shard creates one
-segment per (job, learner) (``shoal.contract.shm``: mode 0600, an unguessable name, unlinked
-once the learner attached) sized from *its own* slice, never from the learner's numbers:
+nameless segment per (job, learner) (``shoal.contract.shm``: a sealed memfd) sized from *its
+own* slice, never from the learner's numbers:
 
     [0, 16)                     nonce
     [in_offset, + in_capacity)  the learner's SyncStep bytes (its gradients and buffers)
     [out_offset, size)          the shard's answer (the new parameters and buffers)
+
+and offers its descriptor on the process's handoff socket (``shoal.contract.lane_handoff``)
+against a one-time token the reply carries: the learner fetches it once, within
+``shm_fetch_window_s`` (else the lane is dropped), and the shard closes its own descriptor
+once it is handed (the mapping stays).
 
 A SyncStep whose header says ``shared_memory`` brings no chunk: the shard takes
 ``total_bytes`` from ``shared_memory_offset`` of the *calling learner's* lane (looked up by the
 authenticated job and learner, so a learner can only ever name offsets in its own segment),
 after checking the range lies inside the in-region; the answer is written to the out-region
 and its header names where. Lanes are dropped by OpenSharedLane(close), when a generation the
-learner was a member of is superseded by one without it (evicted, retired), at CloseJob, and
-when the shard exits.
+learner was a member of is superseded by one without it (evicted, retired), at CloseJob, when
+the descriptor was not fetched in time, and when the shard exits.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shoal.contract.shm import ATTACH_WINDOW_S, NONCE_BYTES, LaneError, Segment
+from shoal.contract.shm import NONCE_BYTES, LaneError, Segment
 from shoal.contract.wire import Frame, encode_header
 from shoal.param_sync.authz import authorize
 from shoal.param_sync.shard import Contribution, Encoded, ShardJob
@@ -58,15 +63,17 @@ class Lane:
     in_offset: int
     in_capacity: int
     out_offset: int
+    token: bytes = b""  # of its descriptor's handoff, until fetched or expired
     timer: asyncio.TimerHandle | None = None
     generation: int = -1  # of its last SyncStep (-1: none yet)
 
-    def attached(self) -> None:
-        """The learner used the lane: it has the segment mapped, its name can go."""
+    def fetched(self) -> None:
+        """The learner has the descriptor: the shard's own can go (the mapping stays)."""
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.segment.unlink()
+        self.token = b""
+        self.segment.release_fd()
 
     def close(self) -> None:
         if self.timer is not None:
@@ -105,15 +112,33 @@ class LaneHandlers:
         in_capacity = sum(m.nbytes for m in sj.metas)  # the learner packs without gaps
         if in_capacity == 0:
             return ps_pb2.OpenSharedLaneResponse(refused=f"shard {shard} holds no tensor")
+        if not request.fetch_fd:
+            return ps_pb2.OpenSharedLaneResponse(
+                refused="this learner looks for a named segment (an older learner): shard "
+                f"{shard} hands a descriptor (fetch_fd), so use gRPC streams"
+            )
         in_offset = _ALIGN
         out_offset = in_offset + _up(in_capacity)
         size = out_offset + _up(sj.total_bytes)
         try:
-            segment = await asyncio.to_thread(Segment.create, size, self.options.shm_dir)
+            if not self._handoff.started:
+                self._handoff.start()
+            # In the loop, not a thread: nothing can cancel between its creation and its
+            # lane (a cancelled RPC would leak it); memfd_create, ftruncate and mmap take
+            # microseconds whatever the size (no page is touched but the nonce's).
+            segment = Segment.create(size)
         except OSError as exc:
             return ps_pb2.OpenSharedLaneResponse(refused=f"no segment: {exc}")
         lane = Lane(segment, in_offset, in_capacity, out_offset)
-        lane.timer = asyncio.get_running_loop().call_later(ATTACH_WINDOW_S, segment.unlink)
+        loop = asyncio.get_running_loop()
+        window = self.options.shm_fetch_window_s
+        lane.token = self._handoff.offer(
+            segment.fd,
+            window_s=window,
+            on_sent=lane.fetched,
+            what=f"job {request.job_id}: lane of learner {request.learner_id}",
+        )
+        lane.timer = loop.call_later(window, self._lane_unfetched, key, lane)
         self._lanes[key] = lane
         log.info(
             "job %s: shared-memory lane of learner %s opened (%d bytes)",
@@ -122,13 +147,24 @@ class LaneHandlers:
             size,
         )
         return ps_pb2.OpenSharedLaneResponse(
-            path=segment.path,
             size=size,
             nonce=segment.nonce,
             in_offset=in_offset,
             in_capacity=in_capacity,
             out_offset=out_offset,
+            socket_address=self._handoff.address,
+            token=lane.token,
         )
+
+    def _lane_unfetched(self: _S, key: tuple[str, str], lane: Lane) -> None:
+        """The window to fetch the lane's descriptor ended: a lane never fetched goes."""
+        if self._lanes.get(key) is lane and lane.token:
+            log.info(
+                "job %s: the lane of learner %s was not fetched within %.0f s",
+                *key,
+                self.options.shm_fetch_window_s,
+            )
+            self._drop_lane(key)
 
     # -- used by SyncStep ---------------------------------------------------------------------
 
@@ -167,7 +203,6 @@ class LaneHandlers:
             raise InvalidField("chunk", "...", "must not follow a shared_memory header")
         sj.take_chunk(contribution, view)
         sj.check_complete(contribution)
-        lane.attached()
         lane.generation = header.generation
         self.metrics.lane_stream(header.job_id)
         return lane
@@ -191,6 +226,7 @@ class LaneHandlers:
     def _drop_lane(self: _S, key: tuple[str, str]) -> None:
         lane = self._lanes.pop(key, None)
         if lane is not None:
+            self._handoff.withdraw(lane.token)
             lane.close()
             log.info("job %s: shared-memory lane of learner %s closed", *key)
 
