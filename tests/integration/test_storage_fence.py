@@ -17,7 +17,7 @@ from grpc import aio
 from shoal.param_sync import holder
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 from tests.integration.test_param_sync import Cluster, contribute, grads, initial, started
-from tests.support import make_tokens
+from tests.support import async_wait_until, make_tokens
 
 
 @pytest.fixture
@@ -32,7 +32,8 @@ async def pair(tmp_path: Path) -> AsyncIterator[Cluster]:
 
 
 def _records(job_dir: Path) -> list[int]:
-    lines = (job_dir / "metrics" / "iterations.jsonl").read_text().splitlines()
+    path = job_dir / "metrics" / "iterations.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
     return [json.loads(line)["global_iteration"] for line in lines]
 
 
@@ -53,7 +54,8 @@ async def test_a_coordinator_superseded_in_storage_writes_nothing_more_and_steps
     buffers = {k: v for k, v in initial().items() if k.startswith("bn.")}
     await contribute(c, "j", "l1", a, grads(1), buffers, n=4, loss_sum=8.0)
     a = (await c.boundary("j", "l1", generation=1, completed=0, loss_sum=8.0, n=4)).assignment
-    assert _records(job_dir) == [0]
+    # (a RUN answer does not wait for the record's write: docs/data-plane.md)
+    await async_wait_until(lambda: _records(job_dir) == [0], what="iteration 0 recorded")
 
     # Another shard takes the job over (its TakeOverJob marks the files) while this
     # coordinator is, say, paused; then this one goes on with the iteration it was running.
