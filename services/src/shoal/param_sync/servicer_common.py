@@ -75,9 +75,6 @@ class _CoordinatedJob:
     checkpoint_error: str = ""
     # Iteration records whose write to metrics/iterations.jsonl failed: written first next time.
     unwritten_metrics: list[dict[str, Any]] = field(default_factory=list)
-    # Parameter-server mode: the last write of iteration records started after a Boundary's
-    # answer (``_flush_metrics_soon``); every coordinator task awaits it first.
-    metrics_flush: asyncio.Task[None] | None = None
     # The generation floor guard (servicer_floor.py): one check at a time; per shard, the
     # coordinator generation and time of its last check on a learner's report; the (shard,
     # epoch) of floors of a later coordinator epoch already logged.

@@ -212,14 +212,11 @@ class LearnerHandlers:
                 if decision.action is not Action.WAIT:
                     break
                 await job.cond.wait()
-        if decision.action is Action.RUN and not coord.collective:
-            # Written while the learner computes and streams (the record's thread hand-off
-            # is off the iteration's path); the commit of the iteration it now runs waits
-            # for it (``_run_task``), so at most the last committed one is unrecorded, as a
-            # takeover assumes. Collective mode writes first: the record is its commit.
-            self._flush_metrics_soon(job)
-        else:
-            await self._flush_metrics(job)
+        # Written before the answer: once a learner is answered, it never reports the loss of
+        # the iteration it finished again, so a coordinator killed after answering but before
+        # the write would lose the record (a takeover recovers only the loss reports of a
+        # Boundary that failed). docs/data-plane.md, "Generations and boundaries".
+        await self._flush_metrics(job)
         response = ps_pb2.BoundaryResponse(
             pull_parameters=decision.pull,
             completed_iterations=coord.completed,

@@ -118,7 +118,6 @@ class CoordinatorTasks:
     ) -> None:
         ok, result = True, None
         try:
-            await self._metrics_flushed(job)
             if job.deposed:  # stepped down (SetCoordinator, or storage names another)
                 raise Unavailable(
                     f"shard {self.options.shard_index} no longer coordinates job "
@@ -334,30 +333,6 @@ class CoordinatorTasks:
         model = model_from_shard_files(directory, manifest)
         uri = ckpt.job_uri(settings.storage_uri, settings.job_id, "model.safetensors")
         ckpt.atomic_write(uri, safetensors.torch.save(model))
-
-    def _flush_metrics_soon(self: _S, job: _CoordinatedJob) -> None:
-        """Start :meth:`_flush_metrics` without waiting for it (the writes stay in order:
-        ``metrics_lock`` is first come, first served); :meth:`_metrics_flushed` waits for it."""
-        flush = asyncio.create_task(self._flush_metrics(job))
-        job.metrics_flush = flush
-        job.background.add(flush)
-
-        def done(task: asyncio.Task[None]) -> None:
-            job.background.discard(task)
-            if job.metrics_flush is task:
-                job.metrics_flush = None
-            if not task.cancelled() and task.exception() is not None:
-                log.error("job %s: iteration records: %s", job.coord.job_id, task.exception())
-
-        flush.add_done_callback(done)
-
-    @staticmethod
-    async def _metrics_flushed(job: _CoordinatedJob) -> None:
-        """Wait for the writes of iteration records started so far (the last one started
-        ends after the earlier ones); a failed one has kept its records for the next."""
-        flush = job.metrics_flush
-        if flush is not None and not flush.done():
-            await asyncio.wait({flush})
 
     async def _flush_metrics(self: _S, job: _CoordinatedJob) -> None:
         async with job.metrics_lock:
