@@ -176,6 +176,22 @@ def _shutdown(session: ShardSession, servers: list[aio.Server]) -> None:
     session.close()
 
 
+def _boundary_through(
+    *servicers: ps_grpc.ParameterSyncServiceServicer, retry_s: float | None = None
+) -> ps_pb2.BoundaryResponse:
+    """One control Boundary of a fresh session whose shards are ``servicers`` (the first
+    coordinates; ``retry_s``: the session's retry window, if given); the session and its
+    servers are shut down after, whatever the call did."""
+    session, servers, _ = _session_with(*servicers)
+    if retry_s is not None:
+        session.retry_s = retry_s
+    try:
+        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
+        return session.run(asyncio.wait_for(session.control("Boundary", request), 60))
+    finally:
+        _shutdown(session, servers)
+
+
 def test_a_boundary_blocked_on_a_frozen_coordinator_follows_the_successor() -> None:
     """Without the watch this Boundary waits forever (the frozen server keeps the call)."""
     frozen, successor = _Frozen(), _Successor(moved_after=2)
@@ -244,13 +260,8 @@ def test_a_control_call_retries_an_unreachable_coordinator_with_doubling_pauses(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     flaky = _Flaky(failures=3)
-    session, servers, _ = _session_with(flaky)
     caplog.set_level(logging.WARNING, logger="shoal.learner.grpc")
-    try:
-        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
-        reply = session.run(asyncio.wait_for(session.control("Boundary", request), 60))
-    finally:
-        _shutdown(session, servers)
+    reply = _boundary_through(flaky)
     assert reply.action == ps_pb2.BOUNDARY_ACTION_DONE and flaky.calls == 4
     pauses = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
     assert pauses == [
@@ -262,26 +273,15 @@ def test_a_control_call_retries_an_unreachable_coordinator_with_doubling_pauses(
 
 def test_a_control_call_gives_up_once_the_coordinator_stays_unreachable_past_retry_s() -> None:
     flaky = _Flaky(failures=10**6)
-    session, servers, _ = _session_with(flaky)
-    session.retry_s = 0.5
-    try:
-        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
-        with pytest.raises(RuntimeError, match="UNAVAILABLE: try"):
-            session.run(asyncio.wait_for(session.control("Boundary", request), 60))
-    finally:
-        _shutdown(session, servers)
+    with pytest.raises(RuntimeError, match="UNAVAILABLE: try"):
+        _boundary_through(flaky, retry_s=0.5)
     assert flaky.calls >= 2  # retried within the window, then the last error was raised
 
 
 def test_a_control_call_refused_by_the_coordinator_is_not_retried() -> None:
     flaky = _Flaky(failures=1, code=grpc.StatusCode.INVALID_ARGUMENT)
-    session, servers, _ = _session_with(flaky)
-    try:
-        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
-        with pytest.raises(ValueError, match="try 1 refused"):
-            session.run(asyncio.wait_for(session.control("Boundary", request), 60))
-    finally:
-        _shutdown(session, servers)
+    with pytest.raises(ValueError, match="try 1 refused"):
+        _boundary_through(flaky)
     assert flaky.calls == 1
 
 
@@ -307,12 +307,7 @@ def test_a_coordinator_that_restarted_without_the_job_is_asked_again_within_the_
     exiting (seen in CI: both learners of a job exited that way in the second between a
     restart and the takeover)."""
     restarted = _job_not_found(failures=2)
-    session, servers, _ = _session_with(restarted, _Holder())
-    try:
-        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
-        reply = session.run(asyncio.wait_for(session.control("Boundary", request), 60))
-    finally:
-        _shutdown(session, servers)
+    reply = _boundary_through(restarted, _Holder())
     assert reply.action == ps_pb2.BOUNDARY_ACTION_DONE and restarted.calls == 3
 
 
@@ -320,32 +315,16 @@ def test_a_job_no_shard_knows_fails_at_once_and_one_still_unknown_past_the_windo
     # Every shard restarted (the whole data plane died): no one to wait for, the learner
     # leaves at once and the scheduler resumes the job from its checkpoint.
     gone = _job_not_found(failures=10**6)
-    session, servers, _ = _session_with(gone, _Holder(address=""))
-    try:
-        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
-        with pytest.raises(ValueError, match="try 1 refused"):
-            session.run(asyncio.wait_for(session.control("Boundary", request), 60))
-    finally:
-        _shutdown(session, servers)
+    with pytest.raises(ValueError, match="try 1 refused"):
+        _boundary_through(gone, _Holder(address=""))
     assert gone.calls == 1
     # Another shard knows it but the coordinator never does: failed once the window is spent.
     stuck = _job_not_found(failures=10**6)
-    session, servers, _ = _session_with(stuck, _Holder())
-    session.retry_s = 0.5
-    try:
-        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
-        with pytest.raises(ValueError, match="refused"):
-            session.run(asyncio.wait_for(session.control("Boundary", request), 60))
-    finally:
-        _shutdown(session, servers)
+    with pytest.raises(ValueError, match="refused"):
+        _boundary_through(stuck, _Holder(), retry_s=0.5)
     assert stuck.calls >= 2
     # Any other NOT_FOUND (an unknown learner: it must leave) is not asked again.
     unknown = _Flaky(failures=1, code=grpc.StatusCode.NOT_FOUND)
-    session, servers, _ = _session_with(unknown, _Holder())
-    try:
-        request = ps_pb2.BoundaryRequest(job_id="j", learner_id="l0")
-        with pytest.raises(ValueError, match="try 1 refused"):
-            session.run(asyncio.wait_for(session.control("Boundary", request), 60))
-    finally:
-        _shutdown(session, servers)
+    with pytest.raises(ValueError, match="try 1 refused"):
+        _boundary_through(unknown, _Holder())
     assert unknown.calls == 1
