@@ -43,11 +43,21 @@ from shoal.learner.sync_types import (
 # --------------------------------------------------------------------------------------------
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it is a leaf tensor the optimizer may step in place, else a copy."""
+    if t.is_leaf and t._base is None:
+        return t
+    return t.detach().clone()
+
+
 class LocalBackend(SyncBackend):
     """Standalone mode: a world of one, the optimizer stepping in this process.
 
-    It keeps master copies of the parameters (the state a parameter-sync shard would hold),
-    so the learner is exercised exactly as on the cluster: gradients out, parameters in.
+    Its optimizer steps the model's own tensors (those ``initialize`` gets), as a plain
+    PyTorch loop does: the learner still hands gradients out and takes parameters in exactly
+    as on the cluster, but the parameters it takes back are its own, so loading them copies
+    nothing (``same_memory``). Tensors that are not leaves of their own (a view, a non-leaf)
+    are copied once, as master copies.
     With ``storage_uri`` it writes checkpoints (every ``checkpoint_every`` epochs and at the
     end), the epoch reports (``metrics/epochs.json``) and the final model
     (``final/model.safetensors``), and when ``resume`` is true :meth:`initialize` continues
@@ -79,8 +89,8 @@ class LocalBackend(SyncBackend):
             raise RuntimeError("initialize() was already called on this backend")
         self._setup = setup
         self._plan = setup.plan
-        self._params = [p.detach().clone().requires_grad_(p.requires_grad) for p in setup.params]
-        self._buffers = [b.detach().clone() for b in setup.buffers]
+        self._params = [_own(p).requires_grad_(p.requires_grad) for p in setup.params]
+        self._buffers = [_own(b) for b in setup.buffers]
         self._optimizer = setup.optimizer.create(self._params, [s.name for s in setup.param_specs])
         if self._storage_uri is not None and self._resume:
             checkpoint = load_latest_checkpoint(self._storage_uri)
