@@ -1,7 +1,8 @@
 """The storage fence (shoal.param_sync.holder) on a real in-process shard pair: a coordinator
 marks the job's files as its own when it opens the job, and one whose mark another coordinator
 took (as a TakeOverJob on another shard does while it is paused) writes no record, epoch
-report, checkpoint or model after that, answers UNAVAILABLE and steps down."""
+report, checkpoint or model after that, answers UNAVAILABLE, steps down and names the new
+coordinator to whoever asks it."""
 
 from __future__ import annotations
 
@@ -77,6 +78,10 @@ async def test_a_coordinator_superseded_in_storage_writes_nothing_more_and_steps
     assert not (job_dir / "model.safetensors").exists()
     assert not (job_dir / "checkpoints" / "latest").exists()
     assert "j" not in c.servicers[0]._coordinated
+    # Asked where the coordinator is, the deposed shard names the one its files name (before
+    # that one's SetCoordinator reaches it), not itself.
+    found = await c.call("FindCoordinator", ps_pb2.FindCoordinatorRequest(job_id="j"))
+    assert (found.coordinator_address, found.coordinator_epoch) == (c.addresses[1], 1)
     with pytest.raises(aio.AioRpcError):
         await c.call(
             "ReportEpochMetrics",

@@ -36,7 +36,12 @@ T = TypeVar("T")
 
 
 class Superseded(Exception):
-    """Another coordinator took the job over: its storage names another holder."""
+    """Another coordinator took the job over: its storage names another holder (``shard`` and
+    ``epoch``: those of its mark, None when the mark does not say them as integers)."""
+
+    def __init__(self, message: str, *, shard: int | None = None, epoch: int | None = None):
+        super().__init__(message)
+        self.shard, self.epoch = shard, epoch
 
 
 def mark_holder(storage_uri: str, job_id: str, holder: str, *, shard: int, epoch: int) -> None:
@@ -59,9 +64,11 @@ def check_holder(storage_uri: str, job_id: str, holder: str) -> None:
     except (ValueError, KeyError, TypeError) as exc:
         raise ckpt.StorageError(f"{uri} is not a coordinator mark: {exc!r}") from exc
     if named != holder:
+        shard, epoch = mark.get("shard"), mark.get("epoch")
         raise Superseded(
-            f"its files name the coordinator on shard {mark.get('shard')} "
-            f"(epoch {mark.get('epoch')}) now"
+            f"its files name the coordinator on shard {shard} (epoch {epoch}) now",
+            shard=shard if type(shard) is int else None,
+            epoch=epoch if type(epoch) is int else None,
         )
 
 

@@ -92,11 +92,24 @@ class CoordinatorTasks:
                 holder.as_holder, s.storage_uri, s.job_id, job.holder, write, *args
             )
         except holder.Superseded as exc:
+            self._note_successor(job, exc)
             await self._step_down(job, str(exc))
             raise Unavailable(
                 f"shard {self.options.shard_index} no longer coordinates job {s.job_id!r}: "
                 f"{exc}; ask the other shards (FindCoordinator)"
             ) from exc
+
+    def _note_successor(self: _S, job: _CoordinatedJob, exc: holder.Superseded) -> None:
+        """Remember the coordinator the job's mark names (when it is a shard of the job at a
+        newer epoch than this shard knows), so FindCoordinator here points the learners to
+        it before its SetCoordinator arrives, not back to this deposed one."""
+        s = job.coord.settings
+        shard, epoch = exc.shard, exc.epoch
+        if shard is None or epoch is None or not 0 <= shard < len(s.shard_addresses):
+            return
+        _, known = self._coordinator_at.get(s.job_id, ("", 0))
+        if epoch > max(known, job.epoch):
+            self._coordinator_at[s.job_id] = (s.shard_addresses[shard], epoch)
 
     def _kick(self: _S, job: _CoordinatedJob) -> None:
         """Start the side effects the coordinator asked for (called with ``job.cond`` held)."""
