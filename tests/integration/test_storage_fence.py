@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -17,19 +16,17 @@ from grpc import aio
 
 from shoal.param_sync import holder
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
-from tests.integration.test_param_sync import Cluster, contribute, grads, initial, started
-from tests.support import async_wait_until, make_tokens
+from tests.integration.test_param_sync import (
+    Cluster,
+    cluster,
+    contribute,
+    grads,
+    initial,
+    started,
+)
+from tests.support import async_wait_until
 
-
-@pytest.fixture
-async def pair(tmp_path: Path) -> AsyncIterator[Cluster]:
-    """Two in-process shards (shard 0 coordinates), as in test_param_sync."""
-    tokens = make_tokens(tmp_path / "tokens")
-    c = await Cluster(tmp_path, tokens, tmp_path / "tokens").start()
-    try:
-        yield c
-    finally:
-        await c.stop()
+__all__ = ["cluster"]  # test_param_sync.py's fixture: two in-process shards, shard 0 coordinates
 
 
 def _records(job_dir: Path) -> list[int]:
@@ -38,8 +35,8 @@ def _records(job_dir: Path) -> list[int]:
     return [json.loads(line)["global_iteration"] for line in lines]
 
 
-async def test_opening_a_job_marks_its_files_as_the_coordinators(pair, tmp_path):
-    c = pair
+async def test_opening_a_job_marks_its_files_as_the_coordinators(cluster: Cluster, tmp_path: Path):
+    c = cluster
     await started(c, "j", ["l1"], batch=4, epochs=1)
     mark = json.loads((tmp_path / "storage" / "jobs" / "j" / holder.HOLDER).read_text())
     assert mark["holder"] == c.servicers[0]._coordinated["j"].holder
@@ -47,9 +44,9 @@ async def test_opening_a_job_marks_its_files_as_the_coordinators(pair, tmp_path)
 
 
 async def test_a_coordinator_superseded_in_storage_writes_nothing_more_and_steps_down(
-    pair, tmp_path, caplog
+    cluster: Cluster, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ):
-    c = pair
+    c = cluster
     job_dir = tmp_path / "storage" / "jobs" / "j"
     [a] = await started(c, "j", ["l1"], batch=4, epochs=1)  # 8 samples: 2 iterations
     buffers = {k: v for k, v in initial().items() if k.startswith("bn.")}
