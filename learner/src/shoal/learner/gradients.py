@@ -87,7 +87,6 @@ def global_grad_norm(grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
 
 
-@torch.no_grad()
 def apply_gradient_policy(
     grads: Sequence[torch.Tensor | None], setup: TrainingSetup
 ) -> tuple[float | None, bool]:
@@ -101,7 +100,12 @@ def apply_gradient_policy(
     gradient is left alone and the norm is not computed (``(None, False)``) unless
     ``setup.measure_grad_norm``."""
     if setup.clip_grad_norm is None and not setup.skip_nonfinite and not setup.measure_grad_norm:
-        return None, False
+        return None, False  # (before entering no_grad: this is every iteration's common case)
+    return _clip_or_skip(grads, setup)
+
+
+@torch.no_grad()
+def _clip_or_skip(grads: Sequence[torch.Tensor | None], setup: TrainingSetup) -> tuple[float, bool]:
     norm = global_grad_norm(grads)
     value = float(norm)
     if setup.skip_nonfinite and not math.isfinite(value):

@@ -160,10 +160,11 @@ class LocalBackend(SyncBackend):
             optimizer.step()
         for p in self._params:
             p.grad = None
-        with torch.no_grad():
-            for dst, src in zip(self._buffers, contribution.buffers, strict=True):
-                if dst is not src:
-                    dst.copy_(src)
+        if self._buffers:
+            with torch.no_grad():
+                for dst, src in zip(self._buffers, contribution.buffers, strict=True):
+                    if dst is not src:
+                        dst.copy_(src)
         n = contribution.n_samples
         loss = contribution.loss_sum / n if n else math.nan
         step = self._step
