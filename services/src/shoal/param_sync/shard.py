@@ -287,6 +287,9 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
         self.min_generation = 0
         self.pending: _Pending | None = None
         self.encoded: Encoded | None = None
+        # A test seam: called on the compute thread after each group a commit stepped (with
+        # the group's number), e.g. to hold the commit there (tests/integration).
+        self.group_stepped: Callable[[int], None] | None = None
 
     def _step_groups(self, group_bytes: int) -> list[tuple[list[int], int]]:
         """The commit's groups: consecutive tensors in layout order of about ``group_bytes``
@@ -622,9 +625,11 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
             publish(encoded)
         try:
             with torch.no_grad():
-                for indices, final_below in self.step_groups:
+                for number, (indices, final_below) in enumerate(self.step_groups):
                     self._step_group(indices, pending, coef, skipped)
                     encoded.advance(final_below)
+                    if self.group_stepped is not None:
+                        self.group_stepped(number)
         except BaseException as exc:
             encoded.fail(exc)
             raise
