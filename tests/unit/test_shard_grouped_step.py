@@ -201,3 +201,45 @@ def test_a_published_encoding_hands_out_a_chunk_only_once_it_is_stepped() -> Non
     assert published[0].header.iteration == 0 and published[0].header.num_samples == 2
     # The parameters sent are the stepped ones: the same as a fresh encoding after the commit.
     assert published[0].chunks == sj.current().chunks
+
+
+def test_a_commit_failing_part_way_fails_the_readers_still_waiting() -> None:
+    sj = ShardJob(
+        "j", 0, metas(), OptimizerConfig("SGD", '{"lr": 0.1}'), chunk_bytes=64, step_group_bytes=1
+    )
+    generator = torch.Generator().manual_seed(2)
+    sj.initialize(contribution(sj, 0, values(generator), 0))
+    assert sj.accumulate(contribution(sj, 0, values(generator), 2), frozenset("a"))
+    step = sj.optimizer.step
+    calls = []
+
+    def failing_step(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the second group's step broke")
+        return step(*args, **kwargs)
+
+    sj.optimizer.step = failing_step  # type: ignore[method-assign]
+
+    async def main() -> tuple[int, BaseException | None]:
+        loop = asyncio.get_running_loop()
+        published: list[Encoded] = []
+
+        def publish(encoded: Encoded) -> None:
+            encoded.bind(loop)
+            published.append(encoded)
+
+        with pytest.raises(RuntimeError, match="second group"):
+            await loop.run_in_executor(None, sj.commit, 1, 0, 0.0, publish)
+        encoded = published[0]
+        await encoded.ready(0)  # the first group's bytes were stepped: that chunk may go
+        try:
+            await asyncio.wait_for(encoded.whole(), 30)
+        except RuntimeError as exc:
+            return encoded.stepped, exc
+        return encoded.stepped, None
+
+    stepped, error = asyncio.run(main())
+    assert error is not None and "second group" in str(error)
+    assert 0 < stepped < sj.total_bytes
+    assert sj.completed == 0 and sj.pending is not None  # not counted as committed

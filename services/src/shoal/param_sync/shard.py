@@ -160,14 +160,20 @@ class Encoded:
     def advance(self, offset: int) -> None:
         """The bundle is final below byte ``offset`` (compute thread)."""
         self.stepped = offset
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._wake)
+        self._notify()
 
     def fail(self, exc: BaseException) -> None:
         """The commit failed part way: the readers still waiting get ``exc`` (compute thread)."""
         self._error = exc
-        if self._loop is not None:
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._loop is None:
+            return
+        try:
             self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop is closed (the server stopped): no reader is left
+            self._loop = None
 
     def _wake(self) -> None:
         waiting = []
