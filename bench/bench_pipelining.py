@@ -9,8 +9,10 @@ save, on a ResNet-18-sized gradient (44.6 MiB float32, 62 parameter tensors).
   arrive could hide (not built: a contribution is summed only once its stream is complete and
   checked).
 * **commit**: ``ShardJob.commit`` of the same slices, SGD with momentum, whole
-  (``--step-group-mb 0``) and grouped (4 MiB): the total, and when the first chunk's bytes are
-  stepped (when an answer's first chunk may leave).
+  (``--step-group-mb 0``) and grouped (4 MiB), on a compute thread while one reader on the
+  event loop encodes the answer's chunks as they are stepped: when the first group is
+  stepped (an answer's first chunks may leave), when the commit ends, and when the answer's
+  last chunk is encoded.
 * **rounds** (``--rounds N``, 0 skips): bench_sync.py's round, W learners, S shards, gRPC
   streams (``--shm-lane off``: the lane's answer is written whole), the shards started with
   ``--step-group-mb 0`` and ``4`` alternately, ``--trials`` times each.
@@ -21,10 +23,12 @@ save, on a ResNet-18-sized gradient (44.6 MiB float32, 62 parameter tensors).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +47,7 @@ from shoal.contract.wire import (
     pack_layout,
 )
 from shoal.param_sync.coordinator import OptimizerConfig
-from shoal.param_sync.shard import Contribution, ShardJob
+from shoal.param_sync.shard import Contribution, Encoded, ShardJob
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 MiB = 1024 * 1024
@@ -69,11 +73,47 @@ def contribution(
     return c
 
 
+async def answered(sj: ShardJob, k: int, executor: ThreadPoolExecutor) -> tuple[float, ...]:
+    """Commit iteration ``k`` on ``executor`` (the shard's compute thread) while one reader
+    on this event loop encodes the answer's chunks as they become ready (as a SyncStep answer
+    does): seconds from the commit's start to its first group stepped, to the commit's end,
+    and to the last chunk encoded."""
+    loop = asyncio.get_running_loop()
+    got = asyncio.Event()
+    box: list[Encoded] = []
+    stamps: list[float] = []
+
+    def publish(encoded: Encoded) -> None:
+        encoded.bind(loop)
+        box.append(encoded)
+        loop.call_soon_threadsafe(got.set)
+
+    sj.group_stepped = lambda number: stamps.append(time.perf_counter()) if number == 0 else None
+    ends: list[float] = []
+
+    def commit_and_stamp() -> Encoded | None:
+        result = sj.commit(1, k, 0.0, publish)
+        ends.append(time.perf_counter())
+        return result
+
+    t0 = time.perf_counter()
+    commit = loop.run_in_executor(executor, commit_and_stamp)
+    await got.wait()
+    encoded = box[0]
+    for i in range(encoded.count):
+        await encoded.ready(i)
+        encoded.chunk(i)
+    t_last = time.perf_counter()
+    await commit
+    return stamps[0] - t0, ends[0] - t0, t_last - t0
+
+
 def in_process(names: list[tuple[str, tuple[int, ...]]], repeat: int) -> dict[str, float]:
     out: dict[str, list[float]] = {}
     g = torch.Generator().manual_seed(1)
     grads = [torch.randn(s, generator=g) for _, s in names]
     jobs = {size: slice_job(names, size) for size in (0, 4 * MiB)}
+    executor = ThreadPoolExecutor(max_workers=1)
     for k in range(repeat):
         for size, sj in jobs.items():
             members = frozenset({"a", "b"})
@@ -83,24 +123,17 @@ def in_process(names: list[tuple[str, tuple[int, ...]]], repeat: int) -> dict[st
             t1 = time.perf_counter()
             assert sj.accumulate(second, members)
             t2 = time.perf_counter()
-            stamps: list[float] = []
-            sj.group_stepped = lambda number, stamps=stamps: (
-                stamps.append(time.perf_counter()) if number == 0 else None
-            )
-            t3 = time.perf_counter()
-            encoded = sj.commit(1, k, 0.0)
-            t4 = time.perf_counter()
-            assert encoded is not None
-            # The first group stepped: the first chunks of an answer may leave.
-            first_ready = stamps[0]
+            first_group, end, last_chunk = asyncio.run(answered(sj, k, executor))
             label = "grouped 4 MiB" if size else "whole"
             if size == 0:
                 out.setdefault("accumulate, first contribution (written)", []).append(t1 - t0)
                 out.setdefault("accumulate, later contribution (n*g added)", []).append(t2 - t1)
-            out.setdefault(f"commit, {label}", []).append(t4 - t3)
-            out.setdefault(f"commit start -> first group stepped, {label}", []).append(
-                first_ready - t3
+            out.setdefault(f"commit, {label}", []).append(end)
+            out.setdefault(f"commit start -> first group stepped, {label}", []).append(first_group)
+            out.setdefault(f"commit start -> answer's last chunk encoded, {label}", []).append(
+                last_chunk
             )
+    executor.shutdown()
     return {k: statistics.median(v) * 1e3 for k, v in out.items()}
 
 
