@@ -2,7 +2,9 @@
 this host, one learner on the lane (the default) and one with ``SHOAL_SHM_LANE=off`` (gRPC
 streams), in one job. The lane is used (both sides log it, each descriptor is handed once),
 the job still equals single-process training (atol 1e-5), and no lane segment of the shards
-has a name under /dev/shm at any time (watched while the job runs) or after it."""
+has a name under /dev/shm at any time (watched while the job runs) or after it. The shards
+step each tensor as its own group (``--step-group-mb``), so the gRPC learner's answers are
+sent group by group."""
 
 from __future__ import annotations
 
@@ -53,7 +55,9 @@ def segments_of(pids: list[int]) -> list[str]:
 def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_path) -> None:
     tokens = make_tokens(tmp_path / "tokens")
     plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
-    plane.start_shards()
+    # Each tensor its own step group: the gRPC learner's answers leave group by group
+    # (docs/data-plane.md, "The commit, group by group"), still equal to one process.
+    plane.start_shards(("--step-group-mb", "0.00001"))
     pids = [s.popen.pid for s in plane.shards]
     seen: list[str] = []
     done = threading.Event()

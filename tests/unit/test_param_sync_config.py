@@ -33,6 +33,10 @@ def test_flags_and_environment_turn_replication_off_and_set_the_times() -> None:
         (["--promote-after", "-1"], "promote_after_s (-1.0)"),
         (["--shm-lane", "sometimes"], "shm_lane ('sometimes')"),
         (["--dumpable", "yes please"], "dumpable ('yes please')"),
+        (["--step-group-mb", "lots"], "step_group_mb ('lots')"),
+        (["--step-group-mb", "-1"], "step_group_mb ('-1')"),
+        (["--step-group-mb", "nan"], "step_group_mb ('nan')"),
+        (["--step-group-mb", "2048"], "step_group_mb ('2048')"),
     ],
 )
 def test_bad_values_are_refused_naming_the_flag_and_the_value(argv: list[str], names: str) -> None:
@@ -51,3 +55,10 @@ def test_the_shard_is_not_dumpable_unless_asked_for_debugging() -> None:
     assert parse_config(BASE, env={}).dumpable is False
     assert parse_config([*BASE, "--dumpable", "on"], env={}).dumpable is True
     assert parse_config(BASE, env={"SHOAL_SHARD_DUMPABLE": "on"}).dumpable is True
+
+
+def test_the_commit_steps_in_4_mib_groups_by_default_and_0_steps_whole() -> None:
+    assert parse_config(BASE, env={}).step_group_bytes == 4 * 1024 * 1024
+    assert parse_config([*BASE, "--step-group-mb", "0"], env={}).step_group_bytes == 0
+    config = parse_config(BASE, env={"SHOAL_STEP_GROUP_MB": "0.5"})
+    assert config.step_group_bytes == 512 * 1024

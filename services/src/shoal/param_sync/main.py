@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -75,6 +76,7 @@ class ParamSyncConfig:
     shard_index: int = 0
     storage_uri: str = ""
     chunk_bytes: int = 1 * MiB
+    step_group_bytes: int = 4 * MiB
     registration_ttl_s: float = 5.0
     rendezvous_port: int = 0
     shard_probe_s: float = 1.0
@@ -88,6 +90,10 @@ class ParamSyncConfig:
             raise InvalidField("shard_index", self.shard_index, "must be >= 0")
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidField("chunk_bytes", self.chunk_bytes, "must be 1..4 MiB")
+        if not 0 <= self.step_group_bytes <= 1024 * MiB:
+            raise InvalidField(
+                "step_group_bytes", self.step_group_bytes, "must be 0..1024 MiB (0: whole)"
+            )
         if self.chunk_bytes + 64 * 1024 > self.server.max_message_bytes:
             raise InvalidField(
                 "max_message_bytes", self.server.max_message_bytes, "must exceed the chunk size"
@@ -110,6 +116,16 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "--chunk-mb", "SHOAL_SYNC_CHUNK_MB", "1", "chunk size of parameter streams in MiB, 1-4"
+    ),
+    Setting(
+        "--step-group-mb",
+        "SHOAL_STEP_GROUP_MB",
+        "4",
+        "MiB: a commit steps its slice in groups of about this size, in the model's order, "
+        "and each learner's SyncStep answer sends a chunk as soon as its bytes are stepped "
+        "(the header at once); 0 steps the whole slice before the first chunk leaves. "
+        "Optimizers other than SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, "
+        "RMSprop, Rprop and ASGD (or with foreach/fused) are always stepped whole",
     ),
     Setting(
         "--registration-ttl",
@@ -196,6 +212,12 @@ def parse_config(
         ttl = float(ns.registration_ttl)
     except ValueError as exc:
         raise InvalidField("chunk_mb/registration_ttl", ns.chunk_mb, f"{exc}") from None
+    try:
+        step_group = float(ns.step_group_mb)
+    except ValueError:
+        raise InvalidField("step_group_mb", ns.step_group_mb, "must be a number of MiB") from None
+    if not (math.isfinite(step_group) and 0 <= step_group <= 1024):
+        raise InvalidField("step_group_mb", ns.step_group_mb, "must be 0..1024 MiB (0: whole)")
     replication = str(ns.replication).strip().lower()
     if replication not in ("on", "off", "true", "false", "1", "0"):
         raise InvalidField("replication", ns.replication, "must be on or off")
@@ -220,6 +242,7 @@ def parse_config(
         shard_index=index,
         storage_uri=ns.storage_uri,
         chunk_bytes=chunk,
+        step_group_bytes=int(step_group * MiB),
         registration_ttl_s=ttl,
         rendezvous_port=rendezvous_port,
         shard_probe_s=probe,
@@ -293,6 +316,7 @@ async def serve(config: ParamSyncConfig) -> None:
             service_token=config.server.service_token,
             tls=config.server.tls,
             chunk_bytes=config.chunk_bytes,
+            step_group_bytes=config.step_group_bytes,
             peer_message_bytes=config.server.max_message_bytes,
             rendezvous_port=config.rendezvous_port,
             shard_probe_s=config.shard_probe_s,

@@ -64,6 +64,7 @@ from shoal.param_sync.servicer_takeover import TakeoverHandlers
 from shoal.param_sync.servicer_takeover_collective import CollectiveTakeoverHandlers
 from shoal.param_sync.servicer_tasks import CoordinatorTasks
 from shoal.param_sync.shard import (
+    DEFAULT_STEP_GROUP_BYTES,
     ShardJob,
 )
 from shoal.param_sync.shm_lane import Lane, LaneHandlers
@@ -147,6 +148,9 @@ class ShardOptions:
     storage_uri: str
     service_token: str | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    # The commit steps a slice in groups of about this many bytes, in layout order, and the
+    # SyncStep answers send each chunk once stepped (0: the whole slice at once).
+    step_group_bytes: int = DEFAULT_STEP_GROUP_BYTES
     max_bundle_bytes: int = 16 * 1024 * 1024 * 1024
     peer_message_bytes: int = 64 * 1024 * 1024
     rendezvous_port: int = 0  # of the collective-mode store (0: a free port)

@@ -131,12 +131,15 @@ class DataHandlers:
             notify = asyncio.create_task(self._shard_ready(sj, g, k))
             self._background.add(notify)
             notify.add_done_callback(self._background.discard)
+        # Resolved when the commit starts (the header is final then), before the slice is
+        # stepped: each chunk leaves once its bytes are (Encoded.ready).
         encoded = await asyncio.shield(future)
         if lane is not None:
             yield await self._lane_answer(lane, sj, encoded)
             return
         yield encode_header(ps_pb2.SyncStepResponse, encoded.header)
         for i in range(encoded.count):
+            await encoded.ready(i)
             yield encoded.chunk(i)
 
     async def _raise_floor_for_test(self: _S, part: _ShardSlice, generation: int, k: int) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,7 @@ from shoal.param_sync.authz import authorize, check_job_directory
 from shoal.param_sync.checkpoint import StorageError
 from shoal.param_sync.coordinator import OptimizerConfig
 from shoal.param_sync.servicer_common import _aborted, _optimizer_config, _ShardSlice
-from shoal.param_sync.shard import ShardJob
+from shoal.param_sync.shard import Encoded, ShardJob
 from shoal.runtime.auth import current_principal
 from shoal.runtime.errors import (
     FailedPrecondition,
@@ -83,6 +83,7 @@ class PeerHandlers:
                 coordinator_address=request.coordinator_address,
                 active_shards=request.active_shards,
                 chunk_bytes=self.options.chunk_bytes,
+                step_group_bytes=self.options.step_group_bytes,
             )
         )
         self._slices[request.job_id] = _ShardSlice(job, backup_address=request.backup_address)
@@ -119,6 +120,7 @@ class PeerHandlers:
                 coordinator_address=request.coordinator_address,
                 active_shards=request.active_shards,
                 chunk_bytes=self.options.chunk_bytes,
+                step_group_bytes=self.options.step_group_bytes,
             )
             job.absorb(blobs)
             job.min_generation = old.min_generation
@@ -158,6 +160,7 @@ class PeerHandlers:
                 coordinator_address=request.coordinator_address,
                 active_shards=request.active_shards,
                 chunk_bytes=self.options.chunk_bytes,
+                step_group_bytes=self.options.step_group_bytes,
             )
         )
         return ps_pb2.ConfigureShardResponse()
@@ -314,7 +317,14 @@ class PeerHandlers:
         sj = part.job
         key = (request.generation, request.iteration)
         if request.commit:
-            encoded = await self._compute(sj.commit, *key, request.grad_norm)
+            # The learners' SyncStep answers start as soon as the commit starts: their header
+            # at once, each chunk once its bytes are stepped (Encoded.ready); the commit stays
+            # one compute task.
+            future = part.futures.get(key)
+            publish = None
+            if future is not None:
+                publish = _publisher(asyncio.get_running_loop(), future)
+            encoded = await self._compute(sj.commit, *key, request.grad_norm, publish)
             future = part.futures.pop(key, None)
             if encoded is not None and future is not None and not future.done():
                 future.set_result(encoded)
@@ -412,6 +422,23 @@ def _apply_replicated(
 
 
 _REPLICATE_CHUNK_TAG = 0x2A  # ReplicateRequest.chunk: field 5, length-delimited
+
+
+def _publisher(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future[Encoded]
+) -> Callable[[Encoded], None]:
+    """What a commit calls (on the compute thread) with its encoding before it steps: binds
+    the encoding to ``loop`` and resolves ``future`` with it there."""
+
+    def resolve(encoded: Encoded) -> None:
+        if not future.done():
+            future.set_result(encoded)
+
+    def publish(encoded: Encoded) -> None:
+        encoded.bind(loop)
+        loop.call_soon_threadsafe(resolve, encoded)
+
+    return publish
 
 
 def replicate_messages(prefix: bytes, parts: Sequence[Any], chunk_bytes: int) -> Iterator[bytes]:

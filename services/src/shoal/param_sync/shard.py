@@ -14,8 +14,9 @@ time; ``service.py`` does the waiting and the networking.
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,35 @@ __all__ = [
 ]
 
 ALIGN = 64
+DEFAULT_STEP_GROUP_BYTES = 4 * 1024 * 1024
+# The torch.optim classes whose step updates each parameter from its own gradient and its own
+# state only (a step of some parameters then the rest equals one step of all): the commit may
+# step them group by group. Any other class (LBFGS's closure, SparseAdam's sparse gradients, a
+# class added later) steps the whole slice at once.
+PER_PARAMETER_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.RMSprop,
+        torch.optim.Rprop,
+        torch.optim.ASGD,
+    }
+)
+
+
+def groupable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` may be stepped a group of parameters at a time: a per-parameter
+    class (exactly, not a subclass) with neither ``foreach`` nor ``fused`` asked for in any
+    group (their multi-tensor kernels are not ruled out to differ)."""
+    return type(optimizer) in PER_PARAMETER_OPTIMIZERS and not any(
+        g.get("foreach") or g.get("fused") for g in optimizer.param_groups
+    )
 
 
 class Encoded:
@@ -73,6 +103,12 @@ class Encoded:
     for the members of an iteration: the next commit needs every member's next contribution,
     which each sends only after receiving all of these chunks. Pulls materialize a copy first
     (:meth:`materialized`), on the compute thread.
+
+    A commit's encoding is published before the slice is stepped (its header is known at the
+    commit's start): ``stepped`` is the byte offset below which the bundle is final, advanced
+    by the compute thread after each group of tensors it stepped (:meth:`advance`); a reader
+    on the event loop awaits :meth:`ready` before asking for a chunk, so no chunk reads a
+    tensor before it is stepped. Any other encoding is final at once.
     """
 
     def __init__(
@@ -82,13 +118,27 @@ class Encoded:
         views: Sequence[np.ndarray],
         total_bytes: int,
         chunk_bytes: int,
+        *,
+        stepped: int | None = None,
     ) -> None:
         self.header = header
-        self.count = len(chunk_ranges(metas, total_bytes, chunk_bytes)) if total_bytes else 0
+        self.total_bytes = total_bytes
+        self.ranges = chunk_ranges(metas, total_bytes, chunk_bytes) if total_bytes else []
+        self.count = len(self.ranges)
         self._source = encode_chunks(metas, views, total_bytes, chunk_bytes)
         self._chunks: list[bytes] = []
+        # Written by the compute thread (an int assignment: atomic), read by the event loop.
+        self.stepped = total_bytes if stepped is None else stepped
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     def chunk(self, index: int) -> bytes:
+        if self.ranges and self.ranges[index][1] > self.stepped:
+            raise RuntimeError(
+                f"chunk {index} (bytes {self.ranges[index]}) asked for before it was stepped "
+                f"(stepped through byte {self.stepped})"
+            )
         while len(self._chunks) <= index:
             self._chunks.append(next(self._source))
         return self._chunks[index]
@@ -100,6 +150,62 @@ class Encoded:
     def materialized(self) -> Encoded:
         self.chunks  # noqa: B018 - encodes every chunk now
         return self
+
+    # -- progress of a commit (compute thread -> event loop) ------------------------------------
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wake the readers awaiting :meth:`ready` on ``loop`` (call before publishing)."""
+        self._loop = loop
+
+    def advance(self, offset: int) -> None:
+        """The bundle is final below byte ``offset`` (compute thread)."""
+        self.stepped = offset
+        self._notify()
+
+    def fail(self, exc: BaseException) -> None:
+        """The commit failed part way: the readers still waiting get ``exc`` (compute thread)."""
+        self._error = exc
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop is closed (the server stopped): no reader is left
+            self._loop = None
+
+    def _wake(self) -> None:
+        waiting = []
+        for end, future in self._waiters:
+            if future.done():
+                continue
+            if self._error is not None and self.stepped < end:
+                future.set_exception(self._error)
+            elif self.stepped >= end:
+                future.set_result(None)
+            else:
+                waiting.append((end, future))
+        self._waiters = waiting
+
+    async def _until(self, end: int) -> None:
+        if self.stepped >= end:
+            return
+        if self._error is not None:
+            raise self._error
+        if self._loop is None:
+            raise RuntimeError("an encoding being stepped is not bound to an event loop")
+        future = self._loop.create_future()
+        self._waiters.append((end, future))
+        await future
+
+    async def ready(self, index: int) -> None:
+        """Return once chunk ``index``'s bytes are stepped (event loop)."""
+        await self._until(self.ranges[index][1])
+
+    async def whole(self) -> None:
+        """Return once every byte is stepped (event loop)."""
+        await self._until(self.total_bytes)
 
 
 @dataclass
@@ -142,6 +248,7 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
         coordinator_address: str = "",
         active_shards: int = 1,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        step_group_bytes: int = DEFAULT_STEP_GROUP_BYTES,
     ) -> None:
         try:
             validate_layout(
@@ -176,6 +283,7 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
             for p in g["params"]
             if id(p) in position
         ]
+        self.step_groups = self._step_groups(step_group_bytes)
         self.acc = [torch.empty(m.numel, dtype=_acc_dtype(m.torch_dtype)) for m in self.metas]
         self._acc_np = [a.numpy() for a in self.acc]
         self._scratch = np.empty(0, dtype=np.float64)
@@ -185,6 +293,30 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
         self.min_generation = 0
         self.pending: _Pending | None = None
         self.encoded: Encoded | None = None
+        # A test seam: called on the compute thread after each group a commit stepped (with
+        # the group's number), e.g. to hold the commit there (tests/integration).
+        self.group_stepped: Callable[[int], None] | None = None
+
+    def _step_groups(self, group_bytes: int) -> list[tuple[list[int], int]]:
+        """The commit's groups: consecutive tensors in layout order of about ``group_bytes``
+        each (``<= 0``, or an optimizer not :func:`groupable`: one group), each with the byte
+        offset below which the bundle is final once the group is stepped."""
+        everything = list(range(len(self.metas)))
+        if group_bytes <= 0 or not groupable(self.optimizer):
+            return [(everything, self.total_bytes)] if everything else []
+        groups: list[tuple[list[int], int]] = []
+        current: list[int] = []
+        size = 0
+        for j, m in enumerate(self.metas):
+            current.append(j)
+            size += m.nbytes
+            if size >= group_bytes:
+                following = self.metas[j + 1].offset if j + 1 < len(self.metas) else None
+                groups.append((current, self.total_bytes if following is None else following))
+                current, size = [], 0
+        if current:
+            groups.append((current, self.total_bytes))
+        return groups
 
     def _view(self, m: TensorMeta) -> torch.Tensor:
         if m.numel == 0:
@@ -451,11 +583,22 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
                     total += float(torch.linalg.vector_norm(mean, 2.0)) ** 2
         return total
 
-    def commit(self, generation: int, iteration: int, grad_norm: float = 0.0) -> Encoded | None:
+    def commit(
+        self,
+        generation: int,
+        iteration: int,
+        grad_norm: float = 0.0,
+        publish: Callable[[Encoded], None] | None = None,
+    ) -> Encoded | None:
         """Apply (generation, iteration): mean gradient, clipped to the job's
         ``clip_grad_norm`` by the global ``grad_norm`` the coordinator summed from every
         shard, learning rate, optimizer step, averaged buffers; returns the new parameters'
-        encoding. A commit of an iteration already applied returns None."""
+        encoding. A commit of an iteration already applied returns None.
+
+        The slice is stepped group by group (``step_groups``; one optimizer step per group,
+        equal to one step of all for the optimizers :func:`groupable` allows). ``publish``
+        gets the encoding before the first group is stepped, its header final: its
+        ``stepped`` offset advances after each group (:meth:`Encoded.advance`)."""
         pending = self.pending
         if pending is None or (pending.generation, pending.iteration) != (generation, iteration):
             if iteration < self.completed:
@@ -465,40 +608,18 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
                 f"iteration {iteration} of generation {generation}"
             )
         total = pending.total_samples
-        with torch.no_grad():
-            for j, p in zip(self.param_indices, self.params, strict=True):
-                if pending.got_grad[j] and total > 0:
-                    grad = self.acc[j].div_(total)
-                    p.grad = (grad if grad.dtype == p.dtype else grad.to(p.dtype)).view(p.shape)
-                else:
-                    p.grad = None
-            config = self.optimizer_config
-            skipped = config.skip_nonfinite and not math.isfinite(grad_norm)
-            clip = config.clip_grad_norm
-            if clip > 0 and not skipped:  # as clip_grad_norm_: g *= min(1, max / (norm + 1e-6))
-                norm = torch.tensor(grad_norm, dtype=torch.float32)
-                coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef.to(p.grad.dtype))
-            if pending.learning_rate > 0:
-                for group in self.optimizer.param_groups:
-                    group["lr"] = pending.learning_rate * group.get("lr_scale", 1.0)
-            if any(p.grad is not None for p in self.params) and not skipped:
-                self.optimizer.step()
-            for p in self.params:
-                p.grad = None
-            for j, m in enumerate(self.metas):
-                weight = pending.buffer_weight[j]
-                if not m.buffer or weight <= 0:
-                    continue
-                acc = self.acc[j]
-                value = acc.div_(weight) if acc.is_floating_point() or acc.is_complex() else acc
-                self.tensors[j].copy_(value.view(m.shape))
-        self.pending = None
-        self.completed = iteration + 1
-        self.last_grad_norm = grad_norm
-        return self._encode(
+        config = self.optimizer_config
+        skipped = config.skip_nonfinite and not math.isfinite(grad_norm)
+        clip = config.clip_grad_norm
+        coef = None
+        if clip > 0 and not skipped:  # as clip_grad_norm_: g *= min(1, max / (norm + 1e-6))
+            norm = torch.tensor(grad_norm, dtype=torch.float32)
+            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+        if pending.learning_rate > 0:
+            for group in self.optimizer.param_groups:
+                group["lr"] = pending.learning_rate * group.get("lr_scale", 1.0)
+        encoded = self._encode(
+            stepped=0,
             generation=generation,
             iteration=iteration,
             num_samples=total,
@@ -506,6 +627,53 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
             grad_norm=grad_norm if config.needs_norm else 0.0,
             step_skipped=skipped,
         )
+        if publish is not None:
+            publish(encoded)
+        try:
+            with torch.no_grad():
+                for number, (indices, final_below) in enumerate(self.step_groups):
+                    self._step_group(indices, pending, coef, skipped)
+                    encoded.advance(final_below)
+                    if self.group_stepped is not None:
+                        self.group_stepped(number)
+        except BaseException as exc:
+            encoded.fail(exc)
+            raise
+        self.pending = None
+        self.completed = iteration + 1
+        self.last_grad_norm = grad_norm
+        return encoded
+
+    def _step_group(
+        self, indices: list[int], pending: _Pending, coef: torch.Tensor | None, skipped: bool
+    ) -> None:
+        """Step the parameters ``indices`` holds (one optimizer step: the others have no
+        gradient, so it leaves them as they are) and average its buffers."""
+        total = pending.total_samples
+        stepping: list[torch.Tensor] = []
+        for j in indices:
+            m = self.metas[j]
+            if m.buffer:
+                weight = pending.buffer_weight[j]
+                if weight > 0:
+                    acc = self.acc[j]
+                    value = acc.div_(weight) if acc.is_floating_point() or acc.is_complex() else acc
+                    self.tensors[j].copy_(value.view(m.shape))
+                continue
+            if not (pending.got_grad[j] and total > 0):
+                continue
+            p = self.tensors[j]
+            grad = self.acc[j].div_(total)
+            p.grad = (grad if grad.dtype == p.dtype else grad.to(p.dtype)).view(p.shape)
+            if coef is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+            stepping.append(p)
+        try:
+            if stepping and not skipped:
+                self.optimizer.step()
+        finally:
+            for p in stepping:
+                p.grad = None
 
     def abort(self, generation: int, iteration: int) -> bool:
         """Drop (generation, iteration)'s sums; later contributions of that generation are
@@ -519,8 +687,9 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
 
     # -- the parameters on the wire -----------------------------------------------------------
 
-    def _encode(self, **fields: Any) -> Encoded:
-        """Encode the current parameters and buffers once, for every learner that asks."""
+    def _encode(self, *, stepped: int | None = None, **fields: Any) -> Encoded:
+        """Encode the current parameters and buffers once, for every learner that asks
+        (``stepped``: final below that byte only, see :class:`Encoded`)."""
         views = [byte_view(t) if t.numel() else np.empty(0, dtype=np.uint8) for t in self.tensors]
         header = header_of(
             job_id=self.job_id,
@@ -529,7 +698,9 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
             total_bytes=self.total_bytes,
             **fields,
         )
-        self.encoded = Encoded(header, self.metas, views, self.total_bytes, self.chunk_bytes)
+        self.encoded = Encoded(
+            header, self.metas, views, self.total_bytes, self.chunk_bytes, stepped=stepped
+        )
         return self.encoded
 
     def current(self) -> Encoded:

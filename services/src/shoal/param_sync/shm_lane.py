@@ -209,6 +209,7 @@ class LaneHandlers:
 
     async def _lane_answer(self: _S, lane: Lane, sj: ShardJob, encoded: Encoded) -> bytes:
         """Write the new parameters into the lane's out-region; the header that says where."""
+        await encoded.whole()  # the lane's answer is written whole, after the commit
         total = int(encoded.header.total_bytes)
         out = lane.segment.region(
             lane.out_offset, total, lo=lane.out_offset, hi=lane.segment.size, what="answer"
