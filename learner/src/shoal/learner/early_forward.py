@@ -251,11 +251,11 @@ class EarlyForward:
         finally:
             self._finish()
 
-    def abandon(self) -> None:
-        """Drop the answer being loaded (after a failure): wait until nothing writes into the
-        receive tensors any more, remove the hooks."""
+    def abandon(self, *, wait: bool = True) -> None:
+        """Drop the answer being loaded (after a failure, before a pull): remove the hooks,
+        after waiting (``wait``) until nothing writes into the receive tensors any more."""
         arriving = self._arriving
-        if arriving is not None:
+        if arriving is not None and wait:
             arriving.wait_ended()
         self._finish()
 

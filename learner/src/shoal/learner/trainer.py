@@ -490,8 +490,8 @@ class ElasticTrainer:
                 except IterationAborted as exc:
                     # The last answer failed while this forward loaded it (a shard died while
                     # answering): abandon the iteration; the next assignment pulls.
-                    assert early is not None
-                    early.abandon()
+                    if early is not None:
+                        early.abandon()
                     if hooks is not None:
                         hooks.discard()
                     tensors.zero_grad()
@@ -620,8 +620,8 @@ class ElasticTrainer:
                 result.completed = True
             settle()  # the final parameters
         finally:
-            if early is not None:
-                early.abandon()  # nothing arrives any more once the backend is closed
+            if early is not None:  # settled unless train() is raising: just unhook
+                early.abandon(wait=False)
             if hooks is not None:
                 hooks.remove()
             tracing.close()
