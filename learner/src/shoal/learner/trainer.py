@@ -369,11 +369,14 @@ class ElasticTrainer:
         early: EarlyForward | None = None
         lost = False
 
-        def settle() -> None:
+        def settle(hook: str | None = None) -> None:
             """Wait for the last answer and load all of it (before anything reads the
-            model other than the next forward)."""
+            model other than the next forward; before the callbacks' ``hook`` only when a
+            callback overrides it)."""
             nonlocal lost
             if early is None or not early.unsettled:
+                return
+            if hook is not None and not callbacks.overrides(hook):
                 return
             try:
                 early.settle()
@@ -439,13 +442,11 @@ class ElasticTrainer:
                 if previous is not None and (
                     previous.generation != a.generation or previous.world_size != a.world_size
                 ):
-                    if callbacks.overrides("on_rescale"):
-                        settle()
+                    settle("on_rescale")
                     callbacks.on_rescale(previous.world_size, a.world_size, a)
                 if a.epoch != begun_epoch:
                     begun_epoch = a.epoch
-                    if callbacks.overrides("on_epoch_begin"):
-                        settle()
+                    settle("on_epoch_begin")
                     callbacks.on_epoch_begin(a.epoch)
                 if a.pull_parameters or not have_state or lost:
                     if early is not None:
@@ -588,8 +589,7 @@ class ElasticTrainer:
                     metrics=means(step_metrics),
                 )
                 result.history.append(record)
-                if callbacks.overrides("on_iteration_end"):
-                    settle()
+                settle("on_iteration_end")
                 callbacks.on_iteration_end(record)
                 if a.batch_stop == plan.num_samples:  # the epoch's last iteration
                     epoch_result = None
@@ -612,8 +612,7 @@ class ElasticTrainer:
                                 num_samples=0 if test_set is None else len(test_set),  # type: ignore[arg-type]
                             )
                         )
-                    if callbacks.overrides("on_epoch_end"):
-                        settle()
+                    settle("on_epoch_end")
                     callbacks.on_epoch_end(a.epoch, epoch_result)
                     epoch_start = time.monotonic()
             else:
