@@ -29,11 +29,12 @@ Points:
 * ``hold-answer@<k>`` (a learner with ``SHOAL_PS_EARLY_FORWARD=on``): the learner holds the
   rest of every shard's SyncStep answer of global iteration k after its header (sync returns,
   the next forward starts with every tensor of the answer still pending) until the trainer
-  first waits for one of them, or 60 s. Once per process.
+  first waits for one of them, or 60 s.
 * ``drop-answer@<k>`` (same): as ``hold-answer``, then the last shard's answer fails as if
   that shard died while answering (the learner cancels the call): the trainer must abandon
-  the iteration it started and pull the parameters. Once per process. Both are the learner's
-  view of a slow or lost answer, made on the learner's side (``grpc_backend.py``).
+  the iteration it started and pull the parameters. Both act each time the learner receives
+  iteration k's answers (once, unless k is re-issued); both are the learner's view of a slow
+  or lost answer, made on the learner's side (``grpc_backend.py``), not a shard dying.
 * ``stop-before-rename@<trigger file>``: armed while the trigger file exists and holds parts
   of a file's path (whitespace-separated, e.g. ``shard-1.safetensors`` or
   ``<job id>/ shard-1.safetensors``): the thread writing a file whose path contains every
