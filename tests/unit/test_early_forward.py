@@ -170,3 +170,49 @@ def test_the_switch_and_the_faults(monkeypatch: pytest.MonkeyPatch):
     assert faults.parse("drop-answer@0") == ("drop-answer", 0)
     with pytest.raises(ValueError, match="SHOAL_TEST_FAULT"):
         faults.parse("drop-answer@x")
+
+
+class ReadsAround(nn.Module):
+    """Reads a buffer under no_grad from a module it never calls, and its Linear's weight
+    before calling that Linear: neither has a gradient path the graph walk could use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(3)
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            shift = self.norm.running_mean.clone()
+        return self.lin((x - shift) * self.lin.weight.detach().sum())
+
+
+def test_a_read_outside_the_hooks_without_a_gradient_is_caught_through_the_poisoned_values():
+    from torch.utils.data import TensorDataset
+
+    from shoal.learner.steps import compute_contribution
+
+    model = ReadsAround()
+    _tensors, early, sources, snapshot = _setup(model)
+    arriving = ArrivingTensors(len(sources))
+    early.begin(arriving, sources, snapshot)
+    early.before_forward()
+    thread = _deliver_when_waited(arriving)
+    torch.manual_seed(2)
+    data = TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,)))
+    loss_fn = nn.CrossEntropyLoss()
+    contribution = compute_contribution(
+        model, loss_fn, data, torch.arange(8), max_per_device=4, forward_check=early.check
+    )
+    thread.join(30)
+    assert not early.enabled and not early.unsettled
+    # Equal to the same model loaded whole before its forward.
+    reference = ReadsAround()
+    ref_tensors = ModelTensors.of(reference)
+    with torch.no_grad():
+        for dst, src in zip([*ref_tensors.params, *ref_tensors.buffers], sources, strict=True):
+            dst.copy_(src)
+    expected = compute_contribution(reference, loss_fn, data, torch.arange(8), max_per_device=4)
+    assert contribution.loss_sum == pytest.approx(expected.loss_sum, rel=1e-12)
+    for got, want in zip(contribution.grads, expected.grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -20,12 +20,15 @@ the next sync, the end of training).
 **The equivalence guard.** A parameter that was pending when forward started, was not loaded
 by a hook, and yet is in the first micro-batch's autograd graph was read without its module's
 hook (e.g. ``x @ other.weight`` where ``other`` is never called): it was read stale. The check
-finds it by walking the loss's graph to its leaves (before any backward), reloads the whole
-answer into the model (parameters and the buffers that forward updated), turns early forward
-off for the rest of the run with one warning naming the parameter, and the trainer runs that
-micro-batch's forward again. Not caught: a tensor read without its module's hook and without
-a gradient (a buffer, a parameter with ``requires_grad=False``, a read under ``no_grad``):
-that is why the switch is opt-in.
+finds it by walking the loss's graph to its leaves (before any backward). And every
+floating-point tensor pending when forward starts is NaN until its hook loads it: a read that
+bypasses the hooks without a gradient (a buffer, a read under ``no_grad``, a parameter read
+before its own module ran) makes the loss NaN; such a loss is computed again on the complete
+model, and if it is finite then, a read bypassed the hooks. Either way the check reloads the
+whole answer into the model (parameters and the buffers that forward updated), turns early
+forward off for the rest of the run with one warning, and the trainer runs that micro-batch's
+forward again. Not caught: a read that bypasses the hooks and whose value does not reach the
+loss as a number (a comparison, an index, masked away): that is why the switch is opt-in.
 
 **Failure.** A shard's answer failing after ``sync`` returned (the shard died while answering)
 makes the waiting hook or settle raise :class:`~shoal.learner.backend.IterationAborted`; the
@@ -37,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -167,6 +171,7 @@ class EarlyForward:
         self._at_start: set[int] = set()
         self._by_hook: set[int] = set()
         self._handles: list[Any] = []
+        self._poisoned_loss = False  # the first forward's loss was not finite: run again
 
     @property
     def unsettled(self) -> bool:
@@ -203,6 +208,11 @@ class EarlyForward:
             return
         self._at_start = set(self._pending)
         self._arriving.stats[1] += len(self._at_start)
+        # Poisoned until loaded: a read that bypasses the hooks makes the loss NaN (check()).
+        with torch.no_grad():
+            for j in self._pending:
+                if self._targets[j].is_floating_point():
+                    self._targets[j].fill_(math.nan)
         modules: dict[int, nn.Module] = {}
         for j in self._pending:
             for module in self._owners.get(j, ()):
@@ -215,23 +225,37 @@ class EarlyForward:
         whole answer is then reloaded, early forward is off for the rest of the run, and that
         forward must run again)."""
         if self._arriving is None:
+            if self._poisoned_loss and _finite(loss):  # the forward run again (below)
+                self._turn_off(
+                    "a tensor still arriving was read outside its module's forward (the "
+                    "first forward's loss was not finite with the pending tensors set to NaN, "
+                    "and is finite on the complete model)"
+                )
+            self._poisoned_loss = False
             return False
         suspects = {j for j in self._at_start - self._by_hook if j < self._n_params}
         read: list[int] = []
         if suspects and loss.grad_fn is not None:
             leaves = graph_leaves(loss.grad_fn)
             read = sorted(j for j in suspects if id(self._targets[j]) in leaves)
-        self.settle(reload=bool(read))
-        if not read:
-            return False
+        # Not finite: maybe a poisoned tensor was read; run the forward again on the whole
+        # model and compare (compute_contribution calls check() again with that loss).
+        self._poisoned_loss = not read and bool(self._at_start) and not _finite(loss)
+        self.settle(reload=bool(read) or self._poisoned_loss)
+        if read:
+            self._turn_off(
+                f"parameter(s) {', '.join(repr(self._names[j]) for j in read)} read in forward "
+                "without its module's forward (pre-hook) running"
+            )
+        return bool(read) or self._poisoned_loss
+
+    def _turn_off(self, why: str) -> None:
         self.enabled = False
         log.warning(
-            "early forward turned off for the rest of the run: parameter(s) %s read in forward "
-            "without its module's forward (pre-hook) running; this iteration's forward runs "
-            "again on the complete parameters",
-            ", ".join(repr(self._names[j]) for j in read),
+            "early forward turned off for the rest of the run: %s; this iteration's forward "
+            "runs again on the complete parameters",
+            why,
         )
-        return True
 
     def settle(self, *, reload: bool = False) -> None:
         """Wait for the whole answer and load what is not loaded yet (everything with
@@ -290,6 +314,10 @@ class EarlyForward:
         self._snapshot = []
         self._pending = set()
         self._at_start = set()
+
+
+def _finite(loss: torch.Tensor) -> bool:
+    return bool(torch.isfinite(loss.detach()).all())
 
 
 def graph_leaves(root: Any) -> set[int]:

@@ -140,7 +140,7 @@ def compute_contribution(
     keeps them (else they are listed here). ``forward_check`` (early forward,
     ``early_forward.py``) is called with the first micro-batch's loss before its backward;
     when it returns True the model was reloaded and that forward runs again (what it logged is
-    dropped).
+    dropped), and the check is called once more with the new loss.
     """
     if tensors is None:
         tensors = ModelTensors.of(model)
@@ -180,6 +180,7 @@ def compute_contribution(
                 if metrics is not None:
                     metrics.begin_step()  # the first micro-batch's logs: of the dropped forward
                 loss = _forward(model, loss_fn, inputs, targets, device, autocast_dtype)
+                forward_check(loss)  # on the complete model now (it only looks)
         finally:
             if metrics is not None:
                 metrics.chunk = None
