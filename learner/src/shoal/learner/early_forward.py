@@ -192,8 +192,6 @@ class EarlyForward:
         self._pending = set(range(len(self._sources)))
         self._by_hook = set()
         self._load_complete()
-        if not self._pending:
-            self.settle()
 
     def before_forward(self) -> None:
         """Just before the first forward: load what is complete, hook the rest."""
