@@ -618,6 +618,11 @@ class ElasticTrainer:
             else:
                 result.completed = True
             settle()  # the final parameters
+            if lost:
+                logger.warning(
+                    "TrainResult.params are not whole: the last answer failed while it was "
+                    "loaded (the job's final model, the shards', is)"
+                )
         finally:
             if early is not None:  # settled unless train() is raising: just unhook
                 early.abandon(wait=False)
