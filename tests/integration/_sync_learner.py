@@ -16,6 +16,11 @@ holds each iteration's loss scale and whether its step was skipped, and the call
 size; the history's ``buckets_sent`` counts the buckets the overlap hooks sent during backward
 and in all; ``tensors_sent`` (parameter-server mode) the parameters streamed during backward
 and in all. ``--unused-param 1`` adds a parameter that never gets a gradient.
+``--functional-read 1`` computes the MLP's last layer as ``F.linear(h, last.weight,
+last.bias)`` without calling that module (the same function; early forward's guard must catch
+it); ``--watch 0`` leaves out the test's callback (a callback that overrides
+``on_iteration_end`` makes the trainer load the whole answer before calling it); the history's
+``early_tensors`` are ``GrpcBackend.early_tensors`` (early forward's counters).
 """
 
 from __future__ import annotations
@@ -67,6 +72,19 @@ class WithUnused(nn.Module):
         return self.net(x)
 
 
+class FunctionalLast(nn.Module):
+    """The MLP with its last Linear read functionally, never called (``--functional-read``):
+    the same function and parameter names; its module's forward pre-hook never runs."""
+
+    def __init__(self, net: nn.Sequential) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        last = self.net[-1]
+        return nn.functional.linear(self.net[:-1](x), last.weight, last.bias)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, required=True)
@@ -95,6 +113,8 @@ def main() -> int:
     # 1: the model gets a parameter "unused" (ones, no gradient ever) registered before the
     # MLP's (so the MLP's names are "net.<name>"); the MLP's initialization is unchanged.
     parser.add_argument("--unused-param", type=int, default=0)
+    parser.add_argument("--functional-read", type=int, default=0)
+    parser.add_argument("--watch", type=int, default=1)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
@@ -113,6 +133,8 @@ def main() -> int:
     model = digits.build_model()
     if args.unused_param:
         model = WithUnused(model)
+    if args.functional_read:
+        model = FunctionalLast(model)
     backend = create_backend(args.backend)
     if args.bucket_bytes:
         backend._bucket_bytes = backend._first_bucket_bytes = args.bucket_bytes
@@ -170,7 +192,7 @@ def main() -> int:
         seed=args.seed,
         backend=backend,
         device=args.device,
-        callbacks=[watch],
+        callbacks=[watch] if args.watch else [],
         clip_grad_norm=args.clip_grad_norm,
         amp=amp,
         param_groups=param_groups if args.param_groups else None,
@@ -211,6 +233,8 @@ def main() -> int:
                 "formations": getattr(backend, "formations", []),
                 "buckets_sent": getattr(backend, "buckets_sent", None),
                 "tensors_sent": getattr(backend, "tensors_sent", None),
+                "early_tensors": getattr(backend, "early_tensors", None),
+                "early_forward": getattr(backend, "early_forward", None),
                 "is_primary": result.is_primary,
                 "primary_steps": watch.primary_steps,
                 "rescales": watch.rescales,

@@ -24,6 +24,7 @@ __all__ = [
     "LOG_LEVEL",
     "MAX_BATCH_PER_DEVICE",
     "PREFIX",
+    "PS_EARLY_FORWARD",
     "PS_OVERLAP",
     "SEED",
     "STORAGE_URI",
@@ -63,6 +64,10 @@ COLLECTIVE_OVERLAP = "SHOAL_COLLECTIVE_OVERLAP"
 #: while backward runs (read by ``shoal.learner.ps_overlap`` itself, like
 #: ``SHOAL_COLLECTIVE_OVERLAP``; not part of what the scheduler writes).
 PS_OVERLAP = "SHOAL_PS_OVERLAP"
+#: ``on`` or ``off`` (default): a parameter-server learner starts the next iteration's forward
+#: once every shard's answer header arrived, on the parameters already received (read by
+#: ``shoal.learner.early_forward`` itself; not part of what the scheduler writes).
+PS_EARLY_FORWARD = "SHOAL_PS_EARLY_FORWARD"
 EPOCHS = "SHOAL_EPOCHS"
 BATCH_SIZE = "SHOAL_BATCH_SIZE"
 #: Set only for a job with an adaptive batch: how the learning rate follows the batch.

@@ -26,6 +26,15 @@ Points:
   issue 12's livelock did), without the coordinator being told: the shard refuses the
   iteration as stale until the coordinator's floor guard re-issues it above the floor
   (docs/data-plane.md, "Generation floor drift"). Once per process.
+* ``hold-answer@<k>`` (a learner with ``SHOAL_PS_EARLY_FORWARD=on``): the learner holds the
+  rest of every shard's SyncStep answer of global iteration k after its header (sync returns,
+  the next forward starts with every tensor of the answer still pending) until the trainer
+  first waits for one of them, or 60 s.
+* ``drop-answer@<k>`` (same): as ``hold-answer``, then the last shard's answer fails as if
+  that shard died while answering (the learner cancels the call): the trainer must abandon
+  the iteration it started and pull the parameters. Both act each time the learner receives
+  iteration k's answers (once, unless k is re-issued); both are the learner's view of a slow
+  or lost answer, made on the learner's side (``grpc_backend.py``), not a shard dying.
 * ``stop-before-rename@<trigger file>``: armed while the trigger file exists and holds parts
   of a file's path (whitespace-separated, e.g. ``shard-1.safetensors`` or
   ``<job id>/ shard-1.safetensors``): the thread writing a file whose path contains every
@@ -48,7 +57,9 @@ import threading
 from typing import NoReturn
 
 __all__ = [
+    "DROP_ANSWER",
     "ENV",
+    "HOLD_ANSWER",
     "POINTS",
     "RAISE_FLOOR",
     "STOP_AFTER_VOTE",
@@ -68,8 +79,11 @@ KILL_POINTS = frozenset({"commit-partial", "save-shard"})
 STOP_AFTER_VOTE = "stop-after-vote"
 #: The point that raises a shard's generation floor at a global iteration (once).
 RAISE_FLOOR = "raise-floor"
+#: A learner's points at the answer of a global iteration (early forward; once each).
+HOLD_ANSWER = "hold-answer"
+DROP_ANSWER = "drop-answer"
 #: The points whose argument is a global iteration.
-ITERATION_POINTS = KILL_POINTS | {STOP_AFTER_VOTE, RAISE_FLOOR}
+ITERATION_POINTS = KILL_POINTS | {STOP_AFTER_VOTE, RAISE_FLOOR, HOLD_ANSWER, DROP_ANSWER}
 #: The point that stops the process before a checkpoint file's rename (argument: a trigger
 #: file).
 STOP_BEFORE_RENAME = "stop-before-rename"

@@ -98,6 +98,10 @@ class CallbackList:
         for c in self.callbacks:
             c.set_trainer(trainer)
 
+    def overrides(self, hook: str) -> bool:
+        """Whether a callback overrides ``hook`` (it may read the model then)."""
+        return any(getattr(type(c), hook) is not getattr(Callback, hook) for c in self.callbacks)
+
     def _call(self, hook: str, *args: Any) -> None:
         for c in self.callbacks:
             getattr(c, hook)(*args)

@@ -61,6 +61,11 @@ SHOAL_PS_OVERLAP            ``on``                  Parameter-server mode: gradi
                                                     the shards while backward runs (``off``:
                                                     after it). Read by
                                                     ``shoal.learner.ps_overlap``.
+SHOAL_PS_EARLY_FORWARD      ``off``                 Parameter-server mode: the next forward
+                                                    starts once every shard's answer header
+                                                    arrived, loading each module's parameters
+                                                    as they complete (``on``). Read by
+                                                    ``shoal.learner.early_forward``.
 SHOAL_TRAIN_MARKER          unset                   File the learner touches when the script
                                                     calls ``Trainer.train()``; the host agent
                                                     fails a learner that exits 0 without it.

@@ -27,6 +27,7 @@ SHOAL_LEARNER_ID, SHOAL_COORDINATOR (default: the first of SHOAL_SYNC_ENDPOINTS)
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
@@ -37,6 +38,7 @@ import torch
 from grpc import aio
 
 from shoal.client.tls import TLSFiles
+from shoal.contract import faults
 from shoal.contract.shm import LaneError
 from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
@@ -71,6 +73,7 @@ from shoal.learner.coordinator_messages import (
     join_request,
     layout_of,
 )
+from shoal.learner.early_forward import ArrivingTensors, early_forward_enabled
 from shoal.learner.env import LearnerEnv
 from shoal.learner.grpc_calls import (
     _SHARD_LOST_PAUSE_S,
@@ -180,6 +183,15 @@ class GrpcBackend(SyncBackend):
         # Gradients streamed while backward runs (ps_overlap.py; SHOAL_PS_OVERLAP).
         self.ps_overlap = overlap_enabled()
         self._streamed: StreamedGradients | None = None
+        # sync returns once every answer's header arrived (early_forward.py;
+        # SHOAL_PS_EARLY_FORWARD): the answers of the last sync, still arriving.
+        self.early_forward = early_forward_enabled()
+        self._arriving: ArrivingTensors | None = None
+        self._arriving_next: ArrivingTensors | None = None  # of the sync under way
+        self._rest: asyncio.Future[None] | None = None
+        #: Tensors not complete when sync returned, still pending when the next forward
+        #: started, and loaded by a module's forward pre-hook (summed over the run).
+        self.early_tensors = [0, 0, 0]
 
     @classmethod
     def from_env(cls, env: LearnerEnv) -> GrpcBackend:
@@ -317,6 +329,7 @@ class GrpcBackend(SyncBackend):
         setup = self._setup
         if setup is None:
             raise RuntimeError("initialize() must be called first")
+        self._answers_ended()  # both write into the receive tensors
         self._run(self._pull(self._generation, self._md()))
         n = len(setup.param_specs)
         return ModelState(self._recv[:n], self._recv[n:])
@@ -342,9 +355,12 @@ class GrpcBackend(SyncBackend):
             raise _translate(exc) from exc
 
     async def _receive(
-        self, shard: _Shard, frames: AsyncIterator[Frame]
+        self, shard: _Shard, frames: AsyncIterator[Frame], *, answer: bool = False
     ) -> ps_pb2.TensorBundleHeader:
-        """Read a parameter bundle from ``frames`` into the receive tensors."""
+        """Read a parameter bundle from ``frames`` into the receive tensors. ``answer``: a
+        SyncStep's answer (with early forward, its header and its complete tensors are told
+        to the sync's :class:`ArrivingTensors` as they arrive)."""
+        tracker: ArrivingTensors | None = None
         index = {self._layout[j].name: j for j in shard.tensors}
         header: ps_pb2.TensorBundleHeader | None = None
         receiver: BundleReceiver | None = None
@@ -354,15 +370,23 @@ class GrpcBackend(SyncBackend):
                 if frame.header is None:
                     raise RuntimeError(f"shard {shard.address} sent a chunk before the header")
                 header = frame.header
+                # Read at the header: an overlapped stream's call began before its sync.
+                tracker = self._arriving_next if answer else None
                 metas = [TensorMeta.from_proto(t) for t in header.tensors]
                 for m in metas:
                     j = index.get(m.name)
                     if j is None or not self._layout[j].same_tensor(m):
                         raise RuntimeError(f"shard {shard.address} sent unexpected {m.name!r}")
                     targets.append(j)
-                receiver = BundleReceiver(
-                    metas, header.total_bytes, _copy_sink(self._recv_bytes, targets)
-                )
+                sink = _copy_sink(self._recv_bytes, targets)
+                if tracker is not None:
+                    sink = _tracking_sink(sink, targets, self._recv_bytes, tracker)
+                receiver = BundleReceiver(metas, header.total_bytes, sink)
+                if tracker is not None:
+                    head = tracker.head(id(shard))
+                    if not head.done():
+                        head.set_result(header)
+                    await self._answer_fault(shard, frames, tracker)
                 if header.shared_memory:  # the bytes are in this learner's lane
                     if shard.lane is None:
                         raise RuntimeError(f"shard {shard.address} answered through no lane")
@@ -375,7 +399,31 @@ class GrpcBackend(SyncBackend):
         if header is None or receiver is None:
             raise RuntimeError(f"shard {shard.address} closed the stream without a header")
         receiver.finish()
+        if tracker is not None:
+            tracker.done(shard.tensors)
         return header
+
+    async def _answer_fault(self, shard: _Shard, frames: Any, tracker: ArrivingTensors) -> None:
+        """The test faults ``hold-answer`` and ``drop-answer`` (``shoal.contract.faults``)."""
+        dropping = faults.armed(faults.DROP_ANSWER, tracker.step)
+        if not (dropping or faults.armed(faults.HOLD_ANSWER, tracker.step)):
+            return
+        drop = dropping and shard is self._shards[-1]
+        log.warning("test fault: holding shard %d's answer of %d", shard.index, tracker.step)
+        await asyncio.to_thread(tracker.waited.wait, 60.0)
+        if drop:
+            log.warning("test fault drop-answer: shard %d's answer is lost", shard.index)
+            cancel = getattr(frames, "cancel", None)
+            if cancel is not None:
+                cancel()
+            raise IterationAborted(f"test fault drop-answer: shard {shard.index}")
+
+    def _answers_ended(self) -> None:
+        """Wait until the last sync's answers ended (nothing writes into the receive tensors
+        any more; the trainer has loaded them, or abandoned them after a failure)."""
+        arriving, self._arriving = self._arriving, None
+        if arriving is not None:
+            arriving.wait_ended()
 
     # -- sync ---------------------------------------------------------------------------------
 
@@ -390,6 +438,16 @@ class GrpcBackend(SyncBackend):
             raise ValueError(
                 f"contribution has {len(contribution.grads)} gradients, expected {n_params}"
             )
+        # The shard encodes its answer lazily from its slice: safe only because its next
+        # commit needs this learner's next complete contribution, so the last answer must
+        # have arrived before the trailer (or the buffers) leave.
+        self._answers_ended()
+        tracker = None
+        if self.early_forward:
+            tracker = ArrivingTensors(len(self._layout))
+            tracker.step = assignment.step
+            tracker.stats = self.early_tensors
+        self._arriving_next = tracker
         tensors: list[torch.Tensor | None] = [None] * len(self._layout)
         if contribution.n_samples > 0:
             for j, g in enumerate(contribution.grads):
@@ -401,7 +459,7 @@ class GrpcBackend(SyncBackend):
         )
         try:
             headers = self._run(
-                self._sync(assignment, contribution, tensors, lr, self._md(), streamed)
+                self._sync(assignment, contribution, tensors, lr, self._md(), streamed, tracker)
             )
         except IterationAborted:
             # Report this iteration's loss with the next Boundary anyway: if it was committed
@@ -428,6 +486,11 @@ class GrpcBackend(SyncBackend):
         measured = setup is not None and (
             setup.clip_grad_norm is not None or setup.skip_nonfinite or setup.measure_grad_norm
         )
+        if tracker is not None:
+            self._arriving = tracker
+            self.early_tensors[0] += sum(
+                1 for j in range(len(self._layout)) if not tracker.is_done(j)
+            )
         # Every shard committed with the same global norm and skip decision.
         return SyncResult(
             self._recv[:n_params],
@@ -436,6 +499,7 @@ class GrpcBackend(SyncBackend):
             float(loss),
             grad_norm=headers[0].grad_norm if measured and headers else None,
             skipped=any(h.step_skipped for h in headers),
+            arriving=tracker,
         )
 
     async def _sync(
@@ -446,7 +510,11 @@ class GrpcBackend(SyncBackend):
         lr: float | None,
         md: Any = None,
         streamed: Mapping[int, Awaitable[ps_pb2.TensorBundleHeader]] | None = None,
+        tracker: ArrivingTensors | None = None,
     ) -> list[ps_pb2.TensorBundleHeader]:
+        """Every shard's answer header; with ``tracker`` (early forward) as soon as every
+        header arrived, the rest of the answers arriving on this loop meanwhile."""
+
         async def one(shard: _Shard) -> ps_pb2.TensorBundleHeader:
             assert shard.streams is not None
             if streamed and id(shard) in streamed:  # sent while backward ran (ps_overlap.py)
@@ -486,7 +554,7 @@ class GrpcBackend(SyncBackend):
                         _one(encode_header(ps_pb2.SyncStepRequest, header)),
                         metadata=md or self._metadata,
                     )
-                    return await self._receive(shard, call)
+                    return await self._receive(shard, call, answer=True)
                 except (aio.AioRpcError, LaneError) as exc:
                     if isinstance(exc, aio.AioRpcError) and not lane_refused(exc):
                         raise
@@ -507,7 +575,7 @@ class GrpcBackend(SyncBackend):
                     yield chunk
 
             call = shard.streams["SyncStep"](messages(), metadata=md or self._metadata)
-            return await self._receive(shard, call)
+            return await self._receive(shard, call, answer=True)
 
         failed: dict[int, _Shard] = {}  # which shard's stream raised which error
 
@@ -519,8 +587,20 @@ class GrpcBackend(SyncBackend):
                 raise
 
         tasks = [asyncio.ensure_future(tracked(s)) for s in self._shards]
+        arriving = False
         try:
-            return list(await self._watch(asyncio.gather(*tasks)))
+            if tracker is None:
+                return list(await self._watch(asyncio.gather(*tasks)))
+            heads = []
+            for shard, task in zip(self._shards, tasks, strict=True):
+                head = tracker.head(id(shard))
+                task.add_done_callback(functools.partial(_headless, head))
+                heads.append(head)
+            headers = list(await self._watch(asyncio.gather(*heads)))
+            arriving = True
+            # Held here until it ended (the loop keeps only a weak reference to a task).
+            self._rest = asyncio.ensure_future(self._rest_of_answers(tasks, tracker))
+            return headers
         except CoordinatorMoved as exc:  # a frozen coordinator's shard may be one of them
             raise IterationAborted("the job's coordinator moved") from exc
         except aio.AioRpcError as exc:
@@ -537,7 +617,29 @@ class GrpcBackend(SyncBackend):
                 raise IterationAborted(_why(exc, failed.get(id(exc)))) from exc
             raise error from exc
         finally:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if not arriving:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _rest_of_answers(
+        self, tasks: Sequence[asyncio.Future[Any]], tracker: ArrivingTensors
+    ) -> None:
+        """Early forward: the answers after their headers, until each ended; a failure (a
+        shard that died while answering) is told to ``tracker`` as IterationAborted."""
+        try:
+            try:
+                await self._watch(asyncio.gather(*tasks))
+            except BaseException as exc:
+                why = _why(exc, None) if isinstance(exc, aio.AioRpcError) else str(exc)
+                tracker.fail(IterationAborted(f"an answer failed after its header: {why}"))
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                tracker.done(range(len(self._layout)))
+        finally:
+            tracker.end()
 
     # -- the rest -----------------------------------------------------------------------------
 
@@ -557,6 +659,35 @@ class GrpcBackend(SyncBackend):
 
 async def _one(message: bytes) -> AsyncIterator[bytes]:
     yield message
+
+
+def _headless(head: asyncio.Future[Any], task: asyncio.Future[Any]) -> None:
+    """A shard's answer ended before its header was told (it failed): the header's future
+    fails alike, so that waiting for every header raises the answer's error."""
+    if head.done():
+        return
+    if task.cancelled():
+        head.cancel()
+    elif task.exception() is not None:
+        head.set_exception(task.exception())  # type: ignore[arg-type]
+    else:
+        head.set_result(task.result())
+
+
+def _tracking_sink(
+    sink: Any, targets: Sequence[int], views: Sequence[np.ndarray], tracker: ArrivingTensors
+) -> Any:
+    """``sink`` telling ``tracker`` each tensor whose bytes are all written."""
+    left = [views[j].nbytes for j in targets]
+    tracker.done(j for i, j in enumerate(targets) if left[i] == 0)
+
+    def tracking(i: int, off: int, seg: memoryview) -> None:
+        sink(i, off, seg)
+        left[i] -= seg.nbytes
+        if left[i] == 0:
+            tracker.done((targets[i],))
+
+    return tracking
 
 
 def _register() -> None:

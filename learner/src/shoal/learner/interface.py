@@ -69,7 +69,10 @@ class SyncBackend(ABC):
         parameters and buffers. Raises
         :class:`IterationAborted` when the iteration was aborted. The backend also writes
         checkpoints when the completed step calls for one (``TrainingPlan.is_checkpoint_step``)
-        and the final model at the end of the job."""
+        and the final model at the end of the job. A backend may return before the new
+        tensors are all in, with ``SyncResult.arriving`` saying which are (the parameter-server
+        backend with ``SHOAL_PS_EARLY_FORWARD=on``, ``early_forward.py``); it must then wait
+        for them to have ended before its next ``sync`` or pull sends or receives anything."""
 
     def overlap_hooks(self, params: Sequence[Any]) -> GradientHooks | None:
         """Optional: hooks on the model's ``params`` (``nn.Parameter``, in spec order) that

@@ -269,7 +269,7 @@ class StreamedGradients:
                 self._requests(stream, header), metadata=md or backend._metadata
             )
             stream.call = call
-            stream.task = asyncio.ensure_future(backend._receive(shard, call))
+            stream.task = asyncio.ensure_future(backend._receive(shard, call, answer=True))
             # Not awaited until sync(): a failure (ABORTED, a lost shard) is raised there.
             stream.task.add_done_callback(_retrieve)
             streams.append(stream)

@@ -112,6 +112,7 @@ def compute_contribution(
     metrics: MetricLog | None = None,
     hooks: GradientHooks | None = None,
     tensors: ModelTensors | None = None,
+    forward_check: Callable[[torch.Tensor], bool] | None = None,
 ) -> Contribution:
     """Run forward and backward over the share ``indices`` of ``dataset`` and return this
     learner's :class:`Contribution`: the mean gradient over the share, its size, the sum of
@@ -136,7 +137,10 @@ def compute_contribution(
     during the last micro-batch's backward: they are begun here, armed just before that
     backward (with ``n`` and the loss scale's inverse) and finished after it, before the
     gradients are unscaled. ``tensors``: the model's :class:`ModelTensors`, when the caller
-    keeps them (else they are listed here).
+    keeps them (else they are listed here). ``forward_check`` (early forward,
+    ``early_forward.py``) is called with the first micro-batch's loss before its backward;
+    when it returns True the model was reloaded and that forward runs again (what it logged is
+    dropped), and the check is called once more with the new loss.
     """
     if tensors is None:
         tensors = ModelTensors.of(model)
@@ -171,11 +175,12 @@ def compute_contribution(
         if metrics is not None:
             metrics.chunk = m
         try:
-            if autocast_dtype is None:
-                loss = loss_fn(model(inputs), targets)
-            else:
-                with torch.autocast(device.type, dtype=autocast_dtype):
-                    loss = loss_fn(model(inputs), targets)
+            loss = _forward(model, loss_fn, inputs, targets, device, autocast_dtype)
+            if index == 0 and forward_check is not None and forward_check(loss):
+                if metrics is not None:
+                    metrics.begin_step()  # the first micro-batch's logs: of the dropped forward
+                loss = _forward(model, loss_fn, inputs, targets, device, autocast_dtype)
+                forward_check(loss)  # on the complete model now (it only looks)
         finally:
             if metrics is not None:
                 metrics.chunk = None
@@ -194,6 +199,20 @@ def compute_contribution(
                 if g is not None:
                     g.mul_(inv_scale.to(g.dtype))
     return Contribution(grads, n, float(loss_sum), list(tensors.buffers))
+
+
+def _forward(
+    model: nn.Module,
+    loss_fn: LossFn,
+    inputs: Any,
+    targets: Any,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    if autocast_dtype is None:
+        return loss_fn(model(inputs), targets)
+    with torch.autocast(device.type, dtype=autocast_dtype):
+        return loss_fn(model(inputs), targets)
 
 
 @torch.no_grad()

@@ -523,7 +523,12 @@ class SyncResult:
     ``grad_norm`` is the 2-norm of the global (reduced) gradient before clipping, when the
     backend computed it (it does with ``TrainingSetup.clip_grad_norm`` or ``skip_nonfinite``);
     ``skipped`` is true when the optimizer step was skipped because that gradient was not
-    finite (only with ``skip_nonfinite``: float16 loss scaling)."""
+    finite (only with ``skip_nonfinite``: float16 loss scaling).
+
+    ``arriving`` (parameter-server mode with ``SHOAL_PS_EARLY_FORWARD=on``): the answers are
+    still arriving into ``params`` and ``buffers``; an
+    :class:`~shoal.learner.early_forward.ArrivingTensors` says which tensors are complete
+    (the trainer loads them as they are: ``early_forward.py``). None: they are complete."""
 
     params: Sequence[torch.Tensor]
     buffers: Sequence[torch.Tensor]
@@ -531,6 +536,7 @@ class SyncResult:
     loss: float | None = None
     grad_norm: float | None = None
     skipped: bool = False
+    arriving: Any = None
 
 
 @dataclass(frozen=True)

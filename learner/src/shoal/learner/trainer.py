@@ -48,6 +48,7 @@ from shoal.learner.backend import (
     global_grad_norm,
 )
 from shoal.learner.callbacks import Callback, CallbackList
+from shoal.learner.early_forward import EarlyForward
 from shoal.learner.env import LearnerEnv, train_marker
 from shoal.learner.loader import BatchFetcher
 from shoal.learner.metrics import MetricsFn, classification_metrics
@@ -362,6 +363,32 @@ class ElasticTrainer:
         )
         self._world_one = isinstance(backend, LocalBackend)
         hooks = None
+        # Parameter-server mode with SHOAL_PS_EARLY_FORWARD=on: the last sync's answer is
+        # still arriving (early_forward.py); ``lost``: loading it failed (a shard died while
+        # answering), the model is not whole until the next pull.
+        early: EarlyForward | None = None
+        lost = False
+
+        def settle(hook: str | None = None) -> None:
+            """Wait for the last answer and load all of it (before anything reads the
+            model other than the next forward; before the callbacks' ``hook`` only when a
+            callback overrides it)."""
+            nonlocal lost
+            if early is None or not early.unsettled:
+                return
+            if hook is not None and not callbacks.overrides(hook):
+                return
+            try:
+                early.settle()
+            except IterationAborted as exc:
+                lost = True
+                logger.warning(
+                    "the answer of iteration %s failed while it was loaded; the parameters are "
+                    "pulled at the next assignment: %s",
+                    self._assignment.step if self._assignment is not None else "?",
+                    exc,
+                )
+
         try:
             tracing.begin_join()
             state = backend.initialize(setup)
@@ -405,6 +432,7 @@ class ElasticTrainer:
             noise_estimate: tuple[float, float] | None = None
             while (a := tracing.next_assignment(backend)) is not None:
                 if a.retire:
+                    settle()
                     logger.info("retired at step %d (generation %d)", a.step, a.generation)
                     result.retired = True
                     self._assignment = None
@@ -414,11 +442,16 @@ class ElasticTrainer:
                 if previous is not None and (
                     previous.generation != a.generation or previous.world_size != a.world_size
                 ):
+                    settle("on_rescale")
                     callbacks.on_rescale(previous.world_size, a.world_size, a)
                 if a.epoch != begun_epoch:
                     begun_epoch = a.epoch
+                    settle("on_epoch_begin")
                     callbacks.on_epoch_begin(a.epoch)
-                if a.pull_parameters or not have_state:
+                if a.pull_parameters or not have_state or lost:
+                    if early is not None:
+                        early.abandon()  # the pull overwrites every tensor
+                    lost = False
                     try:
                         with tracing.phase("pull parameters"):
                             pulled = backend.pull_parameters()
@@ -440,30 +473,39 @@ class ElasticTrainer:
                 start, stop = a.share
                 self._metric_log.begin_step()
                 compute_started = time.perf_counter()
-                with tracing.phase("compute"):
-                    contribution = compute_contribution(
-                        model,
-                        self.loss_fn,
-                        train_set,
-                        order[start:stop],
-                        max_per_device=max_per_device,
-                        device=self.device,
-                        autocast_dtype=autocast_dtype,
-                        fetcher=fetcher,
-                        # Each sample's term of the scaled loss is scale / b, as in one
-                        # process's scaled mean over the global batch: the share overflows
-                        # float16 exactly where that process's per-sample terms would.
-                        loss_scale=(
-                            None
-                            if scaler is None or stop == start
-                            else scaler.scale * (stop - start) / a.batch_size
-                        ),
-                        metrics=self._metric_log,
-                        hooks=hooks,
-                        tensors=tensors,
+                try:
+                    with tracing.phase("compute"):
+                        contribution = self._compute(
+                            model,
+                            train_set,
+                            order[start:stop],
+                            a,
+                            early,
+                            max_per_device=max_per_device,
+                            autocast_dtype=autocast_dtype,
+                            fetcher=fetcher,
+                            scaler=scaler,
+                            hooks=hooks,
+                            tensors=tensors,
+                        )
+                except IterationAborted as exc:
+                    # The last answer failed while this forward loaded it (a shard died while
+                    # answering): abandon the iteration; the next assignment pulls.
+                    if early is not None:
+                        early.abandon()
+                    if hooks is not None:
+                        hooks.discard()
+                    tensors.zero_grad()
+                    tracing.end_iteration(aborted=True)
+                    logger.warning(
+                        "iteration %d abandoned: the answer of the previous one failed while it "
+                        "was loaded; pulling the parameters: %s",
+                        a.step,
+                        exc,
                     )
-                    if self.device.type == "cuda":  # the kernels queued count as compute
-                        torch.cuda.synchronize(self.device)
+                    self._restore_buffers(synced_buffers)
+                    have_state = False
+                    continue
                 compute_s = time.perf_counter() - compute_started
                 # An adaptive batch's share gradient for the noise scale (McCandlish et al.
                 # 2018, app. A): its squared norm against the global one after the sync. Only
@@ -508,8 +550,15 @@ class ElasticTrainer:
                     continue
                 finally:
                     tensors.zero_grad()
-                self._load(synced.params, synced.buffers)
-                self._snapshot_buffers(synced_buffers)
+                if synced.arriving is None:
+                    self._load(synced.params, synced.buffers)
+                    self._snapshot_buffers(synced_buffers)
+                else:  # the answers are still arriving: loaded as the next forward needs them
+                    if early is None:
+                        early = EarlyForward(model, tensors, [n for n, _ in named_params])
+                    early.begin(synced.arriving, [*synced.params, *synced.buffers], synced_buffers)
+                    if not early.enabled:
+                        settle()
                 tracing.end_iteration()
                 if share_sq is not None and synced.grad_norm is not None:
                     noise_estimate = two_batch_estimate(
@@ -540,12 +589,18 @@ class ElasticTrainer:
                     metrics=means(step_metrics),
                 )
                 result.history.append(record)
+                settle("on_iteration_end")
                 callbacks.on_iteration_end(record)
                 if a.batch_stop == plan.num_samples:  # the epoch's last iteration
                     epoch_result = None
                     if a.rank == 0:
+                        settle()
                         epoch_result = self._end_epoch(
-                            a, result, test_set, eval_batch_size, time.monotonic() - epoch_start
+                            a,
+                            result,
+                            None if lost else test_set,  # not whole: no evaluation
+                            eval_batch_size,
+                            time.monotonic() - epoch_start,
                         )
                         result.epochs.append(epoch_result)
                         backend.report_epoch(
@@ -557,11 +612,20 @@ class ElasticTrainer:
                                 num_samples=0 if test_set is None else len(test_set),  # type: ignore[arg-type]
                             )
                         )
+                    settle("on_epoch_end")
                     callbacks.on_epoch_end(a.epoch, epoch_result)
                     epoch_start = time.monotonic()
             else:
                 result.completed = True
+            settle()  # the final parameters
+            if lost:
+                logger.warning(
+                    "TrainResult.params are not whole: the last answer failed while it was "
+                    "loaded (the job's final model, the shards', is)"
+                )
         finally:
+            if early is not None:  # settled unless train() is raising: just unhook
+                early.abandon(wait=False)
             if hooks is not None:
                 hooks.remove()
             tracing.close()
@@ -575,6 +639,52 @@ class ElasticTrainer:
         return result
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _compute(
+        self,
+        model: nn.Module,
+        train_set: Dataset[Any],
+        indices: torch.Tensor,
+        a: Assignment,
+        early: EarlyForward | None,
+        *,
+        max_per_device: int | None,
+        autocast_dtype: torch.dtype | None,
+        fetcher: BatchFetcher | None,
+        scaler: LossScaler | None,
+        hooks: Any,
+        tensors: ModelTensors,
+    ) -> Any:
+        """This learner's contribution to iteration ``a`` (``indices``: its share). With
+        early forward the last answer's pending tensors load as forward reaches their
+        modules, and the whole of it before the first backward (IterationAborted when it
+        failed)."""
+        n = int(indices.numel())
+        if early is not None:
+            early.before_forward()
+        contribution = compute_contribution(
+            model,
+            self.loss_fn,
+            train_set,
+            indices,
+            max_per_device=max_per_device,
+            device=self.device,
+            autocast_dtype=autocast_dtype,
+            fetcher=fetcher,
+            # Each sample's term of the scaled loss is scale / b, as in one process's scaled
+            # mean over the global batch: the share overflows float16 exactly where that
+            # process's per-sample terms would.
+            loss_scale=(None if scaler is None or n == 0 else scaler.scale * n / a.batch_size),
+            metrics=self._metric_log,
+            hooks=hooks,
+            tensors=tensors,
+            forward_check=None if early is None or not early.unsettled else early.check,
+        )
+        if early is not None:
+            early.settle()  # an empty share ran no forward
+        if self.device.type == "cuda":  # the kernels queued count as compute
+            torch.cuda.synchronize(self.device)
+        return contribution
 
     def _datasets(self, uris: tuple[str, ...]) -> tuple[Dataset[Any], Dataset[Any] | None]:
         try:
