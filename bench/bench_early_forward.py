@@ -2,14 +2,15 @@
 (``SHOAL_PS_EARLY_FORWARD=on``) against after the whole answer (``off``), in interleaved
 off/on pairs of one run.
 
-The harness of ``bench_ps_overlap.py`` (one parameter-sync shard process on loopback, W learner
-processes running ``ElasticTrainer`` with the ``"grpc"`` backend on an MLP 64 -> width x depth
--> 10 over scikit-learn's digits, global batch 256, SGD with momentum, one thread per process,
-gradient streaming on). ``--lane on`` uses the same-host shared-memory lane, ``off`` (default)
-gRPC as a learner on another host. Per iteration = the median gap between consecutive commits
-in the job's ``metrics/iterations.jsonl`` after 5 warm-up iterations. "Pending at forward":
-learner 0's ``GrpcBackend.early_tensors`` (tensors not complete when sync returned / still
-pending when the next forward started / loaded by a module's forward pre-hook), summed.
+The harness of ``bench_ps_overlap.py`` (``run_job``: one parameter-sync shard process on
+loopback, W learner processes running ``ElasticTrainer`` with the ``"grpc"`` backend on an
+MLP 64 -> width x depth -> 10 over scikit-learn's digits, global batch 256, SGD with momentum,
+one thread per process, gradient streaming on). ``--lane on`` uses the same-host shared-memory
+lane, ``off`` (default) gRPC as a learner on another host. Per iteration = the median gap
+between consecutive commits in the job's ``metrics/iterations.jsonl`` after 5 warm-up
+iterations. "Pending at forward": learner 0's ``GrpcBackend.early_tensors`` (tensors not
+complete when sync returned / still pending when the next forward started / loaded by a
+module's forward pre-hook), summed.
 
     PYTHONPATH=... python bench/bench_early_forward.py [--world 2] [--repeat 2] [--lane off]
 """
@@ -17,111 +18,32 @@ pending when the next forward started / loaded by a module's forward pre-hook), 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_collective import (  # the shared shard/learner harness
-    BATCH,
-    ENV,
-    WARMUP,
-    Cluster,
-    build_model,
-    cpu_model,
-    digits,
-    gaps,
-)
-
-
-def run_learner(args: argparse.Namespace) -> int:
-    import logging
-
-    from torch.utils.data import TensorDataset
-
-    from shoal.learner import ElasticTrainer, create_backend, grpc_backend  # noqa: F401
-
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(1)
-    x, y = digits()
-    backend = create_backend("grpc")
-    trainer = ElasticTrainer(
-        build_model(args.width, args.depth),
-        lambda: (TensorDataset(x, y), None),
-        nn.CrossEntropyLoss(),
-        ("SGD", {"lr": 0.05, "momentum": 0.9}),
-        backend=backend,
-    )
-    print("READY", flush=True)
-    while not Path(args.gate).exists():
-        time.sleep(0.01)
-    try:
-        trainer.train(epochs=args.epochs, batch_size=BATCH)
-    finally:
-        backend.close()
-    Path(args.history).write_text(json.dumps({"early": getattr(backend, "early_tensors", None)}))
-    return 0
+from bench_collective import BATCH, build_model, cpu_model
+from bench_ps_overlap import run_job
 
 
 def bench(
     world: int, width: int, depth: int, iters: int, early: bool, lane: bool
 ) -> tuple[float, str]:
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        cluster = Cluster(tmp)
-        try:
-            job = f"early-forward-{world}-{early}"
-            epochs = -(-(iters + WARMUP + 1) // 8)  # digits: 8 iterations of 256 per epoch
-            cluster.open_job(job, epochs)
-            gate = tmp / "gate"
-            for i in range(world):
-                name = f"l{i}"
-                args = [sys.executable, __file__, "--learner", "--epochs", str(epochs)]
-                args += ["--width", str(width), "--depth", str(depth), "--gate", str(gate)]
-                args += ["--history", str(tmp / f"{name}.json")]
-                env = {
-                    **ENV,
-                    "SHOAL_LOG_LEVEL": "WARNING",
-                    "SHOAL_JOB_ID": job,
-                    "SHOAL_LEARNER_ID": name,
-                    "SHOAL_COORDINATOR": cluster.address,
-                    "SHOAL_SYNC_ENDPOINTS": cluster.address,
-                    "SHOAL_SYNC_BACKEND": "grpc",
-                    "SHOAL_SHM_LANE": "on" if lane else "off",
-                    "SHOAL_PS_EARLY_FORWARD": "on" if early else "off",
-                }
-                out = open(tmp / f"{name}.log", "w")
-                cluster.learners.append(
-                    subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-                )
-            for i in range(world):
-                while "READY" not in (tmp / f"l{i}.log").read_text():
-                    time.sleep(0.05)
-            gate.touch()
-            for i, p in enumerate(cluster.learners):
-                if p.wait(timeout=600) != 0:
-                    raise RuntimeError((tmp / f"l{i}.log").read_text()[-3000:])
-            records = cluster.records(job)
-            counts = json.loads((tmp / "l0.json").read_text())["early"]
-            return statistics.median(gaps(records[WARMUP:])), "/".join(map(str, counts))
-        finally:
-            cluster.close()
+    """Per iteration (s) with early forward on or off, and learner 0's ``early_tensors``."""
+    switches = {
+        "SHOAL_SHM_LANE": "on" if lane else "off",
+        "SHOAL_PS_EARLY_FORWARD": "on" if early else "off",
+    }
+    seconds, counters = run_job(world, width, depth, iters, switches)
+    return seconds, "/".join(map(str, counters["early_tensors"]))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--learner", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--gate", help=argparse.SUPPRESS)
-    parser.add_argument("--history", help=argparse.SUPPRESS)
-    parser.add_argument("--epochs", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--width", type=int, default=1536)
     parser.add_argument("--depth", type=int, default=4, help="hidden layers of the MLP")
@@ -129,8 +51,6 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2, help="off/on pairs, alternating")
     parser.add_argument("--lane", choices=("on", "off"), default="off")
     args = parser.parse_args()
-    if args.learner:
-        return run_learner(args)
     params = sum(p.numel() for p in build_model(args.width, args.depth).parameters())
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M')}, {cpu_model()}, {os.cpu_count()} cores, torch "

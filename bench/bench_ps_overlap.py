@@ -64,17 +64,37 @@ def run_learner(args: argparse.Namespace) -> int:
         trainer.train(epochs=args.epochs, batch_size=BATCH)
     finally:
         backend.close()
-    sent = getattr(backend, "tensors_sent", None)
-    Path(args.history).write_text(json.dumps({"tensors_sent": sent}))
+    counters = {
+        "tensors_sent": getattr(backend, "tensors_sent", None),
+        "early_tensors": getattr(backend, "early_tensors", None),
+    }
+    Path(args.history).write_text(json.dumps(counters))
     return 0
 
 
 def bench(world: int, width: int, depth: int, iters: int, overlap: bool) -> tuple[float, str]:
+    """Per iteration (s) with gradient streaming ``overlap`` on or off, and learner 0's
+    ``tensors_sent`` (streamed in backward / in all)."""
+    seconds, counters = run_job(world, width, depth, iters, {"SHOAL_PS_OVERLAP": _on(overlap)})
+    sent = counters["tensors_sent"]
+    return seconds, f"{sent[0]}/{sent[1]}"
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def run_job(
+    world: int, width: int, depth: int, iters: int, switches: dict[str, str]
+) -> tuple[float, dict[str, list[int]]]:
+    """One job of ``world`` learner processes with the environment ``switches`` (over gRPC
+    unless they say SHOAL_SHM_LANE=on): the median seconds per iteration after the warm-up and
+    learner 0's backend counters."""
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         cluster = Cluster(tmp)
         try:
-            job = f"ps-overlap-{world}-{overlap}"
+            job = f"ps-{world}-" + "-".join(f"{v}" for v in switches.values())
             epochs = -(-(iters + WARMUP + 1) // 8)  # digits: 8 iterations of 256 per epoch
             cluster.open_job(job, epochs)
             gate = tmp / "gate"
@@ -92,7 +112,7 @@ def bench(world: int, width: int, depth: int, iters: int, overlap: bool) -> tupl
                     "SHOAL_SYNC_ENDPOINTS": cluster.address,
                     "SHOAL_SYNC_BACKEND": "grpc",
                     "SHOAL_SHM_LANE": "off",
-                    "SHOAL_PS_OVERLAP": "on" if overlap else "off",
+                    **switches,
                 }
                 out = open(tmp / f"{name}.log", "w")
                 cluster.learners.append(
@@ -106,8 +126,8 @@ def bench(world: int, width: int, depth: int, iters: int, overlap: bool) -> tupl
                 if p.wait(timeout=600) != 0:
                     raise RuntimeError((tmp / f"l{i}.log").read_text()[-3000:])
             records = cluster.records(job)
-            sent = json.loads((tmp / "l0.json").read_text())["tensors_sent"]
-            return statistics.median(gaps(records[WARMUP:])), f"{sent[0]}/{sent[1]}"
+            counters = json.loads((tmp / "l0.json").read_text())
+            return statistics.median(gaps(records[WARMUP:])), counters
         finally:
             cluster.close()
 
