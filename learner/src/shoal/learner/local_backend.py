@@ -72,6 +72,7 @@ class LocalBackend(SyncBackend):
         self._params: list[torch.Tensor] = []
         self._buffers: list[torch.Tensor] = []
         self._optimizer: torch.optim.Optimizer | None = None
+        self._in_place = False
         self._step = 0
         self._reports: list[dict[str, Any]] = []
 
@@ -91,6 +92,13 @@ class LocalBackend(SyncBackend):
         self._plan = setup.plan
         self._params = [_own(p).requires_grad_(p.requires_grad) for p in setup.params]
         self._buffers = [_own(b) for b in setup.buffers]
+        # Every tensor the model's own (none copied): sync hands back nothing to load.
+        self._in_place = all(
+            a is b or a.data_ptr() == b.data_ptr()
+            for a, b in zip(
+                [*self._params, *self._buffers], [*setup.params, *setup.buffers], strict=True
+            )
+        )
         self._optimizer = setup.optimizer.create(self._params, [s.name for s in setup.param_specs])
         if self._storage_uri is not None and self._resume:
             checkpoint = load_latest_checkpoint(self._storage_uri)
@@ -171,7 +179,9 @@ class LocalBackend(SyncBackend):
         self._step += 1
         if self._storage_uri is not None and plan.is_checkpoint_step(step):
             self._checkpoint(self._step)
-        return SyncResult(self._params, self._buffers, step, loss, grad_norm, skipped)
+        return SyncResult(
+            self._params, self._buffers, step, loss, grad_norm, skipped, in_place=self._in_place
+        )
 
     def _checkpoint(self, completed: int) -> None:
         setup, plan, optimizer = self._setup, self._plan, self._optimizer

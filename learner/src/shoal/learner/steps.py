@@ -45,6 +45,10 @@ def fetch_batch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    if type(batch) is tuple and all(
+        type(b) is torch.Tensor and b.device == device for b in batch
+    ):  # the common case (a TensorDataset's batch already there): as it is
+        return batch
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):

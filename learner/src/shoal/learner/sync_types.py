@@ -9,6 +9,7 @@ re-exports every public name here.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -289,8 +290,9 @@ class TrainingPlan:
             ):
                 raise ValueError(f"{name} ({value!r}) must be None or an int >= 1")
 
-    @property
+    @functools.cached_property
     def iterations_per_epoch(self) -> int:
+        # (cached: read several times per iteration; the fields are frozen)
         return partition.iterations_per_epoch(self.num_samples, self.batch_size)
 
     @property
@@ -525,7 +527,8 @@ class SyncResult:
     ``skipped`` is true when the optimizer step was skipped because that gradient was not
     finite (only with ``skip_nonfinite``: float16 loss scaling).
 
-    ``arriving`` (parameter-server mode with ``SHOAL_PS_EARLY_FORWARD=on``): the answers are
+    ``in_place``: the tensors are the model's own (nothing to copy back). ``arriving``
+    (parameter-server mode with ``SHOAL_PS_EARLY_FORWARD=on``): the answers are
     still arriving into ``params`` and ``buffers``; an
     :class:`~shoal.learner.early_forward.ArrivingTensors` says which tensors are complete
     (the trainer loads them as they are: ``early_forward.py``). None: they are complete."""
@@ -537,6 +540,9 @@ class SyncResult:
     grad_norm: float | None = None
     skipped: bool = False
     arriving: Any = None
+    #: ``params`` and ``buffers`` are the model's own tensors, stepped in place (the local
+    #: backend): there is nothing to load.
+    in_place: bool = False
 
 
 @dataclass(frozen=True)

@@ -362,6 +362,9 @@ class ElasticTrainer:
             else create_backend(self.backend, env)
         )
         self._world_one = isinstance(backend, LocalBackend)
+        # A backend without a coordinator keeps no reported metrics (SyncBackend.log_metrics):
+        # nothing to build for it per iteration.
+        keeps_metrics = type(backend).log_metrics is not SyncBackend.log_metrics
         hooks = None
         # Parameter-server mode with SHOAL_PS_EARLY_FORWARD=on: the last sync's answer is
         # still arriving (early_forward.py); ``lost``: loading it failed (a shard died while
@@ -522,16 +525,19 @@ class ElasticTrainer:
                 # The compute/sync split travels with the script's metrics (the sync's of the
                 # previous iteration of this generation: a collective learner reports inside
                 # its sync).
-                reported = with_timings(
-                    step_metrics,
-                    contribution.n_samples,
-                    compute_s,
-                    last_sync[1] if last_sync and last_sync[0] == a.generation else None,
-                )
-                if noise_estimate is not None:
-                    reported = with_noise_estimate(reported, contribution.n_samples, noise_estimate)
-                    noise_estimate = None
-                backend.log_metrics(a.step, reported)
+                if keeps_metrics:
+                    reported = with_timings(
+                        step_metrics,
+                        contribution.n_samples,
+                        compute_s,
+                        last_sync[1] if last_sync and last_sync[0] == a.generation else None,
+                    )
+                    if noise_estimate is not None:
+                        reported = with_noise_estimate(
+                            reported, contribution.n_samples, noise_estimate
+                        )
+                        noise_estimate = None
+                    backend.log_metrics(a.step, reported)
                 lr = self._lr(a)
                 sync_started = time.perf_counter()
                 try:
@@ -550,7 +556,9 @@ class ElasticTrainer:
                     continue
                 finally:
                     tensors.zero_grad()
-                if synced.arriving is None:
+                if synced.in_place:  # the local backend stepped the model's own tensors
+                    self._snapshot_buffers(synced_buffers)
+                elif synced.arriving is None:
                     self._load(synced.params, synced.buffers)
                     self._snapshot_buffers(synced_buffers)
                 else:  # the answers are still arriving: loaded as the next forward needs them
@@ -743,15 +751,17 @@ class ElasticTrainer:
                 # Blocking: a backend may reuse (e.g. pinned receive) buffers on its next call.
                 dst.copy_(src)
 
-    @torch.no_grad()
     def _snapshot_buffers(self, saved: Sequence[torch.Tensor]) -> None:
-        for dst, src in zip(saved, self._tensors.buffers, strict=True):
-            dst.copy_(src)
+        if saved:  # (no no_grad context per iteration for a model without buffers)
+            with torch.no_grad():
+                for dst, src in zip(saved, self._tensors.buffers, strict=True):
+                    dst.copy_(src)
 
-    @torch.no_grad()
     def _restore_buffers(self, saved: Sequence[torch.Tensor]) -> None:
-        for dst, src in zip(self._tensors.buffers, saved, strict=True):
-            dst.copy_(src)
+        if saved:
+            with torch.no_grad():
+                for dst, src in zip(self._tensors.buffers, saved, strict=True):
+                    dst.copy_(src)
 
     def _end_epoch(
         self,
