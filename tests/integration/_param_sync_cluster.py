@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from shoal.v1 import (
     parameter_sync_service_pb2 as ps_pb2,
     parameter_sync_service_pb2_grpc as ps_grpc,
 )
-from tests.support import free_port, wait_until
+from tests.support import free_port, make_tokens, wait_until
 
 HERE = Path(__file__).resolve().parent
 LEARNER = HERE / "_sync_learner.py"
@@ -300,6 +300,19 @@ class DataPlane:
 
     def final_model(self, job_id: str) -> dict[str, torch.Tensor]:
         return safetensors.torch.load_file(self.job_dir(job_id) / "model.safetensors")
+
+
+def running_plane(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[DataPlane]:
+    """A data plane with its shard processes started in a fresh temporary directory ``name``,
+    killed afterwards: the body of the test modules' ``plane`` fixtures."""
+    tmp = tmp_path_factory.mktemp(name)
+    tokens = make_tokens(tmp / "tokens")
+    dp = DataPlane(tmp, tmp / "tokens", tokens)
+    dp.start_shards()
+    try:
+        yield dp
+    finally:
+        dp.kill_all()
 
 
 @functools.cache

@@ -27,6 +27,7 @@ from tests.integration._param_sync_cluster import (
     Proc,
     assert_user_metrics,
     reference_training,
+    running_plane,
 )
 from tests.integration.test_elastic_training import (
     BATCH,
@@ -42,12 +43,7 @@ COLLECTIVE = "collective"
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("collective")
-    tokens = make_tokens(tmp / "tokens")
-    dp = DataPlane(tmp, tmp / "tokens", tokens)
-    dp.start_shards()
-    yield dp
-    dp.kill_all()
+    yield from running_plane(tmp_path_factory, "collective")
 
 
 def start(plane: DataPlane, job: str, name: str, epochs: int, **hooks) -> Proc:

@@ -26,6 +26,7 @@ from tests.integration._param_sync_cluster import (
     assert_user_metrics,
     digits_data,
     reference_training,
+    running_plane,
 )
 from tests.support import make_tokens, wait_until
 
@@ -35,12 +36,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("elastic")
-    tokens = make_tokens(tmp / "tokens")
-    dp = DataPlane(tmp, tmp / "tokens", tokens)
-    dp.start_shards()
-    yield dp
-    dp.kill_all()
+    yield from running_plane(tmp_path_factory, "elastic")
 
 
 def num_samples() -> int:

@@ -11,8 +11,12 @@ import pytest
 import torch
 
 from shoal.learner import partition
-from tests.integration._param_sync_cluster import DataPlane, digits_data, reference_training
-from tests.support import make_tokens
+from tests.integration._param_sync_cluster import (
+    DataPlane,
+    digits_data,
+    reference_training,
+    running_plane,
+)
 
 BATCH = 64
 ATOL = 1e-5
@@ -20,12 +24,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("ps-groups")
-    tokens = make_tokens(tmp / "tokens")
-    dp = DataPlane(tmp, tmp / "tokens", tokens)
-    dp.start_shards()
-    yield dp
-    dp.kill_all()
+    yield from running_plane(tmp_path_factory, "ps-groups")
 
 
 @pytest.mark.slow

@@ -21,24 +21,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration._param_sync_cluster import DataPlane, reference_training
+from tests.integration._param_sync_cluster import DataPlane, reference_training, running_plane
 from tests.integration.test_elastic_training import (
     ATOL,
     BATCH,
     assert_each_iteration_recorded_once,
     iterations_per_epoch,
 )
-from tests.support import make_tokens
 
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("ps-early-forward")
-    tokens = make_tokens(tmp / "tokens")
-    dp = DataPlane(tmp, tmp / "tokens", tokens)
-    dp.start_shards()
-    yield dp
-    dp.kill_all()
+    yield from running_plane(tmp_path_factory, "ps-early-forward")
 
 
 def _equal_to_reference(plane: DataPlane, job: str, epochs: int, prefix: str = "") -> None:

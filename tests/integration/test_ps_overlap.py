@@ -13,24 +13,18 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.integration._param_sync_cluster import DataPlane, reference_training
+from tests.integration._param_sync_cluster import DataPlane, reference_training, running_plane
 from tests.integration.test_elastic_training import (
     ATOL,
     BATCH,
     assert_each_iteration_recorded_once,
     iterations_per_epoch,
 )
-from tests.support import make_tokens
 
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("ps-overlap")
-    tokens = make_tokens(tmp / "tokens")
-    dp = DataPlane(tmp, tmp / "tokens", tokens)
-    dp.start_shards()
-    yield dp
-    dp.kill_all()
+    yield from running_plane(tmp_path_factory, "ps-overlap")
 
 
 @pytest.mark.slow
