@@ -55,8 +55,8 @@ class LocalBackend(SyncBackend):
 
     Its optimizer steps the model's own tensors (those ``initialize`` gets), as a plain
     PyTorch loop does: the learner still hands gradients out and takes parameters in exactly
-    as on the cluster, but the parameters it takes back are its own, so loading them copies
-    nothing (``same_memory``). Tensors that are not leaves of their own (a view, a non-leaf)
+    as on the cluster, but the parameters it takes back are its own, so there is nothing to
+    load (``SyncResult.in_place``). Tensors that are not leaves of their own (a view, a non-leaf)
     are copied once, as master copies.
     With ``storage_uri`` it writes checkpoints (every ``checkpoint_every`` epochs and at the
     end), the epoch reports (``metrics/epochs.json``) and the final model
@@ -92,9 +92,9 @@ class LocalBackend(SyncBackend):
         self._plan = setup.plan
         self._params = [_own(p).requires_grad_(p.requires_grad) for p in setup.params]
         self._buffers = [_own(b) for b in setup.buffers]
-        # Every tensor the model's own (none copied): sync hands back nothing to load.
+        # Every tensor the model's own (_own copied none): sync hands back nothing to load.
         self._in_place = all(
-            a is b or a.data_ptr() == b.data_ptr()
+            a is b
             for a, b in zip(
                 [*self._params, *self._buffers], [*setup.params, *setup.buffers], strict=True
             )

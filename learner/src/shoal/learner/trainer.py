@@ -556,10 +556,9 @@ class ElasticTrainer:
                     continue
                 finally:
                     tensors.zero_grad()
-                if synced.in_place:  # the local backend stepped the model's own tensors
-                    self._snapshot_buffers(synced_buffers)
-                elif synced.arriving is None:
-                    self._load(synced.params, synced.buffers)
+                if synced.arriving is None:
+                    if not synced.in_place:  # (the local backend stepped the model's own)
+                        self._load(synced.params, synced.buffers)
                     self._snapshot_buffers(synced_buffers)
                 else:  # the answers are still arriving: loaded as the next forward needs them
                     if early is None:
