@@ -106,8 +106,11 @@ def test_a_coordinator_lost_in_the_middle_of_a_commit_is_taken_over_past_that_co
     ipe = iterations_per_epoch()
     at = ipe // 2
     try:
+        # Groups of ~0.5 KiB: every commit steps its slice in several groups (shard.py,
+        # step_groups), so the takeover is tested past a grouped, progressively answered one.
         plane.start_shards(
-            ["--shard-probe", "0.5"], env={0: {"SHOAL_TEST_FAULT": f"commit-partial@{at}"}}
+            ["--shard-probe", "0.5", "--step-group-mb", "0.0005"],
+            env={0: {"SHOAL_TEST_FAULT": f"commit-partial@{at}"}},
         )
         plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
         learners = {

@@ -46,8 +46,13 @@ def test_a_killed_non_coordinator_shard_restarted_5s_later_never_fails_the_job(
     try:
         # A long promotion grace: the shard is restored in place when it is back, rather
         # than replaced by its backup (the other test).
+        # Groups of ~0.5 KiB: every commit steps its slice in several groups (shard.py,
+        # step_groups), so a shard is lost and restored between grouped commits too.
         plane.start_shards(
-            ["--shard-probe", "0.5", "--replication", replication, "--promote-after", "120"]
+            [
+                *("--shard-probe", "0.5", "--replication", replication),
+                *("--promote-after", "120", "--step-group-mb", "0.0005"),
+            ]
         )
         plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
         learners = {
