@@ -11,6 +11,8 @@ Nothing here times anything."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import random
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
@@ -31,6 +33,7 @@ from shoal.scheduler.placement import (
     LearnerView,
     PlacementConfig,
     Plan,
+    PlanMemo,
     Retire,
     Start,
     _choose_retires,
@@ -473,6 +476,39 @@ def exits_and_busy(
     return exits, busy
 
 
+def change_a_host(rnd: random.Random, hosts: dict[str, resources_pb2.Host]) -> None:
+    """Lose a host, restart it (a new incarnation) or drop it, sometimes."""
+    if not hosts or rnd.random() < 0.6:
+        return
+    host_id = rnd.choice(sorted(hosts))
+    r = rnd.random()
+    if r < 0.2:
+        del hosts[host_id]
+        return
+    host = resources_pb2.Host()
+    host.CopyFrom(hosts[host_id])
+    if r < 0.6:
+        host.state = resources_pb2.HOST_STATE_LOST
+    else:
+        host.incarnation += 1
+    hosts[host_id] = host
+
+
+def host_views(hosts: Mapping[str, resources_pb2.Host]) -> list[HostView]:
+    return [
+        HostView(
+            h.host_id,
+            tuple(DeviceView(d.device_id) for d in h.devices),
+            HostState.LOST
+            if h.state == resources_pb2.HOST_STATE_LOST
+            else HostState.CORDONED
+            if h.draining
+            else HostState.READY,
+        )
+        for h in hosts.values()
+    ]
+
+
 def summary(work: Mapping[str, JobWork]) -> dict[str, tuple[object, ...]]:
     return {
         job_id: (
@@ -499,21 +535,53 @@ def test_observe_demands_decide_are_those_of_the_code_they_replaced(seed: int) -
     rnd = random.Random(seed)
     records, hosts = cluster(rnd)
     exits, busy = exits_and_busy(rnd, records)
-    before = D.observe(records, hosts, exits, busy)  # an earlier observation, then changes
+    seen: D.ObserveCache = {}
+    before = D.observe(records, hosts, exits, busy, cache=seen)  # an earlier one, then changes
     cache: D.DemandCache = {}
     D.demands(records, cache)
-    mutate(rnd, records)
-    exits, busy = exits_and_busy(rnd, records)
+    views_before = host_views(hosts)
+    wanted_before = [ref_demand(r) for r in records.values() if r.active]
+    memo = PlanMemo()
+    with contextlib.suppress(ValueError):
+        plan(
+            wanted_before,
+            views_before,
+            before.current,
+            PlacementConfig(policy=Policy.PRIORITY),
+            now=NOW,
+            groups=before.groups,
+            memo=memo,
+        )
+    for _ in range(rnd.choice([0, 1, 1, 2])):  # or no change at all: every job from the cache
+        mutate(rnd, records)
+        exits, busy = exits_and_busy(rnd, records)
+        change_a_host(rnd, hosts)
 
     old = ref_observe(records, hosts, exits, busy)
     for new in (
         D.observe(records, hosts, exits, busy),
-        D.observe(records, hosts, exits, busy, reuse=D.index(before.current)),
+        D.observe(records, hosts, exits, busy, cache=seen, index=rnd.random() < 0.5),
+        D.observe(records, hosts, exits, busy, cache=seen),  # the cache as the last call left it
     ):
         assert new.current == old.current
         assert all(type(v) is LearnerView for v in new.current)
         assert new.by_id is None or new.by_id == D.index(new.current)
         assert summary(new.work) == summary(old.work)
+        assert list(new.work) == list(old.work)  # the same order
+        if new.groups is None:
+            continue
+        # Each job's learners, together and in order; the jobs with every learner RUNNING and
+        # no observed work, with their hosts.
+        assert list(itertools.chain.from_iterable(new.groups.values())) == new.current
+        assert all(v[1] == job_id for job_id, group in new.groups.items() for v in group)
+        assert new.calm == {
+            r.job_id: tuple(dict.fromkeys(lr.host_id for lr in r.learners.values()))
+            for r in records.values()
+            if r.learners
+            and all(lr.phase is LearnerPhase.RUNNING for lr in r.learners.values())
+            and r.job_id not in old.work
+        }
+    assert set(seen) <= set(records)
 
     wanted = [ref_demand(r) for r in records.values() if r.active]
     assert D.demands(records) == wanted
@@ -521,23 +589,27 @@ def test_observe_demands_decide_are_those_of_the_code_they_replaced(seed: int) -
     assert D.demands(records, cache) == wanted  # the cache as the last call left it
     assert set(cache) == {d.job_id for d in wanted}
 
-    views = [
-        HostView(
-            h.host_id,
-            tuple(DeviceView(d.device_id) for d in h.devices),
-            HostState.LOST
-            if h.state == resources_pb2.HOST_STATE_LOST
-            else HostState.CORDONED
-            if h.draining
-            else HostState.READY,
-        )
-        for h in hosts.values()
-    ]
+    views = host_views(hosts)
+    if views == views_before and rnd.random() < 0.5:
+        views = views_before  # the same objects (what plan's memo takes again)
     config = PlacementConfig(policy=Policy.PRIORITY)
     try:
         decided = ref_plan(wanted, views, old.current, config, now=NOW)
     except ValueError:  # two learners on one device: plan is tested below
         decided = Plan(shares={}, starts=(), retires=(), queue=(), capacity=0)
+    # The plan from the groups and the memo of the earlier plan: the same, or the same error.
+    expected: Plan | str = decided
+    try:
+        ref_plan(wanted, views, old.current, config, now=NOW)
+    except ValueError as exc:
+        expected = str(exc)
+    try:
+        got: Plan | str = plan(
+            wanted, views, new.current, config, now=NOW, groups=new.groups, memo=memo
+        )
+    except ValueError as exc:
+        got = str(exc)
+    assert got == expected
     ids = list(records)
     changed = rnd.sample(ids, k=min(len(ids), 2))
     moved = rnd.sample(ids, k=min(len(ids), 1))
@@ -583,6 +655,18 @@ def test_plan_is_that_of_the_code_it_replaced(
     except ValueError as exc:
         got = str(exc)
     assert got == expected
+    # By job (a job's learners not together: the groups do not add up, learner by learner),
+    # twice with one memo (the second time every group and the inventory taken again).
+    groups: dict[str, tuple[LearnerView, ...]] = {}
+    for job_id, group in itertools.groupby(current, key=lambda v: v.job_id):
+        groups[job_id] = tuple(group)
+    memo = PlanMemo()
+    for _ in range(2):
+        try:
+            got = plan(jobs, views, current, config, now=NOW, groups=groups, memo=memo)
+        except ValueError as exc:
+            got = str(exc)
+        assert got == expected
 
 
 @settings(max_examples=100, deadline=None)

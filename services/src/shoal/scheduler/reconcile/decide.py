@@ -53,6 +53,7 @@ _UNSEEN = -(2**64)
 
 _PHASE = operator.attrgetter("phase")
 _HOST = operator.attrgetter("host_id")
+_ID = operator.itemgetter(0)
 
 #: Job states in which every learner is stopped.
 _STOPPING_STATES = frozenset({S.JOB_STATE_CANCELLING, S.JOB_STATE_CANCELLED, S.JOB_STATE_FAILED})
@@ -66,7 +67,29 @@ class Observed:
     current: list[LearnerView] = field(default_factory=list)
     work: dict[str, JobWork] = field(default_factory=dict)
     by_id: dict[str, LearnerView] | None = None
-    """``current`` by learner id (:func:`index`), when :func:`observe` was given ``reuse``."""
+    """``current`` by learner id (:func:`index`), when :func:`observe` was asked for it."""
+    groups: dict[str, tuple[LearnerView, ...]] | None = None
+    """job id -> its learners in ``current`` (together there, in that order), for each job
+    with any, when :func:`observe` was given a ``cache``."""
+    calm: dict[str, tuple[str, ...]] | None = None
+    """job id -> the ids of the hosts its learners are on, for each job with learners, every
+    one of them RUNNING and none with observed work (exit, lost, dropped), when
+    :func:`observe` was given a ``cache`` (what :func:`decide`'s housekeeping reads)."""
+
+
+ObserveCache = dict[
+    str,
+    tuple[
+        list[tuple[object, ...]],
+        tuple[LearnerView, ...],
+        tuple[tuple[str, int], ...],
+        tuple[str, ...],
+        tuple[str, ...] | None,
+    ],
+]
+"""job id -> (its learners' fields as :func:`observe` last read them, the views it made of
+them, the (host id, host incarnation) pairs they were on, their learner ids, their hosts if
+every one is RUNNING else None), for the jobs that gave no work and had no PENDING learner."""
 
 
 def lost_reason(lr: LearnerRecord, host: resources_pb2.Host | None) -> str:
@@ -89,7 +112,8 @@ def observe(
     exits: Mapping[str, resources_pb2.Learner],
     busy: Collection[str],
     *,
-    reuse: Mapping[str, LearnerView] | None = None,
+    cache: ObserveCache | None = None,
+    index: bool = False,
 ) -> Observed:
     """Step 1: every learner of every job, as placement must count it. A PENDING learner of a
     job whose worker is not running (``busy``: the job ids with a worker) was left by a worker
@@ -97,49 +121,100 @@ def observe(
     agent reported (``exits``, by learner id) is processed and still counts, as leaving; a
     learner on a lost (or restarted) host is lost and does not count.
 
-    ``reuse``: learner id -> a view of an earlier observation (``Observed.by_id``); a counted
-    learner whose view equals it gets that very view (the same value, no new tuple). With
-    ``reuse``, ``Observed.by_id`` is filled (what the next call may reuse)."""
+    ``cache`` (the caller's, kept between calls; left holding this call's entries): every
+    learner's fields are read on every call, job by job, as a list of (learner id, host id,
+    device id, phase, host incarnation); a job whose list equals the one the cache kept for it
+    (the same values: the fields are immutable strings, ints and enum members), none of whose
+    learners has a reported exit and whose hosts are still live at the same incarnations gets
+    the views and the (empty) work the cache kept -- the values this function would compute
+    again from the same inputs (a job that had work or a PENDING learner is never kept). With
+    ``cache``, ``Observed.groups`` and ``Observed.calm`` are filled; with ``index``,
+    ``Observed.by_id``."""
     seen = Observed()
-    by_id: dict[str, LearnerView] = {}
-    if reuse is not None:
-        seen.by_id = by_id
+    by_id: dict[str, LearnerView] | None = None
+    if index:
+        by_id = seen.by_id = {}
+    groups: dict[str, tuple[LearnerView, ...]] | None = None
+    calm: dict[str, tuple[str, ...]] = {}
+    fresh: ObserveCache = {}
+    if cache is not None:
+        groups = seen.groups = {}
+        seen.calm = calm
+    work = seen.work
 
     def w(job_id: str) -> JobWork:
-        return seen.work.setdefault(job_id, JobWork())
+        jw = work.get(job_id)
+        if jw is None:
+            jw = work[job_id] = JobWork()
+        return jw
 
     current = seen.current
     add = current.append
     view = tuple.__new__  # LearnerView is a named tuple: built without its Python __new__
     pending, retiring, stopping = LearnerPhase.PENDING, LearnerPhase.RETIRING, LearnerPhase.STOPPING
+    running = LearnerPhase.RUNNING
     lost_state = resources_pb2.HOST_STATE_LOST
     exit_of = exits.get if exits else None
+    exit_ids = exits.keys()
     # host id -> its incarnation, None if it is gone or lost: each host's protobuf read once
     # per call, not once per learner on it.
     live: dict[str, int | None] = {}
     last_host, incarnation = None, None
     for record in records.values():
+        learners = record.learners
+        if not learners:
+            continue
         job_id = record.job_id
+        rows: list[tuple[object, ...]] | None = None
+        if cache is not None:
+            rows = [
+                (lr.learner_id, lr.host_id, lr.device_id, lr.phase, lr.host_incarnation)
+                for lr in learners.values()
+            ]
+            hit = cache.get(job_id)
+            if (
+                hit is not None
+                and hit[0] == rows
+                and (exit_of is None or exit_ids.isdisjoint(hit[3]))
+            ):
+                for host_id, started in hit[2]:
+                    now_at = live.get(host_id, _UNSEEN)
+                    if now_at == _UNSEEN:
+                        host = hosts.get(host_id)
+                        now_at = (
+                            None if host is None or host.state == lost_state else host.incarnation
+                        )
+                        live[host_id] = now_at
+                    if now_at is None or (started and now_at > started):
+                        break  # a learner lost: observed below, learner by learner
+                else:
+                    views = hit[1]
+                    fresh[job_id] = hit
+                    if views:
+                        current.extend(views)
+                        groups[job_id] = views  # type: ignore[index]
+                        if by_id is not None:
+                            by_id.update(zip(map(_ID, views), views, strict=True))
+                    if hit[4] is not None:
+                        calm[job_id] = hit[4]
+                    continue
+        start = len(current)
         job_busy = job_id in busy
-        for lr in record.learners.values():
+        had_pending = False
+        for lr in learners.values():
             phase = lr.phase
             if phase is pending:
+                had_pending = True
                 if not job_busy:
                     w(job_id).drop_pending.append(lr.learner_id)
                     continue
-                new = view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, False))
-                add(new)
-                if reuse is not None:
-                    by_id[new[0]] = new
+                add(view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, False)))
                 continue
             if exit_of is not None:
                 exit_ = exit_of(lr.learner_id)
                 if exit_ is not None:
                     w(job_id).exits.append(exit_)
-                    new = view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, True))
-                    add(new)
-                    if reuse is not None:
-                        by_id[new[0]] = new
+                    add(view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, True)))
                     continue
             host_id = lr.host_id
             if host_id != last_host:  # a job's learners are mostly on few hosts, together
@@ -156,29 +231,33 @@ def observe(
             if incarnation is None or (lr.host_incarnation and incarnation > lr.host_incarnation):
                 w(job_id).lost.append((lr.learner_id, lost_reason(lr, hosts.get(host_id))))
                 continue
-            learner_id, device_id = lr.learner_id, lr.device_id
             leaving = phase is retiring or phase is stopping
-            if reuse is not None:
-                # The view of the last observation when it is the same (no new tuple: a full
-                # cycle allocates no 80,000 views, nor the garbage collections they cause).
-                old = reuse.get(learner_id)
-                if (
-                    old is None
-                    or old[3] != device_id
-                    or old[2] != host_id
-                    or old[1] != job_id
-                    or old[4] is not leaving
-                ):
-                    old = view(LearnerView, (learner_id, job_id, host_id, device_id, leaving))
-                add(old)
-                by_id[learner_id] = old
-                continue
-            add(view(LearnerView, (learner_id, job_id, host_id, device_id, leaving)))
+            add(view(LearnerView, (lr.learner_id, job_id, host_id, lr.device_id, leaving)))
+        if len(current) == start:
+            views = ()
+        else:
+            views = tuple(current[start:])
+            if by_id is not None:
+                by_id.update(zip(map(_ID, views), views, strict=True))
+        if rows is None:
+            continue
+        if views:
+            groups[job_id] = views  # type: ignore[index]
+        if not had_pending and job_id not in work:
+            where = tuple(dict.fromkeys([(row[1], row[4]) for row in rows]))
+            on: tuple[str, ...] | None = None
+            if [row[3] for row in rows].count(running) == len(rows):
+                on = tuple(dict.fromkeys([pair[0] for pair in where]))
+                calm[job_id] = on
+            fresh[job_id] = (rows, views, where, tuple([row[0] for row in rows]), on)  # type: ignore[assignment]
+    if cache is not None:
+        cache.clear()
+        cache.update(fresh)
     return seen
 
 
 def index(current: Iterable[LearnerView]) -> dict[str, LearnerView]:
-    """Learner id -> view: what the next :func:`observe` may ``reuse``."""
+    """Learner id -> view (``Observed.by_id``)."""
     return {view[0]: view for view in current}
 
 

@@ -62,7 +62,7 @@ from shoal.scheduler.jobs import (
     JobRecord,
     LearnerRecord,
 )
-from shoal.scheduler.placement import LearnerView, Plan, Start
+from shoal.scheduler.placement import Plan, Start
 from shoal.scheduler.policy import JobDemand, Policy
 from shoal.scheduler.reconcile import decide
 from shoal.scheduler.reconcile.config import ELECTION, ReconcileConfig
@@ -131,7 +131,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self._annotated = placement.policy is Policy.GOODPUT or bool(placement.service_thresholds)
         self._touched: set[str] = set()  # jobs to observe again next cycle
         self._demand_cache: decide.DemandCache = {}  # the demands of the last full cycle
-        self._views: dict[str, LearnerView] = {}  # the learners it observed (reused views)
+        self._seen: decide.ObserveCache = {}  # what the last full cycle observed, per job
         self._last_shares: Mapping[str, int] = {}
         self._last_queue: list[str] = []
         self._last_held: set[str] = set()
@@ -167,7 +167,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self.observing.reset()
         self._touched = set()
         self._demand_cache = {}
-        self._views = {}
+        self._seen = {}
         self._last_shares = {}
         self._last_queue = []
         self._last_held = set()
@@ -478,12 +478,11 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         hosts = self.inventory.hosts
         placing = self.placing
         if not placing.incremental:
-            observed = decide.observe(
-                records, hosts, self.exits, busy=self._busy, reuse=self._views
-            )
-            self._views = observed.by_id or {}
+            observed = decide.observe(records, hosts, self.exits, busy=self._busy, cache=self._seen)
             demands = self._demands(records)
-            decided = placing.decide(demands, self.inventory, observed.current, now)
+            decided = placing.decide(
+                demands, self.inventory, observed.current, now, groups=observed.groups
+            )
             self._last_shares = decided.shares
             return observed, decided, records
         changed_hosts = self.inventory.take_changed()
@@ -523,6 +522,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                 demand_changes=demand_changes,
                 changed_hosts=changed_hosts,
                 current_by_id=self.observing.views,
+                groups=observed.groups,
             )
             self._last_shares = decided.shares
             return observed, decided, records

@@ -68,6 +68,10 @@ class Observing:
     """The per-job observed view (see the module docstring). :meth:`reset` on a new term."""
 
     def __init__(self) -> None:
+        # What the last full observation read and made of each job (decide.observe's cache:
+        # every learner is still read on every full observation; kept across terms, checked
+        # by value).
+        self._seen: decide.ObserveCache = {}
         self.reset()
         self.divergences = 0  # full cycles whose fresh view differed from the kept one
         self.last_divergence: list[str] = []
@@ -225,14 +229,10 @@ class Observing:
     ) -> decide.Observed:
         """Observe every record from scratch (the safety net); when the kept view differs, log
         the jobs once and keep the fresh one. Returns the full observation."""
-        seen = decide.observe(records, hosts, exits, busy, reuse=self.views)
+        seen = decide.observe(records, hosts, exits, busy, cache=self._seen, index=True)
         views = self.views = seen.by_id or {}
         keys = seen.current  # the views are (learner id, job id, host id, device id, retiring)
-        # observe lists each job's learners together: group them in C.
-        fresh = {
-            job_id: tuple(group)
-            for job_id, group in itertools.groupby(keys, key=operator.itemgetter(1))
-        }
+        fresh = seen.groups or {}  # each job's views, as observe lists them (together)
         if compare and self.synced:
             differ = []
             # The same tuples per job (the common case: a cheap comparison of the reused
