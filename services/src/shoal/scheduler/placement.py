@@ -291,10 +291,21 @@ class PlanMemo:
     views as given, then by id, the device ids of the hosts not LOST, the unallocated devices
     of the READY hosts)."""
 
-    __slots__ = ("hosts", "inventory", "jobs", "live_devices", "spare")
+    __slots__ = ("hosts", "inventory", "jobs", "live_devices", "scan", "spare")
 
     def __init__(self) -> None:
         self.jobs: dict[str, _Digest] = {}
+        # The last scan: (the live_devices it checked against, the groups, host -> occupied
+        # devices, job -> learners not retiring); updated by the next one (_scan_groups).
+        self.scan: (
+            tuple[
+                Mapping[str, frozenset[str]],
+                dict[str, tuple[LearnerView, ...]],
+                dict[str, set[str]],
+                dict[str, list[LearnerView]],
+            ]
+            | None
+        ) = None
         self.inventory: list[HostView] | None = None
         self.hosts: dict[str, HostView] = {}
         self.live_devices: dict[str, frozenset[str]] = {}
@@ -345,7 +356,7 @@ def plan(
     check_ids = len(set(map(operator.itemgetter(0), current))) != len(current)
     scanned = None
     if groups is not None and memo is not None and not check_ids:
-        scanned = _scan_groups(groups, len(current), live_devices, memo.jobs)
+        scanned = _scan_groups(groups, len(current), live_devices, memo)
     if scanned is not None:
         occupied, held_by_job = scanned
         lost: list[str] = []
@@ -494,40 +505,80 @@ def _scan_groups(
     groups: Mapping[str, tuple[LearnerView, ...]],
     count: int,
     live_devices: Mapping[str, frozenset[str]],
-    memo: dict[str, _Digest],
+    memo: PlanMemo,
 ) -> tuple[dict[str, set[str]], dict[str, list[LearnerView]]] | None:
     """``plan``'s pass over the learners, job by job (see ``plan``'s ``groups``): (host -> its
     occupied devices, job -> its learners not retiring), or None when a learner is lost, two
     are on one device, or the groups do not add up to ``count`` learners (the caller then
-    makes the pass learner by learner)."""
+    makes the pass learner by learner).
+
+    When the last call's scan was made against the same host views (``live_devices`` the
+    very object the memo derived from them), it is updated, not redone: the devices of the
+    jobs whose group is gone or another object are taken out, those of their new groups put
+    in, with the same checks (every job's devices were checked against these hosts, and
+    against every other job's, when they were put in)."""
     if sum(map(len, groups.values())) != count:
         return None
-    occupied: dict[str, set[str]] = {}
-    held_by_job: dict[str, list[LearnerView]] = {}
-    fresh: dict[str, _Digest] = {}
-    for job_id, group in groups.items():
-        known = memo.get(job_id)
-        if known is None or known[0] is not group:
-            known = _digest(job_id, group)
-            if known is None:
+    last, memo.scan = memo.scan, None  # (until this scan completes)
+    digests = memo.jobs
+    if last is None or last[0] is not live_devices:
+        occupied: dict[str, set[str]] = {}
+        held_by_job: dict[str, list[LearnerView]] = {}
+        fresh: dict[str, _Digest] = {}
+        for job_id, group in groups.items():
+            known = digests.get(job_id)
+            if known is None or known[0] is not group:
+                known = _digest(job_id, group)
+                if known is None:
+                    return None
+            fresh[job_id] = known
+            if not _occupy(occupied, known[2], live_devices):
                 return None
-        fresh[job_id] = known
-        for host_id, devices in known[2]:
-            live = live_devices.get(host_id)
-            if live is None or not live.issuperset(devices):
-                return None  # a learner lost
-            on_host = occupied.get(host_id)
-            if on_host is None:
-                occupied[host_id] = set(devices)
-            elif on_host.isdisjoint(devices):
-                on_host.update(devices)
-            else:
-                return None  # two learners on one device
-        if known[1]:
-            held_by_job[job_id] = known[1]
-    memo.clear()
-    memo.update(fresh)
+            if known[1]:
+                held_by_job[job_id] = known[1]
+        memo.jobs = fresh
+    else:
+        _, before, occupied, held_by_job = last
+        changed = [job_id for job_id, group in groups.items() if before.get(job_id) is not group]
+        for job_id in [*(before.keys() - groups.keys()), *changed]:
+            old = digests.pop(job_id, None)
+            if old is not None:  # (the digest of the group last scanned)
+                for host_id, devices in old[2]:
+                    on_host = occupied[host_id]
+                    on_host.difference_update(devices)
+                    if not on_host:
+                        del occupied[host_id]
+            held_by_job.pop(job_id, None)
+        for job_id in changed:
+            known = _digest(job_id, groups[job_id])
+            if known is None or not _occupy(occupied, known[2], live_devices):
+                return None
+            digests[job_id] = known
+            if known[1]:
+                held_by_job[job_id] = known[1]
+    memo.scan = (live_devices, dict(groups), occupied, held_by_job)
     return occupied, held_by_job
+
+
+def _occupy(
+    occupied: dict[str, set[str]],
+    per_host: tuple[tuple[str, tuple[str, ...]], ...],
+    live_devices: Mapping[str, frozenset[str]],
+) -> bool:
+    """Put one job's devices in ``occupied``; False if one is not a live host's device (a
+    learner lost) or is occupied already."""
+    for host_id, devices in per_host:
+        live = live_devices.get(host_id)
+        if live is None or not live.issuperset(devices):
+            return False  # a learner lost
+        on_host = occupied.get(host_id)
+        if on_host is None:
+            occupied[host_id] = set(devices)
+        elif on_host.isdisjoint(devices):
+            on_host.update(devices)
+        else:
+            return False  # two learners on one device
+    return True
 
 
 def _digest(job_id: str, group: tuple[LearnerView, ...]) -> _Digest | None:

@@ -57,6 +57,8 @@ _ID = operator.itemgetter(0)
 
 #: Job states in which every learner is stopped.
 _STOPPING_STATES = frozenset({S.JOB_STATE_CANCELLING, S.JOB_STATE_CANCELLED, S.JOB_STATE_FAILED})
+#: Active job states whose RUNNING learners need no housekeeping (on hosts not draining).
+_QUIET_STATES = ACTIVE_STATES - _STOPPING_STATES - {S.JOB_STATE_COMPLETED}
 
 
 @dataclass
@@ -389,9 +391,10 @@ def decide(
         if job_id is not None:
             w(job_id).lost.append((learner_id, "its device is no longer in the inventory"))
     changed = set(changed)
-    for record in records.values():
-        if record.active and record.job_id in changed:
-            w(record.job_id).save = True
+    if changed:
+        for record in records.values():
+            if record.active and record.job_id in changed:
+                w(record.job_id).save = True
     for retire in decided.retires:
         # Learners of jobs that are not active are stopped below, not retired.
         owner = records.get(retire.job_id)
@@ -400,11 +403,28 @@ def decide(
             w(retire.job_id).retires.append(retire.learner_id)
     starts = starts_by_job(decided)
     draining: dict[str, bool] = {}  # host id -> draining, each host's protobuf read once
+    calm = observed.calm or {}
 
     for record in records.values():
         job_id = record.job_id
         jw = work.get(job_id)
         if jw is None:
+            on = calm.get(job_id)
+            if on is not None and record.job.state in _QUIET_STATES:
+                # The common case (what _housekeeping's first check finds, from what observe
+                # read of the learners in this cycle): every learner RUNNING, an active job,
+                # no host of it draining; then nothing to do but a move's save.
+                for host_id in on:
+                    drains = draining.get(host_id)
+                    if drains is None:
+                        host = hosts.get(host_id)
+                        drains = draining[host_id] = host is not None and host.draining
+                    if drains:
+                        break
+                else:
+                    if job_id in moved:
+                        w(job_id).save = True  # (no RETIRING learner to retire again)
+                    continue
             remaining = list(record.learners.values())
         else:
             gone = {lid for lid, _ in jw.lost} | {e.learner_id for e in jw.exits}
