@@ -161,6 +161,7 @@ def observe(
     # host id -> its incarnation, None if it is gone or lost: each host's protobuf read once
     # per call, not once per learner on it.
     live: dict[str, int | None] = {}
+    ok: set[tuple[str, int]] | None = None
     last_host, incarnation = None, None
     for record in records.values():
         learners = record.learners
@@ -179,17 +180,31 @@ def observe(
                 and hit[0] == rows
                 and (exit_of is None or exit_ids.isdisjoint(hit[3]))
             ):
-                for host_id, started in hit[2]:
-                    now_at = live.get(host_id, _UNSEEN)
-                    if now_at == _UNSEEN:
-                        host = hosts.get(host_id)
-                        now_at = (
-                            None if host is None or host.state == lost_state else host.incarnation
-                        )
-                        live[host_id] = now_at
-                    if now_at is None or (started and now_at > started):
-                        break  # a learner lost: observed below, learner by learner
-                else:
+                if ok is None:
+                    # (host id, incarnation) of every live host: a learner on one, started on
+                    # that incarnation, is not lost (each host's protobuf read once per call).
+                    ok = {
+                        (host_id, host.incarnation)
+                        for host_id, host in hosts.items()
+                        if host.state != lost_state
+                    }
+                taken = ok.issuperset(hit[2])
+                if not taken:
+                    for host_id, started in hit[2]:  # the check learner by learner, per host
+                        now_at = live.get(host_id, _UNSEEN)
+                        if now_at == _UNSEEN:
+                            host = hosts.get(host_id)
+                            now_at = (
+                                None
+                                if host is None or host.state == lost_state
+                                else host.incarnation
+                            )
+                            live[host_id] = now_at
+                        if now_at is None or (started and now_at > started):
+                            break  # a learner lost: observed below, learner by learner
+                    else:
+                        taken = True  # (none lost: a host without an incarnation, say)
+                if taken:
                     views = hit[1]
                     fresh[job_id] = hit
                     if views:
