@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
 import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -301,7 +302,7 @@ class PlanMemo:
             tuple[
                 Mapping[str, frozenset[str]],
                 dict[str, tuple[LearnerView, ...]],
-                dict[str, set[str]],
+                dict[str, dict[str, str]],
                 dict[str, list[LearnerView]],
             ]
             | None
@@ -339,15 +340,20 @@ def plan(
         ValueError: a host id or a device id on one host given twice, a learner id given
             twice, two learners on one device, or any error of ``compute_shares``.
     """
-    if memo is not None and memo.inventory is not None and memo.inventory == inventory:
-        # The same host views (immutable; the same objects, mostly): what was derived from
-        # them, checked, last time.
-        hosts, live_devices, spare = memo.hosts, memo.live_devices, memo.spare
+    since: tuple[Mapping[str, frozenset[str]], list[str]] | None = None
+    again = _hosts_again(memo, inventory) if memo is not None else None
+    if again is not None:
+        # The same host views but a few (immutable; the same objects): what was derived
+        # from them last time, those few derived again. ``since``: what the last scan was
+        # checked against, the hosts changed since.
+        hosts, live_devices, spare, changed_hosts = again
+        if changed_hosts:
+            since = (memo.live_devices, changed_hosts)  # type: ignore[union-attr]
     else:
         hosts, live_devices, spare = _hosts(inventory)
-        if memo is not None:
-            memo.inventory = list(inventory)
-            memo.hosts, memo.live_devices, memo.spare = hosts, live_devices, spare
+    if memo is not None:
+        memo.inventory = list(inventory)
+        memo.hosts, memo.live_devices, memo.spare = hosts, live_devices, spare
 
     # Who sits where; which learners are gone with their host; what each job holds (learners
     # not retiring). One pass over the learners.
@@ -356,7 +362,7 @@ def plan(
     check_ids = len(set(map(operator.itemgetter(0), current))) != len(current)
     scanned = None
     if groups is not None and memo is not None and not check_ids:
-        scanned = _scan_groups(groups, len(current), live_devices, memo)
+        scanned = _scan_groups(groups, len(current), live_devices, memo, since)
     if scanned is not None:
         occupied, held_by_job = scanned
         lost: list[str] = []
@@ -453,6 +459,53 @@ def _hosts(
     return hosts, live_devices, spare
 
 
+def _hosts_again(
+    memo: PlanMemo, inventory: Sequence[HostView]
+) -> (
+    tuple[
+        dict[str, HostView], dict[str, frozenset[str]], list[tuple[str, tuple[str, ...]]], list[str]
+    ]
+    | None
+):
+    """``_hosts`` of ``inventory`` from what the memo derived from the last one, when it
+    differs from it only in a few views (other objects for the same host ids, at the same
+    places, none with a repeated device id): (..., the ids of the hosts changed); None
+    otherwise (everything derived again, by ``_hosts``)."""
+    old = memo.inventory
+    if old is None or len(old) != len(inventory):
+        return None
+    changed = list(itertools.compress(itertools.count(), map(operator.is_not, old, inventory)))
+    if not changed:
+        return memo.hosts, memo.live_devices, memo.spare, []
+    if len(changed) > _FEW_HOSTS:
+        return None
+    hosts, live_devices = dict(memo.hosts), dict(memo.live_devices)
+    respare = False
+    ready = HostState.READY
+    for i in changed:
+        was, host = old[i], inventory[i]
+        host_id = host.host_id
+        if host_id != was.host_id or host.repeated is not None:
+            return None  # (_hosts raises on a repeated device id, in the inventory's order)
+        hosts[host_id] = host
+        if host.state is HostState.LOST:
+            live_devices.pop(host_id, None)
+        else:
+            live_devices[host_id] = host.device_ids
+        if (was.state is ready and was.unallocated) or (host.state is ready and host.unallocated):
+            respare = True
+    spare = memo.spare
+    if respare:
+        spare = [
+            (h.host_id, h.unallocated) for h in inventory if h.state is ready and h.unallocated
+        ]
+    return hosts, live_devices, spare, [inventory[i].host_id for i in changed]
+
+
+#: At most this many hosts changed: ``_hosts_again`` derives them again, not every host.
+_FEW_HOSTS = 256
+
+
 def _scan(
     current: Sequence[LearnerView], live_devices: Mapping[str, frozenset[str]], check_ids: bool
 ) -> tuple[dict[str, dict[str, str]], dict[str, list[LearnerView]], list[str]]:
@@ -506,23 +559,32 @@ def _scan_groups(
     count: int,
     live_devices: Mapping[str, frozenset[str]],
     memo: PlanMemo,
-) -> tuple[dict[str, set[str]], dict[str, list[LearnerView]]] | None:
-    """``plan``'s pass over the learners, job by job (see ``plan``'s ``groups``): (host -> its
-    occupied devices, job -> its learners not retiring), or None when a learner is lost, two
-    are on one device, or the groups do not add up to ``count`` learners (the caller then
-    makes the pass learner by learner).
+    since: tuple[Mapping[str, frozenset[str]], list[str]] | None = None,
+) -> tuple[dict[str, dict[str, str]], dict[str, list[LearnerView]]] | None:
+    """``plan``'s pass over the learners, job by job (see ``plan``'s ``groups``): (host ->
+    occupied device -> its job, job -> its learners not retiring), or None when a learner is
+    lost, two are on one device, or the groups do not add up to ``count`` learners (the
+    caller then makes the pass learner by learner).
 
     When the last call's scan was made against the same host views (``live_devices`` the
-    very object the memo derived from them), it is updated, not redone: the devices of the
-    jobs whose group is gone or another object are taken out, those of their new groups put
-    in, with the same checks (every job's devices were checked against these hosts, and
-    against every other job's, when they were put in)."""
+    very object the memo derived from them), or against those that ``since`` names (the
+    ``live_devices`` of then, the hosts changed since), it is updated, not redone: the
+    devices of the jobs whose group is gone or another object, and of the jobs on a changed
+    host, are taken out, and their groups put back in, with the same checks (every other
+    job's devices were checked against these hosts, and against every other job's, when
+    they were put in)."""
     if sum(map(len, groups.values())) != count:
         return None
     last, memo.scan = memo.scan, None  # (until this scan completes)
     digests = memo.jobs
-    if last is None or last[0] is not live_devices:
-        occupied: dict[str, set[str]] = {}
+    recheck: list[str] = []
+    if last is not None and last[0] is not live_devices:
+        if since is not None and last[0] is since[0]:
+            recheck = since[1]
+        else:
+            last = None
+    if last is None:
+        occupied: dict[str, dict[str, str]] = {}
         held_by_job: dict[str, list[LearnerView]] = {}
         fresh: dict[str, _Digest] = {}
         for job_id, group in groups.items():
@@ -532,7 +594,7 @@ def _scan_groups(
                 if known is None:
                     return None
             fresh[job_id] = known
-            if not _occupy(occupied, known[2], live_devices):
+            if not _occupy(occupied, job_id, known[2], live_devices):
                 return None
             if known[1]:
                 held_by_job[job_id] = known[1]
@@ -540,20 +602,38 @@ def _scan_groups(
     else:
         _, before, occupied, held_by_job = last
         changed = [job_id for job_id, group in groups.items() if before.get(job_id) is not group]
-        for job_id in [*(before.keys() - groups.keys()), *changed]:
-            old = digests.pop(job_id, None)
+        if recheck:  # the jobs on the hosts changed since the last scan
+            on_changed: set[str] = set()
+            for host_id in recheck:
+                on_host = occupied.get(host_id)
+                if on_host:
+                    on_changed.update(on_host.values())
+            on_changed.difference_update(changed)
+            on_changed.intersection_update(groups.keys())
+            changed += sorted(on_changed)
+        gone = before.keys() - groups.keys()
+        for job_id in [*gone, *changed]:
+            old = digests.get(job_id)
             if old is not None:  # (the digest of the group last scanned)
                 for host_id, devices in old[2]:
                     on_host = occupied[host_id]
-                    on_host.difference_update(devices)
+                    for device_id in devices:
+                        del on_host[device_id]
                     if not on_host:
                         del occupied[host_id]
             held_by_job.pop(job_id, None)
+        for job_id in gone:
+            del digests[job_id]
         for job_id in changed:
-            known = _digest(job_id, groups[job_id])
-            if known is None or not _occupy(occupied, known[2], live_devices):
+            group = groups[job_id]
+            known = digests.get(job_id)
+            if known is None or known[0] is not group:
+                known = _digest(job_id, group)
+                if known is None:
+                    return None
+                digests[job_id] = known
+            if not _occupy(occupied, job_id, known[2], live_devices):
                 return None
-            digests[job_id] = known
             if known[1]:
                 held_by_job[job_id] = known[1]
     memo.scan = (live_devices, dict(groups), occupied, held_by_job)
@@ -561,7 +641,8 @@ def _scan_groups(
 
 
 def _occupy(
-    occupied: dict[str, set[str]],
+    occupied: dict[str, dict[str, str]],
+    job_id: str,
     per_host: tuple[tuple[str, tuple[str, ...]], ...],
     live_devices: Mapping[str, frozenset[str]],
 ) -> bool:
@@ -573,9 +654,9 @@ def _occupy(
             return False  # a learner lost
         on_host = occupied.get(host_id)
         if on_host is None:
-            occupied[host_id] = set(devices)
-        elif on_host.isdisjoint(devices):
-            on_host.update(devices)
+            occupied[host_id] = dict.fromkeys(devices, job_id)
+        elif on_host.keys().isdisjoint(devices):
+            on_host.update(dict.fromkeys(devices, job_id))
         else:
             return False  # two learners on one device
     return True
