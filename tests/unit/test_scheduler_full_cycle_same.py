@@ -683,6 +683,7 @@ def test_the_inventorys_orphans_are_the_ledgers(seed: int) -> None:
     def allocation(i: int) -> resources_pb2.Allocation:
         return resources_pb2.Allocation(
             allocation_id=f"a{i}",
+            job_id=rnd.choice(["j0", "j1", "j2"]),
             learner_id=f"l{rnd.randint(0, 9)}",
             host_id="h0",
             device_id=str(i),
@@ -698,6 +699,25 @@ def test_the_inventorys_orphans_are_the_ledgers(seed: int) -> None:
             inventory.released([f"a{rnd.randint(0, 9)}"])
         known = {f"l{i}" for i in range(10) if rnd.random() < 0.5}
         assert inventory.orphans(known) == ref_orphans(inventory, known)
+        # The check job by job (the full cycle's common case): true only when no allocation
+        # is an orphan, and then exactly when each is held by a learner of its own job.
+        records = {}
+        for j in ("j0", "j1"):
+            record = JobRecord(job=S.Job(job_id=j), submit_seq=0)
+            for lid in sorted(known):
+                if rnd.random() < 0.7:
+                    record.learners[lid] = LearnerRecord(
+                        learner_id=lid, host_id="h0", device_id="0"
+                    )
+            records[j] = record
+        every = {lid for r in records.values() for lid in r.learners}
+        by_own_job = all(
+            a.learner_id in records[a.job_id].learners if a.job_id in records else False
+            for a in inventory.ledger.values()
+        )
+        assert inventory.held_by(records) == by_own_job
+        if by_own_job:
+            assert ref_orphans(inventory, every) == []
 
 
 @settings(max_examples=200, deadline=None)

@@ -282,7 +282,12 @@ class _FreeIndex:
         return None
 
 
-_Digest = tuple[tuple[LearnerView, ...], list[LearnerView], tuple[tuple[str, tuple[str, ...]], ...]]
+_Digest = tuple[
+    tuple[LearnerView, ...],
+    list[LearnerView],
+    tuple[tuple[str, tuple[str, ...]], ...],
+    tuple[str, ...],
+]
 
 
 class PlanMemo:
@@ -297,13 +302,15 @@ class PlanMemo:
     def __init__(self) -> None:
         self.jobs: dict[str, _Digest] = {}
         # The last scan: (the live_devices it checked against, the groups, host -> occupied
-        # devices, job -> learners not retiring); updated by the next one (_scan_groups).
+        # device -> job, job -> learners not retiring, the learner ids); updated by the next
+        # one (_scan_groups).
         self.scan: (
             tuple[
                 Mapping[str, frozenset[str]],
                 dict[str, tuple[LearnerView, ...]],
                 dict[str, dict[str, str]],
                 dict[str, list[LearnerView]],
+                set[str],
             ]
             | None
         ) = None
@@ -359,14 +366,14 @@ def plan(
     # not retiring). One pass over the learners.
     # Learner ids given twice are looked for learner by learner (and named, in order) only
     # when the set of them says there are some.
-    check_ids = len(set(map(operator.itemgetter(0), current))) != len(current)
     scanned = None
-    if groups is not None and memo is not None and not check_ids:
+    if groups is not None and memo is not None:  # (it checks the ids are all different too)
         scanned = _scan_groups(groups, len(current), live_devices, memo, since)
     if scanned is not None:
         occupied, held_by_job = scanned
         lost: list[str] = []
     else:
+        check_ids = len(set(map(operator.itemgetter(0), current))) != len(current)
         occupied, held_by_job, lost = _scan(current, live_devices, check_ids)
 
     # Capacity: the occupied devices (every one on a host that is not LOST: a learner on
@@ -586,6 +593,7 @@ def _scan_groups(
     if last is None:
         occupied: dict[str, dict[str, str]] = {}
         held_by_job: dict[str, list[LearnerView]] = {}
+        ids: set[str] = set()
         fresh: dict[str, _Digest] = {}
         for job_id, group in groups.items():
             known = digests.get(job_id)
@@ -596,11 +604,14 @@ def _scan_groups(
             fresh[job_id] = known
             if not _occupy(occupied, job_id, known[2], live_devices):
                 return None
+            ids.update(known[3])
             if known[1]:
                 held_by_job[job_id] = known[1]
         memo.jobs = fresh
+        if len(ids) != count:
+            return None  # a learner id given twice
     else:
-        _, before, occupied, held_by_job = last
+        _, before, occupied, held_by_job, ids = last
         changed = [job_id for job_id, group in groups.items() if before.get(job_id) is not group]
         if recheck:  # the jobs on the hosts changed since the last scan
             on_changed: set[str] = set()
@@ -615,6 +626,7 @@ def _scan_groups(
         for job_id in [*gone, *changed]:
             old = digests.get(job_id)
             if old is not None:  # (the digest of the group last scanned)
+                ids.difference_update(old[3])
                 for host_id, devices in old[2]:
                     on_host = occupied[host_id]
                     for device_id in devices:
@@ -634,9 +646,12 @@ def _scan_groups(
                 digests[job_id] = known
             if not _occupy(occupied, job_id, known[2], live_devices):
                 return None
+            ids.update(known[3])
             if known[1]:
                 held_by_job[job_id] = known[1]
-    memo.scan = (live_devices, dict(groups), occupied, held_by_job)
+        if len(ids) != count:
+            return None  # a learner id given twice
+    memo.scan = (live_devices, dict(groups), occupied, held_by_job, ids)
     return occupied, held_by_job
 
 
@@ -680,7 +695,10 @@ def _digest(job_id: str, group: tuple[LearnerView, ...]) -> _Digest | None:
     per_host = tuple((host_id, tuple(devices)) for host_id, devices in on.items())
     if any(len(set(devices)) != len(devices) for _, devices in per_host):
         return None
-    return group, held, per_host
+    return group, held, per_host, tuple(map(_LEARNER_ID, group))
+
+
+_LEARNER_ID = operator.itemgetter(0)
 
 
 def _choose_retires(

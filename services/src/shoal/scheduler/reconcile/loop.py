@@ -434,10 +434,13 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
 
         # Exits of learners no job knows are of no use; orphans are freed by the sweep.
         if scope is records:
-            known = set(itertools.chain.from_iterable(r.learners for r in records.values()))
-            for learner_id in [lid for lid in self.exits if lid not in known]:
-                del self.exits[learner_id]
-            self._release_orphans(known)  # a full cycle: every allocation against every job
+            # A full cycle: every allocation against every job. The common case (no exit
+            # reported, every allocation held by a learner of its job) checked job by job.
+            if self.exits or not self.inventory.held_by(records):
+                known = set(itertools.chain.from_iterable(r.learners for r in records.values()))
+                for learner_id in [lid for lid in self.exits if lid not in known]:
+                    del self.exits[learner_id]
+                self._release_orphans(known)
             self._orphans_checked = now
         else:
             for learner_id in list(self.exits):
