@@ -777,12 +777,26 @@ def test_the_full_observations_index_is_the_per_job_index(seed: int) -> None:
     records, hosts = cluster(rnd)
     exits, busy = exits_and_busy(rnd, records)
     full = Observing()
-    full.full(records, hosts, exits, busy)
-    one_by_one = Observing()
-    for record in records.values():
-        one_by_one._index(record)
-    for name in ("attention", "_on_host", "_hosts_of", "_learner_job", "_ids_of"):
-        assert getattr(full, name) == getattr(one_by_one, name), name
+    for _ in range(3):  # the index kept and updated by the next full observation
+        full.full(records, hosts, exits, busy)
+        one_by_one = Observing()
+        for record in records.values():
+            one_by_one._index(record)
+        for name in ("attention", "_on_host", "_hosts_of", "_learner_job", "_ids_of"):
+            assert getattr(full, name) == getattr(one_by_one, name), name
+        mutate(rnd, records)
+        for job_id in list(records):
+            r = rnd.random()
+            if r < 0.1:
+                del records[job_id]
+            elif r < 0.2:
+                records[job_id].learners.clear()
+            elif r < 0.3 and records[job_id].learners:  # a learner id of another job
+                other = rnd.choice([lid for rec in records.values() for lid in rec.learners])
+                records[job_id].learners[other] = LearnerRecord(
+                    learner_id=other, host_id="h0", device_id="0"
+                )
+        exits, busy = exits_and_busy(rnd, records)
 
 
 @settings(max_examples=200, deadline=None)

@@ -133,9 +133,6 @@ def observe(
     ``cache``, ``Observed.groups`` and ``Observed.calm`` are filled; with ``index``,
     ``Observed.by_id``."""
     seen = Observed()
-    by_id: dict[str, LearnerView] | None = None
-    if index:
-        by_id = seen.by_id = {}
     groups: dict[str, tuple[LearnerView, ...]] | None = None
     calm: dict[str, tuple[str, ...]] = {}
     fresh: ObserveCache = {}
@@ -210,8 +207,6 @@ def observe(
                     if views:
                         current.extend(views)
                         groups[job_id] = views  # type: ignore[index]
-                        if by_id is not None:
-                            by_id.update(zip(map(_ID, views), views, strict=True))
                     if hit[4] is not None:
                         calm[job_id] = hit[4]
                     continue
@@ -250,12 +245,7 @@ def observe(
                 continue
             leaving = phase is retiring or phase is stopping
             add(view(LearnerView, (lr.learner_id, job_id, host_id, lr.device_id, leaving)))
-        if len(current) == start:
-            views = ()
-        else:
-            views = tuple(current[start:])
-            if by_id is not None:
-                by_id.update(zip(map(_ID, views), views, strict=True))
+        views = () if len(current) == start else tuple(current[start:])
         if rows is None:
             continue
         if views:
@@ -270,6 +260,8 @@ def observe(
     if cache is not None:
         cache.clear()
         cache.update(fresh)
+    if index:
+        seen.by_id = dict(zip(map(_ID, current), current, strict=True))
     return seen
 
 

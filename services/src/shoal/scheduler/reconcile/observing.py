@@ -166,6 +166,69 @@ class Observing:
                 else:
                     jobs.add(job_id)
 
+    def _reindex_all(self, records: Mapping[str, JobRecord]) -> bool:
+        """:meth:`_index_all`'s index of every record, made by updating the kept one (after
+        :meth:`reset` but for the host index, learner ids and hosts): every record's learner
+        ids and hosts are read as they are now and compared with the kept ones; only the
+        entries that differ are changed, those of the jobs gone or without learners dropped.
+        The same index as a rebuild, unless a learner id is held by two jobs: False then
+        (the caller rebuilds)."""
+        attention, ids_of, hosts_of = self.attention, self._ids_of, self._hosts_of
+        on_host, learner_job = self._on_host, self._learner_job
+        running = LearnerPhase.RUNNING
+        indexed: set[str] = set()
+        count = 0
+        for record in records.values():
+            learners = record.learners
+            if not learners:
+                if needs_attention(record):
+                    attention.add(record.job_id)
+                continue
+            job = record.job
+            job_id = job.job_id
+            values = learners.values()
+            if (
+                list(map(_PHASE, values)).count(running) != len(learners)
+                or job.state not in _QUIET_STATES
+            ):
+                attention.add(job_id)
+            indexed.add(job_id)
+            ids = tuple(learners)
+            count += len(ids)
+            old_ids = ids_of.get(job_id)
+            if old_ids != ids:
+                for lid in old_ids or ():
+                    learner_job.pop(lid, None)
+                ids_of[job_id] = ids
+                learner_job.update(dict.fromkeys(ids, job_id))
+            on = frozenset(map(_HOST, values))
+            old_on = hosts_of.get(job_id)
+            if old_on != on:
+                old_on = old_on or frozenset()
+                for host_id in old_on - on:
+                    self._off_host(host_id, job_id)
+                for host_id in on - old_on:
+                    jobs = on_host.get(host_id)
+                    if jobs is None:
+                        on_host[host_id] = {job_id}
+                    else:
+                        jobs.add(job_id)
+                hosts_of[job_id] = on
+        for job_id in [j for j in ids_of if j not in indexed]:
+            for lid in ids_of.pop(job_id):
+                learner_job.pop(lid, None)
+        for job_id in [j for j in hosts_of if j not in indexed]:
+            for host_id in hosts_of.pop(job_id):
+                self._off_host(host_id, job_id)
+        return len(learner_job) == count
+
+    def _off_host(self, host_id: str, job_id: str) -> None:
+        jobs = self._on_host.get(host_id)
+        if jobs is not None:
+            jobs.discard(job_id)
+            if not jobs:
+                del self._on_host[host_id]
+
     def _put(
         self,
         job_id: str,
@@ -259,11 +322,16 @@ class Observing:
                     "one is used (a record changed without being written or marked)",
                     ", ".join(differ),
                 )
+        kept = (self._on_host, self._hosts_of, self._learner_job, self._ids_of)
         self.reset()
         self.views = views
         self.learners = fresh
         self.work = {j: w for j, w in seen.work.items() if not w.empty()}
-        self._index_all(records)
+        self._on_host, self._hosts_of, self._learner_job, self._ids_of = kept
+        if not self._reindex_all(records):
+            self._on_host, self._hosts_of, self._learner_job, self._ids_of = {}, {}, {}, {}
+            self.attention = set()
+            self._index_all(records)
         self._exits = frozenset(exits)
         self._busy = frozenset(busy)
         self.synced = True
