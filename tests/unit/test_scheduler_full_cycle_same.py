@@ -816,6 +816,12 @@ def test_plan_by_job_with_one_memo_over_many_cycles(seed: int) -> None:
     memo = PlanMemo()
     n = 0
     for _ in range(8):
+        if rnd.random() < 0.3:  # a demand changed (plan's memo keeps the admission order)
+            k = rnd.randrange(len(jobs))
+            jobs = list(jobs)
+            jobs[k] = JobDemand(
+                job_id=f"j{k}", priority=rnd.choice([100, 200, 300]), submit_seq=k, max_workers=5
+            )
         r = rnd.random()
         if r < 0.3:  # hosts: another state, or another object with the same value
             i = rnd.randrange(len(views))

@@ -295,12 +295,14 @@ class PlanMemo:
     ``memo``): per job, from its group of learners (the group as ``plan`` was given it, its
     learners not retiring, the devices they are on per host); from the inventory (the host
     views as given, then by id, the device ids of the hosts not LOST, the unallocated devices
-    of the READY hosts)."""
+    of the READY hosts); the demands in admission order."""
 
-    __slots__ = ("hosts", "inventory", "jobs", "live_devices", "scan", "spare")
+    __slots__ = ("hosts", "inventory", "jobs", "live_devices", "order", "scan", "spare")
 
     def __init__(self) -> None:
         self.jobs: dict[str, _Digest] = {}
+        # (the policy, the demands as given, them in admission order)
+        self.order: tuple[Policy, list[JobDemand], list[JobDemand]] | None = None
         # The last scan: (the live_devices it checked against, the groups, host -> occupied
         # device -> job, job -> learners not retiring, the learner ids); updated by the next
         # one (_scan_groups).
@@ -391,7 +393,13 @@ def plan(
             free[host_id] = ids
 
     counts = {job_id: len(held) for job_id, held in held_by_job.items()}
-    order = sorted(jobs, key=admission_key(config.policy))
+    last = memo.order if memo is not None else None
+    if last is not None and last[0] is config.policy and last[1] == jobs:
+        order = last[2]  # the same demands (immutable), in the same order: the same order
+    else:
+        order = sorted(jobs, key=admission_key(config.policy))
+        if memo is not None:
+            memo.order = (config.policy, list(jobs), order)
     allocation = compute_shares(
         order,
         capacity,

@@ -106,6 +106,7 @@ class Placing:
         self._learners = set()
         self._hosts = set()
         self._last_full = -math.inf
+        self._memo = PlanMemo()
 
     def due(self, now: float) -> bool:
         """Whether the cycle at ``now`` must be a full one: incremental placement off, the
