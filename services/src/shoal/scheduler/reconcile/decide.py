@@ -84,7 +84,7 @@ ObserveCache = dict[
     tuple[
         list[tuple[object, ...]],
         tuple[LearnerView, ...],
-        tuple[tuple[str, int], ...],
+        frozenset[tuple[str, int]],
         tuple[str, ...],
         tuple[str, ...] | None,
     ],
@@ -251,10 +251,11 @@ def observe(
         if views:
             groups[job_id] = views  # type: ignore[index]
         if not had_pending and job_id not in work:
-            where = tuple(dict.fromkeys([(row[1], row[4]) for row in rows]))
+            # (A frozenset: the check against the live hosts' pairs uses the hashes it keeps.)
+            where = frozenset([(row[1], row[4]) for row in rows])
             on: tuple[str, ...] | None = None
             if [row[3] for row in rows].count(running) == len(rows):
-                on = tuple(dict.fromkeys([pair[0] for pair in where]))
+                on = tuple(dict.fromkeys([row[1] for row in rows]))
                 calm[job_id] = on
             fresh[job_id] = (rows, views, where, tuple([row[0] for row in rows]), on)  # type: ignore[assignment]
     if cache is not None:
