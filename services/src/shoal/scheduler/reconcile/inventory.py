@@ -33,13 +33,13 @@ class Inventory:
         self._changed: set[str] = set()  # hosts changed since take_changed (the planner's events)
         self._allocs_on: dict[str, set[str]] = {}  # host -> ids of the allocations on it
         self._holders: dict[str, str] = {}  # allocation id -> learner id, as the ledger's
-        self._by_job: dict[str, dict[str, str]] = {}  # job -> allocation id -> learner id
+        # job -> learner id -> how many of the ledger's allocations name that pair
+        self._by_job: dict[str, dict[str, int]] = {}
 
     def _index(self, allocation: resources_pb2.Allocation) -> None:
         self._allocs_on.setdefault(allocation.host_id, set()).add(allocation.allocation_id)
-        self._by_job.setdefault(allocation.job_id, {})[allocation.allocation_id] = (
-            allocation.learner_id
-        )
+        of_job = self._by_job.setdefault(allocation.job_id, {})
+        of_job[allocation.learner_id] = of_job.get(allocation.learner_id, 0) + 1
         self._stale.add(allocation.host_id)
         self._changed.add(allocation.host_id)
 
@@ -48,10 +48,12 @@ class Inventory:
         if on_host is not None:
             on_host.discard(allocation.allocation_id)
         of_job = self._by_job.get(allocation.job_id)
-        if of_job is not None:
-            of_job.pop(allocation.allocation_id, None)
-            if not of_job:
-                del self._by_job[allocation.job_id]
+        if of_job is not None and allocation.learner_id in of_job:
+            of_job[allocation.learner_id] -= 1
+            if not of_job[allocation.learner_id]:
+                del of_job[allocation.learner_id]
+                if not of_job:
+                    del self._by_job[allocation.job_id]
         self._stale.add(allocation.host_id)
         self._changed.add(allocation.host_id)
 
@@ -72,7 +74,8 @@ class Inventory:
         self._by_job = {}
         for a in self.ledger.values():
             self._allocs_on.setdefault(a.host_id, set()).add(a.allocation_id)
-            self._by_job.setdefault(a.job_id, {})[a.allocation_id] = a.learner_id
+            of_job = self._by_job.setdefault(a.job_id, {})
+            of_job[a.learner_id] = of_job.get(a.learner_id, 0) + 1
         self._stale = set(self.hosts)
         self._changed.update(self.hosts)
         self.synced = True
@@ -122,7 +125,7 @@ class Inventory:
         from a plain index (no set of every learner id built)."""
         for job_id, holders in self._by_job.items():
             record = records.get(job_id)
-            if record is None or not all(map(record.learners.__contains__, holders.values())):
+            if record is None or not record.learners.keys() >= holders.keys():
                 return False
         return True
 
