@@ -2,12 +2,18 @@
 the functions as they were before (``ref_*``, copied verbatim from that version; the views
 they build are ``LearnerView`` named tuples now) and the new ones, on the same randomized
 cluster states, must give the same observation, demands, work and plan (or raise the same
-error). The new ones: ``decide.observe`` (each host read once per call; a view reused from an
-earlier observation when it equals the new one), ``decide.demands`` with its cache (a demand
+error). The new ones: ``decide.observe`` (each host read once per call; then a view reused
+by learner id, now by job: below), ``decide.demands`` with its cache (a demand
 reused when its fields are the same), ``decide.decide`` (each host's draining flag read once;
 the finish / requeue checks on the remaining learners), ``placement.plan`` (learner ids checked
 one by one only when some repeat), ``Inventory.orphans`` (a plain index of the ledger).
-Nothing here times anything."""
+
+The second round (2026-11-27): ``decide.observe`` with its per-job cache (every learner read,
+a job's views, groups and calm flag taken from the cache when its fields are the same values),
+``plan`` by job with its memo over a sequence of states (groups, host views, demands kept,
+changed, dropped), ``decide.decide`` from such an observation (calm jobs), ``decide.targets``
+(each protobuf field read once), ``Inventory.held_by`` (no orphan, job by job) and the
+safety net's kept index updated in place. Nothing here times anything."""
 
 from __future__ import annotations
 
@@ -376,6 +382,18 @@ def ref_plan(
     )
 
 
+def ref_targets(records: Mapping[str, JobRecord], decided: Plan) -> dict[str, tuple[int, int]]:
+    queue_pos = {job_id: i + 1 for i, job_id in enumerate(decided.queue)}
+    out: dict[str, tuple[int, int]] = {}
+    for record in records.values():
+        if not record.active:
+            continue
+        target = decided.shares.get(record.job_id, 0)
+        position = queue_pos.get(record.job_id, 0) if record.state == S.JOB_STATE_QUEUED else 0
+        out[record.job_id] = (target, position)
+    return out
+
+
 def ref_orphans(inventory: Inventory, known: Collection[str]) -> list[str]:
     return [a.allocation_id for a in inventory.ledger.values() if a.learner_id not in known]
 
@@ -614,6 +632,7 @@ def test_observe_demands_decide_are_those_of_the_code_they_replaced(seed: int) -
     changed = rnd.sample(ids, k=min(len(ids), 2))
     moved = rnd.sample(ids, k=min(len(ids), 1))
     held = rnd.sample(ids, k=min(len(ids), 1))
+    assert list(D.targets(records, decided).items()) == list(ref_targets(records, decided).items())
     args = (records, hosts, old, decided, CONFIG)
     kwargs = {"changed": changed, "moved": moved, "held": held, "now": NOW}
     want = ref_decide(*args, **kwargs)  # type: ignore[arg-type]

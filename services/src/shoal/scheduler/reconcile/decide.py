@@ -327,13 +327,16 @@ def targets(records: Mapping[str, JobRecord], decided: Plan) -> dict[str, tuple[
     """Step 3: job id -> (target workers, queue position) of every active job. The position
     is 1-based in the plan's queue for a QUEUED job, 0 otherwise."""
     queue_pos = {job_id: i + 1 for i, job_id in enumerate(decided.queue)}
+    share_of = decided.shares.get
+    queued = S.JOB_STATE_QUEUED
     out: dict[str, tuple[int, int]] = {}
     for record in records.values():
-        if not record.active:
+        job = record.job  # (each field of the protobuf read once)
+        state = job.state
+        if state not in ACTIVE_STATES:
             continue
-        target = decided.shares.get(record.job_id, 0)
-        position = queue_pos.get(record.job_id, 0) if record.state == S.JOB_STATE_QUEUED else 0
-        out[record.job_id] = (target, position)
+        job_id = job.job_id
+        out[job_id] = (share_of(job_id, 0), queue_pos.get(job_id, 0) if state == queued else 0)
     return out
 
 
@@ -412,6 +415,7 @@ def decide(
     starts = starts_by_job(decided)
     draining: dict[str, bool] = {}  # host id -> draining, each host's protobuf read once
     calm = observed.calm or {}
+    drains: set[str] | None = None  # the draining hosts (read when a calm job comes)
 
     for record in records.values():
         job_id = record.job_id
@@ -422,14 +426,9 @@ def decide(
                 # The common case (what _housekeeping's first check finds, from what observe
                 # read of the learners in this cycle): every learner RUNNING, an active job,
                 # no host of it draining; then nothing to do but a move's save.
-                for host_id in on:
-                    drains = draining.get(host_id)
-                    if drains is None:
-                        host = hosts.get(host_id)
-                        drains = draining[host_id] = host is not None and host.draining
-                    if drains:
-                        break
-                else:
+                if drains is None:
+                    drains = {h for h, host in hosts.items() if host.draining}
+                if drains.isdisjoint(on):
                     if job_id in moved:
                         w(job_id).save = True  # (no RETIRING learner to retire again)
                     continue
