@@ -87,11 +87,14 @@ ObserveCache = dict[
         frozenset[tuple[str, int]],
         tuple[str, ...],
         tuple[str, ...] | None,
+        frozenset[str],
     ],
 ]
 """job id -> (its learners' fields as :func:`observe` last read them, the views it made of
 them, the (host id, host incarnation) pairs they were on, their learner ids, their hosts if
-every one is RUNNING else None), for the jobs that gave no work and had no PENDING learner."""
+every one is RUNNING else None, their hosts), for the jobs that gave no work and had no
+PENDING learner. After a call it holds exactly that call's such jobs, as read in that call
+(``Observing`` takes their hosts and phases from it)."""
 
 
 def lost_reason(lr: LearnerRecord, host: resources_pb2.Host | None) -> str:
@@ -257,7 +260,14 @@ def observe(
             if [row[3] for row in rows].count(running) == len(rows):
                 on = tuple(dict.fromkeys([row[1] for row in rows]))
                 calm[job_id] = on
-            fresh[job_id] = (rows, views, where, tuple([row[0] for row in rows]), on)  # type: ignore[assignment]
+            fresh[job_id] = (
+                rows,
+                views,
+                where,
+                tuple([row[0] for row in rows]),
+                on,
+                frozenset([row[1] for row in rows]),
+            )
     if cache is not None:
         cache.clear()
         cache.update(fresh)

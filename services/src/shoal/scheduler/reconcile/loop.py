@@ -13,7 +13,9 @@ pure functions of :mod:`shoal.scheduler.reconcile.decide`, which it applies):
    jobs hold; learners on lost hosts (or on an older incarnation of their host) are lost.
    After an event only the jobs that changed are observed again (the job table's dirty set,
    exits, workers, changed hosts: :mod:`shoal.scheduler.reconcile.observing`), the rest of
-   the observed view is kept;
+   the observed view is kept; a full cycle reads every learner, reusing per job what it
+   derived last time when the values read are the same (``decide.observe``'s cache; the plan
+   goes by job too: ``placement.plan``'s ``groups``);
 2. runs the pure policy + placement: after an event the incremental planner, given what
    changed as events; the full ``shoal.scheduler.placement.plan`` on the safety net (the
    term's first cycle, then every ``placement_check_interval_s``), which observes every

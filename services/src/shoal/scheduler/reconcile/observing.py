@@ -15,7 +15,9 @@ changed:
 A change that bypasses all of these (a record mutated in memory, never written nor marked) is
 not seen by :meth:`update`: the loop's periodic full cycle calls :meth:`full`, which observes
 every record from scratch, compares it with the kept view, logs the jobs that differ (once per
-such cycle; ``divergences`` counts them) and keeps the fresh view.
+such cycle; ``divergences`` counts them) and keeps the fresh view. From scratch: every learner
+is read; what ``decide.observe`` derived from a job is reused only when the values it reads
+now are those it read then (its cache), never because no event named the job.
 """
 
 from __future__ import annotations
@@ -171,11 +173,14 @@ class Observing:
         :meth:`reset` but for the host index, learner ids and hosts): every record's learner
         ids and hosts are read as they are now and compared with the kept ones; only the
         entries that differ are changed, those of the jobs gone or without learners dropped.
-        The same index as a rebuild, unless a learner id is held by two jobs: False then
-        (the caller rebuilds)."""
+        The hosts and phases of a job this cycle's observation kept (``decide.observe``'s
+        cache, refreshed by it just before: read in this cycle) are taken from it. The same
+        index as a rebuild, unless a learner id is held by two jobs: False then (the caller
+        rebuilds)."""
         attention, ids_of, hosts_of = self.attention, self._ids_of, self._hosts_of
         on_host, learner_job = self._on_host, self._learner_job
         running = LearnerPhase.RUNNING
+        seen = self._seen  # what this cycle's observation read of the jobs it kept
         indexed: set[str] = set()
         count = 0
         for record in records.values():
@@ -187,11 +192,18 @@ class Observing:
             job = record.job
             job_id = job.job_id
             values = learners.values()
-            if (
-                list(map(_PHASE, values)).count(running) != len(learners)
-                or job.state not in _QUIET_STATES
-            ):
-                attention.add(job_id)
+            entry = seen.get(job_id)
+            if entry is not None:  # its hosts, and whether every learner is RUNNING, as read
+                on = entry[5]
+                if entry[4] is None or job.state not in _QUIET_STATES:
+                    attention.add(job_id)
+            else:
+                on = frozenset(map(_HOST, values))
+                if (
+                    list(map(_PHASE, values)).count(running) != len(learners)
+                    or job.state not in _QUIET_STATES
+                ):
+                    attention.add(job_id)
             indexed.add(job_id)
             ids = tuple(learners)
             count += len(ids)
@@ -201,7 +213,6 @@ class Observing:
                     learner_job.pop(lid, None)
                 ids_of[job_id] = ids
                 learner_job.update(dict.fromkeys(ids, job_id))
-            on = frozenset(map(_HOST, values))
             old_on = hosts_of.get(job_id)
             if old_on != on:
                 old_on = old_on or frozenset()
