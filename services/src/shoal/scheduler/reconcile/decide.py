@@ -248,9 +248,9 @@ def observe(
                 continue
             leaving = phase is retiring or phase is stopping
             add(view(LearnerView, (lr.learner_id, job_id, host_id, lr.device_id, leaving)))
-        views = () if len(current) == start else tuple(current[start:])
         if rows is None:
             continue
+        views = () if len(current) == start else tuple(current[start:])
         if views:
             groups[job_id] = views  # type: ignore[index]
         if not had_pending and job_id not in work:
