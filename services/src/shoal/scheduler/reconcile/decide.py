@@ -79,10 +79,13 @@ class Observed:
     :func:`observe` was given a ``cache`` (what :func:`decide`'s housekeeping reads)."""
 
 
+_Row = tuple[str, str, str, LearnerPhase, int]
+"""(learner id, host id, device id, phase, host incarnation): a learner as observe reads it."""
+
 ObserveCache = dict[
     str,
     tuple[
-        list[tuple[object, ...]],
+        list[_Row],
         tuple[LearnerView, ...],
         frozenset[tuple[str, int]],
         tuple[str, ...],
@@ -168,7 +171,7 @@ def observe(
         if not learners:
             continue
         job_id = record.job_id
-        rows: list[tuple[object, ...]] | None = None
+        rows: list[_Row] | None = None
         if cache is not None:
             rows = [
                 (lr.learner_id, lr.host_id, lr.device_id, lr.phase, lr.host_incarnation)
