@@ -2,15 +2,23 @@
 the functions as they were before (``ref_*``, copied verbatim from that version; the views
 they build are ``LearnerView`` named tuples now) and the new ones, on the same randomized
 cluster states, must give the same observation, demands, work and plan (or raise the same
-error). The new ones: ``decide.observe`` (each host read once per call; a view reused from an
-earlier observation when it equals the new one), ``decide.demands`` with its cache (a demand
+error). The new ones: ``decide.observe`` (each host read once per call; then a view reused
+by learner id, now by job: below), ``decide.demands`` with its cache (a demand
 reused when its fields are the same), ``decide.decide`` (each host's draining flag read once;
 the finish / requeue checks on the remaining learners), ``placement.plan`` (learner ids checked
 one by one only when some repeat), ``Inventory.orphans`` (a plain index of the ledger).
-Nothing here times anything."""
+
+The second round (2026-11-27): ``decide.observe`` with its per-job cache (every learner read,
+a job's views, groups and calm flag taken from the cache when its fields are the same values),
+``plan`` by job with its memo over a sequence of states (groups, host views, demands kept,
+changed, dropped), ``decide.decide`` from such an observation (calm jobs), ``decide.targets``
+(each protobuf field read once), ``Inventory.held_by`` (no orphan, job by job) and the
+safety net's kept index updated in place. Nothing here times anything."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import random
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
@@ -31,6 +39,7 @@ from shoal.scheduler.placement import (
     LearnerView,
     PlacementConfig,
     Plan,
+    PlanMemo,
     Retire,
     Start,
     _choose_retires,
@@ -373,6 +382,18 @@ def ref_plan(
     )
 
 
+def ref_targets(records: Mapping[str, JobRecord], decided: Plan) -> dict[str, tuple[int, int]]:
+    queue_pos = {job_id: i + 1 for i, job_id in enumerate(decided.queue)}
+    out: dict[str, tuple[int, int]] = {}
+    for record in records.values():
+        if not record.active:
+            continue
+        target = decided.shares.get(record.job_id, 0)
+        position = queue_pos.get(record.job_id, 0) if record.state == S.JOB_STATE_QUEUED else 0
+        out[record.job_id] = (target, position)
+    return out
+
+
 def ref_orphans(inventory: Inventory, known: Collection[str]) -> list[str]:
     return [a.allocation_id for a in inventory.ledger.values() if a.learner_id not in known]
 
@@ -473,6 +494,39 @@ def exits_and_busy(
     return exits, busy
 
 
+def change_a_host(rnd: random.Random, hosts: dict[str, resources_pb2.Host]) -> None:
+    """Lose a host, restart it (a new incarnation) or drop it, sometimes."""
+    if not hosts or rnd.random() < 0.6:
+        return
+    host_id = rnd.choice(sorted(hosts))
+    r = rnd.random()
+    if r < 0.2:
+        del hosts[host_id]
+        return
+    host = resources_pb2.Host()
+    host.CopyFrom(hosts[host_id])
+    if r < 0.6:
+        host.state = resources_pb2.HOST_STATE_LOST
+    else:
+        host.incarnation += 1
+    hosts[host_id] = host
+
+
+def host_views(hosts: Mapping[str, resources_pb2.Host]) -> list[HostView]:
+    return [
+        HostView(
+            h.host_id,
+            tuple(DeviceView(d.device_id) for d in h.devices),
+            HostState.LOST
+            if h.state == resources_pb2.HOST_STATE_LOST
+            else HostState.CORDONED
+            if h.draining
+            else HostState.READY,
+        )
+        for h in hosts.values()
+    ]
+
+
 def summary(work: Mapping[str, JobWork]) -> dict[str, tuple[object, ...]]:
     return {
         job_id: (
@@ -499,21 +553,53 @@ def test_observe_demands_decide_are_those_of_the_code_they_replaced(seed: int) -
     rnd = random.Random(seed)
     records, hosts = cluster(rnd)
     exits, busy = exits_and_busy(rnd, records)
-    before = D.observe(records, hosts, exits, busy)  # an earlier observation, then changes
+    seen: D.ObserveCache = {}
+    before = D.observe(records, hosts, exits, busy, cache=seen)  # an earlier one, then changes
     cache: D.DemandCache = {}
     D.demands(records, cache)
-    mutate(rnd, records)
-    exits, busy = exits_and_busy(rnd, records)
+    views_before = host_views(hosts)
+    wanted_before = [ref_demand(r) for r in records.values() if r.active]
+    memo = PlanMemo()
+    with contextlib.suppress(ValueError):
+        plan(
+            wanted_before,
+            views_before,
+            before.current,
+            PlacementConfig(policy=Policy.PRIORITY),
+            now=NOW,
+            groups=before.groups,
+            memo=memo,
+        )
+    for _ in range(rnd.choice([0, 1, 1, 2])):  # or no change at all: every job from the cache
+        mutate(rnd, records)
+        exits, busy = exits_and_busy(rnd, records)
+        change_a_host(rnd, hosts)
 
     old = ref_observe(records, hosts, exits, busy)
     for new in (
         D.observe(records, hosts, exits, busy),
-        D.observe(records, hosts, exits, busy, reuse=D.index(before.current)),
+        D.observe(records, hosts, exits, busy, cache=seen, index=rnd.random() < 0.5),
+        D.observe(records, hosts, exits, busy, cache=seen),  # the cache as the last call left it
     ):
         assert new.current == old.current
         assert all(type(v) is LearnerView for v in new.current)
         assert new.by_id is None or new.by_id == D.index(new.current)
         assert summary(new.work) == summary(old.work)
+        assert list(new.work) == list(old.work)  # the same order
+        if new.groups is None:
+            continue
+        # Each job's learners, together and in order; the jobs with every learner RUNNING and
+        # no observed work, with their hosts.
+        assert list(itertools.chain.from_iterable(new.groups.values())) == new.current
+        assert all(v[1] == job_id for job_id, group in new.groups.items() for v in group)
+        assert new.calm == {
+            r.job_id: tuple(dict.fromkeys(lr.host_id for lr in r.learners.values()))
+            for r in records.values()
+            if r.learners
+            and all(lr.phase is LearnerPhase.RUNNING for lr in r.learners.values())
+            and r.job_id not in old.work
+        }
+    assert set(seen) <= set(records)
 
     wanted = [ref_demand(r) for r in records.values() if r.active]
     assert D.demands(records) == wanted
@@ -521,30 +607,40 @@ def test_observe_demands_decide_are_those_of_the_code_they_replaced(seed: int) -
     assert D.demands(records, cache) == wanted  # the cache as the last call left it
     assert set(cache) == {d.job_id for d in wanted}
 
-    views = [
-        HostView(
-            h.host_id,
-            tuple(DeviceView(d.device_id) for d in h.devices),
-            HostState.LOST
-            if h.state == resources_pb2.HOST_STATE_LOST
-            else HostState.CORDONED
-            if h.draining
-            else HostState.READY,
-        )
-        for h in hosts.values()
-    ]
+    views = host_views(hosts)
+    if views == views_before and rnd.random() < 0.5:
+        views = views_before  # the same objects (what plan's memo takes again)
     config = PlacementConfig(policy=Policy.PRIORITY)
     try:
         decided = ref_plan(wanted, views, old.current, config, now=NOW)
     except ValueError:  # two learners on one device: plan is tested below
         decided = Plan(shares={}, starts=(), retires=(), queue=(), capacity=0)
+    # The plan from the groups and the memo of the earlier plan: the same, or the same error.
+    expected: Plan | str
+    try:
+        expected = ref_plan(wanted, views, old.current, config, now=NOW)
+    except ValueError as exc:
+        expected = str(exc)
+    try:
+        got: Plan | str = plan(
+            wanted, views, new.current, config, now=NOW, groups=new.groups, memo=memo
+        )
+    except ValueError as exc:
+        got = str(exc)
+    assert got == expected
     ids = list(records)
     changed = rnd.sample(ids, k=min(len(ids), 2))
     moved = rnd.sample(ids, k=min(len(ids), 1))
     held = rnd.sample(ids, k=min(len(ids), 1))
+    assert list(D.targets(records, decided).items()) == list(ref_targets(records, decided).items())
     args = (records, hosts, old, decided, CONFIG)
     kwargs = {"changed": changed, "moved": moved, "held": held, "now": NOW}
-    assert summary(D.decide(*args, **kwargs)) == summary(ref_decide(*args, **kwargs))  # type: ignore[arg-type]
+    want = ref_decide(*args, **kwargs)  # type: ignore[arg-type]
+    assert summary(D.decide(*args, **kwargs)) == summary(want)  # type: ignore[arg-type]
+    # From the observation with the cache (its calm jobs skip the housekeeping's reads).
+    got_work = D.decide(records, hosts, new, decided, CONFIG, **kwargs)  # type: ignore[arg-type]
+    assert summary(got_work) == summary(want)
+    assert list(got_work) == list(want)  # the order the jobs get their work in
 
 
 @settings(max_examples=300, deadline=None)
@@ -583,6 +679,18 @@ def test_plan_is_that_of_the_code_it_replaced(
     except ValueError as exc:
         got = str(exc)
     assert got == expected
+    # By job (a job's learners not together: the groups do not add up, learner by learner),
+    # twice with one memo (the second time every group and the inventory taken again).
+    groups: dict[str, tuple[LearnerView, ...]] = {}
+    for job_id, group in itertools.groupby(current, key=lambda v: v.job_id):
+        groups[job_id] = tuple(group)
+    memo = PlanMemo()
+    for _ in range(2):
+        try:
+            got = plan(jobs, views, current, config, now=NOW, groups=groups, memo=memo)
+        except ValueError as exc:
+            got = str(exc)
+        assert got == expected
 
 
 @settings(max_examples=100, deadline=None)
@@ -594,6 +702,7 @@ def test_the_inventorys_orphans_are_the_ledgers(seed: int) -> None:
     def allocation(i: int) -> resources_pb2.Allocation:
         return resources_pb2.Allocation(
             allocation_id=f"a{i}",
+            job_id=rnd.choice(["j0", "j1", "j2"]),
             learner_id=f"l{rnd.randint(0, 9)}",
             host_id="h0",
             device_id=str(i),
@@ -609,6 +718,25 @@ def test_the_inventorys_orphans_are_the_ledgers(seed: int) -> None:
             inventory.released([f"a{rnd.randint(0, 9)}"])
         known = {f"l{i}" for i in range(10) if rnd.random() < 0.5}
         assert inventory.orphans(known) == ref_orphans(inventory, known)
+        # The check job by job (the full cycle's common case): true only when no allocation
+        # is an orphan, and then exactly when each is held by a learner of its own job.
+        records = {}
+        for j in ("j0", "j1"):
+            record = JobRecord(job=S.Job(job_id=j), submit_seq=0)
+            for lid in sorted(known):
+                if rnd.random() < 0.7:
+                    record.learners[lid] = LearnerRecord(
+                        learner_id=lid, host_id="h0", device_id="0"
+                    )
+            records[j] = record
+        every = {lid for r in records.values() for lid in r.learners}
+        by_own_job = all(
+            a.learner_id in records[a.job_id].learners if a.job_id in records else False
+            for a in inventory.ledger.values()
+        )
+        assert inventory.held_by(records) == by_own_job
+        if by_own_job:
+            assert ref_orphans(inventory, every) == []
 
 
 @settings(max_examples=200, deadline=None)
@@ -668,9 +796,83 @@ def test_the_full_observations_index_is_the_per_job_index(seed: int) -> None:
     records, hosts = cluster(rnd)
     exits, busy = exits_and_busy(rnd, records)
     full = Observing()
-    full.full(records, hosts, exits, busy)
-    one_by_one = Observing()
-    for record in records.values():
-        one_by_one._index(record)
-    for name in ("attention", "_on_host", "_hosts_of", "_learner_job", "_ids_of"):
-        assert getattr(full, name) == getattr(one_by_one, name), name
+    for _ in range(3):  # the index kept and updated by the next full observation
+        full.full(records, hosts, exits, busy)
+        one_by_one = Observing()
+        for record in records.values():
+            one_by_one._index(record)
+        for name in ("attention", "_on_host", "_hosts_of", "_learner_job", "_ids_of"):
+            assert getattr(full, name) == getattr(one_by_one, name), name
+        mutate(rnd, records)
+        for job_id in list(records):
+            r = rnd.random()
+            if r < 0.1:
+                del records[job_id]
+            elif r < 0.2:
+                records[job_id].learners.clear()
+            elif r < 0.3 and records[job_id].learners:  # a learner id of another job
+                other = rnd.choice([lid for rec in records.values() for lid in rec.learners])
+                records[job_id].learners[other] = LearnerRecord(
+                    learner_id=other, host_id="h0", device_id="0"
+                )
+        exits, busy = exits_and_busy(rnd, records)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_plan_by_job_with_one_memo_over_many_cycles(seed: int) -> None:
+    """``plan(groups=, memo=)`` over a sequence of states (jobs' groups kept, changed, added,
+    dropped; hosts kept or changed; now and then a learner lost or two on one device): each
+    time the plan, or the error, of the code it replaced."""
+    rnd = random.Random(seed)
+    config = PlacementConfig(policy=rnd.choice(list(Policy)))
+    jobs = [
+        JobDemand(job_id=f"j{i}", priority=100 * (i + 1), submit_seq=i, max_workers=5)
+        for i in range(4)
+    ]
+    views = [HostView.with_devices(f"h{i}", 4) for i in range(3)]
+    groups: dict[str, tuple[LearnerView, ...]] = {}
+    memo = PlanMemo()
+    n = 0
+    for _ in range(8):
+        if rnd.random() < 0.3:  # a demand changed (plan's memo keeps the admission order)
+            k = rnd.randrange(len(jobs))
+            jobs = list(jobs)
+            jobs[k] = JobDemand(
+                job_id=f"j{k}", priority=rnd.choice([100, 200, 300]), submit_seq=k, max_workers=5
+            )
+        r = rnd.random()
+        if r < 0.3:  # hosts: another state, or another object with the same value
+            i = rnd.randrange(len(views))
+            views = list(views)
+            views[i] = HostView.with_devices(f"h{i}", 4, rnd.choice(list(HostState)))
+        for job in jobs:
+            r = rnd.random()
+            if r < 0.3:  # another group (learners on devices picked at random: may collide)
+                group = []
+                for _ in range(rnd.randint(0, 3)):
+                    n += 1
+                    host = rnd.choice(["h0", "h1", "h2", "h9"])
+                    group.append(
+                        LearnerView(
+                            f"l{n}", job.job_id, host, str(rnd.randint(0, 4)), rnd.random() < 0.2
+                        )
+                    )
+                if group:
+                    groups[job.job_id] = tuple(group)
+                else:
+                    groups.pop(job.job_id, None)
+            elif r < 0.4:
+                groups.pop(job.job_id, None)
+        current = list(itertools.chain.from_iterable(groups.values()))
+        try:
+            expected: Plan | str = ref_plan(jobs, views, current, config, now=NOW)
+        except ValueError as exc:
+            expected = str(exc)
+        try:
+            got: Plan | str = plan(
+                jobs, views, current, config, now=NOW, groups=dict(groups), memo=memo
+            )
+        except ValueError as exc:
+            got = str(exc)
+        assert got == expected

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
 import operator
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -281,6 +282,46 @@ class _FreeIndex:
         return None
 
 
+_Digest = tuple[
+    tuple[LearnerView, ...],
+    list[LearnerView],
+    tuple[tuple[str, tuple[str, ...]], ...],
+    tuple[str, ...],
+]
+
+
+class PlanMemo:
+    """What ``plan`` derived from its inputs, kept by the caller between calls (see ``plan``'s
+    ``memo``): per job, from its group of learners (the group as ``plan`` was given it, its
+    learners not retiring, the devices they are on per host); from the inventory (the host
+    views as given, then by id, the device ids of the hosts not LOST, the unallocated devices
+    of the READY hosts); the demands in admission order."""
+
+    __slots__ = ("hosts", "inventory", "jobs", "live_devices", "order", "scan", "spare")
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, _Digest] = {}
+        # (the policy, the demands as given, them in admission order)
+        self.order: tuple[Policy, list[JobDemand], list[JobDemand]] | None = None
+        # The last scan: (the live_devices it checked against, the groups, host -> occupied
+        # device -> job, job -> learners not retiring, the learner ids); updated by the next
+        # one (_scan_groups).
+        self.scan: (
+            tuple[
+                Mapping[str, frozenset[str]],
+                dict[str, tuple[LearnerView, ...]],
+                dict[str, dict[str, str]],
+                dict[str, list[LearnerView]],
+                set[str],
+            ]
+            | None
+        ) = None
+        self.inventory: list[HostView] | None = None
+        self.hosts: dict[str, HostView] = {}
+        self.live_devices: dict[str, frozenset[str]] = {}
+        self.spare: list[tuple[str, tuple[str, ...]]] = []
+
+
 def plan(
     jobs: Sequence[JobDemand],
     inventory: Sequence[HostView],
@@ -288,95 +329,77 @@ def plan(
     config: PlacementConfig,
     *,
     now: float = 0.0,
+    groups: Mapping[str, tuple[LearnerView, ...]] | None = None,
+    memo: PlanMemo | None = None,
 ) -> Plan:
     """The shares and the Start / Retire decisions for one cycle (see the module docstring).
+
+    ``groups`` (optional, with ``memo``): ``current`` split by job -- job id -> that job's
+    learners, each group together in ``current`` and in its order, the groups in the order of
+    ``current`` (what the reconcile loop's observation gives: ``Observed.groups``). The pass
+    over the learners then goes job by job: what it derives from a group (its learners not
+    retiring, the devices they are on per host) is kept in ``memo`` (the caller's, kept
+    between calls; left holding this call's groups) and taken again when the very same group
+    (the same tuple object: immutable, of immutable views) comes back; the devices are checked
+    per host against the inventory on every call. Anything unusual (a learner lost, two on one
+    device, a learner id given twice, groups that do not add up to ``current``) falls back to
+    the pass learner by learner: the same plan, or the same error, either way.
 
     Raises:
         ValueError: a host id or a device id on one host given twice, a learner id given
             twice, two learners on one device, or any error of ``compute_shares``.
     """
-    hosts: dict[str, HostView] = {}
-    live_devices: dict[str, frozenset[str]] = {}  # device ids of the hosts that are not LOST
-    for host in inventory:
-        host_id = host.host_id
-        if host_id in hosts:
-            raise ValueError(f"host_id ({host_id!r}) is given more than once")
-        hosts[host_id] = host
-        if host.repeated is not None:
-            raise ValueError(
-                f"device_id ({host.repeated!r}) is given more than once on host {host_id}"
-            )
-        if host.state is not HostState.LOST:
-            live_devices[host_id] = host.device_ids
+    since: tuple[Mapping[str, frozenset[str]], list[str]] | None = None
+    again = _hosts_again(memo, inventory) if memo is not None else None
+    if again is not None:
+        # The same host views but a few (immutable; the same objects): what was derived
+        # from them last time, those few derived again. ``since``: what the last scan was
+        # checked against, the hosts changed since.
+        hosts, live_devices, spare, changed_hosts = again
+        if changed_hosts:
+            since = (memo.live_devices, changed_hosts)  # type: ignore[union-attr]
+    else:
+        hosts, live_devices, spare = _hosts(inventory)
+    if memo is not None:
+        memo.inventory = list(inventory)
+        memo.hosts, memo.live_devices, memo.spare = hosts, live_devices, spare
 
     # Who sits where; which learners are gone with their host; what each job holds (learners
     # not retiring). One pass over the learners.
     # Learner ids given twice are looked for learner by learner (and named, in order) only
     # when the set of them says there are some.
-    check_ids = len(set(map(operator.itemgetter(0), current))) != len(current)
-    learner_ids: set[str] = set()
-    occupied: dict[str, dict[str, str]] = {}  # host -> device -> learner
-    held_by_job: dict[str, list[LearnerView]] = {}
-    lost: list[str] = []
-    # A job's learners come together, mostly on few hosts: the last host's and the last
-    # job's entries are looked up again only when the host or the job changes.
-    last_host: str | None = None
-    devices: frozenset[str] | None = None
-    on_host: dict[str, str] | None = None
-    last_job: str | None = None
-    job_held: list[LearnerView] | None = None
-    for learner in current:
-        learner_id, job_id, host_id, device_id, retiring = learner
-        if check_ids:
-            if learner_id in learner_ids:
-                raise ValueError(f"learner_id ({learner_id!r}) is given more than once")
-            learner_ids.add(learner_id)
-        if host_id != last_host:
-            last_host = host_id
-            devices = live_devices.get(host_id)
-            on_host = occupied.get(host_id)
-        if devices is None or device_id not in devices:
-            lost.append(learner_id)
-            continue
-        if on_host is None:
-            on_host = occupied[host_id] = {device_id: learner_id}
-        elif device_id in on_host:
-            raise ValueError(
-                f"device ({host_id}, {device_id}) is held by two learners: "
-                f"{on_host[device_id]} and {learner_id}"
-            )
-        else:
-            on_host[device_id] = learner_id
-        if not retiring:
-            if job_id != last_job:
-                last_job = job_id
-                job_held = held_by_job.get(job_id)
-                if job_held is None:
-                    job_held = held_by_job[job_id] = []
-            job_held.append(learner)  # type: ignore[union-attr]
+    scanned = None
+    if groups is not None and memo is not None:  # (it checks the ids are all different too)
+        scanned = _scan_groups(groups, len(current), live_devices, memo, since)
+    if scanned is not None:
+        occupied, held_by_job = scanned
+        lost: list[str] = []
+    else:
+        check_ids = len(set(map(operator.itemgetter(0), current))) != len(current)
+        occupied, held_by_job, lost = _scan(current, live_devices, check_ids)
 
-    # Capacity and free devices: per host, not per device, where nothing is in the way.
-    capacity = 0
+    # Capacity: the occupied devices (every one on a host that is not LOST: a learner on
+    # another is lost), and the free ones: the unallocated devices of READY hosts that no
+    # learner occupies.
+    capacity = sum(map(len, occupied.values()))
     free: dict[str, Sequence[str]] = {}
-    for host in inventory:
-        state = host.state
-        if state is HostState.LOST:
-            continue
-        on_host = occupied.get(host.host_id)
-        if on_host:
-            capacity += len(on_host)
-        if state is HostState.READY and host.unallocated:  # (a full host: nothing free)
-            ids: Sequence[str]
-            if on_host:
-                ids = [d for d in host.unallocated if d not in on_host]
-            else:
-                ids = host.unallocated
-            if ids:
-                capacity += len(ids)
-                free[host.host_id] = ids
+    for host_id, unallocated in spare:
+        on_host = occupied.get(host_id)
+        ids: Sequence[str] = (
+            [d for d in unallocated if d not in on_host] if on_host else unallocated
+        )
+        if ids:
+            capacity += len(ids)
+            free[host_id] = ids
 
     counts = {job_id: len(held) for job_id, held in held_by_job.items()}
-    order = sorted(jobs, key=admission_key(config.policy))
+    last = memo.order if memo is not None else None
+    if last is not None and last[0] is config.policy and last[1] == jobs:
+        order = last[2]  # the same demands (immutable), in the same order: the same order
+    else:
+        order = sorted(jobs, key=admission_key(config.policy))
+        if memo is not None:
+            memo.order = (config.policy, list(jobs), order)
     allocation = compute_shares(
         order,
         capacity,
@@ -423,6 +446,267 @@ def plan(
         held=allocation.held,
         lost=tuple(lost),
     )
+
+
+def _hosts(
+    inventory: Sequence[HostView],
+) -> tuple[dict[str, HostView], dict[str, frozenset[str]], list[tuple[str, tuple[str, ...]]]]:
+    """(host id -> view, host id -> device ids of the hosts not LOST, (host id, unallocated
+    device ids) of the READY hosts with any, in the inventory's order); raises on a host id
+    given twice or a device id given twice on a host."""
+    hosts: dict[str, HostView] = {}
+    live_devices: dict[str, frozenset[str]] = {}  # device ids of the hosts that are not LOST
+    spare: list[tuple[str, tuple[str, ...]]] = []
+    for host in inventory:
+        host_id = host.host_id
+        if host_id in hosts:
+            raise ValueError(f"host_id ({host_id!r}) is given more than once")
+        hosts[host_id] = host
+        if host.repeated is not None:
+            raise ValueError(
+                f"device_id ({host.repeated!r}) is given more than once on host {host_id}"
+            )
+        state = host.state
+        if state is not HostState.LOST:
+            live_devices[host_id] = host.device_ids
+            if state is HostState.READY and host.unallocated:
+                spare.append((host_id, host.unallocated))
+    return hosts, live_devices, spare
+
+
+def _hosts_again(
+    memo: PlanMemo, inventory: Sequence[HostView]
+) -> (
+    tuple[
+        dict[str, HostView], dict[str, frozenset[str]], list[tuple[str, tuple[str, ...]]], list[str]
+    ]
+    | None
+):
+    """``_hosts`` of ``inventory`` from what the memo derived from the last one, when it
+    differs from it only in a few views (other objects for the same host ids, at the same
+    places, none with a repeated device id): (..., the ids of the hosts changed); None
+    otherwise (everything derived again, by ``_hosts``)."""
+    old = memo.inventory
+    if old is None or len(old) != len(inventory):
+        return None
+    changed = list(itertools.compress(itertools.count(), map(operator.is_not, old, inventory)))
+    if not changed:
+        return memo.hosts, memo.live_devices, memo.spare, []
+    if len(changed) > _FEW_HOSTS:
+        return None
+    hosts, live_devices = dict(memo.hosts), dict(memo.live_devices)
+    respare = False
+    ready = HostState.READY
+    for i in changed:
+        was, host = old[i], inventory[i]
+        host_id = host.host_id
+        if host_id != was.host_id or host.repeated is not None:
+            return None  # (_hosts raises on a repeated device id, in the inventory's order)
+        hosts[host_id] = host
+        if host.state is HostState.LOST:
+            live_devices.pop(host_id, None)
+        else:
+            live_devices[host_id] = host.device_ids
+        if (was.state is ready and was.unallocated) or (host.state is ready and host.unallocated):
+            respare = True
+    spare = memo.spare
+    if respare:
+        spare = [
+            (h.host_id, h.unallocated) for h in inventory if h.state is ready and h.unallocated
+        ]
+    return hosts, live_devices, spare, [inventory[i].host_id for i in changed]
+
+
+#: At most this many hosts changed: ``_hosts_again`` derives them again, not every host.
+_FEW_HOSTS = 256
+
+
+def _scan(
+    current: Sequence[LearnerView], live_devices: Mapping[str, frozenset[str]], check_ids: bool
+) -> tuple[dict[str, dict[str, str]], dict[str, list[LearnerView]], list[str]]:
+    """``plan``'s pass over the learners, one by one: (host -> device -> learner, job -> its
+    learners not retiring, the lost learners)."""
+    learner_ids: set[str] = set()
+    occupied: dict[str, dict[str, str]] = {}  # host -> device -> learner
+    held_by_job: dict[str, list[LearnerView]] = {}
+    lost: list[str] = []
+    # A job's learners come together, mostly on few hosts: the last host's and the last
+    # job's entries are looked up again only when the host or the job changes.
+    last_host: str | None = None
+    devices: frozenset[str] | None = None
+    on_host: dict[str, str] | None = None
+    last_job: str | None = None
+    job_held: list[LearnerView] | None = None
+    for learner in current:
+        learner_id, job_id, host_id, device_id, retiring = learner
+        if check_ids:
+            if learner_id in learner_ids:
+                raise ValueError(f"learner_id ({learner_id!r}) is given more than once")
+            learner_ids.add(learner_id)
+        if host_id != last_host:
+            last_host = host_id
+            devices = live_devices.get(host_id)
+            on_host = occupied.get(host_id)
+        if devices is None or device_id not in devices:
+            lost.append(learner_id)
+            continue
+        if on_host is None:
+            on_host = occupied[host_id] = {device_id: learner_id}
+        elif device_id in on_host:
+            raise ValueError(
+                f"device ({host_id}, {device_id}) is held by two learners: "
+                f"{on_host[device_id]} and {learner_id}"
+            )
+        else:
+            on_host[device_id] = learner_id
+        if not retiring:
+            if job_id != last_job:
+                last_job = job_id
+                job_held = held_by_job.get(job_id)
+                if job_held is None:
+                    job_held = held_by_job[job_id] = []
+            job_held.append(learner)  # type: ignore[union-attr]
+    return occupied, held_by_job, lost
+
+
+def _scan_groups(
+    groups: Mapping[str, tuple[LearnerView, ...]],
+    count: int,
+    live_devices: Mapping[str, frozenset[str]],
+    memo: PlanMemo,
+    since: tuple[Mapping[str, frozenset[str]], list[str]] | None = None,
+) -> tuple[dict[str, dict[str, str]], dict[str, list[LearnerView]]] | None:
+    """``plan``'s pass over the learners, job by job (see ``plan``'s ``groups``): (host ->
+    occupied device -> its job, job -> its learners not retiring), or None when a learner is
+    lost, two are on one device, or the groups do not add up to ``count`` learners (the
+    caller then makes the pass learner by learner).
+
+    When the last call's scan was made against the same host views (``live_devices`` the
+    very object the memo derived from them), or against those that ``since`` names (the
+    ``live_devices`` of then, the hosts changed since), it is updated, not redone: the
+    devices of the jobs whose group is gone or another object, and of the jobs on a changed
+    host, are taken out, and their groups put back in, with the same checks (every other
+    job's devices were checked against these hosts, and against every other job's, when
+    they were put in)."""
+    if sum(map(len, groups.values())) != count:
+        return None
+    last, memo.scan = memo.scan, None  # (until this scan completes)
+    digests = memo.jobs
+    recheck: list[str] = []
+    if last is not None and last[0] is not live_devices:
+        if since is not None and last[0] is since[0]:
+            recheck = since[1]
+        else:
+            last = None
+    if last is None:
+        occupied: dict[str, dict[str, str]] = {}
+        held_by_job: dict[str, list[LearnerView]] = {}
+        ids: set[str] = set()
+        fresh: dict[str, _Digest] = {}
+        for job_id, group in groups.items():
+            known = digests.get(job_id)
+            if known is None or known[0] is not group:
+                known = _digest(job_id, group)
+                if known is None:
+                    return None
+            fresh[job_id] = known
+            if not _occupy(occupied, job_id, known[2], live_devices):
+                return None
+            ids.update(known[3])
+            if known[1]:
+                held_by_job[job_id] = known[1]
+        memo.jobs = fresh
+        if len(ids) != count:
+            return None  # a learner id given twice
+    else:
+        _, before, occupied, held_by_job, ids = last
+        changed = [job_id for job_id, group in groups.items() if before.get(job_id) is not group]
+        if recheck:  # the jobs on the hosts changed since the last scan
+            on_changed: set[str] = set()
+            for host_id in recheck:
+                on_host = occupied.get(host_id)
+                if on_host:
+                    on_changed.update(on_host.values())
+            on_changed.difference_update(changed)
+            on_changed.intersection_update(groups.keys())
+            changed += sorted(on_changed)
+        gone = before.keys() - groups.keys()
+        for job_id in [*gone, *changed]:
+            old = digests.get(job_id)
+            if old is not None:  # (the digest of the group last scanned)
+                ids.difference_update(old[3])
+                for host_id, devices in old[2]:
+                    on_host = occupied[host_id]
+                    for device_id in devices:
+                        del on_host[device_id]
+                    if not on_host:
+                        del occupied[host_id]
+            held_by_job.pop(job_id, None)
+        for job_id in gone:
+            del digests[job_id]
+        for job_id in changed:
+            group = groups[job_id]
+            known = digests.get(job_id)
+            if known is None or known[0] is not group:
+                known = _digest(job_id, group)
+                if known is None:
+                    return None
+                digests[job_id] = known
+            if not _occupy(occupied, job_id, known[2], live_devices):
+                return None
+            ids.update(known[3])
+            if known[1]:
+                held_by_job[job_id] = known[1]
+        if len(ids) != count:
+            return None  # a learner id given twice
+    memo.scan = (live_devices, dict(groups), occupied, held_by_job, ids)
+    return occupied, held_by_job
+
+
+def _occupy(
+    occupied: dict[str, dict[str, str]],
+    job_id: str,
+    per_host: tuple[tuple[str, tuple[str, ...]], ...],
+    live_devices: Mapping[str, frozenset[str]],
+) -> bool:
+    """Put one job's devices in ``occupied``; False if one is not a live host's device (a
+    learner lost) or is occupied already."""
+    for host_id, devices in per_host:
+        live = live_devices.get(host_id)
+        if live is None or not live.issuperset(devices):
+            return False  # a learner lost
+        on_host = occupied.get(host_id)
+        if on_host is None:
+            occupied[host_id] = dict.fromkeys(devices, job_id)
+        elif on_host.keys().isdisjoint(devices):
+            on_host.update(dict.fromkeys(devices, job_id))
+        else:
+            return False  # two learners on one device
+    return True
+
+
+def _digest(job_id: str, group: tuple[LearnerView, ...]) -> _Digest | None:
+    """What ``_scan_groups`` keeps of one job's group; None if a learner in it is of another
+    job or two of them are on one device."""
+    held = []
+    on: dict[str, list[str]] = {}
+    for learner in group:
+        if learner[1] != job_id:
+            return None
+        devices = on.get(learner[2])
+        if devices is None:
+            on[learner[2]] = [learner[3]]
+        else:
+            devices.append(learner[3])
+        if not learner[4]:
+            held.append(learner)
+    per_host = tuple((host_id, tuple(devices)) for host_id, devices in on.items())
+    if any(len(set(devices)) != len(devices) for _, devices in per_host):
+        return None
+    return group, held, per_host, tuple(map(_LEARNER_ID, group))
+
+
+_LEARNER_ID = operator.itemgetter(0)
 
 
 def _choose_retires(

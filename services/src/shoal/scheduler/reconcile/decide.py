@@ -53,9 +53,12 @@ _UNSEEN = -(2**64)
 
 _PHASE = operator.attrgetter("phase")
 _HOST = operator.attrgetter("host_id")
+_ID = operator.itemgetter(0)
 
 #: Job states in which every learner is stopped.
 _STOPPING_STATES = frozenset({S.JOB_STATE_CANCELLING, S.JOB_STATE_CANCELLED, S.JOB_STATE_FAILED})
+#: Active job states whose RUNNING learners need no housekeeping (on hosts not draining).
+_QUIET_STATES = ACTIVE_STATES - _STOPPING_STATES - {S.JOB_STATE_COMPLETED}
 
 
 @dataclass
@@ -66,7 +69,35 @@ class Observed:
     current: list[LearnerView] = field(default_factory=list)
     work: dict[str, JobWork] = field(default_factory=dict)
     by_id: dict[str, LearnerView] | None = None
-    """``current`` by learner id (:func:`index`), when :func:`observe` was given ``reuse``."""
+    """``current`` by learner id (:func:`index`), when :func:`observe` was asked for it."""
+    groups: dict[str, tuple[LearnerView, ...]] | None = None
+    """job id -> its learners in ``current`` (together there, in that order), for each job
+    with any, when :func:`observe` was given a ``cache``."""
+    calm: dict[str, tuple[str, ...]] | None = None
+    """job id -> the ids of the hosts its learners are on, for each job with learners, every
+    one of them RUNNING and none with observed work (exit, lost, dropped), when
+    :func:`observe` was given a ``cache`` (what :func:`decide`'s housekeeping reads)."""
+
+
+_Row = tuple[str, str, str, LearnerPhase, int]
+"""(learner id, host id, device id, phase, host incarnation): a learner as observe reads it."""
+
+ObserveCache = dict[
+    str,
+    tuple[
+        list[_Row],
+        tuple[LearnerView, ...],
+        frozenset[tuple[str, int]],
+        tuple[str, ...],
+        tuple[str, ...] | None,
+        frozenset[str],
+    ],
+]
+"""job id -> (its learners' fields as :func:`observe` last read them, the views it made of
+them, the (host id, host incarnation) pairs they were on, their learner ids, their hosts if
+every one is RUNNING else None, their hosts), for the jobs that gave no work and had no
+PENDING learner. After a call it holds exactly that call's such jobs, as read in that call
+(``Observing`` takes their hosts and phases from it)."""
 
 
 def lost_reason(lr: LearnerRecord, host: resources_pb2.Host | None) -> str:
@@ -89,7 +120,8 @@ def observe(
     exits: Mapping[str, resources_pb2.Learner],
     busy: Collection[str],
     *,
-    reuse: Mapping[str, LearnerView] | None = None,
+    cache: ObserveCache | None = None,
+    index: bool = False,
 ) -> Observed:
     """Step 1: every learner of every job, as placement must count it. A PENDING learner of a
     job whose worker is not running (``busy``: the job ids with a worker) was left by a worker
@@ -97,49 +129,110 @@ def observe(
     agent reported (``exits``, by learner id) is processed and still counts, as leaving; a
     learner on a lost (or restarted) host is lost and does not count.
 
-    ``reuse``: learner id -> a view of an earlier observation (``Observed.by_id``); a counted
-    learner whose view equals it gets that very view (the same value, no new tuple). With
-    ``reuse``, ``Observed.by_id`` is filled (what the next call may reuse)."""
+    ``cache`` (the caller's, kept between calls; left holding this call's entries): every
+    learner's fields are read on every call, job by job, as a list of (learner id, host id,
+    device id, phase, host incarnation); a job whose list equals the one the cache kept for it
+    (the same values: the fields are immutable strings, ints and enum members), none of whose
+    learners has a reported exit and whose hosts are still live at the same incarnations gets
+    the views and the (empty) work the cache kept -- the values this function would compute
+    again from the same inputs (a job that had work or a PENDING learner is never kept). With
+    ``cache``, ``Observed.groups`` and ``Observed.calm`` are filled; with ``index``,
+    ``Observed.by_id``."""
     seen = Observed()
-    by_id: dict[str, LearnerView] = {}
-    if reuse is not None:
-        seen.by_id = by_id
+    groups: dict[str, tuple[LearnerView, ...]] | None = None
+    calm: dict[str, tuple[str, ...]] = {}
+    fresh: ObserveCache = {}
+    if cache is not None:
+        groups = seen.groups = {}
+        seen.calm = calm
+    work = seen.work
 
     def w(job_id: str) -> JobWork:
-        return seen.work.setdefault(job_id, JobWork())
+        jw = work.get(job_id)
+        if jw is None:
+            jw = work[job_id] = JobWork()
+        return jw
 
     current = seen.current
     add = current.append
     view = tuple.__new__  # LearnerView is a named tuple: built without its Python __new__
     pending, retiring, stopping = LearnerPhase.PENDING, LearnerPhase.RETIRING, LearnerPhase.STOPPING
+    running = LearnerPhase.RUNNING
     lost_state = resources_pb2.HOST_STATE_LOST
     exit_of = exits.get if exits else None
+    exit_ids = exits.keys()
     # host id -> its incarnation, None if it is gone or lost: each host's protobuf read once
     # per call, not once per learner on it.
     live: dict[str, int | None] = {}
+    ok: set[tuple[str, int]] | None = None
     last_host, incarnation = None, None
     for record in records.values():
+        learners = record.learners
+        if not learners:
+            continue
         job_id = record.job_id
+        rows: list[_Row] | None = None
+        if cache is not None:
+            rows = [
+                (lr.learner_id, lr.host_id, lr.device_id, lr.phase, lr.host_incarnation)
+                for lr in learners.values()
+            ]
+            hit = cache.get(job_id)
+            if (
+                hit is not None
+                and hit[0] == rows
+                and (exit_of is None or exit_ids.isdisjoint(hit[3]))
+            ):
+                if ok is None:
+                    # (host id, incarnation) of every live host: a learner on one, started on
+                    # that incarnation, is not lost (each host's protobuf read once per call).
+                    ok = {
+                        (host_id, host.incarnation)
+                        for host_id, host in hosts.items()
+                        if host.state != lost_state
+                    }
+                taken = ok.issuperset(hit[2])
+                if not taken:
+                    for host_id, started in hit[2]:  # the check learner by learner, per host
+                        now_at = live.get(host_id, _UNSEEN)
+                        if now_at == _UNSEEN:
+                            host = hosts.get(host_id)
+                            now_at = (
+                                None
+                                if host is None or host.state == lost_state
+                                else host.incarnation
+                            )
+                            live[host_id] = now_at
+                        if now_at is None or (started and now_at > started):
+                            break  # a learner lost: observed below, learner by learner
+                    else:
+                        taken = True  # (none lost: a host without an incarnation, say)
+                if taken:
+                    views = hit[1]
+                    fresh[job_id] = hit
+                    if views:
+                        current.extend(views)
+                        groups[job_id] = views  # type: ignore[index]
+                    if hit[4] is not None:
+                        calm[job_id] = hit[4]
+                    continue
+        start = len(current)
         job_busy = job_id in busy
-        for lr in record.learners.values():
+        had_pending = False
+        for lr in learners.values():
             phase = lr.phase
             if phase is pending:
+                had_pending = True
                 if not job_busy:
                     w(job_id).drop_pending.append(lr.learner_id)
                     continue
-                new = view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, False))
-                add(new)
-                if reuse is not None:
-                    by_id[new[0]] = new
+                add(view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, False)))
                 continue
             if exit_of is not None:
                 exit_ = exit_of(lr.learner_id)
                 if exit_ is not None:
                     w(job_id).exits.append(exit_)
-                    new = view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, True))
-                    add(new)
-                    if reuse is not None:
-                        by_id[new[0]] = new
+                    add(view(LearnerView, (lr.learner_id, job_id, lr.host_id, lr.device_id, True)))
                     continue
             host_id = lr.host_id
             if host_id != last_host:  # a job's learners are mostly on few hosts, together
@@ -156,29 +249,38 @@ def observe(
             if incarnation is None or (lr.host_incarnation and incarnation > lr.host_incarnation):
                 w(job_id).lost.append((lr.learner_id, lost_reason(lr, hosts.get(host_id))))
                 continue
-            learner_id, device_id = lr.learner_id, lr.device_id
             leaving = phase is retiring or phase is stopping
-            if reuse is not None:
-                # The view of the last observation when it is the same (no new tuple: a full
-                # cycle allocates no 80,000 views, nor the garbage collections they cause).
-                old = reuse.get(learner_id)
-                if (
-                    old is None
-                    or old[3] != device_id
-                    or old[2] != host_id
-                    or old[1] != job_id
-                    or old[4] is not leaving
-                ):
-                    old = view(LearnerView, (learner_id, job_id, host_id, device_id, leaving))
-                add(old)
-                by_id[learner_id] = old
-                continue
-            add(view(LearnerView, (learner_id, job_id, host_id, device_id, leaving)))
+            add(view(LearnerView, (lr.learner_id, job_id, host_id, lr.device_id, leaving)))
+        if rows is None:
+            continue
+        views = () if len(current) == start else tuple(current[start:])
+        if views:
+            groups[job_id] = views  # type: ignore[index]
+        if not had_pending and job_id not in work:
+            # (A frozenset: the check against the live hosts' pairs uses the hashes it keeps.)
+            where = frozenset([(row[1], row[4]) for row in rows])
+            on: tuple[str, ...] | None = None
+            if [row[3] for row in rows].count(running) == len(rows):
+                on = tuple(dict.fromkeys([row[1] for row in rows]))
+                calm[job_id] = on
+            fresh[job_id] = (
+                rows,
+                views,
+                where,
+                tuple([row[0] for row in rows]),
+                on,
+                frozenset([row[1] for row in rows]),
+            )
+    if cache is not None:
+        cache.clear()
+        cache.update(fresh)
+    if index:
+        seen.by_id = dict(zip(map(_ID, current), current, strict=True))
     return seen
 
 
 def index(current: Iterable[LearnerView]) -> dict[str, LearnerView]:
-    """Learner id -> view: what the next :func:`observe` may ``reuse``."""
+    """Learner id -> view (``Observed.by_id``)."""
     return {view[0]: view for view in current}
 
 
@@ -238,13 +340,16 @@ def targets(records: Mapping[str, JobRecord], decided: Plan) -> dict[str, tuple[
     """Step 3: job id -> (target workers, queue position) of every active job. The position
     is 1-based in the plan's queue for a QUEUED job, 0 otherwise."""
     queue_pos = {job_id: i + 1 for i, job_id in enumerate(decided.queue)}
+    share_of = decided.shares.get
+    queued = S.JOB_STATE_QUEUED
     out: dict[str, tuple[int, int]] = {}
     for record in records.values():
-        if not record.active:
+        job = record.job  # (each field of the protobuf read once)
+        state = job.state
+        if state not in ACTIVE_STATES:
             continue
-        target = decided.shares.get(record.job_id, 0)
-        position = queue_pos.get(record.job_id, 0) if record.state == S.JOB_STATE_QUEUED else 0
-        out[record.job_id] = (target, position)
+        job_id = job.job_id
+        out[job_id] = (share_of(job_id, 0), queue_pos.get(job_id, 0) if state == queued else 0)
     return out
 
 
@@ -310,9 +415,10 @@ def decide(
         if job_id is not None:
             w(job_id).lost.append((learner_id, "its device is no longer in the inventory"))
     changed = set(changed)
-    for record in records.values():
-        if record.active and record.job_id in changed:
-            w(record.job_id).save = True
+    if changed:
+        for record in records.values():
+            if record.active and record.job_id in changed:
+                w(record.job_id).save = True
     for retire in decided.retires:
         # Learners of jobs that are not active are stopped below, not retired.
         owner = records.get(retire.job_id)
@@ -321,11 +427,24 @@ def decide(
             w(retire.job_id).retires.append(retire.learner_id)
     starts = starts_by_job(decided)
     draining: dict[str, bool] = {}  # host id -> draining, each host's protobuf read once
+    calm = observed.calm or {}
+    drains: set[str] | None = None  # the draining hosts (read when a calm job comes)
 
     for record in records.values():
         job_id = record.job_id
         jw = work.get(job_id)
         if jw is None:
+            on = calm.get(job_id)
+            if on is not None and record.job.state in _QUIET_STATES:
+                # The common case (what _housekeeping's first check finds, from what observe
+                # read of the learners in this cycle): every learner RUNNING, an active job,
+                # no host of it draining; then nothing to do but a move's save.
+                if drains is None:
+                    drains = {h for h, host in hosts.items() if host.draining}
+                if drains.isdisjoint(on):
+                    if job_id in moved:
+                        w(job_id).save = True  # (no RETIRING learner to retire again)
+                    continue
             remaining = list(record.learners.values())
         else:
             gone = {lid for lid, _ in jw.lost} | {e.learner_id for e in jw.exits}

@@ -8,7 +8,8 @@ through the methods below (the hosts and the ledger are read, never written, els
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Mapping
+from typing import Any
 
 from shoal.scheduler.placement import (
     DeviceView,
@@ -32,9 +33,13 @@ class Inventory:
         self._changed: set[str] = set()  # hosts changed since take_changed (the planner's events)
         self._allocs_on: dict[str, set[str]] = {}  # host -> ids of the allocations on it
         self._holders: dict[str, str] = {}  # allocation id -> learner id, as the ledger's
+        # job -> learner id -> how many of the ledger's allocations name that pair
+        self._by_job: dict[str, dict[str, int]] = {}
 
     def _index(self, allocation: resources_pb2.Allocation) -> None:
         self._allocs_on.setdefault(allocation.host_id, set()).add(allocation.allocation_id)
+        of_job = self._by_job.setdefault(allocation.job_id, {})
+        of_job[allocation.learner_id] = of_job.get(allocation.learner_id, 0) + 1
         self._stale.add(allocation.host_id)
         self._changed.add(allocation.host_id)
 
@@ -42,6 +47,13 @@ class Inventory:
         on_host = self._allocs_on.get(allocation.host_id)
         if on_host is not None:
             on_host.discard(allocation.allocation_id)
+        of_job = self._by_job.get(allocation.job_id)
+        if of_job is not None and allocation.learner_id in of_job:
+            of_job[allocation.learner_id] -= 1
+            if not of_job[allocation.learner_id]:
+                del of_job[allocation.learner_id]
+                if not of_job:
+                    del self._by_job[allocation.job_id]
         self._stale.add(allocation.host_id)
         self._changed.add(allocation.host_id)
 
@@ -59,8 +71,11 @@ class Inventory:
         self._views = {}
         self._allocs_on = {}
         self._holders = {a.allocation_id: a.learner_id for a in self.ledger.values()}
+        self._by_job = {}
         for a in self.ledger.values():
             self._allocs_on.setdefault(a.host_id, set()).add(a.allocation_id)
+            of_job = self._by_job.setdefault(a.job_id, {})
+            of_job[a.learner_id] = of_job.get(a.learner_id, 0) + 1
         self._stale = set(self.hosts)
         self._changed.update(self.hosts)
         self.synced = True
@@ -102,6 +117,17 @@ class Inventory:
         if isinstance(known, (set, frozenset)) and known.issuperset(holders.values()):
             return []  # the common case, in C
         return [a for a, learner_id in holders.items() if learner_id not in known]
+
+    def held_by(self, records: Mapping[str, Any]) -> bool:
+        """Whether every allocation of the ledger is held by a learner of the job it names
+        (``records``: job id -> a record with ``learners`` by learner id). Then none is an
+        orphan: ``orphans`` of the learner ids of every record is empty. Checked job by job,
+        from a plain index (no set of every learner id built)."""
+        for job_id, holders in self._by_job.items():
+            record = records.get(job_id)
+            if record is None or not record.learners.keys() >= holders.keys():
+                return False
+        return True
 
     def device(self, host_id: str, device_id: str) -> resources_pb2.Device | None:
         host = self.hosts.get(host_id)

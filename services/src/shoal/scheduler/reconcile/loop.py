@@ -13,7 +13,9 @@ pure functions of :mod:`shoal.scheduler.reconcile.decide`, which it applies):
    jobs hold; learners on lost hosts (or on an older incarnation of their host) are lost.
    After an event only the jobs that changed are observed again (the job table's dirty set,
    exits, workers, changed hosts: :mod:`shoal.scheduler.reconcile.observing`), the rest of
-   the observed view is kept;
+   the observed view is kept; a full cycle reads every learner, reusing per job what it
+   derived last time when the values read are the same (``decide.observe``'s cache; the plan
+   goes by job too: ``placement.plan``'s ``groups``);
 2. runs the pure policy + placement: after an event the incremental planner, given what
    changed as events; the full ``shoal.scheduler.placement.plan`` on the safety net (the
    term's first cycle, then every ``placement_check_interval_s``), which observes every
@@ -62,7 +64,7 @@ from shoal.scheduler.jobs import (
     JobRecord,
     LearnerRecord,
 )
-from shoal.scheduler.placement import LearnerView, Plan, Start
+from shoal.scheduler.placement import Plan, Start
 from shoal.scheduler.policy import JobDemand, Policy
 from shoal.scheduler.reconcile import decide
 from shoal.scheduler.reconcile.config import ELECTION, ReconcileConfig
@@ -131,7 +133,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self._annotated = placement.policy is Policy.GOODPUT or bool(placement.service_thresholds)
         self._touched: set[str] = set()  # jobs to observe again next cycle
         self._demand_cache: decide.DemandCache = {}  # the demands of the last full cycle
-        self._views: dict[str, LearnerView] = {}  # the learners it observed (reused views)
+        self._seen: decide.ObserveCache = {}  # what the last full cycle observed, per job
         self._last_shares: Mapping[str, int] = {}
         self._last_queue: list[str] = []
         self._last_held: set[str] = set()
@@ -167,7 +169,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         self.observing.reset()
         self._touched = set()
         self._demand_cache = {}
-        self._views = {}
+        self._seen = {}
         self._last_shares = {}
         self._last_queue = []
         self._last_held = set()
@@ -434,10 +436,13 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
 
         # Exits of learners no job knows are of no use; orphans are freed by the sweep.
         if scope is records:
-            known = set(itertools.chain.from_iterable(r.learners for r in records.values()))
-            for learner_id in [lid for lid in self.exits if lid not in known]:
-                del self.exits[learner_id]
-            self._release_orphans(known)  # a full cycle: every allocation against every job
+            # A full cycle: every allocation against every job. The common case (no exit
+            # reported, every allocation held by a learner of its job) checked job by job.
+            if self.exits or not self.inventory.held_by(records):
+                known = set(itertools.chain.from_iterable(r.learners for r in records.values()))
+                for learner_id in [lid for lid in self.exits if lid not in known]:
+                    del self.exits[learner_id]
+                self._release_orphans(known)
             self._orphans_checked = now
         else:
             for learner_id in list(self.exits):
@@ -478,12 +483,11 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
         hosts = self.inventory.hosts
         placing = self.placing
         if not placing.incremental:
-            observed = decide.observe(
-                records, hosts, self.exits, busy=self._busy, reuse=self._views
-            )
-            self._views = observed.by_id or {}
+            observed = decide.observe(records, hosts, self.exits, busy=self._busy, cache=self._seen)
             demands = self._demands(records)
-            decided = placing.decide(demands, self.inventory, observed.current, now)
+            decided = placing.decide(
+                demands, self.inventory, observed.current, now, groups=observed.groups
+            )
             self._last_shares = decided.shares
             return observed, decided, records
         changed_hosts = self.inventory.take_changed()
@@ -523,6 +527,7 @@ class Reconciler(JobWorkers, JobLifecycle, InventoryWatch):
                 demand_changes=demand_changes,
                 changed_hosts=changed_hosts,
                 current_by_id=self.observing.views,
+                groups=observed.groups,
             )
             self._last_shares = decided.shares
             return observed, decided, records

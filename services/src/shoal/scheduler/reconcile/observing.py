@@ -15,7 +15,9 @@ changed:
 A change that bypasses all of these (a record mutated in memory, never written nor marked) is
 not seen by :meth:`update`: the loop's periodic full cycle calls :meth:`full`, which observes
 every record from scratch, compares it with the kept view, logs the jobs that differ (once per
-such cycle; ``divergences`` counts them) and keeps the fresh view.
+such cycle; ``divergences`` counts them) and keeps the fresh view. From scratch: every learner
+is read; what ``decide.observe`` derived from a job is reused only when the values it reads
+now are those it read then (its cache), never because no event named the job.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ class Observing:
     """The per-job observed view (see the module docstring). :meth:`reset` on a new term."""
 
     def __init__(self) -> None:
+        # What the last full observation read and made of each job (decide.observe's cache:
+        # every learner is still read on every full observation; kept across terms, checked
+        # by value).
+        self._seen: decide.ObserveCache = {}
         self.reset()
         self.divergences = 0  # full cycles whose fresh view differed from the kept one
         self.last_divergence: list[str] = []
@@ -162,6 +168,78 @@ class Observing:
                 else:
                     jobs.add(job_id)
 
+    def _reindex_all(self, records: Mapping[str, JobRecord]) -> bool:
+        """:meth:`_index_all`'s index of every record, made by updating the kept one (after
+        :meth:`reset` but for the host index, learner ids and hosts): every record's learner
+        ids and hosts are read as they are now and compared with the kept ones; only the
+        entries that differ are changed, those of the jobs gone or without learners dropped.
+        The hosts and phases of a job this cycle's observation kept (``decide.observe``'s
+        cache, refreshed by it just before: read in this cycle) are taken from it. The same
+        index as a rebuild, unless a learner id is held by two jobs: False then (the caller
+        rebuilds)."""
+        attention, ids_of, hosts_of = self.attention, self._ids_of, self._hosts_of
+        on_host, learner_job = self._on_host, self._learner_job
+        running = LearnerPhase.RUNNING
+        seen = self._seen  # what this cycle's observation read of the jobs it kept
+        indexed: set[str] = set()
+        count = 0
+        for record in records.values():
+            learners = record.learners
+            if not learners:
+                if needs_attention(record):
+                    attention.add(record.job_id)
+                continue
+            job = record.job
+            job_id = job.job_id
+            values = learners.values()
+            entry = seen.get(job_id)
+            if entry is not None:  # its hosts, and whether every learner is RUNNING, as read
+                on = entry[5]
+                if entry[4] is None or job.state not in _QUIET_STATES:
+                    attention.add(job_id)
+            else:
+                on = frozenset(map(_HOST, values))
+                if (
+                    list(map(_PHASE, values)).count(running) != len(learners)
+                    or job.state not in _QUIET_STATES
+                ):
+                    attention.add(job_id)
+            indexed.add(job_id)
+            ids = tuple(learners)
+            count += len(ids)
+            old_ids = ids_of.get(job_id)
+            if old_ids != ids:
+                for lid in old_ids or ():
+                    learner_job.pop(lid, None)
+                ids_of[job_id] = ids
+                learner_job.update(dict.fromkeys(ids, job_id))
+            old_on = hosts_of.get(job_id)
+            if old_on != on:
+                old_on = old_on or frozenset()
+                for host_id in old_on - on:
+                    self._off_host(host_id, job_id)
+                for host_id in on - old_on:
+                    jobs = on_host.get(host_id)
+                    if jobs is None:
+                        on_host[host_id] = {job_id}
+                    else:
+                        jobs.add(job_id)
+                hosts_of[job_id] = on
+        for job_id in [j for j in ids_of if j not in indexed]:
+            for lid in ids_of.pop(job_id):
+                learner_job.pop(lid, None)
+        for job_id in [j for j in hosts_of if j not in indexed]:
+            for host_id in hosts_of.pop(job_id):
+                self._off_host(host_id, job_id)
+        return len(learner_job) == count
+
+    def _off_host(self, host_id: str, job_id: str) -> None:
+        jobs = self._on_host.get(host_id)
+        if jobs is not None:
+            jobs.discard(job_id)
+            if not jobs:
+                del self._on_host[host_id]
+
     def _put(
         self,
         job_id: str,
@@ -225,14 +303,10 @@ class Observing:
     ) -> decide.Observed:
         """Observe every record from scratch (the safety net); when the kept view differs, log
         the jobs once and keep the fresh one. Returns the full observation."""
-        seen = decide.observe(records, hosts, exits, busy, reuse=self.views)
+        seen = decide.observe(records, hosts, exits, busy, cache=self._seen, index=True)
         views = self.views = seen.by_id or {}
         keys = seen.current  # the views are (learner id, job id, host id, device id, retiring)
-        # observe lists each job's learners together: group them in C.
-        fresh = {
-            job_id: tuple(group)
-            for job_id, group in itertools.groupby(keys, key=operator.itemgetter(1))
-        }
+        fresh = seen.groups or {}  # each job's views, as observe lists them (together)
         if compare and self.synced:
             differ = []
             # The same tuples per job (the common case: a cheap comparison of the reused
@@ -259,11 +333,16 @@ class Observing:
                     "one is used (a record changed without being written or marked)",
                     ", ".join(differ),
                 )
+        kept = (self._on_host, self._hosts_of, self._learner_job, self._ids_of)
         self.reset()
         self.views = views
         self.learners = fresh
         self.work = {j: w for j, w in seen.work.items() if not w.empty()}
-        self._index_all(records)
+        self._on_host, self._hosts_of, self._learner_job, self._ids_of = kept
+        if not self._reindex_all(records):
+            self._on_host, self._hosts_of, self._learner_job, self._ids_of = {}, {}, {}, {}
+            self.attention = set()
+            self._index_all(records)
         self._exits = frozenset(exits)
         self._busy = frozenset(busy)
         self.synced = True

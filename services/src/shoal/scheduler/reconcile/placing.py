@@ -38,7 +38,7 @@ import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from shoal.scheduler.incremental import IncrementalPlanner
-from shoal.scheduler.placement import LearnerView, PlacementConfig, Plan, plan
+from shoal.scheduler.placement import LearnerView, PlacementConfig, Plan, PlanMemo, plan
 from shoal.scheduler.policy import JobDemand
 from shoal.scheduler.reconcile.inventory import Inventory
 
@@ -96,6 +96,8 @@ class Placing:
         self._diffing = False  # fed by decide (it keeps _learners), not by step / full
         self._hosts: set[str] = set()  # the hosts the planner knows
         self._last_full = -math.inf
+        # What plan derived from each job's group of learners (kept between full plans).
+        self._memo = PlanMemo()
 
     def reset(self) -> None:
         """A new leadership term: the next cycle is a full one and resyncs the planner."""
@@ -104,6 +106,7 @@ class Placing:
         self._learners = set()
         self._hosts = set()
         self._last_full = -math.inf
+        self._memo = PlanMemo()
 
     def due(self, now: float) -> bool:
         """Whether the cycle at ``now`` must be a full one: incremental placement off, the
@@ -121,12 +124,23 @@ class Placing:
         inventory: Inventory,
         current: Sequence[LearnerView],
         now: float,
+        *,
+        groups: Mapping[str, tuple[LearnerView, ...]] | None = None,
     ) -> Plan:
         """The cycle's plan from the whole observed state: the changes since the last cycle
-        are found by diffing it (the demands, the learners as sets of tuples)."""
+        are found by diffing it (the demands, the learners as sets of tuples). ``groups``:
+        ``current`` by job, if the caller has it (``Observed.groups``: see ``plan``)."""
         if not self.incremental:
             self.full_cycles += 1
-            return plan(demands, inventory.host_views(), current, self.config, now=now)
+            return plan(
+                demands,
+                inventory.host_views(),
+                current,
+                self.config,
+                now=now,
+                groups=groups,
+                memo=self._memo,
+            )
         self._diffing = True
         changed = inventory.take_changed()
         learners = set(map(_KEY, current))
@@ -147,6 +161,7 @@ class Placing:
                 came=came,
                 demand_changes=demand_changes,
                 changed_hosts=changed,
+                groups=groups,
             )
         return self.step(
             inventory,
@@ -200,18 +215,22 @@ class Placing:
         compare: bool = True,
         current_keys: set[LearnerKey] | None = None,
         current_by_id: Mapping[str, LearnerView] | None = None,
+        groups: Mapping[str, tuple[LearnerView, ...]] | None = None,
     ) -> Plan:
         """The full plan over the whole observed state (acted on). With ``compare`` and a
         planner, the pending changes are given to it first and its decision and its state are
         compared with the full plan and the observed state: on a difference one warning names
         the jobs and the planner is rebuilt (``resync``); without one it is kept as it is.
         ``current_keys``: ``current`` as tuples, if the caller has them (saves building them);
-        ``current_by_id``: ``current`` by learner id, if the caller has it (a cheaper check)."""
+        ``current_by_id``: ``current`` by learner id, if the caller has it (a cheaper check);
+        ``groups``: ``current`` by job, if the caller has it (see ``plan``)."""
         # Until this cycle succeeds (plan raises on an invalid observed state, as it always
         # did), the next one is a full one too: the planner may hold half of the events.
         self._last_full = -math.inf
         views = inventory.host_views()
-        full = plan(demands, views, current, self.config, now=now)  # raises as before
+        full = plan(  # raises as before
+            demands, views, current, self.config, now=now, groups=groups, memo=self._memo
+        )
         self.full_cycles += 1
         planner = self.planner
         rebuild = planner is None or not compare
