@@ -73,6 +73,9 @@ class LocalBackend(SyncBackend):
         self._buffers: list[torch.Tensor] = []
         self._optimizer: torch.optim.Optimizer | None = None
         self._in_place = False
+        self._total_steps = 0
+        #: The rate last set on the optimizer's groups (None: the optimizer's own).
+        self._lr: float | None = None
         self._step = 0
         self._reports: list[dict[str, Any]] = []
 
@@ -90,6 +93,7 @@ class LocalBackend(SyncBackend):
             raise RuntimeError("initialize() was already called on this backend")
         self._setup = setup
         self._plan = setup.plan
+        self._total_steps = setup.plan.total_steps
         self._params = [_own(p).requires_grad_(p.requires_grad) for p in setup.params]
         self._buffers = [_own(b) for b in setup.buffers]
         # Every tensor the model's own (_own copied none): sync hands back nothing to load.
@@ -127,6 +131,7 @@ class LocalBackend(SyncBackend):
             for dst, src in zip(self._buffers, checkpoint.buffers, strict=True):
                 dst.copy_(src)
         self._optimizer.load_state_dict(checkpoint.optimizer_state)
+        self._lr = None  # (the groups' rates are the checkpoint's now)
         self._step = checkpoint.completed
         fs, root = fsspec.core.url_to_fs(self._storage_uri)
         reports = join_path(root, "metrics", "epochs.json")
@@ -136,7 +141,7 @@ class LocalBackend(SyncBackend):
 
     def next_assignment(self) -> Assignment | None:
         plan = self._require_plan()
-        if self._step >= plan.total_steps:
+        if self._step >= self._total_steps:
             return None
         return plan.assignment(self._step)
 
@@ -144,30 +149,33 @@ class LocalBackend(SyncBackend):
         self, assignment: Assignment, contribution: Contribution, *, lr: float | None = None
     ) -> SyncResult:
         plan = self._require_plan()
-        optimizer = self._optimizer
-        assert optimizer is not None
+        optimizer, setup, params = self._optimizer, self._setup, self._params
+        assert optimizer is not None and setup is not None
         if assignment.step != self._step or assignment.world_size != 1:
             raise RuntimeError(
                 f"assignment (step {assignment.step}, world {assignment.world_size}) does not "
                 f"match the local backend (step {self._step}, world 1)"
             )
-        if len(contribution.grads) != len(self._params):
-            raise ValueError(
-                f"contribution has {len(contribution.grads)} gradients, "
-                f"expected {len(self._params)}"
-            )
-        if lr is not None:
-            set_learning_rate(optimizer, lr)
-        setup = self._setup
-        assert setup is not None
-        grads = list(contribution.grads)
+        grads = contribution.grads
+        if len(grads) != len(params):
+            raise ValueError(f"contribution has {len(grads)} gradients, expected {len(params)}")
+        if lr is not None and lr != self._lr:  # (a schedule's rate changes once an epoch, or
+            set_learning_rate(optimizer, lr)  # a few times a job: set only then)
+            self._lr = lr
         grad_norm, skipped = apply_gradient_policy(grads, setup)
-        for p, g in zip(self._params, grads, strict=True):
-            p.grad = g
+        # Gradients that are already the stepped tensors' own ``.grad`` (the trainer's: its
+        # model's parameters are the tensors stepped here, as in a plain loop) are used as they
+        # are; any other is lent to the optimizer for the step and taken back after it.
+        lent = False
+        for p, g in zip(params, grads, strict=True):
+            if p.grad is not g:
+                p.grad = g
+                lent = True
         if not skipped:
             optimizer.step()
-        for p in self._params:
-            p.grad = None
+        if lent:
+            for p in params:
+                p.grad = None
         if self._buffers:
             with torch.no_grad():
                 for dst, src in zip(self._buffers, contribution.buffers, strict=True):

@@ -149,7 +149,8 @@ def compute_contribution(
     if tensors is None:
         tensors = ModelTensors.of(model)
     params = tensors.params
-    device = torch.device(device) if device is not None else params[0].device
+    if not isinstance(device, torch.device):  # (the trainer's already is one)
+        device = torch.device(device) if device is not None else params[0].device
     tensors.zero_grad()
     n = int(indices.numel())
     if hooks is not None:
@@ -167,7 +168,7 @@ def compute_contribution(
     # micro-batch; the same value), a device tensor elsewhere (no sync per micro-batch).
     on_cpu = device.type == "cpu"
     loss_sum: Any = 0.0 if on_cpu else torch.zeros((), dtype=torch.float64, device=device)
-    chunks = list(partition.micro_batches(indices, max_per_device))
+    chunks = partition.micro_batches(indices, max_per_device)
     fetched = (
         fetcher.batches(chunks)
         if fetcher is not None
