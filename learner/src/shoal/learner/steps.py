@@ -169,14 +169,12 @@ def compute_contribution(
     on_cpu = device.type == "cpu"
     loss_sum: Any = 0.0 if on_cpu else torch.zeros((), dtype=torch.float64, device=device)
     chunks = partition.micro_batches(indices, max_per_device)
-    fetched = (
-        fetcher.batches(chunks)
-        if fetcher is not None
-        else (fetch_batch(dataset, chunk) for chunk in chunks)
-    )
-    for index, (chunk, batch) in enumerate(zip(chunks, fetched, strict=True)):
+    fetched = None if fetcher is None else iter(fetcher.batches(chunks))
+    last = len(chunks) - 1
+    for index, chunk in enumerate(chunks):
+        batch = fetch_batch(dataset, chunk) if fetched is None else next(fetched)
         inputs, targets = split_batch(to_device(batch, device))
-        m = int(chunk.numel())
+        m = n if last == 0 else int(chunk.numel())
         if metrics is not None:
             metrics.chunk = m
         try:
@@ -190,11 +188,13 @@ def compute_contribution(
             if metrics is not None:
                 metrics.chunk = None
         scaled = loss if loss_scale is None else loss * loss_scale
-        if hooks is not None and index == len(chunks) - 1:
+        if hooks is not None and index == last:
             hooks.arm(n, inv_scale)  # the last backward: the gradient becomes final
         (scaled if m == n else scaled * (m / n)).backward()
-        term = loss.detach()
-        loss_sum += float(term) * m if on_cpu else term.to(torch.float64) * m
+        if on_cpu:
+            loss_sum += loss.item() * m
+        else:
+            loss_sum += loss.detach().to(torch.float64) * m
     if hooks is not None:
         hooks.finish()
     grads = [p.grad for p in params]

@@ -370,6 +370,9 @@ class ElasticTrainer:
         # A backend without a coordinator keeps no reported metrics (SyncBackend.log_metrics):
         # nothing to build for it per iteration.
         keeps_metrics = type(backend).log_metrics is not SyncBackend.log_metrics
+        # The local backend's assignments are the plan's own (TrainingPlan.assignment): there
+        # is nothing to check in them (a coordinator's are checked against the plan).
+        plans_own = type(backend).next_assignment is LocalBackend.next_assignment
         hooks = None
         # Parameter-server mode with SHOAL_PS_EARLY_FORWARD=on: the last sync's answer is
         # still arriving (early_forward.py); ``lost``: loading it failed (a shard died while
@@ -445,7 +448,8 @@ class ElasticTrainer:
                     result.retired = True
                     self._assignment = None
                     break
-                plan.check_assignment(a, adaptive=self._batch_rule is not None)
+                if not plans_own:
+                    plan.check_assignment(a, adaptive=self._batch_rule is not None)
                 previous, self._assignment = self._assignment, a
                 if previous is not None and (
                     previous.generation != a.generation or previous.world_size != a.world_size
