@@ -19,6 +19,7 @@ from typing import Any, TypeAlias
 import torch
 
 from shoal.learner import partition
+from shoal.learner.frozen_init import fast_frozen_init
 
 # --------------------------------------------------------------------------------------------
 # Value types exchanged with a backend
@@ -434,6 +435,7 @@ class InitialState:
             raise ValueError("params and buffers must both be given or both be None")
 
 
+@fast_frozen_init  # (built every iteration)
 @dataclass(frozen=True)
 class Assignment:
     """The coordinator's answer at an iteration boundary; the same for all members of a
@@ -498,6 +500,7 @@ class Assignment:
         return cls(generation, 0, 0, step, 0, 1, 0, 0, retire=True)
 
 
+@fast_frozen_init  # (built every iteration)
 @dataclass(frozen=True)
 class Contribution:
     """One learner's part of one iteration, handed to :meth:`SyncBackend.sync`.
@@ -516,6 +519,7 @@ class Contribution:
     buffers: Sequence[torch.Tensor]
 
 
+@fast_frozen_init  # (built every iteration)
 @dataclass(frozen=True)
 class SyncResult:
     """The outcome of a completed iteration: the new parameters and buffers (spec order) for
