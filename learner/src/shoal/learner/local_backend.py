@@ -24,7 +24,7 @@ from shoal.learner.checkpoint_io import (
     save_checkpoint,
 )
 from shoal.learner.env import LOCAL_BACKEND, LearnerEnv
-from shoal.learner.gradients import apply_gradient_policy
+from shoal.learner.gradients import apply_gradient_policy, has_gradient_policy
 from shoal.learner.interface import SyncBackend, register_backend
 from shoal.learner.sync_types import (
     Assignment,
@@ -74,6 +74,7 @@ class LocalBackend(SyncBackend):
         self._optimizer: torch.optim.Optimizer | None = None
         self._in_place = False
         self._total_steps = 0
+        self._policy = False
         #: The rate last set on the optimizer's groups (None: the optimizer's own).
         self._lr: float | None = None
         self._step = 0
@@ -94,6 +95,7 @@ class LocalBackend(SyncBackend):
         self._setup = setup
         self._plan = setup.plan
         self._total_steps = setup.plan.total_steps
+        self._policy = has_gradient_policy(setup)  # (else none to apply, every iteration)
         self._params = [_own(p).requires_grad_(p.requires_grad) for p in setup.params]
         self._buffers = [_own(b) for b in setup.buffers]
         # Every tensor the model's own (_own copied none): sync hands back nothing to load.
@@ -148,9 +150,9 @@ class LocalBackend(SyncBackend):
     def sync(
         self, assignment: Assignment, contribution: Contribution, *, lr: float | None = None
     ) -> SyncResult:
-        plan = self._require_plan()
         optimizer, setup, params = self._optimizer, self._setup, self._params
-        assert optimizer is not None and setup is not None
+        if optimizer is None or setup is None:
+            raise RuntimeError("initialize() must be called first")
         if assignment.step != self._step or assignment.world_size != 1:
             raise RuntimeError(
                 f"assignment (step {assignment.step}, world {assignment.world_size}) does not "
@@ -162,7 +164,7 @@ class LocalBackend(SyncBackend):
         if lr is not None and lr != self._lr:  # (a schedule's rate changes once an epoch, or
             set_learning_rate(optimizer, lr)  # a few times a job: set only then)
             self._lr = lr
-        grad_norm, skipped = apply_gradient_policy(grads, setup)
+        grad_norm, skipped = apply_gradient_policy(grads, setup) if self._policy else (None, False)
         # Gradients that are already the stepped tensors' own ``.grad`` (the trainer's: its
         # model's parameters are the tensors stepped here, as in a plain loop) are used as they
         # are; any other is lent to the optimizer for the step and taken back after it.
@@ -185,7 +187,7 @@ class LocalBackend(SyncBackend):
         loss = contribution.loss_sum / n if n else math.nan
         step = self._step
         self._step += 1
-        if self._storage_uri is not None and plan.is_checkpoint_step(step):
+        if self._storage_uri is not None and self._require_plan().is_checkpoint_step(step):
             self._checkpoint(self._step)
         return SyncResult(
             self._params, self._buffers, step, loss, grad_norm, skipped, in_place=self._in_place

@@ -37,7 +37,7 @@ def fetch_batch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
         mapped = torch.tensor([dataset.indices[i] for i in indices.tolist()], dtype=torch.int64)
         return tuple(t[mapped] for t in dataset.dataset.tensors)
     if isinstance(dataset, TensorDataset):
-        return tuple(t[indices] for t in dataset.tensors)
+        return tuple([t[indices] for t in dataset.tensors])
     positions = indices.tolist()
     getitems = getattr(dataset, "__getitems__", None)
     items = getitems(positions) if getitems is not None else [dataset[i] for i in positions]
@@ -45,10 +45,12 @@ def fetch_batch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    if type(batch) is tuple and all(
-        type(b) is torch.Tensor and b.device == device for b in batch
-    ):  # the common case (a TensorDataset's batch already there): as it is
-        return batch
+    if type(batch) is tuple:  # the common case (a TensorDataset's batch already there): as it is
+        for b in batch:
+            if type(b) is not torch.Tensor or b.device != device:
+                break
+        else:
+            return batch
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
@@ -178,7 +180,11 @@ def compute_contribution(
         if metrics is not None:
             metrics.chunk = m
         try:
-            loss = _forward(model, loss_fn, inputs, targets, device, autocast_dtype)
+            loss = (
+                loss_fn(model(inputs), targets)
+                if autocast_dtype is None
+                else _forward(model, loss_fn, inputs, targets, device, autocast_dtype)
+            )
             if index == 0 and forward_check is not None and forward_check(loss):
                 if metrics is not None:
                     metrics.begin_step()  # the first micro-batch's logs: of the dropped forward
