@@ -142,7 +142,9 @@ class LocalBackend(SyncBackend):
                 self._reports = [r for r in json.load(f) if r["step"] < self._step]
 
     def next_assignment(self) -> Assignment | None:
-        plan = self._require_plan()
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("initialize() must be called first")
         if self._step >= self._total_steps:
             return None
         return plan.assignment(self._step)

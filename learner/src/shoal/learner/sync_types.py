@@ -491,8 +491,9 @@ class Assignment:
     @property
     def share(self) -> tuple[int, int]:
         """Positions ``[i*B + r*b//W, i*B + (r+1)*b//W)`` of this learner's share."""
-        b, w, r = self.batch_size, self.world_size, self.rank
-        return self.batch_start + r * b // w, self.batch_start + (r + 1) * b // w
+        start, w, r = self.batch_start, self.world_size, self.rank
+        b = self.batch_stop - start  # (batch_size, without a second property call)
+        return start + r * b // w, start + (r + 1) * b // w
 
     @classmethod
     def retirement(cls, generation: int, step: int) -> Assignment:
