@@ -57,7 +57,10 @@ class LocalBackend(SyncBackend):
     PyTorch loop does: the learner still hands gradients out and takes parameters in exactly
     as on the cluster, but the parameters it takes back are its own, so there is nothing to
     load (``SyncResult.in_place``). Tensors that are not leaves of their own (a view, a non-leaf)
-    are copied once, as master copies.
+    are copied once, as master copies. The trainer hands it the model's parameters themselves,
+    so the gradients backward leaves on them are the optimizer's as they are (a gradient that
+    is not the stepped tensor's own is lent for the step and taken back); the learning rate
+    is set on the optimizer's groups only when it changes.
     With ``storage_uri`` it writes checkpoints (every ``checkpoint_every`` epochs and at the
     end), the epoch reports (``metrics/epochs.json``) and the final model
     (``final/model.safetensors``), and when ``resume`` is true :meth:`initialize` continues
