@@ -87,6 +87,12 @@ def global_grad_norm(grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
 
 
+def has_gradient_policy(setup: TrainingSetup) -> bool:
+    """Whether :func:`apply_gradient_policy` has anything to do for ``setup``: clipping,
+    skipping a non-finite gradient, or measuring the norm."""
+    return setup.clip_grad_norm is not None or setup.skip_nonfinite or setup.measure_grad_norm
+
+
 def apply_gradient_policy(
     grads: Sequence[torch.Tensor | None], setup: TrainingSetup
 ) -> tuple[float | None, bool]:
@@ -99,7 +105,7 @@ def apply_gradient_policy(
     the optimizer, as ``torch.amp.GradScaler.step`` skips it. Without clipping or skipping the
     gradient is left alone and the norm is not computed (``(None, False)``) unless
     ``setup.measure_grad_norm``."""
-    if setup.clip_grad_norm is None and not setup.skip_nonfinite and not setup.measure_grad_norm:
+    if not has_gradient_policy(setup):
         return None, False  # (before entering no_grad: this is every iteration's common case)
     return _clip_or_skip(grads, setup)
 

@@ -24,7 +24,7 @@ from shoal.learner.checkpoint_io import (
     save_checkpoint,
 )
 from shoal.learner.env import LOCAL_BACKEND, LearnerEnv
-from shoal.learner.gradients import apply_gradient_policy
+from shoal.learner.gradients import apply_gradient_policy, has_gradient_policy
 from shoal.learner.interface import SyncBackend, register_backend
 from shoal.learner.sync_types import (
     Assignment,
@@ -57,7 +57,10 @@ class LocalBackend(SyncBackend):
     PyTorch loop does: the learner still hands gradients out and takes parameters in exactly
     as on the cluster, but the parameters it takes back are its own, so there is nothing to
     load (``SyncResult.in_place``). Tensors that are not leaves of their own (a view, a non-leaf)
-    are copied once, as master copies.
+    are copied once, as master copies. The trainer hands it the model's parameters themselves,
+    so the gradients backward leaves on them are the optimizer's as they are (a gradient that
+    is not the stepped tensor's own is lent for the step and taken back); the learning rate
+    is set on the optimizer's groups only when it changes.
     With ``storage_uri`` it writes checkpoints (every ``checkpoint_every`` epochs and at the
     end), the epoch reports (``metrics/epochs.json``) and the final model
     (``final/model.safetensors``), and when ``resume`` is true :meth:`initialize` continues
@@ -73,6 +76,10 @@ class LocalBackend(SyncBackend):
         self._buffers: list[torch.Tensor] = []
         self._optimizer: torch.optim.Optimizer | None = None
         self._in_place = False
+        self._total_steps = 0
+        self._policy = False
+        #: The rate last set on the optimizer's groups (None: the optimizer's own).
+        self._lr: float | None = None
         self._step = 0
         self._reports: list[dict[str, Any]] = []
 
@@ -90,6 +97,8 @@ class LocalBackend(SyncBackend):
             raise RuntimeError("initialize() was already called on this backend")
         self._setup = setup
         self._plan = setup.plan
+        self._total_steps = setup.plan.total_steps
+        self._policy = has_gradient_policy(setup)  # (else none to apply, every iteration)
         self._params = [_own(p).requires_grad_(p.requires_grad) for p in setup.params]
         self._buffers = [_own(b) for b in setup.buffers]
         # Every tensor the model's own (_own copied none): sync hands back nothing to load.
@@ -127,6 +136,7 @@ class LocalBackend(SyncBackend):
             for dst, src in zip(self._buffers, checkpoint.buffers, strict=True):
                 dst.copy_(src)
         self._optimizer.load_state_dict(checkpoint.optimizer_state)
+        self._lr = None  # (the groups' rates are the checkpoint's now)
         self._step = checkpoint.completed
         fs, root = fsspec.core.url_to_fs(self._storage_uri)
         reports = join_path(root, "metrics", "epochs.json")
@@ -135,39 +145,44 @@ class LocalBackend(SyncBackend):
                 self._reports = [r for r in json.load(f) if r["step"] < self._step]
 
     def next_assignment(self) -> Assignment | None:
-        plan = self._require_plan()
-        if self._step >= plan.total_steps:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("initialize() must be called first")
+        if self._step >= self._total_steps:
             return None
         return plan.assignment(self._step)
 
     def sync(
         self, assignment: Assignment, contribution: Contribution, *, lr: float | None = None
     ) -> SyncResult:
-        plan = self._require_plan()
-        optimizer = self._optimizer
-        assert optimizer is not None
+        optimizer, setup, params = self._optimizer, self._setup, self._params
+        if optimizer is None or setup is None:
+            raise RuntimeError("initialize() must be called first")
         if assignment.step != self._step or assignment.world_size != 1:
             raise RuntimeError(
                 f"assignment (step {assignment.step}, world {assignment.world_size}) does not "
                 f"match the local backend (step {self._step}, world 1)"
             )
-        if len(contribution.grads) != len(self._params):
-            raise ValueError(
-                f"contribution has {len(contribution.grads)} gradients, "
-                f"expected {len(self._params)}"
-            )
-        if lr is not None:
-            set_learning_rate(optimizer, lr)
-        setup = self._setup
-        assert setup is not None
-        grads = list(contribution.grads)
-        grad_norm, skipped = apply_gradient_policy(grads, setup)
-        for p, g in zip(self._params, grads, strict=True):
-            p.grad = g
+        grads = contribution.grads
+        if len(grads) != len(params):
+            raise ValueError(f"contribution has {len(grads)} gradients, expected {len(params)}")
+        if lr is not None and lr != self._lr:  # (a schedule's rate changes once an epoch, or
+            set_learning_rate(optimizer, lr)  # a few times a job: set only then)
+            self._lr = lr
+        grad_norm, skipped = apply_gradient_policy(grads, setup) if self._policy else (None, False)
+        # Gradients that are already the stepped tensors' own ``.grad`` (the trainer's: its
+        # model's parameters are the tensors stepped here, as in a plain loop) are used as they
+        # are; any other is lent to the optimizer for the step and taken back after it.
+        lent = False
+        for p, g in zip(params, grads, strict=True):
+            if p.grad is not g:
+                p.grad = g
+                lent = True
         if not skipped:
             optimizer.step()
-        for p in self._params:
-            p.grad = None
+        if lent:
+            for p in params:
+                p.grad = None
         if self._buffers:
             with torch.no_grad():
                 for dst, src in zip(self._buffers, contribution.buffers, strict=True):
@@ -177,7 +192,7 @@ class LocalBackend(SyncBackend):
         loss = contribution.loss_sum / n if n else math.nan
         step = self._step
         self._step += 1
-        if self._storage_uri is not None and plan.is_checkpoint_step(step):
+        if self._storage_uri is not None and self._require_plan().is_checkpoint_step(step):
             self._checkpoint(self._step)
         return SyncResult(
             self._params, self._buffers, step, loss, grad_norm, skipped, in_place=self._in_place

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.learner.backend import TrainingPlan
+from shoal.learner.frozen_init import fast_frozen_init
 
 
+@fast_frozen_init  # (built every iteration)
 @dataclass(frozen=True)
 class IterationRecord:
     """One completed iteration as this learner saw it: ``loss`` is the global mean training

@@ -37,7 +37,7 @@ def fetch_batch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
         mapped = torch.tensor([dataset.indices[i] for i in indices.tolist()], dtype=torch.int64)
         return tuple(t[mapped] for t in dataset.dataset.tensors)
     if isinstance(dataset, TensorDataset):
-        return tuple(t[indices] for t in dataset.tensors)
+        return tuple([t[indices] for t in dataset.tensors])
     positions = indices.tolist()
     getitems = getattr(dataset, "__getitems__", None)
     items = getitems(positions) if getitems is not None else [dataset[i] for i in positions]
@@ -45,10 +45,12 @@ def fetch_batch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    if type(batch) is tuple and all(
-        type(b) is torch.Tensor and b.device == device for b in batch
-    ):  # the common case (a TensorDataset's batch already there): as it is
-        return batch
+    if type(batch) is tuple:  # the common case (a TensorDataset's batch already there): as it is
+        for b in batch:
+            if type(b) is not torch.Tensor or b.device != device:
+                break
+        else:
+            return batch
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
@@ -149,7 +151,8 @@ def compute_contribution(
     if tensors is None:
         tensors = ModelTensors.of(model)
     params = tensors.params
-    device = torch.device(device) if device is not None else params[0].device
+    if not isinstance(device, torch.device):  # (the trainer's already is one)
+        device = torch.device(device) if device is not None else params[0].device
     tensors.zero_grad()
     n = int(indices.numel())
     if hooks is not None:
@@ -167,19 +170,21 @@ def compute_contribution(
     # micro-batch; the same value), a device tensor elsewhere (no sync per micro-batch).
     on_cpu = device.type == "cpu"
     loss_sum: Any = 0.0 if on_cpu else torch.zeros((), dtype=torch.float64, device=device)
-    chunks = list(partition.micro_batches(indices, max_per_device))
-    fetched = (
-        fetcher.batches(chunks)
-        if fetcher is not None
-        else (fetch_batch(dataset, chunk) for chunk in chunks)
-    )
-    for index, (chunk, batch) in enumerate(zip(chunks, fetched, strict=True)):
+    chunks = partition.micro_batches(indices, max_per_device)
+    fetched = None if fetcher is None else iter(fetcher.batches(chunks))
+    last = len(chunks) - 1
+    for index, chunk in enumerate(chunks):
+        batch = fetch_batch(dataset, chunk) if fetched is None else next(fetched)
         inputs, targets = split_batch(to_device(batch, device))
-        m = int(chunk.numel())
+        m = n if last == 0 else int(chunk.numel())
         if metrics is not None:
             metrics.chunk = m
         try:
-            loss = _forward(model, loss_fn, inputs, targets, device, autocast_dtype)
+            loss = (
+                loss_fn(model(inputs), targets)
+                if autocast_dtype is None
+                else _forward(model, loss_fn, inputs, targets, device, autocast_dtype)
+            )
             if index == 0 and forward_check is not None and forward_check(loss):
                 if metrics is not None:
                     metrics.begin_step()  # the first micro-batch's logs: of the dropped forward
@@ -189,11 +194,13 @@ def compute_contribution(
             if metrics is not None:
                 metrics.chunk = None
         scaled = loss if loss_scale is None else loss * loss_scale
-        if hooks is not None and index == len(chunks) - 1:
+        if hooks is not None and index == last:
             hooks.arm(n, inv_scale)  # the last backward: the gradient becomes final
         (scaled if m == n else scaled * (m / n)).backward()
-        term = loss.detach()
-        loss_sum += float(term) * m if on_cpu else term.to(torch.float64) * m
+        if on_cpu:
+            loss_sum += loss.item() * m
+        else:
+            loss_sum += loss.detach().to(torch.float64) * m
     if hooks is not None:
         hooks.finish()
     grads = [p.grad for p in params]

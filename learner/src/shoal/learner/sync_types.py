@@ -19,6 +19,7 @@ from typing import Any, TypeAlias
 import torch
 
 from shoal.learner import partition
+from shoal.learner.frozen_init import fast_frozen_init
 
 # --------------------------------------------------------------------------------------------
 # Value types exchanged with a backend
@@ -317,7 +318,7 @@ class TrainingPlan:
             )
             expected = (a.batch_start, a.batch_start + b)
         else:
-            expected = partition.batch_range(a.iteration, self.batch_size, self.num_samples)
+            expected = self.batch_range(a.iteration)
             ok = (a.batch_start, a.batch_stop) == expected
         if not ok or a.epoch >= self.epochs:
             raise RuntimeError(
@@ -325,6 +326,16 @@ class TrainingPlan:
                 f"[{a.batch_start}, {a.batch_stop})) does not match the plan "
                 f"(epochs {self.epochs}, batch {list(expected)})"
             )
+
+    def batch_range(self, iteration: int) -> tuple[int, int]:
+        """:func:`partition.batch_range` of this plan: the positions ``[start, stop)`` of
+        iteration ``iteration`` (within its epoch). A valid iteration is computed at once (the
+        plan's fields were checked when it was built: this runs every iteration); anything
+        else goes to ``partition.batch_range``, which raises naming the value."""
+        if type(iteration) is int and 0 <= iteration < self.iterations_per_epoch:
+            start = iteration * self.batch_size
+            return start, min(start + self.batch_size, self.num_samples)
+        return partition.batch_range(iteration, self.batch_size, self.num_samples)
 
     def position(self, step: int) -> tuple[int, int]:
         """``(epoch, iteration within the epoch)`` of global iteration ``step``."""
@@ -334,18 +345,10 @@ class TrainingPlan:
         self, step: int, *, rank: int = 0, world_size: int = 1, generation: int = 0
     ) -> Assignment:
         """The assignment of ``rank`` of ``world_size`` for global iteration ``step``."""
-        epoch, iteration = self.position(step)
-        start, stop = partition.batch_range(iteration, self.batch_size, self.num_samples)
-        return Assignment(
-            generation=generation,
-            epoch=epoch,
-            iteration=iteration,
-            step=step,
-            rank=rank,
-            world_size=world_size,
-            batch_start=start,
-            batch_stop=stop,
-        )
+        epoch, iteration = divmod(step, self.iterations_per_epoch)
+        start, stop = self.batch_range(iteration)
+        # (positional: this runs every iteration of the local backend)
+        return Assignment(generation, epoch, iteration, step, rank, world_size, start, stop)
 
     def is_last_of_epoch(self, iteration: int) -> bool:
         """Whether ``iteration`` (within its epoch) is the epoch's last."""
@@ -432,6 +435,7 @@ class InitialState:
             raise ValueError("params and buffers must both be given or both be None")
 
 
+@fast_frozen_init  # (built every iteration)
 @dataclass(frozen=True)
 class Assignment:
     """The coordinator's answer at an iteration boundary; the same for all members of a
@@ -487,8 +491,9 @@ class Assignment:
     @property
     def share(self) -> tuple[int, int]:
         """Positions ``[i*B + r*b//W, i*B + (r+1)*b//W)`` of this learner's share."""
-        b, w, r = self.batch_size, self.world_size, self.rank
-        return self.batch_start + r * b // w, self.batch_start + (r + 1) * b // w
+        start, w, r = self.batch_start, self.world_size, self.rank
+        b = self.batch_stop - start  # (batch_size, without a second property call)
+        return start + r * b // w, start + (r + 1) * b // w
 
     @classmethod
     def retirement(cls, generation: int, step: int) -> Assignment:
@@ -496,6 +501,7 @@ class Assignment:
         return cls(generation, 0, 0, step, 0, 1, 0, 0, retire=True)
 
 
+@fast_frozen_init  # (built every iteration)
 @dataclass(frozen=True)
 class Contribution:
     """One learner's part of one iteration, handed to :meth:`SyncBackend.sync`.
@@ -514,6 +520,7 @@ class Contribution:
     buffers: Sequence[torch.Tensor]
 
 
+@fast_frozen_init  # (built every iteration)
 @dataclass(frozen=True)
 class SyncResult:
     """The outcome of a completed iteration: the new parameters and buffers (spec order) for

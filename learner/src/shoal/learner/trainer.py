@@ -17,6 +17,7 @@ The loop is here; what it returns is in ``results.py``, the building blocks of a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import math
@@ -362,9 +363,16 @@ class ElasticTrainer:
             else create_backend(self.backend, env)
         )
         self._world_one = isinstance(backend, LocalBackend)
+        if self._world_one:
+            # The local backend steps the model's parameters themselves, as a plain loop's
+            # optimizer does: the gradients backward leaves on them need no handing over.
+            setup = dataclasses.replace(setup, params=[p for _, p in named_params])
         # A backend without a coordinator keeps no reported metrics (SyncBackend.log_metrics):
         # nothing to build for it per iteration.
         keeps_metrics = type(backend).log_metrics is not SyncBackend.log_metrics
+        # The local backend's assignments are the plan's own (TrainingPlan.assignment): there
+        # is nothing to check in them (a coordinator's are checked against the plan).
+        plans_own = type(backend).next_assignment is LocalBackend.next_assignment
         hooks = None
         # Parameter-server mode with SHOAL_PS_EARLY_FORWARD=on: the last sync's answer is
         # still arriving (early_forward.py); ``lost``: loading it failed (a shard died while
@@ -440,7 +448,8 @@ class ElasticTrainer:
                     result.retired = True
                     self._assignment = None
                     break
-                plan.check_assignment(a, adaptive=self._batch_rule is not None)
+                if not plans_own:
+                    plan.check_assignment(a, adaptive=self._batch_rule is not None)
                 previous, self._assignment = self._assignment, a
                 if previous is not None and (
                     previous.generation != a.generation or previous.world_size != a.world_size
@@ -574,30 +583,31 @@ class ElasticTrainer:
                 loss_scale = None if scaler is None else scaler.scale
                 if scaler is not None:
                     scaler.update(synced.skipped)
+                n = contribution.n_samples
+                # Positional, in IterationRecord's field order (every iteration): step, epoch,
+                # iteration, generation, rank, world_size, batch_size, n_samples, loss,
+                # share_loss, lr, grad_norm, skipped, loss_scale, metrics.
                 record = IterationRecord(
-                    step=a.step,
-                    epoch=a.epoch,
-                    iteration=a.iteration,
-                    generation=a.generation,
-                    rank=a.rank,
-                    world_size=a.world_size,
-                    batch_size=a.batch_size,
-                    n_samples=contribution.n_samples,
-                    loss=synced.loss,
-                    share_loss=(
-                        contribution.loss_sum / contribution.n_samples
-                        if contribution.n_samples
-                        else math.nan
-                    ),
-                    lr=lr,
-                    grad_norm=synced.grad_norm,
-                    skipped=synced.skipped,
-                    loss_scale=loss_scale,
-                    metrics=means(step_metrics),
+                    a.step,
+                    a.epoch,
+                    a.iteration,
+                    a.generation,
+                    a.rank,
+                    a.world_size,
+                    a.batch_size,
+                    n,
+                    synced.loss,
+                    contribution.loss_sum / n if n else math.nan,
+                    lr,
+                    synced.grad_norm,
+                    synced.skipped,
+                    loss_scale,
+                    means(step_metrics),
                 )
                 result.history.append(record)
-                settle("on_iteration_end")
-                callbacks.on_iteration_end(record)
+                if callbacks.callbacks:  # (none: nothing to call, nothing to settle for)
+                    settle("on_iteration_end")
+                    callbacks.on_iteration_end(record)
                 if a.batch_stop == plan.num_samples:  # the epoch's last iteration
                     epoch_result = None
                     if a.rank == 0:

@@ -44,6 +44,8 @@ StepMetrics = dict[str, tuple[float, int]]
 
 def means(metrics: Mapping[str, tuple[float, int]]) -> dict[str, float]:
     """The sample-weighted mean of each name."""
+    if not metrics:  # (nothing logged: every iteration of most scripts)
+        return {}
     return {name: total / count for name, (total, count) in sorted(metrics.items()) if count}
 
 
