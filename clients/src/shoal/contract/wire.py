@@ -16,6 +16,11 @@ anything that is not exactly one chunk field, so any gRPC client that speaks the
 understood. ``tests/unit/test_transport.py`` checks the hand encoding byte for byte against the
 runtime.
 
+A bundle small enough (at most :data:`MAX_INLINE_BYTES`; the learner's ``SHOAL_INLINE_KB``)
+may instead travel as the header alone, its bytes in ``inline_data`` (:func:`inline_bytes`),
+with no chunk after it; :func:`inline_of` checks such a header (exactly ``total_bytes``, never
+with ``shared_memory``, at most :data:`MAX_INLINE_BYTES`).
+
 Chunk boundaries are chosen on element boundaries (:func:`chunk_ranges`), so the receiver can
 reduce whole elements straight out of each chunk; :class:`BundleReceiver` still handles a
 sender that splits elements (it carries the partial element over to the next chunk).
