@@ -42,6 +42,7 @@ from shoal.contract import faults
 from shoal.contract.shm import LaneError
 from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
+    MAX_INLINE_BYTES,
     BundleReceiver,
     Frame,
     TensorMeta,
@@ -88,6 +89,7 @@ from shoal.learner.grpc_calls import (
     _shard_lost,
     _translate,
     _why,
+    answer_bytes_of,
     inline_bytes_from_env,
     optimizer_proto,
     stream_methods,
@@ -596,6 +598,15 @@ class GrpcBackend(SyncBackend):
                 # One message, and the end of the request stream with it (SyncStepOnce).
                 header.inline_data = inline_bytes(metas, views, total)
                 self.inline_bundles[0] += 1
+                if self._answer_bytes(shard) <= self.inline_bytes:
+                    # The answer is known to come inline too (any size up to the most a header
+                    # carries is asked for, so never in chunks): one message each way, the
+                    # answer read with the call's status in one batch (SyncStepUnary).
+                    header.inline_answer_max_bytes = MAX_INLINE_BYTES
+                    unary = shard.streams["SyncStepUnary"](
+                        encode_header(ps_pb2.SyncStepRequest, header), metadata=md or self._metadata
+                    )
+                    return await self._receive(shard, _answer_of(unary), answer=True)
                 call = shard.streams["SyncStepOnce"](
                     encode_header(ps_pb2.SyncStepRequest, header), metadata=md or self._metadata
                 )
@@ -652,6 +663,12 @@ class GrpcBackend(SyncBackend):
             if not arriving:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _answer_bytes(self, shard: _Shard) -> int:
+        """At least the size of ``shard``'s answer (its whole slice, as it lays it out)."""
+        if shard.answer_bytes < 0:
+            shard.answer_bytes = answer_bytes_of([self._layout[j].nbytes for j in shard.tensors])
+        return shard.answer_bytes
+
     async def _rest_of_answers(
         self, tasks: Sequence[asyncio.Future[Any]], tracker: ArrivingTensors
     ) -> None:
@@ -691,6 +708,11 @@ class GrpcBackend(SyncBackend):
 
 async def _one(message: bytes) -> AsyncIterator[bytes]:
     yield message
+
+
+async def _answer_of(call: Awaitable[Frame]) -> AsyncIterator[Frame]:
+    """A unary call's one answer message as the frames :meth:`GrpcBackend._receive` reads."""
+    yield await call
 
 
 def _headless(head: asyncio.Future[Any], task: asyncio.Future[Any]) -> None:

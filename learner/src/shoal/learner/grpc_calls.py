@@ -92,8 +92,16 @@ def stream_methods(channel: aio.Channel) -> dict[str, Any]:
     ``SyncStepOnce`` calls the same ``SyncStep`` method with exactly one request message (a
     header carrying its bytes inline): gRPC sends the message and the end of the request
     stream in one batch, where a request iterator costs a write and then a half-close. The
-    server cannot tell the difference (on the wire both are one stream)."""
+    server cannot tell the difference (on the wire both are one stream). ``SyncStepUnary`` also
+    reads the answer as one message, with the call's status in the same batch: only for an
+    answer known to come inline (the learner asks for any size up to the most a header carries
+    and its slice is smaller, ``answer_bytes_of``)."""
     return {
+        "SyncStepUnary": channel.unary_unary(
+            SERVICE_PATH + "SyncStep",
+            request_serializer=serialize,
+            response_deserializer=frame_decoder(ps_pb2.SyncStepResponse),
+        ),
         "SyncStepOnce": channel.unary_stream(
             SERVICE_PATH + "SyncStep",
             request_serializer=serialize,
@@ -127,6 +135,17 @@ class _Shard:
     lane: ClientLane | None = None  # the same-host lane (grpc_lane.py), when open
     lane_tried: bool = False
     slice_bytes: int = -1  # the packed size of the whole slice (ps_overlap.py; -1: not yet)
+    answer_bytes: int = -1  # at least the size of the shard's answer (answer_bytes_of)
+
+
+#: A shard lays its slice out with each tensor 64-byte aligned (``shoal.param_sync.shard``).
+SHARD_ALIGN = 64
+
+
+def answer_bytes_of(nbytes: Sequence[int]) -> int:
+    """An upper bound of the size of a shard's answer for a slice of tensors of ``nbytes``
+    (each tensor 64-byte aligned in the shard's layout, whatever their order)."""
+    return sum(-(-n // SHARD_ALIGN) * SHARD_ALIGN for n in nbytes)
 
 
 def optimizer_proto(setup: TrainingSetup) -> ps_pb2.OptimizerSpec:
