@@ -180,3 +180,55 @@ def test_shoal_inline_kb_default_range_and_refusals(monkeypatch: pytest.MonkeyPa
         with pytest.raises(ValueError, match="SHOAL_INLINE_KB") as info:
             inline_bytes_from_env()
         assert repr(raw.strip()) in str(info.value) or raw.strip() in str(info.value)
+
+
+# -- the learner's checks of an answer -------------------------------------------------------
+
+
+def learner_receive(header: ps_pb2.TensorBundleHeader, *more: Frame) -> list[torch.Tensor]:
+    """``GrpcBackend._receive`` of one shard's answer ``header`` (then ``more``) into the
+    learner's receive tensors (a backend that never connects: no call is made)."""
+    from shoal.learner.grpc_backend import GrpcBackend
+    from shoal.learner.grpc_calls import _Shard
+
+    _, _, _, tensors = bundle()
+    backend = GrpcBackend(job_id="j", learner_id="l", coordinator="127.0.0.1:9")
+    try:
+        metas = [TensorMeta.of(f"t{i}", t) for i, t in enumerate(tensors)]
+        backend._layout = pack_layout(metas)[0]
+        backend._recv = [torch.zeros_like(t) for t in tensors]
+        backend._recv_bytes = [byte_view(t) for t in backend._recv]
+        shard = _Shard(0, "shard-0", [0, 1, 2])
+
+        async def answer() -> AsyncIterator[Frame]:
+            yield Frame(header=header)
+            for frame in more:
+                yield frame
+
+        asyncio.run(backend._receive(shard, answer()))
+        return backend._recv
+    finally:
+        backend.close()
+
+
+def shard_answer() -> ps_pb2.TensorBundleHeader:
+    metas, views, total, _ = bundle()  # 64-byte aligned, as a shard lays its slice out
+    header = header_of(job_id="j", sender_id="shard-0", metas=metas, total_bytes=total)
+    header.inline_data = inline_bytes(metas, views, total)
+    return header
+
+
+def test_the_learner_reads_an_inline_answer_and_refuses_bad_ones():
+    _, _, _, tensors = bundle()
+    got = learner_receive(shard_answer())
+    assert all(torch.equal(a, b) for a, b in zip(got, tensors, strict=True))
+    with pytest.raises(RuntimeError, match="chunk after a header with inline_data"):
+        learner_receive(shard_answer(), Frame(chunk=memoryview(bytes(4))))
+    short = shard_answer()
+    short.inline_data = short.inline_data[:-1]
+    with pytest.raises(RuntimeError, match=r"shard-0: header\.inline_data"):
+        learner_receive(short)
+    lane = shard_answer()
+    lane.shared_memory = True
+    with pytest.raises(RuntimeError, match="shared_memory"):
+        learner_receive(lane)
