@@ -20,7 +20,9 @@ and in all. ``--unused-param 1`` adds a parameter that never gets a gradient.
 last.bias)`` without calling that module (the same function; early forward's guard must catch
 it); ``--watch 0`` leaves out the test's callback (a callback that overrides
 ``on_iteration_end`` makes the trainer load the whole answer before calling it); the history's
-``early_tensors`` are ``GrpcBackend.early_tensors`` (early forward's counters).
+``early_tensors`` are ``GrpcBackend.early_tensors`` (early forward's counters);
+``inline_bundles`` ``GrpcBackend.inline_bundles`` (bundles sent and answers read as one
+message, SHOAL_INLINE_KB).
 """
 
 from __future__ import annotations
@@ -233,6 +235,7 @@ def main() -> int:
                 "formations": getattr(backend, "formations", []),
                 "buckets_sent": getattr(backend, "buckets_sent", None),
                 "tensors_sent": getattr(backend, "tensors_sent", None),
+                "inline_bundles": getattr(backend, "inline_bundles", None),
                 "early_tensors": getattr(backend, "early_tensors", None),
                 "early_forward": getattr(backend, "early_forward", None),
                 "is_primary": result.is_primary,

@@ -2,7 +2,8 @@
 and two learner processes training the digits MLP with a parameter it never uses, in
 micro-batches of 8 (only the last micro-batch's backward streams). One learner streams its
 gradients while backward runs (``SHOAL_PS_OVERLAP=on``, declared slices and a trailer), the
-other sends after backward as before (``off``: the old protocol, no trailer). The job must
+other sends after backward as before (``off``: no trailer; its small bundles as one message
+each, ``SHOAL_INLINE_KB``'s default, which the streaming learner turns off). The job must
 equal plain single-process PyTorch training (``reference_training``) within 1e-5, the unused
 parameter must never be stepped, and the overlapped learner's hooks must have streamed the
 MLP's gradients during backward."""
@@ -46,6 +47,9 @@ def test_streaming_gradients_during_backward_matches_single_process_training(pla
                 "SHOAL_MAX_BATCH_PER_DEVICE": "8",
                 "SHOAL_SHM_LANE": "off",  # the lane is not overlapped (docs/data-plane.md)
                 "SHOAL_PS_OVERLAP": "off" if i == 0 else "on",
+                # A slice of at most SHOAL_INLINE_KB goes whole as one message, not streamed:
+                # the overlapped learner sends chunks only; the other sends inline.
+                **({"SHOAL_INLINE_KB": "0"} if i == 1 else {}),
             },
         )
         for i, name in enumerate(names)
@@ -75,6 +79,8 @@ def test_streaming_gradients_during_backward_matches_single_process_training(pla
     records = assert_each_iteration_recorded_once(plane, job, total)
     assert [r["loss"] for r in records] == pytest.approx(list(reference_losses), abs=1e-4)
     assert plane.history(names[0])["tensors_sent"] == [0, 0]
+    assert plane.history(names[0])["inline_bundles"][0] > 0
+    assert plane.history(names[1])["inline_bundles"] == [0, 0]
     history = plane.history(names[1])
     steps = len(history["history"])
     assert steps == total

@@ -18,6 +18,7 @@ __all__ = [
     "DATASET_URIS",
     "EPOCHS",
     "GENERATION",
+    "INLINE_KB",
     "JOB_ID",
     "LEARNER_ID",
     "LEARNER_VARIABLES",
@@ -68,6 +69,10 @@ PS_OVERLAP = "SHOAL_PS_OVERLAP"
 #: once every shard's answer header arrived, on the parameters already received (read by
 #: ``shoal.learner.early_forward`` itself; not part of what the scheduler writes).
 PS_EARLY_FORWARD = "SHOAL_PS_EARLY_FORWARD"
+#: KiB, 0..4096 (default 256; 0: off): a parameter-server learner sends a gradient bundle of
+#: at most this size to a shard as one message (the bytes in the header) and reads answers sent
+#: so (read by ``shoal.learner.grpc_calls`` itself; not part of what the scheduler writes).
+INLINE_KB = "SHOAL_INLINE_KB"
 EPOCHS = "SHOAL_EPOCHS"
 BATCH_SIZE = "SHOAL_BATCH_SIZE"
 #: Set only for a job with an adaptive batch: how the learning rate follows the batch.

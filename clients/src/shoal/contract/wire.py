@@ -16,6 +16,11 @@ anything that is not exactly one chunk field, so any gRPC client that speaks the
 understood. ``tests/unit/test_transport.py`` checks the hand encoding byte for byte against the
 runtime.
 
+A bundle small enough (at most :data:`MAX_INLINE_BYTES`; the learner's ``SHOAL_INLINE_KB``)
+may instead travel as the header alone, its bytes in ``inline_data`` (:func:`inline_bytes`),
+with no chunk after it; :func:`inline_of` checks such a header (exactly ``total_bytes``, never
+with ``shared_memory``, at most :data:`MAX_INLINE_BYTES`).
+
 Chunk boundaries are chosen on element boundaries (:func:`chunk_ranges`), so the receiver can
 reduce whole elements straight out of each chunk; :class:`BundleReceiver` still handles a
 sender that splits elements (it carries the partial element over to the next chunk).
@@ -48,6 +53,7 @@ __all__ = [
     "DTYPES",  # noqa: F822 - built on first access (module __getattr__)
     "DTYPE_SIZES",
     "MAX_CHUNK_BYTES",
+    "MAX_INLINE_BYTES",
     "MIN_CHUNK_BYTES",
     "BundleError",
     "BundleReceiver",
@@ -62,6 +68,8 @@ __all__ = [
     "encode_chunks",
     "encode_header",
     "header_of",
+    "inline_bytes",
+    "inline_of",
     "metas_from_header",
     "pack_layout",
     "serialize",
@@ -75,6 +83,9 @@ MAX_CHUNK_BYTES = 4 * MiB
 #: The default chunk size: in bench/bench_sync.py 1 MiB chunks make a ResNet-18 round about
 #: 20% faster than 4 MiB ones (the receiver starts working on the first bytes sooner).
 DEFAULT_CHUNK_BYTES = 1 * MiB
+#: The most bytes a header may carry inline (``TensorBundleHeader.inline_data``): a bundle of
+#: at most this many bytes may travel as one message; never more than a chunk may carry.
+MAX_INLINE_BYTES = MAX_CHUNK_BYTES
 
 _CHUNK_TAG = 0x12  # field 2, wire type 2 (length-delimited)
 _HEADER_TAG = 0x0A  # field 1, wire type 2
@@ -386,6 +397,33 @@ def metas_from_header(header: ps_pb2.TensorBundleHeader) -> list[TensorMeta]:
     return [TensorMeta.from_proto(t) for t in header.tensors]
 
 
+def inline_of(header: ps_pb2.TensorBundleHeader, *, what: str = "header") -> memoryview | None:
+    """The bytes a header carries inline (``inline_data``), checked against the header: None
+    when it carries none (its bytes follow in chunks, or in the shared-memory lane). Raises
+    :class:`BundleTooLarge` over :data:`MAX_INLINE_BYTES`, :class:`BundleError` when they
+    come with ``shared_memory`` or are not exactly ``total_bytes`` (the message names the
+    field and the value). The layout itself is :func:`validate_layout`'s to check."""
+    size = len(header.inline_data)
+    if not size:
+        return None
+    if size > MAX_INLINE_BYTES:
+        raise BundleTooLarge(
+            f"{what}.inline_data ({size} bytes) exceeds the most a header may carry "
+            f"({MAX_INLINE_BYTES} bytes): send the bundle in chunks"
+        )
+    if header.shared_memory:
+        raise BundleError(
+            f"{what}.inline_data ({size} bytes) must not come with {what}.shared_memory "
+            "(the bytes are either inline or in the lane)"
+        )
+    if size != header.total_bytes:
+        raise BundleError(
+            f"{what}.inline_data ({size} bytes) must be {what}.total_bytes "
+            f"({header.total_bytes}) bytes"
+        )
+    return memoryview(header.inline_data)
+
+
 # ------------------------------------------------------------------------------------------
 # sending
 # ------------------------------------------------------------------------------------------
@@ -427,6 +465,33 @@ def chunk_ranges(
         ranges.append((start, stop))
         start = stop
     return ranges
+
+
+def inline_bytes(
+    metas: Sequence[TensorMeta], sources: Sequence[np.ndarray], total_bytes: int
+) -> bytes:
+    """A bundle's ``total_bytes`` as one ``bytes`` (``TensorBundleHeader.inline_data``):
+    ``sources[j]`` (a uint8 array) holds the bytes of ``metas[j]``, gaps are zeros. The bytes
+    are exactly those :func:`encode_chunks` would send (one copy)."""
+    if total_bytes > MAX_INLINE_BYTES:
+        raise ValueError(
+            f"total_bytes ({total_bytes}) exceeds the most a header may carry inline "
+            f"({MAX_INLINE_BYTES})"
+        )
+    if len(metas) != len(sources):
+        raise ValueError(f"{len(metas)} tensors but {len(sources)} sources")
+    parts: list[Any] = []
+    pos = 0
+    for m, src in zip(metas, sources, strict=True):
+        if src.nbytes != m.nbytes:
+            raise ValueError(f"source of {m.name} has {src.nbytes} bytes, expected {m.nbytes}")
+        if m.offset > pos:
+            parts.append(bytes(m.offset - pos))
+        parts.append(src)
+        pos = m.end
+    if total_bytes > pos:
+        parts.append(bytes(total_bytes - pos))
+    return b"".join(parts)
 
 
 def encode_chunks(

@@ -153,6 +153,8 @@ class TensorBundleHeader(_message.Message):
     STEP_SKIPPED_FIELD_NUMBER: _builtins.int
     SHARED_MEMORY_FIELD_NUMBER: _builtins.int
     SHARED_MEMORY_OFFSET_FIELD_NUMBER: _builtins.int
+    INLINE_DATA_FIELD_NUMBER: _builtins.int
+    INLINE_ANSWER_MAX_BYTES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     sender_id: _builtins.str
@@ -183,6 +185,16 @@ class TensorBundleHeader(_message.Message):
     """Where the bytes start in the lane's segment (with `shared_memory` only). The receiver
     checks it against the lane's region for the direction and refuses anything outside.
     """
+    inline_data: _builtins.bytes
+    """A small bundle's bytes, `total_bytes` of them, sent in the header itself: no chunk
+    follows (one message instead of header, chunks). At most 4 MiB; never with
+    `shared_memory`. A receiver refuses a header with inline data and any chunk after it.
+    """
+    inline_answer_max_bytes: _builtins.int
+    """Learner to shard (SyncStep): the learner reads an answer sent with `inline_data`, and the
+    shard may answer so when its bundle is at most this many bytes (0: chunks only, as a
+    learner that does not know the field gets).
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]:
         """The tensors in the stream."""
@@ -203,10 +215,12 @@ class TensorBundleHeader(_message.Message):
         step_skipped: _builtins.bool = ...,
         shared_memory: _builtins.bool = ...,
         shared_memory_offset: _builtins.int = ...,
+        inline_data: _builtins.bytes = ...,
+        inline_answer_max_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "grad_norm", b"grad_norm", "iteration", b"iteration", "job_id", b"job_id", "learning_rate", b"learning_rate", "loss_sum", b"loss_sum", "num_samples", b"num_samples", "sender_id", b"sender_id", "shared_memory", b"shared_memory", "shared_memory_offset", b"shared_memory_offset", "step_skipped", b"step_skipped", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "grad_norm", b"grad_norm", "inline_answer_max_bytes", b"inline_answer_max_bytes", "inline_data", b"inline_data", "iteration", b"iteration", "job_id", b"job_id", "learning_rate", b"learning_rate", "loss_sum", b"loss_sum", "num_samples", b"num_samples", "sender_id", b"sender_id", "shared_memory", b"shared_memory", "shared_memory_offset", b"shared_memory_offset", "step_skipped", b"step_skipped", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1087,22 +1101,28 @@ class PullParametersRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     LEARNER_ID_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    INLINE_ANSWER_MAX_BYTES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     learner_id: _builtins.str
     """The learner asking."""
     generation: _builtins.int
     """The learner's generation."""
+    inline_answer_max_bytes: _builtins.int
+    """The learner reads an answer whose header carries the bytes (`inline_data`) when the
+    bundle is at most this many bytes (0: chunks only).
+    """
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         learner_id: _builtins.str = ...,
         generation: _builtins.int = ...,
+        inline_answer_max_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "job_id", b"job_id", "learner_id", b"learner_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "inline_answer_max_bytes", b"inline_answer_max_bytes", "job_id", b"job_id", "learner_id", b"learner_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

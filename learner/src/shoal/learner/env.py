@@ -61,6 +61,11 @@ SHOAL_PS_OVERLAP            ``on``                  Parameter-server mode: gradi
                                                     the shards while backward runs (``off``:
                                                     after it). Read by
                                                     ``shoal.learner.ps_overlap``.
+SHOAL_INLINE_KB             ``256``                 Parameter-server mode: a gradient bundle of
+                                                    at most this many KiB goes to its shard as
+                                                    one message (the bytes in the header), and
+                                                    answers may come so; 0..4096, 0: chunks
+                                                    only. Read by ``shoal.learner.grpc_calls``.
 SHOAL_PS_EARLY_FORWARD      ``off``                 Parameter-server mode: the next forward
                                                     starts once every shard's answer header
                                                     arrived, loading each module's parameters

@@ -42,6 +42,7 @@ from shoal.contract import faults
 from shoal.contract.shm import LaneError
 from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
+    MAX_INLINE_BYTES,
     BundleReceiver,
     Frame,
     TensorMeta,
@@ -49,6 +50,8 @@ from shoal.contract.wire import (
     encode_chunks,
     encode_header,
     header_of,
+    inline_bytes,
+    inline_of,
     pack_layout,
 )
 from shoal.learner.backend import (
@@ -86,6 +89,8 @@ from shoal.learner.grpc_calls import (
     _shard_lost,
     _translate,
     _why,
+    answer_bytes_of,
+    inline_bytes_from_env,
     optimizer_proto,
     stream_methods,
 )
@@ -180,6 +185,11 @@ class GrpcBackend(SyncBackend):
         self._user: UserMetrics = (-1, {})  # trainer.log
         # Same-host shards: move SyncStep bytes through shared memory (grpc_lane.py).
         self._shm_lane = shm_lane
+        # A bundle of at most this many bytes goes as one message each way (the bytes in the
+        # header; SHOAL_INLINE_KB; 0: chunks only).
+        self.inline_bytes = inline_bytes_from_env()
+        #: Bundles sent as one message (gradients) and answers read as one (summed over the run).
+        self.inline_bundles = [0, 0]
         # Gradients streamed while backward runs (ps_overlap.py; SHOAL_PS_OVERLAP).
         self.ps_overlap = overlap_enabled()
         self._streamed: StreamedGradients | None = None
@@ -336,7 +346,10 @@ class GrpcBackend(SyncBackend):
 
     async def _pull(self, generation: int, md: Any = None) -> None:
         request = ps_pb2.PullParametersRequest(
-            job_id=self.job_id, learner_id=self.learner_id, generation=generation
+            job_id=self.job_id,
+            learner_id=self.learner_id,
+            generation=generation,
+            inline_answer_max_bytes=self.inline_bytes,
         )
 
         async def one(shard: _Shard) -> None:
@@ -387,7 +400,14 @@ class GrpcBackend(SyncBackend):
                     if not head.done():
                         head.set_result(header)
                     await self._answer_fault(shard, frames, tracker)
-                if header.shared_memory:  # the bytes are in this learner's lane
+                try:
+                    inline = inline_of(header)
+                except ValueError as exc:
+                    raise RuntimeError(f"shard {shard.address}: {exc}") from None
+                if inline is not None:  # the whole bundle in this one message
+                    receiver.feed(inline)
+                    self.inline_bundles[1] += 1
+                elif header.shared_memory:  # the bytes are in this learner's lane
                     if shard.lane is None:
                         raise RuntimeError(f"shard {shard.address} answered through no lane")
                     await asyncio.to_thread(shard.lane.read, header, receiver)
@@ -395,6 +415,10 @@ class GrpcBackend(SyncBackend):
                 assert receiver is not None
                 if header.shared_memory:
                     raise RuntimeError(f"shard {shard.address} sent a chunk after its lane header")
+                if header.inline_data:
+                    raise RuntimeError(
+                        f"shard {shard.address} sent a chunk after a header with inline_data"
+                    )
                 receiver.feed(frame.chunk)
         if header is None or receiver is None:
             raise RuntimeError(f"shard {shard.address} closed the stream without a header")
@@ -569,6 +593,25 @@ class GrpcBackend(SyncBackend):
                     lane.close()
                     header.shared_memory, header.shared_memory_offset = False, 0
 
+            header.inline_answer_max_bytes = self.inline_bytes
+            if 0 < total <= self.inline_bytes:
+                # One message, and the end of the request stream with it (SyncStepOnce).
+                header.inline_data = inline_bytes(metas, views, total)
+                self.inline_bundles[0] += 1
+                if self._answer_bytes(shard) <= self.inline_bytes:
+                    # The answer is known to come inline too (any size up to the most a header
+                    # carries is asked for, so never in chunks): one message each way, the
+                    # answer read with the call's status in one batch (SyncStepUnary).
+                    header.inline_answer_max_bytes = MAX_INLINE_BYTES
+                    unary = shard.streams["SyncStepUnary"](
+                        encode_header(ps_pb2.SyncStepRequest, header), metadata=md or self._metadata
+                    )
+                    return await self._receive(shard, _answer_of(unary), answer=True)
+                call = shard.streams["SyncStepOnce"](
+                    encode_header(ps_pb2.SyncStepRequest, header), metadata=md or self._metadata
+                )
+                return await self._receive(shard, call, answer=True)
+
             async def messages() -> AsyncIterator[bytes]:
                 yield encode_header(ps_pb2.SyncStepRequest, header)
                 for chunk in encode_chunks(metas, views, total, self._chunk_bytes):
@@ -620,6 +663,12 @@ class GrpcBackend(SyncBackend):
             if not arriving:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _answer_bytes(self, shard: _Shard) -> int:
+        """At least the size of ``shard``'s answer (its whole slice, as it lays it out)."""
+        if shard.answer_bytes < 0:
+            shard.answer_bytes = answer_bytes_of([self._layout[j].nbytes for j in shard.tensors])
+        return shard.answer_bytes
+
     async def _rest_of_answers(
         self, tasks: Sequence[asyncio.Future[Any]], tracker: ArrivingTensors
     ) -> None:
@@ -659,6 +708,11 @@ class GrpcBackend(SyncBackend):
 
 async def _one(message: bytes) -> AsyncIterator[bytes]:
     yield message
+
+
+async def _answer_of(call: Awaitable[Frame]) -> AsyncIterator[Frame]:
+    """A unary call's one answer message as the frames :meth:`GrpcBackend._receive` reads."""
+    yield await call
 
 
 def _headless(head: asyncio.Future[Any], task: asyncio.Future[Any]) -> None:

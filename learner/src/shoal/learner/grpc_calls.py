@@ -6,6 +6,7 @@ to the learner's exceptions, and the small tensor/byte helpers.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +16,9 @@ import numpy as np
 import torch
 from grpc import aio
 
+from shoal.contract import environment
 from shoal.contract.errors import decode_rpc_error
-from shoal.contract.wire import byte_view, frame_decoder, serialize
+from shoal.contract.wire import MAX_INLINE_BYTES, byte_view, frame_decoder, serialize
 from shoal.learner.backend import IterationAborted, TrainingSetup
 from shoal.learner.grpc_lane import ClientLane
 from shoal.v1 import (
@@ -25,9 +27,11 @@ from shoal.v1 import (
 )
 
 __all__ = [
+    "DEFAULT_INLINE_KB",
     "MAX_MESSAGE_BYTES",
     "SERVICE_PATH",
     "LearnerEvicted",
+    "inline_bytes_from_env",
     "optimizer_proto",
     "stream_methods",
 ]
@@ -58,11 +62,51 @@ class LearnerEvicted(RuntimeError):
     was restarted without it): the learner must exit."""
 
 
+#: ``SHOAL_INLINE_KB``'s default: a bundle of at most 256 KiB travels as one message each way.
+DEFAULT_INLINE_KB = 256
+
+
+def inline_bytes_from_env() -> int:
+    """``SHOAL_INLINE_KB`` in bytes: a gradient bundle of at most this size goes to its shard
+    as one message (the bytes inline in the header) and the shards may answer so; 0: chunks
+    only. Refused (ValueError naming the variable and the value) unless a whole number of KiB
+    in 0..4096."""
+    raw = os.environ.get(environment.INLINE_KB, str(DEFAULT_INLINE_KB)).strip()
+    limit = MAX_INLINE_BYTES // 1024
+    try:
+        kib = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"{environment.INLINE_KB} ({raw!r}) must be a whole number of KiB in 0..{limit}"
+        ) from None
+    if not 0 <= kib <= limit:
+        raise ValueError(f"{environment.INLINE_KB} ({kib}) must be 0..{limit} KiB (0: off)")
+    return kib * 1024
+
+
 def stream_methods(channel: aio.Channel) -> dict[str, Any]:
     """Multi-callables of the three tensor streams with shoal's hand codec
     (``shoal.contract.wire``): requests pass pre-encoded bytes through, responses are
-    decoded into zero-copy :class:`~shoal.contract.wire.Frame` objects."""
+    decoded into zero-copy :class:`~shoal.contract.wire.Frame` objects.
+
+    ``SyncStepOnce`` calls the same ``SyncStep`` method with exactly one request message (a
+    header carrying its bytes inline): gRPC sends the message and the end of the request
+    stream in one batch, where a request iterator costs a write and then a half-close. The
+    server cannot tell the difference (on the wire both are one stream). ``SyncStepUnary`` also
+    reads the answer as one message, with the call's status in the same batch: only for an
+    answer known to come inline (the learner asks for any size up to the most a header carries
+    and its slice is smaller, ``answer_bytes_of``)."""
     return {
+        "SyncStepUnary": channel.unary_unary(
+            SERVICE_PATH + "SyncStep",
+            request_serializer=serialize,
+            response_deserializer=frame_decoder(ps_pb2.SyncStepResponse),
+        ),
+        "SyncStepOnce": channel.unary_stream(
+            SERVICE_PATH + "SyncStep",
+            request_serializer=serialize,
+            response_deserializer=frame_decoder(ps_pb2.SyncStepResponse),
+        ),
         "InitializeParameters": channel.stream_unary(
             SERVICE_PATH + "InitializeParameters",
             request_serializer=serialize,
@@ -90,6 +134,18 @@ class _Shard:
     streams: dict[str, Any] | None = None
     lane: ClientLane | None = None  # the same-host lane (grpc_lane.py), when open
     lane_tried: bool = False
+    slice_bytes: int = -1  # the packed size of the whole slice (ps_overlap.py; -1: not yet)
+    answer_bytes: int = -1  # at least the size of the shard's answer (answer_bytes_of)
+
+
+#: A shard lays its slice out with each tensor 64-byte aligned (``shoal.param_sync.shard``).
+SHARD_ALIGN = 64
+
+
+def answer_bytes_of(nbytes: Sequence[int]) -> int:
+    """An upper bound of the size of a shard's answer for a slice of tensors of ``nbytes``
+    (each tensor 64-byte aligned in the shard's layout, whatever their order)."""
+    return sum(-(-n // SHARD_ALIGN) * SHARD_ALIGN for n in nbytes)
 
 
 def optimizer_proto(setup: TrainingSetup) -> ps_pb2.OptimizerSpec:

@@ -136,14 +136,29 @@ class StreamedGradients:
             and s.lane is None
             and (s.lane_tried or not backend._shm_lane)
             and any(j < n_params for j in s.tensors)
+            and not self._inline(s)
         ]
         if not picked:
-            return  # every shard is on the lane (or unknown yet): the path without overlap
+            # Every shard is on the lane (or unknown yet), or its bundle is small enough to go
+            # whole as one message: the path without overlap.
+            return
         share = asyncio.run_coroutine_threadsafe(
             self._open(a, n, inv_scale, picked, backend._md()), backend.session.loop
         ).result()
         self._share = share
         self._armed = True
+
+    def _inline(self, shard: _Shard) -> bool:
+        """Whether ``shard``'s whole slice is at most the backend's ``inline_bytes``: then its
+        bundle is not streamed while backward runs but sent whole, as one message, by sync
+        (a few KiB gain nothing from overlap; one message saves several)."""
+        limit = self._backend.inline_bytes
+        if limit <= 0:
+            return False
+        if shard.slice_bytes < 0:
+            layout = self._backend._layout
+            shard.slice_bytes = pack_layout([layout[j] for j in shard.tensors])[1]
+        return shard.slice_bytes <= limit
 
     def finish(self) -> None:
         self._armed = False
@@ -264,6 +279,7 @@ class StreamedGradients:
                 iteration=a.step,
                 num_samples=n,
             )
+            header.inline_answer_max_bytes = backend.inline_bytes
             assert shard.streams is not None
             call = shard.streams["SyncStep"](
                 self._requests(stream, header), metadata=md or backend._metadata

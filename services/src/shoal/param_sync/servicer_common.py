@@ -156,13 +156,16 @@ async def _collect(
     frames: AsyncIterator[Frame],
     sj: ShardJob,
     contribution: Contribution,
+    header: ps_pb2.TensorBundleHeader,
     *,
     trailer: bool = False,
 ) -> None:
-    """Keep a stream's chunks (no copy). With ``trailer`` (SyncStep) the last message may be
-    a ``TensorBundleTrailer``, checked and applied to ``contribution`` by the shard
-    (:meth:`ShardJob.take_trailer`)."""
+    """Keep a stream's chunks (no copy), or the bytes its header carries inline (checked by
+    :meth:`ShardJob.check_stream`; then no chunk may follow). With ``trailer`` (SyncStep) the
+    last message may be a ``TensorBundleTrailer``, checked and applied to ``contribution`` by
+    the shard (:meth:`ShardJob.take_trailer`)."""
     ended = False
+    inline = sj.take_inline(contribution, header)
     async for frame in frames:
         if frame.trailer is not None and trailer:
             if ended:
@@ -175,6 +178,12 @@ async def _collect(
         if ended:
             raise InvalidField(
                 "chunk", f"{frame.chunk.nbytes} bytes", "must not follow the trailer"
+            )
+        if inline:
+            raise InvalidField(
+                "chunk",
+                f"{frame.chunk.nbytes} bytes",
+                f"must not follow a header with inline_data ({len(header.inline_data)} bytes)",
             )
         sj.take_chunk(contribution, frame.chunk)
     sj.check_complete(contribution)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from shoal.contract import faults
-from shoal.contract.wire import Frame, encode_header
+from shoal.contract.wire import MAX_INLINE_BYTES, Frame, encode_header
 from shoal.param_sync.authz import authorize
 from shoal.param_sync.servicer_common import (
     _aborted,
@@ -95,6 +95,12 @@ class DataHandlers:
             g, k, learner = header.generation, header.iteration, header.sender_id
             if header.num_samples < 0:
                 raise InvalidField("header.num_samples", header.num_samples, "must be >= 0")
+            if header.inline_answer_max_bytes < 0:
+                raise InvalidField(
+                    "header.inline_answer_max_bytes",
+                    header.inline_answer_max_bytes,
+                    "must be >= 0 (0: the answer in chunks)",
+                )
             if k == sj.completed and faults.fire_once(faults.RAISE_FLOOR, k):
                 await self._raise_floor_for_test(part, g, k)
             sj.check_iteration(g, k)
@@ -119,7 +125,7 @@ class DataHandlers:
             if header.shared_memory:  # the bytes are in the learner's same-host lane
                 lane = await self._lane_collect(frames, header, sj, contribution)
             else:
-                await _collect(frames, sj, contribution, trailer=True)
+                await _collect(frames, sj, contribution, header, trailer=True)
         future = part.futures.get((g, k))
         if future is None:
             future = asyncio.get_running_loop().create_future()
@@ -136,6 +142,11 @@ class DataHandlers:
         encoded = await asyncio.shield(future)
         if lane is not None:
             yield await self._lane_answer(lane, sj, encoded)
+            return
+        if _answers_inline(encoded.total_bytes, header.inline_answer_max_bytes):
+            # One message: the header with the bytes (the learner said it reads it).
+            await encoded.whole()
+            yield encoded.inline_message(ps_pb2.SyncStepResponse)
             return
         yield encode_header(ps_pb2.SyncStepResponse, encoded.header)
         for i in range(encoded.count):
@@ -247,7 +258,24 @@ class DataHandlers:
                     f"learner {request.learner_id!r} is not a member of generation "
                     f"{request.generation} of job {request.job_id!r}"
                 )
+        if request.inline_answer_max_bytes < 0:
+            raise InvalidField(
+                "inline_answer_max_bytes",
+                request.inline_answer_max_bytes,
+                "must be >= 0 (0: the answer in chunks)",
+            )
+        if _answers_inline(sj.total_bytes, request.inline_answer_max_bytes):
+            encoded = await self._compute(sj.current, ps_pb2.PullParametersResponse)
+            yield encoded.inline_message(ps_pb2.PullParametersResponse)
+            return
         encoded = await self._compute(sj.current)
         yield encode_header(ps_pb2.PullParametersResponse, encoded.header)
         for chunk in encoded.chunks:
             yield chunk
+
+
+def _answers_inline(total_bytes: int, asked: int) -> bool:
+    """Whether a bundle of ``total_bytes`` is answered as one message: it has bytes and is at
+    most what the learner said it reads inline (``inline_answer_max_bytes``; capped at
+    :data:`~shoal.contract.wire.MAX_INLINE_BYTES`)."""
+    return 0 < total_bytes <= min(asked, MAX_INLINE_BYTES)

@@ -139,7 +139,7 @@ class LearnerHandlers:
                 metas=matched,
                 total_bytes=header.total_bytes,
             )
-            await _collect(frames, sj, upload)
+            await _collect(frames, sj, upload, header)
         accepted = await self._compute(sj.initialize, upload)
         if accepted and part.backup_address:
             # The replica starts from the same values before anyone can run an iteration.

@@ -33,6 +33,8 @@ from shoal.contract.wire import (
     chunk_ranges,
     encode_chunks,
     header_of,
+    inline_bytes,
+    inline_of,
     pack_layout,
     validate_layout,
 )
@@ -127,6 +129,10 @@ class Encoded:
         self.count = len(self.ranges)
         self._source = encode_chunks(metas, views, total_bytes, chunk_bytes)
         self._chunks: list[bytes] = []
+        self._metas = metas
+        self._views = views
+        # The whole bundle as one header message, by message class (inline_message).
+        self._inline: dict[type, bytes] = {}
         # Written by the compute thread (an int assignment: atomic), read by the event loop.
         self.stepped = total_bytes if stepped is None else stepped
         self._error: BaseException | None = None
@@ -150,6 +156,24 @@ class Encoded:
     def materialized(self) -> Encoded:
         self.chunks  # noqa: B018 - encodes every chunk now
         return self
+
+    def inline_message(self, message_cls: type[Any]) -> bytes:
+        """The serialized stream message ``{header: header + inline_data}``: the whole bundle
+        in one message (encoded once per message class, shared by every learner). Ask only
+        once every byte is stepped (:meth:`whole`)."""
+        message = self._inline.get(message_cls)
+        if message is None:
+            if self.stepped < self.total_bytes:
+                raise RuntimeError(
+                    f"inline bundle asked for before it was stepped (stepped through byte "
+                    f"{self.stepped} of {self.total_bytes})"
+                )
+            header = ps_pb2.TensorBundleHeader()
+            header.CopyFrom(self.header)
+            header.inline_data = inline_bytes(self._metas, self._views, self.total_bytes)
+            message = message_cls(header=header).SerializeToString()
+            self._inline[message_cls] = message
+        return message
 
     # -- progress of a commit (compute thread -> event loop) ------------------------------------
 
@@ -377,7 +401,24 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
                 f"header.total_bytes ({header.total_bytes}) exceeds the limit ({limit}) of "
                 f"shard {self.shard_index} for job {self.job_id!r}"
             )
+        try:  # bytes inline: exactly total_bytes (so within the limit above), no lane
+            inline_of(header)
+        except BundleTooLarge as exc:
+            raise TooLarge(str(exc)) from None
+        except BundleError as exc:
+            raise InvalidField("header.inline_data", len(header.inline_data), str(exc)) from None
         return matched
+
+    @staticmethod
+    def take_inline(contribution: Contribution, header: ps_pb2.TensorBundleHeader) -> bool:
+        """Keep the bytes a header checked by :meth:`check_stream` carries inline (no copy);
+        whether it carried any (then no chunk may follow)."""
+        if not header.inline_data:
+            return False
+        if contribution.chunks:
+            raise InvalidField("header.inline_data", "...", "the stream already has chunks")
+        contribution.chunks.append(memoryview(header.inline_data))
+        return True
 
     @staticmethod
     def take_chunk(contribution: Contribution, chunk: memoryview) -> None:
@@ -703,13 +744,19 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
         )
         return self.encoded
 
-    def current(self) -> Encoded:
-        """The current parameters, fully encoded (call on the compute thread)."""
+    def current(self, inline_cls: type[Any] | None = None) -> Encoded:
+        """The current parameters, fully encoded (call on the compute thread); with
+        ``inline_cls`` as that one message (:meth:`Encoded.inline_message`) instead of
+        chunks."""
         if not self.initialized:
             raise FailedPrecondition(
                 f"shard {self.shard_index} of job {self.job_id!r} has no parameters yet"
             )
-        return self._encode(iteration=self.completed).materialized()
+        encoded = self._encode(iteration=self.completed)
+        if inline_cls is not None:
+            encoded.inline_message(inline_cls)
+            return encoded
+        return encoded.materialized()
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return {m.name: t for m, t in zip(self.metas, self.tensors, strict=True)}
