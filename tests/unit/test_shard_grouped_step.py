@@ -15,7 +15,8 @@ import torch
 
 from shoal.contract.wire import TensorMeta, byte_view, pack_layout
 from shoal.param_sync.coordinator import OptimizerConfig
-from shoal.param_sync.shard import PER_PARAMETER_OPTIMIZERS, Contribution, Encoded, ShardJob
+from shoal.param_sync.shard import PER_PARAMETER_OPTIMIZERS, Contribution, ShardJob
+from shoal.param_sync.shard_encoding import Encoded
 
 # Declared (model) order; a buffer and an integer buffer in between; "frozen" never gets a
 # gradient, "sometimes" only on odd iterations.

@@ -15,7 +15,8 @@ from google.protobuf import timestamp_pb2
 
 from shoal.contract.wire import Frame
 from shoal.param_sync.coordinator import Coordinator, OptimizerConfig
-from shoal.param_sync.shard import Contribution, Encoded, ShardJob
+from shoal.param_sync.shard import Contribution, ShardJob
+from shoal.param_sync.shard_encoding import Encoded
 from shoal.param_sync.takeover_collective import CollectiveTakeover
 from shoal.runtime.errors import Aborted, InvalidField
 from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2

@@ -21,7 +21,8 @@ from shoal.param_sync.authz import authorize, check_job_directory
 from shoal.param_sync.checkpoint import StorageError
 from shoal.param_sync.coordinator import OptimizerConfig
 from shoal.param_sync.servicer_common import _aborted, _optimizer_config, _ShardSlice
-from shoal.param_sync.shard import Encoded, ShardJob
+from shoal.param_sync.shard import ShardJob
+from shoal.param_sync.shard_encoding import Encoded
 from shoal.runtime.auth import current_principal
 from shoal.runtime.errors import (
     FailedPrecondition,

@@ -38,7 +38,8 @@ import numpy as np
 from shoal.contract.shm import NONCE_BYTES, LaneError, Segment
 from shoal.contract.wire import Frame, encode_header
 from shoal.param_sync.authz import authorize
-from shoal.param_sync.shard import Contribution, Encoded, ShardJob
+from shoal.param_sync.shard import Contribution, ShardJob
+from shoal.param_sync.shard_encoding import Encoded
 from shoal.runtime.auth import current_principal
 from shoal.runtime.errors import FailedPrecondition, InvalidField
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
