@@ -29,6 +29,7 @@ import pytest
 from shoal.client import Client
 from shoal.cluster.local import ClusterSpec, LocalCluster
 from shoal.v1 import job_pb2
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -221,6 +222,15 @@ def test_the_dashboard_shows_the_reference_scenario_live_and_acts_for_its_user(
             assert client.get_job(job2).spec.priority == 10000
             page.go_back()
             gpus_shown(page, {job1: 3, job2: 5}, client)
+            # Job 2 runs an iteration with its 5 learners before job 1 goes: under load its
+            # fifth learner may still be starting when job 1's three devices come free, and
+            # job 2 would then grow from 4 straight past 5 (no rescale to 5 to mark below).
+            wait_until(
+                lambda: any(m.world_size == 5 for m in client.get_metrics(job2).iterations),
+                timeout=STEP_TIMEOUT_MS / 1000,
+                interval=0.5,
+                what="an iteration of job 2 with 5 learners",
+            )
 
             # 4. Job 1 cancelled from its page (the dialog is accepted): job 2 gets all 8.
             page.goto(f"{base}jobs/{job1}")
