@@ -22,7 +22,8 @@ it); ``--watch 0`` leaves out the test's callback (a callback that overrides
 ``on_iteration_end`` makes the trainer load the whole answer before calling it); the history's
 ``early_tensors`` are ``GrpcBackend.early_tensors`` (early forward's counters);
 ``inline_bundles`` ``GrpcBackend.inline_bundles`` (bundles sent and answers read as one
-message, SHOAL_INLINE_KB).
+message, SHOAL_INLINE_KB); ``ahead_boundaries`` ``GrpcBackend.ahead_boundaries`` (Boundaries
+answered ahead and asked again, SHOAL_BOUNDARY_AHEAD).
 """
 
 from __future__ import annotations
@@ -236,6 +237,7 @@ def main() -> int:
                 "buckets_sent": getattr(backend, "buckets_sent", None),
                 "tensors_sent": getattr(backend, "tensors_sent", None),
                 "inline_bundles": getattr(backend, "inline_bundles", None),
+                "ahead_boundaries": getattr(backend, "ahead_boundaries", None),
                 "early_tensors": getattr(backend, "early_tensors", None),
                 "early_forward": getattr(backend, "early_forward", None),
                 "is_primary": result.is_primary,

@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "BATCH_RULE",
     "BATCH_SIZE",
+    "BOUNDARY_AHEAD",
     "COLLECTIVE_OVERLAP",
     "COLLECTIVE_TIMEOUT_S",
     "COORDINATOR",
@@ -73,6 +74,10 @@ PS_EARLY_FORWARD = "SHOAL_PS_EARLY_FORWARD"
 #: at most this size to a shard as one message (the bytes in the header) and reads answers sent
 #: so (read by ``shoal.learner.grpc_calls`` itself; not part of what the scheduler writes).
 INLINE_KB = "SHOAL_INLINE_KB"
+#: ``on`` (default) or ``off``: a parameter-server learner sends its next Boundary beside the
+#: SyncStep instead of after it, and the coordinator holds it until the iteration is committed
+#: (read by ``shoal.learner.grpc_backend`` itself; not part of what the scheduler writes).
+BOUNDARY_AHEAD = "SHOAL_BOUNDARY_AHEAD"
 EPOCHS = "SHOAL_EPOCHS"
 BATCH_SIZE = "SHOAL_BATCH_SIZE"
 #: Set only for a job with an adaptive batch: how the learning rate follows the batch.

@@ -827,6 +827,7 @@ class BoundaryRequest(_message.Message):
     METRIC_SUMS_FIELD_NUMBER: _builtins.int
     METRIC_SAMPLES_FIELD_NUMBER: _builtins.int
     STALE_REFUSAL_FIELD_NUMBER: _builtins.int
+    AHEAD_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     learner_id: _builtins.str
@@ -842,6 +843,13 @@ class BoundaryRequest(_message.Message):
     iteration_failed: _builtins.bool
     """COLLECTIVE only: the collective of the learner's iteration in `generation` failed (a
     peer died or timed out); the coordinator aborts the iteration and re-forms the group.
+    """
+    ahead: _builtins.bool
+    """PARAMETER_SERVER only: sent while the learner's SyncStep of `completed_iteration` is still
+    in flight (the Boundary goes beside the SyncStep instead of after it, to save a round
+    trip): the coordinator holds the request until that iteration is committed, or is no
+    longer the running one (aborted, re-issued), and then answers as to a Boundary sent after
+    it. A learner whose SyncStep fails cancels this call and sends a plain Boundary.
     """
     @_builtins.property
     def checkpoint_file(self) -> Global___CheckpointFile:
@@ -882,10 +890,11 @@ class BoundaryRequest(_message.Message):
         metric_sums: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         metric_samples: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         stale_refusal: Global___StaleRefusal | None = ...,
+        ahead: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint_file", b"checkpoint_file", "stale_refusal", b"stale_refusal"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_file", b"checkpoint_file", "completed_iteration", b"completed_iteration", "generation", b"generation", "iteration_failed", b"iteration_failed", "job_id", b"job_id", "learner_id", b"learner_id", "loss_sum", b"loss_sum", "metric_samples", b"metric_samples", "metric_sums", b"metric_sums", "num_samples", b"num_samples", "stale_refusal", b"stale_refusal"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ahead", b"ahead", "checkpoint_file", b"checkpoint_file", "completed_iteration", b"completed_iteration", "generation", b"generation", "iteration_failed", b"iteration_failed", "job_id", b"job_id", "learner_id", b"learner_id", "loss_sum", b"loss_sum", "metric_samples", b"metric_samples", "metric_sums", b"metric_sums", "num_samples", b"num_samples", "stale_refusal", b"stale_refusal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -224,7 +224,8 @@ class ParameterSyncServiceServicer:
         """Boundary asks the coordinator for the learner's assignment for the next iteration: the
         generation, iteration, rank, world size and sample range, or retire, or done. All
         learners of a generation get the same generation and iteration. Blocks until the
-        generation is frozen. Returns NOT_FOUND (unknown job or learner), FAILED_PRECONDITION
+        generation is frozen (and, for a request marked `ahead`, until the reported iteration is
+        committed or no longer running). Returns NOT_FOUND (unknown job or learner), FAILED_PRECONDITION
         (stale generation: the learner was evicted), UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

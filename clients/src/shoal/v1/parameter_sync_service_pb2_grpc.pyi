@@ -66,7 +66,8 @@ class ParameterSyncServiceStub:
     """Boundary asks the coordinator for the learner's assignment for the next iteration: the
     generation, iteration, rank, world size and sample range, or retire, or done. All
     learners of a generation get the same generation and iteration. Blocks until the
-    generation is frozen. Returns NOT_FOUND (unknown job or learner), FAILED_PRECONDITION
+    generation is frozen (and, for a request marked `ahead`, until the reported iteration is
+    committed or no longer running). Returns NOT_FOUND (unknown job or learner), FAILED_PRECONDITION
     (stale generation: the learner was evicted), UNAUTHENTICATED.
     """
     SyncStep: _grpc.StreamStreamMultiCallable[_parameter_sync_service_pb2.SyncStepRequest, _parameter_sync_service_pb2.SyncStepResponse]
@@ -233,7 +234,8 @@ class ParameterSyncServiceAsyncStub(ParameterSyncServiceStub):
     """Boundary asks the coordinator for the learner's assignment for the next iteration: the
     generation, iteration, rank, world size and sample range, or retire, or done. All
     learners of a generation get the same generation and iteration. Blocks until the
-    generation is frozen. Returns NOT_FOUND (unknown job or learner), FAILED_PRECONDITION
+    generation is frozen (and, for a request marked `ahead`, until the reported iteration is
+    committed or no longer running). Returns NOT_FOUND (unknown job or learner), FAILED_PRECONDITION
     (stale generation: the learner was evicted), UNAUTHENTICATED.
     """
     SyncStep: _aio.StreamStreamMultiCallable[_parameter_sync_service_pb2.SyncStepRequest, _parameter_sync_service_pb2.SyncStepResponse]  # type: ignore[assignment]
@@ -427,7 +429,8 @@ class ParameterSyncServiceServicer(metaclass=_abc_1.ABCMeta):
         """Boundary asks the coordinator for the learner's assignment for the next iteration: the
         generation, iteration, rank, world size and sample range, or retire, or done. All
         learners of a generation get the same generation and iteration. Blocks until the
-        generation is frozen. Returns NOT_FOUND (unknown job or learner), FAILED_PRECONDITION
+        generation is frozen (and, for a request marked `ahead`, until the reported iteration is
+        committed or no longer running). Returns NOT_FOUND (unknown job or learner), FAILED_PRECONDITION
         (stale generation: the learner was evicted), UNAUTHENTICATED.
         """
 

@@ -66,6 +66,11 @@ SHOAL_INLINE_KB             ``256``                 Parameter-server mode: a gra
                                                     one message (the bytes in the header), and
                                                     answers may come so; 0..4096, 0: chunks
                                                     only. Read by ``shoal.learner.grpc_calls``.
+SHOAL_BOUNDARY_AHEAD        ``on``                  Parameter-server mode: the next Boundary
+                                                    goes beside the SyncStep, held by the
+                                                    coordinator until the iteration commits
+                                                    (``off``: sent after the SyncStep). Read
+                                                    by ``shoal.learner.grpc_backend``.
 SHOAL_PS_EARLY_FORWARD      ``off``                 Parameter-server mode: the next forward
                                                     starts once every shard's answer header
                                                     arrived, loading each module's parameters

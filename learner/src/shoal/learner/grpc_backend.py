@@ -9,6 +9,8 @@ Per learner (see docs/data-plane.md for the protocol):
   current values from every shard, ``PullParameters``).
 * :meth:`GrpcBackend.next_assignment` is the ``Boundary`` call: it reports the loss of the
   iteration just completed and returns the next assignment (or retire, or None when done).
+  After a sync it was sent already, beside the ``SyncStep`` (``ahead``, ``SHOAL_BOUNDARY_AHEAD``):
+  the coordinator held it until the iteration committed; ``next_assignment`` reads its answer.
 * :meth:`GrpcBackend.sync` opens one ``SyncStep`` stream per shard, concurrently: the header,
   then this learner's gradients and buffers for that shard's tensors as raw little-endian
   chunks; each shard answers with its new parameters once every member has contributed and
@@ -90,6 +92,7 @@ from shoal.learner.grpc_calls import (
     _translate,
     _why,
     answer_bytes_of,
+    boundary_ahead_enabled,
     inline_bytes_from_env,
     optimizer_proto,
     stream_methods,
@@ -202,6 +205,12 @@ class GrpcBackend(SyncBackend):
         #: Tensors not complete when sync returned, still pending when the next forward
         #: started, and loaded by a module's forward pre-hook (summed over the run).
         self.early_tensors = [0, 0, 0]
+        # The next Boundary goes beside each SyncStep (SHOAL_BOUNDARY_AHEAD): the call, sent
+        # by the last successful sync, whose answer next_assignment reads.
+        self.boundary_ahead = boundary_ahead_enabled()
+        self._ahead: asyncio.Future[ps_pb2.BoundaryResponse] | None = None
+        #: Boundaries answered ahead / sent again after the ahead one failed (summed).
+        self.ahead_boundaries = [0, 0]
 
     @classmethod
     def from_env(cls, env: LearnerEnv) -> GrpcBackend:
@@ -294,12 +303,23 @@ class GrpcBackend(SyncBackend):
     def log_metrics(self, step: int, metrics: Mapping[str, tuple[float, int]]) -> None:
         self._user = (step, dict(metrics))
 
-    async def _boundary(self, md: Any = None) -> ps_pb2.BoundaryResponse:
-        request = boundary_request(self.job_id, self.learner_id, self._user, *self._report)
-        refusal, self._stale_refusal = self._stale_refusal, None
-        if refusal is not None:
-            request.stale_refusal.CopyFrom(refusal)
-        reply = await self.session.control("Boundary", request, md)
+    async def _boundary(
+        self, md: Any = None, ahead: asyncio.Future[ps_pb2.BoundaryResponse] | None = None
+    ) -> ps_pb2.BoundaryResponse:
+        reply = None
+        if ahead is not None:
+            try:
+                reply = await ahead
+                self.ahead_boundaries[0] += 1
+            except Exception as exc:  # asked again below, as without ahead: the same report
+                log.info("the Boundary sent ahead failed (%s); asking again", exc)
+                self.ahead_boundaries[1] += 1
+        if reply is None:
+            request = boundary_request(self.job_id, self.learner_id, self._user, *self._report)
+            refusal, self._stale_refusal = self._stale_refusal, None
+            if refusal is not None:
+                request.stale_refusal.CopyFrom(refusal)
+            reply = await self.session.control("Boundary", request, md)
         if reply.routing_epoch > self.session.routing_epoch and reply.shards:
             # A lost shard's slice moved to its backup: send and pull there from now on.
             self.session.route(reply.shards, self._layout)
@@ -308,7 +328,8 @@ class GrpcBackend(SyncBackend):
         return reply
 
     def next_assignment(self) -> Assignment | None:
-        reply = self._run(self._boundary(self._md()))
+        ahead, self._ahead = self._ahead, None
+        reply = self._run(self._boundary(self._md(), ahead))
         plan = self._require_plan()
         if reply.action == ps_pb2.BOUNDARY_ACTION_RUN:
             self._generation = int(reply.assignment.generation)
@@ -481,9 +502,26 @@ class GrpcBackend(SyncBackend):
         streamed = (
             self._streamed.seal(assignment, contribution, lr) if self._streamed is not None else {}
         )
+        ahead = None
+        if self.boundary_ahead and self._stale_refusal is None:
+            # This iteration's report, as the Boundary after the sync would carry it (the
+            # script's metrics of it were logged before the sync).
+            ahead = boundary_request(
+                self.job_id,
+                self.learner_id,
+                self._user,
+                assignment.generation,
+                assignment.step,
+                contribution.loss_sum,
+                contribution.n_samples,
+                ahead=True,
+            )
+        md = self._md()
         try:
             headers = self._run(
-                self._sync(assignment, contribution, tensors, lr, self._md(), streamed, tracker)
+                self._sync_and_ahead(
+                    ahead, md, assignment, contribution, tensors, lr, md, streamed, tracker
+                )
             )
         except IterationAborted:
             # Report this iteration's loss with the next Boundary anyway: if it was committed
@@ -525,6 +563,26 @@ class GrpcBackend(SyncBackend):
             skipped=any(h.step_skipped for h in headers),
             arriving=tracker,
         )
+
+    async def _sync_and_ahead(
+        self, request: ps_pb2.BoundaryRequest | None, md: Any, *sync: Any
+    ) -> list[ps_pb2.TensorBundleHeader]:
+        """:meth:`_sync`, with the Boundary ``request`` (``ahead``) sent beside it: kept for
+        :meth:`next_assignment` when the sync succeeds, cancelled when it fails (the plain
+        Boundary after a failed sync carries what the failure said, a stale refusal)."""
+        ahead = (
+            None
+            if request is None
+            else asyncio.ensure_future(self.session.control("Boundary", request, md))
+        )
+        try:
+            headers = await self._sync(*sync)
+        except BaseException:
+            if ahead is not None:
+                await _cancelled(ahead)
+            raise
+        self._ahead = ahead
+        return headers
 
     async def _sync(
         self,
@@ -698,12 +756,21 @@ class GrpcBackend(SyncBackend):
         self.session.report_epoch_metrics(report.epoch, values)
 
     def close(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not self.session.closed:
+            self._run(_cancelled(ahead))  # (a train() that raised after its last sync)
         self.session.close()
 
     def _require_plan(self) -> TrainingPlan:
         if self._plan is None:
             raise RuntimeError("initialize() must be called first")
         return self._plan
+
+
+async def _cancelled(call: asyncio.Future[Any]) -> None:
+    """Cancel ``call`` and wait until it ended (its error, if any, retrieved)."""
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
 
 
 async def _one(message: bytes) -> AsyncIterator[bytes]:

@@ -66,6 +66,14 @@ class LearnerEvicted(RuntimeError):
 DEFAULT_INLINE_KB = 256
 
 
+def boundary_ahead_enabled() -> bool:
+    """``SHOAL_BOUNDARY_AHEAD``: ``on`` (the default) or ``off``."""
+    raw = os.environ.get(environment.BOUNDARY_AHEAD, "on").strip().lower()
+    if raw not in ("on", "off"):
+        raise ValueError(f"{environment.BOUNDARY_AHEAD} ({raw!r}) must be 'on' or 'off'")
+    return raw == "on"
+
+
 def inline_bytes_from_env() -> int:
     """``SHOAL_INLINE_KB`` in bytes: a gradient bundle of at most this size goes to its shard
     as one message (the bytes inline in the header) and the shards may answer so; 0: chunks

@@ -254,6 +254,18 @@ class Coordinator(RecoveryMixin, ProgressMixin):
             info.user[learner] = user
         self._maybe_finish(info)
 
+    def reported_running(self, learner: str, generation: int, iteration: int) -> bool:
+        """Parameter-server mode: whether ``learner``'s report of ``iteration`` of
+        ``generation`` is of the iteration still running, uncommitted (a Boundary sent beside
+        its SyncStep waits until it is not)."""
+        return (
+            not self.collective
+            and self.running
+            and generation == self.generation
+            and iteration == self.completed
+            and learner in self.members
+        )
+
     def decide(self, learner: str) -> Decision:
         """The learner's answer at its boundary: RUN, RETIRE, DONE or WAIT (ask again after
         the next state change). The first call while no iteration runs freezes the next

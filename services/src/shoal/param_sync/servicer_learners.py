@@ -153,6 +153,12 @@ class LearnerHandlers:
 
     # -- Boundary -----------------------------------------------------------------------------
 
+    def _deposed(self: _S, job_id: str) -> Unavailable:
+        return Unavailable(
+            f"shard {self.options.shard_index} no longer coordinates job {job_id!r}: ask the "
+            "other shards (FindCoordinator)"
+        )
+
     async def Boundary(self: _S, request: ps_pb2.BoundaryRequest, context: Any) -> Any:
         authorize(
             current_principal(), "Boundary", job_id=request.job_id, learner_id=request.learner_id
@@ -163,6 +169,15 @@ class LearnerHandlers:
         if request.HasField("stale_refusal"):  # a shard refused its SyncStep as stale
             await self._stale_refusal(job, request.stale_refusal, request.learner_id)
         async with job.cond:
+            # A Boundary sent beside its SyncStep (`ahead`, parameter-server mode): held until
+            # the iteration it reports is committed, or is no longer the one running (then it
+            # is answered as a Boundary sent after a failed SyncStep would be).
+            while request.ahead and coord.reported_running(
+                request.learner_id, request.generation, request.completed_iteration
+            ):
+                if job.deposed:
+                    raise self._deposed(request.job_id)
+                await job.cond.wait()
             if request.iteration_failed:
                 if coord.fail(request.learner_id, request.generation):
                     log.warning(
@@ -200,10 +215,7 @@ class LearnerHandlers:
                 self._checkpoint_file(job, request.learner_id, request.checkpoint_file)
             while True:
                 if job.deposed:
-                    raise Unavailable(
-                        f"shard {self.options.shard_index} no longer coordinates job "
-                        f"{request.job_id!r}: ask the other shards (FindCoordinator)"
-                    )
+                    raise self._deposed(request.job_id)
                 decision = coord.decide(request.learner_id)
                 self._kick(job)
                 # A decision may have frozen a generation or marked the job initialized:
