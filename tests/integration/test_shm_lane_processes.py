@@ -43,6 +43,20 @@ def lane_fds_and_maps(pid: int) -> tuple[int, int] | None:
     return fds, maps
 
 
+def sums_fds_and_maps(pid: int) -> tuple[int, int] | None:
+    """As :func:`lane_fds_and_maps`, of the segments a shard replicates its sums through to a
+    backup on its host (``param_sync/replica_lane.py``)."""
+    fds = 0
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(FileNotFoundError):
+                fds += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:shoal-sums")
+        maps = Path(f"/proc/{pid}/maps").read_text().count("/memfd:shoal-sums")
+    except PermissionError:
+        return None
+    return fds, maps
+
+
 def segments_of(pids: list[int]) -> list[str]:
     return [
         name
@@ -106,6 +120,12 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
             assert "lane of learner lane-l1" not in shard.text()
             assert "lane handoff refused" not in shard.text()
             assert "not dumpable: processes of this user cannot read its memory" in shard.text()
+            # Its sums reached its backup (the other shard, on this host) through shared
+            # memory: the segment's descriptor handed once, and held by neither side after.
+            assert shard.text().count("for its backup: descriptor handed") == 1, shard.text()
+            assert "sums to" not in shard.text()  # never fell back to chunks
+        for pid in pids:
+            assert sums_fds_and_maps(pid) in (None, (0, 2)), pid  # its own and its primary's
         # Exactly plain PyTorch.
         reference, _ = reference_training(EPOCHS, BATCH)
         model = plane.final_model(job)
@@ -121,6 +141,38 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
                 what="the lane closed",
             )
         assert segments_of(pids) == []
+        for pid in pids:  # the sums segments went with the job too
+            wait_until(
+                lambda pid=pid: sums_fds_and_maps(pid) in (None, (0, 0)),
+                timeout=30,
+                interval=0.1,
+                what="the sums segments unmapped",
+            )
     finally:
         done.set()
+        plane.kill_all()
+
+
+@pytest.mark.slow
+def test_sums_go_as_chunks_to_and_from_a_shard_with_the_lane_off(tmp_path) -> None:
+    """Shard 1 runs with ``--shm-lane off``: shard 0's sums reach it as gRPC chunks (it
+    refuses the segment, once), shard 1 sends its own as chunks (it tries no segment), and
+    the job still equals single-process training."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
+    plane.start_shards(env={1: {"SHOAL_SHM_LANE": "off"}})
+    try:
+        job = "lane-off"
+        plane.open_job(job, batch=BATCH, epochs=EPOCHS)
+        learner = plane.start_learner(job, "l0", epochs=EPOCHS, batch=BATCH)
+        assert learner.wait(timeout=300) == 0, learner.text()[-3000:]
+        first, second = (shard.text() for shard in plane.shards)
+        assert first.count("as chunks: ") == 1, first[-3000:]  # refused once, then remembered
+        assert "for its backup: descriptor handed" not in first + second
+        assert "sums to" not in second
+        reference, _ = reference_training(EPOCHS, BATCH)
+        model = plane.final_model(job)
+        for name, value in reference.items():
+            torch.testing.assert_close(model[name], value, atol=ATOL, rtol=0, msg=name)
+    finally:
         plane.kill_all()

@@ -154,14 +154,15 @@ class Segment:
     fd: int = -1
 
     @classmethod
-    def create(cls, size: int) -> Segment:
+    def create(cls, size: int, *, label: str = MEMFD_NAME) -> Segment:
         """A new zeroed, nameless, sealed segment of ``size`` bytes, its first
-        :data:`NONCE_BYTES` a random nonce; the caller owns ``fd`` (:meth:`release_fd`)."""
+        :data:`NONCE_BYTES` a random nonce; the caller owns ``fd`` (:meth:`release_fd`).
+        ``label`` is the memfd's label in ``/proc`` (no name in any directory)."""
         if size < NONCE_BYTES:
             raise LaneError(f"size ({size}) must be >= {NONCE_BYTES}")
         if not SEALS or not hasattr(os, "memfd_create"):
             raise OSError("no memfd_create with file sealing on this platform")
-        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)

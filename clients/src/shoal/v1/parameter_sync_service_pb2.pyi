@@ -1998,6 +1998,15 @@ class ReplicateRequest(_message.Message):
     REPLICA_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_OFFSET_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_LENGTH_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    SEGMENT_SIZE_FIELD_NUMBER: _builtins.int
+    SEGMENT_NONCE_FIELD_NUMBER: _builtins.int
+    SOCKET_ADDRESS_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     shard_index: _builtins.int
@@ -2010,6 +2019,31 @@ class ReplicateRequest(_message.Message):
     """What the blob holds."""
     chunk: _builtins.bytes
     """The next bytes of the safetensors blob."""
+    shared_memory: _builtins.bool
+    """SUMS to a replica on the sender's host only: the blob is not in chunks (none follow) but
+    in a shared-memory segment of the sender's (docs/data-plane.md, "Replicating the sums
+    through shared memory"), shared_memory_length bytes at shared_memory_offset.
+    """
+    shared_memory_offset: _builtins.int
+    """Where the blob starts in the segment."""
+    shared_memory_length: _builtins.int
+    """The blob's length in bytes."""
+    host_id: _builtins.str
+    """The sender's host (shoal.contract.shm.host_id): a receiver on another host refuses."""
+    segment_size: _builtins.int
+    """The segment's size in bytes."""
+    segment_nonce: _builtins.bytes
+    """The segment's first 16 bytes (a random nonce, which also names it to the receiver)."""
+    socket_address: _builtins.str
+    """Set when the receiver has not fetched the segment's descriptor yet: the sender's handoff
+    socket (an abstract Unix socket); empty once fetched.
+    """
+    token: _builtins.bytes
+    """The one-time token that fetches the descriptor at socket_address."""
+    sequence: _builtins.int
+    """The send's sequence number, also written at shared_memory_offset - 8 in the segment:
+    the receiver checks it after copying the blob out (the sender wrote no newer one meanwhile).
+    """
     def __init__(
         self,
         *,
@@ -2018,10 +2052,19 @@ class ReplicateRequest(_message.Message):
         replica: _builtins.bool = ...,
         kind: Global___ReplicateKind.ValueType = ...,
         chunk: _builtins.bytes = ...,
+        shared_memory: _builtins.bool = ...,
+        shared_memory_offset: _builtins.int = ...,
+        shared_memory_length: _builtins.int = ...,
+        host_id: _builtins.str = ...,
+        segment_size: _builtins.int = ...,
+        segment_nonce: _builtins.bytes = ...,
+        socket_address: _builtins.str = ...,
+        token: _builtins.bytes = ...,
+        sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "job_id", b"job_id", "kind", b"kind", "replica", b"replica", "shard_index", b"shard_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "host_id", b"host_id", "job_id", b"job_id", "kind", b"kind", "replica", b"replica", "segment_nonce", b"segment_nonce", "segment_size", b"segment_size", "sequence", b"sequence", "shard_index", b"shard_index", "shared_memory", b"shared_memory", "shared_memory_length", b"shared_memory_length", "shared_memory_offset", b"shared_memory_offset", "socket_address", b"socket_address", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2034,16 +2077,22 @@ class ReplicateResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_TAKEN_FIELD_NUMBER: _builtins.int
     global_iteration: _builtins.int
     """The iteration the slice is at (STATE); -1 for SUMS (kept, applied after the answer)."""
+    shared_memory_taken: _builtins.bool
+    """True when the receiver took the blob from the sender's shared-memory segment (an older
+    receiver leaves it false: the sender then sends the blob again as chunks).
+    """
     def __init__(
         self,
         *,
         global_iteration: _builtins.int = ...,
+        shared_memory_taken: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_iteration", b"global_iteration"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_iteration", b"global_iteration", "shared_memory_taken", b"shared_memory_taken"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

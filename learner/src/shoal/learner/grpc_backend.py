@@ -97,7 +97,7 @@ from shoal.learner.grpc_calls import (
     optimizer_proto,
     stream_methods,
 )
-from shoal.learner.grpc_lane import lane_refused, open_lane
+from shoal.learner.grpc_lane import ClientLane, lane_refused, open_lane
 from shoal.learner.liveness import CoordinatorMoved
 from shoal.learner.ps_overlap import StreamedGradients, overlap_enabled
 from shoal.learner.shard_session import ShardSession
@@ -183,6 +183,7 @@ class GrpcBackend(SyncBackend):
         self._layout: list[TensorMeta] = []
         self._recv: list[torch.Tensor] = []
         self._recv_bytes: list[np.ndarray] = []
+        self._recv_source: list[tuple[int, int, int] | None] = []
         self._generation = 0  # of the last assignment (pulls are checked against it)
         self._report = (0, -1, 0.0, 0)  # generation, completed iteration, loss_sum, samples
         self._user: UserMetrics = (-1, {})  # trainer.log
@@ -253,6 +254,8 @@ class GrpcBackend(SyncBackend):
         self.session.rejoin = self._join
         self._recv = [torch.empty(m.shape, dtype=m.torch_dtype) for m in self._layout]
         self._recv_bytes = [_bytes_of(t) for t in self._recv]
+        # Per receive tensor, the lane answer it views ((lane, offset, size); None: its own).
+        self._recv_source = [None] * len(self._recv)
         md = self._md()
         reply = self._run(self._join(md))
         self._plan = adopted_plan(reply, setup.plan)
@@ -412,6 +415,14 @@ class GrpcBackend(SyncBackend):
                     if j is None or not self._layout[j].same_tensor(m):
                         raise RuntimeError(f"shard {shard.address} sent unexpected {m.name!r}")
                     targets.append(j)
+                in_lane = bool(header.shared_memory) and not header.inline_data
+                if in_lane:  # the bytes are in this learner's lane: view them (no copy)
+                    if shard.lane is None:
+                        raise RuntimeError(f"shard {shard.address} answered through no lane")
+                    try:
+                        self._view_lane_answer(shard.lane, header, metas, targets)
+                    except LaneError as exc:
+                        raise RuntimeError(f"shard {shard.address}: {exc}") from None
                 sink = _copy_sink(self._recv_bytes, targets)
                 if tracker is not None:
                     sink = _tracking_sink(sink, targets, self._recv_bytes, tracker)
@@ -428,25 +439,46 @@ class GrpcBackend(SyncBackend):
                 if inline is not None:  # the whole bundle in this one message
                     receiver.feed(inline)
                     self.inline_bundles[1] += 1
-                elif header.shared_memory:  # the bytes are in this learner's lane
-                    if shard.lane is None:
-                        raise RuntimeError(f"shard {shard.address} answered through no lane")
-                    await asyncio.to_thread(shard.lane.read, header, receiver)
+                elif in_lane:  # already viewed above: nothing to copy
+                    receiver = None
             elif frame.chunk is not None:
-                assert receiver is not None
                 if header.shared_memory:
                     raise RuntimeError(f"shard {shard.address} sent a chunk after its lane header")
                 if header.inline_data:
                     raise RuntimeError(
                         f"shard {shard.address} sent a chunk after a header with inline_data"
                     )
+                assert receiver is not None
                 receiver.feed(frame.chunk)
-        if header is None or receiver is None:
+        if header is None:
             raise RuntimeError(f"shard {shard.address} closed the stream without a header")
-        receiver.finish()
+        if receiver is not None:
+            receiver.finish()
         if tracker is not None:
             tracker.done(shard.tensors)
         return header
+
+    def _view_lane_answer(
+        self,
+        lane: ClientLane,
+        header: ps_pb2.TensorBundleHeader,
+        metas: Sequence[TensorMeta],
+        targets: Sequence[int],
+    ) -> None:
+        """Make the receive tensors ``targets`` views of the lane's answer (``metas``) instead
+        of copying it: the trainer copies them into the model before its next contribution,
+        and the shard writes the out-region again only after that contribution. Done once per
+        lane and layout (the answer's place is the same every iteration); the lists are
+        changed in place, as the copy sinks hold them."""
+        key = (id(lane), header.shared_memory_offset, header.total_bytes)
+        if all(self._recv_source[j] == key for j in targets):
+            lane.rounds += 1
+            return
+        views = lane.answer_views(header, metas)
+        for j, view in zip(targets, views, strict=True):
+            self._recv[j] = view
+            self._recv_bytes[j] = _bytes_of(view)
+            self._recv_source[j] = key
 
     async def _answer_fault(self, shard: _Shard, frames: Any, tracker: ArrivingTensors) -> None:
         """The test faults ``hold-answer`` and ``drop-answer`` (``shoal.contract.faults``)."""

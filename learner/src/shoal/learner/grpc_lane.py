@@ -24,11 +24,12 @@ from typing import Any
 
 import grpc
 import numpy as np
+import torch
 from grpc import aio
 
 from shoal.contract.lane_handoff import fetch_fd
 from shoal.contract.shm import SHM_DIR, LaneError, Segment, host_id
-from shoal.contract.wire import BundleReceiver, TensorMeta
+from shoal.contract.wire import BundleError, BundleReceiver, TensorMeta, validate_layout
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 __all__ = ["ClientLane", "lane_refused", "open_lane"]
@@ -82,6 +83,35 @@ class ClientLane:
         )
         receiver.feed(view)
         self.rounds += 1
+
+    def answer_views(
+        self, header: ps_pb2.TensorBundleHeader, metas: Sequence[TensorMeta]
+    ) -> list[torch.Tensor]:
+        """The shard's answer as tensors viewing the out-region (no copy): ``metas[j]`` at
+        ``header.shared_memory_offset + metas[j].offset``. The range must lie in the
+        out-region and the layout be well formed (:class:`LaneError` otherwise). The shard
+        writes that range again only with its answer to this learner's next contribution."""
+        view = self.segment.region(
+            header.shared_memory_offset,
+            header.total_bytes,
+            lo=self.out_offset,
+            hi=self.segment.size,
+            what="header.shared_memory_offset",
+        )
+        try:
+            validate_layout(metas, header.total_bytes, what="header.tensors")
+        except BundleError as exc:
+            raise LaneError(str(exc)) from None
+        flat = np.frombuffer(view, dtype=np.uint8)
+        out: list[torch.Tensor] = []
+        for m in metas:
+            if m.numel == 0:
+                out.append(torch.empty(m.shape, dtype=m.torch_dtype))
+                continue
+            raw = torch.from_numpy(flat[m.offset : m.end])
+            out.append(raw.view(m.torch_dtype).view(m.shape))
+        self.rounds += 1
+        return out
 
     def close(self) -> None:
         self.segment.close()

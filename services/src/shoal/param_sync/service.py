@@ -50,6 +50,7 @@ from shoal.param_sync.coordinator import (
     JobSettings,
 )
 from shoal.param_sync.metrics import SyncMetrics
+from shoal.param_sync.replica_lane import RecvLane, ReplicaLaneHandlers, SendLane
 from shoal.param_sync.servicer_common import (
     _CoordinatedJob,
     _ShardSlice,
@@ -257,6 +258,7 @@ class ParameterSyncServicer(
     DataHandlers,
     PeerHandlers,
     LaneHandlers,
+    ReplicaLaneHandlers,
 ):
     """All RPCs of one shard process (see the module docstring). Not a subclass of the
     generated servicer: the tensor streams take and give the hand codec's frames and bytes
@@ -298,6 +300,15 @@ class ParameterSyncServicer(
         self._host_id = host_id(options.shm_dir) if options.shm_lane else ""
         # The Unix socket that hands the lanes' descriptors (started with the first lane).
         self._handoff = HandoffServer(on_refused=self.metrics.lane_handoff_refused)
+        # Sums replicated through shared memory on this host (replica_lane.py): the segments
+        # this shard sends from, by (job, backup address); those it reads, by (job, whose
+        # index); the backups that take none (another host, an older version).
+        self._replica_sends: dict[tuple[str, str], SendLane] = {}
+        self._replica_recv: dict[tuple[str, int], RecvLane] = {}
+        self._replica_no_shm: set[tuple[str, str]] = set()
+        # Lane answers being written, by (job, generation, iteration): the replicas kept here
+        # step that iteration after them (servicer_peers.py, ResolveIteration).
+        self._lane_answers: dict[tuple[str, int, int], list[asyncio.Future[None]]] = {}
 
     def _rendezvous_prefix(self, job_id: str) -> str:
         """The job's key prefix in the rendezvous store: a secret only its learners get

@@ -131,17 +131,29 @@ class DataHandlers:
             future = asyncio.get_running_loop().create_future()
             future.add_done_callback(_silence)
             part.futures[(g, k)] = future
-        ready = await self._compute(sj.accumulate, contribution, members)
-        self._fail_superseded(part)
-        if ready:
-            notify = asyncio.create_task(self._shard_ready(sj, g, k))
-            self._background.add(notify)
-            notify.add_done_callback(self._background.discard)
-        # Resolved when the commit starts (the header is final then), before the slice is
-        # stepped: each chunk leaves once its bytes are (Encoded.ready).
-        encoded = await asyncio.shield(future)
+        written: asyncio.Future[None] | None = None
         if lane is not None:
-            yield await self._lane_answer(lane, sj, encoded)
+            # The replicas kept here step this iteration only once this answer is written
+            # (ResolveIteration): on one compute thread, it would wait behind them.
+            written = asyncio.get_running_loop().create_future()
+            self._lane_answers.setdefault((header.job_id, g, k), []).append(written)
+        try:
+            ready = await self._compute(sj.accumulate, contribution, members)
+            self._fail_superseded(part)
+            if ready:
+                notify = asyncio.create_task(self._shard_ready(sj, g, k))
+                self._background.add(notify)
+                notify.add_done_callback(self._background.discard)
+            # Resolved when the commit starts (the header is final then), before the slice
+            # is stepped: each chunk leaves once its bytes are (Encoded.ready).
+            encoded = await asyncio.shield(future)
+            if lane is not None:
+                message = await self._lane_answer(lane, sj, encoded)
+        finally:
+            if written is not None and not written.done():
+                written.set_result(None)
+        if lane is not None:
+            yield message
             return
         if _answers_inline(encoded.total_bytes, header.inline_answer_max_bytes):
             # One message: the header with the bytes (the learner said it reads it).

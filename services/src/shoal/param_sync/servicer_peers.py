@@ -204,12 +204,21 @@ class PeerHandlers:
         else:
             assert at is not None
             header, views = await self._compute(sj.pending_frames, *at)
+            if replica and await self._replicate_sums_shm(
+                sj.job_id, sj.shard_index, address, header, views
+            ):
+                return -1  # the backup on this host took them from shared memory
             parts = [header, *views]
             wire_kind = ps_pb2.REPLICATE_KIND_SUMS
         prefix = ps_pb2.ReplicateRequest(
             job_id=sj.job_id, shard_index=sj.shard_index, replica=replica, kind=wire_kind
         ).SerializeToString()
         messages = replicate_messages(prefix, parts, self.options.chunk_bytes)
+        reply = await self._replicate_call(address, messages)
+        return int(reply.global_iteration)
+
+    async def _replicate_call(self: _S, address: str, messages: Any) -> ps_pb2.ReplicateResponse:
+        """One Replicate call of the encoded ``messages`` to the shard at ``address``."""
         try:
             self._stub(address)  # opens the pooled channel
             replicate = self._channels[address][0].stream_unary(
@@ -217,12 +226,12 @@ class PeerHandlers:
                 request_serializer=serialize,  # the messages are encoded already
                 response_deserializer=ps_pb2.ReplicateResponse.FromString,
             )
-            reply = await replicate(messages, timeout=600.0)
+            reply: ps_pb2.ReplicateResponse = await replicate(messages, timeout=600.0)
         except aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise FailedPrecondition(f"Replicate on {address}: {exc.details()}") from exc
             raise Unavailable(f"Replicate on {address}: {exc.details()}") from exc
-        return int(reply.global_iteration)
+        return reply
 
     async def Replicate(self: _S, request_iterator: AsyncIterator[Any], context: Any) -> Any:
         first: ps_pb2.ReplicateRequest | None = None
@@ -234,7 +243,13 @@ class PeerHandlers:
             parts.append(frame.chunk)
         if first is None:
             raise InvalidField("stream", "empty", "must carry at least one message")
-        blob = b"".join(parts)
+        blob: Any
+        if first.shared_memory:  # SUMS from a primary on this host (replica_lane.py)
+            if any(p.nbytes for p in parts):
+                raise InvalidField("chunk", "...", "must not come with shared_memory")
+            blob = await self._take_sums_shm(first)
+        else:
+            blob = b"".join(parts)
         if first.replica:
             target = self._replica(first.job_id, first.shard_index)
         else:
@@ -254,7 +269,9 @@ class PeerHandlers:
                 self._compute(target.keep_pending, blob),
                 f"job {first.job_id}: replica did not take sums",
             )
-            return ps_pb2.ReplicateResponse(global_iteration=-1)
+            return ps_pb2.ReplicateResponse(
+                global_iteration=-1, shared_memory_taken=first.shared_memory
+            )
         elif first.kind == ps_pb2.REPLICATE_KIND_STATE:
             iteration = await self._compute(target.load_state_bytes, blob)
             if not first.replica:
@@ -334,9 +351,10 @@ class PeerHandlers:
             # slices step now too (their sums of it arrived before this commit could be
             # decided), after this slice's step, while its learners receive the parameters.
             replicas = [r for (job, _), r in self._replicas.items() if job == request.job_id]
+            answers = self._lane_answers_of(request.job_id, *key)
             if replicas:
                 self._in_background(
-                    self._compute(_apply_replicated, replicas, *key, request.grad_norm),
+                    self._apply_replicas_after(answers, replicas, key, request.grad_norm),
                     f"job {request.job_id}: replicas did not step iteration {request.iteration}",
                 )
         else:
@@ -345,6 +363,31 @@ class PeerHandlers:
             part.memberships.pop(request.generation, None)
             self._fail_superseded(part)
         return ps_pb2.ResolveIterationResponse()
+
+    def _lane_answers_of(
+        self: _S, job_id: str, generation: int, iteration: int
+    ) -> list[asyncio.Future[None]]:
+        """The lane answers of (generation, iteration) being written (resolved once each is),
+        forgetting those of earlier iterations of the job."""
+        for key in [k for k in self._lane_answers if k[0] == job_id and k[2] <= iteration]:
+            if key[1:] != (generation, iteration):
+                del self._lane_answers[key]
+        return self._lane_answers.pop((job_id, generation, iteration), [])
+
+    async def _apply_replicas_after(
+        self: _S,
+        answers: list[asyncio.Future[None]],
+        replicas: list[ShardJob],
+        key: tuple[int, int],
+        grad_norm: float,
+    ) -> None:
+        """Step the replicas kept here for the committed ``key`` once this slice's lane answers
+        of it are written (at most :data:`_ANSWERS_FIRST_S` later): they share one compute
+        thread, and the learners wait for the answers, not for the replicas. (A replica that
+        has not stepped yet is settled before anything else uses it: keep_pending, settle.)"""
+        if answers:
+            await asyncio.wait(answers, timeout=_ANSWERS_FIRST_S)
+        await self._compute(_apply_replicated, replicas, *key, grad_norm)
 
     async def SaveShard(self: _S, request: ps_pb2.SaveShardRequest, context: Any) -> Any:
         authorize(current_principal(), "SaveShard", job_id=request.job_id)
@@ -421,6 +464,9 @@ def _apply_replicated(
     for replica in replicas:
         replica.apply_replicated(generation, iteration, grad_norm)
 
+
+#: Seconds the replicas' step waits for the lane answers of the same commit at most.
+_ANSWERS_FIRST_S = 5.0
 
 _REPLICATE_CHUNK_TAG = 0x2A  # ReplicateRequest.chunk: field 5, length-delimited
 

@@ -233,9 +233,10 @@ class LaneHandlers:
             log.info("job %s: shared-memory lane of learner %s closed", *key)
 
     def _drop_lanes(self: _S, job_id: str | None = None) -> None:
-        """Every lane of ``job_id`` (None: of every job)."""
+        """Every lane of ``job_id`` (None: of every job), the replica segments included."""
         for key in [k for k in self._lanes if job_id is None or k[0] == job_id]:
             self._drop_lane(key)
+        self._drop_replica_lanes(job_id)
 
     def _prune_lanes(self: _S, job_id: str, generation: int, members: frozenset[str]) -> None:
         """Generation ``generation`` of the job has ``members``: the lanes of learners that

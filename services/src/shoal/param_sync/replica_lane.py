@@ -1,0 +1,277 @@
+# mypy: disable-error-code="misc"
+# (the parts annotate self as the assembled ParameterSyncServicer, a subclass of each part)
+"""Replicating a slice's sums to its backup through shared memory when both shards run on one
+host (docs/data-plane.md, "Replicating the sums through shared memory"). Part of the
+ParameterSyncService servicer (``service.py``).
+
+Each iteration, before its ShardReady, a primary sends its sums (about its slice's size) to
+its backup (``Replicate``, kind SUMS). Across hosts they go as gRPC chunks. On one host (the
+same :func:`shoal.contract.shm.host_id`, both with the lane on) the primary writes the blob
+into a nameless sealed segment of its own (``shoal.contract.shm``, one per job and backup)
+and sends one ``Replicate`` message naming where; the backup fetches the segment's
+descriptor once (from the primary's handoff socket, ``shoal.contract.lane_handoff``, with a
+one-time token the first such message carries), maps it, copies the blob out and answers
+``shared_memory_taken``. Anything else (another host, the lane off on either side, an older
+backup, a segment lost to a restart) sends that iteration's blob as chunks, as before.
+
+Segment layout (the sender's)::
+
+    [0, 16)                          nonce
+    [BLOB_OFFSET - 8, BLOB_OFFSET)   the send's sequence number (little-endian u64)
+    [BLOB_OFFSET, size)              the blob (the safetensors bytes of ``pending_frames``)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shoal.contract.lane_handoff import fetch_fd
+from shoal.contract.shm import NONCE_BYTES, LaneError, Segment
+from shoal.runtime.errors import FailedPrecondition, InvalidField
+from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+
+if TYPE_CHECKING:
+    from shoal.param_sync.service import ParameterSyncServicer as _S
+
+log = logging.getLogger("shoal.param_sync.service")
+
+BLOB_OFFSET = 64
+#: The segments' label in /proc (``/memfd:shoal-sums``), apart from the learners' lanes.
+MEMFD_LABEL = "shoal-sums"
+_SEQUENCE_AT = BLOB_OFFSET - 8
+#: Room left in a new segment beyond the blob it is made for (the blob's JSON header varies
+#: a little from one iteration to the next).
+SLACK_BYTES = 64 * 1024
+#: Seconds the backup has to fetch a new segment's descriptor.
+FETCH_WINDOW_S = 30.0
+#: The reason a backup gives when it has no segment of that nonce (it restarted, or the
+#: token expired): the sender drops its segment and sends that blob as chunks.
+NO_SEGMENT = "no replica segment"
+
+assert NONCE_BYTES <= _SEQUENCE_AT
+
+
+@dataclass
+class SendLane:
+    """A primary's segment for the sums it replicates to one backup of one job."""
+
+    segment: Segment
+    token: bytes = b""  # the descriptor's handoff token, until fetched
+    sequence: int = 0
+
+    def fetched(self) -> None:
+        self.token = b""
+        self.segment.release_fd()
+
+    @property
+    def capacity(self) -> int:
+        return self.segment.size - BLOB_OFFSET
+
+
+def write_blob(segment: Segment, sequence: int, parts: Sequence[Any]) -> int:
+    """Write ``parts`` (byte-like) one after the other at :data:`BLOB_OFFSET`, with
+    ``sequence`` before them; returns the blob's length (call on the compute thread)."""
+    seq = segment.region(_SEQUENCE_AT, 8, lo=_SEQUENCE_AT, hi=BLOB_OFFSET, what="sequence")
+    seq[:] = sequence.to_bytes(8, "little")
+    target = np.frombuffer(
+        segment.region(
+            BLOB_OFFSET,
+            segment.size - BLOB_OFFSET,
+            lo=BLOB_OFFSET,
+            hi=segment.size,
+            what="blob",
+        ),
+        dtype=np.uint8,
+    )
+    offset = 0
+    for part in parts:
+        source = np.frombuffer(memoryview(part).cast("B"), dtype=np.uint8)
+        target[offset : offset + source.size] = source
+        offset += source.size
+    return offset
+
+
+@dataclass
+class RecvLane:
+    """A backup's mapping of a primary's segment, and two buffers it copies blobs into in
+    turn (reused: a fresh 20-odd MiB array each iteration costs its page faults again). A
+    blob's buffer is next written two sends later, when its ``keep_pending`` has long run:
+    the primary sends the next sums only after the commit that follows this one, and the
+    backup's compute thread runs ``keep_pending`` (queued at the answer) before that
+    commit."""
+
+    segment: Segment
+    buffers: list[np.ndarray]
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+def read_blob(lane: RecvLane, offset: int, length: int, sequence: int) -> np.ndarray:
+    """A copy of the blob ``[offset, offset + length)`` (inside the blob region), checked to be
+    the one of ``sequence`` both before and after the copy (the sender wrote no newer one
+    meanwhile); :class:`LaneError` otherwise."""
+    segment = lane.segment
+    seq = segment.region(_SEQUENCE_AT, 8, lo=_SEQUENCE_AT, hi=BLOB_OFFSET, what="sequence")
+    view = segment.region(
+        offset, length, lo=BLOB_OFFSET, hi=segment.size, what="shared_memory_offset"
+    )
+    if int.from_bytes(seq, "little") != sequence:
+        raise LaneError(f"the segment holds another send than sequence {sequence}")
+    slot = sequence % 2
+    if lane.buffers[slot].size < length:
+        lane.buffers[slot] = np.empty(length, dtype=np.uint8)
+    out = lane.buffers[slot][:length]
+    np.copyto(out, np.frombuffer(view, dtype=np.uint8))
+    if int.from_bytes(seq, "little") != sequence:
+        raise LaneError(f"the segment was rewritten while sequence {sequence} was read")
+    return out
+
+
+def _take_segment(address: str, token: bytes, size: int, nonce: bytes) -> Segment:
+    fd = fetch_fd(address, token, timeout=10.0)
+    try:
+        return Segment.from_fd(fd, size, nonce)
+    finally:
+        os.close(fd)
+
+
+class ReplicaLaneHandlers:
+    """Part of :class:`~shoal.param_sync.service.ParameterSyncServicer` (see there)."""
+
+    # -- the primary's side -------------------------------------------------------------------
+
+    async def _replicate_sums_shm(
+        self: _S, job_id: str, shard_index: int, address: str, header: bytes, views: list[Any]
+    ) -> bool:
+        """Send the sums blob (``header`` and ``views``) to the backup at ``address`` through
+        shared memory; False when it must go as chunks (not on one host, the backup does not
+        take it). Raises what the call raised otherwise."""
+        key = (job_id, address)
+        if not self._host_id or key in self._replica_no_shm:
+            return False
+        for other in [k for k in self._replica_sends if k[0] == job_id and k != key]:
+            self._drop_send_lane(other)  # the job's backup moved
+        total = len(header) + sum(memoryview(v).nbytes for v in views)
+        lane = self._replica_sends.get(key)
+        if lane is None or lane.capacity < total:
+            self._drop_send_lane(key)
+            if not self._handoff.started:
+                self._handoff.start()
+            try:
+                segment = Segment.create(BLOB_OFFSET + total + SLACK_BYTES, label=MEMFD_LABEL)
+            except OSError as exc:
+                log.info("job %s: sums to %s as chunks (no segment: %s)", job_id, address, exc)
+                self._replica_no_shm.add(key)
+                return False
+            lane = SendLane(segment)
+            lane.token = self._handoff.offer(
+                segment.fd,
+                window_s=FETCH_WINDOW_S,
+                on_sent=lane.fetched,
+                what=f"job {job_id}: sums of shard {shard_index} for its backup",
+            )
+            self._replica_sends[key] = lane
+        lane.sequence += 1
+        length = await self._compute(write_blob, lane.segment, lane.sequence, [header, *views])
+        request = ps_pb2.ReplicateRequest(
+            job_id=job_id,
+            shard_index=shard_index,
+            replica=True,
+            kind=ps_pb2.REPLICATE_KIND_SUMS,
+            shared_memory=True,
+            shared_memory_offset=BLOB_OFFSET,
+            shared_memory_length=length,
+            host_id=self._host_id,
+            segment_size=lane.segment.size,
+            segment_nonce=lane.segment.nonce,
+            socket_address=self._handoff.address if lane.token else "",
+            token=lane.token,
+            sequence=lane.sequence,
+        )
+        try:
+            reply = await self._replicate_call(address, [request.SerializeToString()])
+        except FailedPrecondition as exc:
+            self._drop_send_lane(key)
+            if NO_SEGMENT not in str(exc):  # another host, the lane off there
+                self._replica_no_shm.add(key)
+            log.info("job %s: sums to %s as chunks: %s", job_id, address, exc)
+            return False
+        except BaseException:
+            self._drop_send_lane(key)
+            raise
+        if not reply.shared_memory_taken:  # an older backup: it ignored the segment
+            self._drop_send_lane(key)
+            self._replica_no_shm.add(key)
+            log.info("job %s: sums to %s as chunks (it reads no shared memory)", job_id, address)
+            return False
+        return True
+
+    def _drop_send_lane(self: _S, key: tuple[str, str]) -> None:
+        lane = self._replica_sends.pop(key, None)
+        if lane is not None:
+            self._handoff.withdraw(lane.token)
+            lane.segment.close()
+
+    # -- the backup's side --------------------------------------------------------------------
+
+    async def _take_sums_shm(self: _S, first: ps_pb2.ReplicateRequest) -> np.ndarray:
+        """The blob a shared-memory Replicate names, copied out of the sender's segment."""
+        if not (first.replica and first.kind == ps_pb2.REPLICATE_KIND_SUMS):
+            raise InvalidField("shared_memory", True, "only for SUMS to a replica")
+        if not self._host_id or first.host_id != self._host_id:
+            raise FailedPrecondition(
+                f"shard {self.options.shard_index} takes no shared memory from host_id "
+                f"{first.host_id!r} (another host, or its lane is off)"
+            )
+        key = (first.job_id, first.shard_index)
+        self._replica(first.job_id, first.shard_index)  # NotFound when not configured
+        lane = self._replica_recv.get(key)
+        if lane is None or lane.segment.nonce != first.segment_nonce:
+            if not first.token:
+                raise FailedPrecondition(
+                    f"{NO_SEGMENT} of shard {first.shard_index} of job {first.job_id!r} on "
+                    f"shard {self.options.shard_index}"
+                )
+            try:
+                fresh = await asyncio.to_thread(
+                    _take_segment,
+                    first.socket_address,
+                    first.token,
+                    first.segment_size,
+                    first.segment_nonce,
+                )
+            except (OSError, LaneError) as exc:
+                raise FailedPrecondition(f"{NO_SEGMENT}: its descriptor: {exc}") from None
+            old = self._replica_recv.pop(key, None)
+            if old is not None:
+                old.close()
+            empty = np.empty(0, dtype=np.uint8)
+            self._replica_recv[key] = lane = RecvLane(fresh, [empty, empty])
+        try:
+            return await asyncio.to_thread(
+                read_blob,
+                lane,
+                first.shared_memory_offset,
+                first.shared_memory_length,
+                first.sequence,
+            )
+        except LaneError as exc:
+            raise FailedPrecondition(f"{NO_SEGMENT} to read: {exc}") from None
+
+    def _drop_replica_lanes(self: _S, job_id: str | None = None) -> None:
+        """The replica segments (sent and received) of ``job_id`` (None: of every job)."""
+        for key in [k for k in self._replica_sends if job_id is None or k[0] == job_id]:
+            self._drop_send_lane(key)
+        for rkey in [k for k in self._replica_recv if job_id is None or k[0] == job_id]:
+            self._replica_recv.pop(rkey).close()
+        self._replica_no_shm = {
+            k for k in self._replica_no_shm if job_id is not None and k[0] != job_id
+        }

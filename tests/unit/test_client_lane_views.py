@@ -1,0 +1,80 @@
+"""The learner reads a shard's lane answer without a copy (``ClientLane.answer_views``): its
+receive tensors view the lane's out-region, equal the bytes the shard wrote there bit for
+bit (float32, bfloat16, int64, bool, an empty tensor), and an answer outside the out-region
+or with a malformed layout is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shoal.contract.shm import LaneError, Segment
+from shoal.contract.wire import TensorMeta, byte_view, header_of, pack_layout
+from shoal.learner.grpc_lane import ClientLane
+
+TENSORS = {
+    "w": torch.randn(3, 5, generator=torch.Generator().manual_seed(3)),
+    "h": torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16),
+    "n": torch.tensor(7, dtype=torch.int64),
+    "mask": torch.tensor([True, False, True]),
+    "empty": torch.empty(0, 4),
+}
+
+
+def lane_with_answer() -> tuple[ClientLane, list[TensorMeta], int]:
+    metas, total = pack_layout([TensorMeta.of(n, t) for n, t in TENSORS.items()], align=64)
+    in_offset, out_offset = 64, 64 + 256
+    segment = Segment.create(out_offset + total + 64)
+    lane = ClientLane(segment, in_offset, 256, out_offset)
+    out = np.frombuffer(
+        segment.region(out_offset, total, lo=out_offset, hi=segment.size, what="answer"),
+        dtype=np.uint8,
+    )
+    for m, t in zip(metas, TENSORS.values(), strict=True):
+        if m.nbytes:
+            out[m.offset : m.end] = byte_view(t)
+    return lane, metas, total
+
+
+def test_the_answer_is_viewed_in_place_bit_for_bit() -> None:
+    lane, metas, total = lane_with_answer()
+    try:
+        header = header_of(job_id="j", sender_id="shard-0", metas=metas, total_bytes=total)
+        header.shared_memory, header.shared_memory_offset = True, lane.out_offset
+        views = lane.answer_views(header, metas)
+        for view, (name, t) in zip(views, TENSORS.items(), strict=True):
+            assert view.dtype == t.dtype and view.shape == t.shape, name
+            assert (
+                view.numpy().tobytes() == t.numpy().tobytes()
+                if t.dtype != torch.bfloat16
+                else torch.equal(view, t)
+            ), name
+        # The same memory: the shard's next answer shows through (no copy was made).
+        w = views[0]
+        out = lane.segment.region(
+            lane.out_offset, 4, lo=lane.out_offset, hi=lane.segment.size, what="w"
+        )
+        out[:] = np.float32(42.0).tobytes()
+        assert w[0, 0].item() == 42.0
+        assert lane.rounds == 1
+    finally:
+        lane.close()
+
+
+def test_an_answer_outside_the_out_region_or_malformed_is_refused() -> None:
+    lane, metas, total = lane_with_answer()
+    try:
+        header = header_of(job_id="j", sender_id="shard-0", metas=metas, total_bytes=total)
+        header.shared_memory = True
+        for offset in (lane.in_offset, lane.out_offset - 8, lane.segment.size - total + 8, -1):
+            header.shared_memory_offset = offset
+            with pytest.raises(LaneError, match="outside the lane region"):
+                lane.answer_views(header, metas)
+        header.shared_memory_offset = lane.out_offset
+        overlapping = [metas[0], TensorMeta("x", "float32", (2,), metas[0].offset, 8)]
+        with pytest.raises(LaneError):
+            lane.answer_views(header, overlapping)
+        assert lane.rounds == 0
+    finally:
+        lane.close()
