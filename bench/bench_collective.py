@@ -17,6 +17,11 @@
 
     .venv/bin/python bench/bench_collective.py [--world 2 4] [--width 1024] [--iters 60]
     python3 bench/bench_collective.py --device cuda --world 1 --no-rescale   # on GPUs: NCCL
+    .venv/bin/python bench/bench_collective.py --world 1 --width 64 --no-rescale --parts
+
+``--parts`` also times shoal's iteration part by part inside the learners and the shard
+(``collective_parts.py``: compute, reduce, the Boundary call, apply; the coordinator's
+Boundary handler and its record write) and prints milliseconds per iteration.
 
 With ``--device cuda`` each learner (and each DDP rank) gets one GPU (``CUDA_VISIBLE_DEVICES``
 = its rank; NCCL refuses two ranks on one device), shoal's group is NCCL, DDP runs over NCCL,
@@ -53,6 +58,12 @@ ENV = {
 }
 
 
+SHARD_WITH_PARTS = (
+    "import sys; sys.path.insert(0, {bench!r}); import collective_parts; "
+    "collective_parts.install_shard(); from shoal.param_sync.main import main; sys.exit(main())"
+)
+
+
 def build_model(width: int, depth: int = 3) -> nn.Module:
     """64 -> width (x ``depth`` layers) -> 10."""
     torch.manual_seed(0)
@@ -83,10 +94,12 @@ def free_port() -> int:
 def run_learner(args: argparse.Namespace) -> int:
     import logging
 
+    from collective_parts import install_learner
     from torch.utils.data import TensorDataset
 
     from shoal.learner import ElasticTrainer
 
+    install_learner()  # --parts only
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
     x, y = digits()
@@ -117,11 +130,16 @@ class Cluster:
         self.address = f"127.0.0.1:{free_port()}"
         self.storage = tmp / "storage"
         self.log = open(tmp / "shard.log", "w")
+        # --parts: the shard's Boundary timed (collective_parts.py), else plain.
+        start = (
+            ["-c", SHARD_WITH_PARTS.format(bench=str(Path(__file__).parent))]
+            if ENV.get("SHOAL_BENCH_PARTS")
+            else ["-m", "shoal.param_sync"]
+        )
         self.shard = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "shoal.param_sync",
+                *start,
                 "--listen",
                 self.address,
                 "--insecure-no-auth",
@@ -225,6 +243,8 @@ def bench_shoal(
     world: int, width: int, iters: int, device: str = "cpu", depth: int = 3, overlap: bool = True
 ) -> float:
     with tempfile.TemporaryDirectory() as tmp:
+        if "SHOAL_BENCH_PARTS" in ENV:  # --parts: timed in the processes of this run
+            ENV["SHOAL_BENCH_PARTS"] = str(Path(tmp) / "parts")
         cluster = Cluster(Path(tmp))
         try:
             job, epochs = f"per-iter-{world}-{overlap}", -(-(iters + WARMUP) // 6)
@@ -245,9 +265,22 @@ def bench_shoal(
                 if p.wait(timeout=900) != 0:
                     raise RuntimeError((Path(tmp) / "l0.log").read_text()[-3000:])
             records = [r for r in cluster.records(job) if r["world_size"] == world]
+            if "SHOAL_BENCH_PARTS" in ENV:
+                print_parts(Path(ENV["SHOAL_BENCH_PARTS"]), world, overlap, len(records))
             return statistics.median(gaps(records[WARMUP:]))
         finally:
             cluster.close()
+
+
+def print_parts(prefix: Path, world: int, overlap: bool, iterations: int) -> None:
+    from collective_parts import report
+
+    print(
+        f"  parts at world {world}, overlap {'on' if overlap else 'off'} ({iterations} "
+        "iterations; ms per iteration, calls):"
+    )
+    for name, ms, calls in report(prefix):
+        print(f"    {name:<40} {ms:7.3f}  {calls}")
 
 
 # -- DDP --------------------------------------------------------------------------------------
@@ -392,9 +425,16 @@ def main() -> int:
         help="shoal's gradient buckets sent during backward (SHOAL_COLLECTIVE_OVERLAP)",
     )
     parser.add_argument("--no-rescale", action="store_true", help="skip the re-forming run")
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="time shoal's iteration part by part (collective_parts.py) and print the parts",
+    )
     args = parser.parse_args()
     if args.learner:
         return run_learner(args)
+    if args.parts:
+        ENV["SHOAL_BENCH_PARTS"] = ""
     params = sum(p.numel() for p in build_model(args.width, args.depth).parameters())
     where = cpu_model()
     if args.device == "cuda":

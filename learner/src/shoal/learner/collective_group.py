@@ -203,11 +203,17 @@ def reduce_contribution(
     them. Both paths issue the same collectives in the same order."""
     n = contribution.n_samples
     device = group.comm_device()
-    meta = torch.zeros(2 + len(params), dtype=torch.float64)  # built on the host
-    meta[0], meta[1] = float(n), float(contribution.loss_sum)
-    for j, g in enumerate(contribution.grads):
-        if g is not None and n > 0:
-            meta[2 + j] = 1.0
+    # Built on the host in one operation (an element set per parameter costs a tensor op
+    # each); pinned for a CUDA group, so that its copy does not wait for the device.
+    meta = torch.tensor(
+        [
+            float(n),
+            float(contribution.loss_sum),
+            *(1.0 if g is not None and n > 0 else 0.0 for g in contribution.grads),
+        ],
+        dtype=torch.float64,
+        pin_memory=device.type == "cuda",
+    )
     works: list[Any] = []
     if launched is None:
         grads = [
@@ -225,7 +231,7 @@ def reduce_contribution(
         if launched.failure is not None:
             works.clear()  # they hold the group, which the caller drops
             raise CollectiveError(launched.failure)
-    meta = meta.to(device)
+    meta = meta.to(device, non_blocking=True)
     works += group.allreduce([meta])
     floats = [j for j, b in enumerate(contribution.buffers) if b.is_floating_point()]
     ints = [j for j, b in enumerate(contribution.buffers) if not b.is_floating_point()]
@@ -241,8 +247,8 @@ def reduce_contribution(
             flat_i.fill_(torch.iinfo(flat_i.dtype).min)
         works += group.allreduce([flat_i], dist.ReduceOp.MAX)
     group.wait(works)
-    meta = meta.cpu()  # one copy back, not one per parameter
-    total = float(meta[0])
+    sums = meta.tolist()  # one copy back (the one sync), read as Python floats
+    total = sums[0]
     if total <= 0:
         raise RuntimeError("no member of the iteration had a sample")
     reduced: list[torch.Tensor | None] = [None] * len(params)
@@ -251,7 +257,7 @@ def reduce_contribution(
         offset = 0
         for j in indices:
             param = params[j]
-            if meta[2 + j] > 0:
+            if sums[2 + j] > 0:
                 view = flat.narrow(0, offset, param.numel()).view(param.shape)
                 reduced[j] = view.to(param.device)
             offset += param.numel()
@@ -265,7 +271,7 @@ def reduce_contribution(
         views = _unflatten_dense_tensors(flat_b, [buffers[j] for j in indices])
         for j, view in zip(indices, views, strict=True):
             buffers[j] = view
-    return reduced, buffers, total, float(meta[1])
+    return reduced, buffers, total, sums[1]
 
 
 def first_line(exc: BaseException) -> str:

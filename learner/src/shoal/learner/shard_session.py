@@ -285,6 +285,13 @@ class ShardSession:
             self.recheck_coordinator = False
             await self.find_coordinator(metadata)
         window = _Window(self.retry_s)
+        # The first try outside tenacity (building its machinery costs ~13 us, every Boundary):
+        # one that asks again replays its outcome as tenacity's first attempt, so the pauses,
+        # their logs and the tries after it are tenacity's, exactly as before.
+        try:
+            return await self._ask(method, request, metadata, window)
+        except (_Followed, _Unanswered) as exc:
+            first: BaseException | None = exc
         async for attempt in tenacity.AsyncRetrying(
             retry=tenacity.retry_if_exception_type((_Followed, _Unanswered)),
             wait=_Pauses(),
@@ -292,6 +299,9 @@ class ShardSession:
             reraise=True,
         ):
             with attempt:
+                if first is not None:
+                    replayed, first = first, None
+                    raise replayed
                 return await self._ask(method, request, metadata, window)
         raise AssertionError("unreachable")
 

@@ -29,19 +29,34 @@ from shoal.learner.user_metrics import MetricLog
 LossFn: TypeAlias = Callable[[Any, Any], torch.Tensor]
 
 
-def fetch_batch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
+def fetch_batch(dataset: Dataset[Any], indices: torch.Tensor, *, pin: bool = False) -> Any:
     """The samples ``indices`` of ``dataset`` as one collated batch. ``TensorDataset`` (and a
     ``Subset`` of one) is indexed in one vectorized operation; other datasets go through
-    ``__getitems__`` when they have it, else item by item, then ``default_collate``."""
+    ``__getitems__`` when they have it, else item by item, then ``default_collate``.
+
+    ``pin`` (a CUDA learner): a ``TensorDataset``'s host tensors are gathered straight into
+    pinned memory (the same values), so that their copy to the device is asynchronous: a copy
+    from pageable memory first waits for the work queued on the device (the last
+    iteration's optimizer step)."""
     if isinstance(dataset, Subset) and isinstance(dataset.dataset, TensorDataset):
         mapped = torch.tensor([dataset.indices[i] for i in indices.tolist()], dtype=torch.int64)
         return tuple(t[mapped] for t in dataset.dataset.tensors)
     if isinstance(dataset, TensorDataset):
+        if pin:
+            return tuple([_gather_pinned(t, indices) for t in dataset.tensors])
         return tuple([t[indices] for t in dataset.tensors])
     positions = indices.tolist()
     getitems = getattr(dataset, "__getitems__", None)
     items = getitems(positions) if getitems is not None else [dataset[i] for i in positions]
     return default_collate(items)
+
+
+def _gather_pinned(t: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``t[indices]`` (rows), in pinned memory when ``t`` is on the host."""
+    if t.device.type != "cpu":
+        return t[indices]
+    out = torch.empty((indices.numel(), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+    return torch.index_select(t, 0, indices, out=out)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -173,8 +188,9 @@ def compute_contribution(
     chunks = partition.micro_batches(indices, max_per_device)
     fetched = None if fetcher is None else iter(fetcher.batches(chunks))
     last = len(chunks) - 1
+    pin = device.type == "cuda"
     for index, chunk in enumerate(chunks):
-        batch = fetch_batch(dataset, chunk) if fetched is None else next(fetched)
+        batch = fetch_batch(dataset, chunk, pin=pin) if fetched is None else next(fetched)
         inputs, targets = split_batch(to_device(batch, device))
         m = n if last == 0 else int(chunk.numel())
         if metrics is not None:
