@@ -51,6 +51,10 @@ _SEQUENCE_AT = BLOB_OFFSET - 8
 SLACK_BYTES = 64 * 1024
 #: Seconds the backup has to fetch a new segment's descriptor.
 FETCH_WINDOW_S = 30.0
+#: The reason a backup gives when the segment holds a newer send than the request's: the
+#: primary sent newer sums meanwhile (this iteration was aborted and re-run), which replace
+#: these; the older send is dropped, never re-sent as chunks (it would land after them).
+SUPERSEDED = "superseded by a newer send"
 #: The reason a backup gives when it has no segment of that nonce (it restarted, or the
 #: token expired): the sender drops its segment and sends that blob as chunks.
 NO_SEGMENT = "no replica segment"
@@ -124,14 +128,14 @@ def read_blob(lane: RecvLane, offset: int, length: int, sequence: int) -> np.nda
         offset, length, lo=BLOB_OFFSET, hi=segment.size, what="shared_memory_offset"
     )
     if int.from_bytes(seq, "little") != sequence:
-        raise LaneError(f"the segment holds another send than sequence {sequence}")
+        raise LaneError(f"{SUPERSEDED}: the segment holds another send than sequence {sequence}")
     slot = sequence % 2
     if lane.buffers[slot].size < length:
         lane.buffers[slot] = np.empty(length, dtype=np.uint8)
     out = lane.buffers[slot][:length]
     np.copyto(out, np.frombuffer(view, dtype=np.uint8))
     if int.from_bytes(seq, "little") != sequence:
-        raise LaneError(f"the segment was rewritten while sequence {sequence} was read")
+        raise LaneError(f"{SUPERSEDED}: the segment was rewritten while {sequence} was read")
     return out
 
 
@@ -199,6 +203,8 @@ class ReplicaLaneHandlers:
         try:
             reply = await self._replicate_call(address, [request.SerializeToString()])
         except FailedPrecondition as exc:
+            if SUPERSEDED in str(exc):  # newer sums went through this segment meanwhile
+                raise
             self._drop_send_lane(key)
             if NO_SEGMENT not in str(exc):  # another host, the lane off there
                 self._replica_no_shm.add(key)

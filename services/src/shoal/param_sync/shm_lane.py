@@ -237,6 +237,8 @@ class LaneHandlers:
         for key in [k for k in self._lanes if job_id is None or k[0] == job_id]:
             self._drop_lane(key)
         self._drop_replica_lanes(job_id)
+        for answers in [k for k in self._lane_answers if job_id is None or k[0] == job_id]:
+            del self._lane_answers[answers]  # (their handlers end with the job)
 
     def _prune_lanes(self: _S, job_id: str, generation: int, members: frozenset[str]) -> None:
         """Generation ``generation`` of the job has ``members``: the lanes of learners that
