@@ -1,5 +1,6 @@
 """The Boundary sent ahead (docs/data-plane.md, "The Boundary sent ahead"): which reports the
-coordinator holds (``Coordinator.reported_running``) and the learner's switch
+coordinator holds (``Coordinator.reported_running``: the running iteration's, and the
+committed one's while its commit is being delivered) and the learner's switch
 ``SHOAL_BOUNDARY_AHEAD``."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.learner.grpc_calls import boundary_ahead_enabled
-from tests.unit.test_coordinator import finish_iteration, make, runs, start
+from tests.unit.test_coordinator import active, make, runs, start
 
 
 def test_only_a_members_report_of_the_running_uncommitted_iteration_is_held():
@@ -20,8 +21,12 @@ def test_only_a_members_report_of_the_running_uncommitted_iteration_is_held():
     assert not coord.reported_running("a", g, k + 1)  # not the running iteration
     assert not coord.reported_running("a", g + 1, k)  # another generation
     assert not coord.reported_running("stranger", g, k)  # not a member
-    finish_iteration(coord)
-    assert not coord.reported_running("a", g, k)  # committed: answered at once
+    for i in active(coord):  # every shard ready: the commit, still being delivered
+        task = coord.shard_ready(i, g, k)
+    assert task is not None and coord.completed == k + 1
+    assert coord.reported_running("a", g, k)  # held until the shards have it
+    assert coord.task_done(task) is None
+    assert not coord.reported_running("a", g, k)  # committed and delivered: answered at once
     assert runs(coord, "a").global_iteration == k + 1
     assert coord.reported_running("a", g, k + 1)
 

@@ -256,15 +256,14 @@ class Coordinator(RecoveryMixin, ProgressMixin):
 
     def reported_running(self, learner: str, generation: int, iteration: int) -> bool:
         """Parameter-server mode: whether ``learner``'s report of ``iteration`` of
-        ``generation`` is of the iteration still running, uncommitted (a Boundary sent beside
-        its SyncStep waits until it is not)."""
-        return (
-            not self.collective
-            and self.running
-            and generation == self.generation
-            and iteration == self.completed
-            and learner in self.members
-        )
+        ``generation`` is of the iteration still running, or of the one just committed while
+        its commit is being delivered to the shards (a Boundary sent beside its SyncStep waits
+        until neither: then its answer needs no second wait)."""
+        if self.collective or learner not in self.members or generation != self.generation:
+            return False
+        if self.running:
+            return iteration == self.completed
+        return iteration == self.completed - 1 and self.commit_in_flight
 
     def decide(self, learner: str) -> Decision:
         """The learner's answer at its boundary: RUN, RETIRE, DONE or WAIT (ask again after

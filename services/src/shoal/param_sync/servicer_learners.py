@@ -170,8 +170,9 @@ class LearnerHandlers:
             await self._stale_refusal(job, request.stale_refusal, request.learner_id)
         async with job.cond:
             # A Boundary sent beside its SyncStep (`ahead`, parameter-server mode): held until
-            # the iteration it reports is committed, or is no longer the one running (then it
-            # is answered as a Boundary sent after a failed SyncStep would be).
+            # the iteration it reports is committed and the commit delivered, or is no longer
+            # the one running (then answered as a Boundary after a failed SyncStep would be).
+            # It waits without notifying: the decision loop below would wake every waiter.
             while request.ahead and coord.reported_running(
                 request.learner_id, request.generation, request.completed_iteration
             ):
