@@ -78,3 +78,34 @@ def test_an_answer_outside_the_out_region_or_malformed_is_refused() -> None:
         assert lane.rounds == 0
     finally:
         lane.close()
+
+
+def test_the_receive_tensors_follow_a_new_lane_with_the_same_layout() -> None:
+    """A lane closed (its shard restarted) and a new one at the same offsets: the backend's
+    receive tensors view the new segment. They are keyed by the segment's nonce, not the lane
+    object's id, which a new lane may reuse once the old one is freed."""
+    from shoal.learner.grpc_backend import GrpcBackend
+
+    backend = GrpcBackend.__new__(GrpcBackend)  # only the receive lists are used
+    first, metas, total = lane_with_answer()
+    second, _, _ = lane_with_answer()
+    try:
+        header = header_of(job_id="j", sender_id="shard-0", metas=metas, total_bytes=total)
+        header.shared_memory, header.shared_memory_offset = True, first.out_offset
+        targets = list(range(len(metas)))
+        backend._recv = [torch.empty(0)] * len(metas)
+        backend._recv_bytes = [np.empty(0, dtype=np.uint8)] * len(metas)
+        backend._recv_source = [None] * len(metas)
+        backend._view_lane_answer(first, header, metas, targets)
+        out = second.segment.region(
+            second.out_offset, 4, lo=second.out_offset, hi=second.segment.size, what="w"
+        )
+        out[:] = np.float32(7.0).tobytes()  # only the second lane's answer says 7
+        backend._view_lane_answer(second, header, metas, targets)
+        assert backend._recv[0][0, 0].item() == 7.0
+        backend._view_lane_answer(second, header, metas, targets)  # the same lane: kept
+        assert backend._recv[0][0, 0].item() == 7.0 and second.rounds == 2
+        assert {src[0] for src in backend._recv_source} == {second.segment.nonce}
+    finally:
+        first.close()
+        second.close()

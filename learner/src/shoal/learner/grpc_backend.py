@@ -183,7 +183,7 @@ class GrpcBackend(SyncBackend):
         self._layout: list[TensorMeta] = []
         self._recv: list[torch.Tensor] = []
         self._recv_bytes: list[np.ndarray] = []
-        self._recv_source: list[tuple[int, int, int] | None] = []
+        self._recv_source: list[tuple[bytes, int, int] | None] = []
         self._generation = 0  # of the last assignment (pulls are checked against it)
         self._report = (0, -1, 0.0, 0)  # generation, completed iteration, loss_sum, samples
         self._user: UserMetrics = (-1, {})  # trainer.log
@@ -254,7 +254,8 @@ class GrpcBackend(SyncBackend):
         self.session.rejoin = self._join
         self._recv = [torch.empty(m.shape, dtype=m.torch_dtype) for m in self._layout]
         self._recv_bytes = [_bytes_of(t) for t in self._recv]
-        # Per receive tensor, the lane answer it views ((lane, offset, size); None: its own).
+        # Per receive tensor, the lane answer it views ((segment nonce, offset, size); None:
+        # its own).
         self._recv_source = [None] * len(self._recv)
         md = self._md()
         reply = self._run(self._join(md))
@@ -470,7 +471,10 @@ class GrpcBackend(SyncBackend):
         and the shard writes the out-region again only after that contribution. Done once per
         lane and layout (the answer's place is the same every iteration); the lists are
         changed in place, as the copy sinks hold them."""
-        key = (id(lane), header.shared_memory_offset, header.total_bytes)
+        # The segment's nonce, not the lane object's id: a lane closed (its shard restarted)
+        # and a new one opened may get the freed object's id, and the views must follow the
+        # new segment (the old one stays mapped while they view it).
+        key = (lane.segment.nonce, header.shared_memory_offset, header.total_bytes)
         if all(self._recv_source[j] == key for j in targets):
             lane.rounds += 1
             return
