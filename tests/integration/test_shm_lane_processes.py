@@ -29,32 +29,30 @@ pytestmark = pytest.mark.skipif(
 LANE_OPEN = "shared-memory lane to shard"
 
 
-def lane_fds_and_maps(pid: int) -> tuple[int, int] | None:
-    """Descriptors of process ``pid`` that are lane segments, and its mappings of them (None
-    where /proc does not let this user look: a non-dumpable shard, unless root)."""
+def memfd_fds_and_maps(pid: int, label: str) -> tuple[int, int] | None:
+    """Descriptors of process ``pid`` that are memfd segments labelled ``label``, and its
+    mappings of them (None where /proc does not let this user look: a non-dumpable shard,
+    unless root)."""
     fds = 0
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(FileNotFoundError):
-                fds += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:shoal-lane")
-        maps = Path(f"/proc/{pid}/maps").read_text().count("/memfd:shoal-lane")
+                fds += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/memfd:{label}")
+        maps = Path(f"/proc/{pid}/maps").read_text().count(f"/memfd:{label}")
     except PermissionError:
         return None
     return fds, maps
+
+
+def lane_fds_and_maps(pid: int) -> tuple[int, int] | None:
+    """:func:`memfd_fds_and_maps` of the learners' lane segments."""
+    return memfd_fds_and_maps(pid, "shoal-lane")
 
 
 def sums_fds_and_maps(pid: int) -> tuple[int, int] | None:
-    """As :func:`lane_fds_and_maps`, of the segments a shard replicates its sums through to a
+    """:func:`memfd_fds_and_maps` of the segments a shard replicates its sums through to a
     backup on its host (``param_sync/replica_lane.py``)."""
-    fds = 0
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(FileNotFoundError):
-                fds += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:shoal-sums")
-        maps = Path(f"/proc/{pid}/maps").read_text().count("/memfd:shoal-sums")
-    except PermissionError:
-        return None
-    return fds, maps
+    return memfd_fds_and_maps(pid, "shoal-sums")
 
 
 def segments_of(pids: list[int]) -> list[str]:

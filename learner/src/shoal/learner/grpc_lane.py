@@ -29,7 +29,7 @@ from grpc import aio
 
 from shoal.contract.lane_handoff import fetch_fd
 from shoal.contract.shm import SHM_DIR, LaneError, Segment, host_id
-from shoal.contract.wire import BundleError, BundleReceiver, TensorMeta, validate_layout
+from shoal.contract.wire import BundleError, TensorMeta, validate_layout
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 __all__ = ["ClientLane", "lane_refused", "open_lane"]
@@ -70,19 +70,6 @@ class ClientLane:
         for m, source in zip(metas, sources, strict=True):
             target[m.offset : m.end] = source
         return self.in_offset
-
-    def read(self, header: ps_pb2.TensorBundleHeader, receiver: BundleReceiver) -> None:
-        """Feed the shard's answer (``header.total_bytes`` at ``header.shared_memory_offset``,
-        which must lie in the out-region) to ``receiver``."""
-        view = self.segment.region(
-            header.shared_memory_offset,
-            header.total_bytes,
-            lo=self.out_offset,
-            hi=self.segment.size,
-            what="header.shared_memory_offset",
-        )
-        receiver.feed(view)
-        self.rounds += 1
 
     def answer_views(
         self, header: ps_pb2.TensorBundleHeader, metas: Sequence[TensorMeta]
