@@ -303,13 +303,19 @@ def test_a_jobs_trace_follows_it_through_every_service_and_its_rescale(receiver,
     ]
     assert synced, "an iteration span with its sync call"
     _, sync = synced[0]
-    # (a learner's first sync with a shard on its host opens the shared-memory lane first)
+    # (a learner's first sync with a shard on its host opens the shared-memory lane first;
+    # the next Boundary goes beside the SyncStep: docs/data-plane.md, "The Boundary sent ahead")
+    boundary = "/shoal.v1.ParameterSyncService/Boundary"
     calls = [c.name for c in traces.children(one, sync)]
-    assert calls[-1] == "/shoal.v1.ParameterSyncService/SyncStep", calls
+    assert [c for c in calls if c != boundary][-1] == "/shoal.v1.ParameterSyncService/SyncStep"
     assert set(calls) <= {
         "/shoal.v1.ParameterSyncService/OpenSharedLane",
         "/shoal.v1.ParameterSyncService/SyncStep",
+        boundary,
     }, calls
+    assert any(boundary in [c.name for c in traces.children(one, s)] for _, s in synced), (
+        "a Boundary sent ahead, inside its sync's span"
+    )
     assert any(i.attributes["shoal.iteration.first"] for i in iterations)
     steps = {i.attributes["shoal.iteration.step"] for i in iterations}
     assert any(step % 10 == 0 and step > 0 for step in steps), steps  # SHOAL_TRACE_EVERY=10
