@@ -46,10 +46,15 @@ def test_a_shards_floor_raised_above_the_running_generation_is_reissued_above_an
             ["--shard-probe", "30"], env={1: {"SHOAL_TEST_FAULT": f"raise-floor@{at}"}}
         )
         plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        # Both warm before either joins (a slow start under load let f1 join after `at`).
+        gate = tmp_path / "floor.gate"
         learners = {
-            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02, gate=gate)
             for n in ("f0", "f1")
         }
+        for proc in learners.values():
+            proc.wait_for("READY", timeout=120)
+        gate.touch()
         plane.shards[1].wait_for("test fault raise-floor", timeout=240)
         fired = time.monotonic()
         # Liveness, not speed: without the guard nothing commits past `at` ever again.
