@@ -146,9 +146,6 @@ def append_line(uri: str, line: str) -> None:
     parent = path.rsplit("/", 1)[0]
     try:
         fs.makedirs(parent, exist_ok=True)
-        if isinstance(fs, LocalFileSystem):
-            _append_whole(path, (line + "\n").encode())
-            return
         old = fs.cat_file(path) if fs.exists(path) else b""
         fs.pipe_file(path, old + (line + "\n").encode())
     except OSError as exc:
