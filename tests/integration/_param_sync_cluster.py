@@ -71,6 +71,14 @@ class Proc:
         self._out.close()
 
 
+def release(procs: Sequence[Proc], gate: Path, timeout: float = 90) -> None:
+    """Let learners started with ``gate`` go together, once each is warm (said READY: all is
+    imported and built, joining is all that is left)."""
+    for proc in procs:
+        proc.wait_for("READY", timeout=timeout)
+    gate.touch()
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = {
         **os.environ,

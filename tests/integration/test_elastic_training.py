@@ -26,6 +26,7 @@ from tests.integration._param_sync_cluster import (
     assert_user_metrics,
     digits_data,
     reference_training,
+    release,
     running_plane,
 )
 from tests.support import make_tokens, wait_until
@@ -101,9 +102,7 @@ def test_what_scripts_log_is_the_sample_weighted_mean_of_each_iteration(plane: D
         )
         for n in names
     ]
-    for proc in procs:
-        proc.wait_for("READY", timeout=90)
-    gate.touch()
+    release(procs, gate)
     for proc in procs:
         assert proc.wait() == 0, proc.text()[-3000:]
     records = assert_each_iteration_recorded_once(plane, job, total)
@@ -260,9 +259,7 @@ def test_a_learner_killed_mid_iteration_costs_only_that_iteration(plane: DataPla
     victim = plane.start_learner(
         job, "k2", epochs=epochs, batch=BATCH, delay=0.02, gate=gate, hang_at_step=10
     )
-    for proc in [*procs.values(), victim]:
-        proc.wait_for("READY", timeout=90)
-    gate.touch()
+    release([*procs.values(), victim], gate)
     victim.wait_for("HANGING", timeout=60)  # k0 and k1 are blocked in step 10's SyncStep
     before = plane.progress(job).progress.completed_iterations
     assert before == 10

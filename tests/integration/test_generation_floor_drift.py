@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration._param_sync_cluster import DataPlane
+from tests.integration._param_sync_cluster import DataPlane, release
 from tests.integration.test_elastic_training import (
     BATCH,
     assert_each_iteration_recorded_once,
@@ -52,9 +52,7 @@ def test_a_shards_floor_raised_above_the_running_generation_is_reissued_above_an
             n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02, gate=gate)
             for n in ("f0", "f1")
         }
-        for proc in learners.values():
-            proc.wait_for("READY", timeout=120)
-        gate.touch()
+        release(list(learners.values()), gate, timeout=120)
         plane.shards[1].wait_for("test fault raise-floor", timeout=240)
         fired = time.monotonic()
         # Liveness, not speed: without the guard nothing commits past `at` ever again.

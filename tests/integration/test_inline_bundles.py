@@ -39,7 +39,12 @@ from shoal.contract.wire import (
 )
 from shoal.learner.grpc_backend import stream_methods
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
-from tests.integration._param_sync_cluster import DataPlane, reference_training, running_plane
+from tests.integration._param_sync_cluster import (
+    DataPlane,
+    reference_training,
+    release,
+    running_plane,
+)
 from tests.integration.test_elastic_training import ATOL, BATCH, iterations_per_epoch
 from tests.integration.test_param_sync import (
     BY_NAME,
@@ -244,9 +249,7 @@ def test_a_learner_with_inline_bundles_trains_exactly_as_one_with_chunks(plane: 
             gate=gate,
             env={"SHOAL_SHM_LANE": "off", **env},
         )
-    for proc in procs.values():
-        proc.wait_for("READY", timeout=90)
-    gate.touch()
+    release(list(procs.values()), gate)
     for proc in procs.values():
         assert proc.wait(timeout=240) == 0, proc.text()[-3000:]
     inline, chunks = plane.final_model("inline"), plane.final_model("chunks")

@@ -21,7 +21,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration._param_sync_cluster import DataPlane, reference_training, running_plane
+from tests.integration._param_sync_cluster import (
+    DataPlane,
+    reference_training,
+    release,
+    running_plane,
+)
 from tests.integration.test_elastic_training import (
     ATOL,
     BATCH,
@@ -83,9 +88,7 @@ def test_early_forward_matches_single_process_and_survives_a_lost_answer(plane: 
             env={**common, "SHOAL_TEST_FAULT": "hold-answer@1"},
         ),
     ]
-    for proc in procs:
-        proc.wait_for("READY", timeout=90)
-    gate.touch()
+    release(procs, gate)
     for proc in procs:
         assert proc.wait(timeout=300) == 0, proc.text()[-3000:]
 

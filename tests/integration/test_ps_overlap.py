@@ -14,7 +14,12 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.integration._param_sync_cluster import DataPlane, reference_training, running_plane
+from tests.integration._param_sync_cluster import (
+    DataPlane,
+    reference_training,
+    release,
+    running_plane,
+)
 from tests.integration.test_elastic_training import (
     ATOL,
     BATCH,
@@ -54,9 +59,7 @@ def test_streaming_gradients_during_backward_matches_single_process_training(pla
         )
         for i, name in enumerate(names)
     ]
-    for proc in procs:
-        proc.wait_for("READY", timeout=90)
-    gate.touch()
+    release(procs, gate)
     for proc in procs:
         assert proc.wait(timeout=240) == 0, proc.text()[-3000:]
     reference, reference_losses = reference_training(epochs, BATCH)
