@@ -21,7 +21,12 @@ import pytest
 import torch
 
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
-from tests.integration._param_sync_cluster import DataPlane, reference_training, running_plane
+from tests.integration._param_sync_cluster import (
+    DataPlane,
+    reference_training,
+    release,
+    running_plane,
+)
 from tests.integration.test_elastic_training import (
     ATOL,
     BATCH,
@@ -43,16 +48,16 @@ BUFFERS = {k: v for k, v in initial().items() if k.startswith("bn.")}
 
 def ahead(c: Cluster, learner: str, a: Any, loss_sum: float, n: int) -> asyncio.Future[Any]:
     """A Boundary marked ahead, reporting ``a`` (sent now, answered whenever)."""
-    request = ps_pb2.BoundaryRequest(
-        job_id="j",
-        learner_id=learner,
+    call = c.boundary(
+        "j",
+        learner,
         generation=a.generation,
-        completed_iteration=a.global_iteration,
+        completed=a.global_iteration,
         loss_sum=loss_sum,
-        num_samples=n,
+        n=n,
         ahead=True,
     )
-    return asyncio.ensure_future(c.call("Boundary", request))
+    return asyncio.ensure_future(call)
 
 
 async def still_waiting(call: asyncio.Future[Any]) -> bool:
@@ -106,14 +111,8 @@ async def test_a_boundary_ahead_of_anything_but_the_running_iteration_is_answere
     c = cluster
     [a] = await started(c, "j", ["l1"], batch=4)
     for generation, iteration in ((a.generation, 7), (a.generation + 5, 0), (0, -1)):
-        request = ps_pb2.BoundaryRequest(
-            job_id="j",
-            learner_id="l1",
-            generation=generation,
-            completed_iteration=iteration,
-            ahead=True,
-        )
-        answer = await asyncio.wait_for(c.call("Boundary", request), timeout=30)
+        call = c.boundary("j", "l1", generation=generation, completed=iteration, ahead=True)
+        answer = await asyncio.wait_for(call, timeout=30)
         # Nothing recorded, nothing moved: the running iteration again.
         assert answer.assignment.global_iteration == 0, (generation, iteration)
         assert answer.assignment.generation == a.generation
@@ -146,9 +145,7 @@ def test_learners_sending_boundaries_ahead_train_exactly_as_ones_sending_them_af
             )
             for i in range(2)
         ]
-    for proc in procs:
-        proc.wait_for("READY", timeout=90)
-    gate.touch()
+    release(procs, gate)
     for proc in procs:
         assert proc.wait(timeout=240) == 0, proc.text()[-3000:]
     on, off = plane.final_model("ahead"), plane.final_model("after")

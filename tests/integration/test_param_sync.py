@@ -184,6 +184,7 @@ class Cluster:
         completed: int = -1,
         loss_sum: float = 0.0,
         n: int = 0,
+        ahead: bool = False,
     ) -> ps_pb2.BoundaryResponse:
         request = ps_pb2.BoundaryRequest(
             job_id=job,
@@ -192,6 +193,7 @@ class Cluster:
             completed_iteration=completed,
             loss_sum=loss_sum,
             num_samples=n,
+            ahead=ahead,
         )
         return await self.call("Boundary", request)
 

@@ -116,7 +116,18 @@ async def test_nobody_but_the_jobs_learners_joins_reports_or_checkpoints_it(shar
     metrics = ps_pb2.ReportEpochMetricsRequest(
         job_id=JOB, learner_id=f"{JOB}-l1", epoch=999, values={"accuracy": -1.0}
     )
+    # A Boundary, the one sent beside a SyncStep too (held by the coordinator): only as itself.
+    boundary = ps_pb2.BoundaryRequest(
+        job_id=JOB, learner_id=f"{JOB}-l1", completed_iteration=0, ahead=True
+    )
+    others = ps_pb2.BoundaryRequest(
+        job_id=JOB, learner_id=f"{JOB}-l2", completed_iteration=0, ahead=True
+    )
     refused = [
+        ("bob", "Boundary", boundary),
+        ("alice", "Boundary", boundary),
+        ("learner-of-k", "Boundary", boundary),
+        ("learner", "Boundary", others),
         # a user, even the owner, is no learner
         ("bob", "Join", join("rogue")),
         ("alice", "Join", join("rogue")),
