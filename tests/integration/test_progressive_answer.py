@@ -24,6 +24,7 @@ from shoal.contract.wire import (
     pack_layout,
 )
 from shoal.learner.grpc_backend import stream_methods
+from shoal.param_sync import service
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 from tests.integration.shard_bed import start_shard
 from tests.integration.test_param_sync import (
@@ -60,7 +61,10 @@ class SmallChunkCluster(Cluster):
 
 
 @pytest.fixture
-async def small(tmp_path: Path) -> AsyncIterator[SmallChunkCluster]:
+async def small(tmp_path: Path, monkeypatch) -> AsyncIterator[SmallChunkCluster]:
+    # The commit on the compute thread, as for a slice of more than INLINE_COMPUTE_BYTES (a
+    # slice this small is stepped in the event loop, in one go): the test holds that thread.
+    monkeypatch.setattr(service, "INLINE_COMPUTE_BYTES", -1)
     tokens = make_tokens(tmp_path / "tokens")
     c = await SmallChunkCluster(tmp_path, tokens, tmp_path / "tokens").start()
     try:

@@ -23,6 +23,7 @@ errors, options, the codec registration) and the state and helpers every part us
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import hmac
@@ -108,6 +109,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SERVICE_NAME = "shoal.v1.ParameterSyncService"
+
+#: Work on a slice of at most this many bytes on the hot path (a contribution summed, the
+#: commit's step, a lane's answer written) runs in the event loop when the compute thread is
+#: idle (``ParameterSyncServicer._compute_small``).
+INLINE_COMPUTE_BYTES = 256 << 10
 
 #: Learners (their own credentials, or service tokens) call the data-plane methods; users may
 #: read their own jobs' progress and membership; the scheduler and the shards (service tokens)
@@ -291,6 +297,7 @@ class ParameterSyncServicer(
         # SyncStep refusals logged per job: (when the last line was, how many since).
         self._refusals: dict[str, tuple[float, int]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-sync")
+        self._computing: set[concurrent.futures.Future[Any]] = set()  # submitted to it
         self._channels: dict[str, tuple[aio.Channel, ps_grpc.ParameterSyncServiceStub]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._rendezvous_store: Any = None  # torch.distributed.TCPStore, on first use
@@ -354,8 +361,23 @@ class ParameterSyncServicer(
     # -- helpers ------------------------------------------------------------------------------
 
     async def _compute(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
+        """``fn(*args)`` on the compute thread (one for the whole shard: the work on its
+        tensors runs in submission order, never two at once)."""
+        work = self._executor.submit(fn, *args)
+        self._computing = {w for w in self._computing if not w.done()}
+        self._computing.add(work)
+        return await asyncio.wrap_future(work)
+
+    async def _compute_small(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+        """:meth:`_compute`, or ``fn(*args)`` right here in the event loop when it touches at
+        most :data:`INLINE_COMPUTE_BYTES` and the compute thread has nothing in hand (so the
+        order stays that of submission, and nothing runs beside it): for a small slice the
+        two hand-offs between the threads cost more than the work."""
+        if nbytes <= INLINE_COMPUTE_BYTES:
+            self._computing = {w for w in self._computing if not w.done()}
+            if not self._computing:
+                return fn(*args)
+        return await self._compute(fn, *args)
 
     def _stub(self, address: str) -> ps_grpc.ParameterSyncServiceStub:
         entry = self._channels.get(address)

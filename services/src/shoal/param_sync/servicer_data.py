@@ -138,7 +138,7 @@ class DataHandlers:
             written = asyncio.get_running_loop().create_future()
             self._lane_answers.setdefault((header.job_id, g, k), []).append(written)
         try:
-            ready = await self._compute(sj.accumulate, contribution, members)
+            ready = await self._compute_small(sj.total_bytes, sj.accumulate, contribution, members)
             self._fail_superseded(part)
             if ready:
                 notify = asyncio.create_task(self._shard_ready(sj, g, k))

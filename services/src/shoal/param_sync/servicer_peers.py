@@ -342,7 +342,9 @@ class PeerHandlers:
             publish = None
             if future is not None:
                 publish = _publisher(asyncio.get_running_loop(), future)
-            encoded = await self._compute(sj.commit, *key, request.grad_norm, publish)
+            encoded = await self._compute_small(
+                sj.total_bytes, sj.commit, *key, request.grad_norm, publish
+            )
             future = part.futures.pop(key, None)
             if encoded is not None and future is not None and not future.done():
                 future.set_result(encoded)

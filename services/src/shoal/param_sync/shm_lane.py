@@ -216,7 +216,7 @@ class LaneHandlers:
             lane.out_offset, total, lo=lane.out_offset, hi=lane.segment.size, what="answer"
         )
         source = sj.flat.numpy()[:total]
-        await self._compute(np.copyto, np.frombuffer(out, dtype=np.uint8), source)
+        await self._compute_small(total, np.copyto, np.frombuffer(out, dtype=np.uint8), source)
         header = ps_pb2.TensorBundleHeader()
         header.CopyFrom(encoded.header)
         header.shared_memory = True
