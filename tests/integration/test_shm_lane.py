@@ -1,7 +1,9 @@
 """The same-host shared-memory lane against a real shard (in this process, real gRPC, auth on)
 driven by a hand-written learner, so every offset is the test's choice: a round through the
 lane gives exactly the gRPC round's update; out-of-bounds offsets, a lane that does not exist
-and another job's learner are refused with a clear error and change nothing; the segment never
+and another job's learner are refused with a clear error and change nothing; the lane's control
+connection carries its SyncSteps as gRPC would (the same answer, the same refusals) and speaks
+for its own lane only; the segment never
 has a name, its descriptor is handed once to the right token only (a wrong, used or expired
 token gets nothing), a learner whose fetch fails stays on gRPC, and the lane goes with the
 job. The lane under real learner processes is in ``test_shm_lane_processes.py``."""
@@ -23,7 +25,8 @@ import pytest
 import torch
 from grpc import aio
 
-from shoal.contract.lane_handoff import TOKEN_BYTES, fetch_fd
+from shoal.contract.errors import decode_rpc_error
+from shoal.contract.lane_handoff import TOKEN_BYTES, fetch_fd, fetch_fd_keeping
 from shoal.contract.shm import PREFIX, SHM_DIR, LaneError, Segment, host_id
 from shoal.contract.wire import (
     BundleReceiver,
@@ -35,7 +38,7 @@ from shoal.contract.wire import (
     pack_layout,
 )
 from shoal.learner.grpc_backend import stream_methods
-from shoal.learner.grpc_lane import open_lane
+from shoal.learner.grpc_lane import LaneControl, open_lane
 from shoal.param_sync.service import ParameterSyncServicer, ShardOptions
 from shoal.runtime.auth import LearnerTokenSigner
 from shoal.runtime.server import RunningServer
@@ -361,3 +364,98 @@ async def test_an_older_learner_gets_no_lane_and_a_reason(shard: Shard):
     reply = await s.call("learner", "OpenSharedLane", request)
     assert "an older learner" in reply.refused and not reply.path and not reply.token
     assert not s.servicer._lanes and s.servicer._handoff.offers == 0
+
+
+async def take_with_control(lane: ps_pb2.OpenSharedLaneResponse) -> tuple[Segment, LaneControl]:
+    """What the learner does with the reply when it keeps the lane's control connection."""
+    fd, sock = await asyncio.to_thread(
+        fetch_fd_keeping, lane.socket_address, lane.token, timeout=30
+    )
+    try:
+        segment = Segment.from_fd(fd, lane.size, lane.nonce)
+    finally:
+        os.close(fd)
+    sock.settimeout(None)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    return segment, LaneControl(reader, writer)
+
+
+async def test_the_lanes_control_carries_its_syncsteps_as_grpc_would(shard: Shard, caplog):
+    s = shard
+    caplog.set_level(logging.INFO, logger="shoal.param_sync.service")
+    boundary = ps_pb2.BoundaryRequest(job_id=JOB, learner_id=LEARNER)
+    a = (await s.call("learner", "Boundary", boundary)).assignment
+    lane = await s.call("learner", "OpenSharedLane", lane_request())
+    segment, control = await take_with_control(lane)
+    await async_wait_until(
+        lambda: s.servicer._lanes[(JOB, LEARNER)].control is not None,
+        timeout=30,
+        what="the shard serving the lane's control",
+    )
+    lo, hi = lane.in_offset, lane.in_offset + lane.in_capacity
+
+    def header(**fields: Any) -> ps_pb2.TensorBundleHeader:
+        h = grad_header(a.generation, shared_memory=True, shared_memory_offset=lo)
+        for name, value in fields.items():
+            setattr(h, name, value)
+        return h
+
+    async def refused(h: ps_pb2.TensorBundleHeader) -> aio.AioRpcError:
+        with pytest.raises(aio.AioRpcError) as info:
+            await control.sync_step(encode_header(ps_pb2.SyncStepRequest, h))
+        assert not control.closed  # a refusal leaves the connection open
+        return info.value
+
+    # Refused exactly as gRPC refuses the same header (code, details, trailers).
+    for why, fields in {
+        "past the in-region": {"shared_memory_offset": hi - 8},
+        "into the out-region": {"shared_memory_offset": lane.out_offset},
+        "another iteration": {"iteration": 7},
+        "another generation": {"generation": a.generation + 5},
+        "a negative sample count": {"num_samples": -1},
+    }.items():
+        h = header(**fields)
+        over_control = await refused(h)
+        with pytest.raises(aio.AioRpcError) as info:
+            await s.sync("learner", h, [])
+        over_grpc = info.value
+        assert over_control.code() == over_grpc.code(), why
+        assert over_control.details() == over_grpc.details(), why
+        assert decode_rpc_error(over_control) == decode_rpc_error(over_grpc), why
+    # It speaks for its lane only: not for another learner of the job, not for another job.
+    for fields in ({"sender_id": f"{JOB}-l2"}, {"job_id": OTHER, "sender_id": f"{OTHER}-l1"}):
+        exc = await refused(header(**fields))
+        assert exc.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "speaks for it only" in exc.details()
+    # Not without the lane, not with a bad identifier, not with bytes that do not parse.
+    exc = await refused(header(shared_memory=False, shared_memory_offset=0))
+    assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "header.shared_memory" in exc.details()
+    exc = await refused(header(sender_id="no such/learner"))
+    assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sender_id ('no such/learner')" in exc.details()
+    with pytest.raises(aio.AioRpcError) as info:
+        await control.sync_step(b"\xff\xff\xff")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse" in (info.value.details() or "")
+    assert await s.completed() == 0  # nothing changed
+
+    # The round through the control: exactly the gRPC round's update.
+    g = torch.tensor([[1.0, -2.0], [0.5, 4.0], [3.0, 0.0], [-1.0, 2.0]])
+    segment.region(lo, TOTAL, lo=lo, hi=hi, what="bundle")[:] = byte_view(g).tobytes()
+    frame = await control.sync_step(encode_header(ps_pb2.SyncStepRequest, header()))
+    assert frame.header is not None and frame.header.shared_memory
+    torch.testing.assert_close(read_answer([frame], segment, lane), W0 - LR * g, atol=0, rtol=0)
+    assert await s.completed() == 1 and control.calls == 1
+
+    # The lane goes with the job, and its control with it: the learner sees it closed.
+    await s.call("service", "CloseJob", ps_pb2.CloseJobRequest(job_id=JOB))
+    with pytest.raises(LaneError, match="control connection"):
+        await control.sync_step(encode_header(ps_pb2.SyncStepRequest, header()))
+    assert control.closed
+    await async_wait_until(
+        lambda: "control of learner job-a-l1's lane closed after" in caplog.text,
+        timeout=30,
+        what="the control closed",
+    )
+    segment.close()

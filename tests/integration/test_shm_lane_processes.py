@@ -1,6 +1,7 @@
 """The same-host lane with real processes: two shard processes and two learner processes on
 this host, one learner on the lane (the default) and one with ``SHOAL_SHM_LANE=off`` (gRPC
-streams), in one job. The lane is used (both sides log it, each descriptor is handed once),
+streams), in one job. The lane is used (both sides log it, each descriptor is handed once, the
+headers go on the lane's control connection),
 the job still equals single-process training (atol 1e-5), and no lane segment of the shards
 has a name under /dev/shm at any time (watched while the job runs) or after it. The shards
 step each tensor as its own group (``--step-group-mb``), so the gRPC learner's answers are
@@ -111,6 +112,9 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
         assert seen == []  # the segments never had a name
         # The lane was used by the learner that may, and only by it.
         assert on.text().count(LANE_OPEN) == 2, on.text()[-3000:]
+        # Its headers went on the lanes' control connections (docs/data-plane.md, "The lane's
+        # control channel"), not gRPC.
+        assert on.text().count("its control connection carries the headers") == 2
         assert LANE_OPEN not in off.text()
         for shard in plane.shards:
             assert "shared-memory lane of learner lane-l0 opened" in shard.text()
@@ -133,7 +137,10 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
         plane.call("CloseJob", ps_pb2.CloseJobRequest(job_id=job))
         for shard in plane.shards:
             wait_until(
-                lambda shard=shard: "lane of learner lane-l0 closed" in shard.text(),
+                lambda shard=shard: (
+                    "lane of learner lane-l0 closed" in shard.text()
+                    and "control of learner lane-l0's lane closed after" in shard.text()
+                ),
                 timeout=30,
                 interval=0.1,
                 what="the lane closed",

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from shoal.contract import lane_handoff
-from shoal.contract.lane_handoff import TOKEN_BYTES, HandoffServer, fetch_fd
+from shoal.contract.lane_handoff import TOKEN_BYTES, HandoffServer, fetch_fd, fetch_fd_keeping
 from shoal.contract.shm import LaneError, Segment
 from tests.support import async_wait_until
 
@@ -70,6 +70,33 @@ async def test_a_token_fetches_its_descriptor_once(server) -> None:
         await fetch(srv, token)
     assert srv.handed == 1 and srv.refused == 1 and sent == [1]
     peer.close()
+    seg.close()
+
+
+async def test_an_offer_with_keep_hands_the_connection_on_and_one_without_closes_it(
+    server,
+) -> None:
+    """``keep`` takes the connection the descriptor went over (the lane's control channel):
+    it stays open both ways; without ``keep`` the peer finds it closed."""
+    srv, _ = server
+    seg = Segment.create(4096)
+    kept: list[socket.socket] = []
+    token = srv.offer(seg.fd, window_s=30, on_sent=lambda: None, what="lane x", keep=kept.append)
+    fd, sock = await asyncio.to_thread(fetch_fd_keeping, srv.address, token, timeout=30)
+    os.close(fd)
+    with sock:
+        assert len(kept) == 1 and srv.handed == 1
+        with kept[0] as conn:
+            conn.setblocking(True)
+            sock.sendall(b"ping")
+            assert conn.recv(4) == b"ping"
+            conn.sendall(b"pong")
+            assert sock.recv(4) == b"pong"
+    plain = srv.offer(seg.fd, window_s=30, on_sent=lambda: None, what="lane y")
+    fd, sock = await asyncio.to_thread(fetch_fd_keeping, srv.address, plain, timeout=30)
+    os.close(fd)
+    with sock:
+        assert sock.recv(1) == b""  # closed by the shard once the descriptor went
     seg.close()
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "GENERATION",
     "INLINE_KB",
     "JOB_ID",
+    "LANE_CONTROL",
     "LEARNER_ID",
     "LEARNER_VARIABLES",
     "LOG_LEVEL",
@@ -78,6 +79,10 @@ INLINE_KB = "SHOAL_INLINE_KB"
 #: SyncStep instead of after it, and the coordinator holds it until the iteration is committed
 #: (read by ``shoal.learner.grpc_backend`` itself; not part of what the scheduler writes).
 BOUNDARY_AHEAD = "SHOAL_BOUNDARY_AHEAD"
+#: ``on`` (default) or ``off``: a learner with a same-host lane sends its SyncStep headers on
+#: the lane's control connection instead of gRPC (read by ``shoal.learner.grpc_lane`` itself;
+#: not part of what the scheduler writes).
+LANE_CONTROL = "SHOAL_LANE_CONTROL"
 EPOCHS = "SHOAL_EPOCHS"
 BATCH_SIZE = "SHOAL_BATCH_SIZE"
 #: Set only for a job with an adaptive batch: how the learning rate follows the batch.

@@ -42,6 +42,7 @@ __all__ = [
     "TOKEN_BYTES",
     "HandoffServer",
     "fetch_fd",
+    "fetch_fd_keeping",
     "peer_credentials",
 ]
 
@@ -80,6 +81,9 @@ class _Offer:
     deadline: float  # on the server's clock
     on_sent: Callable[[], None]
     what: str  # for the logs: whose lane
+    # Takes the connection once the descriptor went (the lane's control channel,
+    # ``shoal.contract.lane_control``); None: the connection is closed then.
+    keep: Callable[[socket.socket], None] | None = None
 
 
 class HandoffServer:
@@ -123,10 +127,20 @@ class HandoffServer:
         self._sock = sock
         self._serving = asyncio.get_running_loop().create_task(self._serve(sock))
 
-    def offer(self, fd: int, *, window_s: float, on_sent: Callable[[], None], what: str) -> bytes:
-        """A new one-time token for ``fd``, valid for ``window_s`` seconds from now."""
+    def offer(
+        self,
+        fd: int,
+        *,
+        window_s: float,
+        on_sent: Callable[[], None],
+        what: str,
+        keep: Callable[[socket.socket], None] | None = None,
+    ) -> bytes:
+        """A new one-time token for ``fd``, valid for ``window_s`` seconds from now. ``keep``
+        takes the connection (non-blocking, its own to close) once the descriptor was handed
+        on it; without it the connection is closed then."""
         token = secrets.token_bytes(TOKEN_BYTES)
-        self._offers[token] = _Offer(fd, self._clock() + window_s, on_sent, what)
+        self._offers[token] = _Offer(fd, self._clock() + window_s, on_sent, what, keep)
         return token
 
     def withdraw(self, token: bytes) -> None:
@@ -167,37 +181,50 @@ class HandoffServer:
             task.add_done_callback(self._connections.discard)
 
     async def _handle(self, conn: socket.socket) -> None:
-        with conn:
-            conn.setblocking(False)
-            try:
-                pid, uid, _ = peer_credentials(conn)
-            except OSError as exc:
-                self._refuse(f"no peer credentials ({exc})")
-                return
-            if uid != self._uid:
-                self._refuse(f"peer pid {pid} runs as uid {uid}, not {self._uid}")
-                return
-            try:
-                token = await asyncio.wait_for(self._read_token(conn), READ_TIMEOUT_S)
-            except (TimeoutError, OSError) as exc:
-                self._refuse(f"peer pid {pid} sent no token ({type(exc).__name__})")
-                return
-            offer = self._offers.pop(token, None) if len(token) == TOKEN_BYTES else None
-            if offer is None:
-                self._refuse(f"peer pid {pid} sent an unknown, used or expired token")
-                return
-            if self._clock() > offer.deadline:
-                self._refuse(f"peer pid {pid} came after the deadline of {offer.what}")
-                return
-            try:
-                # A fresh connection's send buffer has room for one byte and one descriptor.
-                socket.send_fds(conn, [_OK], [offer.fd])
-            except OSError as exc:
-                self._refuse(f"handing {offer.what} to pid {pid} failed: {exc}")
-                return
-            self.handed += 1
-            log.info("%s: descriptor handed to pid %d", offer.what, pid)
-            offer.on_sent()
+        try:
+            keep = await self._hand(conn)
+        except BaseException:
+            conn.close()
+            raise
+        if keep is None:
+            conn.close()
+        else:
+            keep(conn)
+
+    async def _hand(self, conn: socket.socket) -> Callable[[socket.socket], None] | None:
+        """Check the peer and its token, hand the descriptor; what takes the connection then
+        (None: close it)."""
+        conn.setblocking(False)
+        try:
+            pid, uid, _ = peer_credentials(conn)
+        except OSError as exc:
+            self._refuse(f"no peer credentials ({exc})")
+            return None
+        if uid != self._uid:
+            self._refuse(f"peer pid {pid} runs as uid {uid}, not {self._uid}")
+            return None
+        try:
+            token = await asyncio.wait_for(self._read_token(conn), READ_TIMEOUT_S)
+        except (TimeoutError, OSError) as exc:
+            self._refuse(f"peer pid {pid} sent no token ({type(exc).__name__})")
+            return None
+        offer = self._offers.pop(token, None) if len(token) == TOKEN_BYTES else None
+        if offer is None:
+            self._refuse(f"peer pid {pid} sent an unknown, used or expired token")
+            return None
+        if self._clock() > offer.deadline:
+            self._refuse(f"peer pid {pid} came after the deadline of {offer.what}")
+            return None
+        try:
+            # A fresh connection's send buffer has room for one byte and one descriptor.
+            socket.send_fds(conn, [_OK], [offer.fd])
+        except OSError as exc:
+            self._refuse(f"handing {offer.what} to pid {pid} failed: {exc}")
+            return None
+        self.handed += 1
+        log.info("%s: descriptor handed to pid %d", offer.what, pid)
+        offer.on_sent()
+        return offer.keep
 
     async def _read_token(self, conn: socket.socket) -> bytes:
         loop = asyncio.get_running_loop()
@@ -226,10 +253,22 @@ def fetch_fd(address: str, token: bytes, *, timeout: float = 10.0) -> int:
     """The descriptor the shard at ``address`` hands for ``token`` (blocking; the caller owns
     and closes it). :class:`LaneError` when it hands none (the token was wrong, used or
     expired) or the peer is not this user's; OSError when it cannot be reached."""
+    fd, sock = fetch_fd_keeping(address, token, timeout=timeout)
+    sock.close()
+    return fd
+
+
+def fetch_fd_keeping(
+    address: str, token: bytes, *, timeout: float = 10.0
+) -> tuple[int, socket.socket]:
+    """:func:`fetch_fd`, and the connected socket it came over (blocking, ``timeout`` set;
+    the caller owns both): a shard that offered the lane with ``keep`` serves the lane's
+    control on it (``shoal.contract.lane_control``), any other has closed it."""
     sockaddr = _sockaddr(address)
     if len(token) != TOKEN_BYTES:
         raise LaneError(f"token ({len(token)} bytes) must be {TOKEN_BYTES} bytes")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
         sock.settimeout(timeout)
         sock.connect(sockaddr)
         pid, uid, _ = peer_credentials(sock)
@@ -240,14 +279,17 @@ def fetch_fd(address: str, token: bytes, *, timeout: float = 10.0) -> int:
             msg, fds, flags = _recv_fds(sock)
         except (BrokenPipeError, ConnectionResetError):  # it hung up on us: refused
             msg, fds, flags = b"", [], 0
-    if msg == _OK and len(fds) == 1 and not flags & socket.MSG_CTRUNC:
-        return fds[0]
-    for fd in fds:
-        os.close(fd)
-    raise LaneError(
-        f"the shard at {address} handed {len(fds)} descriptors (not 1) for the token: "
-        "wrong, used or expired"
-    )
+        if msg == _OK and len(fds) == 1 and not flags & socket.MSG_CTRUNC:
+            return fds[0], sock
+        for fd in fds:
+            os.close(fd)
+        raise LaneError(
+            f"the shard at {address} handed {len(fds)} descriptors (not 1) for the token: "
+            "wrong, used or expired"
+        )
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _recv_fds(sock: socket.socket) -> tuple[bytes, list[int], int]:

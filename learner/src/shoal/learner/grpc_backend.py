@@ -97,7 +97,7 @@ from shoal.learner.grpc_calls import (
     optimizer_proto,
     stream_methods,
 )
-from shoal.learner.grpc_lane import ClientLane, lane_refused, open_lane
+from shoal.learner.grpc_lane import ClientLane, lane_control_enabled, lane_refused, open_lane
 from shoal.learner.liveness import CoordinatorMoved
 from shoal.learner.ps_overlap import StreamedGradients, overlap_enabled
 from shoal.learner.shard_session import ShardSession
@@ -187,8 +187,10 @@ class GrpcBackend(SyncBackend):
         self._generation = 0  # of the last assignment (pulls are checked against it)
         self._report = (0, -1, 0.0, 0)  # generation, completed iteration, loss_sum, samples
         self._user: UserMetrics = (-1, {})  # trainer.log
-        # Same-host shards: move SyncStep bytes through shared memory (grpc_lane.py).
+        # Same-host shards: move SyncStep bytes through shared memory (grpc_lane.py), and
+        # the headers through the lane's control connection (SHOAL_LANE_CONTROL).
         self._shm_lane = shm_lane
+        self.lane_control = lane_control_enabled()
         # A bundle of at most this many bytes goes as one message each way (the bytes in the
         # header; SHOAL_INLINE_KB; 0: chunks only).
         self.inline_bytes = inline_bytes_from_env()
@@ -652,6 +654,12 @@ class GrpcBackend(SyncBackend):
             )
 
             views = [byte_view(tensors[j]) for j in present]  # type: ignore[arg-type]
+            if shard.lane is not None and shard.lane.control is not None:
+                if shard.lane.control.closed:
+                    # Its control ended (a call cancelled, the shard dropped the lane): a new
+                    # lane, with a new control.
+                    shard.lane.close()
+                    shard.lane, shard.lane_tried = None, False
             if self._shm_lane and not shard.lane_tried:
                 shard.lane_tried = True
                 shard.lane = await open_lane(
@@ -660,24 +668,36 @@ class GrpcBackend(SyncBackend):
                     learner_id=self.learner_id,
                     metadata=md or self._metadata,
                     address=shard.address,
+                    control=self.lane_control and not shard.no_lane_control,
                 )
             if shard.lane is not None and total > 0:
                 lane = shard.lane
                 try:
                     header.shared_memory = True
-                    header.shared_memory_offset = await asyncio.to_thread(
-                        lane.write, metas, views, total
-                    )
-                    call = shard.streams["SyncStep"](
-                        _one(encode_header(ps_pb2.SyncStepRequest, header)),
-                        metadata=md or self._metadata,
-                    )
-                    return await self._receive(shard, call, answer=True)
+                    if total <= self.inline_bytes:  # a small copy: not worth a thread's hop
+                        header.shared_memory_offset = lane.write(metas, views, total)
+                    else:
+                        header.shared_memory_offset = await asyncio.to_thread(
+                            lane.write, metas, views, total
+                        )
+                    request = encode_header(ps_pb2.SyncStepRequest, header)
+                    control = lane.control
+                    if control is not None and not control.closed and not _traced(md):
+                        # The lane's control connection (grpc_lane.LaneControl), not gRPC.
+                        answer = await control.sync_step(request)
+                        return await self._receive(shard, _frames(answer), answer=True)
+                    # One message each way (the answer is a header), as SyncStepUnary.
+                    unary = shard.streams["SyncStepUnary"](request, metadata=md or self._metadata)
+                    return await self._receive(shard, _answer_of(unary), answer=True)
                 except (aio.AioRpcError, LaneError) as exc:
                     if isinstance(exc, aio.AioRpcError) and not lane_refused(exc):
                         raise
-                    # The shard lost the lane (it restarted), or its slice outgrew it: this
-                    # iteration goes as chunks, the next asks for a new lane.
+                    # The shard lost the lane (it restarted), or its slice outgrew it, or the
+                    # lane's control ended: this iteration goes as chunks, the next asks for a
+                    # new lane.
+                    ended = lane.control
+                    if ended is not None and ended.closed and ended.calls == 0:
+                        shard.no_lane_control = True  # (one that never answered: an old shard)
                     log.warning(
                         "shard %s: lane not usable (%s); sending chunks",
                         shard.address,
@@ -809,8 +829,14 @@ async def _cancelled(call: asyncio.Future[Any]) -> None:
     await asyncio.gather(call, return_exceptions=True)
 
 
-async def _one(message: bytes) -> AsyncIterator[bytes]:
-    yield message
+async def _frames(*frames: Frame) -> AsyncIterator[Frame]:
+    for frame in frames:
+        yield frame
+
+
+def _traced(md: Any) -> bool:
+    """Whether the call metadata ``md`` carries a trace context (a sampled iteration)."""
+    return bool(md) and any(key == "traceparent" for key, _ in md)
 
 
 async def _answer_of(call: Awaitable[Frame]) -> AsyncIterator[Frame]:

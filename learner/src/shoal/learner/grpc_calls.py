@@ -142,6 +142,9 @@ class _Shard:
     streams: dict[str, Any] | None = None
     lane: ClientLane | None = None  # the same-host lane (grpc_lane.py), when open
     lane_tried: bool = False
+    # Its lanes' control connections end before their first answer (an older shard, which
+    # closes it): its lanes are opened without one.
+    no_lane_control: bool = False
     slice_bytes: int = -1  # the packed size of the whole slice (ps_overlap.py; -1: not yet)
     answer_bytes: int = -1  # at least the size of the shard's answer (answer_bytes_of)
 

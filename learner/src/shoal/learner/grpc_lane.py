@@ -7,9 +7,13 @@ fetches the nameless segment's descriptor from the shard's Unix socket with the 
 one-time token (``shoal.contract.lane_handoff``), checks it and maps it. A SyncStep to that
 shard then writes the gradients into the segment's in-region and sends only the header
 (``shared_memory``); the shard answers with a header naming where in the out-region it wrote
-the new parameters. gRPC stays the control channel; anything that does not work (another
+the new parameters. The header goes on the Unix connection the descriptor came over, kept
+open as the lane's control channel (:class:`LaneControl`, ``shoal.contract.lane_control``),
+unless the iteration is traced (its SyncStep is a gRPC call with a span) or
+``SHOAL_LANE_CONTROL`` is ``off``; then gRPC carries it. Anything that does not work (another
 host, another user, another network namespace, an old shard that offers a named segment, a
-refusal) leaves the learner on gRPC streams for that shard.
+refusal) leaves the learner on gRPC streams for that shard; a control connection that ends
+leaves the learner on gRPC for that lane's headers.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +32,13 @@ import numpy as np
 import torch
 from grpc import aio
 
-from shoal.contract.lane_handoff import fetch_fd
+from shoal.contract import environment, lane_control
+from shoal.contract.lane_handoff import fetch_fd_keeping
 from shoal.contract.shm import SHM_DIR, LaneError, Segment, host_id
-from shoal.contract.wire import BundleError, TensorMeta, validate_layout
+from shoal.contract.wire import BundleError, Frame, TensorMeta, decode_frame, validate_layout
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
-__all__ = ["ClientLane", "lane_refused", "open_lane"]
+__all__ = ["ClientLane", "LaneControl", "lane_control_enabled", "lane_refused", "open_lane"]
 
 log = logging.getLogger("shoal.learner.grpc")
 
@@ -46,6 +52,56 @@ def lane_refused(exc: aio.AioRpcError) -> bool:
     return exc.code() == grpc.StatusCode.FAILED_PRECONDITION and _NO_LANE in (exc.details() or "")
 
 
+def lane_control_enabled() -> bool:
+    """``SHOAL_LANE_CONTROL``: ``on`` (the default) or ``off``."""
+    raw = os.environ.get(environment.LANE_CONTROL, "on").strip().lower()
+    if raw not in ("on", "off"):
+        raise ValueError(f"{environment.LANE_CONTROL} ({raw!r}) must be 'on' or 'off'")
+    return raw == "on"
+
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class LaneControl:
+    """The learner's end of its lane's control connection: one SyncStep header at a time."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self.calls = 0  # answered through it
+        self.closed = False
+
+    async def sync_step(self, body: bytes) -> Frame:
+        """The shard's answer to the serialized ``SyncStepRequest`` ``body``: the frame gRPC
+        would have carried, or the :class:`grpc.aio.AioRpcError` it would have raised.
+        :class:`LaneError` when the connection is gone (then it stays closed); a call
+        cancelled closes it too (an answer may still come on it)."""
+        if self.closed:
+            raise LaneError("the lane's control connection is closed")
+        try:
+            self._writer.write(lane_control.request(body))
+            reply = await lane_control.read_reply(self._reader)
+        except (lane_control.ControlError, ConnectionError) as exc:
+            self.close()
+            raise LaneError(f"the lane's control connection ended: {exc}") from None
+        except BaseException:
+            self.close()
+            raise
+        if reply.failed:
+            code = _STATUS.get(reply.code, grpc.StatusCode.UNKNOWN)
+            raise aio.AioRpcError(
+                code, aio.Metadata(), aio.Metadata(*reply.metadata), details=reply.details
+            )
+        self.calls += 1
+        return decode_frame(ps_pb2.SyncStepResponse, reply.body)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._writer.close()
+
+
 @dataclass
 class ClientLane:
     """A mapped lane segment and its two regions (as the shard gave them, checked)."""
@@ -55,6 +111,7 @@ class ClientLane:
     in_capacity: int
     out_offset: int
     rounds: int = 0  # SyncSteps that went through it
+    control: LaneControl | None = None  # its control connection, while open
 
     def write(self, metas: Sequence[TensorMeta], sources: Sequence[np.ndarray], total: int) -> int:
         """Copy a bundle's bytes (``sources[j]`` at ``metas[j].offset``) into the in-region;
@@ -101,6 +158,8 @@ class ClientLane:
         return out
 
     def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
         self.segment.close()
 
 
@@ -108,19 +167,33 @@ class ClientLane:
 FETCH_TIMEOUT_S = 10.0
 
 
-def _take_segment(address: str, token: bytes, size: int, nonce: bytes) -> Segment:
-    """Fetch the descriptor, check and map the segment behind it, close the descriptor."""
-    fd = fetch_fd(address, token, timeout=FETCH_TIMEOUT_S)
+def _take_segment(
+    address: str, token: bytes, size: int, nonce: bytes
+) -> tuple[Segment, socket.socket]:
+    """Fetch the descriptor, check and map the segment behind it, close the descriptor; the
+    segment and the connection it came over."""
+    fd, sock = fetch_fd_keeping(address, token, timeout=FETCH_TIMEOUT_S)
     try:
-        return Segment.from_fd(fd, size, nonce)
+        return Segment.from_fd(fd, size, nonce), sock
+    except BaseException:
+        sock.close()
+        raise
     finally:
         os.close(fd)
 
 
 async def open_lane(
-    stub: Any, *, job_id: str, learner_id: str, metadata: Any, address: str, shm_dir: str = SHM_DIR
+    stub: Any,
+    *,
+    job_id: str,
+    learner_id: str,
+    metadata: Any,
+    address: str,
+    shm_dir: str = SHM_DIR,
+    control: bool = True,
 ) -> ClientLane | None:
-    """This learner's lane on the shard behind ``stub``, or None (stay on gRPC streams)."""
+    """This learner's lane on the shard behind ``stub``, or None (stay on gRPC streams);
+    with ``control``, its headers go on the lane's control connection."""
     mine = host_id(shm_dir)
     if not mine:
         return None
@@ -147,22 +220,31 @@ async def open_lane(
         log.warning("shard %s offered a malformed lane: %s", address, reply)
         return None
     try:
-        segment = await asyncio.to_thread(
+        segment, sock = await asyncio.to_thread(
             _take_segment, reply.socket_address, reply.token, reply.size, reply.nonce
         )
     except (OSError, LaneError) as exc:  # another network namespace, another user, refused
         log.info("no shared-memory lane to shard %s: %s", address, exc)
         return None
     if reply.out_offset > segment.size:
+        sock.close()
         segment.close()
         return None
+    lane = ClientLane(segment, reply.in_offset, reply.in_capacity, reply.out_offset)
+    if control:
+        sock.settimeout(None)
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        lane.control = LaneControl(reader, writer)
+    else:
+        sock.close()
     log.info(
-        "shared-memory lane to shard %s open (%d bytes): tensors move through it, gRPC "
-        "carries the headers",
+        "shared-memory lane to shard %s open (%d bytes): tensors move through it, %s carries "
+        "the headers",
         address,
         reply.size,
+        "its control connection" if control else "gRPC",
     )
-    return ClientLane(segment, reply.in_offset, reply.in_capacity, reply.out_offset)
+    return lane
 
 
 async def close_lane(stub: Any, lane: ClientLane, *, job_id: str, learner_id: str, md: Any) -> None:

@@ -19,6 +19,10 @@ metric                                      labels  meaning
 ``shoal_sync_lane_streams_total``           job_id  SyncSteps whose bytes came through the
                                                     same-host shared-memory lane, per
                                                     shard (the others came as gRPC chunks)
+``shoal_sync_lane_control_calls_total``     job_id  of those, the SyncSteps whose header
+                                                    came on the lane's control connection
+                                                    instead of gRPC (the others: a traced
+                                                    iteration, or no control)
 ``shoal_sync_lane_handoffs_refused_total``  (none)  connections to this shard's lane
                                                     handoff socket that got no descriptor
                                                     (a wrong, used or expired token,
@@ -74,6 +78,11 @@ class SyncMetrics:
             "shoal_sync_lane_streams",
             description="SyncSteps whose bytes came through the same-host shared-memory lane",
         )
+        self._lane_control = m.create_counter(
+            "shoal_sync_lane_control_calls",
+            description="Lane SyncSteps whose header came on the lane's control connection "
+            "instead of gRPC",
+        )
         self._handoff_refused = m.create_counter(
             "shoal_sync_lane_handoffs_refused",
             description="Connections to the shard's lane handoff socket that got no "
@@ -113,6 +122,10 @@ class SyncMetrics:
     def lane_stream(self, job_id: str) -> None:
         """A SyncStep's bytes came through the same-host lane."""
         self._lane.add(1, {"job_id": job_id})
+
+    def lane_control_call(self, job_id: str) -> None:
+        """A lane SyncStep came on the lane's control connection (not gRPC)."""
+        self._lane_control.add(1, {"job_id": job_id})
 
     def lane_handoff_refused(self) -> None:
         """A connection to the lane handoff socket got no descriptor."""

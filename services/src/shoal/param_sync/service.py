@@ -46,13 +46,14 @@ from shoal.contract.wire import (
     frame_decoder,
     serialize,
 )
-from shoal.param_sync import checkpoint as ckpt
 from shoal.param_sync.coordinator import (
     JobSettings,
 )
+from shoal.param_sync.lane_control import LaneControlHandlers
 from shoal.param_sync.metrics import SyncMetrics
 from shoal.param_sync.replica_lane import RecvLane, ReplicaLaneHandlers, SendLane
 from shoal.param_sync.servicer_common import (
+    ERRORS,
     _CoordinatedJob,
     _ShardSlice,
 )
@@ -79,8 +80,6 @@ from shoal.runtime.auth import (
 from shoal.runtime.channels import connect
 from shoal.runtime.config import TLSConfig
 from shoal.runtime.errors import (
-    DEFAULT_TABLE,
-    ErrorTable,
     FailedPrecondition,
     FencedOut,
     InvalidField,
@@ -140,11 +139,6 @@ ROLES = MethodRoles(
         "GetMembership": LEARNERS | USERS_AND_SERVICES,
     },
 )
-
-
-#: The service's error table: storage failures (a checkpoint that cannot be written or read)
-#: are UNAVAILABLE (retry later); everything else is the runtime's base table.
-ERRORS: ErrorTable = DEFAULT_TABLE.extend({ckpt.StorageError: grpc.StatusCode.UNAVAILABLE})
 
 
 @dataclass(frozen=True)
@@ -264,6 +258,7 @@ class ParameterSyncServicer(
     DataHandlers,
     PeerHandlers,
     LaneHandlers,
+    LaneControlHandlers,
     ReplicaLaneHandlers,
 ):
     """All RPCs of one shard process (see the module docstring). Not a subclass of the

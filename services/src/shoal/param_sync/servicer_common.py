@@ -11,15 +11,21 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 from google.protobuf import timestamp_pb2
 
 from shoal.contract.wire import Frame
+from shoal.param_sync import checkpoint as ckpt
 from shoal.param_sync.coordinator import Coordinator, OptimizerConfig
 from shoal.param_sync.shard import Contribution, ShardJob
 from shoal.param_sync.shard_encoding import Encoded
 from shoal.param_sync.takeover_collective import CollectiveTakeover
-from shoal.runtime.errors import Aborted, InvalidField
+from shoal.runtime.errors import DEFAULT_TABLE, Aborted, ErrorTable, InvalidField
 from shoal.v1 import job_pb2, parameter_sync_service_pb2 as ps_pb2
+
+#: The service's error table: storage failures (a checkpoint that cannot be written or read)
+#: are UNAVAILABLE (retry later); everything else is the runtime's base table.
+ERRORS: ErrorTable = DEFAULT_TABLE.extend({ckpt.StorageError: grpc.StatusCode.UNAVAILABLE})
 
 
 def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:

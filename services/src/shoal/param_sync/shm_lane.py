@@ -67,6 +67,8 @@ class Lane:
     token: bytes = b""  # of its descriptor's handoff, until fetched or expired
     timer: asyncio.TimerHandle | None = None
     generation: int = -1  # of its last SyncStep (-1: none yet)
+    # Serving its control connection (lane_control.py), once the descriptor went.
+    control: asyncio.Task[None] | None = None
 
     def fetched(self) -> None:
         """The learner has the descriptor: the shard's own can go (the mapping stays)."""
@@ -79,6 +81,8 @@ class Lane:
     def close(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
+        if self.control is not None:  # (it closes the connection as it ends)
+            self.control.cancel()
         self.segment.close()
 
 
@@ -138,6 +142,7 @@ class LaneHandlers:
             window_s=window,
             on_sent=lane.fetched,
             what=f"job {request.job_id}: lane of learner {request.learner_id}",
+            keep=self._lane_control_keeper(key, lane, current_principal()),
         )
         lane.timer = loop.call_later(window, self._lane_unfetched, key, lane)
         self._lanes[key] = lane
