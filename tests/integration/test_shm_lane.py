@@ -2,11 +2,11 @@
 driven by a hand-written learner, so every offset is the test's choice: a round through the
 lane gives exactly the gRPC round's update; out-of-bounds offsets, a lane that does not exist
 and another job's learner are refused with a clear error and change nothing; the lane's control
-connection carries its SyncSteps as gRPC would (the same answer, the same refusals) and speaks
-for its own lane only; the segment never
-has a name, its descriptor is handed once to the right token only (a wrong, used or expired
-token gets nothing), a learner whose fetch fails stays on gRPC, and the lane goes with the
-job. The lane under real learner processes is in ``test_shm_lane_processes.py``."""
+connection carries its SyncSteps and Boundaries as gRPC would (the same answers, the same
+refusals, a Boundary sent ahead beside the SyncStep) and speaks for its own lane only; the
+segment never has a name, its descriptor is handed once to the right token only (a wrong,
+used or expired token gets nothing), a learner whose fetch fails stays on gRPC, and the lane
+goes with the job. The lane under real learner processes is in ``test_shm_lane_processes.py``."""
 
 from __future__ import annotations
 
@@ -440,13 +440,40 @@ async def test_the_lanes_control_carries_its_syncsteps_as_grpc_would(shard: Shar
     assert "does not parse" in (info.value.details() or "")
     assert await s.completed() == 0  # nothing changed
 
-    # The round through the control: exactly the gRPC round's update.
+    # Its Boundaries too (this shard runs the job's coordinator): the same answer as gRPC's,
+    # and for its own learner only.
+    assert (await control.boundary(boundary)).assignment == a
+    for request in (
+        ps_pb2.BoundaryRequest(job_id=JOB, learner_id=f"{JOB}-l2"),
+        ps_pb2.BoundaryRequest(job_id=OTHER, learner_id=f"{OTHER}-l1"),
+    ):
+        with pytest.raises(aio.AioRpcError) as info:
+            await control.boundary(request)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "speaks for it only" in (info.value.details() or "")
+    assert await s.completed() == 0 and control.calls == 1
+
+    # The round through the control, its next Boundary sent ahead beside it on the same
+    # connection (held until the commit): exactly the gRPC round's update, then the answer
+    # to the Boundary.
     g = torch.tensor([[1.0, -2.0], [0.5, 4.0], [3.0, 0.0], [-1.0, 2.0]])
     segment.region(lo, TOTAL, lo=lo, hi=hi, what="bundle")[:] = byte_view(g).tobytes()
+    ahead = ps_pb2.BoundaryRequest(
+        job_id=JOB,
+        learner_id=LEARNER,
+        generation=a.generation,
+        completed_iteration=a.global_iteration,
+        loss_sum=1.5,
+        num_samples=4,
+        ahead=True,
+    )
+    next_one = asyncio.ensure_future(control.boundary(ahead))
     frame = await control.sync_step(encode_header(ps_pb2.SyncStepRequest, header()))
     assert frame.header is not None and frame.header.shared_memory
     torch.testing.assert_close(read_answer([frame], segment, lane), W0 - LR * g, atol=0, rtol=0)
-    assert await s.completed() == 1 and control.calls == 1
+    reply = await asyncio.wait_for(next_one, 30)  # (the job has one iteration: it is done)
+    assert reply.action == ps_pb2.BOUNDARY_ACTION_DONE and reply.completed_iterations == 1
+    assert await s.completed() == 1 and control.calls == 3
 
     # The lane goes with the job, and its control with it: the learner sees it closed.
     await s.call("service", "CloseJob", ps_pb2.CloseJobRequest(job_id=JOB))

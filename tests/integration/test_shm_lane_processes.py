@@ -1,11 +1,11 @@
 """The same-host lane with real processes: two shard processes and two learner processes on
 this host, one learner on the lane (the default) and one with ``SHOAL_SHM_LANE=off`` (gRPC
 streams), in one job. The lane is used (both sides log it, each descriptor is handed once, the
-headers go on the lane's control connection),
-the job still equals single-process training (atol 1e-5), and no lane segment of the shards
-has a name under /dev/shm at any time (watched while the job runs) or after it. The shards
-step each tensor as its own group (``--step-group-mb``), so the gRPC learner's answers are
-sent group by group."""
+headers, and the Boundaries to the coordinator's process, go on the lanes' control
+connections), the job still equals single-process training (atol 1e-5), and no lane segment
+of the shards has a name under /dev/shm at any time (watched while the job runs) or after it.
+The shards step each tensor as its own group (``--step-group-mb``), so the gRPC learner's
+answers are sent group by group."""
 
 from __future__ import annotations
 
@@ -115,6 +115,7 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
         # Its headers went on the lanes' control connections (docs/data-plane.md, "The lane's
         # control channel"), not gRPC.
         assert on.text().count("its control connection carries the headers") == 2
+        assert "Boundaries go on the control connection of the lane to shard" in on.text()
         assert LANE_OPEN not in off.text()
         for shard in plane.shards:
             assert "shared-memory lane of learner lane-l0 opened" in shard.text()

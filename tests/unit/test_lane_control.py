@@ -1,9 +1,12 @@
-"""The same-host lane's control channel: its framing (``shoal.contract.lane_control``) and the
-shard's loop that serves one lane's connection (``shoal.param_sync.lane_control``), over a
-real Unix socket pair. The loop is driven with a call of the test's own (the real SyncStep
-through it is in ``tests/integration/test_shm_lane.py``): an answer goes back; a learner that
-closes the connection, or sends again before its answer, has its call cancelled and the
-connection closed; a message too long ends it too."""
+"""The same-host lane's control channel: its framing (``shoal.contract.lane_control``), the
+shard's loop that serves one lane's connection (``shoal.param_sync.lane_control``) and the
+learner's end (``shoal.learner.grpc_lane.LaneControl``), over a real Unix socket pair. The
+loop is driven with calls of the test's own (the real SyncStep and Boundary through it are in
+``tests/integration/test_shm_lane.py``): a SyncStep and a Boundary in flight at once are each
+answered to their caller, under the lane's principal; a learner that closes the connection,
+or sends a second call of a method before its answer, has its calls cancelled and the
+connection closed; a message too long or of no method ends it too; the learner's callers see
+a failure as gRPC's error, and a connection that ends as LaneError."""
 
 from __future__ import annotations
 
@@ -12,9 +15,14 @@ import logging
 import socket
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
+from grpc import aio
 
 from shoal.contract import lane_control
+from shoal.contract.lane_control import BOUNDARY, SYNC_STEP
+from shoal.contract.shm import LaneError
+from shoal.learner.grpc_lane import LaneControl
 from shoal.param_sync.lane_control import LaneControlHandlers
 from shoal.runtime.auth import Principal, Role, current_principal
 
@@ -31,16 +39,18 @@ def reader_of(data: bytes, eof: bool = True) -> asyncio.StreamReader:
 
 
 async def test_requests_and_replies_read_back_as_written() -> None:
-    reader = reader_of(lane_control.request(b"header") + lane_control.request(b""))
-    assert await lane_control.read_request(reader) == b"header"
-    assert await lane_control.read_request(reader) == b""
-    assert await lane_control.read_request(reader) is None  # closed between two
-    answer = await lane_control.read_reply(reader_of(lane_control.answer(b"params")))
-    assert not answer.failed and answer.body == b"params"
-    failed = await lane_control.read_reply(
-        reader_of(lane_control.failure(9, "stale", [("shoal-reason", "X"), ("k", "v")]))
+    reader = reader_of(
+        lane_control.request(SYNC_STEP, b"header") + lane_control.request(BOUNDARY, b"")
     )
-    assert failed.failed and (failed.code, failed.details) == (9, "stale")
+    assert await lane_control.read_request(reader) == (SYNC_STEP, b"header")
+    assert await lane_control.read_request(reader) == (BOUNDARY, b"")
+    assert await lane_control.read_request(reader) is None  # closed between two
+    answer = await lane_control.read_reply(reader_of(lane_control.answer(SYNC_STEP, b"params")))
+    assert answer == lane_control.Reply(SYNC_STEP, body=b"params") and not answer.failed
+    failed = await lane_control.read_reply(
+        reader_of(lane_control.failure(BOUNDARY, 9, "stale", [("shoal-reason", "X"), ("k", "v")]))
+    )
+    assert failed.failed and (failed.method, failed.code, failed.details) == (BOUNDARY, 9, "stale")
     assert failed.metadata == (("shoal-reason", "X"), ("k", "v"))
 
 
@@ -48,17 +58,25 @@ async def test_requests_and_replies_read_back_as_written() -> None:
     ("data", "why"),
     [
         (b"", "closed the lane's control connection"),
-        (b"Z" + lane_control.LENGTH.pack(0), "unknown kind"),
-        (lane_control.ANSWER + b"\x00\x00", "inside a message's length"),
-        (lane_control.ANSWER + lane_control.LENGTH.pack(10) + b"abc", "inside a message"),
+        (b"Z", "unknown method"),
+        (SYNC_STEP + b"Z" + lane_control.LENGTH.pack(0), "unknown status"),
+        (SYNC_STEP + lane_control.ANSWER + b"\x00\x00", "inside a message's length"),
         (
-            lane_control.ANSWER + lane_control.LENGTH.pack(lane_control.MAX_MESSAGE_BYTES + 1),
+            SYNC_STEP + lane_control.ANSWER + lane_control.LENGTH.pack(10) + b"abc",
+            "inside a message",
+        ),
+        (
+            SYNC_STEP
+            + lane_control.ANSWER
+            + lane_control.LENGTH.pack(lane_control.MAX_MESSAGE_BYTES + 1),
             "the most is",
         ),
-        (lane_control.FAILURE + lane_control.LENGTH.pack(2) + b"{}", "does not parse"),
+        (SYNC_STEP + lane_control.FAILURE + lane_control.LENGTH.pack(2) + b"{}", "does not parse"),
         (
-            lane_control.FAILURE + lane_control.LENGTH.pack(42) + b'{"code": 0, "details": "", '
-            b'"metadata": []}',
+            SYNC_STEP
+            + lane_control.FAILURE
+            + lane_control.LENGTH.pack(42)
+            + b'{"code": 0, "details": "", "metadata": []}',
             "with code 0",
         ),
     ],
@@ -68,83 +86,122 @@ async def test_a_reply_the_protocol_does_not_allow_is_an_error(data: bytes, why:
         await lane_control.read_reply(reader_of(data))
 
 
-def test_a_failure_must_fail() -> None:
+def test_a_failure_must_fail_and_a_method_be_known() -> None:
     with pytest.raises(ValueError, match="code"):
-        lane_control.failure(0, "ok")
+        lane_control.failure(SYNC_STEP, 0, "ok")
+    with pytest.raises(ValueError, match="method"):
+        lane_control.request(b"X", b"")
 
 
 class Host(LaneControlHandlers):
-    """The loop's host with a call of the test's: held until ``release`` is set."""
+    """The loop's host with calls of the test's: each held until its method's event is set."""
 
     def __init__(self) -> None:
-        self.bodies: list[bytes] = []
+        self.bodies: list[tuple[bytes, bytes]] = []
         self.principals: list[Principal] = []
-        self.release = asyncio.Event()
+        self.release = {SYNC_STEP: asyncio.Event(), BOUNDARY: asyncio.Event()}
         self.called = asyncio.Event()
-        self.cancelled = asyncio.Event()
+        self.cancelled: list[bytes] = []
 
-    async def _lane_control_call(self, key: tuple[str, str], body: bytes) -> bytes:
-        self.bodies.append(body)
+    async def _lane_control_call(self, key: tuple[str, str], method: bytes, body: bytes) -> bytes:
+        self.bodies.append((method, body))
         self.principals.append(current_principal())
         self.called.set()
         try:
-            await self.release.wait()
+            await self.release[method].wait()
         except asyncio.CancelledError:
-            self.cancelled.set()
+            self.cancelled.append(method)
             raise
-        return lane_control.answer(b"answer to " + body)
+        if body == b"fail":
+            return lane_control.failure(method, 9, "refused", [("shoal-reason", "R")])
+        return lane_control.answer(method, b"answer to " + body)
 
 
 @pytest.fixture
-async def served() -> AsyncIterator[
-    tuple[Host, asyncio.Task[None], asyncio.StreamReader, asyncio.StreamWriter]
-]:
+async def served() -> AsyncIterator[tuple[Host, asyncio.Task[None], LaneControl]]:
     shard_end, learner_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     host = Host()
     task = asyncio.ensure_future(host._serve_lane_control(KEY, PRINCIPAL, shard_end))  # type: ignore[arg-type]
     reader, writer = await asyncio.open_unix_connection(sock=learner_end)
-    yield host, task, reader, writer
-    writer.close()
+    control = LaneControl(reader, writer)
+    yield host, task, control
+    control.close()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_a_call_is_answered_under_the_lanes_principal(served) -> None:
-    host, task, reader, writer = served
-    host.release.set()
-    for body in (b"one", b"two"):
-        writer.write(lane_control.request(body))
-        reply = await asyncio.wait_for(lane_control.read_reply(reader), 30)
-        assert reply.body == b"answer to " + body
-    assert host.bodies == [b"one", b"two"] and host.principals == [PRINCIPAL, PRINCIPAL]
+async def test_a_syncstep_and_a_boundary_in_flight_are_each_answered(served) -> None:
+    host, task, control = served
+    sync = asyncio.ensure_future(control._call(SYNC_STEP, b"s1"))
+    boundary = asyncio.ensure_future(control._call(BOUNDARY, b"b1"))
+    await asyncio.wait_for(_calls(host, 2), 30)
+    host.release[BOUNDARY].set()  # the later call is answered first
+    assert await asyncio.wait_for(boundary, 30) == b"answer to b1"
+    assert not sync.done()
+    host.release[SYNC_STEP].set()
+    assert await asyncio.wait_for(sync, 30) == b"answer to s1"
+    assert await control._call(SYNC_STEP, b"s2") == b"answer to s2"
+    assert control.calls == 3 and host.principals == [PRINCIPAL] * 3
     assert current_principal() != PRINCIPAL  # set in the loop's task only
-    writer.close()  # between two calls: the loop ends quietly
+    # A failure is gRPC's error, with its trailers; the connection stays.
+    with pytest.raises(aio.AioRpcError) as info:
+        await control._call(BOUNDARY, b"fail")
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.details() == "refused"
+    assert tuple(info.value.trailing_metadata()) == (("shoal-reason", "R"),)
+    assert not control.closed
+    control.close()  # between two calls: the loop ends quietly
     await asyncio.wait_for(task, 30)
 
 
-async def test_a_learner_that_closes_mid_call_has_its_call_cancelled(served, caplog) -> None:
-    host, task, _, writer = served
+async def test_a_learner_that_closes_mid_call_has_its_calls_cancelled(served, caplog) -> None:
+    host, task, control = served
     caplog.set_level(logging.INFO, logger="shoal.param_sync.service")
-    writer.write(lane_control.request(b"held"))
-    await asyncio.wait_for(host.called.wait(), 30)
-    writer.close()
-    await asyncio.wait_for(host.cancelled.wait(), 30)
+    sync = asyncio.ensure_future(control._call(SYNC_STEP, b"held"))
+    boundary = asyncio.ensure_future(control._call(BOUNDARY, b"held too"))
+    await asyncio.wait_for(_calls(host, 2), 30)
+    sync.cancel()  # the learner gives up its SyncStep: the connection closes
     await asyncio.wait_for(task, 30)
-    assert "closed after 0 calls" in caplog.text
+    assert sorted(host.cancelled) == sorted([SYNC_STEP, BOUNDARY])
+    with pytest.raises(LaneError, match="control connection"):
+        await boundary  # the other call ends too
+    assert control.closed and "closed after 0 calls" in caplog.text
+    with pytest.raises(LaneError):
+        await control.sync_step(b"")
 
 
-async def test_a_second_request_before_the_answer_ends_the_connection(served, caplog) -> None:
-    host, task, reader, writer = served
-    writer.write(lane_control.request(b"held") + lane_control.request(b"again"))
-    await asyncio.wait_for(host.cancelled.wait(), 30)
+async def test_a_second_call_of_a_method_before_its_answer_ends_the_connection(
+    served, caplog
+) -> None:
+    host, task, control = served
+    control._writer.write(  # (what LaneControl never sends)
+        lane_control.request(SYNC_STEP, b"held") + lane_control.request(SYNC_STEP, b"again")
+    )
     await asyncio.wait_for(task, 30)
-    assert await reader.read() == b""  # closed, nothing answered
-    assert host.bodies == [b"held"]
-    assert "sent a second request on its lane's control before the answer" in caplog.text
+    # The first was cancelled (if it had started at all), the second never ran; no answer.
+    assert host.bodies in ([], [(SYNC_STEP, b"held")]) and host.cancelled in ([], [SYNC_STEP])
+    with pytest.raises(LaneError, match="control connection"):
+        await control.sync_step(b"")
+    assert "sent a second SyncStep call on its lane's control" in caplog.text
 
 
-async def test_a_message_too_long_ends_the_connection(served) -> None:
-    host, task, reader, writer = served
-    writer.write(lane_control.LENGTH.pack(lane_control.MAX_MESSAGE_BYTES + 1))
+@pytest.mark.parametrize(
+    "data",
+    [
+        SYNC_STEP + lane_control.LENGTH.pack(lane_control.MAX_MESSAGE_BYTES + 1),
+        b"Q" + lane_control.LENGTH.pack(0),
+    ],
+)
+async def test_a_message_the_protocol_does_not_allow_ends_the_connection(served, data) -> None:
+    host, task, control = served
+    control._writer.write(data)
     await asyncio.wait_for(task, 30)
-    assert await reader.read() == b"" and host.bodies == []
+    assert host.bodies == []
+    with pytest.raises(LaneError, match="control connection"):
+        await control.sync_step(b"")  # the learner's end sees it closed
+
+
+async def _calls(host: Host, n: int) -> None:
+    while len(host.bodies) < n:
+        host.called.clear()
+        await host.called.wait()

@@ -3,22 +3,24 @@ the framing both ends of it share.
 
 The Unix connection a learner fetched its lane's descriptor over (``lane_handoff``) stays
 open when the shard offered the lane with ``keep``, and from then on carries the lane's
-SyncSteps instead of gRPC: the header alone (the bytes are in the segment), one call at a
-time, in turns:
+calls instead of gRPC: its SyncSteps (the header alone: the bytes are in the segment) and,
+when the job's coordinator runs in that shard's process, its Boundaries. At most one call of
+each method is in flight at a time (a Boundary is sent beside its SyncStep):
 
-* learner -> shard: a :data:`LENGTH` prefix and a serialized ``SyncStepRequest`` (its header
-  says ``shared_memory``);
-* shard -> learner: a kind byte, a :data:`LENGTH` prefix and the payload: :data:`ANSWER` and
-  the serialized ``SyncStepResponse`` gRPC would have carried, or :data:`FAILURE` and the
-  status gRPC would have ended the call with (:func:`failure`: code, details, trailing
-  metadata; JSON).
+* learner -> shard: the method byte (:data:`SYNC_STEP` or :data:`BOUNDARY`), a :data:`LENGTH`
+  prefix and the serialized request (a ``SyncStepRequest`` whose header says
+  ``shared_memory``, or a ``BoundaryRequest``);
+* shard -> learner, as each call ends: the method byte, a status byte and a :data:`LENGTH`
+  prefixed payload: :data:`ANSWER` and the serialized response gRPC would have carried, or
+  :data:`FAILURE` and the status gRPC would have ended the call with (:func:`failure`: code,
+  details, trailing metadata; JSON).
 
 Only the learner the lane was opened for can hold that connection (the token came on its
 authenticated gRPC channel, the peer is checked by ``SO_PEERCRED``), and the shard speaks on
-it only for that lane. A message beyond :data:`MAX_MESSAGE_BYTES`, a request before the answer
-to the one before it, or anything the shard cannot read ends the connection (the learner goes
-back to gRPC); so does either end closing it, which cancels a SyncStep in flight as a
-cancelled gRPC call would.
+it only for that lane's learner. An unknown method, a message beyond
+:data:`MAX_MESSAGE_BYTES`, a second call of a method before the answer to the first, or
+anything the shard cannot read ends the connection (the learner goes back to gRPC); so does
+either end closing it, which cancels the calls in flight as cancelled gRPC calls would be.
 
 Nothing here imports gRPC or torch.
 """
@@ -33,9 +35,12 @@ from dataclasses import dataclass
 
 __all__ = [
     "ANSWER",
+    "BOUNDARY",
     "FAILURE",
     "LENGTH",
     "MAX_MESSAGE_BYTES",
+    "METHODS",
+    "SYNC_STEP",
     "ControlError",
     "Reply",
     "answer",
@@ -45,11 +50,15 @@ __all__ = [
     "request",
 ]
 
-#: The prefix of every message: its payload's length (big-endian, unsigned, 4 bytes).
+#: The prefix of every payload: its length (big-endian, unsigned, 4 bytes).
 LENGTH = struct.Struct(">I")
 #: The most a message may carry: a lane header names tensors, it carries none of their bytes.
 MAX_MESSAGE_BYTES = 4 << 20
-#: A reply's kinds: the answer, or the status of a call that failed.
+#: The methods: a SyncStep of the lane, a Boundary of its learner.
+SYNC_STEP = b"S"
+BOUNDARY = b"B"
+METHODS = frozenset({SYNC_STEP, BOUNDARY})
+#: A reply's status: the answer, or the status of a call that failed.
 ANSWER = b"A"
 FAILURE = b"E"
 
@@ -62,6 +71,7 @@ class ControlError(ConnectionError):
 class Reply:
     """One reply: the answer's bytes, or a failed call's status."""
 
+    method: bytes
     body: bytes = b""
     code: int = 0  # a failure's gRPC status code (0: an answer)
     details: str = ""
@@ -72,34 +82,39 @@ class Reply:
         return self.code != 0
 
 
-def request(body: bytes) -> bytes:
-    """A learner's request: a serialized ``SyncStepRequest``."""
-    return LENGTH.pack(len(body)) + body
+def _method(method: bytes) -> bytes:
+    if method not in METHODS:
+        raise ValueError(f"method ({method!r}) must be one of {sorted(METHODS)}")
+    return method
 
 
-def answer(body: bytes) -> bytes:
-    """The shard's reply with the answer (a serialized ``SyncStepResponse``)."""
-    return ANSWER + LENGTH.pack(len(body)) + body
+def request(method: bytes, body: bytes) -> bytes:
+    """A learner's request: ``method`` and the serialized request."""
+    return _method(method) + LENGTH.pack(len(body)) + body
 
 
-def failure(code: int, details: str, metadata: Sequence[tuple[str, str]] = ()) -> bytes:
-    """The shard's reply for a call that failed with this status (``code`` > 0)."""
+def answer(method: bytes, body: bytes) -> bytes:
+    """The shard's reply to a ``method`` call with its answer (a serialized response)."""
+    return _method(method) + ANSWER + LENGTH.pack(len(body)) + body
+
+
+def failure(
+    method: bytes, code: int, details: str, metadata: Sequence[tuple[str, str]] = ()
+) -> bytes:
+    """The shard's reply to a ``method`` call that failed with this status (``code`` > 0)."""
     if code <= 0:
         raise ValueError(f"code ({code}) must be a failing status code (> 0)")
     body = json.dumps(
         {"code": code, "details": details, "metadata": [list(kv) for kv in metadata]}
     ).encode()
-    return FAILURE + LENGTH.pack(len(body)) + body
+    return _method(method) + FAILURE + LENGTH.pack(len(body)) + body
 
 
-async def _payload(reader: asyncio.StreamReader) -> bytes | None:
+async def _payload(reader: asyncio.StreamReader) -> bytes:
     try:
-        head = await reader.readexactly(LENGTH.size)
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial:
-            raise ControlError("the connection ended inside a message's length") from None
-        return None
-    (size,) = LENGTH.unpack(head)
+        (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+    except asyncio.IncompleteReadError:
+        raise ControlError("the connection ended inside a message's length") from None
     if size > MAX_MESSAGE_BYTES:
         raise ControlError(f"a message of {size} bytes (the most is {MAX_MESSAGE_BYTES})")
     try:
@@ -108,31 +123,46 @@ async def _payload(reader: asyncio.StreamReader) -> bytes | None:
         raise ControlError("the connection ended inside a message") from None
 
 
-async def read_request(reader: asyncio.StreamReader) -> bytes | None:
-    """The next request's body; None when the learner closed the connection between two."""
-    return await _payload(reader)
+async def _method_byte(reader: asyncio.StreamReader) -> bytes | None:
+    method = await reader.read(1)
+    if not method:
+        return None
+    if method not in METHODS:
+        raise ControlError(f"a message of unknown method {method!r}")
+    return method
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
+    """The next request's method and body; None when the learner closed the connection
+    between two. :class:`ControlError` for anything the protocol does not allow."""
+    method = await _method_byte(reader)
+    if method is None:
+        return None
+    return method, await _payload(reader)
 
 
 async def read_reply(reader: asyncio.StreamReader) -> Reply:
-    """The shard's reply. :class:`ControlError` when the connection ended before it, or the
-    reply is not one of the protocol's."""
-    kind = await reader.read(1)
-    if not kind:
+    """The shard's next reply. :class:`ControlError` when the connection ended before it, or
+    the reply is not one of the protocol's."""
+    method = await _method_byte(reader)
+    if method is None:
         raise ControlError("the shard closed the lane's control connection")
-    if kind not in (ANSWER, FAILURE):
-        raise ControlError(f"a reply of unknown kind {kind!r}")
-    body = await _payload(reader)
-    if body is None:
-        raise ControlError("the connection ended inside a reply")
-    if kind == ANSWER:
-        return Reply(body=body)
     try:
-        status = json.loads(body)
-        code = int(status["code"])
-        details = str(status["details"])
-        metadata = tuple((str(k), str(v)) for k, v in status["metadata"])
+        status = await reader.readexactly(1)
+    except asyncio.IncompleteReadError:
+        raise ControlError("the connection ended inside a reply") from None
+    if status not in (ANSWER, FAILURE):
+        raise ControlError(f"a reply of unknown status {status!r}")
+    body = await _payload(reader)
+    if status == ANSWER:
+        return Reply(method, body=body)
+    try:
+        parsed = json.loads(body)
+        code = int(parsed["code"])
+        details = str(parsed["details"])
+        metadata = tuple((str(k), str(v)) for k, v in parsed["metadata"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ControlError(f"a failure reply that does not parse: {exc}") from None
     if code <= 0:
         raise ControlError(f"a failure reply with code {code}")
-    return Reply(code=code, details=details, metadata=metadata)
+    return Reply(method, code=code, details=details, metadata=metadata)

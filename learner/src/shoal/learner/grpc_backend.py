@@ -97,7 +97,13 @@ from shoal.learner.grpc_calls import (
     optimizer_proto,
     stream_methods,
 )
-from shoal.learner.grpc_lane import ClientLane, lane_control_enabled, lane_refused, open_lane
+from shoal.learner.grpc_lane import (
+    ClientLane,
+    lane_control_enabled,
+    lane_refused,
+    open_lane,
+    traced,
+)
 from shoal.learner.liveness import CoordinatorMoved
 from shoal.learner.ps_overlap import StreamedGradients, overlap_enabled
 from shoal.learner.shard_session import ShardSession
@@ -682,7 +688,7 @@ class GrpcBackend(SyncBackend):
                         )
                     request = encode_header(ps_pb2.SyncStepRequest, header)
                     control = lane.control
-                    if control is not None and not control.closed and not _traced(md):
+                    if control is not None and not control.closed and not traced(md):
                         # The lane's control connection (grpc_lane.LaneControl), not gRPC.
                         answer = await control.sync_step(request)
                         return await self._receive(shard, _frames(answer), answer=True)
@@ -832,11 +838,6 @@ async def _cancelled(call: asyncio.Future[Any]) -> None:
 async def _frames(*frames: Frame) -> AsyncIterator[Frame]:
     for frame in frames:
         yield frame
-
-
-def _traced(md: Any) -> bool:
-    """Whether the call metadata ``md`` carries a trace context (a sampled iteration)."""
-    return bool(md) and any(key == "traceparent" for key, _ in md)
 
 
 async def _answer_of(call: Awaitable[Frame]) -> AsyncIterator[Frame]:

@@ -38,7 +38,14 @@ from shoal.contract.shm import SHM_DIR, LaneError, Segment, host_id
 from shoal.contract.wire import BundleError, Frame, TensorMeta, decode_frame, validate_layout
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
-__all__ = ["ClientLane", "LaneControl", "lane_control_enabled", "lane_refused", "open_lane"]
+__all__ = [
+    "ClientLane",
+    "LaneControl",
+    "lane_control_enabled",
+    "lane_refused",
+    "open_lane",
+    "traced",
+]
 
 log = logging.getLogger("shoal.learner.grpc")
 
@@ -60,46 +67,95 @@ def lane_control_enabled() -> bool:
     return raw == "on"
 
 
+def traced(metadata: Any) -> bool:
+    """Whether call ``metadata`` carries a trace context (a sampled iteration, whose calls go
+    over gRPC so that the shard records their spans)."""
+    return bool(metadata) and any(key == "traceparent" for key, _ in metadata)
+
+
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class LaneControl:
-    """The learner's end of its lane's control connection: one SyncStep header at a time."""
+    """The learner's end of its lane's control connection: a SyncStep and a Boundary at a
+    time (each method's answer is told to its caller by one reader task)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
+        self._waiting: dict[bytes, asyncio.Future[lane_control.Reply]] = {}
+        self._reading: asyncio.Task[None] | None = None
         self.calls = 0  # answered through it
         self.closed = False
 
     async def sync_step(self, body: bytes) -> Frame:
         """The shard's answer to the serialized ``SyncStepRequest`` ``body``: the frame gRPC
-        would have carried, or the :class:`grpc.aio.AioRpcError` it would have raised.
-        :class:`LaneError` when the connection is gone (then it stays closed); a call
-        cancelled closes it too (an answer may still come on it)."""
+        would have carried, or the :class:`grpc.aio.AioRpcError` it would have raised."""
+        reply = await self._call(lane_control.SYNC_STEP, body)
+        return decode_frame(ps_pb2.SyncStepResponse, reply)
+
+    async def boundary(self, request: ps_pb2.BoundaryRequest) -> ps_pb2.BoundaryResponse:
+        """The coordinator's answer to ``request`` (it runs in the lane's shard process), or
+        the :class:`grpc.aio.AioRpcError` gRPC would have raised."""
+        reply = await self._call(lane_control.BOUNDARY, request.SerializeToString())
+        return ps_pb2.BoundaryResponse.FromString(reply)
+
+    async def _call(self, method: bytes, body: bytes) -> bytes:
+        """:class:`LaneError` when the connection is gone (then it stays closed); a call
+        cancelled closes it too (its answer may still come on it), which ends the other
+        method's call in flight with :class:`LaneError`."""
         if self.closed:
             raise LaneError("the lane's control connection is closed")
+        if method in self._waiting:
+            raise RuntimeError(f"a {method!r} call is in flight on the lane's control already")
+        waiting = asyncio.get_running_loop().create_future()
+        self._waiting[method] = waiting
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read())
         try:
-            self._writer.write(lane_control.request(body))
-            reply = await lane_control.read_reply(self._reader)
-        except (lane_control.ControlError, ConnectionError) as exc:
-            self.close()
-            raise LaneError(f"the lane's control connection ended: {exc}") from None
+            self._writer.write(lane_control.request(method, body))
+            reply = await waiting
         except BaseException:
             self.close()
             raise
+        finally:
+            if self._waiting.get(method) is waiting:
+                del self._waiting[method]
         if reply.failed:
             code = _STATUS.get(reply.code, grpc.StatusCode.UNKNOWN)
             raise aio.AioRpcError(
                 code, aio.Metadata(), aio.Metadata(*reply.metadata), details=reply.details
             )
         self.calls += 1
-        return decode_frame(ps_pb2.SyncStepResponse, reply.body)
+        return reply.body
 
-    def close(self) -> None:
+    async def _read(self) -> None:
+        """Tell each reply to its caller, until the connection ends (then every caller gets
+        :class:`LaneError`)."""
+        why = "closed"
+        try:
+            while True:
+                reply = await lane_control.read_reply(self._reader)
+                waiting = self._waiting.get(reply.method)
+                if waiting is None:
+                    raise lane_control.ControlError(f"a reply to no {reply.method!r} call")
+                if not waiting.done():
+                    waiting.set_result(reply)
+        except (lane_control.ControlError, ConnectionError) as exc:
+            why = str(exc)
+        finally:
+            self.close(f"the lane's control connection ended: {why}")
+
+    def close(self, why: str = "the lane's control connection was closed") -> None:
         if not self.closed:
             self.closed = True
             self._writer.close()
+        for waiting in self._waiting.values():
+            if not waiting.done():
+                waiting.set_exception(LaneError(why))
+        reading = self._reading
+        if reading is not None and not reading.done() and reading is not asyncio.current_task():
+            reading.cancel()
 
 
 @dataclass

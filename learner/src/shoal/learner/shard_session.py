@@ -33,6 +33,7 @@ from grpc import aio
 
 from shoal.client.tls import TLSFiles, channel_credentials
 from shoal.contract.errors import decode_rpc_error
+from shoal.contract.shm import LaneError
 from shoal.contract.wire import TensorMeta
 from shoal.learner.grpc_calls import (
     _RETRYABLE,
@@ -41,7 +42,7 @@ from shoal.learner.grpc_calls import (
     _translate,
     stream_methods,
 )
-from shoal.learner.grpc_lane import close_lane
+from shoal.learner.grpc_lane import LaneControl, close_lane, traced
 from shoal.learner.liveness import WATCH_AFTER_S, WATCH_EVERY_S, CoordinatorMoved, watched
 from shoal.learner.tracing import trace_metadata
 from shoal.v1 import (
@@ -167,6 +168,7 @@ class ShardSession:
         self.job_id = job_id
         self.learner_id = learner_id
         self.coordinator = coordinator
+        self._boundaries_on = ""  # the address whose lane control last carried a Boundary
         self._what = what
         # Every shard (SHOAL_SYNC_ENDPOINTS): asked where the coordinator is when it does not
         # answer (its shard was lost and another took the role over, FindCoordinator).
@@ -311,8 +313,14 @@ class ShardSession:
         if self._rejoin and method != "Join" and self.rejoin is not None:
             await self.rejoin(metadata)
         try:
-            call = getattr(self.coordinator_stub(), method)
-            reply = await self.watch(call(request, metadata=metadata or self.metadata))
+            control = self._coordinator_control(method, metadata)
+            reply = None
+            if control is not None:
+                with contextlib.suppress(LaneError):  # its control ended: this try on gRPC
+                    reply = await self.watch(control.boundary(request))
+            if reply is None:
+                call = getattr(self.coordinator_stub(), method)
+                reply = await self.watch(call(request, metadata=metadata or self.metadata))
         except CoordinatorMoved:
             window.restart()
             raise _Followed from None
@@ -338,6 +346,27 @@ class ShardSession:
             window.restart()
             raise _Followed
         raise _Unanswered(why)
+
+    def _coordinator_control(self, method: str, metadata: Any) -> LaneControl | None:
+        """For a Boundary not traced: the control connection of this learner's lane to a
+        shard in the coordinator's process (docs/data-plane.md, "The lane's control
+        channel"), when one is open."""
+        if method != "Boundary" or traced(metadata):
+            return None
+        for shard in self.shards:
+            lane = shard.lane
+            if shard.address == self.coordinator and lane is not None:
+                control = lane.control
+                if control is not None and not control.closed:
+                    if self._boundaries_on != shard.address:
+                        self._boundaries_on = shard.address
+                        log.info(
+                            "Boundaries go on the control connection of the lane to shard %s "
+                            "(the coordinator's process)",
+                            shard.address,
+                        )
+                    return control
+        return None
 
     async def watch(self, call: Awaitable[T]) -> T:
         """``call`` (an RPC, or a gather of streams) watched for a coordinator that hangs

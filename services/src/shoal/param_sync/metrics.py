@@ -19,10 +19,9 @@ metric                                      labels  meaning
 ``shoal_sync_lane_streams_total``           job_id  SyncSteps whose bytes came through the
                                                     same-host shared-memory lane, per
                                                     shard (the others came as gRPC chunks)
-``shoal_sync_lane_control_calls_total``     job_id  of those, the SyncSteps whose header
-                                                    came on the lane's control connection
-                                                    instead of gRPC (the others: a traced
-                                                    iteration, or no control)
+``shoal_sync_lane_control_calls_total``     job_id, calls answered on a same-host lane's
+                                            method  control connection instead of gRPC
+                                                    (method: SyncStep or Boundary)
 ``shoal_sync_lane_handoffs_refused_total``  (none)  connections to this shard's lane
                                                     handoff socket that got no descriptor
                                                     (a wrong, used or expired token,
@@ -80,8 +79,8 @@ class SyncMetrics:
         )
         self._lane_control = m.create_counter(
             "shoal_sync_lane_control_calls",
-            description="Lane SyncSteps whose header came on the lane's control connection "
-            "instead of gRPC",
+            description="Calls answered on a same-host lane's control connection instead of "
+            "gRPC (SyncStep, Boundary)",
         )
         self._handoff_refused = m.create_counter(
             "shoal_sync_lane_handoffs_refused",
@@ -123,9 +122,9 @@ class SyncMetrics:
         """A SyncStep's bytes came through the same-host lane."""
         self._lane.add(1, {"job_id": job_id})
 
-    def lane_control_call(self, job_id: str) -> None:
-        """A lane SyncStep came on the lane's control connection (not gRPC)."""
-        self._lane_control.add(1, {"job_id": job_id})
+    def lane_control_call(self, job_id: str, method: str) -> None:
+        """A call was answered on a lane's control connection (not gRPC)."""
+        self._lane_control.add(1, {"job_id": job_id, "method": method})
 
     def lane_handoff_refused(self) -> None:
         """A connection to the lane handoff socket got no descriptor."""
