@@ -12,8 +12,10 @@ up`` runs), real PyTorch learners (tests/e2e/tiny_model).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +32,11 @@ MODEL = ROOT / "tests" / "e2e" / "tiny_model"
 S = job_pb2
 PER_EPOCH = 7  # 448 samples, batch 64
 EPOCHS = 30
+# The recovery test's: enough that the job still has epochs to run when the tier comes back
+# (else it may finish them while still RECOVERING, before its first committed iteration is
+# seen: this model's iterations take milliseconds, and the second kill comes only once
+# progress is seen).
+RECOVER_EPOCHS = 100
 
 
 def resumed_at(reason: str) -> int:
@@ -43,12 +50,29 @@ def resumed_at(reason: str) -> int:
 
 
 class Watcher:
-    """Samples the job through the public API and remembers every (state, learners, reason)."""
+    """Samples the job through the public API and remembers every (state, learners, reason);
+    also follows its WatchJob stream, so that a state held for less than a sampling period
+    (a recovered job that finishes its last epochs within it) is seen all the same."""
 
     def __init__(self, client: Client, job_id: str) -> None:
         self.client = client
         self.job_id = job_id
         self.samples: list[tuple[float, int, int, str, int]] = []
+        self._streamed: list[job_pb2.Job] = []  # every job WatchJob sent, in order
+        self._checked = 0  # of them, those an until() looked at already
+        self._lock = threading.Lock()
+        threading.Thread(target=self._follow, daemon=True).start()
+
+    def _follow(self) -> None:
+        with contextlib.suppress(Exception):  # (the cluster going away ends it)
+            for event in self.client.watch_job(self.job_id):
+                with self._lock:
+                    self._streamed.append(event.job)
+
+    def _streamed_since(self) -> list[job_pb2.Job]:
+        with self._lock:
+            new, self._checked = self._streamed[self._checked :], len(self._streamed)
+        return new
 
     def sample(self) -> job_pb2.Job:
         job = self.client.get_job(self.job_id)
@@ -67,13 +91,28 @@ class Watcher:
         deadline = time.monotonic() + timeout
         while True:
             job = self.sample()
+            for streamed in self._streamed_since():
+                if condition(streamed):
+                    return streamed
             if condition(job):
                 return job
             if job.state in (S.JOB_STATE_FAILED, S.JOB_STATE_CANCELLED):
                 pytest.fail(f"job {S.JobState.Name(job.state)}: {job.state_reason}")
             if time.monotonic() > deadline:
-                pytest.fail(f"timed out waiting for {what}; last: {job}")
+                pytest.fail(
+                    f"timed out waiting for {what}; its states: {self.transitions()}; last: {job}"
+                )
             time.sleep(0.2)
+
+    def transitions(self) -> list[tuple[str, str]]:
+        """Each (state, reason) the job passed through, as WatchJob told them."""
+        seen: list[tuple[str, str]] = []
+        with self._lock:
+            for j in self._streamed:
+                item = (S.JobState.Name(j.state), j.state_reason)
+                if not seen or seen[-1] != item:
+                    seen.append(item)
+        return seen
 
     def running_without_learners_for(self) -> float:
         """The longest stretch the job said RUNNING with no learner allocated."""
@@ -118,7 +157,7 @@ def test_a_killed_coordinator_shard_and_a_killed_tier_are_recovered_from_the_che
                 entry_point="train.py",
                 artifact_id=artifact,
                 batch_size=64,
-                epochs=EPOCHS,
+                epochs=RECOVER_EPOCHS,
                 min_workers=1,
                 max_workers=2,
                 sync_mode=job_pb2.SYNC_MODE_PARAMETER_SERVER,
@@ -168,7 +207,7 @@ def test_a_killed_coordinator_shard_and_a_killed_tier_are_recovered_from_the_che
 
         # 3. It completes.
         job = w.until(lambda j: j.state == S.JOB_STATE_COMPLETED, "COMPLETED", timeout=600)
-        assert job.progress.completed_iterations == EPOCHS * PER_EPOCH
+        assert job.progress.completed_iterations == RECOVER_EPOCHS * PER_EPOCH
 
         # The issue's bug: never RUNNING with no learner (beyond the moment an exit takes to be
         # reported).
