@@ -9,8 +9,9 @@ shard then writes the gradients into the segment's in-region and sends only the 
 (``shared_memory``); the shard answers with a header naming where in the out-region it wrote
 the new parameters. The header goes on the Unix connection the descriptor came over, kept
 open as the lane's control channel (:class:`LaneControl`, ``shoal.contract.lane_control``),
-unless the iteration is traced (its SyncStep is a gRPC call with a span) or
-``SHOAL_LANE_CONTROL`` is ``off``; then gRPC carries it. Anything that does not work (another
+and so do the learner's Boundaries when the job's coordinator runs in that shard's process
+(``ShardSession``), unless the iteration is traced (its calls are gRPC calls with spans) or
+``SHOAL_LANE_CONTROL`` is ``off``; then gRPC carries them. Anything that does not work (another
 host, another user, another network namespace, an old shard that offers a named segment, a
 refusal) leaves the learner on gRPC streams for that shard; a control connection that ends
 leaves the learner on gRPC for that lane's headers.
