@@ -5,7 +5,8 @@ Against two in-process shard servers (real gRPC, with auth; ``test_param_sync.Cl
 Boundary marked ``ahead`` that reports the iteration still running is held until that iteration
 commits, then answered with the next one, its report recorded; held while the iteration is
 aborted, it is answered with the re-issue; one that reports anything but the running iteration
-is answered at once, as a plain Boundary.
+is answered at once, as a plain Boundary; one whose caller gives up while it is held changes
+nothing.
 
 With real processes (two shard processes, two learner processes per job of the digits MLP), a
 job whose learners send every Boundary ahead (the default) trains to the very same parameters
@@ -103,6 +104,29 @@ async def test_a_boundary_held_ahead_is_answered_with_the_reissue_when_its_itera
     a = answer.assignment
     assert answer.action == ps_pb2.BOUNDARY_ACTION_RUN
     assert (a.global_iteration, a.generation, a.rank, a.world_size) == (0, 2, 0, 1)
+
+
+async def test_a_held_boundary_whose_learner_gives_up_changes_nothing(cluster):  # noqa: F811
+    """A learner that dies (or cancels the call) while its Boundary is held: the iteration
+    commits as it would have, and the learner's next Boundary is answered as usual."""
+    c = cluster
+    a1, a2 = await started(c, "j", ["l1", "l2"], batch=4)
+    coordinator = c.servicers[0]._coordinated["j"].coord
+    early = ahead(c, "l1", a1, loss_sum=3.0, n=2)
+    l1 = asyncio.ensure_future(contribute(c, "j", "l1", a1, grads(1), BUFFERS, n=2))
+    assert await still_waiting(early)
+    early.cancel()  # the call ends on the learner's side: gRPC cancels its handler
+    await asyncio.gather(early, return_exceptions=True)
+    await contribute(c, "j", "l2", a2, grads(2), BUFFERS, n=2)
+    await l1
+    await async_wait_until(lambda: coordinator.completed == 1, what="iteration 0 committed")
+    # Its report never arrived: the plain Boundary after carries it, and gets iteration 1.
+    for learner, a in (("l1", a1), ("l2", a2)):
+        reply = await c.boundary(
+            "j", learner, generation=a.generation, completed=0, loss_sum=1.0, n=2
+        )
+        assert reply.assignment.global_iteration == 1, learner
+    await async_wait_until(lambda: coordinator.last_loss == pytest.approx(0.5), what="the record")
 
 
 async def test_a_boundary_ahead_of_anything_but_the_running_iteration_is_answered_at_once(
