@@ -8,7 +8,10 @@ descriptor over a Unix socket (``SCM_RIGHTS``) to whoever shows the lane's one-t
 * OpenSharedLane's reply, on the authenticated gRPC channel, carries that address and a token
   of :data:`TOKEN_BYTES` random bytes made for that one lane (:meth:`HandoffServer.offer`).
 * The learner (:func:`fetch_fd`) connects, sends the token and receives exactly one
-  descriptor with the byte ``L``; it checks the segment behind it (``Segment.from_fd``).
+  descriptor with the byte ``L``; it checks the segment behind it (``Segment.from_fd``). An
+  offer made with ``keep`` hands the connection on afterwards (the shard serves the lane's
+  control channel on it, ``shoal.contract.lane_control``; the learner keeps it with
+  :func:`fetch_fd_keeping`); any other is closed once the descriptor went.
 * The shard hands a token's descriptor once, before the offer's deadline, and only to a peer
   running as its own user (``SO_PEERCRED``). Anything else (a wrong, used or expired token,
   another user, a peer silent for :data:`READ_TIMEOUT_S`, one beyond :data:`MAX_PENDING`
