@@ -90,7 +90,7 @@ from shoal.learner.coordinator_messages import (
     join_request,
     layout_of,
 )
-from shoal.learner.env import LearnerEnv
+from shoal.learner.env import LearnerEnv, switch
 from shoal.learner.grpc_backend import session_options
 from shoal.learner.overlap import (
     DEFAULT_BUCKET_BYTES,
@@ -157,10 +157,7 @@ class CollectiveBackend(SyncBackend):
         if first_bucket_bytes < 1:
             raise ValueError(f"first_bucket_bytes ({first_bucket_bytes!r}) must be >= 1")
         if overlap is None:
-            raw = os.environ.get(environment.COLLECTIVE_OVERLAP, "on").strip().lower()
-            if raw not in ("on", "off"):
-                raise ValueError(f"SHOAL_COLLECTIVE_OVERLAP ({raw!r}) must be 'on' or 'off'")
-            overlap = raw == "on"
+            overlap = switch(environment.COLLECTIVE_OVERLAP, "on")
         self.session = ShardSession(what="collective backend", **session_args)
         self.job_id = self.session.job_id
         self.learner_id = self.session.learner_id

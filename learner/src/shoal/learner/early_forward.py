@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -51,6 +50,7 @@ from torch import nn
 
 from shoal.contract import environment
 from shoal.learner.backend import IterationAborted
+from shoal.learner.env import switch
 from shoal.learner.steps import ModelTensors
 
 __all__ = ["ArrivingTensors", "EarlyForward", "early_forward_enabled"]
@@ -60,10 +60,7 @@ log = logging.getLogger("shoal.learner.early_forward")
 
 def early_forward_enabled() -> bool:
     """``SHOAL_PS_EARLY_FORWARD``: ``on`` or ``off`` (the default)."""
-    raw = os.environ.get(environment.PS_EARLY_FORWARD, "off").strip().lower()
-    if raw not in ("on", "off"):
-        raise ValueError(f"{environment.PS_EARLY_FORWARD} ({raw!r}) must be 'on' or 'off'")
-    return raw == "on"
+    return switch(environment.PS_EARLY_FORWARD, "off")
 
 
 class ArrivingTensors:

@@ -106,6 +106,7 @@ __all__ = [
     "otlp_endpoint",
     "seed",
     "storage_uri",
+    "switch",
     "sync_backend",
     "sync_endpoints",
     "tls_ca",
@@ -131,6 +132,15 @@ def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
 def _str(name: str, environ: Mapping[str, str] | None) -> str | None:
     value = _env(environ).get(name, "").strip()
     return value or None
+
+
+def switch(name: str, default: str, environ: Mapping[str, str] | None = None) -> bool:
+    """An ``on``/``off`` variable (``default`` when unset): whether it is ``on``. Anything
+    else is a ValueError naming the variable and the value."""
+    raw = _env(environ).get(name, default).strip().lower()
+    if raw not in ("on", "off"):
+        raise ValueError(f"{name} ({raw!r}) must be 'on' or 'off'")
+    return raw == "on"
 
 
 def _int(name: str, environ: Mapping[str, str] | None, minimum: int) -> int | None:

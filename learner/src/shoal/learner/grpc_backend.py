@@ -690,8 +690,8 @@ class GrpcBackend(SyncBackend):
                     control = lane.control
                     if control is not None and not control.closed and not traced(md):
                         # The lane's control connection (grpc_lane.LaneControl), not gRPC.
-                        answer = await control.sync_step(request)
-                        return await self._receive(shard, _frames(answer), answer=True)
+                        answer = _answer_of(control.sync_step(request))
+                        return await self._receive(shard, answer, answer=True)
                     # One message each way (the answer is a header), as SyncStepUnary.
                     unary = shard.streams["SyncStepUnary"](request, metadata=md or self._metadata)
                     return await self._receive(shard, _answer_of(unary), answer=True)
@@ -835,13 +835,9 @@ async def _cancelled(call: asyncio.Future[Any]) -> None:
     await asyncio.gather(call, return_exceptions=True)
 
 
-async def _frames(*frames: Frame) -> AsyncIterator[Frame]:
-    for frame in frames:
-        yield frame
-
-
 async def _answer_of(call: Awaitable[Frame]) -> AsyncIterator[Frame]:
-    """A unary call's one answer message as the frames :meth:`GrpcBackend._receive` reads."""
+    """A unary call's one answer message (gRPC's, or the lane control's) as the frames
+    :meth:`GrpcBackend._receive` reads."""
     yield await call
 
 

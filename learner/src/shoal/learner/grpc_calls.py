@@ -20,6 +20,7 @@ from shoal.contract import environment
 from shoal.contract.errors import decode_rpc_error
 from shoal.contract.wire import MAX_INLINE_BYTES, byte_view, frame_decoder, serialize
 from shoal.learner.backend import IterationAborted, TrainingSetup
+from shoal.learner.env import switch
 from shoal.learner.grpc_lane import ClientLane
 from shoal.v1 import (
     parameter_sync_service_pb2 as ps_pb2,
@@ -68,10 +69,7 @@ DEFAULT_INLINE_KB = 256
 
 def boundary_ahead_enabled() -> bool:
     """``SHOAL_BOUNDARY_AHEAD``: ``on`` (the default) or ``off``."""
-    raw = os.environ.get(environment.BOUNDARY_AHEAD, "on").strip().lower()
-    if raw not in ("on", "off"):
-        raise ValueError(f"{environment.BOUNDARY_AHEAD} ({raw!r}) must be 'on' or 'off'")
-    return raw == "on"
+    return switch(environment.BOUNDARY_AHEAD, "on")
 
 
 def inline_bytes_from_env() -> int:

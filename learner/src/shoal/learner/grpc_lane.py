@@ -37,6 +37,7 @@ from shoal.contract import environment, lane_control
 from shoal.contract.lane_handoff import fetch_fd_keeping
 from shoal.contract.shm import SHM_DIR, LaneError, Segment, host_id
 from shoal.contract.wire import BundleError, Frame, TensorMeta, decode_frame, validate_layout
+from shoal.learner.env import switch
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 __all__ = [
@@ -62,10 +63,7 @@ def lane_refused(exc: aio.AioRpcError) -> bool:
 
 def lane_control_enabled() -> bool:
     """``SHOAL_LANE_CONTROL``: ``on`` (the default) or ``off``."""
-    raw = os.environ.get(environment.LANE_CONTROL, "on").strip().lower()
-    if raw not in ("on", "off"):
-        raise ValueError(f"{environment.LANE_CONTROL} ({raw!r}) must be 'on' or 'off'")
-    return raw == "on"
+    return switch(environment.LANE_CONTROL, "on")
 
 
 def traced(metadata: Any) -> bool:

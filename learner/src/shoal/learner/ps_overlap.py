@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -52,6 +51,7 @@ from shoal.contract.wire import (
     pack_layout,
 )
 from shoal.learner.backend import Assignment, Contribution
+from shoal.learner.env import switch
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 if TYPE_CHECKING:
@@ -398,7 +398,4 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 
 def overlap_enabled() -> bool:
     """``SHOAL_PS_OVERLAP``: ``on`` (the default) or ``off``."""
-    raw = os.environ.get(environment.PS_OVERLAP, "on").strip().lower()
-    if raw not in ("on", "off"):
-        raise ValueError(f"{environment.PS_OVERLAP} ({raw!r}) must be 'on' or 'off'")
-    return raw == "on"
+    return switch(environment.PS_OVERLAP, "on")
