@@ -6,7 +6,8 @@ connection carries its SyncSteps and Boundaries as gRPC would (the same answers,
 refusals, a Boundary sent ahead beside the SyncStep) and speaks for its own lane only; the
 segment never has a name, its descriptor is handed once to the right token only (a wrong,
 used or expired token gets nothing), a learner whose fetch fails stays on gRPC, and the lane
-goes with the job. The lane under real learner processes is in ``test_shm_lane_processes.py``."""
+goes with the job; a job's lanes that ask for it share one read-only answer segment. The lane
+under real learner processes is in ``test_shm_lane_processes.py``."""
 
 from __future__ import annotations
 
@@ -354,6 +355,54 @@ async def test_a_learner_whose_fetch_fails_stays_on_grpc(shard: Shard, caplog):
     )
     assert not frames[0].header.shared_memory
     torch.testing.assert_close(read_answer(frames, None, None), W0 - LR * g, atol=0, rtol=0)
+
+
+async def test_a_jobs_lanes_share_one_read_only_answer_segment(shard: Shard):
+    """A learner asking for ``shared_answer`` (``open_lane`` does) gets an empty out-region and
+    the descriptor of the job's answer segment, sealed read-only and mapped so; the job's
+    other lanes on the shard get the same segment; a round's answer is written there, equal
+    to the gRPC round's; the segment goes with the job's last lane."""
+    s = shard
+    a = (
+        await s.call("learner", "Boundary", ps_pb2.BoundaryRequest(job_id=JOB, learner_id=LEARNER))
+    ).assignment
+    stub = ps_grpc.ParameterSyncServiceStub(s.channel)
+    lane = await open_lane(
+        stub,
+        job_id=JOB,
+        learner_id=LEARNER,
+        metadata=s.md("learner"),
+        address="shard-0",
+        control=False,
+    )
+    assert lane is not None and lane.answers is not None
+    assert lane.out_offset == lane.segment.size  # no out-region of its own
+    other = await s.call(
+        "learner-2", "OpenSharedLane", lane_request(f"{JOB}-l2", shared_answer=True)
+    )
+    assert other.answer_token and other.answer_nonce == lane.answers.nonce  # the same segment
+    assert other.out_offset == other.size and len(s.servicer._shared_answers) == 1
+    g = torch.tensor([[1.0, 2.0], [-0.5, 4.0], [3.0, 1.0], [-1.0, 0.0]])
+    offset = lane.write(LAYOUT, [byte_view(g)], TOTAL)
+    header = grad_header(a.generation, shared_memory=True, shared_memory_offset=offset)
+    frames = await s.sync("learner", header, [])
+    answer = frames[0].header
+    assert answer.shared_memory and answer.shared_memory_offset == lane.answers_offset
+    (new,) = lane.answer_views(answer, LAYOUT)
+    torch.testing.assert_close(new, W0 - LR * g, atol=0, rtol=0)
+    region = lane.answers.region(
+        lane.answers_offset, TOTAL, lo=lane.answers_offset, hi=lane.answers.size, what="answer"
+    )
+    assert region.readonly
+    assert s.servicer._shared_answers[JOB].written == (a.generation, 0)
+    # One lane closed: the segment stays for the other; the last closed: it goes.
+    for learner, who in ((f"{JOB}-l2", "learner-2"), (LEARNER, "learner")):
+        assert JOB in s.servicer._shared_answers
+        close = ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=learner, close=True)
+        await s.call(who, "OpenSharedLane", close)
+    assert JOB not in s.servicer._shared_answers and s.servicer._handoff.offers == 0
+    torch.testing.assert_close(new, W0 - LR * g, atol=0, rtol=0)  # its mapping stays
+    lane.close()
 
 
 async def test_an_older_learner_gets_no_lane_and_a_reason(shard: Shard):

@@ -1,9 +1,11 @@
-"""The same-host lane with real processes: two shard processes and two learner processes on
-this host, one learner on the lane (the default) and one with ``SHOAL_SHM_LANE=off`` (gRPC
+"""The same-host lane with real processes: two shard processes and three learner processes on
+this host, two learners on the lane (the default) and one with ``SHOAL_SHM_LANE=off`` (gRPC
 streams), in one job. The lane is used (both sides log it, each descriptor is handed once, the
 headers, and the Boundaries to the coordinator's process, go on the lanes' control
-connections), the job still equals single-process training (atol 1e-5), and no lane segment
-of the shards has a name under /dev/shm at any time (watched while the job runs) or after it.
+connections; the two lane learners read their answers from one answer segment per shard,
+mapped read-only), the job still equals single-process training (atol 1e-5), and no lane
+segment of the shards has a name under /dev/shm at any time (watched while the job runs) or
+after it.
 The shards step each tensor as its own group (``--step-group-mb``), so the gRPC learner's
 answers are sent group by group."""
 
@@ -50,6 +52,11 @@ def lane_fds_and_maps(pid: int) -> tuple[int, int] | None:
     return memfd_fds_and_maps(pid, "shoal-lane")
 
 
+def answer_fds_and_maps(pid: int) -> tuple[int, int] | None:
+    """:func:`memfd_fds_and_maps` of the job's answer segments (``param_sync/shm_lane.py``)."""
+    return memfd_fds_and_maps(pid, "shoal-answer")
+
+
 def sums_fds_and_maps(pid: int) -> tuple[int, int] | None:
     """:func:`memfd_fds_and_maps` of the segments a shard replicates its sums through to a
     backup on its host (``param_sync/replica_lane.py``)."""
@@ -65,7 +72,7 @@ def segments_of(pids: list[int]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_path) -> None:
+def test_two_learners_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_path) -> None:
     tokens = make_tokens(tmp_path / "tokens")
     plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
     # Each tensor its own step group: the gRPC learner's answers leave group by group
@@ -92,20 +99,28 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
         off = plane.start_learner(
             job, "lane-l1", epochs=EPOCHS, batch=BATCH, gate=gate, env={"SHOAL_SHM_LANE": "off"}
         )
-        for proc in (on, off):
+        also = plane.start_learner(job, "lane-l2", epochs=EPOCHS, batch=BATCH, gate=gate, delay=0.1)
+        for proc in (on, off, also):
             proc.wait_for("READY", timeout=120)
         gate.touch()
         # The learner maps both lanes and holds no descriptor of them (nor does any shard once
         # the learner fetched it): none can be opened through /proc/<pid>/fd.
-        wait_until(
-            lambda: lane_fds_and_maps(on.popen.pid) == (0, 2),
-            timeout=120,
-            interval=0.01,
-            what="the learner's two lanes mapped, with no descriptor",
-        )
+        # Each maps the two shards' answer segments too (read-only), and holds no descriptor
+        # of them either; a shard keeps its answer segment's, for the job's next learners.
+        for proc in (on, also):
+            wait_until(
+                lambda proc=proc: (
+                    lane_fds_and_maps(proc.popen.pid) == (0, 2)
+                    and answer_fds_and_maps(proc.popen.pid) == (0, 2)
+                ),
+                timeout=120,
+                interval=0.01,
+                what="the learner's two lanes and two answer segments mapped, with no descriptor",
+            )
         for pid in pids:
-            assert lane_fds_and_maps(pid) in (None, (0, 1)), pid  # None: not ours to look at
-        for proc in (on, off):
+            assert lane_fds_and_maps(pid) in (None, (0, 2)), pid  # None: not ours to look at
+            assert answer_fds_and_maps(pid) in (None, (1, 1)), pid
+        for proc in (on, off, also):
             assert proc.wait(timeout=300) == 0, proc.text()[-3000:]
         done.set()
         watcher.join(timeout=30)
@@ -116,10 +131,15 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
         # control channel"), not gRPC.
         assert on.text().count("its control connection carries the headers") == 2
         assert "Boundaries go on the control connection of the lane to shard" in on.text()
+        assert also.text().count(LANE_OPEN) == 2, also.text()[-3000:]
         assert LANE_OPEN not in off.text()
         for shard in plane.shards:
-            assert "shared-memory lane of learner lane-l0 opened" in shard.text()
-            assert shard.text().count("lane of learner lane-l0: descriptor handed") == 1
+            for learner in ("lane-l0", "lane-l2"):
+                assert f"shared-memory lane of learner {learner} opened" in shard.text()
+                assert shard.text().count(f"lane of learner {learner}: descriptor handed") == 1
+                handed = f"answer segment, for learner {learner}: descriptor handed"
+                assert shard.text().count(handed) == 1, shard.text()
+            assert shard.text().count("answer segment opened") == 1
             assert "lane of learner lane-l1" not in shard.text()
             assert "lane handoff refused" not in shard.text()
             assert "not dumpable: processes of this user cannot read its memory" in shard.text()
@@ -141,6 +161,7 @@ def test_a_learner_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp_pa
                 lambda shard=shard: (
                     "lane of learner lane-l0 closed" in shard.text()
                     and "control of learner lane-l0's lane closed after" in shard.text()
+                    and "answer segment closed" in shard.text()
                 ),
                 timeout=30,
                 interval=0.1,

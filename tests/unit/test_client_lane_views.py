@@ -109,3 +109,50 @@ def test_the_receive_tensors_follow_a_new_lane_with_the_same_layout() -> None:
     finally:
         first.close()
         second.close()
+
+
+def test_a_shared_read_only_answer_is_viewed_and_a_chunked_answer_after_it_gets_own_memory() -> (
+    None
+):
+    """The job's answer segment (mapped read-only): the receive tensors view it, keyed by its
+    nonce; an answer that then comes as chunks (the lane went) is copied into new memory of
+    the receive tensors', never into the read-only mapping (which would fault)."""
+    from shoal.learner.grpc_backend import GrpcBackend
+
+    metas, total = pack_layout([TensorMeta.of(n, t) for n, t in TENSORS.items()], align=64)
+    shard = Segment.create(64 + total, label="shoal-answer", read_only=True)
+    out = np.frombuffer(shard.region(64, total, lo=64, hi=shard.size, what="a"), np.uint8)
+    for m, t in zip(metas, TENSORS.values(), strict=True):
+        if m.nbytes:
+            out[m.offset : m.end] = byte_view(t)
+    lane = ClientLane(Segment.create(64 + 256), 64, 256, 64 + 256)
+    lane.answers = Segment.from_fd(shard.fd, shard.size, shard.nonce, read_only=True)
+    lane.answers_offset = 64
+    backend = GrpcBackend.__new__(GrpcBackend)  # only the receive lists are used
+    backend._layout = metas
+    try:
+        header = header_of(job_id="j", sender_id="shard-0", metas=metas, total_bytes=total)
+        header.shared_memory, header.shared_memory_offset = True, 64
+        targets = list(range(len(metas)))
+        backend._recv = [torch.empty(0)] * len(metas)
+        backend._recv_bytes = [np.empty(0, dtype=np.uint8)] * len(metas)
+        backend._recv_source = [None] * len(metas)
+        backend._view_lane_answer(lane, header, metas, targets)
+        assert torch.equal(backend._recv[0], TENSORS["w"])
+        assert {src[0] for src in backend._recv_source} == {shard.nonce}
+        # (torch knows no read-only memory: a write through these views would fault)
+        viewed = [t.data_ptr() for t in backend._recv]
+        backend._own_receive(targets)
+        assert all(src is None for src in backend._recv_source)
+        assert not {t.data_ptr() for t in backend._recv if t.numel()} & set(viewed)
+        for j, m in enumerate(metas):
+            assert backend._recv[j].shape == m.shape and backend._recv[j].dtype == m.torch_dtype
+            if m.nbytes:
+                backend._recv_bytes[j][:] = 1  # its own memory: writable
+        assert torch.equal(
+            torch.from_numpy(out[metas[0].offset : metas[0].end].copy()).view(torch.float32),
+            TENSORS["w"].reshape(-1),
+        )  # the segment is untouched
+    finally:
+        lane.close()
+        shard.close()

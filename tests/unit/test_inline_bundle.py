@@ -198,6 +198,7 @@ def learner_receive(header: ps_pb2.TensorBundleHeader, *more: Frame) -> list[tor
         backend._layout = pack_layout(metas)[0]
         backend._recv = [torch.zeros_like(t) for t in tensors]
         backend._recv_bytes = [byte_view(t) for t in backend._recv]
+        backend._recv_source = [None] * len(backend._recv)
         shard = _Shard(0, "shard-0", [0, 1, 2])
 
         async def answer() -> AsyncIterator[Frame]:

@@ -5,6 +5,7 @@ segments older shards left behind."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
@@ -15,7 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from shoal.contract.shm import NONCE_BYTES, PREFIX, SEALS, LaneError, Segment, host_id, sweep_stale
+from shoal.contract.shm import (
+    NONCE_BYTES,
+    PREFIX,
+    READ_ONLY_SEAL,
+    SEALS,
+    LaneError,
+    Segment,
+    host_id,
+    sweep_stale,
+)
 
 
 @pytest.fixture
@@ -110,6 +120,51 @@ def test_from_fd_sees_the_same_bytes_and_checks_what_it_maps() -> None:
     os.close(w)
     peer.close()
     seg.close()
+
+
+def test_a_read_only_segment_is_written_by_its_creator_alone() -> None:
+    """A job's answer segment: the shard writes it through its own mapping; whoever gets the
+    descriptor (a learner, or anyone it leaks to) can map it read-only and nothing more: no
+    writable mapping, no write(2), no mprotect up to writable; a private mapping's writes stay
+    its own."""
+    shard = Segment.create(4096, label="shoal-answer", read_only=True)
+    assert fcntl.fcntl(shard.fd, fcntl.F_GET_SEALS) & (SEALS | READ_ONLY_SEAL) == (
+        SEALS | READ_ONLY_SEAL
+    )
+    reader = Segment.from_fd(shard.fd, 4096, shard.nonce, read_only=True)
+    shard.region(64, 4, lo=64, hi=4096, what="x")[:] = b"abcd"
+    seen = reader.region(64, 4, lo=64, hi=4096, what="x")
+    assert bytes(seen) == b"abcd" and seen.readonly
+    with pytest.raises(TypeError):
+        seen[:] = b"wxyz"
+    # Reopened read-write through /proc: still no writable mapping, no write.
+    fd = os.open(f"/proc/self/fd/{shard.fd}", os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 64)
+        private = mmap.mmap(fd, 4096, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        private[64:68] = b"wxyz"  # copy-on-write: the segment is untouched
+        private.close()
+    finally:
+        os.close(fd)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    addr = libc.mmap(None, 4096, mmap.PROT_READ, mmap.MAP_SHARED, shard.fd, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    assert libc.mprotect(addr, 4096, mmap.PROT_READ | mmap.PROT_WRITE) == -1
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.munmap(addr, 4096)
+    assert bytes(seen) == b"abcd"
+    # A reader that expects a read-only segment refuses one without the seal.
+    plain = Segment.create(4096)
+    with pytest.raises(LaneError, match="seals"):
+        Segment.from_fd(plain.fd, 4096, plain.nonce, read_only=True)
+    for segment in (reader, shard, plain):
+        segment.close()
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,7 @@ __all__ = [
     "MEMFD_NAME",
     "NONCE_BYTES",
     "PREFIX",
+    "READ_ONLY_SEAL",
     "SEALS",
     "SHM_DIR",
     "LaneError",
@@ -113,6 +114,12 @@ SEALS = (
 )
 
 
+#: The seal of a segment its readers map read-only (a job's answer segment): no new writable
+#: mapping and no write(2), while the shard's own mapping stays writable (Linux 5.1; Python's
+#: fcntl does not name it).
+READ_ONLY_SEAL = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010) if SEALS else 0
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
@@ -127,19 +134,22 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _map_shared(fd: int, size: int) -> memoryview:
-    """``size`` bytes of ``fd`` mapped shared, read-write, as a byte view that keeps no
+def _map_shared(fd: int, size: int, *, writable: bool = True) -> memoryview:
+    """``size`` bytes of ``fd`` mapped shared, read-write (``writable``) or read-only (a read-only
+    view then: a write through it raises instead of faulting), as a byte view that keeps no
     descriptor open: Python's ``mmap.mmap`` keeps a duplicate of the descriptor for as long as
     it lives (until 3.13's ``trackfd=False``), which would leave the segment openable through
     ``/proc/<pid>/fd`` by processes of the same user for the lane's whole life. The memory is
     unmapped when the last view of it (slices included) is released."""
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    protection = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    addr = _libc.mmap(None, size, protection, mmap.MAP_SHARED, fd, 0)
     if addr is None or addr == _MAP_FAILED:
         errno = ctypes.get_errno()
         raise OSError(errno, f"mmap of {size} bytes: {os.strerror(errno)}")
     buffer = (ctypes.c_ubyte * size).from_address(addr)
     weakref.finalize(buffer, _libc.munmap, addr, size)
-    return memoryview(buffer).cast("B")
+    view = memoryview(buffer).cast("B")
+    return view if writable else view.toreadonly()
 
 
 @dataclass
@@ -154,10 +164,12 @@ class Segment:
     fd: int = -1
 
     @classmethod
-    def create(cls, size: int, *, label: str = MEMFD_NAME) -> Segment:
+    def create(cls, size: int, *, label: str = MEMFD_NAME, read_only: bool = False) -> Segment:
         """A new zeroed, nameless, sealed segment of ``size`` bytes, its first
         :data:`NONCE_BYTES` a random nonce; the caller owns ``fd`` (:meth:`release_fd`).
-        ``label`` is the memfd's label in ``/proc`` (no name in any directory)."""
+        ``label`` is the memfd's label in ``/proc`` (no name in any directory). ``read_only``:
+        sealed with :data:`READ_ONLY_SEAL` too, once mapped here, so that only this mapping
+        can write it (whoever gets the descriptor can map it read-only, nothing more)."""
         if size < NONCE_BYTES:
             raise LaneError(f"size ({size}) must be >= {NONCE_BYTES}")
         if not SEALS or not hasattr(os, "memfd_create"):
@@ -165,20 +177,22 @@ class Segment:
         fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            view = _map_shared(fd, size)
+            view = _map_shared(fd, size)  # before a write seal, which forbids new writable ones
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            view[:NONCE_BYTES] = nonce
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | (READ_ONLY_SEAL if read_only else 0))
         except BaseException:
             os.close(fd)
             raise
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        view[:NONCE_BYTES] = nonce
         return cls(size, nonce, view, fd)
 
     @classmethod
-    def from_fd(cls, fd: int, size: int, nonce: bytes) -> Segment:
+    def from_fd(cls, fd: int, size: int, nonce: bytes, *, read_only: bool = False) -> Segment:
         """Map the segment behind ``fd`` (which the caller still owns and closes): it must be
         a memfd, this user's, sealed against shrinking and growing (:data:`SEALS`), of
-        exactly ``size`` bytes, and start with ``nonce`` (else :class:`LaneError`)."""
+        exactly ``size`` bytes, and start with ``nonce`` (else :class:`LaneError`).
+        ``read_only``: it must be sealed with :data:`READ_ONLY_SEAL` too, and is mapped
+        read-only (its region views are read-only)."""
         if len(nonce) != NONCE_BYTES:
             raise LaneError(f"nonce ({len(nonce)} bytes) must be {NONCE_BYTES} bytes")
         st = os.fstat(fd)
@@ -195,11 +209,12 @@ class Segment:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError as exc:
             raise LaneError(f"descriptor has no seals ({exc})") from None
-        if seals & SEALS != SEALS:
-            raise LaneError(f"seals ({seals:#x}) must include {SEALS:#x}")
+        wanted = SEALS | (READ_ONLY_SEAL if read_only else 0)
+        if seals & wanted != wanted:
+            raise LaneError(f"seals ({seals:#x}) must include {wanted:#x}")
         if st.st_size != size:
             raise LaneError(f"size ({size}) differs from the segment's ({st.st_size})")
-        view = _map_shared(fd, size)
+        view = _map_shared(fd, size, writable=not read_only)
         if view[:NONCE_BYTES] != nonce:
             view.release()
             raise LaneError("the segment is not the shard's (nonce differs)")

@@ -2398,6 +2398,7 @@ class OpenSharedLaneRequest(_message.Message):
     HOST_ID_FIELD_NUMBER: _builtins.int
     CLOSE_FIELD_NUMBER: _builtins.int
     FETCH_FD_FIELD_NUMBER: _builtins.int
+    SHARED_ANSWER_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     learner_id: _builtins.str
@@ -2413,6 +2414,11 @@ class OpenSharedLaneRequest(_message.Message):
     (`OpenSharedLaneResponse.socket_address`, `token`). A shard refuses a lane to a learner
     without it (an older one, which would look for a named segment).
     """
+    shared_answer: _builtins.bool
+    """The learner reads the answers from the job's answer segment on this shard, shared by the
+    job's learners on the host and mapped read-only (`OpenSharedLaneResponse.answer_token`):
+    the shard writes each commit's answer once instead of once per learner.
+    """
     def __init__(
         self,
         *,
@@ -2421,10 +2427,11 @@ class OpenSharedLaneRequest(_message.Message):
         host_id: _builtins.str = ...,
         close: _builtins.bool = ...,
         fetch_fd: _builtins.bool = ...,
+        shared_answer: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "fetch_fd", b"fetch_fd", "host_id", b"host_id", "job_id", b"job_id", "learner_id", b"learner_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "fetch_fd", b"fetch_fd", "host_id", b"host_id", "job_id", b"job_id", "learner_id", b"learner_id", "shared_answer", b"shared_answer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2445,6 +2452,10 @@ class OpenSharedLaneResponse(_message.Message):
     OUT_OFFSET_FIELD_NUMBER: _builtins.int
     SOCKET_ADDRESS_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
+    ANSWER_TOKEN_FIELD_NUMBER: _builtins.int
+    ANSWER_SIZE_FIELD_NUMBER: _builtins.int
+    ANSWER_NONCE_FIELD_NUMBER: _builtins.int
+    ANSWER_OFFSET_FIELD_NUMBER: _builtins.int
     refused: _builtins.str
     """Why no lane was opened ("" when one was): the learner uses gRPC streams."""
     @_builtins.property
@@ -2482,6 +2493,20 @@ class OpenSharedLaneResponse(_message.Message):
     """A one-time token (32 random bytes) for this lane's descriptor: it fetches the descriptor
     once, within 30 seconds of the reply; the shard drops a lane not fetched by then.
     """
+    answer_token: _builtins.bytes
+    """When the learner asked for `shared_answer` and the shard has it (else empty, and the
+    answers are in this lane's out-region): a one-time token for the descriptor of the job's
+    answer segment on this shard, fetched from `socket_address` like the lane's. Its answers'
+    headers then name offsets in that segment, and the lane's out-region is empty
+    (`out_offset` == `size`). The segment is sealed against writes through any new mapping
+    (F_SEAL_FUTURE_WRITE): the learners map it read-only.
+    """
+    answer_size: _builtins.int
+    """The answer segment's size in bytes."""
+    answer_nonce: _builtins.bytes
+    """Random bytes at offset 0 of the answer segment (checked like `nonce`)."""
+    answer_offset: _builtins.int
+    """Where the answers lie in it: [answer_offset, answer_size)."""
     def __init__(
         self,
         *,
@@ -2494,10 +2519,14 @@ class OpenSharedLaneResponse(_message.Message):
         out_offset: _builtins.int = ...,
         socket_address: _builtins.str = ...,
         token: _builtins.bytes = ...,
+        answer_token: _builtins.bytes = ...,
+        answer_size: _builtins.int = ...,
+        answer_nonce: _builtins.bytes = ...,
+        answer_offset: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_capacity", b"in_capacity", "in_offset", b"in_offset", "nonce", b"nonce", "out_offset", b"out_offset", "path", b"path", "refused", b"refused", "size", b"size", "socket_address", b"socket_address", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer_nonce", b"answer_nonce", "answer_offset", b"answer_offset", "answer_size", b"answer_size", "answer_token", b"answer_token", "in_capacity", b"in_capacity", "in_offset", b"in_offset", "nonce", b"nonce", "out_offset", b"out_offset", "path", b"path", "refused", b"refused", "size", b"size", "socket_address", b"socket_address", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

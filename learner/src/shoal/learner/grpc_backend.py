@@ -432,6 +432,8 @@ class GrpcBackend(SyncBackend):
                         self._view_lane_answer(shard.lane, header, metas, targets)
                     except LaneError as exc:
                         raise RuntimeError(f"shard {shard.address}: {exc}") from None
+                else:
+                    self._own_receive(targets)
                 sink = _copy_sink(self._recv_bytes, targets)
                 if tracker is not None:
                     sink = _tracking_sink(sink, targets, self._recv_bytes, tracker)
@@ -482,7 +484,7 @@ class GrpcBackend(SyncBackend):
         # The segment's nonce, not the lane object's id: a lane closed (its shard restarted)
         # and a new one opened may get the freed object's id, and the views must follow the
         # new segment (the old one stays mapped while they view it).
-        key = (lane.segment.nonce, header.shared_memory_offset, header.total_bytes)
+        key = (lane.answer_segment.nonce, header.shared_memory_offset, header.total_bytes)
         if all(self._recv_source[j] == key for j in targets):
             lane.rounds += 1
             return
@@ -491,6 +493,17 @@ class GrpcBackend(SyncBackend):
             self._recv[j] = view
             self._recv_bytes[j] = _bytes_of(view)
             self._recv_source[j] = key
+
+    def _own_receive(self, targets: Sequence[int]) -> None:
+        """Receive tensors ``targets`` that view a lane answer get their own memory again
+        before bytes are copied into them (the answer segment may be read-only, or the old
+        lane's)."""
+        for j in targets:
+            if self._recv_source[j] is not None:
+                m = self._layout[j]
+                self._recv[j] = torch.empty(m.shape, dtype=m.torch_dtype)
+                self._recv_bytes[j] = _bytes_of(self._recv[j])
+                self._recv_source[j] = None
 
     async def _answer_fault(self, shard: _Shard, frames: Any, tracker: ArrivingTensors) -> None:
         """The test faults ``hold-answer`` and ``drop-answer`` (``shoal.contract.faults``)."""

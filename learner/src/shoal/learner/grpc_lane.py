@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import socket
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 from grpc import aio
 
 from shoal.contract import environment, lane_control
-from shoal.contract.lane_handoff import fetch_fd_keeping
+from shoal.contract.lane_handoff import fetch_fd, fetch_fd_keeping
 from shoal.contract.shm import SHM_DIR, LaneError, Segment, host_id
 from shoal.contract.wire import BundleError, Frame, TensorMeta, decode_frame, validate_layout
 from shoal.learner.env import switch
@@ -167,6 +168,15 @@ class ClientLane:
     out_offset: int
     rounds: int = 0  # SyncSteps that went through it
     control: LaneControl | None = None  # its control connection, while open
+    # The job's answer segment on that shard, mapped read-only, and where its answers lie
+    # (None: the answers are in this lane's out-region).
+    answers: Segment | None = None
+    answers_offset: int = 0
+
+    @property
+    def answer_segment(self) -> Segment:
+        """The segment the shard's answers are in."""
+        return self.segment if self.answers is None else self.answers
 
     def write(self, metas: Sequence[TensorMeta], sources: Sequence[np.ndarray], total: int) -> int:
         """Copy a bundle's bytes (``sources[j]`` at ``metas[j].offset``) into the in-region;
@@ -189,12 +199,15 @@ class ClientLane:
         """The shard's answer as tensors viewing the out-region (no copy): ``metas[j]`` at
         ``header.shared_memory_offset + metas[j].offset``. The range must lie in the
         out-region and the layout be well formed (:class:`LaneError` otherwise). The shard
-        writes that range again only with its answer to this learner's next contribution."""
-        view = self.segment.region(
+        writes that range again only with its answer to this learner's next contribution (in
+        a shared answer segment, to the next contributions of all the job's members: so after
+        this learner's too). Those of a shared answer segment are read-only."""
+        segment = self.answer_segment
+        view = segment.region(
             header.shared_memory_offset,
             header.total_bytes,
-            lo=self.out_offset,
-            hi=self.segment.size,
+            lo=self.out_offset if self.answers is None else self.answers_offset,
+            hi=segment.size,
             what="header.shared_memory_offset",
         )
         try:
@@ -207,7 +220,9 @@ class ClientLane:
             if m.numel == 0:
                 out.append(torch.empty(m.shape, dtype=m.torch_dtype))
                 continue
-            raw = torch.from_numpy(flat[m.offset : m.end])
+            with warnings.catch_warnings():  # a read-only answer: nothing writes to it
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(flat[m.offset : m.end])
             out.append(raw.view(m.torch_dtype).view(m.shape))
         self.rounds += 1
         return out
@@ -216,6 +231,8 @@ class ClientLane:
         if self.control is not None:
             self.control.close()
         self.segment.close()
+        if self.answers is not None:
+            self.answers.close()
 
 
 #: Seconds the learner waits for the shard's socket to hand the descriptor.
@@ -237,6 +254,16 @@ def _take_segment(
         os.close(fd)
 
 
+def _take_answers(reply: ps_pb2.OpenSharedLaneResponse) -> Segment:
+    """Fetch the job's answer segment's descriptor, check it (sealed read-only) and map it
+    read-only, close the descriptor."""
+    fd = fetch_fd(reply.socket_address, reply.answer_token, timeout=FETCH_TIMEOUT_S)
+    try:
+        return Segment.from_fd(fd, reply.answer_size, reply.answer_nonce, read_only=True)
+    finally:
+        os.close(fd)
+
+
 async def open_lane(
     stub: Any,
     *,
@@ -253,7 +280,7 @@ async def open_lane(
     if not mine:
         return None
     request = ps_pb2.OpenSharedLaneRequest(
-        job_id=job_id, learner_id=learner_id, host_id=mine, fetch_fd=True
+        job_id=job_id, learner_id=learner_id, host_id=mine, fetch_fd=True, shared_answer=True
     )
     try:
         reply = await stub.OpenSharedLane(request, metadata=metadata, timeout=10.0)
@@ -281,11 +308,23 @@ async def open_lane(
     except (OSError, LaneError) as exc:  # another network namespace, another user, refused
         log.info("no shared-memory lane to shard %s: %s", address, exc)
         return None
-    if reply.out_offset > segment.size:
-        sock.close()
-        segment.close()
-        return None
     lane = ClientLane(segment, reply.in_offset, reply.in_capacity, reply.out_offset)
+    why = ""
+    if reply.answer_token:  # the answers are in the job's answer segment on that shard
+        try:
+            lane.answers = await asyncio.to_thread(_take_answers, reply)
+        except (OSError, LaneError) as exc:
+            why = f"its answer segment: {exc}"
+        lane.answers_offset = reply.answer_offset
+        if lane.answers is not None and not 0 < reply.answer_offset <= lane.answers.size:
+            why = f"answer_offset ({reply.answer_offset}) is outside its answer segment"
+    if reply.out_offset > segment.size:
+        why = f"out_offset ({reply.out_offset}) is outside its segment ({segment.size} bytes)"
+    if why:
+        log.info("no shared-memory lane to shard %s: %s", address, why)
+        sock.close()
+        lane.close()
+        return None
     if control:
         sock.settimeout(None)
         reader, writer = await asyncio.open_unix_connection(sock=sock)

@@ -70,7 +70,7 @@ from shoal.param_sync.shard import (
     DEFAULT_STEP_GROUP_BYTES,
     ShardJob,
 )
-from shoal.param_sync.shm_lane import Lane, LaneHandlers
+from shoal.param_sync.shm_lane import Lane, LaneHandlers, SharedAnswer
 from shoal.runtime.auth import (
     LEARNERS,
     SERVICES,
@@ -299,6 +299,7 @@ class ParameterSyncServicer(
         self._rendezvous_secret = secrets.token_bytes(32)
         # Same-host lanes, by (job, learner); this host's id (shoal.contract.shm.host_id).
         self._lanes: dict[tuple[str, str], Lane] = {}
+        self._shared_answers: dict[str, SharedAnswer] = {}  # by job (shm_lane.py)
         self._host_id = host_id(options.shm_dir) if options.shm_lane else ""
         # The Unix socket that hands the lanes' descriptors (started with the first lane).
         self._handoff = HandoffServer(on_refused=self.metrics.lane_handoff_refused)

@@ -11,6 +11,16 @@ own* slice, never from the learner's numbers:
     [in_offset, + in_capacity)  the learner's SyncStep bytes (its gradients and buffers)
     [out_offset, size)          the shard's answer (the new parameters and buffers)
 
+A learner that asks for ``shared_answer`` gets an empty out-region instead and reads its
+answers from the job's *answer segment* on this shard (:class:`SharedAnswer`): one per job,
+shared by the job's learners on this host, its descriptor fetched like the lane's (its own
+one-time token) and sealed with ``READ_ONLY_SEAL``, so the learners can only map it
+read-only. The shard writes each commit's answer into it once, however many learners read
+it (docs/data-plane.md, "One answer per shard"). It is safe to overwrite in place because
+the commit of iteration k+1 needs every member's contribution to it, and a learner
+contributes only after it copied answer k into its model; a learner that is not a member
+any more is refused, and starts again from PullParameters.
+
 and offers its descriptor on the process's handoff socket (``shoal.contract.lane_handoff``)
 against a one-time token the reply carries: the learner fetches it once, within
 ``shm_fetch_window_s`` (else the lane is dropped), and the shard closes its own descriptor
@@ -29,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +60,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("shoal.param_sync.service")
 
 _ALIGN = 64
+#: What ``/proc/<pid>/fd`` and ``maps`` show of a job's answer segment (a label, no name).
+ANSWER_LABEL = "shoal-answer"
 
 
 def _up(value: int) -> int:
@@ -69,6 +81,10 @@ class Lane:
     generation: int = -1  # of its last SyncStep (-1: none yet)
     # Serving its control connection (lane_control.py), once the descriptor went.
     control: asyncio.Task[None] | None = None
+    # The job's answer segment its answers go to (None: its own out-region), and the token
+    # of that segment's descriptor for this learner until fetched or expired.
+    shared: SharedAnswer | None = None
+    answer_token: bytes = b""
 
     def fetched(self) -> None:
         """The learner has the descriptor: the shard's own can go (the mapping stays)."""
@@ -84,6 +100,53 @@ class Lane:
         if self.control is not None:  # (it closes the connection as it ends)
             self.control.cancel()
         self.segment.close()
+
+
+@dataclass
+class SharedAnswer:
+    """A job's answer segment on this shard: ``[offset, offset + the slice's bytes)`` holds
+    the answer of commit ``written`` (generation, iteration), which every lane of the job that
+    asked for it reads. The shard keeps its descriptor (to hand it to the job's next
+    learners) until the segment goes."""
+
+    segment: Segment
+    offset: int
+    written: tuple[int, int] | None = None
+    # The copy in progress and the commit it writes (one for all the commit's answers).
+    writing: asyncio.Future[None] | None = None
+    writing_key: tuple[int, int] | None = None
+
+    async def write(
+        self, key: tuple[int, int], copy: Callable[[memoryview], Awaitable[None]], total: int
+    ) -> None:
+        """Have commit ``key``'s answer (``total`` bytes) in the segment: the first of its
+        answers starts ``copy`` into the region (the others wait for that same copy)."""
+        if self.written == key:
+            return
+        if self.writing_key != key or self.writing is None:
+            region = self.segment.region(
+                self.offset, total, lo=self.offset, hi=self.segment.size, what="answer"
+            )
+            self.written, self.writing_key = None, key
+            self.writing = asyncio.ensure_future(copy(region))
+            self.writing.add_done_callback(_silence)
+        writing = self.writing
+        try:
+            await asyncio.shield(writing)  # (an answer whose call is cancelled leaves the copy)
+        except Exception:
+            if self.writing is writing:  # the next answer of this commit tries again
+                self.writing, self.writing_key = None, None
+            raise
+        if self.writing is writing:
+            self.written = key
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+def _silence(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()  # (each answer waiting for the copy raises it)
 
 
 class LaneHandlers:
@@ -124,17 +187,19 @@ class LaneHandlers:
             )
         in_offset = _ALIGN
         out_offset = in_offset + _up(in_capacity)
-        size = out_offset + _up(sj.total_bytes)
+        shared = request.shared_answer
+        size = out_offset + (0 if shared else _up(sj.total_bytes))
         try:
             if not self._handoff.started:
                 self._handoff.start()
             # In the loop, not a thread: nothing can cancel between its creation and its
             # lane (a cancelled RPC would leak it); memfd_create, ftruncate and mmap take
             # microseconds whatever the size (no page is touched but the nonce's).
+            answers = self._shared_answer(request.job_id, sj.total_bytes) if shared else None
             segment = Segment.create(size)
         except OSError as exc:
             return ps_pb2.OpenSharedLaneResponse(refused=f"no segment: {exc}")
-        lane = Lane(segment, in_offset, in_capacity, out_offset)
+        lane = Lane(segment, in_offset, in_capacity, out_offset, shared=answers)
         loop = asyncio.get_running_loop()
         window = self.options.shm_fetch_window_s
         lane.token = self._handoff.offer(
@@ -152,7 +217,7 @@ class LaneHandlers:
             request.learner_id,
             size,
         )
-        return ps_pb2.OpenSharedLaneResponse(
+        reply = ps_pb2.OpenSharedLaneResponse(
             size=size,
             nonce=segment.nonce,
             in_offset=in_offset,
@@ -161,6 +226,31 @@ class LaneHandlers:
             socket_address=self._handoff.address,
             token=lane.token,
         )
+        if answers is not None:
+            lane.answer_token = self._handoff.offer(
+                answers.segment.fd,
+                window_s=window,
+                on_sent=_nothing,  # (the shard keeps it for the job's next learners)
+                what=f"job {request.job_id}: answer segment, for learner {request.learner_id}",
+            )
+            reply.answer_token = lane.answer_token
+            reply.answer_size = answers.segment.size
+            reply.answer_nonce = answers.segment.nonce
+            reply.answer_offset = answers.offset
+        return reply
+
+    def _shared_answer(self: _S, job_id: str, total_bytes: int) -> SharedAnswer:
+        """The job's answer segment on this shard (made by the first lane that asks)."""
+        answers = self._shared_answers.get(job_id)
+        if answers is None:
+            segment = Segment.create(_ALIGN + _up(total_bytes), label=ANSWER_LABEL, read_only=True)
+            answers = self._shared_answers[job_id] = SharedAnswer(segment, _ALIGN)
+            log.info(
+                "job %s: answer segment opened (%d bytes), shared by the job's lanes",
+                job_id,
+                segment.size,
+            )
+        return answers
 
     def _lane_unfetched(self: _S, key: tuple[str, str], lane: Lane) -> None:
         """The window to fetch the lane's descriptor ended: a lane never fetched goes."""
@@ -213,19 +303,33 @@ class LaneHandlers:
         self.metrics.lane_stream(header.job_id)
         return lane
 
-    async def _lane_answer(self: _S, lane: Lane, sj: ShardJob, encoded: Encoded) -> bytes:
-        """Write the new parameters into the lane's out-region; the header that says where."""
+    async def _lane_answer(
+        self: _S, lane: Lane, sj: ShardJob, encoded: Encoded, key: tuple[int, int]
+    ) -> bytes:
+        """Write the new parameters of commit ``key`` (generation, iteration) into the lane's
+        out-region, or once into the job's answer segment for all its lanes that share it; the
+        header that says where."""
         await encoded.whole()  # the lane's answer is written whole, after the commit
         total = int(encoded.header.total_bytes)
-        out = lane.segment.region(
-            lane.out_offset, total, lo=lane.out_offset, hi=lane.segment.size, what="answer"
-        )
         source = sj.flat.numpy()[:total]
-        await self._compute_small(total, np.copyto, np.frombuffer(out, dtype=np.uint8), source)
+
+        async def copy(out: memoryview) -> None:
+            target = np.frombuffer(out, dtype=np.uint8)
+            await self._compute_small(total, np.copyto, target, source)
+
+        if lane.shared is not None:
+            await lane.shared.write(key, copy, total)
+            offset = lane.shared.offset
+        else:
+            offset = lane.out_offset
+            region = lane.segment.region(
+                offset, total, lo=offset, hi=lane.segment.size, what="answer"
+            )
+            await copy(region)
         header = ps_pb2.TensorBundleHeader()
         header.CopyFrom(encoded.header)
         header.shared_memory = True
-        header.shared_memory_offset = lane.out_offset
+        header.shared_memory_offset = offset
         return encode_header(ps_pb2.SyncStepResponse, header)
 
     # -- cleanup ------------------------------------------------------------------------------
@@ -234,14 +338,30 @@ class LaneHandlers:
         lane = self._lanes.pop(key, None)
         if lane is not None:
             self._handoff.withdraw(lane.token)
+            self._handoff.withdraw(lane.answer_token)
             lane.close()
             log.info("job %s: shared-memory lane of learner %s closed", *key)
+            job_id = key[0]
+            if lane.shared is not None and not any(
+                other.shared is lane.shared for other in self._lanes.values()
+            ):
+                self._drop_shared_answer(job_id)
+
+    def _drop_shared_answer(self: _S, job_id: str) -> None:
+        """The job's answer segment goes (its last lane went; the learners' mappings stay
+        until they unmap)."""
+        answers = self._shared_answers.pop(job_id, None)
+        if answers is not None:
+            answers.close()
+            log.info("job %s: answer segment closed", job_id)
 
     def _drop_lanes(self: _S, job_id: str | None = None) -> None:
         """Every lane of ``job_id`` (None: of every job), the replica segments included."""
         for key in [k for k in self._lanes if job_id is None or k[0] == job_id]:
             self._drop_lane(key)
         self._drop_replica_lanes(job_id)
+        for job in [j for j in self._shared_answers if job_id is None or j == job_id]:
+            self._drop_shared_answer(job)
         for answers in [k for k in self._lane_answers if job_id is None or k[0] == job_id]:
             del self._lane_answers[answers]  # (their handlers end with the job)
 
@@ -251,6 +371,10 @@ class LaneHandlers:
         for key, lane in list(self._lanes.items()):
             if key[0] == job_id and 0 <= lane.generation < generation and key[1] not in members:
                 self._drop_lane(key)
+
+
+def _nothing() -> None:
+    pass
 
 
 assert NONCE_BYTES <= _ALIGN  # the nonce lies before the in-region
