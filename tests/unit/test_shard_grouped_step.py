@@ -1,9 +1,10 @@
 """The commit's grouped step (shoal.param_sync.shard, no network): stepping a slice group by
 group (one optimizer step per group) leaves exactly the bytes one step of the whole slice
 leaves, for every optimizer the shard groups, over several iterations, with parameters
-without a gradient, buffers, clipping and a learning-rate schedule; any other optimizer (or
-one asking for foreach/fused kernels) is stepped whole; and the encoding a commit publishes
-says which chunks are stepped."""
+without a gradient, buffers, clipping and a learning-rate schedule, with the foreach kernels
+the shard uses by default as with torch's single-tensor step; any other optimizer (or one
+asking for fused kernels) is stepped whole; and the encoding a commit publishes says which
+chunks are stepped."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from shoal.contract.wire import TensorMeta, byte_view, pack_layout
 from shoal.param_sync.coordinator import OptimizerConfig
+from shoal.param_sync.optimizer import FOREACH_SAME
 from shoal.param_sync.shard import PER_PARAMETER_OPTIMIZERS, Contribution, ShardJob
 from shoal.param_sync.shard_encoding import Encoded
 
@@ -120,6 +122,28 @@ def test_a_grouped_step_leaves_the_bytes_of_one_step(name: str, kwargs: dict) ->
     assert run(name, kwargs, 1, clip=0.5) == whole  # a group per tensor
     assert run(name, kwargs, 600, clip=0.5) == whole  # groups of several tensors
     assert run(name, kwargs, 1, clip=0.0) == run(name, kwargs, 0, clip=0.0)
+    # The shard's default foreach kernels leave the bytes of torch's single-tensor step
+    # (the CPU's default, which a plain loop runs); the other classes' differ in the last
+    # bits (so the shard keeps the single-tensor step for them, and steps them whole when a
+    # job asks for foreach).
+    single = run(name, {**kwargs, "foreach": False}, 0, clip=0.5)
+    foreach = run(name, {**kwargs, "foreach": True}, 0, clip=0.5)
+    assert single == whole
+    assert (foreach == single) == (getattr(torch.optim, name) in FOREACH_SAME)
+
+
+def test_the_shard_steps_with_foreach_kernels_unless_the_job_says_otherwise() -> None:
+    def kernels(kwargs: dict) -> object:
+        sj = ShardJob("j", 0, metas(), OptimizerConfig("Adam", json.dumps(kwargs)))
+        return sj.optimizer.defaults.get("foreach")
+
+    assert kernels({"lr": 0.1}) is True
+    nadam = ShardJob("j", 0, metas(), OptimizerConfig("NAdam", '{"lr": 0.1}'))
+    assert not nadam.optimizer.defaults.get("foreach")  # not the same bytes: single-tensor
+    foreach = OptimizerConfig("NAdam", '{"lr": 0.1, "foreach": true}')
+    assert len(ShardJob("j", 0, metas(), foreach, step_group_bytes=1).step_groups) == 1
+    assert kernels({"lr": 0.1, "foreach": False}) is False
+    assert kernels({"lr": 0.1, "fused": True}) is None
 
 
 def test_every_grouped_optimizer_is_covered() -> None:
@@ -129,7 +153,6 @@ def test_every_grouped_optimizer_is_covered() -> None:
 @pytest.mark.parametrize(
     ("name", "kwargs"),
     [
-        ("SGD", {"lr": 0.1, "foreach": True}),
         ("Adam", {"lr": 0.1, "fused": True}),
         ("LBFGS", {"lr": 0.1}),
         ("SparseAdam", {"lr": 0.1}),

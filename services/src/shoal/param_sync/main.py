@@ -125,7 +125,8 @@ SETTINGS: tuple[Setting, ...] = (
         "and each learner's SyncStep answer sends a chunk as soon as its bytes are stepped "
         "(the header at once); 0 steps the whole slice before the first chunk leaves. "
         "Optimizers other than SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, "
-        "RMSprop, Rprop and ASGD (or with foreach/fused) are always stepped whole",
+        "RMSprop, Rprop and ASGD (or with fused kernels, or foreach ones of NAdam, RAdam, "
+        "ASGD) are always stepped whole",
     ),
     Setting(
         "--registration-ttl",

@@ -12,13 +12,52 @@ import torch
 from shoal.param_sync.coordinator import OptimizerConfig
 from shoal.runtime.errors import InvalidField
 
-__all__ = ["build_optimizer", "param_groups", "warm_up"]
+__all__ = ["FOREACH_SAME", "PER_PARAMETER_OPTIMIZERS", "build_optimizer", "param_groups", "warm_up"]
 
 
 def _plain(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_plain(v) for v in value)
     return value
+
+
+# The torch.optim classes whose step updates each parameter from its own gradient and its own
+# state only (a step of some parameters then the rest equals one step of all): the commit may
+# step them group by group. Any other class (LBFGS's closure, SparseAdam's sparse gradients, a
+# class added later) steps the whole slice at once.
+PER_PARAMETER_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.RMSprop,
+        torch.optim.Rprop,
+        torch.optim.ASGD,
+    }
+)
+
+
+# Those of them whose foreach kernels (one kernel per operation over all the tensors) leave
+# the bytes of torch's single-tensor step, the CPU's default: the shard steps them with
+# foreach unless the job says otherwise. (NAdam, RAdam and ASGD's differ in the last bits on
+# torch 2.13: tests/unit/test_shard_grouped_step.py checks both sets.)
+FOREACH_SAME: frozenset[type[torch.optim.Optimizer]] = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.RMSprop,
+        torch.optim.Rprop,
+    }
+)
 
 
 def param_groups(config: OptimizerConfig) -> list[tuple[list[str], dict[str, Any]]]:
@@ -86,6 +125,11 @@ def build_optimizer(
             "optimizer.hyperparameters_json", config.hyperparameters_json, "must be an object"
         )
     kwargs = {k: _plain(v) for k, v in kwargs.items()}
+    if klass in FOREACH_SAME and "foreach" not in kwargs and not kwargs.get("fused"):
+        # One kernel per operation over the slice's tensors instead of one per tensor (on the
+        # CPU torch's default is the single-tensor loop): the same bytes. A job's own choice
+        # stands.
+        kwargs["foreach"] = True
     if not params:
         params = [torch.zeros(1, requires_grad=True)]
         names = ["(none)"]

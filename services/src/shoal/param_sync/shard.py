@@ -35,7 +35,12 @@ from shoal.contract.wire import (
     validate_layout,
 )
 from shoal.param_sync.coordinator import OptimizerConfig
-from shoal.param_sync.optimizer import build_optimizer, warm_up
+from shoal.param_sync.optimizer import (
+    FOREACH_SAME,
+    PER_PARAMETER_OPTIMIZERS,
+    build_optimizer,
+    warm_up,
+)
 from shoal.param_sync.shard_checkpoint import (
     ShardCheckpoints,
     model_from_shard_files,
@@ -62,33 +67,18 @@ __all__ = [
 
 ALIGN = 64
 DEFAULT_STEP_GROUP_BYTES = 4 * 1024 * 1024
-# The torch.optim classes whose step updates each parameter from its own gradient and its own
-# state only (a step of some parameters then the rest equals one step of all): the commit may
-# step them group by group. Any other class (LBFGS's closure, SparseAdam's sparse gradients, a
-# class added later) steps the whole slice at once.
-PER_PARAMETER_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
-    {
-        torch.optim.SGD,
-        torch.optim.Adam,
-        torch.optim.AdamW,
-        torch.optim.Adamax,
-        torch.optim.NAdam,
-        torch.optim.RAdam,
-        torch.optim.Adagrad,
-        torch.optim.Adadelta,
-        torch.optim.RMSprop,
-        torch.optim.Rprop,
-        torch.optim.ASGD,
-    }
-)
 
 
 def groupable(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` may be stepped a group of parameters at a time: a per-parameter
-    class (exactly, not a subclass) with neither ``foreach`` nor ``fused`` asked for in any
-    group (their multi-tensor kernels are not ruled out to differ)."""
-    return type(optimizer) in PER_PARAMETER_OPTIMIZERS and not any(
-        g.get("foreach") or g.get("fused") for g in optimizer.param_groups
+    class (exactly, not a subclass) with no ``fused`` kernel asked for in any group, nor a
+    ``foreach`` one unless the class is in :data:`FOREACH_SAME` (the others' are not ruled out
+    to differ). Those of :data:`FOREACH_SAME`, the shard's default for them, step bit for bit
+    as the single-tensor code (``tests/unit/test_shard_grouped_step.py``)."""
+    kind = type(optimizer)
+    return kind in PER_PARAMETER_OPTIMIZERS and not any(
+        g.get("fused") or (g.get("foreach") and kind not in FOREACH_SAME)
+        for g in optimizer.param_groups
     )
 
 
