@@ -394,13 +394,28 @@ async def test_a_jobs_lanes_share_one_read_only_answer_segment(shard: Shard):
         lane.answers_offset, TOTAL, lo=lane.answers_offset, hi=lane.answers.size, what="answer"
     )
     assert region.readonly
-    assert s.servicer._shared_answers[JOB].written == (a.generation, 0)
+    assert s.servicer._shared_answers[JOB].written[1:] == (a.generation, 0)
     # One lane closed: the segment stays for the other; the last closed: it goes.
     for learner, who in ((f"{JOB}-l2", "learner-2"), (LEARNER, "learner")):
         assert JOB in s.servicer._shared_answers
         close = ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=learner, close=True)
         await s.call(who, "OpenSharedLane", close)
     assert JOB not in s.servicer._shared_answers and s.servicer._handoff.offers == 0
+
+    # The job's slice here grows (a takeover re-sliced it): a lane opened then gets a new
+    # segment of the new size; the lanes opened before keep theirs until they go, and the
+    # new one stays.
+    before = await s.call("learner", "OpenSharedLane", lane_request(shared_answer=True))
+    old = s.servicer._shared_answers[JOB]
+    grown = s.servicer._shared_answer(JOB, TOTAL * 100)
+    assert grown is not old and grown.segment.size >= TOTAL * 100
+    assert s.servicer._shared_answers[JOB] is grown and old.segment.size == before.answer_size
+    assert s.servicer._shared_answer(JOB, TOTAL) is grown  # big enough: kept
+    close = ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=LEARNER, close=True)
+    await s.call("learner", "OpenSharedLane", close)
+    assert s.servicer._shared_answers[JOB] is grown
+    await s.call("service", "CloseJob", ps_pb2.CloseJobRequest(job_id=JOB))
+    assert JOB not in s.servicer._shared_answers
     torch.testing.assert_close(new, W0 - LR * g, atol=0, rtol=0)  # its mapping stays
     lane.close()
 

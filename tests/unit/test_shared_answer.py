@@ -31,17 +31,17 @@ async def test_one_commit_is_copied_once_for_all_its_answers() -> None:
 
         return copy
 
-    first = [asyncio.ensure_future(shared.write((1, 0), copying(b"abcd"), 4)) for _ in range(4)]
+    first = [asyncio.ensure_future(shared.write((7, 1, 0), copying(b"abcd"), 4)) for _ in range(4)]
     await asyncio.sleep(0)
     first[0].cancel()  # its learner gave up: the copy goes on for the others
     gate.set()
     await asyncio.gather(*first[1:])
-    assert copies == [b"abcd"] and shared.written == (1, 0)
+    assert copies == [b"abcd"] and shared.written == (7, 1, 0)
     assert bytes(shared.segment.region(64, 4, lo=64, hi=4096, what="x")) == b"abcd"
-    await shared.write((1, 0), copying(b"none"), 4)  # a late answer of the same commit
+    await shared.write((7, 1, 0), copying(b"none"), 4)  # a late answer of the same commit
     assert copies == [b"abcd"]
-    await shared.write((1, 1), copying(b"efgh"), 4)  # the next commit
-    assert copies == [b"abcd", b"efgh"] and shared.written == (1, 1)
+    await shared.write((7, 1, 1), copying(b"efgh"), 4)  # the next commit
+    assert copies == [b"abcd", b"efgh"] and shared.written == (7, 1, 1)
     shared.close()
 
 
@@ -52,15 +52,15 @@ async def test_a_failed_copy_fails_every_answer_waiting_for_it_and_the_next_trie
         await asyncio.sleep(0)
         raise OSError("the compute thread died")
 
-    waiting = [shared.write((2, 5), broken, 4) for _ in range(3)]
+    waiting = [shared.write((7, 2, 5), broken, 4) for _ in range(3)]
     results = await asyncio.gather(*waiting, return_exceptions=True)
     assert all(isinstance(r, OSError) for r in results) and shared.written is None
 
     async def fine(region: memoryview) -> None:
         region[:] = b"ok!!"
 
-    await shared.write((2, 5), fine, 4)
-    assert shared.written == (2, 5)
+    await shared.write((7, 2, 5), fine, 4)
+    assert shared.written == (7, 2, 5)
     with pytest.raises(Exception, match="outside"):  # an answer larger than the segment
-        await shared.write((2, 6), broken, 8192)
+        await shared.write((7, 2, 6), broken, 8192)
     shared.close()

@@ -148,7 +148,7 @@ class DataHandlers:
             # is stepped: each chunk leaves once its bytes are (Encoded.ready).
             encoded = await asyncio.shield(future)
             if lane is not None:
-                message = await self._lane_answer(lane, sj, encoded, (g, k))
+                message = await self._lane_answer(lane, sj, encoded, (id(sj), g, k))
         finally:
             if written is not None and not written.done():
                 written.set_result(None)

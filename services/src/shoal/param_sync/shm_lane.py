@@ -105,19 +105,20 @@ class Lane:
 @dataclass
 class SharedAnswer:
     """A job's answer segment on this shard: ``[offset, offset + the slice's bytes)`` holds
-    the answer of commit ``written`` (generation, iteration), which every lane of the job that
+    the answer of commit ``written`` (the slice's ``id``, generation, iteration: a slice
+    replaced by a takeover never passes for the old one), which every lane of the job that
     asked for it reads. The shard keeps its descriptor (to hand it to the job's next
     learners) until the segment goes."""
 
     segment: Segment
     offset: int
-    written: tuple[int, int] | None = None
+    written: tuple[int, int, int] | None = None
     # The copy in progress and the commit it writes (one for all the commit's answers).
     writing: asyncio.Future[None] | None = None
-    writing_key: tuple[int, int] | None = None
+    writing_key: tuple[int, int, int] | None = None
 
     async def write(
-        self, key: tuple[int, int], copy: Callable[[memoryview], Awaitable[None]], total: int
+        self, key: tuple[int, int, int], copy: Callable[[memoryview], Awaitable[None]], total: int
     ) -> None:
         """Have commit ``key``'s answer (``total`` bytes) in the segment: the first of its
         answers starts ``copy`` into the region (the others wait for that same copy)."""
@@ -240,10 +241,15 @@ class LaneHandlers:
         return reply
 
     def _shared_answer(self: _S, job_id: str, total_bytes: int) -> SharedAnswer:
-        """The job's answer segment on this shard (made by the first lane that asks)."""
+        """The job's answer segment on this shard (made by the first lane that asks, and made
+        again when the job's slice here outgrew it: a takeover re-sliced the job; the lanes
+        opened before keep the old one until they go)."""
+        size = _ALIGN + _up(total_bytes)
         answers = self._shared_answers.get(job_id)
-        if answers is None:
-            segment = Segment.create(_ALIGN + _up(total_bytes), label=ANSWER_LABEL, read_only=True)
+        if answers is None or answers.segment.size < size:
+            segment = Segment.create(size, label=ANSWER_LABEL, read_only=True)
+            if answers is not None:
+                self._release_shared_answer(job_id, answers)
             answers = self._shared_answers[job_id] = SharedAnswer(segment, _ALIGN)
             log.info(
                 "job %s: answer segment opened (%d bytes), shared by the job's lanes",
@@ -304,11 +310,11 @@ class LaneHandlers:
         return lane
 
     async def _lane_answer(
-        self: _S, lane: Lane, sj: ShardJob, encoded: Encoded, key: tuple[int, int]
+        self: _S, lane: Lane, sj: ShardJob, encoded: Encoded, key: tuple[int, int, int]
     ) -> bytes:
-        """Write the new parameters of commit ``key`` (generation, iteration) into the lane's
-        out-region, or once into the job's answer segment for all its lanes that share it; the
-        header that says where."""
+        """Write the new parameters of commit ``key`` (``id(sj)``, generation, iteration) into
+        the lane's out-region, or once into the job's answer segment for all its lanes that
+        share it; the header that says where."""
         await encoded.whole()  # the lane's answer is written whole, after the commit
         total = int(encoded.header.total_bytes)
         source = sj.flat.numpy()[:total]
@@ -341,19 +347,19 @@ class LaneHandlers:
             self._handoff.withdraw(lane.answer_token)
             lane.close()
             log.info("job %s: shared-memory lane of learner %s closed", *key)
-            job_id = key[0]
-            if lane.shared is not None and not any(
-                other.shared is lane.shared for other in self._lanes.values()
-            ):
-                self._drop_shared_answer(job_id)
+            if lane.shared is not None:
+                self._release_shared_answer(key[0], lane.shared)
 
-    def _drop_shared_answer(self: _S, job_id: str) -> None:
-        """The job's answer segment goes (its last lane went; the learners' mappings stay
-        until they unmap)."""
-        answers = self._shared_answers.pop(job_id, None)
-        if answers is not None:
-            answers.close()
-            log.info("job %s: answer segment closed", job_id)
+    def _release_shared_answer(self: _S, job_id: str, answers: SharedAnswer) -> None:
+        """``answers`` (a segment of ``job_id``) goes once no lane reads it any more (the
+        learners' mappings stay until they unmap), and the job's answer segment, made later,
+        stays."""
+        if any(lane.shared is answers for lane in self._lanes.values()):
+            return
+        if self._shared_answers.get(job_id) is answers:
+            del self._shared_answers[job_id]
+        answers.close()
+        log.info("job %s: answer segment closed", job_id)
 
     def _drop_lanes(self: _S, job_id: str | None = None) -> None:
         """Every lane of ``job_id`` (None: of every job), the replica segments included."""
@@ -361,7 +367,7 @@ class LaneHandlers:
             self._drop_lane(key)
         self._drop_replica_lanes(job_id)
         for job in [j for j in self._shared_answers if job_id is None or j == job_id]:
-            self._drop_shared_answer(job)
+            self._release_shared_answer(job, self._shared_answers[job])
         for answers in [k for k in self._lane_answers if job_id is None or k[0] == job_id]:
             del self._lane_answers[answers]  # (their handlers end with the job)
 
