@@ -22,7 +22,8 @@ Per learner (see docs/data-plane.md for the protocol):
 The connection (the asyncio loop on a background thread that gRPC runs on, the channels, the
 routing, following the coordinator) is a :class:`~shoal.learner.shard_session.ShardSession`
 the backend holds; the messages it exchanges with the coordinator are built by
-``coordinator_messages.py``. The environment contract (``shoal.learner.env``): SHOAL_JOB_ID,
+``coordinator_messages.py``; the shards' answers are read by ``grpc_receive.py`` (part of the
+backend). The environment contract (``shoal.learner.env``): SHOAL_JOB_ID,
 SHOAL_LEARNER_ID, SHOAL_COORDINATOR (default: the first of SHOAL_SYNC_ENDPOINTS), SHOAL_TOKEN.
 """
 
@@ -40,20 +41,16 @@ import torch
 from grpc import aio
 
 from shoal.client.tls import TLSFiles
-from shoal.contract import faults
 from shoal.contract.shm import LaneError
 from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
     MAX_INLINE_BYTES,
-    BundleReceiver,
-    Frame,
     TensorMeta,
     byte_view,
     encode_chunks,
     encode_header,
     header_of,
     inline_bytes,
-    inline_of,
     pack_layout,
 )
 from shoal.learner.backend import (
@@ -84,26 +81,24 @@ from shoal.learner.grpc_calls import (
     _SHARD_LOST_PAUSE_S,
     LearnerEvicted,
     _bytes_of,
-    _copy_sink,
     _cpu,
     _refusal_of,
     _Shard,
     _shard_lost,
     _translate,
     _why,
-    answer_bytes_of,
     boundary_ahead_enabled,
     inline_bytes_from_env,
     optimizer_proto,
     stream_methods,
 )
 from shoal.learner.grpc_lane import (
-    ClientLane,
     lane_control_enabled,
     lane_refused,
     open_lane,
     traced,
 )
+from shoal.learner.grpc_receive import AnswerReceiving, answer_of
 from shoal.learner.liveness import CoordinatorMoved
 from shoal.learner.ps_overlap import StreamedGradients, overlap_enabled
 from shoal.learner.shard_session import ShardSession
@@ -142,7 +137,7 @@ def session_options(env: LearnerEnv, what: str) -> dict[str, Any]:
     }
 
 
-class GrpcBackend(SyncBackend):
+class GrpcBackend(AnswerReceiving, SyncBackend):
     """The parameter-server client of one learner (see the module docstring).
 
     ``channel_options`` are extra gRPC channel options. ``retry_s`` bounds how long the
@@ -400,133 +395,6 @@ class GrpcBackend(SyncBackend):
                 raise IterationAborted(_why(exc, None)) from exc
             raise _translate(exc) from exc
 
-    async def _receive(
-        self, shard: _Shard, frames: AsyncIterator[Frame], *, answer: bool = False
-    ) -> ps_pb2.TensorBundleHeader:
-        """Read a parameter bundle from ``frames`` into the receive tensors. ``answer``: a
-        SyncStep's answer (with early forward, its header and its complete tensors are told
-        to the sync's :class:`ArrivingTensors` as they arrive)."""
-        tracker: ArrivingTensors | None = None
-        index = {self._layout[j].name: j for j in shard.tensors}
-        header: ps_pb2.TensorBundleHeader | None = None
-        receiver: BundleReceiver | None = None
-        targets: list[int] = []
-        async for frame in frames:
-            if header is None:
-                if frame.header is None:
-                    raise RuntimeError(f"shard {shard.address} sent a chunk before the header")
-                header = frame.header
-                # Read at the header: an overlapped stream's call began before its sync.
-                tracker = self._arriving_next if answer else None
-                metas = [TensorMeta.from_proto(t) for t in header.tensors]
-                for m in metas:
-                    j = index.get(m.name)
-                    if j is None or not self._layout[j].same_tensor(m):
-                        raise RuntimeError(f"shard {shard.address} sent unexpected {m.name!r}")
-                    targets.append(j)
-                in_lane = bool(header.shared_memory) and not header.inline_data
-                if in_lane:  # the bytes are in this learner's lane: view them (no copy)
-                    if shard.lane is None:
-                        raise RuntimeError(f"shard {shard.address} answered through no lane")
-                    try:
-                        self._view_lane_answer(shard.lane, header, metas, targets)
-                    except LaneError as exc:
-                        raise RuntimeError(f"shard {shard.address}: {exc}") from None
-                else:
-                    self._own_receive(targets)
-                sink = _copy_sink(self._recv_bytes, targets)
-                if tracker is not None:
-                    sink = _tracking_sink(sink, targets, self._recv_bytes, tracker)
-                receiver = BundleReceiver(metas, header.total_bytes, sink)
-                if tracker is not None:
-                    head = tracker.head(id(shard))
-                    if not head.done():
-                        head.set_result(header)
-                    await self._answer_fault(shard, frames, tracker)
-                try:
-                    inline = inline_of(header)
-                except ValueError as exc:
-                    raise RuntimeError(f"shard {shard.address}: {exc}") from None
-                if inline is not None:  # the whole bundle in this one message
-                    receiver.feed(inline)
-                    self.inline_bundles[1] += 1
-                elif in_lane:  # already viewed above: nothing to copy
-                    receiver = None
-            elif frame.chunk is not None:
-                if header.shared_memory:
-                    raise RuntimeError(f"shard {shard.address} sent a chunk after its lane header")
-                if header.inline_data:
-                    raise RuntimeError(
-                        f"shard {shard.address} sent a chunk after a header with inline_data"
-                    )
-                assert receiver is not None
-                receiver.feed(frame.chunk)
-        if header is None:
-            raise RuntimeError(f"shard {shard.address} closed the stream without a header")
-        if receiver is not None:
-            receiver.finish()
-        if tracker is not None:
-            tracker.done(shard.tensors)
-        return header
-
-    def _view_lane_answer(
-        self,
-        lane: ClientLane,
-        header: ps_pb2.TensorBundleHeader,
-        metas: Sequence[TensorMeta],
-        targets: Sequence[int],
-    ) -> None:
-        """Make the receive tensors ``targets`` views of the lane's answer (``metas``) instead
-        of copying it: the trainer copies them into the model before its next contribution,
-        and the shard writes the out-region again only after that contribution. Done once per
-        lane and layout (the answer's place is the same every iteration); the lists are
-        changed in place, as the copy sinks hold them."""
-        # The segment's nonce, not the lane object's id: a lane closed (its shard restarted)
-        # and a new one opened may get the freed object's id, and the views must follow the
-        # new segment (the old one stays mapped while they view it).
-        key = (lane.answer_segment.nonce, header.shared_memory_offset, header.total_bytes)
-        if all(self._recv_source[j] == key for j in targets):
-            lane.rounds += 1
-            return
-        views = lane.answer_views(header, metas)
-        for j, view in zip(targets, views, strict=True):
-            self._recv[j] = view
-            self._recv_bytes[j] = _bytes_of(view)
-            self._recv_source[j] = key
-
-    def _own_receive(self, targets: Sequence[int]) -> None:
-        """Receive tensors ``targets`` that view a lane answer get their own memory again
-        before bytes are copied into them (the answer segment may be read-only, or the old
-        lane's)."""
-        for j in targets:
-            if self._recv_source[j] is not None:
-                m = self._layout[j]
-                self._recv[j] = torch.empty(m.shape, dtype=m.torch_dtype)
-                self._recv_bytes[j] = _bytes_of(self._recv[j])
-                self._recv_source[j] = None
-
-    async def _answer_fault(self, shard: _Shard, frames: Any, tracker: ArrivingTensors) -> None:
-        """The test faults ``hold-answer`` and ``drop-answer`` (``shoal.contract.faults``)."""
-        dropping = faults.armed(faults.DROP_ANSWER, tracker.step)
-        if not (dropping or faults.armed(faults.HOLD_ANSWER, tracker.step)):
-            return
-        drop = dropping and shard is self._shards[-1]
-        log.warning("test fault: holding shard %d's answer of %d", shard.index, tracker.step)
-        await asyncio.to_thread(tracker.waited.wait, 60.0)
-        if drop:
-            log.warning("test fault drop-answer: shard %d's answer is lost", shard.index)
-            cancel = getattr(frames, "cancel", None)
-            if cancel is not None:
-                cancel()
-            raise IterationAborted(f"test fault drop-answer: shard {shard.index}")
-
-    def _answers_ended(self) -> None:
-        """Wait until the last sync's answers ended (nothing writes into the receive tensors
-        any more; the trainer has loaded them, or abandoned them after a failure)."""
-        arriving, self._arriving = self._arriving, None
-        if arriving is not None:
-            arriving.wait_ended()
-
     # -- sync ---------------------------------------------------------------------------------
 
     def sync(
@@ -703,11 +571,11 @@ class GrpcBackend(SyncBackend):
                     control = lane.control
                     if control is not None and not control.closed and not traced(md):
                         # The lane's control connection (grpc_lane.LaneControl), not gRPC.
-                        answer = _answer_of(control.sync_step(request))
+                        answer = answer_of(control.sync_step(request))
                         return await self._receive(shard, answer, answer=True)
                     # One message each way (the answer is a header), as SyncStepUnary.
                     unary = shard.streams["SyncStepUnary"](request, metadata=md or self._metadata)
-                    return await self._receive(shard, _answer_of(unary), answer=True)
+                    return await self._receive(shard, answer_of(unary), answer=True)
                 except (aio.AioRpcError, LaneError) as exc:
                     if isinstance(exc, aio.AioRpcError) and not lane_refused(exc):
                         raise
@@ -739,7 +607,7 @@ class GrpcBackend(SyncBackend):
                     unary = shard.streams["SyncStepUnary"](
                         encode_header(ps_pb2.SyncStepRequest, header), metadata=md or self._metadata
                     )
-                    return await self._receive(shard, _answer_of(unary), answer=True)
+                    return await self._receive(shard, answer_of(unary), answer=True)
                 call = shard.streams["SyncStepOnce"](
                     encode_header(ps_pb2.SyncStepRequest, header), metadata=md or self._metadata
                 )
@@ -796,33 +664,6 @@ class GrpcBackend(SyncBackend):
             if not arriving:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _answer_bytes(self, shard: _Shard) -> int:
-        """At least the size of ``shard``'s answer (its whole slice, as it lays it out)."""
-        if shard.answer_bytes < 0:
-            shard.answer_bytes = answer_bytes_of([self._layout[j].nbytes for j in shard.tensors])
-        return shard.answer_bytes
-
-    async def _rest_of_answers(
-        self, tasks: Sequence[asyncio.Future[Any]], tracker: ArrivingTensors
-    ) -> None:
-        """Early forward: the answers after their headers, until each ended; a failure (a
-        shard that died while answering) is told to ``tracker`` as IterationAborted."""
-        try:
-            try:
-                await self._watch(asyncio.gather(*tasks))
-            except BaseException as exc:
-                why = _why(exc, None) if isinstance(exc, aio.AioRpcError) else str(exc)
-                tracker.fail(IterationAborted(f"an answer failed after its header: {why}"))
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                if not isinstance(exc, Exception):
-                    raise
-            else:
-                tracker.done(range(len(self._layout)))
-        finally:
-            tracker.end()
-
     # -- the rest -----------------------------------------------------------------------------
 
     def report_epoch(self, report: EpochReport) -> None:
@@ -848,12 +689,6 @@ async def _cancelled(call: asyncio.Future[Any]) -> None:
     await asyncio.gather(call, return_exceptions=True)
 
 
-async def _answer_of(call: Awaitable[Frame]) -> AsyncIterator[Frame]:
-    """A unary call's one answer message (gRPC's, or the lane control's) as the frames
-    :meth:`GrpcBackend._receive` reads."""
-    yield await call
-
-
 def _headless(head: asyncio.Future[Any], task: asyncio.Future[Any]) -> None:
     """A shard's answer ended before its header was told (it failed): the header's future
     fails alike, so that waiting for every header raises the answer's error."""
@@ -865,22 +700,6 @@ def _headless(head: asyncio.Future[Any], task: asyncio.Future[Any]) -> None:
         head.set_exception(task.exception())  # type: ignore[arg-type]
     else:
         head.set_result(task.result())
-
-
-def _tracking_sink(
-    sink: Any, targets: Sequence[int], views: Sequence[np.ndarray], tracker: ArrivingTensors
-) -> Any:
-    """``sink`` telling ``tracker`` each tensor whose bytes are all written."""
-    left = [views[j].nbytes for j in targets]
-    tracker.done(j for i, j in enumerate(targets) if left[i] == 0)
-
-    def tracking(i: int, off: int, seg: memoryview) -> None:
-        sink(i, off, seg)
-        left[i] -= seg.nbytes
-        if left[i] == 0:
-            tracker.done((targets[i],))
-
-    return tracking
 
 
 def _register() -> None:
