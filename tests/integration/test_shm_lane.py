@@ -420,6 +420,32 @@ async def test_a_jobs_lanes_share_one_read_only_answer_segment(shard: Shard):
     lane.close()
 
 
+async def test_a_refused_or_failed_shared_lane_leaves_no_answer_segment(shard: Shard, monkeypatch):
+    """Another job's learner, or another learner of the job, asking for a learner's lane with
+    ``shared_answer`` is refused before anything is made; a lane whose own segment cannot be
+    made (no memory) is refused and the answer segment made for it goes too."""
+    s = shard
+    for who in ("other", "learner-2"):
+        code, _ = await s.status(who, "OpenSharedLane", lane_request(shared_answer=True))
+        assert code == grpc.StatusCode.PERMISSION_DENIED, who
+    assert not s.servicer._shared_answers and not s.servicer._lanes
+    made: list[Segment] = []
+    create = Segment.create
+
+    def create_then_fail(size: int, **kwargs: Any) -> Segment:
+        if not kwargs.get("read_only"):
+            raise OSError(12, "Cannot allocate memory")
+        made.append(create(size, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(Segment, "create", create_then_fail)
+    reply = await s.call("learner", "OpenSharedLane", lane_request(shared_answer=True))
+    assert "no segment" in reply.refused and not reply.answer_token
+    assert len(made) == 1 and made[0].fd == -1  # made, then closed
+    assert not s.servicer._shared_answers and not s.servicer._lanes
+    assert s.servicer._handoff.offers == 0
+
+
 async def test_an_older_learner_gets_no_lane_and_a_reason(shard: Shard):
     """A learner without ``fetch_fd`` would look for a named segment: the shard says no (it
     uses gRPC streams), and makes no segment."""

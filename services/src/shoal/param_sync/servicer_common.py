@@ -113,6 +113,10 @@ def _silence(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
+def _nothing() -> None:
+    return None
+
+
 def _optimizer_config(spec: ps_pb2.OptimizerSpec) -> OptimizerConfig:
     clip = spec.clip_grad_norm
     if not (math.isfinite(clip) and clip >= 0):

@@ -30,6 +30,7 @@ from shoal.param_sync.coordinator import (
 from shoal.param_sync.servicer_common import (
     _CoordinatedJob,
     _json_number,
+    _nothing,
     _silence,
 )
 from shoal.param_sync.shard import model_from_shard_files, shard_file_name
@@ -46,10 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("shoal.param_sync.service")
 
 T = TypeVar("T")
-
-
-def _nothing() -> None:
-    return None
 
 
 SCHEDULE_FILE = "batch_schedule.json"

@@ -11,6 +11,11 @@ own* slice, never from the learner's numbers:
     [in_offset, + in_capacity)  the learner's SyncStep bytes (its gradients and buffers)
     [out_offset, size)          the shard's answer (the new parameters and buffers)
 
+and offers its descriptor on the process's handoff socket (``shoal.contract.lane_handoff``)
+against a one-time token the reply carries: the learner fetches it once, within
+``shm_fetch_window_s`` (else the lane is dropped), and the shard closes its own descriptor
+once it is handed (the mapping stays).
+
 A learner that asks for ``shared_answer`` gets an empty out-region instead and reads its
 answers from the job's *answer segment* on this shard (:class:`SharedAnswer`): one per job,
 shared by the job's learners on this host, its descriptor fetched like the lane's (its own
@@ -20,11 +25,6 @@ it (docs/data-plane.md, "One answer per shard"). It is safe to overwrite in plac
 the commit of iteration k+1 needs every member's contribution to it, and a learner
 contributes only after it copied answer k into its model; a learner that is not a member
 any more is refused, and starts again from PullParameters.
-
-and offers its descriptor on the process's handoff socket (``shoal.contract.lane_handoff``)
-against a one-time token the reply carries: the learner fetches it once, within
-``shm_fetch_window_s`` (else the lane is dropped), and the shard closes its own descriptor
-once it is handed (the mapping stays).
 
 A SyncStep whose header says ``shared_memory`` brings no chunk: the shard takes
 ``total_bytes`` from ``shared_memory_offset`` of the *calling learner's* lane (looked up by the
@@ -48,6 +48,7 @@ import numpy as np
 from shoal.contract.shm import NONCE_BYTES, LaneError, Segment
 from shoal.contract.wire import Frame, encode_header
 from shoal.param_sync.authz import authorize
+from shoal.param_sync.servicer_common import _nothing, _silence
 from shoal.param_sync.shard import Contribution, ShardJob
 from shoal.param_sync.shard_encoding import Encoded
 from shoal.runtime.auth import current_principal
@@ -130,7 +131,7 @@ class SharedAnswer:
             )
             self.written, self.writing_key = None, key
             self.writing = asyncio.ensure_future(copy(region))
-            self.writing.add_done_callback(_silence)
+            self.writing.add_done_callback(_silence)  # (each waiting answer raises it)
         writing = self.writing
         try:
             await asyncio.shield(writing)  # (an answer whose call is cancelled leaves the copy)
@@ -143,11 +144,6 @@ class SharedAnswer:
 
     def close(self) -> None:
         self.segment.close()
-
-
-def _silence(future: asyncio.Future[None]) -> None:
-    if not future.cancelled():
-        future.exception()  # (each answer waiting for the copy raises it)
 
 
 class LaneHandlers:
@@ -190,6 +186,7 @@ class LaneHandlers:
         out_offset = in_offset + _up(in_capacity)
         shared = request.shared_answer
         size = out_offset + (0 if shared else _up(sj.total_bytes))
+        answers = None
         try:
             if not self._handoff.started:
                 self._handoff.start()
@@ -199,6 +196,8 @@ class LaneHandlers:
             answers = self._shared_answer(request.job_id, sj.total_bytes) if shared else None
             segment = Segment.create(size)
         except OSError as exc:
+            if answers is not None:  # (it goes unless another lane reads it)
+                self._release_shared_answer(request.job_id, answers)
             return ps_pb2.OpenSharedLaneResponse(refused=f"no segment: {exc}")
         lane = Lane(segment, in_offset, in_capacity, out_offset, shared=answers)
         loop = asyncio.get_running_loop()
@@ -377,10 +376,6 @@ class LaneHandlers:
         for key, lane in list(self._lanes.items()):
             if key[0] == job_id and 0 <= lane.generation < generation and key[1] not in members:
                 self._drop_lane(key)
-
-
-def _nothing() -> None:
-    pass
 
 
 assert NONCE_BYTES <= _ALIGN  # the nonce lies before the in-region
