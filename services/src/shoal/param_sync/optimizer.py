@@ -44,20 +44,13 @@ PER_PARAMETER_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
 
 # Those of them whose foreach kernels (one kernel per operation over all the tensors) leave
 # the bytes of torch's single-tensor step, the CPU's default: the shard steps them with
-# foreach unless the job says otherwise. (NAdam, RAdam and ASGD's differ in the last bits on
-# torch 2.13: tests/unit/test_shard_grouped_step.py checks both sets.)
-FOREACH_SAME: frozenset[type[torch.optim.Optimizer]] = frozenset(
-    {
-        torch.optim.SGD,
-        torch.optim.Adam,
-        torch.optim.AdamW,
-        torch.optim.Adamax,
-        torch.optim.Adagrad,
-        torch.optim.Adadelta,
-        torch.optim.RMSprop,
-        torch.optim.Rprop,
-    }
-)
+# foreach unless the job says otherwise. NAdam, RAdam and ASGD's differ in the last bits on
+# torch 2.13 (tests/unit/test_shard_grouped_step.py checks both sets).
+FOREACH_SAME: frozenset[type[torch.optim.Optimizer]] = PER_PARAMETER_OPTIMIZERS - {
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.ASGD,
+}
 
 
 def param_groups(config: OptimizerConfig) -> list[tuple[list[str], dict[str, Any]]]:
