@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shoal.contract.shm import LaneError
+from shoal.contract.shm import LaneError, Segment
 
 __all__ = [
     "LOG_EVERY_S",
@@ -47,6 +47,7 @@ __all__ = [
     "fetch_fd",
     "fetch_fd_keeping",
     "peer_credentials",
+    "take_segment",
 ]
 
 log = logging.getLogger("shoal.lane_handoff")
@@ -259,6 +260,25 @@ def fetch_fd(address: str, token: bytes, *, timeout: float = 10.0) -> int:
     fd, sock = fetch_fd_keeping(address, token, timeout=timeout)
     sock.close()
     return fd
+
+
+def take_segment(
+    address: str,
+    token: bytes,
+    size: int,
+    nonce: bytes,
+    *,
+    read_only: bool = False,
+    timeout: float = 10.0,
+) -> Segment:
+    """The segment whose descriptor the shard at ``address`` hands for ``token``: fetched
+    (:func:`fetch_fd`), checked and mapped (``Segment.from_fd``, with ``read_only``), its
+    descriptor closed (blocking)."""
+    fd = fetch_fd(address, token, timeout=timeout)
+    try:
+        return Segment.from_fd(fd, size, nonce, read_only=read_only)
+    finally:
+        os.close(fd)
 
 
 def fetch_fd_keeping(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -35,7 +36,7 @@ import torch
 from grpc import aio
 
 from shoal.contract import environment, lane_control
-from shoal.contract.lane_handoff import fetch_fd, fetch_fd_keeping
+from shoal.contract.lane_handoff import fetch_fd_keeping, take_segment
 from shoal.contract.shm import SHM_DIR, LaneError, Segment, host_id
 from shoal.contract.wire import BundleError, Frame, TensorMeta, decode_frame, validate_layout
 from shoal.learner.env import switch
@@ -254,16 +255,6 @@ def _take_segment(
         os.close(fd)
 
 
-def _take_answers(reply: ps_pb2.OpenSharedLaneResponse) -> Segment:
-    """Fetch the job's answer segment's descriptor, check it (sealed read-only) and map it
-    read-only, close the descriptor."""
-    fd = fetch_fd(reply.socket_address, reply.answer_token, timeout=FETCH_TIMEOUT_S)
-    try:
-        return Segment.from_fd(fd, reply.answer_size, reply.answer_nonce, read_only=True)
-    finally:
-        os.close(fd)
-
-
 async def open_lane(
     stub: Any,
     *,
@@ -312,7 +303,17 @@ async def open_lane(
     why = ""
     if reply.answer_token:  # the answers are in the job's answer segment on that shard
         try:
-            lane.answers = await asyncio.to_thread(_take_answers, reply)
+            lane.answers = await asyncio.to_thread(
+                functools.partial(
+                    take_segment,
+                    reply.socket_address,
+                    reply.answer_token,
+                    reply.answer_size,
+                    reply.answer_nonce,
+                    read_only=True,  # (it must be sealed so)
+                    timeout=FETCH_TIMEOUT_S,
+                )
+            )
         except (OSError, LaneError) as exc:
             why = f"its answer segment: {exc}"
         lane.answers_offset = reply.answer_offset

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shoal.contract.lane_handoff import fetch_fd
+from shoal.contract.lane_handoff import take_segment
 from shoal.contract.shm import NONCE_BYTES, LaneError, Segment
 from shoal.runtime.errors import FailedPrecondition, InvalidField
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
@@ -139,14 +138,6 @@ def read_blob(lane: RecvLane, offset: int, length: int, sequence: int) -> np.nda
     return out
 
 
-def _take_segment(address: str, token: bytes, size: int, nonce: bytes) -> Segment:
-    fd = fetch_fd(address, token, timeout=10.0)
-    try:
-        return Segment.from_fd(fd, size, nonce)
-    finally:
-        os.close(fd)
-
-
 class ReplicaLaneHandlers:
     """Part of :class:`~shoal.param_sync.service.ParameterSyncServicer` (see there)."""
 
@@ -248,7 +239,7 @@ class ReplicaLaneHandlers:
                 )
             try:
                 fresh = await asyncio.to_thread(
-                    _take_segment,
+                    take_segment,
                     first.socket_address,
                     first.token,
                     first.segment_size,
