@@ -2007,6 +2007,7 @@ class ReplicateRequest(_message.Message):
     SOCKET_ADDRESS_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_DEFERRABLE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     shard_index: _builtins.int
@@ -2044,6 +2045,12 @@ class ReplicateRequest(_message.Message):
     """The send's sequence number, also written at shared_memory_offset - 8 in the segment:
     the receiver checks it after copying the blob out (the sender wrote no newer one meanwhile).
     """
+    shared_memory_deferrable: _builtins.bool
+    """The sender writes this blob's bytes again only after the receiver answered a later send
+    (it alternates two slots, one send at a time): the receiver may answer first and copy the
+    blob out afterwards, in place, as long as it answers each send only once it took the one
+    before. An older sender leaves it false: the receiver copies the blob before it answers.
+    """
     def __init__(
         self,
         *,
@@ -2061,10 +2068,11 @@ class ReplicateRequest(_message.Message):
         socket_address: _builtins.str = ...,
         token: _builtins.bytes = ...,
         sequence: _builtins.int = ...,
+        shared_memory_deferrable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "host_id", b"host_id", "job_id", b"job_id", "kind", b"kind", "replica", b"replica", "segment_nonce", b"segment_nonce", "segment_size", b"segment_size", "sequence", b"sequence", "shard_index", b"shard_index", "shared_memory", b"shared_memory", "shared_memory_length", b"shared_memory_length", "shared_memory_offset", b"shared_memory_offset", "socket_address", b"socket_address", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "host_id", b"host_id", "job_id", b"job_id", "kind", b"kind", "replica", b"replica", "segment_nonce", b"segment_nonce", "segment_size", b"segment_size", "sequence", b"sequence", "shard_index", b"shard_index", "shared_memory", b"shared_memory", "shared_memory_deferrable", b"shared_memory_deferrable", "shared_memory_length", b"shared_memory_length", "shared_memory_offset", b"shared_memory_offset", "socket_address", b"socket_address", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2078,21 +2086,28 @@ class ReplicateResponse(_message.Message):
 
     GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
     SHARED_MEMORY_TAKEN_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_DEFERRED_FIELD_NUMBER: _builtins.int
     global_iteration: _builtins.int
     """The iteration the slice is at (STATE); -1 for SUMS (kept, applied after the answer)."""
     shared_memory_taken: _builtins.bool
     """True when the receiver took the blob from the sender's shared-memory segment (an older
     receiver leaves it false: the sender then sends the blob again as chunks).
     """
+    shared_memory_deferred: _builtins.bool
+    """True when the receiver answered a shared_memory_deferrable send before copying the blob
+    out (it takes it in place afterwards): the sender may then alternate the slots. An older
+    receiver leaves it false: the sender keeps one slot.
+    """
     def __init__(
         self,
         *,
         global_iteration: _builtins.int = ...,
         shared_memory_taken: _builtins.bool = ...,
+        shared_memory_deferred: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_iteration", b"global_iteration", "shared_memory_taken", b"shared_memory_taken"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_iteration", b"global_iteration", "shared_memory_deferred", b"shared_memory_deferred", "shared_memory_taken", b"shared_memory_taken"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

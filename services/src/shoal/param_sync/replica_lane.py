@@ -10,15 +10,30 @@ same :func:`shoal.contract.shm.host_id`, both with the lane on) the primary writ
 into a nameless sealed segment of its own (``shoal.contract.shm``, one per job and backup)
 and sends one ``Replicate`` message naming where; the backup fetches the segment's
 descriptor once (from the primary's handoff socket, ``shoal.contract.lane_handoff``, with a
-one-time token the first such message carries), maps it, copies the blob out and answers
-``shared_memory_taken``. Anything else (another host, the lane off on either side, an older
-backup, a segment lost to a restart) sends that iteration's blob as chunks, as before.
+one-time token the first such message carries) and maps it. Anything else (another host, the
+lane off on either side, an older backup, a segment lost to a restart) sends that
+iteration's blob as chunks, as before.
 
-Segment layout (the sender's)::
+**Answered before it is copied.** The segment has two slots; the primary alternates them,
+one send at a time (``shared_memory_deferrable``), so a slot is written again only after the
+backup answered the send after it. The backup answers at once (the primary's ShardReady no
+longer waits for a 20-odd MiB copy) and its compute thread copies the blob straight from the
+slot into the replica's accumulators afterwards (``keep_pending``, in arrival order), checking
+the slot's sequence number again after the copy; it answers a send only once it took the one
+before, which is what keeps the other slot unwritten until then. The mapping keeps the bytes
+even if the primary dies meanwhile. An older primary (one slot, not deferrable) gets the
+blob copied out before the answer, as before; an older backup (no ``shared_memory_deferred``
+in its answer) keeps the primary on one slot.
+
+Segment layout (the sender's), ``C`` the capacity of a slot::
 
     [0, 16)                          nonce
-    [BLOB_OFFSET - 8, BLOB_OFFSET)   the send's sequence number (little-endian u64)
-    [BLOB_OFFSET, size)              the blob (the safetensors bytes of ``pending_frames``)
+    [BLOB_OFFSET - 8, BLOB_OFFSET)   slot 0's send's sequence number (little-endian u64)
+    [BLOB_OFFSET, BLOB_OFFSET + C)   slot 0's blob (the safetensors bytes of ``pending_frames``)
+    [BLOB_OFFSET + C, + 8)           slot 1's send's sequence number
+    [BLOB_OFFSET + C + 8, size)      slot 1's blob
+
+(a blob's sequence number is always the 8 bytes before it: ``shared_memory_offset - 8``).
 """
 
 from __future__ import annotations
@@ -26,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -61,6 +76,21 @@ NO_SEGMENT = "no replica segment"
 assert NONCE_BYTES <= _SEQUENCE_AT
 
 
+def segment_size(capacity: int) -> int:
+    """The size of a segment of two slots of ``capacity`` bytes each."""
+    return BLOB_OFFSET + 2 * capacity + 8
+
+
+def slot_capacity(size: int) -> int:
+    """The bytes a slot of a segment of ``size`` bytes holds."""
+    return (size - BLOB_OFFSET - 8) // 2
+
+
+def slot_offset(size: int, slot: int) -> int:
+    """Where slot ``slot`` (0 or 1)'s blob starts in a segment of ``size`` bytes."""
+    return BLOB_OFFSET + slot * (slot_capacity(size) + 8)
+
+
 @dataclass
 class SendLane:
     """A primary's segment for the sums it replicates to one backup of one job."""
@@ -68,6 +98,11 @@ class SendLane:
     segment: Segment
     token: bytes = b""  # the descriptor's handoff token, until fetched
     sequence: int = 0
+    # The backup answers before it copies (``shared_memory_deferred``): the slots alternate.
+    deferred: bool = False
+    slot: int = 0
+    # One send at a time: the slot written next was answered for (see the module's doc).
+    sending: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def fetched(self) -> None:
         self.token = b""
@@ -75,65 +110,86 @@ class SendLane:
 
     @property
     def capacity(self) -> int:
-        return self.segment.size - BLOB_OFFSET
+        return slot_capacity(self.segment.size)
 
 
-def write_blob(segment: Segment, sequence: int, parts: Sequence[Any]) -> int:
-    """Write ``parts`` (byte-like) one after the other at :data:`BLOB_OFFSET`, with
-    ``sequence`` before them; returns the blob's length (call on the compute thread)."""
-    seq = segment.region(_SEQUENCE_AT, 8, lo=_SEQUENCE_AT, hi=BLOB_OFFSET, what="sequence")
-    seq[:] = sequence.to_bytes(8, "little")
-    target = np.frombuffer(
-        segment.region(
-            BLOB_OFFSET,
-            segment.size - BLOB_OFFSET,
-            lo=BLOB_OFFSET,
-            hi=segment.size,
-            what="blob",
-        ),
-        dtype=np.uint8,
+def write_blob(segment: Segment, offset: int, sequence: int, parts: Sequence[Any]) -> int:
+    """Write ``parts`` (byte-like) one after the other into the slot at ``offset``, with
+    ``sequence`` before them; returns the blob's length (call on the compute thread).
+    :class:`LaneError` (nothing written) when they are more than the slot holds."""
+    sources = [np.frombuffer(memoryview(part).cast("B"), dtype=np.uint8) for part in parts]
+    length = sum(source.size for source in sources)
+    blob = segment.region(
+        offset, length, lo=offset, hi=offset + slot_capacity(segment.size), what="blob"
     )
-    offset = 0
-    for part in parts:
-        source = np.frombuffer(memoryview(part).cast("B"), dtype=np.uint8)
-        target[offset : offset + source.size] = source
-        offset += source.size
-    return offset
+    seq = segment.region(offset - 8, 8, lo=_SEQUENCE_AT, hi=segment.size, what="sequence")
+    seq[:] = sequence.to_bytes(8, "little")
+    target = np.frombuffer(blob, dtype=np.uint8)
+    at = 0
+    for source in sources:
+        target[at : at + source.size] = source
+        at += source.size
+    return length
 
 
 @dataclass
 class RecvLane:
-    """A backup's mapping of a primary's segment, and two buffers it copies blobs into in
-    turn (reused: a fresh 20-odd MiB array each iteration costs its page faults again). A
-    blob's buffer is next written two sends later, when its ``keep_pending`` has long run:
-    the primary sends the next sums only after the commit that follows this one, and the
-    backup's compute thread runs ``keep_pending`` (queued at the answer) before that
-    commit."""
+    """A backup's mapping of a primary's segment. For an older primary's sends (one slot,
+    copied out before the answer), two buffers it copies blobs into in turn (reused: a fresh
+    20-odd MiB array each iteration costs its page faults again); a blob's buffer is next
+    written two sends later, when its ``keep_pending`` has long run: the primary sends the
+    next sums only after the commit that follows this one, and the backup's compute thread
+    runs ``keep_pending`` (queued at the answer) before that commit."""
 
     segment: Segment
     buffers: list[np.ndarray]
+    newest: int = 0  # the newest send taken in place (an older one is refused)
+    # The last send taken in place, until the compute thread has copied it out.
+    taking: asyncio.Future[Any] | None = None
 
     def close(self) -> None:
         self.segment.close()
 
 
-def read_blob(lane: RecvLane, offset: int, length: int, sequence: int) -> np.ndarray:
-    """A copy of the blob ``[offset, offset + length)`` (inside the blob region), checked to be
-    the one of ``sequence`` both before and after the copy (the sender wrote no newer one
-    meanwhile); :class:`LaneError` otherwise."""
+@dataclass
+class SlotSums:
+    """A send's blob to take in place, from the sender's slot: ``view`` and the slot's
+    sequence number, to check again once it is copied (:meth:`still_there`)."""
+
+    view: memoryview
+    sequence_view: memoryview
+    sequence: int
+
+    def still_there(self) -> bool:
+        return int.from_bytes(self.sequence_view, "little") == self.sequence
+
+
+def slot_of(lane: RecvLane, offset: int, length: int, sequence: int) -> SlotSums:
+    """The blob ``[offset, offset + length)`` (inside the blob region) where it lies, checked
+    to be the one of ``sequence``; :class:`LaneError` otherwise."""
     segment = lane.segment
-    seq = segment.region(_SEQUENCE_AT, 8, lo=_SEQUENCE_AT, hi=BLOB_OFFSET, what="sequence")
+    seq = segment.region(offset - 8, 8, lo=_SEQUENCE_AT, hi=segment.size, what="sequence")
     view = segment.region(
         offset, length, lo=BLOB_OFFSET, hi=segment.size, what="shared_memory_offset"
     )
-    if int.from_bytes(seq, "little") != sequence:
+    sums = SlotSums(view, seq, sequence)
+    if not sums.still_there():
         raise LaneError(f"{SUPERSEDED}: the segment holds another send than sequence {sequence}")
+    return sums
+
+
+def read_blob(lane: RecvLane, offset: int, length: int, sequence: int) -> np.ndarray:
+    """A copy of the blob ``[offset, offset + length)`` (inside the blob region), checked to be
+    the one of ``sequence`` both before and after the copy (the sender wrote no newer one
+    meanwhile); :class:`LaneError` otherwise. (For an older sender, one slot, not
+    deferrable.)"""
+    sums = slot_of(lane, offset, length, sequence)
     slot = sequence % 2
     if lane.buffers[slot].size < length:
         lane.buffers[slot] = np.empty(length, dtype=np.uint8)
     out = lane.buffers[slot][:length]
-    np.copyto(out, np.frombuffer(view, dtype=np.uint8))
-    if int.from_bytes(seq, "little") != sequence:
+    np.copyto(out, np.frombuffer(sums.view, dtype=np.uint8))
+    if not sums.still_there():
         raise LaneError(f"{SUPERSEDED}: the segment was rewritten while {sequence} was read")
     return out
 
@@ -155,34 +211,56 @@ class ReplicaLaneHandlers:
         for other in [k for k in self._replica_sends if k[0] == job_id and k != key]:
             self._drop_send_lane(other)  # the job's backup moved
         total = len(header) + sum(memoryview(v).nbytes for v in views)
-        lane = self._replica_sends.get(key)
-        if lane is None or lane.capacity < total:
-            self._drop_send_lane(key)
-            if not self._handoff.started:
-                self._handoff.start()
-            try:
-                segment = Segment.create(BLOB_OFFSET + total + SLACK_BYTES, label=MEMFD_LABEL)
-            except OSError as exc:
-                log.info("job %s: sums to %s as chunks (no segment: %s)", job_id, address, exc)
-                self._replica_no_shm.add(key)
-                return False
-            lane = SendLane(segment)
-            lane.token = self._handoff.offer(
-                segment.fd,
-                window_s=FETCH_WINDOW_S,
-                on_sent=lane.fetched,
-                what=f"job {job_id}: sums of shard {shard_index} for its backup",
-            )
-            self._replica_sends[key] = lane
+        while True:
+            lane = self._replica_sends.get(key)
+            if lane is None or lane.capacity < total:
+                self._drop_send_lane(key)
+                if not self._handoff.started:
+                    self._handoff.start()
+                try:
+                    segment = Segment.create(segment_size(total + SLACK_BYTES), label=MEMFD_LABEL)
+                except OSError as exc:
+                    log.info("job %s: sums to %s as chunks (no segment: %s)", job_id, address, exc)
+                    self._replica_no_shm.add(key)
+                    return False
+                lane = SendLane(segment)
+                lane.token = self._handoff.offer(
+                    segment.fd,
+                    window_s=FETCH_WINDOW_S,
+                    on_sent=lane.fetched,
+                    what=f"job {job_id}: sums of shard {shard_index} for its backup",
+                )
+                self._replica_sends[key] = lane
+            async with lane.sending:
+                if self._replica_sends.get(key) is lane:  # else dropped meanwhile: anew
+                    return await self._send_sums_shm(lane, key, job_id, shard_index, header, views)
+
+    async def _send_sums_shm(
+        self: _S,
+        lane: SendLane,
+        key: tuple[str, str],
+        job_id: str,
+        shard_index: int,
+        header: bytes,
+        views: list[Any],
+    ) -> bool:
+        """One send through ``lane`` (its ``sending`` lock held), as
+        :meth:`_replicate_sums_shm` says."""
+        address = key[1]
         lane.sequence += 1
-        length = await self._compute(write_blob, lane.segment, lane.sequence, [header, *views])
+        if lane.deferred:  # the other slot: its send was taken (the last answer says so)
+            lane.slot = 1 - lane.slot
+        offset = slot_offset(lane.segment.size, lane.slot)
+        length = await self._compute(
+            write_blob, lane.segment, offset, lane.sequence, [header, *views]
+        )
         request = ps_pb2.ReplicateRequest(
             job_id=job_id,
             shard_index=shard_index,
             replica=True,
             kind=ps_pb2.REPLICATE_KIND_SUMS,
             shared_memory=True,
-            shared_memory_offset=BLOB_OFFSET,
+            shared_memory_offset=offset,
             shared_memory_length=length,
             host_id=self._host_id,
             segment_size=lane.segment.size,
@@ -190,6 +268,7 @@ class ReplicaLaneHandlers:
             socket_address=self._handoff.address if lane.token else "",
             token=lane.token,
             sequence=lane.sequence,
+            shared_memory_deferrable=True,
         )
         try:
             reply = await self._replicate_call(address, [request.SerializeToString()])
@@ -209,6 +288,7 @@ class ReplicaLaneHandlers:
             self._replica_no_shm.add(key)
             log.info("job %s: sums to %s as chunks (it reads no shared memory)", job_id, address)
             return False
+        lane.deferred = reply.shared_memory_deferred
         return True
 
     def _drop_send_lane(self: _S, key: tuple[str, str]) -> None:
@@ -219,8 +299,10 @@ class ReplicaLaneHandlers:
 
     # -- the backup's side --------------------------------------------------------------------
 
-    async def _take_sums_shm(self: _S, first: ps_pb2.ReplicateRequest) -> np.ndarray:
-        """The blob a shared-memory Replicate names, copied out of the sender's segment."""
+    async def _take_sums_shm(self: _S, first: ps_pb2.ReplicateRequest) -> np.ndarray | SlotSums:
+        """The blob a shared-memory Replicate names: where it lies in the sender's segment
+        (a deferrable send, taken in place once answered: :meth:`_taking`), or copied out of
+        it (an older sender's)."""
         if not (first.replica and first.kind == ps_pb2.REPLICATE_KIND_SUMS):
             raise InvalidField("shared_memory", True, "only for SUMS to a replica")
         if not self._host_id or first.host_id != self._host_id:
@@ -252,16 +334,28 @@ class ReplicaLaneHandlers:
                 old.close()
             empty = np.empty(0, dtype=np.uint8)
             self._replica_recv[key] = lane = RecvLane(fresh, [empty, empty])
+        where = (first.shared_memory_offset, first.shared_memory_length, first.sequence)
         try:
-            return await asyncio.to_thread(
-                read_blob,
-                lane,
-                first.shared_memory_offset,
-                first.shared_memory_length,
-                first.sequence,
-            )
+            if not first.shared_memory_deferrable:
+                return await asyncio.to_thread(read_blob, lane, *where)
+            if first.sequence <= lane.newest:
+                raise LaneError(f"{SUPERSEDED}: sequence {first.sequence} after {lane.newest}")
+            lane.newest = first.sequence
+            sums = slot_of(lane, *where)
         except LaneError as exc:
             raise FailedPrecondition(f"{NO_SEGMENT} to read: {exc}") from None
+        # The send before is copied out before this one is answered: the sender writes its
+        # slot next.
+        if lane.taking is not None and not lane.taking.done():
+            await asyncio.wait([lane.taking])
+        return sums
+
+    def _taking(self: _S, job_id: str, shard_index: int, taking: asyncio.Future[Any]) -> None:
+        """``taking`` copies the last in-place send of the replica lane of (``job_id``,
+        ``shard_index``) out of its slot: the next send is answered once it is done."""
+        lane = self._replica_recv.get((job_id, shard_index))
+        if lane is not None:
+            lane.taking = taking
 
     def _drop_replica_lanes(self: _S, job_id: str | None = None) -> None:
         """The replica segments (sent and received) of ``job_id`` (None: of every job)."""

@@ -20,6 +20,7 @@ from shoal.contract.wire import TensorMeta, serialize
 from shoal.param_sync.authz import authorize, check_job_directory
 from shoal.param_sync.checkpoint import StorageError
 from shoal.param_sync.coordinator import OptimizerConfig
+from shoal.param_sync.replica_lane import SlotSums
 from shoal.param_sync.servicer_common import _aborted, _optimizer_config, _ShardSlice
 from shoal.param_sync.shard import ShardJob
 from shoal.param_sync.shard_encoding import Encoded
@@ -174,8 +175,9 @@ class PeerHandlers:
 
     # -- replication --------------------------------------------------------------------------
 
-    def _in_background(self: _S, work: Awaitable[Any], failure: str) -> None:
-        """Run ``work`` as a task that is kept until it ends; a failure is logged."""
+    def _in_background(self: _S, work: Awaitable[Any], failure: str) -> asyncio.Future[Any]:
+        """Run ``work`` as a task that is kept until it ends (returned); a failure is
+        logged."""
         task = asyncio.ensure_future(work)
         self._background.add(task)
 
@@ -185,6 +187,7 @@ class PeerHandlers:
                 log.error("%s: %s", failure, future.exception())
 
         task.add_done_callback(done)
+        return task
 
     async def _send_slice(
         self: _S,
@@ -265,12 +268,20 @@ class PeerHandlers:
             # iteration's) runs on the compute thread after this answer, in arrival order, so
             # the primary's ShardReady does not wait for the replica's step. Anything that
             # uses the replica later (a settle, a transfer) queues behind it.
-            self._in_background(
-                self._compute(target.keep_pending, blob),
+            # A blob left in the primary's slot (replica_lane.py) is copied out there, and
+            # checked to be still there after the copy.
+            in_place = isinstance(blob, SlotSums)
+            args = (blob.view, blob.still_there) if in_place else (blob,)
+            taking = self._in_background(
+                self._compute(target.keep_pending, *args),
                 f"job {first.job_id}: replica did not take sums",
             )
+            if in_place:
+                self._taking(first.job_id, first.shard_index, taking)
             return ps_pb2.ReplicateResponse(
-                global_iteration=-1, shared_memory_taken=first.shared_memory
+                global_iteration=-1,
+                shared_memory_taken=first.shared_memory,
+                shared_memory_deferred=in_place,
             )
         elif first.kind == ps_pb2.REPLICATE_KIND_STATE:
             iteration = await self._compute(target.load_state_bytes, blob)

@@ -7,6 +7,7 @@ them, applying them at the commit, or settling to the coordinator's count."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -117,13 +118,19 @@ class ReplicaSums:
             else:
                 self.pending = None
 
-    def keep_pending(self: ShardJob, data: bytes | bytearray | memoryview) -> int:
+    def keep_pending(
+        self: ShardJob,
+        data: bytes | bytearray | memoryview,
+        still_there: Callable[[], bool] | None = None,
+    ) -> int:
         """Take a primary's :meth:`pending_bytes` as this replica's sums. Returns the
         iteration. The replica's previous sums, if it still holds them (they are normally
         applied at the commit by :meth:`apply_replicated`), are applied first when these are
         of the next iteration (the primary sends those only after it committed the previous
         one), and replaced when of the same iteration (that one was aborted and is run
-        again)."""
+        again). ``still_there``: ``data`` lies in memory the primary may write (its
+        segment's slot), so it is asked after the copy whether the bytes were still those
+        sent; if not, the replica keeps no sums and :class:`FailedPrecondition` says so."""
         raw = memoryview(data).cast("B")
         try:
             size = int.from_bytes(raw[:8], "little")
@@ -165,6 +172,12 @@ class ReplicaSums:
             )
         for j, begin, stop in targets:
             self._acc_np[j].view(np.uint8)[:] = np.frombuffer(raw[begin:stop], dtype=np.uint8)
+        if still_there is not None and not still_there():
+            self.pending = None  # the previous sums were applied above; these are lost
+            raise FailedPrecondition(
+                f"replica of shard {self.shard_index} of job {self.job_id!r}: the sums of "
+                f"iteration {iteration} were rewritten in the primary's segment as they were taken"
+            )
         self.min_generation = max(self.min_generation, generation)
         self.pending = _Pending(
             generation,
