@@ -147,6 +147,9 @@ def test_two_learners_on_the_lane_and_one_on_grpc_train_the_same_job_exactly(tmp
             # memory: the segment's descriptor handed once, and held by neither side after.
             assert shard.text().count("for its backup: descriptor handed") == 1, shard.text()
             assert "sums to" not in shard.text()  # never fell back to chunks
+            # Each backup answered at once and took the sums out of the slot afterwards,
+            # every one whole (none rewritten while taken).
+            assert "did not take sums" not in shard.text()
         for pid in pids:
             assert sums_fds_and_maps(pid) in (None, (0, 2)), pid  # its own and its primary's
         # Exactly plain PyTorch.
