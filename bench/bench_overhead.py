@@ -16,6 +16,13 @@ of an epoch (evaluation excluded), median over the epochs after each run's first
 runs with one intra-op thread (the learner processes get OMP_NUM_THREADS=1).
 
     .venv/bin/python bench/bench_overhead.py [--epochs 4] [--digits-epochs 11] [--repeats 2]
+
+``--paired`` compares only the local backend with the plain loop, epoch by epoch in turns in
+one process (each local epoch, then the same epoch of the plain loop's own model), and reports
+the median of the epochs' ratios: a drift of the machine's speed during a run, which the
+interleaved rounds above only average out, hits each pair alike.
+
+    .venv/bin/python bench/bench_overhead.py --paired --workloads digits --digits-epochs 60
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -87,7 +95,9 @@ def workload(name: str, data_dir: str, epochs: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 
 
-def run_plain(name: str, data_dir: str, epochs: int) -> list[float]:
+def plain_loop(name: str, data_dir: str, epochs: int) -> Callable[[int], float]:
+    """The plain loop, set up once: each call trains the epoch it is given and returns its
+    samples/s."""
     from shoal.learner import partition
 
     w = workload(name, data_dir, epochs)
@@ -99,22 +109,42 @@ def run_plain(name: str, data_dir: str, epochs: int) -> list[float]:
     optimizer = getattr(torch.optim, opt_name)(model.parameters(), **opt_args)
     loss_fn = nn.CrossEntropyLoss()
     batch = w["batch"]
-    rates = []
-    for epoch in range(epochs):
+
+    def epoch(e: int) -> float:
         if w["schedule"] is not None:
             for group in optimizer.param_groups:
-                group["lr"] = w["schedule"](epoch)
+                group["lr"] = w["schedule"](e)
         model.train()
         t0 = time.monotonic()
-        order = partition.epoch_order(n, 0, epoch)
+        order = partition.epoch_order(n, 0, e)
         for start in range(0, n, batch):
             idx = order[start : start + batch]
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(x[idx]), y[idx])
             loss.backward()
             optimizer.step()
-        rates.append(n / (time.monotonic() - t0))
-    return rates
+        return n / (time.monotonic() - t0)
+
+    return epoch
+
+
+def run_plain(name: str, data_dir: str, epochs: int) -> list[float]:
+    epoch = plain_loop(name, data_dir, epochs)
+    return [epoch(e) for e in range(epochs)]
+
+
+def run_paired(name: str, data_dir: str, epochs: int) -> tuple[list[float], list[float]]:
+    """``ElasticTrainer`` with the local backend and the plain loop in turns, epoch by epoch,
+    in this process: after each of the trainer's epochs (in its ``on_epoch_end``, outside
+    its timed epoch) the plain loop trains the same epoch of its own model. A drift of the
+    machine's speed then hits both alike (the plain loop's epochs alone vary by 25 % over a
+    run on the 2-core VMs). Returns (local samples/s, plain samples/s), epoch by epoch."""
+    plain = plain_loop(name, data_dir, epochs)
+    plain_rates: list[float] = []
+    local_rates = run_trainer(
+        name, data_dir, epochs, "local", after_epoch=lambda e: plain_rates.append(plain(e))
+    )
+    return local_rates, plain_rates
 
 
 # ------------------------------------------------------------------------------------------
@@ -122,8 +152,19 @@ def run_plain(name: str, data_dir: str, epochs: int) -> list[float]:
 # ------------------------------------------------------------------------------------------
 
 
-def run_trainer(name: str, data_dir: str, epochs: int, backend: str | None) -> list[float]:
+def run_trainer(
+    name: str,
+    data_dir: str,
+    epochs: int,
+    backend: str | None,
+    after_epoch: Callable[[int], Any] | None = None,
+) -> list[float]:
     from shoal.learner import ElasticTrainer
+
+    def on_epoch_end(result: Any) -> None:
+        seconds.append(result.seconds)
+        if after_epoch is not None:
+            after_epoch(result.epoch)
 
     if backend == "grpc":
         from shoal.learner import grpc_backend  # noqa: F401 - registers the "grpc" backend
@@ -140,7 +181,7 @@ def run_trainer(name: str, data_dir: str, epochs: int, backend: str | None) -> l
         lr_schedule_unit="epoch",
         seed=0,
         backend=backend,
-        on_epoch_end=lambda r: seconds.append(r.seconds),
+        on_epoch_end=on_epoch_end,
     )
     trainer.train(epochs=epochs, batch_size=w["batch"], max_workers=1)
     return [n / s for s in seconds]
@@ -266,6 +307,40 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def paired(args: argparse.Namespace) -> int:
+    """``--paired``: :func:`run_paired` ``--repeats`` times per workload (each run's first
+    epoch dropped: warm-up); each epoch's ratio is the local epoch's samples/s over the plain
+    epoch's right after it."""
+    print(
+        "| workload | run | plain samples/s (median) | local samples/s (median) "
+        "| local / plain, epoch by epoch: median (min-max) |"
+    )
+    print("|---|---|---|---|---|")
+    ratios: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="shoal-overhead-") as tmp_name:
+        sys.path.insert(0, str(REPO / "examples" / "cifar10"))
+        from make_fake_cifar import make_fake_cifar
+
+        data_dir = str(make_fake_cifar(Path(tmp_name) / "cifar", args.cifar_per_batch, 64))
+        for repeat in range(args.repeats):
+            for name in args.workloads:
+                epochs = args.digits_epochs if name == "digits" else args.epochs
+                local, plain = run_paired(name, data_dir, epochs)
+                pairs = [a / b for a, b in zip(local[1:], plain[1:], strict=True)]
+                ratios.setdefault(name, []).extend(pairs)
+                print(
+                    f"| {name} | {repeat + 1} | {statistics.median(plain[1:]):.0f} | "
+                    f"{statistics.median(local[1:]):.0f} | {statistics.median(pairs):.3f}x "
+                    f"({min(pairs):.3f}-{max(pairs):.3f}) |",
+                    flush=True,
+                )
+    for name, values in ratios.items():
+        median = statistics.median(values)
+        print(f"{name}: local / plain over all {len(values)} epochs: median {median:.3f}x")
+    print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=4, help="CIFAR; the first is a warm-up")
@@ -279,6 +354,12 @@ def main() -> int:
         choices=list(VARIANTS),
         default=list(VARIANTS),
         help="which variants to run (plain is always run: it is the anchor)",
+    )
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="only the local backend against the plain loop, epoch by epoch in turns in one "
+        "process (run_paired); the median of the epochs' ratios",
     )
     parser.add_argument("--learner", help=argparse.SUPPRESS)  # internal: the learner process
     parser.add_argument("--data-dir", default="", help=argparse.SUPPRESS)
@@ -294,6 +375,8 @@ def main() -> int:
         f"machine: {cpu_model()}, {os.cpu_count()} cores, load average "
         f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}; torch {torch.__version__}, 1 thread"
     )
+    if args.paired:
+        return paired(args)
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="shoal-overhead-") as tmp_name:
         tmp = Path(tmp_name)
