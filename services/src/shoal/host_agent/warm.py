@@ -219,14 +219,18 @@ class WarmPool:
         self._task = asyncio.get_running_loop().create_task(self._fill(), name="warm-pool")
 
     def take(self) -> WarmProcess | None:
-        """A ready warm process (removed from the pool), or None: start cold."""
+        """A ready warm process (removed from the pool), or None: start cold. Whatever it
+        removes, taken or found dead, the pool replaces: a process found dead here is no
+        longer in the pool when its watcher (``_watch_idle``) sees it die, so that one does
+        not wake the pool for it (before 2026-11-27 nothing did, and the pool stayed empty)."""
         while self._ready:
             warm = self._ready.pop(0)
             (self.directory / f"{warm.token}.json").unlink(missing_ok=True)
+            self._wake.set()
             if warm.process.returncode is None:
                 self.taken += 1
-                self._wake.set()
                 return warm
+            self.died += 1
         return None
 
     async def close(self) -> None:
