@@ -2,10 +2,11 @@
 (``shoal.param_sync.replica_lane``): the blob taken out of the segment is the primary's
 ``pending_bytes`` byte for byte, so the replica fed it stays bit-identical to one fed the
 gRPC chunks; a stale sequence or a range outside the blob region is refused. The segment's two
-slots: the backup answers a deferrable send at once and takes it in place afterwards, answers
-the next only once it took that one, refuses an older send, and keeps no sums rewritten while
-it took them; the primary alternates the slots only for a backup that defers, one send at a
-time, and copies for an older sender (one slot) before answering."""
+slots: the backup answers a deferrable send at once and takes it in place afterwards (whole
+even if the primary died meanwhile), answers the next only once it took that one, refuses an
+older send, and keeps no sums rewritten while it took them; the primary alternates the slots
+only for a backup that defers, one send at a time, and copies for an older sender (one slot)
+before answering."""
 
 from __future__ import annotations
 
@@ -310,3 +311,29 @@ async def test_the_primary_sends_one_at_a_time_through_a_segment() -> None:
         assert bytes(first_slot) == b"third!"[:5]
     finally:
         primary.close()
+
+
+def test_sums_taken_after_the_primary_died_are_still_whole() -> None:
+    """The backup answers before it copies: if the primary dies in between, its descriptor
+    and mapping go (what its exit does), and the backup's mapping alone keeps the bytes."""
+    torch.manual_seed(3)
+    primary, replica, via_chunks = shard(), shard(), shard()
+    primary.initialize(contribution(primary, "init", 0, [torch.randn(m.shape) for m in METAS], 0))
+    for r in (replica, via_chunks):
+        r.load_state_bytes(primary.state_bytes(0))
+    primary.accumulate(
+        contribution(primary, "a", 0, [torch.randn(m.shape) for m in METAS], 4), frozenset("a")
+    )
+    header, views = primary.pending_frames(1, 0)
+    sender = Segment.create(segment_size(64 * 1024), label=MEMFD_LABEL)
+    backup = backup_of(sender)
+    length = write_blob(sender, BLOB_OFFSET, 1, [header, *views])
+    sums = slot_of(backup, BLOB_OFFSET, length, 1)  # answered here
+    sender.close()  # the primary is gone: no descriptor, no mapping of its own
+    assert sender.fd == -1
+    assert replica.keep_pending(sums.view, sums.still_there) == 0
+    via_chunks.keep_pending(primary.pending_bytes(1, 0))
+    for r in (replica, via_chunks):
+        assert r.apply_replicated(1, 0, 0.0)
+    assert_same_state(replica, via_chunks, 1)
+    backup.close()
