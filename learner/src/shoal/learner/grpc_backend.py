@@ -334,9 +334,29 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
             log.warning("shards re-routed (routing epoch %d)", reply.routing_epoch)
         return reply
 
+    def _answered_ahead(
+        self, ahead: asyncio.Future[ps_pb2.BoundaryResponse] | None
+    ) -> ps_pb2.BoundaryResponse | None:
+        """The reply to the Boundary sent ahead when it has come already, read on this thread
+        without a hop to the session's loop (~0.1 ms each way on the 2-core VMs); None when
+        it has not, failed, or re-routes the shards (:meth:`_boundary` handles those on the
+        loop). A done future's state and result no longer change, so reading them from this
+        thread is safe."""
+        if ahead is None or not ahead.done() or ahead.cancelled():
+            return None
+        if ahead.exception() is not None:
+            return None
+        reply = ahead.result()
+        if reply.routing_epoch > self.session.routing_epoch and reply.shards:
+            return None
+        self.ahead_boundaries[0] += 1
+        return reply
+
     def next_assignment(self) -> Assignment | None:
         ahead, self._ahead = self._ahead, None
-        reply = self._run(self._boundary(self._md(), ahead))
+        reply = self._answered_ahead(ahead)
+        if reply is None:
+            reply = self._run(self._boundary(self._md(), ahead))
         plan = self._require_plan()
         if reply.action == ps_pb2.BOUNDARY_ACTION_RUN:
             self._generation = int(reply.assignment.generation)
