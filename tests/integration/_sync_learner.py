@@ -23,7 +23,8 @@ it); ``--watch 0`` leaves out the test's callback (a callback that overrides
 ``early_tensors`` are ``GrpcBackend.early_tensors`` (early forward's counters);
 ``inline_bundles`` ``GrpcBackend.inline_bundles`` (bundles sent and answers read as one
 message, SHOAL_INLINE_KB); ``ahead_boundaries`` ``GrpcBackend.ahead_boundaries`` (Boundaries
-answered ahead and asked again, SHOAL_BOUNDARY_AHEAD).
+answered ahead and asked again, SHOAL_BOUNDARY_AHEAD); ``control_answers`` the control calls
+answered on a lane's control connection instead of gRPC (``ShardSession.control_answers``).
 """
 
 from __future__ import annotations
@@ -238,6 +239,7 @@ def main() -> int:
                 "tensors_sent": getattr(backend, "tensors_sent", None),
                 "inline_bundles": getattr(backend, "inline_bundles", None),
                 "ahead_boundaries": getattr(backend, "ahead_boundaries", None),
+                "control_answers": backend.session.control_answers,
                 "early_tensors": getattr(backend, "early_tensors", None),
                 "early_forward": getattr(backend, "early_forward", None),
                 "is_primary": result.is_primary,

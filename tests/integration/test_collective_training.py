@@ -92,6 +92,10 @@ def test_collective_learners_match_single_process_training(plane: DataPlane, lea
     for proc in procs:
         assert proc.wait() == 0, proc.text()[-3000:]
     assert "gloo group of" in procs[0].text()
+    # On the coordinator's host: the Boundaries went on a lane's control connection.
+    for name, proc in zip(names, procs, strict=True):
+        assert "control connection to shard" in proc.text()
+        assert plane.history(name)["control_answers"] >= total
     assert_matches_reference(plane.final_model(job), epochs)
     records = assert_each_iteration_recorded_once(plane, job, total)
     _, reference_losses = reference_training(epochs, BATCH)

@@ -52,6 +52,7 @@ from tests.integration.shard_bed import start_shard
 from tests.support import async_wait_until, make_tokens
 
 JOB, OTHER = "job-a", "job-b"
+STRANGER = "job-z"  # a job this shard does not coordinate (nor hold)
 # The lane needs a writable /dev/shm (every Linux host; a container may lack one).
 pytestmark = pytest.mark.skipif(
     not os.access(SHM_DIR, os.W_OK), reason=f"{SHM_DIR} is not writable here"
@@ -102,8 +103,8 @@ class Shard:
 
 
 def lane_request(learner: str = LEARNER, **fields: Any) -> ps_pb2.OpenSharedLaneRequest:
-    fields = {"host_id": host_id(), "fetch_fd": True, **fields}
-    return ps_pb2.OpenSharedLaneRequest(job_id=JOB, learner_id=learner, **fields)
+    fields = {"job_id": JOB, "host_id": host_id(), "fetch_fd": True, **fields}
+    return ps_pb2.OpenSharedLaneRequest(learner_id=learner, **fields)
 
 
 def named_segments() -> list[str]:
@@ -178,6 +179,7 @@ async def shard(tmp_path: Path) -> AsyncIterator[Shard]:
         "learner": signer.mint(job_id=JOB, learner_id=LEARNER),
         "learner-2": signer.mint(job_id=JOB, learner_id=f"{JOB}-l2"),
         "other": signer.mint(job_id=OTHER, learner_id=f"{OTHER}-l1"),
+        "stranger": signer.mint(job_id=STRANGER, learner_id=f"{STRANGER}-l1"),
     }
     s = Shard(server, servicer, tokens, aio.insecure_channel(server.address))
     for job in (JOB, OTHER):
@@ -575,4 +577,61 @@ async def test_the_lanes_control_carries_its_syncsteps_as_grpc_would(shard: Shar
         timeout=30,
         what="the control closed",
     )
+    segment.close()
+
+
+async def test_a_control_only_lane_carries_boundaries_and_nothing_else(shard: Shard):
+    """A collective-mode learner's lane (``control_only``): no tensor region, its control
+    connection carries its Boundaries as gRPC would, a SyncStep on it moves nothing, and only
+    the shard that coordinates the job opens one."""
+    s = shard
+    reply = await s.call(
+        "stranger",
+        "OpenSharedLane",
+        lane_request(f"{STRANGER}-l1", job_id=STRANGER, control_only=True),
+    )
+    assert reply.refused == f"shard 0 does not coordinate job {STRANGER!r}"
+    assert not s.servicer._lanes and s.servicer._handoff.offers == 0
+
+    lane = await s.call("learner", "OpenSharedLane", lane_request(control_only=True))
+    assert not lane.refused and not lane.answer_token  # no answer segment either
+    assert (lane.in_offset, lane.in_capacity, lane.out_offset) == (lane.size, 0, lane.size)
+    assert lane.size == 64  # the nonce only
+    segment, control = await take_with_control(lane)
+    await async_wait_until(
+        lambda: s.servicer._lanes[(JOB, LEARNER)].control is not None,
+        timeout=30,
+        what="the shard serving the lane's control",
+    )
+    boundary = ps_pb2.BoundaryRequest(job_id=JOB, learner_id=LEARNER)
+    over_grpc = await s.call("learner", "Boundary", boundary)
+    assert (await control.boundary(boundary)).assignment == over_grpc.assignment
+    with pytest.raises(aio.AioRpcError) as info:
+        await control.boundary(ps_pb2.BoundaryRequest(job_id=JOB, learner_id=f"{JOB}-l2"))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+    # A SyncStep through it finds no room for a single byte: refused, nothing changes.
+    h = grad_header(
+        over_grpc.assignment.generation, shared_memory=True, shared_memory_offset=lane.in_offset
+    )
+    with pytest.raises(aio.AioRpcError) as info:
+        await control.sync_step(encode_header(ps_pb2.SyncStepRequest, h))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "header.shared_memory_offset" in (info.value.details() or "")
+    assert not control.closed and await s.completed() == 0
+
+    # The learner's end (grpc_lane.open_lane) takes it as such.
+    stub = ps_grpc.ParameterSyncServiceStub(s.channel)
+    mine = await open_lane(
+        stub,
+        job_id=JOB,
+        learner_id=LEARNER,
+        metadata=s.md("learner"),
+        address=s.server.address,
+        control_only=True,
+    )
+    assert mine is not None and mine.control is not None and mine.answers is None
+    assert (await mine.control.boundary(boundary)).assignment == over_grpc.assignment
+    mine.close()
+    control.close()
     segment.close()

@@ -80,8 +80,9 @@ INLINE_KB = "SHOAL_INLINE_KB"
 #: (read by ``shoal.learner.grpc_backend`` itself; not part of what the scheduler writes).
 BOUNDARY_AHEAD = "SHOAL_BOUNDARY_AHEAD"
 #: ``on`` (default) or ``off``: a learner with a same-host lane sends its SyncStep headers on
-#: the lane's control connection instead of gRPC (read by ``shoal.learner.grpc_lane`` itself;
-#: not part of what the scheduler writes).
+#: the lane's control connection instead of gRPC, and a collective-mode learner on its
+#: coordinator's host its Boundaries (read by ``shoal.learner.grpc_lane`` itself; not part of
+#: what the scheduler writes).
 LANE_CONTROL = "SHOAL_LANE_CONTROL"
 EPOCHS = "SHOAL_EPOCHS"
 BATCH_SIZE = "SHOAL_BATCH_SIZE"

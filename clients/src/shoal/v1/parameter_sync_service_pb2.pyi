@@ -2414,6 +2414,7 @@ class OpenSharedLaneRequest(_message.Message):
     CLOSE_FIELD_NUMBER: _builtins.int
     FETCH_FD_FIELD_NUMBER: _builtins.int
     SHARED_ANSWER_FIELD_NUMBER: _builtins.int
+    CONTROL_ONLY_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     learner_id: _builtins.str
@@ -2434,6 +2435,12 @@ class OpenSharedLaneRequest(_message.Message):
     job's learners on the host and mapped read-only (`OpenSharedLaneResponse.answer_token`):
     the shard writes each commit's answer once instead of once per learner.
     """
+    control_only: _builtins.bool
+    """A lane for its control connection only (a collective-mode learner on the host of the
+    job's coordinator: its Boundaries go on that connection instead of gRPC). No tensor moves
+    through it: the segment holds the nonce only (`in_capacity` 0, no answer). Only the shard
+    that coordinates the job opens one.
+    """
     def __init__(
         self,
         *,
@@ -2443,10 +2450,11 @@ class OpenSharedLaneRequest(_message.Message):
         close: _builtins.bool = ...,
         fetch_fd: _builtins.bool = ...,
         shared_answer: _builtins.bool = ...,
+        control_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "fetch_fd", b"fetch_fd", "host_id", b"host_id", "job_id", b"job_id", "learner_id", b"learner_id", "shared_answer", b"shared_answer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "control_only", b"control_only", "fetch_fd", b"fetch_fd", "host_id", b"host_id", "job_id", b"job_id", "learner_id", b"learner_id", "shared_answer", b"shared_answer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

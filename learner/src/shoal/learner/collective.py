@@ -92,6 +92,7 @@ from shoal.learner.coordinator_messages import (
 )
 from shoal.learner.env import LearnerEnv, switch
 from shoal.learner.grpc_backend import session_options
+from shoal.learner.grpc_lane import lane_control_enabled, shm_lane_enabled
 from shoal.learner.overlap import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_FIRST_BUCKET_BYTES,
@@ -129,7 +130,10 @@ class CollectiveBackend(SyncBackend):
     the gradient buckets all-reduced concurrently (the first one ``first_bucket_bytes``, as
     DDP). ``overlap`` (default: ``SHOAL_COLLECTIVE_OVERLAP``, on) sends the buckets while
     backward runs (:mod:`shoal.learner.overlap`); off, they leave after it. Both issue the
-    same collectives, so members may differ in it.
+    same collectives, so members may differ in it. ``lane_control`` (default: on unless
+    ``SHOAL_LANE_CONTROL`` or ``SHOAL_SHM_LANE`` is off): on the host of the coordinator's
+    shard, the Boundaries go on the control connection of a lane with no tensors to it
+    instead of gRPC (docs/data-plane.md, "The lane's control channel").
     """
 
     #: The mode this backend joins a job in (the first Join fixes the job's).
@@ -142,6 +146,7 @@ class CollectiveBackend(SyncBackend):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
         overlap: bool | None = None,
+        lane_control: bool | None = None,
         **session_args: Any,
     ) -> None:
         if timeout_s is None:
@@ -159,6 +164,11 @@ class CollectiveBackend(SyncBackend):
         if overlap is None:
             overlap = switch(environment.COLLECTIVE_OVERLAP, "on")
         self.session = ShardSession(what="collective backend", **session_args)
+        # On the coordinator's host, the Boundaries go on a lane's control connection instead
+        # of gRPC (ShardSession.open_coordinator_control; SHOAL_LANE_CONTROL, SHOAL_SHM_LANE).
+        self.lane_control = (
+            lane_control_enabled() and shm_lane_enabled() if lane_control is None else lane_control
+        )
         self.job_id = self.session.job_id
         self.learner_id = self.session.learner_id
         self.timeout_s = timeout_s
@@ -300,6 +310,8 @@ class CollectiveBackend(SyncBackend):
         )
         # Not a retry: each CHECKPOINT answer is a step of the protocol (control() retries).
         while True:
+            if self.lane_control:
+                await self.session.open_coordinator_control(md)
             reply = await self.session.control("Boundary", request, md)
             if reply.action != ps_pb2.BOUNDARY_ACTION_CHECKPOINT:
                 return reply

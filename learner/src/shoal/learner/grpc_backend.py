@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -96,6 +95,7 @@ from shoal.learner.grpc_lane import (
     lane_control_enabled,
     lane_refused,
     open_lane,
+    shm_lane_enabled,
     traced,
 )
 from shoal.learner.grpc_receive import AnswerReceiving, answer_of
@@ -220,8 +220,7 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
     def from_env(cls, env: LearnerEnv) -> GrpcBackend:
         return cls(
             **session_options(env, "grpc backend"),
-            shm_lane=os.environ.get("SHOAL_SHM_LANE", "on").strip().lower()
-            not in ("off", "false", "0"),
+            shm_lane=shm_lane_enabled(),
         )
 
     # -- the session's parts the tensor streams use -------------------------------------------

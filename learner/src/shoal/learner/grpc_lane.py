@@ -68,6 +68,11 @@ def lane_control_enabled() -> bool:
     return switch(environment.LANE_CONTROL, "on")
 
 
+def shm_lane_enabled() -> bool:
+    """``SHOAL_SHM_LANE``: anything but ``off``, ``false`` or ``0`` (unset: on)."""
+    return os.environ.get("SHOAL_SHM_LANE", "on").strip().lower() not in ("off", "false", "0")
+
+
 def traced(metadata: Any) -> bool:
     """Whether call ``metadata`` carries a trace context (a sampled iteration, whose calls go
     over gRPC so that the shard records their spans)."""
@@ -264,17 +269,28 @@ async def open_lane(
     address: str,
     shm_dir: str = SHM_DIR,
     control: bool = True,
+    control_only: bool = False,
 ) -> ClientLane | None:
     """This learner's lane on the shard behind ``stub``, or None (stay on gRPC streams);
-    with ``control``, its headers go on the lane's control connection."""
+    with ``control``, its headers go on the lane's control connection. ``control_only``
+    (a collective-mode learner, to its coordinator's shard): a lane with no tensor region,
+    for its control connection only."""
     mine = host_id(shm_dir)
     if not mine:
         return None
     request = ps_pb2.OpenSharedLaneRequest(
-        job_id=job_id, learner_id=learner_id, host_id=mine, fetch_fd=True, shared_answer=True
+        job_id=job_id,
+        learner_id=learner_id,
+        host_id=mine,
+        fetch_fd=True,
+        shared_answer=not control_only,
+        control_only=control_only,
     )
     try:
-        reply = await stub.OpenSharedLane(request, metadata=metadata, timeout=10.0)
+        # (A control-only lane is asked for on the way to a Boundary: a coordinator that hangs
+        # must not hold that up for long; the Boundary's own watch then finds where it went.)
+        timeout = 2.0 if control_only else 10.0
+        reply = await stub.OpenSharedLane(request, metadata=metadata, timeout=timeout)
     except aio.AioRpcError as exc:  # an older shard (UNIMPLEMENTED), a shard going away
         log.info("no shared-memory lane to shard %s: %s", address, exc.details() or exc.code())
         return None
@@ -332,13 +348,16 @@ async def open_lane(
         lane.control = LaneControl(reader, writer)
     else:
         sock.close()
-    log.info(
-        "shared-memory lane to shard %s open (%d bytes): tensors move through it, %s carries "
-        "the headers",
-        address,
-        reply.size,
-        "its control connection" if control else "gRPC",
-    )
+    if control_only:
+        log.info("control connection to shard %s open: the Boundaries go on it", address)
+    else:
+        log.info(
+            "shared-memory lane to shard %s open (%d bytes): tensors move through it, %s "
+            "carries the headers",
+            address,
+            reply.size,
+            "its control connection" if control else "gRPC",
+        )
     return lane
 
 

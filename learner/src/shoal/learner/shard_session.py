@@ -42,7 +42,7 @@ from shoal.learner.grpc_calls import (
     _translate,
     stream_methods,
 )
-from shoal.learner.grpc_lane import LaneControl, close_lane, traced
+from shoal.learner.grpc_lane import ClientLane, LaneControl, close_lane, open_lane, traced
 from shoal.learner.liveness import WATCH_AFTER_S, WATCH_EVERY_S, CoordinatorMoved, watched
 from shoal.learner.tracing import trace_metadata
 from shoal.v1 import (
@@ -207,6 +207,11 @@ class ShardSession:
         # the Join said; a new coordinator's routing starts afresh).
         self.shards: list[_Shard] = []
         self.routing_epoch = 0
+        # A collective-mode learner's lane with no tensors to the coordinator's shard, for its
+        # control connection (:meth:`open_coordinator_control`): (address, lane).
+        self.control_lane: tuple[str, ClientLane] | None = None
+        self._control_tried: set[str] = set()  # the addresses it was asked of
+        self.control_answers = 0  # control calls answered on a lane's control connection
         self.closed = False
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -230,7 +235,9 @@ class ShardSession:
         return channel
 
     def coordinator_stub(self) -> ps_grpc.ParameterSyncServiceStub:
-        address = self.coordinator
+        return self.stub(self.coordinator)
+
+    def stub(self, address: str) -> ps_grpc.ParameterSyncServiceStub:
         stub = self._stubs.get(address)
         if stub is None:
             stub = self._stubs[address] = ps_grpc.ParameterSyncServiceStub(self.channel(address))
@@ -316,8 +323,13 @@ class ShardSession:
             control = self._coordinator_control(method, metadata)
             reply = None
             if control is not None:
-                with contextlib.suppress(LaneError):  # its control ended: this try on gRPC
+                asked = self.coordinator
+                try:
                     reply = await self.watch(control.boundary(request))
+                    self.control_answers += 1
+                except LaneError:  # its control ended: this try on gRPC, unless meanwhile
+                    if self.coordinator != asked or self._rejoin:  # the role moved (a probe
+                        raise CoordinatorMoved from None  # followed it): Join there first
             if reply is None:
                 call = getattr(self.coordinator_stub(), method)
                 reply = await self.watch(call(request, metadata=metadata or self.metadata))
@@ -347,12 +359,50 @@ class ShardSession:
             raise _Followed
         raise _Unanswered(why)
 
+    async def open_coordinator_control(self, metadata: Any = None) -> None:
+        """Make sure a lane with no tensors to the coordinator's shard is open, for its
+        control connection (a collective-mode learner on that shard's host: its Boundaries go
+        there; docs/data-plane.md, "The lane's control channel"). Asked once per coordinator
+        address, and once more after its connection ended; a shard that refuses (another
+        host, ``--shm-lane off``, an older shard) is not asked again."""
+        held = self.control_lane
+        if held is not None:
+            address, lane = held
+            if address == self.coordinator and lane.control is not None and not lane.control.closed:
+                return
+            self.control_lane = None
+            lane.close()
+            if address == self.coordinator:
+                self._control_tried.discard(address)  # it ended: ask once more
+        if self.coordinator in self._control_tried:
+            return
+        self._control_tried.add(self.coordinator)
+        address = self.coordinator
+        opened = await open_lane(
+            self.coordinator_stub(),
+            job_id=self.job_id,
+            learner_id=self.learner_id,
+            metadata=metadata or self.metadata,
+            address=address,
+            control_only=True,
+        )
+        if opened is not None:
+            if opened.control is None or self.closed:
+                opened.close()
+            else:
+                self.control_lane = (address, opened)
+
     def _coordinator_control(self, method: str, metadata: Any) -> LaneControl | None:
         """For a Boundary not traced: the control connection of this learner's lane to a
         shard in the coordinator's process (docs/data-plane.md, "The lane's control
         channel"), when one is open."""
         if method != "Boundary" or traced(metadata):
             return None
+        held = self.control_lane
+        if held is not None and held[0] == self.coordinator:
+            control = held[1].control
+            if control is not None and not control.closed:
+                return control
         for shard in self.shards:
             lane = shard.lane
             if shard.address == self.coordinator and lane is not None:
@@ -499,6 +549,16 @@ class ShardSession:
             )
             for s in lanes:
                 s.lane = None
+            held, self.control_lane = self.control_lane, None
+            if held is not None:
+                with contextlib.suppress(Exception):
+                    await close_lane(
+                        self.stub(held[0]),
+                        held[1],
+                        job_id=self.job_id,
+                        learner_id=self.learner_id,
+                        md=self.metadata,
+                    )
             for channel in self._channels.values():
                 await channel.close()
 

@@ -26,6 +26,11 @@ the commit of iteration k+1 needs every member's contribution to it, and a learn
 contributes only after it copied answer k into its model; a learner that is not a member
 any more is refused, and starts again from PullParameters.
 
+A learner that asks for ``control_only`` (a collective-mode learner on the host of the shard
+that coordinates its job; no other shard opens one) gets a segment that holds the nonce only
+(no in-region, no answer): the lane is there for the control connection its handoff leaves
+open (lane_control.py), which then carries the learner's Boundaries instead of gRPC.
+
 A SyncStep whose header says ``shared_memory`` brings no chunk: the shard takes
 ``total_bytes`` from ``shared_memory_offset`` of the *calling learner's* lane (looked up by the
 authenticated job and learner, so a learner can only ever name offsets in its own segment),
@@ -173,10 +178,20 @@ class LaneHandlers:
             return ps_pb2.OpenSharedLaneResponse(
                 refused=f"host_id ({request.host_id!r}) is not shard {shard}'s host"
             )
-        sj = self._slice(request.job_id).job
-        in_capacity = sum(m.nbytes for m in sj.metas)  # the learner packs without gaps
-        if in_capacity == 0:
-            return ps_pb2.OpenSharedLaneResponse(refused=f"shard {shard} holds no tensor")
+        control_only = request.control_only
+        if control_only:
+            # A collective-mode learner's Boundaries: only where they are handled.
+            if request.job_id not in self._coordinated:
+                return ps_pb2.OpenSharedLaneResponse(
+                    refused=f"shard {shard} does not coordinate job {request.job_id!r}"
+                )
+            in_capacity = answer_bytes = 0
+        else:
+            sj = self._slice(request.job_id).job
+            in_capacity = sum(m.nbytes for m in sj.metas)  # the learner packs without gaps
+            if in_capacity == 0:
+                return ps_pb2.OpenSharedLaneResponse(refused=f"shard {shard} holds no tensor")
+            answer_bytes = sj.total_bytes
         if not request.fetch_fd:
             return ps_pb2.OpenSharedLaneResponse(
                 refused="this learner looks for a named segment (an older learner): shard "
@@ -184,8 +199,8 @@ class LaneHandlers:
             )
         in_offset = _ALIGN
         out_offset = in_offset + _up(in_capacity)
-        shared = request.shared_answer
-        size = out_offset + (0 if shared else _up(sj.total_bytes))
+        shared = request.shared_answer and not control_only
+        size = out_offset + (0 if shared else _up(answer_bytes))
         answers = None
         try:
             if not self._handoff.started:
@@ -193,7 +208,7 @@ class LaneHandlers:
             # In the loop, not a thread: nothing can cancel between its creation and its
             # lane (a cancelled RPC would leak it); memfd_create, ftruncate and mmap take
             # microseconds whatever the size (no page is touched but the nonce's).
-            answers = self._shared_answer(request.job_id, sj.total_bytes) if shared else None
+            answers = self._shared_answer(request.job_id, answer_bytes) if shared else None
             segment = Segment.create(size)
         except OSError as exc:
             if answers is not None:  # (it goes unless another lane reads it)
@@ -212,10 +227,11 @@ class LaneHandlers:
         lane.timer = loop.call_later(window, self._lane_unfetched, key, lane)
         self._lanes[key] = lane
         log.info(
-            "job %s: shared-memory lane of learner %s opened (%d bytes)",
+            "job %s: shared-memory lane of learner %s opened (%d bytes%s)",
             request.job_id,
             request.learner_id,
             size,
+            ": its control connection only" if control_only else "",
         )
         reply = ps_pb2.OpenSharedLaneResponse(
             size=size,
