@@ -630,8 +630,11 @@ async def test_a_control_only_lane_carries_boundaries_and_nothing_else(shard: Sh
         address=s.server.address,
         control_only=True,
     )
-    assert mine is not None and mine.control is not None and mine.answers is None
-    assert (await mine.control.boundary(boundary)).assignment == over_grpc.assignment
+    # (held for the trainer's thread, which blocks on it: here a thread beside this loop)
+    assert mine is not None and mine.direct is not None and mine.control is None
+    assert mine.answers is None
+    answer = await asyncio.to_thread(mine.direct.boundary, boundary, wait_s=30)
+    assert answer.assignment == over_grpc.assignment
     mine.close()
     control.close()
     segment.close()

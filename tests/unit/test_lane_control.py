@@ -6,7 +6,11 @@ loop is driven with calls of the test's own (the real SyncStep and Boundary thro
 answered to their caller, under the lane's principal; a learner that closes the connection,
 or sends a second call of a method before its answer, has its calls cancelled and the
 connection closed; a message too long or of no method ends it too; the learner's callers see
-a failure as gRPC's error, and a connection that ends as LaneError."""
+a failure as gRPC's error, and a connection that ends as LaneError. The blocking end of a lane
+with no tensors (``DirectControl``, a collective-mode learner's trainer thread) reads the same
+replies: an answer, a failure as gRPC's error (the connection stays), and an answer that does
+not come in time closes it (the shard cancels the call), as does anything the protocol does not
+allow."""
 
 from __future__ import annotations
 
@@ -22,9 +26,10 @@ from grpc import aio
 from shoal.contract import lane_control
 from shoal.contract.lane_control import BOUNDARY, SYNC_STEP
 from shoal.contract.shm import LaneError
-from shoal.learner.grpc_lane import LaneControl
+from shoal.learner.grpc_lane import DirectControl, LaneControl, NoAnswer
 from shoal.param_sync.lane_control import LaneControlHandlers
 from shoal.runtime.auth import Principal, Role, current_principal
+from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 KEY = ("job-a", "job-a-l1")
 PRINCIPAL = Principal("job-a-l1", Role.LEARNER, job_id="job-a", learner_id="job-a-l1")
@@ -84,6 +89,33 @@ async def test_requests_and_replies_read_back_as_written() -> None:
 async def test_a_reply_the_protocol_does_not_allow_is_an_error(data: bytes, why: str) -> None:
     with pytest.raises(lane_control.ControlError, match=why):
         await lane_control.read_reply(reader_of(data))
+    # The blocking reader says the same of the same bytes.
+    with pytest.raises(lane_control.ControlError, match=why):
+        lane_control.recv_reply(socket_with(data))
+
+
+_PEERS: list[socket.socket] = []
+
+
+def socket_with(data: bytes) -> socket.socket:
+    """An end of a socket pair whose other end wrote ``data`` and shut its writing down
+    (what is sent to it is taken and dropped)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.sendall(data)
+    theirs.shutdown(socket.SHUT_WR)
+    _PEERS.append(theirs)
+    return ours
+
+
+def test_the_blocking_reader_reads_what_the_async_one_does() -> None:
+    answer = lane_control.answer(BOUNDARY, b"params" * 10)
+    failure = lane_control.failure(BOUNDARY, 9, "stale", [("shoal-reason", "X")])
+    sock = socket_with(answer + failure)
+    assert lane_control.recv_reply(sock) == lane_control.Reply(BOUNDARY, body=b"params" * 10)
+    failed = lane_control.recv_reply(sock)
+    assert (failed.code, failed.details, failed.metadata) == (9, "stale", (("shoal-reason", "X"),))
+    with pytest.raises(lane_control.ControlError, match="closed the lane's control connection"):
+        lane_control.recv_reply(sock)
 
 
 def test_a_failure_must_fail_and_a_method_be_known() -> None:
@@ -205,3 +237,57 @@ async def _calls(host: Host, n: int) -> None:
     while len(host.bodies) < n:
         host.called.clear()
         await host.called.wait()
+
+
+class BoundaryHost(Host):
+    """Answers a Boundary as a coordinator would (a ``BoundaryResponse``), or fails it when
+    its learner is "fail"; each held until released, as in :class:`Host`."""
+
+    async def _lane_control_call(self, key: tuple[str, str], method: bytes, body: bytes) -> bytes:
+        reply = await super()._lane_control_call(key, method, body)
+        request = ps_pb2.BoundaryRequest.FromString(body)
+        if request.learner_id == "fail":
+            return lane_control.failure(method, 9, "refused", [("shoal-reason", "R")])
+        answer = ps_pb2.BoundaryResponse(completed_iterations=len(self.bodies), coordinator_epoch=3)
+        assert reply  # (the held call's own answer, dropped)
+        return lane_control.answer(method, answer.SerializeToString())
+
+
+async def test_the_blocking_end_votes_and_gives_up_on_a_late_answer() -> None:
+    shard_end, learner_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    host = BoundaryHost()
+    task = asyncio.ensure_future(host._serve_lane_control(KEY, PRINCIPAL, shard_end))  # type: ignore[arg-type]
+    direct = DirectControl(learner_end)
+    vote = ps_pb2.BoundaryRequest(job_id="job-a", learner_id="job-a-l1", generation=4)
+    host.release[BOUNDARY].set()
+    # (blocking: on a thread of its own, as the trainer's thread beside the backend's loop)
+    answer = await asyncio.to_thread(direct.boundary, vote, wait_s=30)
+    assert (answer.completed_iterations, answer.coordinator_epoch) == (1, 3)
+    assert host.bodies == [(BOUNDARY, vote.SerializeToString())] and direct.calls == 1
+    with pytest.raises(aio.AioRpcError) as info:
+        await asyncio.to_thread(
+            direct.boundary, ps_pb2.BoundaryRequest(learner_id="fail"), wait_s=30
+        )
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.details() == "refused" and not direct.closed  # the connection stays
+    # An answer that does not come within the wait: the connection is closed, and the shard
+    # cancels the call it held.
+    host.release[BOUNDARY].clear()
+    with pytest.raises(NoAnswer, match=r"within 0\.2 s"):
+        await asyncio.to_thread(direct.boundary, vote, wait_s=0.2)
+    assert direct.closed
+    await asyncio.wait_for(task, 30)
+    assert host.cancelled == [BOUNDARY] and direct.calls == 1
+    with pytest.raises(LaneError, match="closed"):
+        direct.boundary(vote, wait_s=30)
+
+
+async def test_the_blocking_end_closes_on_what_the_protocol_does_not_allow() -> None:
+    for data, why in [
+        (b"", "closed the lane's control connection"),
+        (lane_control.answer(SYNC_STEP, b""), "a reply to no b'S' call"),
+    ]:
+        direct = DirectControl(socket_with(data))
+        with pytest.raises(LaneError, match=why):
+            direct.boundary(ps_pb2.BoundaryRequest(), wait_s=30)
+        assert direct.closed

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ __all__ = [
     "failure",
     "read_reply",
     "read_request",
+    "recv_reply",
     "request",
 ]
 
@@ -151,9 +153,45 @@ async def read_reply(reader: asyncio.StreamReader) -> Reply:
         status = await reader.readexactly(1)
     except asyncio.IncompleteReadError:
         raise ControlError("the connection ended inside a reply") from None
+    _check_status(status)
+    return _reply(method, status, await _payload(reader))
+
+
+def recv_reply(sock: socket.socket) -> Reply:
+    """:func:`read_reply` from a blocking socket (its timeout applies to each receive:
+    ``TimeoutError``)."""
+    method = sock.recv(1)
+    if not method:
+        raise ControlError("the shard closed the lane's control connection")
+    if method not in METHODS:
+        raise ControlError(f"a message of unknown method {method!r}")
+    status = _recv_exactly(sock, 1, "a reply")
+    _check_status(status)
+    (size,) = LENGTH.unpack(_recv_exactly(sock, LENGTH.size, "a message's length"))
+    if size > MAX_MESSAGE_BYTES:
+        raise ControlError(f"a message of {size} bytes (the most is {MAX_MESSAGE_BYTES})")
+    return _reply(method, status, _recv_exactly(sock, size, "a message"))
+
+
+def _recv_exactly(sock: socket.socket, size: int, what: str) -> bytes:
+    parts = []
+    left = size
+    while left:
+        part = sock.recv(left)
+        if not part:
+            raise ControlError(f"the connection ended inside {what}")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _check_status(status: bytes) -> None:
     if status not in (ANSWER, FAILURE):
         raise ControlError(f"a reply of unknown status {status!r}")
-    body = await _payload(reader)
+
+
+def _reply(method: bytes, status: bytes, body: bytes) -> Reply:
+    """A reply read whole: its answer, or its failure's status parsed."""
     if status == ANSWER:
         return Reply(method, body=body)
     try:

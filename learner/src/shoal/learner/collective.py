@@ -295,24 +295,21 @@ class CollectiveBackend(SyncBackend):
         n: int = 0,
         failed: bool = False,
         md: Any = None,
+        request: ps_pb2.BoundaryRequest | None = None,
+        reply: ps_pb2.BoundaryResponse | None = None,
     ) -> ps_pb2.BoundaryResponse:
-        """One Boundary, then any CHECKPOINT it asks for (written, reported), until the
-        coordinator answers RUN, RETIRE or DONE."""
-        request = boundary_request(
-            self.job_id,
-            self.learner_id,
-            self._user,
-            generation,
-            completed,
-            loss_sum,
-            n,
-            iteration_failed=failed,
-        )
+        """One Boundary (``request``, else built from the arguments), then any CHECKPOINT it
+        asks for (written, reported), until the coordinator answers RUN, RETIRE or DONE.
+        ``reply``: the answer the Boundary already got (on the trainer's thread)."""
+        if request is None:
+            request = self._boundary(generation, completed, loss_sum, n, failed)
         # Not a retry: each CHECKPOINT answer is a step of the protocol (control() retries).
         while True:
-            if self.lane_control:
-                await self.session.open_coordinator_control(md)
-            reply = await self.session.control("Boundary", request, md)
+            if reply is None:
+                if self.lane_control:
+                    await self.session.open_coordinator_control(md)
+                reply = await self.session.control("Boundary", request, md)
+                self.session.answered_at(self.session.coordinator)
             if reply.action != ps_pb2.BOUNDARY_ACTION_CHECKPOINT:
                 return reply
             report = await self.session.loop.run_in_executor(None, self._write_checkpoint, reply)
@@ -323,6 +320,32 @@ class CollectiveBackend(SyncBackend):
                 self._group.generation,
                 checkpoint_file=report,
             )
+            reply = None
+
+    def _boundary(
+        self, generation: int, completed: int, loss_sum: float, n: int, failed: bool
+    ) -> ps_pb2.BoundaryRequest:
+        return boundary_request(
+            self.job_id,
+            self.learner_id,
+            self._user,
+            generation,
+            completed,
+            loss_sum,
+            n,
+            iteration_failed=failed,
+        )
+
+    def _vote(self, assignment: Assignment, loss_sum: float, n: int) -> ps_pb2.BoundaryResponse:
+        """The Boundary that ends iteration ``assignment``: on the trainer's thread over the
+        control-only lane when one is open (``ShardSession.boundary_direct``), else, and for
+        whatever follows a CHECKPOINT answer, through the loop (:meth:`_exchange`)."""
+        md = self._md()
+        request = self._boundary(assignment.generation, assignment.step, loss_sum, n, False)
+        reply = self.session.boundary_direct(request, md) if self.lane_control else None
+        if reply is not None and reply.action != ps_pb2.BOUNDARY_ACTION_CHECKPOINT:
+            return reply
+        return self._run(self._exchange(md=md, request=request, reply=reply))
 
     def log_metrics(self, step: int, metrics: Mapping[str, tuple[float, int]]) -> None:
         self._user = (step, dict(metrics))
@@ -524,15 +547,7 @@ class CollectiveBackend(SyncBackend):
         # global gradient, and every member decides the same about a non-finite one.
         grad_norm, skip_step = apply_gradient_policy(grads, setup)
         self._pending = _Pending(assignment.step, grads, buffers, lr, skip_step)
-        reply = self._run(
-            self._exchange(
-                generation=assignment.generation,
-                completed=assignment.step,
-                loss_sum=contribution.loss_sum,
-                n=contribution.n_samples,
-                md=self._md(),
-            )
-        )
+        reply = self._vote(assignment, contribution.loss_sum, contribution.n_samples)
         self._settle(reply.completed_iterations, final=True)
         self._reply = reply
         self._report = (

@@ -44,7 +44,9 @@ from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 __all__ = [
     "ClientLane",
+    "DirectControl",
     "LaneControl",
+    "NoAnswer",
     "lane_control_enabled",
     "lane_refused",
     "open_lane",
@@ -128,10 +130,7 @@ class LaneControl:
             if self._waiting.get(method) is waiting:
                 del self._waiting[method]
         if reply.failed:
-            code = _STATUS.get(reply.code, grpc.StatusCode.UNKNOWN)
-            raise aio.AioRpcError(
-                code, aio.Metadata(), aio.Metadata(*reply.metadata), details=reply.details
-            )
+            raise _rpc_error(reply)
         self.calls += 1
         return reply.body
 
@@ -164,6 +163,68 @@ class LaneControl:
             reading.cancel()
 
 
+def _rpc_error(reply: lane_control.Reply) -> aio.AioRpcError:
+    """The error gRPC would have raised for a call that ended as ``reply`` (failed) says."""
+    code = _STATUS.get(reply.code, grpc.StatusCode.UNKNOWN)
+    return aio.AioRpcError(
+        code, aio.Metadata(), aio.Metadata(*reply.metadata), details=reply.details
+    )
+
+
+class NoAnswer(LaneError):
+    """No answer came on a :class:`DirectControl` within the wait (it is closed)."""
+
+
+class DirectControl:
+    """The control connection of a lane with no tensors (a collective-mode learner's, to its
+    coordinator's shard), used by the one thread that votes, blocking: a Boundary sent and
+    its answer read on the trainer's thread, with no hop to the backend's event loop and back
+    (docs/data-plane.md, "Collective mode: a lane for the control only"). Nothing else reads
+    the connection. Whatever goes wrong on it closes it (an answer still due would be read
+    by nobody), and the caller asks again on gRPC."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.calls = 0  # answered through it
+        self.closed = False
+
+    def boundary(
+        self, request: ps_pb2.BoundaryRequest, *, wait_s: float
+    ) -> ps_pb2.BoundaryResponse:
+        """The coordinator's answer to ``request``; the :class:`grpc.aio.AioRpcError` gRPC
+        would have raised (the connection stays open); :class:`LaneError` when the connection
+        is closed or ends; :class:`NoAnswer` when none came within ``wait_s`` (it is closed
+        then)."""
+        if self.closed:
+            raise LaneError("the lane's control connection is closed")
+        try:
+            self._sock.settimeout(wait_s)
+            self._sock.sendall(
+                lane_control.request(lane_control.BOUNDARY, request.SerializeToString())
+            )
+            reply = lane_control.recv_reply(self._sock)
+        except TimeoutError:
+            self.close()
+            raise NoAnswer(
+                f"no answer on the lane's control connection within {wait_s} s"
+            ) from None
+        except OSError as exc:  # ControlError too (a ConnectionError)
+            self.close()
+            raise LaneError(f"the lane's control connection ended: {exc}") from None
+        if reply.method != lane_control.BOUNDARY:
+            self.close()
+            raise LaneError(f"a reply to no {reply.method!r} call on the lane's control connection")
+        if reply.failed:
+            raise _rpc_error(reply)
+        self.calls += 1
+        return ps_pb2.BoundaryResponse.FromString(reply.body)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._sock.close()
+
+
 @dataclass
 class ClientLane:
     """A mapped lane segment and its two regions (as the shard gave them, checked)."""
@@ -174,6 +235,7 @@ class ClientLane:
     out_offset: int
     rounds: int = 0  # SyncSteps that went through it
     control: LaneControl | None = None  # its control connection, while open
+    direct: DirectControl | None = None  # instead, that of a lane with no tensors
     # The job's answer segment on that shard, mapped read-only, and where its answers lie
     # (None: the answers are in this lane's out-region).
     answers: Segment | None = None
@@ -236,6 +298,8 @@ class ClientLane:
     def close(self) -> None:
         if self.control is not None:
             self.control.close()
+        if self.direct is not None:
+            self.direct.close()
         self.segment.close()
         if self.answers is not None:
             self.answers.close()
@@ -274,7 +338,7 @@ async def open_lane(
     """This learner's lane on the shard behind ``stub``, or None (stay on gRPC streams);
     with ``control``, its headers go on the lane's control connection. ``control_only``
     (a collective-mode learner, to its coordinator's shard): a lane with no tensor region,
-    for its control connection only."""
+    for its control connection only, held as a :class:`DirectControl` (``lane.direct``)."""
     mine = host_id(shm_dir)
     if not mine:
         return None
@@ -342,22 +406,23 @@ async def open_lane(
         sock.close()
         lane.close()
         return None
+    if control_only:  # (its one caller is the trainer's thread, blocking)
+        lane.direct = DirectControl(sock)
+        log.info("control connection to shard %s open: the Boundaries go on it", address)
+        return lane
     if control:
         sock.settimeout(None)
         reader, writer = await asyncio.open_unix_connection(sock=sock)
         lane.control = LaneControl(reader, writer)
     else:
         sock.close()
-    if control_only:
-        log.info("control connection to shard %s open: the Boundaries go on it", address)
-    else:
-        log.info(
-            "shared-memory lane to shard %s open (%d bytes): tensors move through it, %s "
-            "carries the headers",
-            address,
-            reply.size,
-            "its control connection" if control else "gRPC",
-        )
+    log.info(
+        "shared-memory lane to shard %s open (%d bytes): tensors move through it, %s carries "
+        "the headers",
+        address,
+        reply.size,
+        "its control connection" if control else "gRPC",
+    )
     return lane
 
 

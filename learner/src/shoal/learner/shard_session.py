@@ -42,7 +42,14 @@ from shoal.learner.grpc_calls import (
     _translate,
     stream_methods,
 )
-from shoal.learner.grpc_lane import ClientLane, LaneControl, close_lane, open_lane, traced
+from shoal.learner.grpc_lane import (
+    ClientLane,
+    LaneControl,
+    NoAnswer,
+    close_lane,
+    open_lane,
+    traced,
+)
 from shoal.learner.liveness import WATCH_AFTER_S, WATCH_EVERY_S, CoordinatorMoved, watched
 from shoal.learner.tracing import trace_metadata
 from shoal.v1 import (
@@ -131,6 +138,11 @@ def _job_lost(exc: aio.AioRpcError) -> bool:
     )
 
 
+#: How long a watched call waits before its first liveness probe after a Boundary that already
+#: waited ``watch_after_s`` on the control connection (:meth:`ShardSession.boundary_direct`).
+WATCH_SOON_S = 0.05
+
+
 class ShardSession:
     """One learner's connection to its job's shards and coordinator (see the module docstring).
 
@@ -211,6 +223,12 @@ class ShardSession:
         # control connection (:meth:`open_coordinator_control`): (address, lane).
         self.control_lane: tuple[str, ClientLane] | None = None
         self._control_tried: set[str] = set()  # the addresses it was asked of
+        # The address whose control connection was closed because an answer took longer than
+        # ``watch_after_s``: asked for a new one only once a Boundary got an answer there.
+        self._control_stalled = ""
+        # The next watched call starts asking where the coordinator is at once (it is asked
+        # again after a Boundary that already waited ``watch_after_s`` on the control).
+        self._watch_soon = False
         self.control_answers = 0  # control calls answered on a lane's control connection
         self.closed = False
 
@@ -368,11 +386,11 @@ class ShardSession:
         held = self.control_lane
         if held is not None:
             address, lane = held
-            if address == self.coordinator and lane.control is not None and not lane.control.closed:
+            if address == self.coordinator and lane.direct is not None and not lane.direct.closed:
                 return
             self.control_lane = None
             lane.close()
-            if address == self.coordinator:
+            if address == self.coordinator and address != self._control_stalled:
                 self._control_tried.discard(address)  # it ended: ask once more
         if self.coordinator in self._control_tried:
             return
@@ -387,22 +405,65 @@ class ShardSession:
             control_only=True,
         )
         if opened is not None:
-            if opened.control is None or self.closed:
+            if opened.direct is None or self.closed:
                 opened.close()
             else:
                 self.control_lane = (address, opened)
 
+    def boundary_direct(
+        self, request: ps_pb2.BoundaryRequest, metadata: Any = None
+    ) -> ps_pb2.BoundaryResponse | None:
+        """A Boundary on the control connection of the lane :meth:`open_coordinator_control`
+        opened, from the calling thread (the trainer's: no hop to the loop and back), or None
+        when there is none or the call is not for it (traced, a re-Join or a coordinator
+        check due) or it did not get an answer: then the caller asks through :meth:`control`
+        (again: a Boundary is answered alike however often it comes). Called only between
+        two of the owner's calls into the loop, so nothing else touches the session
+        meanwhile. An answer that took over ``watch_after_s`` is not awaited (the loop's
+        :meth:`watch` asks the shards where the coordinator is): that connection is closed,
+        and a new one is asked for only once a Boundary got an answer there."""
+        held = self.control_lane
+        if (
+            held is None
+            or held[0] != self.coordinator
+            or self._rejoin
+            or self.recheck_coordinator
+            or traced(metadata)
+        ):
+            return None
+        direct = held[1].direct
+        if direct is None or direct.closed:
+            return None
+        try:
+            reply = direct.boundary(request, wait_s=self.watch_after_s)
+        except LaneError as exc:
+            if isinstance(exc, NoAnswer):
+                self._control_stalled = held[0]
+                self._watch_soon = True
+            log.info("a Boundary goes on gRPC: %s", exc)
+            return None
+        except aio.AioRpcError:
+            return None  # (control() asks again and takes the error as it would have)
+        if reply.coordinator_epoch < self.coordinator_epoch:
+            return None  # a fenced coordinator's: control() asks, then finds the new one
+        self.coordinator_epoch = reply.coordinator_epoch
+        self.control_answers += 1
+        return reply
+
+    def answered_at(self, address: str) -> None:
+        """A Boundary got its answer from ``address`` through :meth:`control`: a control
+        connection closed there for a slow answer may be asked for again."""
+        if address and address == self._control_stalled:
+            self._control_stalled = ""
+            self._control_tried.discard(address)
+
     def _coordinator_control(self, method: str, metadata: Any) -> LaneControl | None:
         """For a Boundary not traced: the control connection of this learner's lane to a
         shard in the coordinator's process (docs/data-plane.md, "The lane's control
-        channel"), when one is open."""
+        channel"), when one is open (a collective-mode learner's lane with no tensors is
+        used from its trainer's thread instead: :meth:`boundary_direct`)."""
         if method != "Boundary" or traced(metadata):
             return None
-        held = self.control_lane
-        if held is not None and held[0] == self.coordinator:
-            control = held[1].control
-            if control is not None and not control.closed:
-                return control
         for shard in self.shards:
             lane = shard.lane
             if shard.address == self.coordinator and lane is not None:
@@ -422,12 +483,11 @@ class ShardSession:
         """``call`` (an RPC, or a gather of streams) watched for a coordinator that hangs
         (``shoal.learner.liveness``): raises CoordinatorMoved once the shards name a new one."""
         waited_on = self.coordinator
+        after_s = WATCH_SOON_S if self._watch_soon else self.watch_after_s
+        self._watch_soon = False
         try:
             return await watched(
-                call,
-                self._probe_coordinator,
-                after_s=self.watch_after_s,
-                every_s=self.watch_every_s,
+                call, self._probe_coordinator, after_s=after_s, every_s=self.watch_every_s
             )
         except CoordinatorMoved:
             log.warning(
