@@ -13,8 +13,9 @@ Parts (nested ones are inside the one above them):
   all-reduces and the wait for them), ``boundary (caller)``: the Boundary vote as the
   trainer's thread waits for it (the hop to the session's event loop thread and back
   included), ``boundary (loop): Boundary``: the same call inside that loop (the RPC; the
-  other control calls are listed by their method), ``apply``: the
-  optimizer step at the commit;
+  other control calls are listed by their method), ``boundary (direct)``: the vote on the
+  trainer's thread over the control-only lane (``ShardSession.boundary_direct``; a vote it
+  does not answer goes on to the two above), ``apply``: the optimizer step at the commit;
 * shard ``Boundary``: the coordinator's handler, of which ``flush``: the iteration record
   written before the answer (the storage mark checked, the line appended), ``report`` and
   ``decide``: the coordinator's state machine (a commit reports every member's loss from
@@ -91,6 +92,7 @@ def install_learner() -> None:
     _wrap(collective, "reduce_contribution", "learner sync: reduce")
     _wrap(collective.CollectiveBackend, "_run", "learner sync: boundary (caller)")
     _wrap(shard_session.ShardSession, "control", "learner sync: boundary (loop): {0}")
+    _wrap(shard_session.ShardSession, "boundary_direct", "learner sync: boundary (direct)")
     _wrap(collective.CollectiveBackend, "_apply", "learner sync: apply")
     _wrap(collective.CollectiveBackend, "report_epoch", "learner report_epoch")
     name = os.environ.get("SHOAL_LEARNER_ID", "learner")
