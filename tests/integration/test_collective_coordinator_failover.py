@@ -210,6 +210,13 @@ def test_a_paused_coordinator_of_a_collective_job_is_left_and_steps_down_when_it
     _assert_nothing_lost(plane, job, learners, total, epochs)
     for name, proc in learners.items():
         assert "which hangs, after the role moved" in proc.text(), (name, proc.text()[-3000:])
+    # A vote sent on the trainer's thread over the control-only lane got no answer within
+    # the watch's 2 s: it went on through the loop's watched gRPC call (ShardSession.
+    # boundary_direct).
+    assert any(
+        "a Boundary goes on gRPC: no answer on the lane's control connection" in p.text()
+        for p in learners.values()
+    )
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ the new parameters. The header goes on the Unix connection the descriptor came o
 open as the lane's control channel (:class:`LaneControl`, ``shoal.contract.lane_control``),
 and so do the learner's Boundaries when the job's coordinator runs in that shard's process
 (``ShardSession``), unless the iteration is traced (its calls are gRPC calls with spans) or
-``SHOAL_LANE_CONTROL`` is ``off``; then gRPC carries them. Anything that does not work (another
+``SHOAL_LANE_CONTROL`` is ``off``; then gRPC carries them. (A collective-mode learner's lane
+with no tensors keeps its connection as a blocking socket, :class:`DirectControl`: its votes
+are sent and answered on the trainer's thread.) Anything that does not work (another
 host, another user, another network namespace, an old shard that offers a named segment, a
 refusal) leaves the learner on gRPC streams for that shard; a control connection that ends
 leaves the learner on gRPC for that lane's headers.
