@@ -35,6 +35,17 @@ class CollectiveError(RuntimeError):
     """A collective of the current group failed (a peer died, or the timeout passed)."""
 
 
+class _Done:
+    """The work of a collective that had nothing to do (a group of one)."""
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 class CollectiveGroup:
     """The group of the generation last formed (see the module docstring). ``timeout`` bounds
     every collective and the rendezvous; ``device`` is where this learner's model lives."""
@@ -128,6 +139,11 @@ class CollectiveGroup:
         return self.device if self.backend_name == "nccl" else torch.device("cpu")
 
     def allreduce(self, tensors: Sequence[torch.Tensor], op: Any = None) -> list[Any]:
+        """Start a sum (or ``op``) of each of ``tensors`` over the group, in place; their works.
+        In a group of one the sum or maximum over its members is the tensor as it is: nothing
+        is started (the same bytes; gloo's copy and its work cost ~0.25 ms an iteration)."""
+        if self.world == 1 and self.pg is not None:
+            return [_DONE] * len(tensors)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM if op is None else op
         opts.timeout = self.timeout
