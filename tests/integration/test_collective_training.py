@@ -92,10 +92,16 @@ def test_collective_learners_match_single_process_training(plane: DataPlane, lea
     for proc in procs:
         assert proc.wait() == 0, proc.text()[-3000:]
     assert "gloo group of" in procs[0].text()
-    # On the coordinator's host: the Boundaries went on a lane's control connection.
+    # On the coordinator's host: each learner's vote on every iteration it synced went on a
+    # lane's control connection, but for one that waited over watch_after_s there (a member
+    # far behind, on a loaded machine) and the next, which goes on gRPC as the lane is asked
+    # for again (ShardSession.boundary_direct). (The Boundary a learner sends before its first
+    # iteration, which its lane is opened for, goes on gRPC.)
     for name, proc in zip(names, procs, strict=True):
         assert "control connection to shard" in proc.text()
-        assert plane.history(name)["control_answers"] >= total
+        stalls = proc.text().count("a Boundary goes on gRPC: no answer")
+        history = plane.history(name)
+        assert history["control_answers"] >= len(history["history"]) - 2 * stalls
     assert_matches_reference(plane.final_model(job), epochs)
     records = assert_each_iteration_recorded_once(plane, job, total)
     _, reference_losses = reference_training(epochs, BATCH)
