@@ -9,8 +9,10 @@ changed:
 * the jobs whose record was created, written or reloaded since the last cycle (the job table's
   dirty set: every write changes the record's etcd revision and marks it; the loop marks the
   jobs it changes in memory, and a job whose worker ended);
-* the jobs whose learners' exits came or went (``exits``), whose worker started or ended
-  (``busy``), and the jobs with learners on a host the inventory says changed.
+* the jobs whose learners' exits came or went (``exits``), every job with a worker and one
+  whose worker ended (``busy``: a worker changes its record in memory between its writes, a
+  learner's phase set before the save that marks the job), and the jobs with learners on a
+  host the inventory says changed.
 
 A change that bypasses all of these (a record mutated in memory, never written nor marked) is
 not seen by :meth:`update`: the loop's periodic full cycle calls :meth:`full`, which observes
@@ -281,7 +283,7 @@ class Observing:
                 touched.add(job_id)
         self._exits = now_exits
         now_busy = frozenset(busy)
-        touched |= now_busy ^ self._busy
+        touched |= now_busy | self._busy
         self._busy = now_busy
         for host_id in changed_hosts:
             touched |= self._on_host.get(host_id, set())
