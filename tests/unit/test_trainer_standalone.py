@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import importlib.util
 import math
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -158,6 +159,27 @@ def test_local_backend_training_equals_a_plain_pytorch_loop(batchnorm: bool) -> 
     assert result.losses == pytest.approx(ref_losses, abs=ATOL)
     assert [e.epoch for e in result.epochs] == [0, 1]
     assert all(0.0 <= e.metrics["accuracy"] <= 1.0 for e in result.epochs)
+
+
+def test_the_last_gradients_are_freed_before_the_next_forward() -> None:
+    """As in a plain loop (``zero_grad`` before backward), an iteration's gradients are gone
+    when the next one's forward starts: nothing of the trainer keeps them, so the peak holds
+    one set of gradients, not two."""
+    model = make_model()
+    made: list[weakref.ref[torch.Tensor]] = []
+    alive_at_forward: list[int] = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: made.append(weakref.ref(q.grad)))
+
+    def before_forward(module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():  # (training, not the epoch's evaluation)
+            alive_at_forward.append(sum(r() is not None for r in made))
+            made.clear()
+
+    model.register_forward_pre_hook(before_forward)
+    result = train(model, epochs=1)
+    assert result.completed and len(alive_at_forward) == len(result.history)
+    assert alive_at_forward == [0] * len(alive_at_forward)
 
 
 def test_micro_batches_accumulate_to_the_same_gradient_as_one_batch() -> None:

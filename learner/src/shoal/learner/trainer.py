@@ -519,6 +519,8 @@ class ElasticTrainer:
                     have_state = False
                     continue
                 compute_s = time.perf_counter() - compute_started
+                n = contribution.n_samples
+                share_loss = contribution.loss_sum / n if n else math.nan
                 # An adaptive batch's share gradient for the noise scale (McCandlish et al.
                 # 2018, app. A): its squared norm against the global one after the sync. Only
                 # a share strictly inside the batch helps, and not under float16 loss scaling
@@ -527,24 +529,22 @@ class ElasticTrainer:
                     float(global_grad_norm(contribution.grads)) ** 2
                     if self._batch_rule is not None
                     and scaler is None
-                    and 0 < contribution.n_samples < a.batch_size
+                    and 0 < n < a.batch_size
                     else None
                 )
-                step_metrics = self._metric_log.end_step(contribution.n_samples)
+                step_metrics = self._metric_log.end_step(n)
                 # The compute/sync split travels with the script's metrics (the sync's of the
                 # previous iteration of this generation: a collective learner reports inside
                 # its sync).
                 if keeps_metrics:
                     reported = with_timings(
                         step_metrics,
-                        contribution.n_samples,
+                        n,
                         compute_s,
                         last_sync[1] if last_sync and last_sync[0] == a.generation else None,
                     )
                     if noise_estimate is not None:
-                        reported = with_noise_estimate(
-                            reported, contribution.n_samples, noise_estimate
-                        )
+                        reported = with_noise_estimate(reported, n, noise_estimate)
                         noise_estimate = None
                     backend.log_metrics(a.step, reported)
                 lr = self._lr(a)
@@ -565,6 +565,11 @@ class ElasticTrainer:
                     continue
                 finally:
                     tensors.zero_grad()
+                    # And the trainer's own hold on the gradients: kept until the next
+                    # iteration's contribution replaced it, they stayed alive through its
+                    # forward and backward, a second gradient's memory at the peak (a plain
+                    # loop frees them with zero_grad before its backward).
+                    del contribution
                 if synced.arriving is None:
                     if not synced.in_place:  # (the local backend stepped the model's own)
                         self._load(synced.params, synced.buffers)
@@ -578,12 +583,11 @@ class ElasticTrainer:
                 tracing.end_iteration()
                 if share_sq is not None and synced.grad_norm is not None:
                     noise_estimate = two_batch_estimate(
-                        contribution.n_samples, share_sq, a.batch_size, synced.grad_norm**2
+                        n, share_sq, a.batch_size, synced.grad_norm**2
                     )
                 loss_scale = None if scaler is None else scaler.scale
                 if scaler is not None:
                     scaler.update(synced.skipped)
-                n = contribution.n_samples
                 # Positional, in IterationRecord's field order (every iteration): step, epoch,
                 # iteration, generation, rank, world_size, batch_size, n_samples, loss,
                 # share_loss, lr, grad_norm, skipped, loss_scale, metrics.
@@ -597,7 +601,7 @@ class ElasticTrainer:
                     a.batch_size,
                     n,
                     synced.loss,
-                    contribution.loss_sum / n if n else math.nan,
+                    share_loss,
                     lr,
                     synced.grad_norm,
                     synced.skipped,
