@@ -527,9 +527,7 @@ class ElasticTrainer:
                 # (the share's gradient is scaled).
                 share_sq = (
                     float(global_grad_norm(contribution.grads)) ** 2
-                    if self._batch_rule is not None
-                    and scaler is None
-                    and 0 < n < a.batch_size
+                    if self._batch_rule is not None and scaler is None and 0 < n < a.batch_size
                     else None
                 )
                 step_metrics = self._metric_log.end_step(n)
