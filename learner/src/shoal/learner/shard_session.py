@@ -404,8 +404,8 @@ class ShardSession:
             address=address,
             control_only=True,
         )
-        if opened is not None:
-            if opened.direct is None or self.closed:
+        if opened is not None:  # (open_lane holds a control-only lane's connection as direct)
+            if self.closed:
                 opened.close()
             else:
                 self.control_lane = (address, opened)
