@@ -400,6 +400,15 @@ def test_admission_and_queue(
             {"j1"},
             id="held_jobs_take_back_in_rank_order_and_never_from_each_other",
         ),
+        pytest.param(
+            [job("j1", cur=3, shrunk=10.0), job("j2", cur=5, shrunk=10.0), job("j3")],
+            FAIR,
+            15.0,
+            30.0,
+            {"j1": 3, "j2": 4, "j3": 1},
+            {"j2"},
+            id="a_job_shrunk_to_its_share_within_the_hold_time_gives_nothing_to_a_held_one",
+        ),
     ],
 )
 def test_hold_time_rule(

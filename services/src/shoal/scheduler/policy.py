@@ -79,17 +79,21 @@ Anti-thrash (hold time): the exact rule
     A job is *held* when ``last_shrunk_at`` is set, ``now - last_shrunk_at < hold_time`` and its
     water-filling share is below ``min(current, max_workers)``. Held jobs are visited in rank
     order (priority, then submit order); each takes back units, one at a time, until it reaches
-    ``min(current, max_workers)``, from *donors*: admitted jobs that are not held, whose
-    priority is lower than or equal to the held job's priority, and that are above their
-    ``min_workers``. The donor taken from is the most over-served one (highest share / weight;
-    FIFO: the latest submitted), ties to the lower priority, then the later submit. Hence a held
-    job is shrunk again within its hold time only as far as
+    ``min(current, max_workers)``, from *donors*: admitted jobs that are not held, nor shrunk
+    within the hold time to a share not above what they hold (a job shrunk to its share gives
+    nothing to another held job: it would be shrunk again a cycle later, within its hold
+    time), whose priority is lower than or equal to the held job's priority, and that are
+    above their ``min_workers``. The donor taken from is the most over-served one (highest
+    share / weight; FIFO: the latest submitted), ties to the lower priority, then the later
+    submit. Hence a held job, or one shrunk to its share, is shrunk again within its hold time
+    only as far as
       * jobs of strictly higher priority need the devices for their water-filling shares, or
       * other admitted jobs need their ``min_workers`` (a hold never blocks admission), or
       * other held jobs ranked before it keep their own devices.
     Holds never change which jobs are admitted, and a preempted job (not admitted) is not held.
     ``hold_time == 0`` disables the rule. A job whose share is not below what it holds is never
-    held; the rule only makes it wait as a donor.
+    held (it takes nothing back); within its hold time it gives nothing either, unless its
+    share is above what it holds (it is growing).
 """
 
 from __future__ import annotations
@@ -618,18 +622,22 @@ def _apply_holds(
     (``current[i]``: what ``admitted[i]`` holds)."""
     if hold_time <= 0:
         return ideal, []
-    holders = [
+    # Shrunk within the hold time, and not to grow: none gives to a held job (one that shrank
+    # to its share would be shrunk again, one cycle later, for a hold that took from another
+    # donor while it was held itself). Held: those whose share is below what they hold.
+    covered = [
         i
         for i, job in enumerate(admitted)
         if job.last_shrunk_at is not None
         and now - job.last_shrunk_at < hold_time
-        and ideal[i] < min(current[i], job.max_workers)
+        and ideal[i] <= min(current[i], job.max_workers)
     ]
+    holders = [i for i in covered if ideal[i] < min(current[i], admitted[i].max_workers)]
     if not holders:
         return ideal, []
     shares = list(ideal)
     holders.sort(key=lambda i: rank_key(admitted[i]))
-    held_set = set(holders)
+    not_donors = set(covered)  # (the holders among them)
     scale = _ratio_key_scale(weights)
 
     def donor_key(i: int) -> tuple[int, int, int, int]:
@@ -643,7 +651,7 @@ def _apply_holds(
     donors = [
         donor_key(i)
         for i, job in enumerate(admitted)
-        if i not in held_set and shares[i] > job.min_workers
+        if i not in not_donors and shares[i] > job.min_workers
     ]
     heapq.heapify(donors)
     held: list[str] = []
