@@ -27,3 +27,53 @@ def test_a_mark_that_is_not_one_refuses_the_write_and_names_the_file(tmp_path):
     with pytest.raises(ckpt.StorageError, match=r"jobs/j/coordinator\.json is not"):
         holder.as_holder(tmp_path.as_uri(), "j", "a", written.append, "x")
     assert written == []
+
+
+def _lines(path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_a_writer_stopped_after_its_check_appends_nowhere_the_successor_reads(
+    tmp_path, monkeypatch
+):
+    """The window the mark alone leaves: coordinator a passes its check, is stopped (SIGSTOP,
+    a long pause) before its append, and b takes the job over meanwhile (mark, then the
+    renewal of the record files, then b reads what is recorded and records the iteration
+    itself). a's append, once it runs, must not land in b's records (the same iteration twice,
+    as a CI run of test_coordinator_failover's paused coordinator once showed)."""
+    storage = tmp_path.as_uri()
+    records = tmp_path / "jobs" / "j" / "metrics" / "iterations.jsonl"
+    uri = records.as_uri()
+    holder.mark_holder(storage, "j", "a", shard=0, epoch=0)
+    holder.as_holder(storage, "j", "a", ckpt.append_line, uri, '{"global_iteration": 9}')
+    real_check = holder.check_holder
+
+    def check_then_taken_over(storage_uri: str, job_id: str, who: str) -> None:
+        real_check(storage_uri, job_id, who)  # a passes: the mark still names it
+        monkeypatch.setattr(holder, "check_holder", real_check)
+        # ... and is stopped here while b takes the job over and records iteration 10:
+        holder.mark_holder(storage, "j", "b", shard=1, epoch=1)
+        holder.renew_records(storage, "j")
+        assert _lines(records) == ['{"global_iteration": 9}']  # what b reads
+        holder.as_holder(storage, "j", "b", ckpt.append_line, uri, '{"global_iteration": 10}')
+
+    monkeypatch.setattr(holder, "check_holder", check_then_taken_over)
+    holder.as_holder(storage, "j", "a", ckpt.append_line, uri, '{"global_iteration": 10, "a": 1}')
+    assert _lines(records) == ['{"global_iteration": 9}', '{"global_iteration": 10}']
+    # b goes on appending to the file it renewed.
+    holder.as_holder(storage, "j", "b", ckpt.append_line, uri, '{"global_iteration": 11}')
+    assert _lines(records)[-1] == '{"global_iteration": 11}'
+    with pytest.raises(holder.Superseded):  # and a, checking again, writes nothing
+        holder.as_holder(storage, "j", "a", ckpt.append_line, uri, '{"global_iteration": 12}')
+    assert len(_lines(records)) == 3
+
+
+def test_renewing_records_keeps_their_bytes_and_needs_none(tmp_path):
+    storage = tmp_path.as_uri()
+    holder.renew_records(storage, "j")  # no files yet: nothing to do
+    epochs = tmp_path / "jobs" / "j" / "metrics" / "epochs.jsonl"
+    ckpt.append_line(epochs.as_uri(), '{"epoch": 0}')
+    before = epochs.stat().st_ino
+    holder.renew_records(storage, "j")
+    assert epochs.read_text() == '{"epoch": 0}\n'
+    assert epochs.stat().st_ino != before  # a new file: an old descriptor writes elsewhere

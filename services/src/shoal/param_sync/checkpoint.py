@@ -34,7 +34,8 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping
+import shutil
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import fsspec
@@ -128,17 +129,27 @@ def is_local(uri: str) -> bool:
     return _local_path(uri) is not None
 
 
-def append_line(uri: str, line: str) -> None:
-    """Append one line to a text file (read-modify-write where the store cannot append)."""
+def append_line(uri: str, line: str, *, before_write: Callable[[], None] | None = None) -> None:
+    """Append one line to a text file (read-modify-write where the store cannot append).
+    ``before_write`` (the storage fence's check, holder.py) runs just before the bytes go: on
+    the local filesystem after the file is opened, so that a writer stopped between the check
+    and the write writes into the file it opened, which a successor that took the job over
+    meanwhile has replaced (:func:`renew_local`): the line lands in no file anyone reads."""
     local = _local_path(uri)
     if local is not None:
         data = (line + "\n").encode()
         try:
             try:
-                _append_whole(local, data)
+                fd = _open_append(local)
             except FileNotFoundError:  # its directory is not there yet
                 os.makedirs(local.rsplit("/", 1)[0], exist_ok=True)
-                _append_whole(local, data)
+                fd = _open_append(local)
+            try:
+                if before_write is not None:
+                    before_write()
+                _append_whole(fd, data)
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise _write_error(f"cannot append to {uri}", exc) from exc
         return
@@ -147,27 +158,55 @@ def append_line(uri: str, line: str) -> None:
     try:
         fs.makedirs(parent, exist_ok=True)
         old = fs.cat_file(path) if fs.exists(path) else b""
+        if before_write is not None:
+            before_write()
         fs.pipe_file(path, old + (line + "\n").encode())
     except OSError as exc:
         raise _write_error(f"cannot append to {uri}", exc) from exc
 
 
-def _append_whole(path: str, data: bytes) -> None:
+def _open_append(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+
+def _append_whole(fd: int, data: bytes) -> None:
     """Append ``data`` or nothing: a write cut short (a full disk) is truncated away, so the
     file never ends in half a line."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    size = os.fstat(fd).st_size
     try:
-        size = os.fstat(fd).st_size
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)
+        raise
+
+
+def renew_local(uri: str) -> None:
+    """Replace the local file at ``uri`` by a copy of itself (a new inode, atomically): a
+    writer that opened the old one before a takeover and was stopped there writes into a file
+    no one reads any more (:func:`append_line`). Nothing to do elsewhere, nor when there is no
+    such file."""
+    local = _local_path(uri)
+    if local is None or not os.path.exists(local):
+        return
+    tmp = f"{local}.renew-{os.getpid()}"
+    try:
+        shutil.copyfile(local, tmp)  # (in the kernel where it can: a long job's records)
+        fd = os.open(tmp, os.O_RDONLY)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, size)
-            raise
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, local)
+        tmp = ""
+    except OSError as exc:
+        raise _write_error(f"cannot renew {uri}", exc) from exc
     finally:
-        os.close(fd)
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def discard_incomplete(directory: str) -> bool:

@@ -14,9 +14,12 @@ nothing more and steps down, as if SetCoordinator had told it.
 
 Last taker wins, with no epoch to compare: the scheduler gives the role to a new coordinator
 only once it judged the old one lost, and a scheduler that lost its state (epochs start at 0
-again) must still be able to open the job. Without compare-and-swap on every store a window of
-microseconds is left (a coordinator stopped after its check and before its write); the mark
-closes the one of seconds that a pause through a takeover opens.
+again) must still be able to open the job. The check leaves a window of microseconds (a
+coordinator stopped after its check and before its write). For the appended records on local
+storage it is closed: an append checks once its file is open, and a new coordinator renews
+those files (:func:`renew_records`) right after its mark, so a stopped writer's line goes to a
+file no one reads. Elsewhere (stores without appends, the single writes) it stays open; the
+mark closes the one of seconds that a pause through a takeover opens.
 """
 
 from __future__ import annotations
@@ -28,7 +31,15 @@ from typing import TypeVar
 
 from shoal.param_sync import checkpoint as ckpt
 
-__all__ = ["HOLDER", "Superseded", "as_holder", "check_holder", "mark_holder"]
+__all__ = [
+    "HOLDER",
+    "RECORDS",
+    "Superseded",
+    "as_holder",
+    "check_holder",
+    "mark_holder",
+    "renew_records",
+]
 
 HOLDER = "coordinator.json"
 
@@ -75,6 +86,31 @@ def check_holder(storage_uri: str, job_id: str, holder: str) -> None:
 def as_holder(
     storage_uri: str, job_id: str, holder: str, write: Callable[..., T], *args: object
 ) -> T:
-    """``write(*args)`` if ``holder`` still holds the job (checked just before it)."""
+    """``write(*args)`` if ``holder`` still holds the job (checked just before it). An append
+    (``ckpt.append_line``: the iteration and epoch records) checks once its file is open: a
+    coordinator stopped between the check and the write then writes into the file it opened,
+    which the successor's takeover replaced (:func:`renew_records`), not into the successor's
+    records (where the same iteration would be recorded twice)."""
+    if write is ckpt.append_line:
+        uri, line = args
+        return ckpt.append_line(  # type: ignore[return-value]
+            str(uri), str(line), before_write=lambda: check_holder(storage_uri, job_id, holder)
+        )
     check_holder(storage_uri, job_id, holder)
     return write(*args)
+
+
+#: The job's files a coordinator appends to (``ckpt.append_line`` through :func:`as_holder`).
+RECORDS = (("metrics", "iterations.jsonl"), ("metrics", "epochs.jsonl"))
+
+
+def renew_records(storage_uri: str, job_id: str) -> None:
+    """After :func:`mark_holder` (a takeover, an OpenJob): each appended file of the job
+    replaced by a copy of itself (``ckpt.renew_local``), before the new coordinator reads what
+    is recorded. A
+    paused predecessor past its check writes into the old file, which no one reads: its line
+    is either in the copy (written before it) or nowhere, and the successor, which reads the
+    copy, records that iteration itself. On a store without appends (read-modify-write) the
+    window between a check and a write remains (microseconds)."""
+    for parts in RECORDS:
+        ckpt.renew_local(ckpt.job_uri(storage_uri, job_id, *parts))

@@ -72,7 +72,7 @@ class JobHandlers:
             try:
                 await self._fence_the_shards(job, request.coordinator_epoch)
                 # The job's files are this coordinator's from now on (holder.py), before it
-                # reads any of them.
+                # reads any of them; a paused predecessor's append lands in no file it reads.
                 await asyncio.to_thread(
                     holder.mark_holder,
                     storage,
@@ -81,6 +81,7 @@ class JobHandlers:
                     shard=self.options.shard_index,
                     epoch=job.epoch,
                 )
+                await asyncio.to_thread(holder.renew_records, storage, request.job_id)
                 found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
                 if found is not None:
                     await self._resume(job, *found)

@@ -254,10 +254,10 @@ class TakeoverHandlers:
         self: _S, settings: JobSettings, job_holder: str, epoch: int
     ) -> tuple[Coordinator, int, int]:
         """A new coordinator for a job taken over, with what storage says of it: marks the
-        job's files as ``job_holder``'s first (holder.py: a paused old coordinator that wakes
-        writes nothing after this read), then returns it (with the adaptive batch's schedule,
-        if any, so positions go on in samples), the latest checkpoint's iteration and the last
-        recorded iteration (-1: none)."""
+        job's files as ``job_holder``'s first and renews its record files (holder.py: a paused
+        old coordinator that wakes writes nothing this successor reads), then returns it (with
+        the adaptive batch's schedule, if any, so positions go on in samples), the latest
+        checkpoint's iteration and the last recorded iteration (-1: none)."""
         await asyncio.to_thread(
             holder.mark_holder,
             settings.storage_uri,
@@ -266,6 +266,7 @@ class TakeoverHandlers:
             shard=self.options.shard_index,
             epoch=epoch,
         )
+        await asyncio.to_thread(holder.renew_records, settings.storage_uri, settings.job_id)
         found = await asyncio.to_thread(
             ckpt.latest_checkpoint, settings.storage_uri, settings.job_id
         )
