@@ -107,10 +107,9 @@ RECORDS = (("metrics", "iterations.jsonl"), ("metrics", "epochs.jsonl"))
 def renew_records(storage_uri: str, job_id: str) -> None:
     """After :func:`mark_holder` (a takeover, an OpenJob): each appended file of the job
     replaced by a copy of itself (``ckpt.renew_local``), before the new coordinator reads what
-    is recorded. A
-    paused predecessor past its check writes into the old file, which no one reads: its line
-    is either in the copy (written before it) or nowhere, and the successor, which reads the
-    copy, records that iteration itself. On a store without appends (read-modify-write) the
-    window between a check and a write remains (microseconds)."""
+    is recorded. A paused predecessor past its check writes into the old file, which no one
+    reads: its line is either in the copy (written before it) or nowhere, and the successor,
+    which reads the copy, records that iteration itself. On a store without appends
+    (read-modify-write) the window between a check and a write remains (microseconds)."""
     for parts in RECORDS:
         ckpt.renew_local(ckpt.job_uri(storage_uri, job_id, *parts))
