@@ -109,7 +109,10 @@ def test_a_killed_non_coordinator_shard_restarted_5s_later_never_fails_the_job(
 def test_a_non_coordinator_shard_that_never_comes_back_is_replaced_by_its_backup(tmp_path: Path):
     """SIGKILL, and no restart (its host is gone): after the probe's grace the backup takes
     the lost slice over from its replica, the learners re-route to it without a restart, and
-    no committed iteration is run again."""
+    no committed iteration is run again. The two shards share this host, so the replica
+    defers its steps (docs/data-plane.md, "The replica's steps deferred"): the
+    kill comes after its first snapshot, most likely with sums kept unstepped since (a
+    snapshot comes every 4 commits), which the promotion steps."""
     tokens = make_tokens(tmp_path / "tokens")
     plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
     job, epochs = "shardgone", 2
@@ -122,6 +125,11 @@ def test_a_non_coordinator_shard_that_never_comes_back_is_replaced_by_its_backup
             n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
             for n in ("g0", "g1")
         }
+        wait_until(
+            lambda: "replica of shard 1 kept here defers its steps" in plane.shards[0].text(),
+            timeout=180,
+            what="the first snapshot taken by shard 1's replica on shard 0",
+        )
         wait_until(
             lambda: plane.progress(job).progress.completed_iterations >= ipe // 2,
             timeout=180,

@@ -167,6 +167,7 @@ def test_a_sync_round_is_timed_from_its_first_stream_to_its_commit_and_aborts_ar
     m.lane_stream("j1")
     m.lane_handoff_refused()
     m.generation_drift("j1")
+    m.replica_snapshot("j1")
     points = collect(reader)
     (hist,) = points["shoal_sync_round_duration"]
     assert isinstance(hist, HistogramDataPoint)
@@ -180,6 +181,8 @@ def test_a_sync_round_is_timed_from_its_first_stream_to_its_commit_and_aborts_ar
     assert refused.value == 1 and not refused.attributes
     (drift,) = points["shoal_sync_generation_drifts"]
     assert drift.value == 1 and drift.attributes == {"job_id": "j1"}
+    (snapshots,) = points["shoal_sync_replica_snapshots"]
+    assert snapshots.value == 1 and snapshots.attributes == {"job_id": "j1"}
     provider.shutdown()
 
 

@@ -34,7 +34,7 @@ from shoal.param_sync.replica_lane import (
     slot_offset,
     write_blob,
 )
-from shoal.runtime.errors import FailedPrecondition
+from shoal.runtime.errors import FailedPrecondition, InvalidField
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 from tests.unit.test_shard_replication import METAS, assert_same_state, contribution, shard
 
@@ -160,12 +160,12 @@ class FakeBackup:
     def _replica(self, job_id: str, shard_index: int) -> object:
         return object()
 
-    async def take(self, **fields: Any) -> Any:
+    async def take(self, kind: int = ps_pb2.REPLICATE_KIND_SUMS, **fields: Any) -> Any:
         request = ps_pb2.ReplicateRequest(
             job_id=JOB,
             shard_index=SHARD,
             replica=True,
-            kind=ps_pb2.REPLICATE_KIND_SUMS,
+            kind=kind,
             shared_memory=True,
             host_id="host-a",
             segment_nonce=self._replica_recv[(JOB, SHARD)].segment.nonce,
@@ -244,6 +244,7 @@ class FakePrimary:
     _drop_send_lane = ReplicaLaneHandlers._drop_send_lane
 
     def __init__(self, deferred: bool) -> None:
+        self.snapshots = False  # the answers' replica_snapshots
         self._host_id = "host-a"
         self._replica_no_shm: set[tuple[str, str]] = set()
         self._replica_sends: dict[tuple[str, str], Any] = {}
@@ -260,11 +261,19 @@ class FakePrimary:
         if self.hold is not None:
             await self.hold
         return ps_pb2.ReplicateResponse(
-            global_iteration=-1, shared_memory_taken=True, shared_memory_deferred=self.deferred
+            global_iteration=-1,
+            shared_memory_taken=True,
+            shared_memory_deferred=self.deferred,
+            replica_snapshots=self.snapshots,
         )
 
     async def send(self, data: bytes) -> bool:
         return await self._replicate_sums_shm(JOB, SHARD, "backup:1", b"", [data])
+
+    async def snapshot(self, data: bytes, still: Any = None) -> bool:
+        return await self._replicate_sums_shm(
+            JOB, SHARD, "backup:1", b"", [data], kind=ps_pb2.REPLICATE_KIND_STATE, still=still
+        )
 
     def close(self) -> None:
         for lane in self._replica_sends.values():
@@ -337,3 +346,49 @@ def test_sums_taken_after_the_primary_died_are_still_whole() -> None:
         assert r.apply_replicated(1, 0, 0.0)
     assert_same_state(replica, via_chunks, 1)
     backup.close()
+
+
+async def test_snapshots_go_only_to_a_backup_that_takes_them_and_only_while_the_state_holds():
+    """A snapshot goes through the sums' segment, in turn with the sums (the next slot, the
+    next sequence number), only once an answer to sums said the backup takes them; a state
+    that moved on before it was written is neither written nor sent, and takes no slot."""
+    primary = FakePrimary(deferred=True)
+    try:
+        assert not await primary.snapshot(b"state-0")  # no segment yet
+        assert await primary.send(b"sums-0")
+        assert not await primary.snapshot(b"state-1")  # the backup did not say it takes them
+        primary.snapshots = True
+        assert await primary.send(b"sums-1")
+        assert await primary.snapshot(b"state-2")
+        assert not await primary.snapshot(b"stale", still=lambda: False)
+        assert await primary.send(b"sums-3")
+        size = primary.requests[0].segment_size
+        slot0, slot1 = slot_offset(size, 0), slot_offset(size, 1)
+        sums, state = ps_pb2.REPLICATE_KIND_SUMS, ps_pb2.REPLICATE_KIND_STATE
+        assert [(r.kind, r.sequence, r.shared_memory_offset) for r in primary.requests] == [
+            (sums, 1, slot0),
+            (sums, 2, slot1),
+            (state, 3, slot0),
+            (sums, 4, slot1),
+        ]
+    finally:
+        primary.close()
+
+
+async def test_a_backup_takes_a_snapshot_in_place_only_from_a_deferrable_send() -> None:
+    sender = Segment.create(segment_size(4096), label=MEMFD_LABEL)
+    try:
+        lane = backup_of(sender)
+        backup = FakeBackup(lane)
+        slot0 = slot_offset(sender.size, 0)
+        write_blob(sender, slot0, 1, [b"state"])
+        where = {"shared_memory_offset": slot0, "shared_memory_length": 5, "sequence": 1}
+        with pytest.raises(InvalidField, match="shared_memory_deferrable"):
+            await backup.take(ps_pb2.REPLICATE_KIND_STATE, **where)
+        taken = await backup.take(
+            ps_pb2.REPLICATE_KIND_STATE, shared_memory_deferrable=True, **where
+        )
+        assert isinstance(taken, SlotSums) and bytes(taken.view) == b"state"
+        lane.close()
+    finally:
+        sender.close()

@@ -2021,9 +2021,10 @@ class ReplicateRequest(_message.Message):
     chunk: _builtins.bytes
     """The next bytes of the safetensors blob."""
     shared_memory: _builtins.bool
-    """SUMS to a replica on the sender's host only: the blob is not in chunks (none follow) but
-    in a shared-memory segment of the sender's (docs/data-plane.md, "Replicating the sums
-    through shared memory"), shared_memory_length bytes at shared_memory_offset.
+    """SUMS (or, to a receiver that answered replica_snapshots, a STATE snapshot) to a replica on
+    the sender's host only: the blob is not in chunks (none follow) but in a shared-memory
+    segment of the sender's (docs/data-plane.md, "Replicating the sums through shared
+    memory"), shared_memory_length bytes at shared_memory_offset.
     """
     shared_memory_offset: _builtins.int
     """Where the blob starts in the segment."""
@@ -2087,6 +2088,7 @@ class ReplicateResponse(_message.Message):
     GLOBAL_ITERATION_FIELD_NUMBER: _builtins.int
     SHARED_MEMORY_TAKEN_FIELD_NUMBER: _builtins.int
     SHARED_MEMORY_DEFERRED_FIELD_NUMBER: _builtins.int
+    REPLICA_SNAPSHOTS_FIELD_NUMBER: _builtins.int
     global_iteration: _builtins.int
     """The iteration the slice is at (STATE); -1 for SUMS (kept, applied after the answer)."""
     shared_memory_taken: _builtins.bool
@@ -2098,16 +2100,23 @@ class ReplicateResponse(_message.Message):
     out (it takes it in place afterwards): the sender may then alternate the slots. An older
     receiver leaves it false: the sender keeps one slot.
     """
+    replica_snapshots: _builtins.bool
+    """True when the receiver, a replica taking SUMS in place, defers the replica's steps and
+    takes STATE snapshots of the slice through the same segment (docs/data-plane.md, "The
+    replica's steps deferred"): the sender then sends one every few commits. An older
+    receiver leaves it false: it steps every iteration and gets no snapshots.
+    """
     def __init__(
         self,
         *,
         global_iteration: _builtins.int = ...,
         shared_memory_taken: _builtins.bool = ...,
         shared_memory_deferred: _builtins.bool = ...,
+        replica_snapshots: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_iteration", b"global_iteration", "shared_memory_deferred", b"shared_memory_deferred", "shared_memory_taken", b"shared_memory_taken"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["global_iteration", b"global_iteration", "replica_snapshots", b"replica_snapshots", "shared_memory_deferred", b"shared_memory_deferred", "shared_memory_taken", b"shared_memory_taken"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,6 +27,11 @@ metric                                      labels  meaning
                                                     (a wrong, used or expired token,
                                                     another user, a silent peer); 0 unless
                                                     something probes it
+``shoal_sync_replica_snapshots_total``      job_id  snapshots of a primary's state this
+                                                    shard took for the replica it keeps of
+                                                    that slice (each drops the sums it
+                                                    kept unstepped: docs/data-plane.md,
+                                                    "The replica's steps deferred")
 ``shoal_sync_generation_drifts_total``      job_id  times the job's coordinator found a
                                                     shard's generation floor above its
                                                     generation and re-issued the running
@@ -87,6 +92,11 @@ class SyncMetrics:
             description="Connections to the shard's lane handoff socket that got no "
             "descriptor (a wrong, used or expired token, another user, a silent peer)",
         )
+        self._snapshots = m.create_counter(
+            "shoal_sync_replica_snapshots",
+            description="Snapshots of a primary's state taken for the replica this shard "
+            "keeps of its slice",
+        )
         self._drift = m.create_counter(
             "shoal_sync_generation_drifts",
             description="Times the job's coordinator found a shard's generation floor above "
@@ -129,6 +139,10 @@ class SyncMetrics:
     def lane_handoff_refused(self) -> None:
         """A connection to the lane handoff socket got no descriptor."""
         self._handoff_refused.add(1)
+
+    def replica_snapshot(self, job_id: str) -> None:
+        """A replica kept here took a snapshot of its primary's state."""
+        self._snapshots.add(1, {"job_id": job_id})
 
     def forget(self, job_id: str) -> None:
         """The job was closed or reloaded on this shard."""

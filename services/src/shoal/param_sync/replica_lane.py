@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 if TYPE_CHECKING:
     from shoal.param_sync.service import ParameterSyncServicer as _S
+    from shoal.param_sync.shard import ShardJob
 
 log = logging.getLogger("shoal.param_sync.service")
 
@@ -73,7 +74,22 @@ SUPERSEDED = "superseded by a newer send"
 #: token expired): the sender drops its segment and sends that blob as chunks.
 NO_SEGMENT = "no replica segment"
 
+#: A primary sends its backup on this host a snapshot of its slice's state after every
+#: SNAPSHOT_EVERY-th commit (when the backup takes them: ``replica_snapshots``).
+SNAPSHOT_EVERY = 4
+#: A backup keeps at most this many committed iterations' sums unstepped per replica ...
+DEFERRED_AT_MOST = 2 * SNAPSHOT_EVERY
+#: ... and at most this many bytes of them (a bigger slice steps more of them itself).
+DEFERRED_BYTES = 256 * 1024 * 1024
+
 assert NONCE_BYTES <= _SEQUENCE_AT
+
+
+def deferral_limit(replica: ShardJob) -> int:
+    """How many committed iterations' sums ``replica`` may keep unstepped (0: it steps each
+    at its commit, and takes no snapshots)."""
+    acc_bytes = sum(a.numel() * a.element_size() for a in replica.acc)
+    return min(DEFERRED_AT_MOST, DEFERRED_BYTES // max(acc_bytes, 1))
 
 
 def segment_size(capacity: int) -> int:
@@ -100,6 +116,8 @@ class SendLane:
     sequence: int = 0
     # The backup answers before it copies (``shared_memory_deferred``): the slots alternate.
     deferred: bool = False
+    # The backup defers its replica's steps and takes snapshots (``replica_snapshots``).
+    snapshots: bool = False
     slot: int = 0
     # One send at a time: the slot written next was answered for (see the module's doc).
     sending: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -200,14 +218,29 @@ class ReplicaLaneHandlers:
     # -- the primary's side -------------------------------------------------------------------
 
     async def _replicate_sums_shm(
-        self: _S, job_id: str, shard_index: int, address: str, header: bytes, views: list[Any]
+        self: _S,
+        job_id: str,
+        shard_index: int,
+        address: str,
+        header: bytes,
+        views: list[Any],
+        *,
+        kind: int = ps_pb2.REPLICATE_KIND_SUMS,
+        still: Callable[[], bool] | None = None,
     ) -> bool:
         """Send the sums blob (``header`` and ``views``) to the backup at ``address`` through
         shared memory; False when it must go as chunks (not on one host, the backup does not
-        take it). Raises what the call raised otherwise."""
+        take it). Raises what the call raised otherwise. ``kind`` STATE: a snapshot, sent only
+        through a segment whose backup takes them, and only if ``still()`` (asked on the
+        compute thread before the write) says the views still hold the state they were made
+        of; False otherwise (it is not sent as chunks)."""
         key = (job_id, address)
         if not self._host_id or key in self._replica_no_shm:
             return False
+        if kind == ps_pb2.REPLICATE_KIND_STATE:
+            current = self._replica_sends.get(key)
+            if current is None or not current.snapshots:
+                return False
         for other in [k for k in self._replica_sends if k[0] == job_id and k != key]:
             self._drop_send_lane(other)  # the job's backup moved
         total = len(header) + sum(memoryview(v).nbytes for v in views)
@@ -233,7 +266,9 @@ class ReplicaLaneHandlers:
                 self._replica_sends[key] = lane
             async with lane.sending:
                 if self._replica_sends.get(key) is lane:  # else dropped meanwhile: anew
-                    return await self._send_sums_shm(lane, key, job_id, shard_index, header, views)
+                    return await self._send_sums_shm(
+                        lane, key, job_id, shard_index, [header, *views], kind, still
+                    )
 
     async def _send_sums_shm(
         self: _S,
@@ -241,24 +276,33 @@ class ReplicaLaneHandlers:
         key: tuple[str, str],
         job_id: str,
         shard_index: int,
-        header: bytes,
-        views: list[Any],
+        parts: list[Any],
+        kind: int,
+        still: Callable[[], bool] | None,
     ) -> bool:
         """One send through ``lane`` (its ``sending`` lock held), as
         :meth:`_replicate_sums_shm` says."""
         address = key[1]
-        lane.sequence += 1
-        if lane.deferred:  # the other slot: its send was taken (the last answer says so)
-            lane.slot = 1 - lane.slot
-        offset = slot_offset(lane.segment.size, lane.slot)
-        length = await self._compute(
-            write_blob, lane.segment, offset, lane.sequence, [header, *views]
-        )
+        # The other slot when the backup answers before it copies: the send there was taken
+        # (the last answer says so).
+        slot = 1 - lane.slot if lane.deferred else lane.slot
+        offset = slot_offset(lane.segment.size, slot)
+        sequence = lane.sequence + 1
+
+        def write() -> int | None:
+            if still is not None and not still():
+                return None  # the state moved on: nothing written, nothing sent
+            return write_blob(lane.segment, offset, sequence, parts)
+
+        length = await self._compute(write)
+        if length is None:
+            return False
+        lane.slot, lane.sequence = slot, sequence
         request = ps_pb2.ReplicateRequest(
             job_id=job_id,
             shard_index=shard_index,
             replica=True,
-            kind=ps_pb2.REPLICATE_KIND_SUMS,
+            kind=kind,
             shared_memory=True,
             shared_memory_offset=offset,
             shared_memory_length=length,
@@ -289,7 +333,49 @@ class ReplicaLaneHandlers:
             log.info("job %s: sums to %s as chunks (it reads no shared memory)", job_id, address)
             return False
         lane.deferred = reply.shared_memory_deferred
+        if kind == ps_pb2.REPLICATE_KIND_SUMS:
+            lane.snapshots = reply.replica_snapshots
         return True
+
+    def _snapshot_to_backup(self: _S, job_id: str) -> None:
+        """After a commit: send the slice's state to its backup on this host as a snapshot
+        (in the background), when the backup takes them; it then drops the sums it kept
+        unstepped (docs/data-plane.md, "The replica's steps deferred")."""
+        part = self._slices.get(job_id)
+        if part is None or not part.backup_address:
+            return
+        lane = self._replica_sends.get((job_id, part.backup_address))
+        if lane is None or not lane.snapshots:
+            return
+        sj, address = part.job, part.backup_address
+
+        def frames() -> tuple[bytes, list[Any], Callable[[], bool]]:
+            completed, restores = sj.completed, sj.restores
+            header, views = sj.state_frames(completed)
+
+            def still() -> bool:
+                current = self._slices.get(job_id)
+                return (
+                    current is not None
+                    and current.job is sj
+                    and (sj.completed, sj.restores) == (completed, restores)
+                )
+
+            return header, views, still
+
+        async def send() -> None:
+            header, views, still = await self._compute(frames)
+            await self._replicate_sums_shm(
+                job_id,
+                sj.shard_index,
+                address,
+                header,
+                views,
+                kind=ps_pb2.REPLICATE_KIND_STATE,
+                still=still,
+            )
+
+        self._in_background(send(), f"job {job_id}: no snapshot sent to the backup {address}")
 
     def _drop_send_lane(self: _S, key: tuple[str, str]) -> None:
         lane = self._replica_sends.pop(key, None)
@@ -303,8 +389,13 @@ class ReplicaLaneHandlers:
         """The blob a shared-memory Replicate names: where it lies in the sender's segment
         (a deferrable send, taken in place once answered: :meth:`_taking`), or copied out of
         it (an older sender's)."""
-        if not (first.replica and first.kind == ps_pb2.REPLICATE_KIND_SUMS):
-            raise InvalidField("shared_memory", True, "only for SUMS to a replica")
+        if not first.replica or first.kind not in (
+            ps_pb2.REPLICATE_KIND_SUMS,
+            ps_pb2.REPLICATE_KIND_STATE,
+        ):
+            raise InvalidField("shared_memory", True, "only for SUMS or STATE to a replica")
+        if first.kind == ps_pb2.REPLICATE_KIND_STATE and not first.shared_memory_deferrable:
+            raise InvalidField("shared_memory_deferrable", False, "must be set for STATE")
         if not self._host_id or first.host_id != self._host_id:
             raise FailedPrecondition(
                 f"shard {self.options.shard_index} takes no shared memory from host_id "

@@ -20,7 +20,7 @@ from shoal.contract.wire import TensorMeta, serialize
 from shoal.param_sync.authz import authorize, check_job_directory
 from shoal.param_sync.checkpoint import StorageError
 from shoal.param_sync.coordinator import OptimizerConfig
-from shoal.param_sync.replica_lane import SlotSums
+from shoal.param_sync.replica_lane import SNAPSHOT_EVERY, SlotSums, deferral_limit
 from shoal.param_sync.servicer_common import _aborted, _optimizer_config, _ShardSlice
 from shoal.param_sync.shard import ShardJob
 from shoal.param_sync.shard_encoding import Encoded
@@ -270,8 +270,11 @@ class PeerHandlers:
             # uses the replica later (a settle, a transfer) queues behind it.
             # A blob left in the primary's slot (replica_lane.py) is copied out there, and
             # checked to be still there after the copy.
+            # Sums from a primary on this host, which sends snapshots, may be kept unstepped
+            # (shard_replica.py, "deferred steps"); others are stepped at the commit.
             in_place = isinstance(blob, SlotSums)
-            args = (blob.view, blob.still_there) if in_place else (blob,)
+            limit = deferral_limit(target) if in_place else 0
+            args = (blob.view, blob.still_there, limit) if in_place else (blob, None, limit)
             taking = self._in_background(
                 self._compute(target.keep_pending, *args),
                 f"job {first.job_id}: replica did not take sums",
@@ -282,6 +285,18 @@ class PeerHandlers:
                 global_iteration=-1,
                 shared_memory_taken=first.shared_memory,
                 shared_memory_deferred=in_place,
+                replica_snapshots=limit > 0,
+            )
+        elif first.kind == ps_pb2.REPLICATE_KIND_STATE and isinstance(blob, SlotSums):
+            # A snapshot of the primary's state (to a replica, in place: _take_sums_shm),
+            # taken after the answer as sums are.
+            taking = self._in_background(
+                self._take_snapshot(target, blob),
+                f"job {first.job_id}: replica did not take a snapshot",
+            )
+            self._taking(first.job_id, first.shard_index, taking)
+            return ps_pb2.ReplicateResponse(
+                global_iteration=-1, shared_memory_taken=True, shared_memory_deferred=True
             )
         elif first.kind == ps_pb2.REPLICATE_KIND_STATE:
             iteration = await self._compute(target.load_state_bytes, blob)
@@ -292,6 +307,18 @@ class PeerHandlers:
         else:
             raise InvalidField("kind", first.kind, "must be SUMS (to a replica) or STATE")
         return ps_pb2.ReplicateResponse(global_iteration=iteration)
+
+    async def _take_snapshot(self: _S, replica: ShardJob, blob: SlotSums) -> None:
+        if not await self._compute(replica.take_snapshot, blob.view, blob.still_there):
+            return
+        self.metrics.replica_snapshot(replica.job_id)
+        if replica.snapshots_taken == 1:
+            log.info(
+                "job %s: the replica of shard %d kept here defers its steps (its primary on "
+                "this host sends snapshots)",
+                replica.job_id,
+                replica.shard_index,
+            )
 
     async def TransferSlice(self: _S, request: ps_pb2.TransferSliceRequest, context: Any) -> Any:
         authorize(current_principal(), "TransferSlice", job_id=request.job_id)
@@ -365,6 +392,8 @@ class PeerHandlers:
             # decided), after this slice's step, while its learners receive the parameters.
             replicas = [r for (job, _), r in self._replicas.items() if job == request.job_id]
             answers = self._lane_answers_of(request.job_id, *key)
+            if (request.iteration + 1) % SNAPSHOT_EVERY == 0:
+                self._snapshot_to_backup(request.job_id)
             if replicas:
                 self._in_background(
                     self._apply_replicas_after(answers, replicas, key, request.grad_norm),

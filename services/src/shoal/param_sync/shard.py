@@ -47,7 +47,7 @@ from shoal.param_sync.shard_checkpoint import (
     shard_file_name,
 )
 from shoal.param_sync.shard_encoding import Encoded
-from shoal.param_sync.shard_replica import ReplicaSums, _Pending
+from shoal.param_sync.shard_replica import Deferred, ReplicaSums, _Pending
 from shoal.runtime.errors import (
     FailedPrecondition,
     InvalidField,
@@ -166,6 +166,14 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
         self.last_grad_norm = 0.0  # the global norm the last commit used (replicas need it)
         self.min_generation = 0
         self.pending: _Pending | None = None
+        # A replica's committed sums not stepped yet (shard_replica.py, "deferred"), at most
+        # ``defer_limit`` of them, and accumulator sets to reuse.
+        self.defer_limit = 0
+        self.deferred: list[Deferred] = []
+        self.spare_acc: list[tuple[list[torch.Tensor], list[np.ndarray]]] = []
+        self.last_generation = 0  # the generation of the last iteration committed
+        self.restores = 0  # how many times the state was restored (a load, a snapshot)
+        self.snapshots_taken = 0  # a replica's snapshots of its primary's state
         self.encoded: Encoded | None = None
         # A test seam: called on the compute thread after each group a commit stepped (with
         # the group's number), e.g. to hold the commit there (tests/integration).
@@ -533,6 +541,7 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
         self.pending = None
         self.completed = iteration + 1
         self.last_grad_norm = grad_norm
+        self.last_generation = generation
         return encoded
 
     def _step_group(

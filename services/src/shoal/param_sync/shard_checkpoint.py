@@ -51,6 +51,15 @@ class ShardCheckpoints:
     def state_bytes(self: ShardJob, global_iteration: int) -> bytes:
         """The slice's whole state as one safetensors blob (the checkpoint file's format):
         ``param/<name>``, ``buffer/<name>``, ``optim/<name>/<key>``, JSON metadata."""
+        tensors, metadata = self.state_parts(global_iteration)
+        copies = {name: t.detach().clone().contiguous() for name, t in tensors.items()}
+        return safetensors.torch.save(copies, metadata=metadata)
+
+    def state_parts(
+        self: ShardJob, global_iteration: int
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The tensors of :meth:`state_bytes` (the slice's own, not copies) and its metadata;
+        a replica steps the sums it deferred first."""
         if not self.initialized:
             raise FailedPrecondition(
                 f"shard {self.shard_index} of job {self.job_id!r} has no parameters yet"
@@ -60,16 +69,17 @@ class ShardCheckpoints:
                 f"global_iteration ({global_iteration}) is not shard {self.shard_index}'s "
                 f"({self.completed}) for job {self.job_id!r}"
             )
+        self.flush()
         tensors: dict[str, torch.Tensor] = {}
         for m, t in zip(self.metas, self.tensors, strict=True):
-            tensors[f"{'buffer' if m.buffer else 'param'}/{m.name}"] = t.detach().clone()
+            tensors[f"{'buffer' if m.buffer else 'param'}/{m.name}"] = t
         state = self.optimizer.state_dict()
         plain: dict[str, dict[str, Any]] = {}
         for index, entry in state["state"].items():
             name = self.metas[self.param_indices[self._optimizer_order[int(index)]]].name
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"optim/{name}/{key}"] = value.detach().clone().contiguous()
+                    tensors[f"optim/{name}/{key}"] = value
                 else:
                     plain.setdefault(name, {})[key] = value
         groups = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
@@ -88,7 +98,7 @@ class ShardCheckpoints:
             "param_groups": json.dumps(groups),
             "optimizer_plain_state": json.dumps(plain),
         }
-        return safetensors.torch.save(tensors, metadata=metadata)
+        return tensors, metadata
 
     def load(self: ShardJob, directory: str) -> int:
         """Restore this shard's tensors and optimizer state from the checkpoint in
@@ -205,6 +215,8 @@ class ShardCheckpoints:
         self.completed = iteration
         self.initialized = True
         self.pending = None
+        self.drop_deferred()
+        self.restores += 1
         self._encode(iteration=self.completed)
         return self.completed
 
