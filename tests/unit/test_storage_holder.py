@@ -53,7 +53,7 @@ def test_a_writer_stopped_after_its_check_appends_nowhere_the_successor_reads(
         monkeypatch.setattr(holder, "check_holder", real_check)
         # ... and is stopped here while b takes the job over and records iteration 10:
         holder.mark_holder(storage, "j", "b", shard=1, epoch=1)
-        holder.renew_records(storage, "j")
+        holder.renew_records(storage, "j", "b")
         assert _lines(records) == ['{"global_iteration": 9}']  # what b reads
         holder.as_holder(storage, "j", "b", ckpt.append_line, uri, '{"global_iteration": 10}')
 
@@ -70,10 +70,50 @@ def test_a_writer_stopped_after_its_check_appends_nowhere_the_successor_reads(
 
 def test_renewing_records_keeps_their_bytes_and_needs_none(tmp_path):
     storage = tmp_path.as_uri()
-    holder.renew_records(storage, "j")  # no files yet: nothing to do
+    holder.renew_records(storage, "j", "a")  # no files yet: nothing to do
     epochs = tmp_path / "jobs" / "j" / "metrics" / "epochs.jsonl"
     ckpt.append_line(epochs.as_uri(), '{"epoch": 0}')
     before = epochs.stat().st_ino
-    holder.renew_records(storage, "j")
+    holder.renew_records(storage, "j", "a")
     assert epochs.read_text() == '{"epoch": 0}\n'
     assert epochs.stat().st_ino != before  # a new file: an old descriptor writes elsewhere
+
+
+def test_a_renewal_that_died_midway_leaves_no_copy_behind_the_next(tmp_path):
+    """A coordinator killed between its copy and the replace leaves ``<file>.renew-<pid>``;
+    the next renewal removes it (and the file keeps its bytes)."""
+    storage = tmp_path.as_uri()
+    epochs = tmp_path / "jobs" / "j" / "metrics" / "epochs.jsonl"
+    ckpt.append_line(epochs.as_uri(), '{"epoch": 0}')
+    stale = epochs.with_name("epochs.jsonl.renew-4242")
+    stale.write_text('{"epoch": 0}\n')
+    holder.renew_records(storage, "j", "a")
+    assert not stale.exists()
+    assert sorted(p.name for p in epochs.parent.iterdir()) == ["epochs.jsonl"]
+    assert epochs.read_text() == '{"epoch": 0}\n'
+
+
+def test_a_renewal_paused_through_another_takeover_puts_no_old_copy_back(tmp_path, monkeypatch):
+    """Coordinator a marks the job and copies its records, and is stopped before its copy
+    replaces them; b takes the job over (mark, renewal) and records iteration 10. When a
+    wakes, its copy (without b's line) must not replace b's records: a finds the mark is
+    b's and stops (Superseded), and leaves no copy."""
+    storage = tmp_path.as_uri()
+    records = tmp_path / "jobs" / "j" / "metrics" / "iterations.jsonl"
+    uri = records.as_uri()
+    holder.mark_holder(storage, "j", "a", shard=0, epoch=0)
+    ckpt.append_line(uri, '{"global_iteration": 9}')
+    real_check = holder.check_holder
+
+    def taken_over_meanwhile(storage_uri: str, job_id: str, who: str) -> None:
+        monkeypatch.setattr(holder, "check_holder", real_check)
+        holder.mark_holder(storage, "j", "b", shard=1, epoch=1)
+        holder.renew_records(storage, "j", "b")
+        holder.as_holder(storage, "j", "b", ckpt.append_line, uri, '{"global_iteration": 10}')
+        real_check(storage_uri, job_id, who)
+
+    monkeypatch.setattr(holder, "check_holder", taken_over_meanwhile)
+    with pytest.raises(holder.Superseded):
+        holder.renew_records(storage, "j", "a")
+    assert _lines(records) == ['{"global_iteration": 9}', '{"global_iteration": 10}']
+    assert sorted(p.name for p in records.parent.iterdir()) == ["iterations.jsonl"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import glob
 import hashlib
 import json
 import os
@@ -183,13 +184,21 @@ def _append_whole(fd: int, data: bytes) -> None:
         raise
 
 
-def renew_local(uri: str) -> None:
+def renew_local(uri: str, before_replace: Callable[[], None] | None = None) -> None:
     """Replace the local file at ``uri`` by a copy of itself (a new inode, atomically): a
     writer that opened the old one before a takeover and was stopped there writes into a file
     no one reads any more (:func:`append_line`). Nothing to do elsewhere, nor when there is no
-    such file."""
+    such file. The copies an earlier renewal left (``<file>.renew-<pid>``: its process died
+    between the copy and the replace, or was superseded meanwhile) are removed first;
+    ``before_replace`` is called just before the copy replaces the file (it raises to leave
+    the file as it is: the copy is removed)."""
     local = _local_path(uri)
-    if local is None or not os.path.exists(local):
+    if local is None:
+        return
+    for stale in glob.glob(f"{glob.escape(local)}.renew-*"):
+        with contextlib.suppress(OSError):
+            os.unlink(stale)
+    if not os.path.exists(local):
         return
     tmp = f"{local}.renew-{os.getpid()}"
     try:
@@ -199,6 +208,8 @@ def renew_local(uri: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, local)
         tmp = ""
     except OSError as exc:

@@ -104,12 +104,21 @@ def as_holder(
 RECORDS = (("metrics", "iterations.jsonl"), ("metrics", "epochs.jsonl"))
 
 
-def renew_records(storage_uri: str, job_id: str) -> None:
+def renew_records(storage_uri: str, job_id: str, holder: str) -> None:
     """After :func:`mark_holder` (a takeover, an OpenJob): each appended file of the job
     replaced by a copy of itself (``ckpt.renew_local``), before the new coordinator reads what
     is recorded. A paused predecessor past its check writes into the old file, which no one
     reads: its line is either in the copy (written before it) or nowhere, and the successor,
     which reads the copy, records that iteration itself. On a store without appends
-    (read-modify-write) the window between a check and a write remains (microseconds)."""
+    (read-modify-write) the window between a check and a write remains (microseconds).
+
+    Each copy replaces its file only if ``holder`` still holds the job (checked just before:
+    a renewal paused through another takeover must not put back an older copy over the
+    successor's records; :class:`Superseded` then); the copies a renewal that died midway
+    left are removed."""
+
+    def still_held() -> None:
+        check_holder(storage_uri, job_id, holder)
+
     for parts in RECORDS:
-        ckpt.renew_local(ckpt.job_uri(storage_uri, job_id, *parts))
+        ckpt.renew_local(ckpt.job_uri(storage_uri, job_id, *parts), before_replace=still_held)

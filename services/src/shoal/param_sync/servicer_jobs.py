@@ -81,7 +81,7 @@ class JobHandlers:
                     shard=self.options.shard_index,
                     epoch=job.epoch,
                 )
-                await asyncio.to_thread(holder.renew_records, storage, request.job_id)
+                await self._renew_records(storage, request.job_id, job.holder)
                 found = await asyncio.to_thread(ckpt.latest_checkpoint, storage, request.job_id)
                 if found is not None:
                     await self._resume(job, *found)

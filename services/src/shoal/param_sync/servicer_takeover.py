@@ -266,7 +266,7 @@ class TakeoverHandlers:
             shard=self.options.shard_index,
             epoch=epoch,
         )
-        await asyncio.to_thread(holder.renew_records, settings.storage_uri, settings.job_id)
+        await self._renew_records(settings.storage_uri, settings.job_id, job_holder)
         found = await asyncio.to_thread(
             ckpt.latest_checkpoint, settings.storage_uri, settings.job_id
         )

@@ -106,6 +106,18 @@ class CoordinatorTasks:
                 f"{exc}; ask the other shards (FindCoordinator)"
             ) from exc
 
+    async def _renew_records(self: _S, storage_uri: str, job_id: str, job_holder: str) -> None:
+        """``holder.renew_records`` in a thread, for a coordinator taking the job (OpenJob,
+        TakeOverJob): superseded meanwhile (another took it after this one marked it), it
+        takes nothing and says so as UNAVAILABLE."""
+        try:
+            await asyncio.to_thread(holder.renew_records, storage_uri, job_id, job_holder)
+        except holder.Superseded as exc:
+            raise Unavailable(
+                f"shard {self.options.shard_index} did not take job {job_id!r}: another "
+                f"coordinator took it meanwhile: {exc}"
+            ) from exc
+
     def _note_successor(self: _S, job: _CoordinatedJob, exc: holder.Superseded) -> None:
         """Remember the coordinator the job's mark names (when it is a shard of the job at a
         newer epoch than this shard knows), so FindCoordinator here points the learners to
