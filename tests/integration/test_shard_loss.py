@@ -206,6 +206,43 @@ def test_two_shards_lost_one_after_the_other_on_three_are_each_replaced_without_
 
 
 @pytest.mark.slow
+def test_a_primary_killed_once_its_snapshot_was_answered_loses_nothing(tmp_path: Path):
+    """Shard 1 SIGKILLs itself right after shard 0, its backup on this host, answered a
+    snapshot of its slice (the first at 8 or more completed iterations: the test fault
+    ``snapshot-sent``), possibly before the backup took it out of the dead primary's segment
+    (docs/data-plane.md, "The replica's steps deferred"). The backup takes it from its
+    mapping of the segment, settles the replica at the promotion (the sums of the iteration
+    running, if that was committed), and the job completes with nothing lost and the
+    single-process result."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
+    job, epochs = "snapkill", 2
+    total = epochs * iterations_per_epoch()
+    try:
+        plane.start_shards(
+            ["--shard-probe", "0.5"], env={1: {"SHOAL_TEST_FAULT": "snapshot-sent@8"}}
+        )
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            for n in ("s0", "s1")
+        }
+        assert plane.shards[1].popen.wait(timeout=300) == -signal.SIGKILL
+        assert "test fault snapshot-sent: SIGKILL" in plane.shards[1].text()
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+    finally:
+        plane.kill_all()
+
+    assert_each_iteration_recorded_once(plane, job, total)
+    assert_matches_reference(plane.final_model(job), epochs)
+    backup_log = plane.shards[0].text()
+    assert "replica of shard 1 kept here defers its steps" in backup_log
+    assert "shard 0 promoted to hold the slice of shard 1" in backup_log, backup_log[-3000:]
+    assert "did not take a snapshot" not in backup_log
+
+
+@pytest.mark.slow
 def test_a_shard_killed_while_it_writes_a_checkpoint_leaves_no_partial_one_and_loses_nothing(
     tmp_path: Path,
 ):

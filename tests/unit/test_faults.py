@@ -31,6 +31,7 @@ print("WRITTEN", flush=True)
         ("", None),
         ("commit-partial@12", ("commit-partial", 12)),
         ("save-shard@0", ("save-shard", 0)),
+        ("snapshot-sent@8", ("snapshot-sent", 8)),
         ("stop-after-vote@7", ("stop-after-vote", 7)),
         ("raise-floor@23", ("raise-floor", 23)),
         ("stop-before-rename@/tmp/a@b/trigger", ("stop-before-rename", "/tmp/a@b/trigger")),
@@ -102,3 +103,14 @@ def test_stop_before_rename_lets_other_paths_and_a_missing_trigger_through(
         out, _ = writer.communicate(timeout=60)
         assert writer.returncode == 0 and b"WRITTEN" in out, (target, time.monotonic() - started)
         assert target.read_bytes() == b"data"
+
+
+def test_armed_from_fires_at_the_armed_iteration_or_any_later_one(monkeypatch) -> None:
+    monkeypatch.setattr(faults, "_ARMED", ("snapshot-sent", 8))
+    assert not faults.armed_from("snapshot-sent", 4)
+    assert faults.armed_from("snapshot-sent", 8) and faults.armed_from("snapshot-sent", 12)
+    assert not faults.armed_from("save-shard", 12)
+    monkeypatch.setattr(faults, "_ARMED", ("stop-before-rename", "/tmp/trigger"))
+    assert not faults.armed_from("stop-before-rename", 12)
+    monkeypatch.setattr(faults, "_ARMED", None)
+    assert not faults.armed_from("snapshot-sent", 12)

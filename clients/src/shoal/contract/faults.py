@@ -16,6 +16,9 @@ Points:
   and k + 1).
 * ``save-shard@<k>``: a shard asked to write its checkpoint file for iteration k SIGKILLs
   itself before it writes (a shard lost during a checkpoint write).
+* ``snapshot-sent@<k>``: a primary SIGKILLs itself once its backup (on its host) answered
+  the first snapshot of its slice at k or more completed iterations (the backup may not have
+  taken it out of the segment yet: docs/data-plane.md, "The replica's steps deferred").
 * ``stop-after-vote@<k>``: the coordinator of a collective job stops itself (SIGSTOP) once
   the first learner's commit vote for iteration k has arrived and before the last one (k not
   committed), so that the test can SIGKILL it with a vote in flight (the successor's "run k
@@ -65,6 +68,7 @@ __all__ = [
     "STOP_AFTER_VOTE",
     "STOP_BEFORE_RENAME",
     "armed",
+    "armed_from",
     "die",
     "fire_once",
     "parse",
@@ -75,7 +79,7 @@ __all__ = [
 log = logging.getLogger("shoal.faults")
 
 #: The points at a global iteration that kill the process.
-KILL_POINTS = frozenset({"commit-partial", "save-shard"})
+KILL_POINTS = frozenset({"commit-partial", "save-shard", "snapshot-sent"})
 STOP_AFTER_VOTE = "stop-after-vote"
 #: The point that raises a shard's generation floor at a global iteration (once).
 RAISE_FLOOR = "raise-floor"
@@ -114,6 +118,17 @@ _ARMED = parse(os.environ.get(ENV, ""))
 def armed(point: str, iteration: int) -> bool:
     """Whether this process must fail at ``point`` of ``iteration``."""
     return _ARMED is not None and _ARMED == (point, iteration)
+
+
+def armed_from(point: str, iteration: int) -> bool:
+    """Whether this process must fail at ``point`` of an iteration up to ``iteration`` (the
+    first time it reaches the point at or after the armed iteration)."""
+    return (
+        _ARMED is not None
+        and _ARMED[0] == point
+        and isinstance(_ARMED[1], int)
+        and _ARMED[1] <= iteration
+    )
 
 
 _FIRED: set[tuple[str, int]] = set()

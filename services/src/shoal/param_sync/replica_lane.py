@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shoal.contract import faults
 from shoal.contract.lane_handoff import take_segment
 from shoal.contract.shm import NONCE_BYTES, LaneError, Segment
 from shoal.runtime.errors import FailedPrecondition, InvalidField
@@ -349,7 +350,7 @@ class ReplicaLaneHandlers:
             return
         sj, address = part.job, part.backup_address
 
-        def frames() -> tuple[bytes, list[Any], Callable[[], bool]]:
+        def frames() -> tuple[bytes, list[Any], Callable[[], bool], int]:
             completed, restores = sj.completed, sj.restores
             header, views = sj.state_frames(completed)
 
@@ -361,11 +362,11 @@ class ReplicaLaneHandlers:
                     and (sj.completed, sj.restores) == (completed, restores)
                 )
 
-            return header, views, still
+            return header, views, still, completed
 
         async def send() -> None:
-            header, views, still = await self._compute(frames)
-            await self._replicate_sums_shm(
+            header, views, still, completed = await self._compute(frames)
+            sent = await self._replicate_sums_shm(
                 job_id,
                 sj.shard_index,
                 address,
@@ -374,6 +375,8 @@ class ReplicaLaneHandlers:
                 kind=ps_pb2.REPLICATE_KIND_STATE,
                 still=still,
             )
+            if sent and faults.armed_from("snapshot-sent", completed):
+                faults.die("snapshot-sent")
 
         self._in_background(send(), f"job {job_id}: no snapshot sent to the backup {address}")
 
