@@ -205,6 +205,35 @@ def test_two_shards_lost_one_after_the_other_on_three_are_each_replaced_without_
         assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)
 
 
+def _shard_1_killed_by_fault(
+    tmp_path: Path, job: str, point: str, iteration: int, learner_names: tuple[str, ...]
+) -> DataPlane:
+    """Two epochs of ``job`` on two shards with shard 1 armed to SIGKILL itself at the test
+    fault ``point@iteration`` (shoal.contract.faults): it dies there, the learners finish,
+    each iteration is recorded once and the final model is the single-process one. Returns
+    the (stopped) plane for the caller's own checks."""
+    tokens = make_tokens(tmp_path / "tokens")
+    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
+    epochs = 2
+    fault = f"{point}@{iteration}"
+    try:
+        plane.start_shards(["--shard-probe", "0.5"], env={1: {"SHOAL_TEST_FAULT": fault}})
+        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
+        learners = {
+            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
+            for n in learner_names
+        }
+        assert plane.shards[1].popen.wait(timeout=300) == -signal.SIGKILL
+        assert f"test fault {point}: SIGKILL" in plane.shards[1].text()
+        for name, proc in learners.items():
+            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
+    finally:
+        plane.kill_all()
+    assert_each_iteration_recorded_once(plane, job, epochs * iterations_per_epoch())
+    assert_matches_reference(plane.final_model(job), epochs)
+    return plane
+
+
 @pytest.mark.slow
 def test_a_primary_killed_once_its_snapshot_was_answered_loses_nothing(tmp_path: Path):
     """Shard 1 SIGKILLs itself right after shard 0, its backup on this host, answered a
@@ -214,28 +243,7 @@ def test_a_primary_killed_once_its_snapshot_was_answered_loses_nothing(tmp_path:
     mapping of the segment, settles the replica at the promotion (the sums of the iteration
     running, if that was committed), and the job completes with nothing lost and the
     single-process result."""
-    tokens = make_tokens(tmp_path / "tokens")
-    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
-    job, epochs = "snapkill", 2
-    total = epochs * iterations_per_epoch()
-    try:
-        plane.start_shards(
-            ["--shard-probe", "0.5"], env={1: {"SHOAL_TEST_FAULT": "snapshot-sent@8"}}
-        )
-        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
-        learners = {
-            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
-            for n in ("s0", "s1")
-        }
-        assert plane.shards[1].popen.wait(timeout=300) == -signal.SIGKILL
-        assert "test fault snapshot-sent: SIGKILL" in plane.shards[1].text()
-        for name, proc in learners.items():
-            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
-    finally:
-        plane.kill_all()
-
-    assert_each_iteration_recorded_once(plane, job, total)
-    assert_matches_reference(plane.final_model(job), epochs)
+    plane = _shard_1_killed_by_fault(tmp_path, "snapkill", "snapshot-sent", 8, ("s0", "s1"))
     backup_log = plane.shards[0].text()
     assert "replica of shard 1 kept here defers its steps" in backup_log
     assert "shard 0 promoted to hold the slice of shard 1" in backup_log, backup_log[-3000:]
@@ -251,29 +259,9 @@ def test_a_shard_killed_while_it_writes_a_checkpoint_leaves_no_partial_one_and_l
     probe finds the shard lost, its backup takes its slice over, and that checkpoint is dropped,
     never taken for written (no manifest, ``latest`` never names it). The job completes with
     nothing committed lost, and its final checkpoint is whole."""
-    tokens = make_tokens(tmp_path / "tokens")
-    plane = DataPlane(tmp_path, tmp_path / "tokens", tokens)
-    job, epochs = "ckptkill", 2
-    ipe = iterations_per_epoch()
-    total = epochs * ipe
-    try:
-        plane.start_shards(
-            ["--shard-probe", "0.5"], env={1: {"SHOAL_TEST_FAULT": f"save-shard@{ipe}"}}
-        )
-        plane.open_job(job, batch=BATCH, epochs=epochs, checkpoint_every=1)
-        learners = {
-            n: plane.start_learner(job, n, epochs=epochs, batch=BATCH, delay=0.02)
-            for n in ("w0", "w1")
-        }
-        assert plane.shards[1].popen.wait(timeout=300) == -signal.SIGKILL
-        assert "test fault save-shard: SIGKILL" in plane.shards[1].text()
-        for name, proc in learners.items():
-            assert proc.wait(timeout=300) == 0, f"{name}:\n{proc.text()[-3000:]}"
-    finally:
-        plane.kill_all()
-
-    assert_each_iteration_recorded_once(plane, job, total)
-    assert_matches_reference(plane.final_model(job), epochs)
+    job, ipe = "ckptkill", iterations_per_epoch()
+    total = 2 * ipe
+    plane = _shard_1_killed_by_fault(tmp_path, job, "save-shard", ipe, ("w0", "w1"))
     assert "shard 0 promoted to hold the slice of shard 1" in plane.shards[0].text()
     checkpoints = plane.job_dir(job) / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == f"iter-{total}"
@@ -285,7 +273,7 @@ def test_a_shard_killed_while_it_writes_a_checkpoint_leaves_no_partial_one_and_l
         for entry in json.loads(manifest.read_text())["shards"]:  # a manifest: whole
             data = (directory / entry["file"]).read_bytes()
             assert hashlib.sha256(data).hexdigest() == entry["sha256"], entry
-    for name in learners:
+    for name in ("w0", "w1"):
         steps = [r["step"] for r in plane.history(name)["history"]]
         assert steps[-1] == total - 1 and steps == sorted(set(steps)), (name, steps)
 

@@ -14,7 +14,7 @@ import torch
 from shoal.contract.wire import TensorMeta, pack_layout
 from shoal.param_sync.coordinator import OptimizerConfig
 from shoal.param_sync.shard import ShardJob
-from shoal.runtime.errors import FailedPrecondition
+from shoal.runtime.errors import FailedPrecondition, InvalidField
 from tests.unit.test_shard_replication import METAS, assert_same_state, contribution
 
 SGD = OptimizerConfig("SGD", '{"lr": 0.1, "momentum": 0.9, "nesterov": true}', clip_grad_norm=0.5)
@@ -197,3 +197,20 @@ def test_state_frames_align_each_tensor() -> None:
         assert entry["data_offsets"][0] % sizes[entry["dtype"]] == 0, name
     loaded = safetensors.torch.load(b"".join([header, *views]))
     assert torch.equal(loaded["param/d"], torch.ones(2, dtype=torch.float64))
+
+
+def test_a_snapshot_of_another_slice_is_refused_and_changes_nothing() -> None:
+    """Tensors that are not the replica's slice (another layout) are refused before the
+    replica's state or the sums it kept are touched."""
+    primary, replica = pair(SGD, limit=8)
+    for k in range(2):
+        run(primary, replica, k)
+    other_metas = [TensorMeta("w", "float32", (4, 3), 0, 48), *METAS[1:]]
+    layout, _ = pack_layout(other_metas)
+    other = ShardJob("job-1", 1, layout, SGD)
+    other.initialize(contribution(other, "init", 0, [torch.ones(m.shape) for m in other_metas], 0))
+    other.completed = 1  # an iteration the replica counts and has not stepped
+    with pytest.raises(InvalidField, match=r"holds param/w as torch.float32 \[4, 3\]"):
+        replica.take_snapshot(snapshot(other))
+    assert [d.pending.iteration for d in replica.deferred] == [0, 1] and replica.completed == 2
+    assert_same_state(primary, replica, 2)

@@ -25,6 +25,7 @@ from shoal.param_sync.checkpoint import (
 from shoal.runtime.errors import FailedPrecondition, InvalidField, NotFound
 
 if TYPE_CHECKING:
+    from shoal.contract.wire import TensorMeta
     from shoal.param_sync.shard import ShardJob
 
 __all__ = ["ShardCheckpoints", "model_from_shard_files", "shard_file_name"]
@@ -72,7 +73,7 @@ class ShardCheckpoints:
         self.flush()
         tensors: dict[str, torch.Tensor] = {}
         for m, t in zip(self.metas, self.tensors, strict=True):
-            tensors[f"{'buffer' if m.buffer else 'param'}/{m.name}"] = t
+            tensors[_state_key(m)] = t
         state = self.optimizer.state_dict()
         plain: dict[str, dict[str, Any]] = {}
         for index, entry in state["state"].items():
@@ -165,6 +166,23 @@ class ShardCheckpoints:
             raise InvalidField("chunk", f"{len(data)} bytes", f"is not a slice: {exc}") from None
         return self._restore(loaded, groups, plain, iteration, "the replicated slice")
 
+    def check_loaded(self: ShardJob, loaded: dict[str, torch.Tensor], directory: str) -> None:
+        """:class:`InvalidField` (naming ``directory``, where ``loaded`` came from) unless
+        ``loaded`` holds every parameter and buffer of the slice with its shape and dtype:
+        checked before anything is restored, so a wrong state changes nothing."""
+        missing = []
+        for m in self.metas:
+            key = _state_key(m)
+            src = loaded.get(key)
+            if src is None:
+                missing.append(m.name)
+            elif tuple(src.shape) != m.shape or src.dtype != m.torch_dtype:
+                raise InvalidField(
+                    "directory", directory, f"holds {key} as {src.dtype} {list(src.shape)}"
+                )
+        if missing:
+            raise InvalidField("directory", directory, f"lacks tensors {missing[:5]}")
+
     def _restore(
         self: ShardJob,
         loaded: dict[str, torch.Tensor],
@@ -173,21 +191,10 @@ class ShardCheckpoints:
         iteration: int,
         directory: str,
     ) -> int:
-        missing = []
+        self.check_loaded(loaded, directory)
         with torch.no_grad():
             for m, t in zip(self.metas, self.tensors, strict=True):
-                key = f"{'buffer' if m.buffer else 'param'}/{m.name}"
-                src = loaded.get(key)
-                if src is None:
-                    missing.append(m.name)
-                    continue
-                if tuple(src.shape) != m.shape or src.dtype != m.torch_dtype:
-                    raise InvalidField(
-                        "directory", directory, f"holds {key} as {src.dtype} {list(src.shape)}"
-                    )
-                t.copy_(src)
-        if missing:
-            raise InvalidField("directory", directory, f"lacks tensors {missing[:5]}")
+                t.copy_(loaded[_state_key(m)])
         state: dict[int, dict[str, Any]] = {}
         for index, local in enumerate(self._optimizer_order):
             name = self.metas[self.param_indices[local]].name
@@ -219,6 +226,11 @@ class ShardCheckpoints:
         self.restores += 1
         self._encode(iteration=self.completed)
         return self.completed
+
+
+def _state_key(m: TensorMeta) -> str:
+    """A parameter's or buffer's name in a state blob (``param/<name>``, ``buffer/<name>``)."""
+    return f"{'buffer' if m.buffer else 'param'}/{m.name}"
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:

@@ -252,10 +252,7 @@ class ReplicaSums:
         )
         if not self.initialized or not (applied < iteration <= self.completed or holds_next):
             return False
-        for m in self.metas:
-            src = loaded.get(f"{'buffer' if m.buffer else 'param'}/{m.name}")
-            if src is None or tuple(src.shape) != m.shape or src.dtype != m.torch_dtype:
-                raise InvalidField("chunk", m.name, "is not this slice's (the snapshot)")
+        self.check_loaded(loaded, "the primary's snapshot")  # before anything changes
         kept = [entry for entry in self.deferred if entry.pending.iteration >= iteration]
         self.deferred = [entry for entry in self.deferred if entry.pending.iteration < iteration]
         self._restore(loaded, groups, plain, iteration, "the primary's snapshot")
