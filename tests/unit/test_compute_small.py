@@ -18,13 +18,14 @@ from shoal.param_sync.service import INLINE_COMPUTE_BYTES, ParameterSyncServicer
 
 @pytest.fixture
 def host() -> Iterator[types.SimpleNamespace]:
-    """The two methods on an object holding only what they use."""
+    """The methods on an object holding only what they use."""
     ns = types.SimpleNamespace(
         _executor=ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute"),
         _computing=set(),
     )
     ns._compute = types.MethodType(ParameterSyncServicer._compute, ns)
     ns._compute_small = types.MethodType(ParameterSyncServicer._compute_small, ns)
+    ns._inline_compute = types.MethodType(ParameterSyncServicer._inline_compute, ns)
     yield ns
     ns._executor.shutdown(wait=True)
 

@@ -369,11 +369,17 @@ class ParameterSyncServicer(
         most :data:`INLINE_COMPUTE_BYTES` and the compute thread has nothing in hand (so the
         order stays that of submission, and nothing runs beside it): for a small slice the
         two hand-offs between the threads cost more than the work."""
-        if nbytes <= INLINE_COMPUTE_BYTES:
-            self._computing = {w for w in self._computing if not w.done()}
-            if not self._computing:
-                return fn(*args)
+        if self._inline_compute(nbytes):
+            return fn(*args)
         return await self._compute(fn, *args)
+
+    def _inline_compute(self, nbytes: int) -> bool:
+        """Whether work on ``nbytes`` runs right here in the event loop
+        (:meth:`_compute_small`)."""
+        if nbytes > INLINE_COMPUTE_BYTES:
+            return False
+        self._computing = {w for w in self._computing if not w.done()}
+        return not self._computing
 
     def _stub(self, address: str) -> ps_grpc.ParameterSyncServiceStub:
         entry = self._channels.get(address)

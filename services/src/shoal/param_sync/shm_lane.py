@@ -147,6 +147,24 @@ class SharedAnswer:
         if self.writing is writing:
             self.written = key
 
+    def write_now(
+        self, key: tuple[int, int, int], copy: Callable[[memoryview], None], total: int
+    ) -> bool:
+        """Have commit ``key``'s answer in the segment, copied by ``copy`` on this thread,
+        unless a copy started by :meth:`write` is still in flight (then False: wait with
+        :meth:`write`). Nothing awaits in between, so no other answer sees a copy half made."""
+        if self.written == key:
+            return True
+        if self.writing is not None and not self.writing.done():
+            return False
+        region = self.segment.region(
+            self.offset, total, lo=self.offset, hi=self.segment.size, what="answer"
+        )
+        self.written, self.writing, self.writing_key = None, None, None
+        copy(region)
+        self.written = key
+        return True
+
     def close(self) -> None:
         self.segment.close()
 
@@ -334,13 +352,20 @@ class LaneHandlers:
         total = int(encoded.header.total_bytes)
         source = sj.flat.numpy()[:total]
 
+        def copy_now(out: memoryview) -> None:
+            np.copyto(np.frombuffer(out, dtype=np.uint8), source)
+
         async def copy(out: memoryview) -> None:
-            target = np.frombuffer(out, dtype=np.uint8)
-            await self._compute_small(total, np.copyto, target, source)
+            await self._compute_small(total, copy_now, out)
 
         if lane.shared is not None:
-            await lane.shared.write(key, copy, total)
-            offset = lane.shared.offset
+            # A small answer is copied right here, with no hop through the event loop: it
+            # leaves before the Boundary sent beside its SyncStep is handled (the learner
+            # takes the parameters in meanwhile), not after.
+            shared = lane.shared
+            if not (self._inline_compute(total) and shared.write_now(key, copy_now, total)):
+                await shared.write(key, copy, total)
+            offset = shared.offset
         else:
             offset = lane.out_offset
             region = lane.segment.region(
