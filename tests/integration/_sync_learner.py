@@ -24,7 +24,9 @@ it); ``--watch 0`` leaves out the test's callback (a callback that overrides
 ``inline_bundles`` ``GrpcBackend.inline_bundles`` (bundles sent and answers read as one
 message, SHOAL_INLINE_KB); ``ahead_boundaries`` ``GrpcBackend.ahead_boundaries`` (Boundaries
 answered ahead and asked again, SHOAL_BOUNDARY_AHEAD); ``control_answers`` the control calls
-answered on a lane's control connection instead of gRPC (``ShardSession.control_answers``).
+answered on a lane's control connection instead of gRPC (``ShardSession.control_answers``);
+``direct_syncs`` the syncs sent and answered on the trainer's thread
+(``GrpcBackend.direct_syncs``).
 """
 
 from __future__ import annotations
@@ -240,6 +242,7 @@ def main() -> int:
                 "inline_bundles": getattr(backend, "inline_bundles", None),
                 "ahead_boundaries": getattr(backend, "ahead_boundaries", None),
                 "control_answers": backend.session.control_answers,
+                "direct_syncs": getattr(backend, "direct_syncs", None),
                 "early_tensors": getattr(backend, "early_tensors", None),
                 "early_forward": getattr(backend, "early_forward", None),
                 "is_primary": result.is_primary,

@@ -10,7 +10,8 @@ nothing.
 
 With real processes (two shard processes, two learner processes per job of the digits MLP), a
 job whose learners send every Boundary ahead (the default) trains to the very same parameters
-and iteration records as one whose learners send it after the sync (``off``).
+and iteration records as one whose learners send it after the sync (``off``), and so does one
+on the same-host lanes, whose syncs go on the trainer's thread.
 """
 
 from __future__ import annotations
@@ -153,10 +154,12 @@ def test_learners_sending_boundaries_ahead_train_exactly_as_ones_sending_them_af
 ):
     epochs = 1
     total = epochs * iterations_per_epoch()
-    jobs = {"ahead": "on", "after": "off"}
+    # (lane: on the same-host lanes, where the trainer's thread sends the SyncStep and the
+    # Boundary beside it on the lanes' control connections and reads both answers itself)
+    jobs = {"ahead": ("off", "on"), "after": ("off", "off"), "lane": ("on", "on")}
     gate = plane.tmp / "ahead.gate"
     procs = []
-    for job, switch in jobs.items():
+    for job, (lane, switch) in jobs.items():
         plane.open_job(job, batch=BATCH, epochs=epochs)
         procs += [
             plane.start_learner(
@@ -165,17 +168,22 @@ def test_learners_sending_boundaries_ahead_train_exactly_as_ones_sending_them_af
                 epochs=epochs,
                 batch=BATCH,
                 gate=gate,
-                env={"SHOAL_SHM_LANE": "off", "SHOAL_BOUNDARY_AHEAD": switch},
+                env={"SHOAL_SHM_LANE": lane, "SHOAL_BOUNDARY_AHEAD": switch},
             )
             for i in range(2)
         ]
     release(procs, gate)
     for proc in procs:
         assert proc.wait(timeout=240) == 0, proc.text()[-3000:]
-    on, off = plane.final_model("ahead"), plane.final_model("after")
-    assert set(on) == set(off)
+    on, off, lane = (
+        plane.final_model("ahead"),
+        plane.final_model("after"),
+        plane.final_model("lane"),
+    )
+    assert set(on) == set(off) == set(lane)
     for name, value in off.items():
         assert torch.equal(on[name], value), name  # bit for bit
+        assert torch.equal(lane[name], value), name
     reference, _ = reference_training(epochs, BATCH)
     for name, value in reference.items():
         torch.testing.assert_close(on[name], value, atol=ATOL, rtol=0, msg=name)
@@ -183,11 +191,20 @@ def test_learners_sending_boundaries_ahead_train_exactly_as_ones_sending_them_af
     # Boundaries).
     records_on = assert_each_iteration_recorded_once(plane, "ahead", total)
     records_off = assert_each_iteration_recorded_once(plane, "after", total)
+    records_lane = assert_each_iteration_recorded_once(plane, "lane", total)
     assert [r["loss"] for r in records_on] == [r["loss"] for r in records_off]
+    assert [r["loss"] for r in records_lane] == [r["loss"] for r in records_off]
     for i in range(2):
         h_on, h_off = plane.history(f"ahead-l{i}"), plane.history(f"after-l{i}")
+        h_lane = plane.history(f"lane-l{i}")
         assert len(h_on["history"]) == total
         # Each Boundary after a sync was answered ahead, none asked again.
         answered, again = h_on["ahead_boundaries"]
         assert (answered, again) == (len(h_on["history"]), 0), h_on["ahead_boundaries"]
         assert h_off["ahead_boundaries"] == [0, 0]
+        assert h_on["direct_syncs"] == h_off["direct_syncs"] == 0  # (gRPC: on the loop)
+        # On the lanes, every sync but the first (which opens them, on the loop) went on the
+        # trainer's thread, its Boundary beside it.
+        assert len(h_lane["history"]) == total
+        assert h_lane["direct_syncs"] == total - 1, h_lane["direct_syncs"]
+        assert h_lane["ahead_boundaries"] == [total, 0], h_lane["ahead_boundaries"]

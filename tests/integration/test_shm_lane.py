@@ -467,9 +467,7 @@ async def take_with_control(lane: ps_pb2.OpenSharedLaneResponse) -> tuple[Segmen
         segment = Segment.from_fd(fd, lane.size, lane.nonce)
     finally:
         os.close(fd)
-    sock.settimeout(None)
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
-    return segment, LaneControl(reader, writer)
+    return segment, LaneControl(sock)
 
 
 async def test_the_lanes_control_carries_its_syncsteps_as_grpc_would(shard: Shard, caplog):

@@ -6,7 +6,11 @@ loop is driven with calls of the test's own (the real SyncStep and Boundary thro
 answered to their caller, under the lane's principal; a learner that closes the connection,
 or sends a second call of a method before its answer, has its calls cancelled and the
 connection closed; a message too long or of no method ends it too; the learner's callers see
-a failure as gRPC's error, and a connection that ends as LaneError. The blocking end of a lane
+a failure as gRPC's error, and a connection that ends as LaneError. The learner's end used
+from a thread (the trainer's: ``send``, ``take``) reads the same: both calls sent in one write,
+each answer to its caller, one that does not come in time leaves the call in flight, an answer
+read by the thread while the loop waits for the other wakes the loop's caller, and a close wakes
+every waiting caller. The blocking end of a lane
 with no tensors (``DirectControl``, a collective-mode learner's trainer thread) reads the same
 replies: an answer, a failure as gRPC's error (the connection stays), and an answer that does
 not come in time closes it (the shard cancels the call), as does anything the protocol does not
@@ -154,8 +158,7 @@ async def served() -> AsyncIterator[tuple[Host, asyncio.Task[None], LaneControl]
     shard_end, learner_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     host = Host()
     task = asyncio.ensure_future(host._serve_lane_control(KEY, PRINCIPAL, shard_end))  # type: ignore[arg-type]
-    reader, writer = await asyncio.open_unix_connection(sock=learner_end)
-    control = LaneControl(reader, writer)
+    control = LaneControl(learner_end)
     yield host, task, control
     control.close()
     task.cancel()
@@ -206,7 +209,7 @@ async def test_a_second_call_of_a_method_before_its_answer_ends_the_connection(
     served, caplog
 ) -> None:
     host, task, control = served
-    control._writer.write(  # (what LaneControl never sends)
+    control._sock.sendall(  # (what LaneControl never sends)
         lane_control.request(SYNC_STEP, b"held") + lane_control.request(SYNC_STEP, b"again")
     )
     await asyncio.wait_for(task, 30)
@@ -226,7 +229,7 @@ async def test_a_second_call_of_a_method_before_its_answer_ends_the_connection(
 )
 async def test_a_message_the_protocol_does_not_allow_ends_the_connection(served, data) -> None:
     host, task, control = served
-    control._writer.write(data)
+    control._sock.sendall(data)
     await asyncio.wait_for(task, 30)
     assert host.bodies == []
     with pytest.raises(LaneError, match="control connection"):
@@ -291,3 +294,79 @@ async def test_the_blocking_end_closes_on_what_the_protocol_does_not_allow() -> 
         with pytest.raises(LaneError, match=why):
             direct.boundary(ps_pb2.BoundaryRequest(), wait_s=30)
         assert direct.closed
+
+
+def test_replies_split_off_a_buffer_whole_and_in_order() -> None:
+    answer = lane_control.answer(SYNC_STEP, b"params" * 10)
+    failure = lane_control.failure(BOUNDARY, 9, "stale", [("shoal-reason", "X")])
+    buffer = bytearray(answer + failure[:5])
+    assert lane_control.split_replies(buffer) == [
+        lane_control.Reply(SYNC_STEP, body=b"params" * 10)
+    ]
+    assert buffer == failure[:5]  # (the reply not whole yet stays)
+    buffer += failure[5:]
+    (failed,) = lane_control.split_replies(buffer)
+    assert (failed.code, failed.details, failed.metadata) == (9, "stale", (("shoal-reason", "X"),))
+    assert buffer == b"" and lane_control.split_replies(buffer) == []
+    for data, why in [
+        (b"Z" + lane_control.ANSWER + lane_control.LENGTH.pack(0), "unknown method"),
+        (SYNC_STEP + b"Z" + lane_control.LENGTH.pack(0), "unknown status"),
+        (
+            SYNC_STEP
+            + lane_control.ANSWER
+            + lane_control.LENGTH.pack(lane_control.MAX_MESSAGE_BYTES + 1),
+            "the most is",
+        ),
+    ]:
+        with pytest.raises(lane_control.ControlError, match=why):
+            lane_control.split_replies(bytearray(data))
+
+
+async def test_the_trainers_thread_sends_both_calls_and_reads_each_answer(served) -> None:
+    host, _task, control = served
+    # (blocking: on a thread of its own, as the trainer's thread beside the backend's loop)
+    await asyncio.to_thread(control.send, (SYNC_STEP, b"s1"), (BOUNDARY, b"b1"))
+    await asyncio.wait_for(_calls(host, 2), 30)
+    with pytest.raises(RuntimeError, match="in flight"):
+        control.send((SYNC_STEP, b"again"))  # (nothing sent)
+    with pytest.raises(NoAnswer, match=r"within 0\.2 s"):
+        await asyncio.to_thread(control.take, SYNC_STEP, 0.2)
+    assert not control.closed  # still in flight: taken later
+    host.release[BOUNDARY].set()
+    assert await asyncio.to_thread(control.take, BOUNDARY, 30) == b"answer to b1"
+    host.release[SYNC_STEP].set()
+    assert await asyncio.to_thread(control.take, SYNC_STEP, 30) == b"answer to s1"
+    with pytest.raises(RuntimeError, match="no b'S' call"):
+        control.take(SYNC_STEP, 30)
+    # A failure is gRPC's error; the connection stays.
+    await asyncio.to_thread(control.send, (BOUNDARY, b"fail"))
+    with pytest.raises(aio.AioRpcError) as info:
+        await asyncio.to_thread(control.take, BOUNDARY, 30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and not control.closed
+    # An answer the thread read while the loop waits for the other method's: each gets its own.
+    host.release[SYNC_STEP].clear()
+    on_loop = asyncio.ensure_future(control._call(SYNC_STEP, b"s2"))
+    await asyncio.to_thread(control.send, (BOUNDARY, b"b2"))
+    await asyncio.wait_for(_calls(host, 5), 30)
+    assert await asyncio.to_thread(control.take, BOUNDARY, 30) == b"answer to b2"
+    host.release[SYNC_STEP].set()
+    assert await asyncio.wait_for(on_loop, 30) == b"answer to s2"
+    assert control.calls == 4 and host.principals == [PRINCIPAL] * 5
+
+
+async def test_a_connection_closed_while_a_thread_waits_wakes_it(served) -> None:
+    host, task, control = served
+    await asyncio.to_thread(control.send, (SYNC_STEP, b"held"))
+    await asyncio.wait_for(_calls(host, 1), 30)
+    waiting = asyncio.ensure_future(asyncio.to_thread(control.take, SYNC_STEP, None))
+    on_loop = asyncio.ensure_future(control._call(BOUNDARY, b"held too"))
+    await asyncio.wait_for(_calls(host, 2), 30)
+    control.close("closed by the test")  # (as a failed sync does: its answers read by nobody)
+    with pytest.raises(LaneError, match="closed by the test"):
+        await asyncio.wait_for(waiting, 30)
+    with pytest.raises(LaneError, match="closed by the test"):
+        await asyncio.wait_for(on_loop, 30)
+    await asyncio.wait_for(task, 30)  # the shard cancels both calls
+    assert sorted(host.cancelled) == sorted([SYNC_STEP, BOUNDARY])
+    with pytest.raises(LaneError):
+        control.send((SYNC_STEP, b""))

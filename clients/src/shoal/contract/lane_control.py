@@ -50,6 +50,7 @@ __all__ = [
     "read_request",
     "recv_reply",
     "request",
+    "split_replies",
 ]
 
 #: The prefix of every payload: its length (big-endian, unsigned, 4 bytes).
@@ -171,6 +172,29 @@ def recv_reply(sock: socket.socket) -> Reply:
     if size > MAX_MESSAGE_BYTES:
         raise ControlError(f"a message of {size} bytes (the most is {MAX_MESSAGE_BYTES})")
     return _reply(method, status, _recv_exactly(sock, size, "a message"))
+
+
+def split_replies(buffer: bytearray) -> list[Reply]:
+    """The replies read whole at the start of ``buffer`` (taken off it; a reply not whole
+    yet stays). :class:`ControlError` for anything the protocol does not allow."""
+    replies = []
+    start = 0
+    head = 2 + LENGTH.size  # method, status, length
+    while len(buffer) - start >= head:
+        method, status = bytes(buffer[start : start + 1]), bytes(buffer[start + 1 : start + 2])
+        if method not in METHODS:
+            raise ControlError(f"a message of unknown method {method!r}")
+        _check_status(status)
+        (size,) = LENGTH.unpack_from(buffer, start + 2)
+        if size > MAX_MESSAGE_BYTES:
+            raise ControlError(f"a message of {size} bytes (the most is {MAX_MESSAGE_BYTES})")
+        if len(buffer) - start - head < size:
+            break
+        body = bytes(buffer[start + head : start + head + size])
+        replies.append(_reply(method, status, body))
+        start += head + size
+    del buffer[:start]
+    return replies
 
 
 def _recv_exactly(sock: socket.socket, size: int, what: str) -> bytes:

@@ -37,15 +37,18 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from shoal.client.tls import TLSFiles
+from shoal.contract import lane_control
 from shoal.contract.shm import LaneError
 from shoal.contract.wire import (
     DEFAULT_CHUNK_BYTES,
     MAX_INLINE_BYTES,
     TensorMeta,
     byte_view,
+    decode_frame,
     encode_chunks,
     encode_header,
     header_of,
@@ -92,6 +95,8 @@ from shoal.learner.grpc_calls import (
     stream_methods,
 )
 from shoal.learner.grpc_lane import (
+    LaneControl,
+    NoAnswer,
     lane_control_enabled,
     lane_refused,
     open_lane,
@@ -210,11 +215,14 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
         #: started, and loaded by a module's forward pre-hook (summed over the run).
         self.early_tensors = [0, 0, 0]
         # The next Boundary goes beside each SyncStep (SHOAL_BOUNDARY_AHEAD): the call, sent
-        # by the last successful sync, whose answer next_assignment reads.
+        # by the last successful sync, whose answer next_assignment reads (a lane's control
+        # connection: sent on it by the trainer's thread, its answer read there too).
         self.boundary_ahead = boundary_ahead_enabled()
-        self._ahead: asyncio.Future[ps_pb2.BoundaryResponse] | None = None
+        self._ahead: asyncio.Future[ps_pb2.BoundaryResponse] | LaneControl | None = None
         #: Boundaries answered ahead / sent again after the ahead one failed (summed).
         self.ahead_boundaries = [0, 0]
+        #: SyncSteps sent and answered on the trainer's thread (_sync_direct; summed).
+        self.direct_syncs = 0
 
     @classmethod
     def from_env(cls, env: LearnerEnv) -> GrpcBackend:
@@ -310,9 +318,12 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
         self._user = (step, dict(metrics))
 
     async def _boundary(
-        self, md: Any = None, ahead: asyncio.Future[ps_pb2.BoundaryResponse] | None = None
+        self,
+        md: Any = None,
+        ahead: asyncio.Future[ps_pb2.BoundaryResponse] | None = None,
+        answered: ps_pb2.BoundaryResponse | None = None,
     ) -> ps_pb2.BoundaryResponse:
-        reply = None
+        reply = answered  # (the answer to one sent ahead, read on the trainer's thread)
         if ahead is not None:
             try:
                 reply = await ahead
@@ -351,11 +362,47 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
         self.ahead_boundaries[0] += 1
         return reply
 
+    def _direct_ahead(self, control: LaneControl) -> ps_pb2.BoundaryResponse | None:
+        """The answer to the Boundary :meth:`_sync_direct` sent ahead on ``control``, read on
+        this thread (past the watch's first wait, on the session's loop, watched for a
+        coordinator that hangs); None when that failed: the caller asks again."""
+        try:
+            try:
+                body = control.take(lane_control.BOUNDARY, self.session.watch_after_s)
+            except NoAnswer:  # (a Boundary may wait long: the job rescaling)
+                body = self._run(self._watched(control, lane_control.BOUNDARY))
+            reply = ps_pb2.BoundaryResponse.FromString(body)
+        except (LaneError, CoordinatorMoved, aio.AioRpcError, DecodeError) as exc:
+            log.info("the Boundary sent ahead failed (%s); asking again", exc)
+            self.ahead_boundaries[1] += 1
+            return None
+        if not self.session.accept(reply):  # a fenced coordinator's: asked again
+            self.ahead_boundaries[1] += 1
+            return None
+        self.ahead_boundaries[0] += 1
+        return reply
+
+    async def _watched(self, control: LaneControl, method: bytes) -> bytes:
+        """The answer to the ``method`` call in flight on ``control``, awaited on the loop,
+        watched (a call that was waited on past the watch's first wait already)."""
+        try:
+            return await self.session.watch(control.answer(method), soon=True)
+        except CoordinatorMoved:
+            control.close()  # (its answer may still come on it: read by nobody)
+            raise
+
     def next_assignment(self) -> Assignment | None:
         ahead, self._ahead = self._ahead, None
-        reply = self._answered_ahead(ahead)
+        answered = None
+        if isinstance(ahead, LaneControl):
+            answered, ahead = self._direct_ahead(ahead), None
+            reply = answered
+            if reply is not None and reply.routing_epoch > self.session.routing_epoch:
+                reply = None  # (it re-routes the shards: on the loop)
+        else:
+            reply = self._answered_ahead(ahead)
         if reply is None:
-            reply = self._run(self._boundary(self._md(), ahead))
+            reply = self._run(self._boundary(self._md(), ahead, answered))
         plan = self._require_plan()
         if reply.action == ps_pb2.BOUNDARY_ACTION_RUN:
             self._generation = int(reply.assignment.generation)
@@ -462,11 +509,14 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
             )
         md = self._md()
         try:
-            headers = self._run(
-                self._sync_and_ahead(
-                    ahead, md, assignment, contribution, tensors, lr, md, streamed, tracker
+            if self._direct_shards(ahead, md, streamed, tracker):
+                headers = self._sync_direct(ahead, assignment, contribution, tensors, lr)
+            else:
+                headers = self._run(
+                    self._sync_and_ahead(
+                        ahead, md, assignment, contribution, tensors, lr, md, streamed, tracker
+                    )
                 )
-            )
         except IterationAborted:
             # Report this iteration's loss with the next Boundary anyway: if it was committed
             # after all (a shard died while answering, its backup took over) the coordinator
@@ -537,29 +587,18 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
         md: Any = None,
         streamed: Mapping[int, Awaitable[ps_pb2.TensorBundleHeader]] | None = None,
         tracker: ArrivingTensors | None = None,
+        only: Sequence[_Shard] | None = None,
     ) -> list[ps_pb2.TensorBundleHeader]:
-        """Every shard's answer header; with ``tracker`` (early forward) as soon as every
-        header arrived, the rest of the answers arriving on this loop meanwhile."""
+        """Every shard's answer header (``only``: those shards'); with ``tracker`` (early
+        forward) as soon as every header arrived, the rest of the answers arriving on this
+        loop meanwhile."""
+        shards = self._shards if only is None else only
 
         async def one(shard: _Shard) -> ps_pb2.TensorBundleHeader:
             assert shard.streams is not None
             if streamed and id(shard) in streamed:  # sent while backward ran (ps_overlap.py)
                 return await streamed[id(shard)]
-            present = [j for j in shard.tensors if tensors[j] is not None]
-            metas, total = pack_layout([self._layout[j] for j in present])
-            header = header_of(
-                job_id=self.job_id,
-                sender_id=self.learner_id,
-                metas=metas,
-                total_bytes=total,
-                generation=a.generation,
-                iteration=a.step,
-                num_samples=contribution.n_samples,
-                loss_sum=contribution.loss_sum,
-                learning_rate=lr or 0.0,
-            )
-
-            views = [byte_view(tensors[j]) for j in present]  # type: ignore[arg-type]
+            metas, total, header, views = self._bundle(shard, a, contribution, tensors, lr)
             if shard.lane is not None and shard.lane.control is not None:
                 if shard.lane.control.closed:
                     # Its control ended (a call cancelled, the shard dropped the lane): a new
@@ -649,13 +688,13 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
                 failed.setdefault(id(exc), shard)
                 raise
 
-        tasks = [asyncio.ensure_future(tracked(s)) for s in self._shards]
+        tasks = [asyncio.ensure_future(tracked(s)) for s in shards]
         arriving = False
         try:
             if tracker is None:
                 return list(await self._watch(asyncio.gather(*tasks)))
             heads = []
-            for shard, task in zip(self._shards, tasks, strict=True):
+            for shard, task in zip(shards, tasks, strict=True):
                 head = tracker.head(id(shard))
                 task.add_done_callback(functools.partial(_headless, head))
                 heads.append(head)
@@ -669,19 +708,165 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
         except aio.AioRpcError as exc:
             for t in tasks:
                 t.cancel()
-            error = _translate(exc)
-            if isinstance(error, LearnerEvicted):
-                self._recheck_coordinator = True  # a stale generation: was it a fenced one's?
-                self._stale_refusal = _refusal_of(exc, failed.get(id(exc)))
-            lost = _shard_lost(exc)
-            if lost:
-                await asyncio.sleep(_SHARD_LOST_PAUSE_S)
-            if isinstance(error, IterationAborted | LearnerEvicted) or lost:
-                raise IterationAborted(_why(exc, failed.get(id(exc)))) from exc
-            raise error from exc
+            raise await self._sync_failed(exc, failed.get(id(exc))) from exc
         finally:
             if not arriving:
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _sync_failed(self, exc: aio.AioRpcError, shard: _Shard | None) -> Exception:
+        """What a sync whose call to ``shard`` failed with ``exc`` raises (after the pause
+        a lost shard asks for)."""
+        error = _translate(exc)
+        if isinstance(error, LearnerEvicted):
+            self._recheck_coordinator = True  # a stale generation: was it a fenced one's?
+            self._stale_refusal = _refusal_of(exc, shard)
+        lost = _shard_lost(exc)
+        if lost:
+            await asyncio.sleep(_SHARD_LOST_PAUSE_S)
+        if isinstance(error, IterationAborted | LearnerEvicted) or lost:
+            return IterationAborted(_why(exc, shard))
+        return error
+
+    def _bundle(
+        self,
+        shard: _Shard,
+        a: Assignment,
+        contribution: Contribution,
+        tensors: Sequence[torch.Tensor | None],
+        lr: float | None,
+    ) -> tuple[list[TensorMeta], int, ps_pb2.TensorBundleHeader, list[np.ndarray]]:
+        """The bundle of ``tensors`` a SyncStep sends ``shard``: its layout, size, header
+        and the tensors' bytes."""
+        present = [j for j in shard.tensors if tensors[j] is not None]
+        metas, total = pack_layout([self._layout[j] for j in present])
+        header = header_of(
+            job_id=self.job_id,
+            sender_id=self.learner_id,
+            metas=metas,
+            total_bytes=total,
+            generation=a.generation,
+            iteration=a.step,
+            num_samples=contribution.n_samples,
+            loss_sum=contribution.loss_sum,
+            learning_rate=lr or 0.0,
+        )
+        views = [byte_view(tensors[j]) for j in present]  # type: ignore[arg-type]
+        return metas, total, header, views
+
+    # -- sync on the trainer's thread ---------------------------------------------------------
+
+    def _direct_shards(
+        self,
+        ahead: ps_pb2.BoundaryRequest | None,
+        md: Any,
+        streamed: Mapping[int, Any],
+        tracker: ArrivingTensors | None,
+    ) -> bool:
+        """Whether this sync goes on the lanes' control connections from this thread
+        (:meth:`_sync_direct`), with the Boundary ``ahead`` beside the SyncStep to the shard
+        in the coordinator's process; else on the session's loop (:meth:`_sync_and_ahead`).
+        Only the plain case goes direct: every shard's lane control open, nothing streamed
+        or arriving early, not traced, and, when a Boundary goes ahead, the coordinator in
+        one of those shards' processes (with no re-Join or coordinator check due)."""
+        if streamed or tracker is not None or traced(md):
+            return False
+        for shard in self._shards:
+            lane = shard.lane
+            if lane is None or lane.control is None or lane.control.closed:
+                return False
+        return ahead is None or any(self.session.boundary_goes_to(s.address) for s in self._shards)
+
+    def _sync_direct(
+        self,
+        ahead: ps_pb2.BoundaryRequest | None,
+        a: Assignment,
+        contribution: Contribution,
+        tensors: Sequence[torch.Tensor | None],
+        lr: float | None,
+    ) -> list[ps_pb2.TensorBundleHeader]:
+        """:meth:`_sync_and_ahead` on this thread: each shard's gradients written into its
+        lane, its SyncStep (and, to the coordinator's, the Boundary ``ahead``) sent on the
+        lane's control connection in one write, and the answers read there, with no hop to
+        the session's loop and back (docs/data-plane.md, "The sync on the trainer's
+        thread"). An answer that did not come within the watch's first wait is awaited on
+        the loop, watched; a shard whose connection ended, or which has no lane of this
+        learner any more, gets the iteration again from the loop as :meth:`_sync` sends it
+        (a new lane, or chunks; a repeated contribution is ignored). A failure closes the
+        connections whose answers are still due (as a cancelled call does)."""
+        rest: list[_Shard] = []  # sent again from the loop
+        sent: list[tuple[_Shard, LaneControl]] = []
+        boundary_on: LaneControl | None = None
+        for shard in self._shards:
+            lane = shard.lane
+            assert lane is not None and lane.control is not None
+            metas, total, header, views = self._bundle(shard, a, contribution, tensors, lr)
+            if total == 0:  # (nothing to write into the lane)
+                rest.append(shard)
+                continue
+            header.shared_memory = True
+            header.shared_memory_offset = lane.write(metas, views, total)
+            requests = [(lane_control.SYNC_STEP, encode_header(ps_pb2.SyncStepRequest, header))]
+            boundary = (
+                ahead is not None
+                and boundary_on is None
+                and self.session.boundary_goes_to(shard.address)
+            )
+            if boundary:
+                assert ahead is not None
+                requests.append((lane_control.BOUNDARY, ahead.SerializeToString()))
+            try:
+                lane.control.send(*requests)
+            except LaneError:
+                rest.append(shard)
+                continue
+            sent.append((shard, lane.control))
+            if boundary:
+                boundary_on = lane.control
+                self.session.boundaries_on(shard.address)
+        headers: dict[int, ps_pb2.TensorBundleHeader] = {}
+        due = [control for _, control in sent]
+        try:
+            for shard, control in sent:
+                try:
+                    headers[id(shard)] = self._direct_answer(shard, control)
+                except LaneError:  # (it is closed)
+                    rest.append(shard)
+                except aio.AioRpcError as exc:
+                    due.remove(control)  # (answered: the connection stays)
+                    if not lane_refused(exc):
+                        raise self._run(self._sync_failed(exc, shard)) from exc
+                    rest.append(shard)
+                    continue
+                due.remove(control)
+            if rest:  # (in the shards' order: _sync's)
+                rest.sort(key=self._shards.index)
+                again = self._run(self._sync(a, contribution, tensors, lr, only=rest))
+                headers.update(zip(map(id, rest), again, strict=True))
+        except BaseException:
+            for control in {*due, *([boundary_on] if boundary_on is not None else [])}:
+                control.close()  # (answers may still come on it: read by nobody)
+            raise
+        if boundary_on is not None:
+            self._ahead = boundary_on
+        self.direct_syncs += 1
+        return [headers[id(s)] for s in self._shards]
+
+    def _direct_answer(self, shard: _Shard, control: LaneControl) -> ps_pb2.TensorBundleHeader:
+        """The answer to the SyncStep sent ``shard`` on ``control``, read on this thread
+        (past the watch's first wait, on the loop, watched) and taken into the receive
+        tensors; its header."""
+        try:
+            body = control.take(lane_control.SYNC_STEP, self.session.watch_after_s)
+        except NoAnswer:  # (a slow commit, or a shard that hangs)
+            try:
+                body = self._run(self._watched(control, lane_control.SYNC_STEP))
+            except CoordinatorMoved as exc:
+                raise IterationAborted("the job's coordinator moved") from exc
+        header = decode_frame(ps_pb2.SyncStepResponse, body).header
+        if header is None:
+            raise RuntimeError(f"shard {shard.address} answered a SyncStep with no header")
+        self._take_answer(shard, header)
+        return header
 
     # -- the rest -----------------------------------------------------------------------------
 
@@ -692,7 +877,7 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
 
     def close(self) -> None:
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and not self.session.closed:
+        if isinstance(ahead, asyncio.Future) and not self.session.closed:
             self._run(_cancelled(ahead))  # (a train() that raised after its last sync)
         self.session.close()
 

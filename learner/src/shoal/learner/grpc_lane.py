@@ -11,7 +11,9 @@ the new parameters. The header goes on the Unix connection the descriptor came o
 open as the lane's control channel (:class:`LaneControl`, ``shoal.contract.lane_control``),
 and so do the learner's Boundaries when the job's coordinator runs in that shard's process
 (``ShardSession``), unless the iteration is traced (its calls are gRPC calls with spans) or
-``SHOAL_LANE_CONTROL`` is ``off``; then gRPC carries them. (A collective-mode learner's lane
+``SHOAL_LANE_CONTROL`` is ``off``; then gRPC carries them. In the plain case the trainer's
+thread sends them and reads their answers itself (``GrpcBackend._sync_direct``: the
+connection is usable from any thread). (A collective-mode learner's lane
 with no tensors keeps its connection as a blocking socket, :class:`DirectControl`: its votes
 are sent and answered on the trainer's thread.) Anything that does not work (another
 host, another user, another network namespace, an old shard that offers a named segment, a
@@ -26,7 +28,10 @@ import contextlib
 import functools
 import logging
 import os
+import select
 import socket
+import threading
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,15 +93,104 @@ _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 class LaneControl:
     """The learner's end of its lane's control connection: a SyncStep and a Boundary at a
-    time (each method's answer is told to its caller by one reader task)."""
+    time, safe to use from any thread. The trainer's thread sends a SyncStep with the
+    Boundary beside it and reads their answers itself (:meth:`send`, :meth:`take`;
+    ``GrpcBackend.sync``: no hop to the session's loop and back); the loop's calls are
+    :meth:`sync_step` and :meth:`boundary`. Whoever waits for an answer reads what came on
+    the connection (the loop, while one of its calls waits: a reader of the socket's), and
+    each reply is kept for its method's caller. The socket is non-blocking; a thread waits
+    for it with ``poll``."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
-        self._waiting: dict[bytes, asyncio.Future[lane_control.Reply]] = {}
-        self._reading: asyncio.Task[None] | None = None
+    #: The longest one wait for the socket lasts before a waiting thread looks again whether
+    #: the connection was closed meanwhile (by another thread).
+    SLICE_S = 0.5
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+        self._lock = threading.Lock()  # what follows, and every read of the socket
+        self._sending = threading.Lock()  # a request's bytes go whole, one after another
+        self._in_flight: set[bytes] = set()  # methods sent whose answer was not taken
+        self._kept: dict[bytes, lane_control.Reply] = {}
+        self._buffer = bytearray()
+        # The loop's calls waiting, by method, and the loop reading for them.
+        self._waiting: dict[bytes, asyncio.Future[None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._why = "the lane's control connection is closed"
         self.calls = 0  # answered through it
         self.closed = False
+
+    # -- from any thread ----------------------------------------------------------------------
+
+    def send(self, *requests: tuple[bytes, bytes]) -> None:
+        """Send ``requests`` (method, serialized request) in one write. :class:`LaneError`
+        when the connection is closed or ends (then it stays closed); RuntimeError when a
+        call of that method is in flight already."""
+        data = b"".join(lane_control.request(method, body) for method, body in requests)
+        with self._lock:
+            if self.closed:
+                raise LaneError(self._why)
+            for method, _ in requests:
+                if method in self._in_flight:
+                    raise RuntimeError(
+                        f"a {method!r} call is in flight on the lane's control already"
+                    )
+            self._in_flight.update(method for method, _ in requests)
+        try:
+            with self._sending:
+                view = memoryview(data)
+                while view:
+                    try:
+                        view = view[self._sock.send(view) :]
+                    except BlockingIOError:
+                        self._poll(select.POLLOUT, self.SLICE_S)
+        except (OSError, ValueError) as exc:  # (ValueError: closed meanwhile)
+            self.close(f"the lane's control connection ended: {exc}")
+            raise LaneError(self._why) from None
+
+    def take(self, method: bytes, wait_s: float | None) -> bytes:
+        """The answer to the ``method`` call sent (its serialized response), waiting on this
+        thread: the :class:`grpc.aio.AioRpcError` gRPC would have raised (the connection
+        stays open); :class:`LaneError` when the connection is closed or ends;
+        :class:`NoAnswer` when none came within ``wait_s`` (None: however long; the call
+        stays in flight: take it again, or close the connection)."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            reply = self._taken(method)
+            if reply is not None:
+                return self._answered(reply)
+            left = self.SLICE_S if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise NoAnswer(f"no answer on the lane's control connection within {wait_s} s")
+            try:
+                self._poll(select.POLLIN, min(left, self.SLICE_S))
+            except (OSError, ValueError) as exc:
+                self.close(f"the lane's control connection ended: {exc}")
+            self._read()
+
+    def close(self, why: str = "the lane's control connection was closed") -> None:
+        """Close it; every caller waiting gets :class:`LaneError` (an answer still due is
+        read by nobody)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._why = why
+            waiting = list(self._waiting.values())
+            loop = self._loop
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # (wakes a thread waiting in poll)
+        if loop is None or loop.is_closed():
+            self._sock.close()
+        elif _running() is loop:
+            self._release(loop, waiting)
+        else:  # the loop reads it: it stops reading it first, then closes it
+            try:
+                loop.call_soon_threadsafe(self._release, loop, waiting)
+            except RuntimeError:  # (the loop closed meanwhile)
+                self._sock.close()
+
+    # -- on the session's loop ----------------------------------------------------------------
 
     async def sync_step(self, body: bytes) -> Frame:
         """The shard's answer to the serialized ``SyncStepRequest`` ``body``: the frame gRPC
@@ -114,55 +208,136 @@ class LaneControl:
         """:class:`LaneError` when the connection is gone (then it stays closed); a call
         cancelled closes it too (its answer may still come on it), which ends the other
         method's call in flight with :class:`LaneError`."""
-        if self.closed:
-            raise LaneError("the lane's control connection is closed")
-        if method in self._waiting:
-            raise RuntimeError(f"a {method!r} call is in flight on the lane's control already")
-        waiting = asyncio.get_running_loop().create_future()
-        self._waiting[method] = waiting
-        if self._reading is None:
-            self._reading = asyncio.ensure_future(self._read())
+        self.send((method, body))
         try:
-            self._writer.write(lane_control.request(method, body))
-            reply = await waiting
+            return await self.answer(method)
+        except aio.AioRpcError:  # (the call failed: the connection stays)
+            raise
         except BaseException:
             self.close()
             raise
-        finally:
-            if self._waiting.get(method) is waiting:
-                del self._waiting[method]
+
+    async def answer(self, method: bytes) -> bytes:
+        """:meth:`take`, waiting on the loop: the loop reads the connection meanwhile."""
+        loop = asyncio.get_running_loop()
+        while True:
+            reply = self._taken(method)
+            if reply is not None:
+                return self._answered(reply)
+            waiting = loop.create_future()
+            with self._lock:
+                if self.closed or method in self._kept:
+                    continue
+                self._waiting[method] = waiting
+                if self._loop is None:
+                    self._loop = loop
+                    loop.add_reader(self._sock.fileno(), self._read)
+            try:
+                await waiting
+            finally:
+                with self._lock:
+                    if self._waiting.get(method) is waiting:
+                        del self._waiting[method]
+                    reading = not self._waiting and self._loop is loop
+                    if reading:
+                        self._loop = None
+                if reading and self._sock.fileno() != -1:  # (else _release stopped it)
+                    loop.remove_reader(self._sock.fileno())
+
+    # -- inside -------------------------------------------------------------------------------
+
+    def _taken(self, method: bytes) -> lane_control.Reply | None:
+        """``method``'s reply when it was read (taken off the kept ones); :class:`LaneError`
+        when the connection is closed; RuntimeError when no such call is in flight."""
+        with self._lock:
+            reply = self._kept.pop(method, None)
+            if reply is not None:
+                self._in_flight.discard(method)
+                return reply
+            if self.closed:
+                raise LaneError(self._why)
+            if method not in self._in_flight:
+                raise RuntimeError(f"no {method!r} call is in flight on the lane's control")
+            return None
+
+    def _answered(self, reply: lane_control.Reply) -> bytes:
         if reply.failed:
             raise _rpc_error(reply)
         self.calls += 1
         return reply.body
 
-    async def _read(self) -> None:
-        """Tell each reply to its caller, until the connection ends (then every caller gets
-        :class:`LaneError`)."""
-        why = "closed"
-        try:
-            while True:
-                reply = await lane_control.read_reply(self._reader)
-                waiting = self._waiting.get(reply.method)
-                if waiting is None:
-                    raise lane_control.ControlError(f"a reply to no {reply.method!r} call")
-                if not waiting.done():
-                    waiting.set_result(reply)
-        except (lane_control.ControlError, ConnectionError) as exc:
-            why = str(exc)
-        finally:
-            self.close(f"the lane's control connection ended: {why}")
+    def _poll(self, events: int, timeout_s: float) -> None:
+        poller = select.poll()
+        poller.register(self._sock.fileno(), events)
+        poller.poll(timeout_s * 1000)
 
-    def close(self, why: str = "the lane's control connection was closed") -> None:
-        if not self.closed:
-            self.closed = True
-            self._writer.close()
-        for waiting in self._waiting.values():
-            if not waiting.done():
-                waiting.set_exception(LaneError(why))
-        reading = self._reading
-        if reading is not None and not reading.done() and reading is not asyncio.current_task():
-            reading.cancel()
+    def _read(self) -> None:
+        """Read what came (not waiting), keep each whole reply for its caller and wake the
+        loop's callers of those; the connection is closed when it ended or broke the
+        protocol."""
+        with self._lock:
+            if self.closed:
+                return
+            why = ""
+            try:
+                while True:
+                    data = self._sock.recv(1 << 16)
+                    if not data:
+                        raise lane_control.ControlError(
+                            "the shard closed the lane's control connection"
+                        )
+                    self._buffer += data
+                    if len(data) < 1 << 16:
+                        break
+            except (BlockingIOError, InterruptedError):
+                pass
+            except (lane_control.ControlError, OSError) as exc:
+                why = str(exc)
+            woken = []
+            try:
+                for reply in lane_control.split_replies(self._buffer):
+                    if reply.method not in self._in_flight or reply.method in self._kept:
+                        raise lane_control.ControlError(f"a reply to no {reply.method!r} call")
+                    self._kept[reply.method] = reply
+                    if reply.method in self._waiting:
+                        woken.append(self._waiting[reply.method])
+            except lane_control.ControlError as exc:
+                why = why or str(exc)
+            loop = self._loop
+        if why:
+            self.close(f"the lane's control connection ended: {why}")
+        elif woken and loop is not None:
+            if _running() is loop:
+                _wake(woken)
+            else:  # (read by another thread while the loop waits too)
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_wake, woken)
+
+    def _release(
+        self, loop: asyncio.AbstractEventLoop, waiting: list[asyncio.Future[None]]
+    ) -> None:
+        """Closed: the loop stops reading the socket, closes it and wakes its callers (on
+        the loop)."""
+        with self._lock:
+            reading = self._loop is loop
+            self._loop = None
+        if reading and self._sock.fileno() != -1:
+            loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        _wake(waiting)
+
+
+def _running() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _wake(waiting: Sequence[asyncio.Future[None]]) -> None:
+    for future in waiting:
+        if not future.done():
+            future.set_result(None)
 
 
 def _rpc_error(reply: lane_control.Reply) -> aio.AioRpcError:
@@ -413,9 +588,7 @@ async def open_lane(
         log.info("control connection to shard %s open: the Boundaries go on it", address)
         return lane
     if control:
-        sock.settimeout(None)
-        reader, writer = await asyncio.open_unix_connection(sock=sock)
-        lane.control = LaneControl(reader, writer)
+        lane.control = LaneControl(sock)
     else:
         sock.close()
     log.info(

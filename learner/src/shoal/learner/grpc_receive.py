@@ -42,10 +42,8 @@ class AnswerReceiving:
         SyncStep's answer (with early forward, its header and its complete tensors are told
         to the sync's :class:`ArrivingTensors` as they arrive)."""
         tracker: ArrivingTensors | None = None
-        index = {self._layout[j].name: j for j in shard.tensors}
         header: ps_pb2.TensorBundleHeader | None = None
         receiver: BundleReceiver | None = None
-        targets: list[int] = []
         async for frame in frames:
             if header is None:
                 if frame.header is None:
@@ -53,40 +51,13 @@ class AnswerReceiving:
                 header = frame.header
                 # Read at the header: an overlapped stream's call began before its sync.
                 tracker = self._arriving_next if answer else None
-                metas = [TensorMeta.from_proto(t) for t in header.tensors]
-                for m in metas:
-                    j = index.get(m.name)
-                    if j is None or not self._layout[j].same_tensor(m):
-                        raise RuntimeError(f"shard {shard.address} sent unexpected {m.name!r}")
-                    targets.append(j)
-                in_lane = bool(header.shared_memory) and not header.inline_data
-                if in_lane:  # the bytes are in this learner's lane: view them (no copy)
-                    if shard.lane is None:
-                        raise RuntimeError(f"shard {shard.address} answered through no lane")
-                    try:
-                        self._view_lane_answer(shard.lane, header, metas, targets)
-                    except LaneError as exc:
-                        raise RuntimeError(f"shard {shard.address}: {exc}") from None
-                else:
-                    self._own_receive(targets)
-                sink = _copy_sink(self._recv_bytes, targets)
-                if tracker is not None:
-                    sink = _tracking_sink(sink, targets, self._recv_bytes, tracker)
-                receiver = BundleReceiver(metas, header.total_bytes, sink)
+                receiver, in_lane = self._answer_header(shard, header, tracker)
                 if tracker is not None:
                     head = tracker.head(id(shard))
                     if not head.done():
                         head.set_result(header)
                     await self._answer_fault(shard, frames, tracker)
-                try:
-                    inline = inline_of(header)
-                except ValueError as exc:
-                    raise RuntimeError(f"shard {shard.address}: {exc}") from None
-                if inline is not None:  # the whole bundle in this one message
-                    receiver.feed(inline)
-                    self.inline_bundles[1] += 1
-                elif in_lane:  # already viewed above: nothing to copy
-                    receiver = None
+                receiver = self._answer_inline(shard, header, receiver, in_lane)
             elif frame.chunk is not None:
                 if header.shared_memory:
                     raise RuntimeError(f"shard {shard.address} sent a chunk after its lane header")
@@ -103,6 +74,66 @@ class AnswerReceiving:
         if tracker is not None:
             tracker.done(shard.tensors)
         return header
+
+    def _take_answer(self: _B, shard: _Shard, header: ps_pb2.TensorBundleHeader) -> None:
+        """A SyncStep's answer that came whole in its one message (the lane's control, read
+        on the trainer's thread): :meth:`_receive` of that message."""
+        receiver, in_lane = self._answer_header(shard, header, None)
+        receiver = self._answer_inline(shard, header, receiver, in_lane)
+        if receiver is not None:
+            receiver.finish()  # (no chunk follows: incomplete)
+
+    def _answer_header(
+        self: _B,
+        shard: _Shard,
+        header: ps_pb2.TensorBundleHeader,
+        tracker: ArrivingTensors | None,
+    ) -> tuple[BundleReceiver, bool]:
+        """Check a bundle's ``header`` against ``shard``'s tensors; the receiver of its bytes
+        and whether they are in the lane (then viewed, not copied)."""
+        index = {self._layout[j].name: j for j in shard.tensors}
+        targets: list[int] = []
+        metas = [TensorMeta.from_proto(t) for t in header.tensors]
+        for m in metas:
+            j = index.get(m.name)
+            if j is None or not self._layout[j].same_tensor(m):
+                raise RuntimeError(f"shard {shard.address} sent unexpected {m.name!r}")
+            targets.append(j)
+        in_lane = bool(header.shared_memory) and not header.inline_data
+        if in_lane:  # the bytes are in this learner's lane: view them (no copy)
+            if shard.lane is None:
+                raise RuntimeError(f"shard {shard.address} answered through no lane")
+            try:
+                self._view_lane_answer(shard.lane, header, metas, targets)
+            except LaneError as exc:
+                raise RuntimeError(f"shard {shard.address}: {exc}") from None
+        else:
+            self._own_receive(targets)
+        sink = _copy_sink(self._recv_bytes, targets)
+        if tracker is not None:
+            sink = _tracking_sink(sink, targets, self._recv_bytes, tracker)
+        return BundleReceiver(metas, header.total_bytes, sink), in_lane
+
+    def _answer_inline(
+        self: _B,
+        shard: _Shard,
+        header: ps_pb2.TensorBundleHeader,
+        receiver: BundleReceiver,
+        in_lane: bool,
+    ) -> BundleReceiver | None:
+        """Feed ``receiver`` the bytes ``header`` carries inline; it, while chunks must still
+        follow (None: the bundle is whole)."""
+        try:
+            inline = inline_of(header)
+        except ValueError as exc:
+            raise RuntimeError(f"shard {shard.address}: {exc}") from None
+        if inline is not None:  # the whole bundle in this one message
+            receiver.feed(inline)
+            self.inline_bundles[1] += 1
+            return None
+        if in_lane:  # already viewed: nothing to copy
+            return None
+        return receiver
 
     def _view_lane_answer(
         self: _B,

@@ -444,11 +444,24 @@ class ShardSession:
             return None
         except aio.AioRpcError:
             return None  # (control() asks again and takes the error as it would have)
+        return reply if self.accept(reply) else None
+
+    def accept(self, reply: ps_pb2.BoundaryResponse) -> bool:
+        """Whether a Boundary's ``reply`` that came on a lane's control connection, read
+        outside :meth:`control`, holds: not when a fenced coordinator sent it (then the
+        caller asks through :meth:`control`, which finds the new one)."""
         if reply.coordinator_epoch < self.coordinator_epoch:
-            return None  # a fenced coordinator's: control() asks, then finds the new one
+            return False
         self.coordinator_epoch = reply.coordinator_epoch
         self.control_answers += 1
-        return reply
+        return True
+
+    def boundary_goes_to(self, address: str) -> bool:
+        """Whether a Boundary not traced may go on the control connection of the lane to
+        the shard at ``address`` from the trainer's thread, beside its SyncStep: the
+        coordinator runs in that shard's process and no re-Join or coordinator check is due
+        (:meth:`control` makes those first)."""
+        return address == self.coordinator and not self._rejoin and not self.recheck_coordinator
 
     def answered_at(self, address: str) -> None:
         """A Boundary got its answer from ``address`` through :meth:`control`: a control
@@ -469,21 +482,28 @@ class ShardSession:
             if shard.address == self.coordinator and lane is not None:
                 control = lane.control
                 if control is not None and not control.closed:
-                    if self._boundaries_on != shard.address:
-                        self._boundaries_on = shard.address
-                        log.info(
-                            "Boundaries go on the control connection of the lane to shard %s "
-                            "(the coordinator's process)",
-                            shard.address,
-                        )
+                    self.boundaries_on(shard.address)
                     return control
         return None
 
-    async def watch(self, call: Awaitable[T]) -> T:
+    def boundaries_on(self, address: str) -> None:
+        """A Boundary goes on the control connection of the lane to the shard at
+        ``address`` (logged when that changes)."""
+        if self._boundaries_on != address:
+            self._boundaries_on = address
+            log.info(
+                "Boundaries go on the control connection of the lane to shard %s "
+                "(the coordinator's process)",
+                address,
+            )
+
+    async def watch(self, call: Awaitable[T], *, soon: bool = False) -> T:
         """``call`` (an RPC, or a gather of streams) watched for a coordinator that hangs
-        (``shoal.learner.liveness``): raises CoordinatorMoved once the shards name a new one."""
+        (``shoal.learner.liveness``): raises CoordinatorMoved once the shards name a new one.
+        ``soon``: the call was waited on already (the first look comes after
+        ``WATCH_SOON_S``)."""
         waited_on = self.coordinator
-        after_s = WATCH_SOON_S if self._watch_soon else self.watch_after_s
+        after_s = WATCH_SOON_S if self._watch_soon or soon else self.watch_after_s
         self._watch_soon = False
         try:
             return await watched(
