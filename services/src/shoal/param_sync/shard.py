@@ -143,6 +143,15 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
         self.index = {m.name: j for j, m in enumerate(self.metas)}
         self.flat = torch.zeros(max(self.total_bytes, 1), dtype=torch.uint8)
         self.tensors = [self._view(m) for m in self.metas]
+        # The tensors' bytes (views of ``flat``, which they never leave) and the header every
+        # encoding of them starts from: made once, not at every commit.
+        self._bytes = [byte_view(t) if t.numel() else np.empty(0, np.uint8) for t in self.tensors]
+        self._header = header_of(
+            job_id=job_id,
+            sender_id=f"shard-{shard_index}",
+            metas=self.metas,
+            total_bytes=self.total_bytes,
+        )
         self.param_indices = [j for j, m in enumerate(self.metas) if not m.buffer]
         self.params = [self.tensors[j] for j in self.param_indices]
         self.optimizer = build_optimizer(
@@ -352,7 +361,7 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
         initialized."""
         if self.initialized:
             return False
-        views = [byte_view(t) if t.numel() else np.empty(0, np.uint8) for t in self.tensors]
+        views = self._bytes
 
         def copy(j: int, off: int, seg: memoryview) -> None:
             views[j][off : off + seg.nbytes] = np.frombuffer(seg, dtype=np.uint8)
@@ -590,16 +599,12 @@ class ShardJob(ReplicaSums, ShardCheckpoints):
     def _encode(self, *, stepped: int | None = None, **fields: Any) -> Encoded:
         """Encode the current parameters and buffers once, for every learner that asks
         (``stepped``: final below that byte only, see :class:`Encoded`)."""
-        views = [byte_view(t) if t.numel() else np.empty(0, dtype=np.uint8) for t in self.tensors]
-        header = header_of(
-            job_id=self.job_id,
-            sender_id=f"shard-{self.shard_index}",
-            metas=self.metas,
-            total_bytes=self.total_bytes,
-            **fields,
-        )
+        header = ps_pb2.TensorBundleHeader()
+        header.CopyFrom(self._header)
+        for name, value in fields.items():
+            setattr(header, name, value)
         self.encoded = Encoded(
-            header, self.metas, views, self.total_bytes, self.chunk_bytes, stepped=stepped
+            header, self.metas, self._bytes, self.total_bytes, self.chunk_bytes, stepped=stepped
         )
         return self.encoded
 
