@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -102,6 +103,7 @@ from shoal.learner.grpc_lane import (
     open_lane,
     shm_lane_enabled,
     traced,
+    wait_any,
 )
 from shoal.learner.grpc_receive import AnswerReceiving, answer_of
 from shoal.learner.liveness import CoordinatorMoved
@@ -223,6 +225,10 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
         self.ahead_boundaries = [0, 0]
         #: SyncSteps sent and answered on the trainer's thread (_sync_direct; summed).
         self.direct_syncs = 0
+        # A SyncStep's layout, size and header's fixed part, by the tensors present (_bundle).
+        self._bundles: dict[
+            tuple[int, ...], tuple[list[TensorMeta], int, ps_pb2.TensorBundleHeader]
+        ] = {}
 
     @classmethod
     def from_env(cls, env: LearnerEnv) -> GrpcBackend:
@@ -588,16 +594,32 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
         streamed: Mapping[int, Awaitable[ps_pb2.TensorBundleHeader]] | None = None,
         tracker: ArrivingTensors | None = None,
         only: Sequence[_Shard] | None = None,
+        sent: Mapping[int, LaneControl] | None = None,
     ) -> list[ps_pb2.TensorBundleHeader]:
         """Every shard's answer header (``only``: those shards'); with ``tracker`` (early
         forward) as soon as every header arrived, the rest of the answers arriving on this
-        loop meanwhile."""
+        loop meanwhile. ``sent``: the lane controls (by ``id`` of their shard) the trainer's
+        thread sent this iteration's SyncStep on, whose answers are awaited here
+        (:meth:`_sync_direct`)."""
         shards = self._shards if only is None else only
 
         async def one(shard: _Shard) -> ps_pb2.TensorBundleHeader:
             assert shard.streams is not None
             if streamed and id(shard) in streamed:  # sent while backward ran (ps_overlap.py)
                 return await streamed[id(shard)]
+            if sent and id(shard) in sent:  # sent by the trainer's thread
+                control = sent[id(shard)]
+                try:
+                    return self._lane_answer(shard, await control.answer(lane_control.SYNC_STEP))
+                except asyncio.CancelledError:
+                    control.close()  # (its answer may still come on it)
+                    raise
+                except LaneError:
+                    pass  # its connection ended: sent again below (a new lane, or chunks)
+                except aio.AioRpcError as exc:
+                    if not lane_refused(exc):
+                        raise
+                    # (the shard lost the lane: below, the lane refuses again, then chunks)
             metas, total, header, views = self._bundle(shard, a, contribution, tensors, lr)
             if shard.lane is not None and shard.lane.control is not None:
                 if shard.lane.control.closed:
@@ -736,20 +758,26 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
         lr: float | None,
     ) -> tuple[list[TensorMeta], int, ps_pb2.TensorBundleHeader, list[np.ndarray]]:
         """The bundle of ``tensors`` a SyncStep sends ``shard``: its layout, size, header
-        and the tensors' bytes."""
-        present = [j for j in shard.tensors if tensors[j] is not None]
-        metas, total = pack_layout([self._layout[j] for j in present])
-        header = header_of(
-            job_id=self.job_id,
-            sender_id=self.learner_id,
-            metas=metas,
-            total_bytes=total,
-            generation=a.generation,
-            iteration=a.step,
-            num_samples=contribution.n_samples,
-            loss_sum=contribution.loss_sum,
-            learning_rate=lr or 0.0,
-        )
+        and the tensors' bytes. The layout and the header's fixed part are made once per set
+        of tensors present (``_bundles``: the same every iteration)."""
+        present = tuple(j for j in shard.tensors if tensors[j] is not None)
+        made = self._bundles.get(present)
+        if made is None:
+            metas, total = pack_layout([self._layout[j] for j in present])
+            fixed = header_of(
+                job_id=self.job_id, sender_id=self.learner_id, metas=metas, total_bytes=total
+            )
+            if len(self._bundles) >= 64:  # (gradients present in ever new sets: kept few)
+                self._bundles.clear()
+            made = self._bundles[present] = (metas, total, fixed)
+        metas, total, fixed = made
+        header = ps_pb2.TensorBundleHeader()
+        header.CopyFrom(fixed)
+        header.generation = a.generation
+        header.iteration = a.step
+        header.num_samples = contribution.n_samples
+        header.loss_sum = contribution.loss_sum
+        header.learning_rate = lr or 0.0
         views = [byte_view(tensors[j]) for j in present]  # type: ignore[arg-type]
         return metas, total, header, views
 
@@ -786,13 +814,14 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
     ) -> list[ps_pb2.TensorBundleHeader]:
         """:meth:`_sync_and_ahead` on this thread: each shard's gradients written into its
         lane, its SyncStep (and, to the coordinator's, the Boundary ``ahead``) sent on the
-        lane's control connection in one write, and the answers read there, with no hop to
-        the session's loop and back (docs/data-plane.md, "The sync on the trainer's
-        thread"). An answer that did not come within the watch's first wait is awaited on
-        the loop, watched; a shard whose connection ended, or which has no lane of this
-        learner any more, gets the iteration again from the loop as :meth:`_sync` sends it
-        (a new lane, or chunks; a repeated contribution is ignored). A failure closes the
-        connections whose answers are still due (as a cancelled call does)."""
+        lane's control connection in one write, and the answers read there as they come,
+        with no hop to the session's loop and back (docs/data-plane.md, "The sync on the
+        trainer's thread"). Anything else hands the iteration to the loop's :meth:`_sync`,
+        which gathers and watches it as ever: answers not in within the watch's first wait
+        are awaited there; a shard whose connection ended, or which has no lane of this
+        learner any more, gets the iteration again from there (a new lane, or chunks; a
+        repeated contribution is ignored) while the others' answers are awaited. A failure
+        closes the connections whose answers are still due (as a cancelled call does)."""
         rest: list[_Shard] = []  # sent again from the loop
         sent: list[tuple[_Shard, LaneControl]] = []
         boundary_on: LaneControl | None = None
@@ -824,24 +853,51 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
                 boundary_on = lane.control
                 self.session.boundaries_on(shard.address)
         headers: dict[int, ps_pb2.TensorBundleHeader] = {}
-        due = [control for _, control in sent]
+        due = [control for _, control in sent]  # closed if this sync fails
+        pending = sent
         try:
-            for shard, control in sent:
-                try:
-                    headers[id(shard)] = self._direct_answer(shard, control)
-                except LaneError:  # (it is closed)
-                    rest.append(shard)
-                except aio.AioRpcError as exc:
-                    due.remove(control)  # (answered: the connection stays)
-                    if not lane_refused(exc):
-                        raise self._run(self._sync_failed(exc, shard)) from exc
-                    rest.append(shard)
-                    continue
-                due.remove(control)
-            if rest:  # (in the shards' order: _sync's)
-                rest.sort(key=self._shards.index)
-                again = self._run(self._sync(a, contribution, tensors, lr, only=rest))
-                headers.update(zip(map(id, rest), again, strict=True))
+            deadline = time.monotonic() + self.session.watch_after_s
+            while pending and not rest:
+                waiting = []
+                for shard, control in pending:
+                    try:
+                        body = control.answered(lane_control.SYNC_STEP)
+                    except LaneError:  # (it is closed)
+                        rest.append(shard)
+                        continue
+                    except aio.AioRpcError as exc:
+                        due.remove(control)  # (answered: the connection stays)
+                        if not lane_refused(exc):
+                            raise self._run(self._sync_failed(exc, shard)) from exc
+                        rest.append(shard)
+                        continue
+                    if body is None:
+                        waiting.append((shard, control))
+                        continue
+                    due.remove(control)
+                    headers[id(shard)] = self._lane_answer(shard, body)
+                pending = waiting
+                left = deadline - time.monotonic()
+                if not pending or rest or left <= 0:
+                    break
+                wait_any([control for _, control in pending], min(left, LaneControl.SLICE_S))
+            if pending or rest:
+                # The loop takes over, as _sync: the answers still due awaited there, the
+                # others sent again, all together and watched (at once: this waited already).
+                if not rest:
+                    self.session.watch_soon()
+                shards = sorted([s for s, _ in pending] + rest, key=self._shards.index)
+                again = self._run(
+                    self._sync(
+                        a,
+                        contribution,
+                        tensors,
+                        lr,
+                        only=shards,
+                        sent={id(shard): control for shard, control in pending},
+                    )
+                )
+                headers.update(zip(map(id, shards), again, strict=True))
         except BaseException:
             for control in {*due, *([boundary_on] if boundary_on is not None else [])}:
                 control.close()  # (answers may still come on it: read by nobody)
@@ -851,17 +907,9 @@ class GrpcBackend(AnswerReceiving, SyncBackend):
         self.direct_syncs += 1
         return [headers[id(s)] for s in self._shards]
 
-    def _direct_answer(self, shard: _Shard, control: LaneControl) -> ps_pb2.TensorBundleHeader:
-        """The answer to the SyncStep sent ``shard`` on ``control``, read on this thread
-        (past the watch's first wait, on the loop, watched) and taken into the receive
+    def _lane_answer(self, shard: _Shard, body: bytes) -> ps_pb2.TensorBundleHeader:
+        """A SyncStep's answer that came on ``shard``'s lane control, taken into the receive
         tensors; its header."""
-        try:
-            body = control.take(lane_control.SYNC_STEP, self.session.watch_after_s)
-        except NoAnswer:  # (a slow commit, or a shard that hangs)
-            try:
-                body = self._run(self._watched(control, lane_control.SYNC_STEP))
-            except CoordinatorMoved as exc:
-                raise IterationAborted("the job's coordinator moved") from exc
         header = decode_frame(ps_pb2.SyncStepResponse, body).header
         if header is None:
             raise RuntimeError(f"shard {shard.address} answered a SyncStep with no header")

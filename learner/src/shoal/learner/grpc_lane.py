@@ -58,6 +58,7 @@ __all__ = [
     "lane_refused",
     "open_lane",
     "traced",
+    "wait_any",
 ]
 
 log = logging.getLogger("shoal.learner.grpc")
@@ -156,17 +157,18 @@ class LaneControl:
         stays in flight: take it again, or close the connection)."""
         deadline = None if wait_s is None else time.monotonic() + wait_s
         while True:
-            reply = self._taken(method)
-            if reply is not None:
-                return self._answered(reply)
+            body = self.answered(method)
+            if body is not None:
+                return body
             left = self.SLICE_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise NoAnswer(f"no answer on the lane's control connection within {wait_s} s")
-            try:
-                self._poll(select.POLLIN, min(left, self.SLICE_S))
-            except (OSError, ValueError) as exc:
-                self.close(f"the lane's control connection ended: {exc}")
-            self._read()
+            wait_any([self], min(left, self.SLICE_S))
+
+    def answered(self, method: bytes) -> bytes | None:
+        """:meth:`take` without waiting: None when the answer has not come yet."""
+        reply = self._taken(method)
+        return None if reply is None else self._answered(reply)
 
     def close(self, why: str = "the lane's control connection was closed") -> None:
         """Close it; every caller waiting gets :class:`LaneError` (an answer still due is
@@ -271,6 +273,9 @@ class LaneControl:
         poller.register(self._sock.fileno(), events)
         poller.poll(timeout_s * 1000)
 
+    def _fileno(self) -> int:
+        return -1 if self.closed else self._sock.fileno()
+
     def _read(self) -> None:
         """Read what came (not waiting), keep each whole reply for its caller and wake the
         loop's callers of those; the connection is closed when it ended or broke the
@@ -325,6 +330,22 @@ class LaneControl:
             loop.remove_reader(self._sock.fileno())
         self._sock.close()
         _wake(waiting)
+
+
+def wait_any(controls: Sequence[LaneControl], timeout_s: float) -> None:
+    """Wait on this thread until something came on one of ``controls`` (at most
+    ``timeout_s``), then read what came on each (:meth:`LaneControl.answered` tells)."""
+    poller = select.poll()
+    for control in controls:
+        fd = control._fileno()
+        if fd != -1:
+            poller.register(fd, select.POLLIN)
+    try:
+        poller.poll(timeout_s * 1000)
+    except OSError:  # (interrupted: read what came, the caller waits again)
+        pass
+    for control in controls:
+        control._read()
 
 
 def _running() -> asyncio.AbstractEventLoop | None:

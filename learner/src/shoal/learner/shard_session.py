@@ -497,6 +497,10 @@ class ShardSession:
                 address,
             )
 
+    def watch_soon(self) -> None:
+        """The next :meth:`watch` looks after ``WATCH_SOON_S`` (its call waited already)."""
+        self._watch_soon = True
+
     async def watch(self, call: Awaitable[T], *, soon: bool = False) -> T:
         """``call`` (an RPC, or a gather of streams) watched for a coordinator that hangs
         (``shoal.learner.liveness``): raises CoordinatorMoved once the shards name a new one.
