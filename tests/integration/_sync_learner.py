@@ -26,7 +26,9 @@ message, SHOAL_INLINE_KB); ``ahead_boundaries`` ``GrpcBackend.ahead_boundaries``
 answered ahead and asked again, SHOAL_BOUNDARY_AHEAD); ``control_answers`` the control calls
 answered on a lane's control connection instead of gRPC (``ShardSession.control_answers``);
 ``direct_syncs`` the syncs sent and answered on the trainer's thread
-(``GrpcBackend.direct_syncs``).
+(``GrpcBackend.direct_syncs``); ``applied_ahead`` (collective) the updates applied ahead of
+their commit and of them taken back (``CollectiveBackend.applied_ahead``: the vote ahead is
+allowed only with ``--watch 0``, SHOAL_COLLECTIVE_AHEAD).
 """
 
 from __future__ import annotations
@@ -243,6 +245,7 @@ def main() -> int:
                 "ahead_boundaries": getattr(backend, "ahead_boundaries", None),
                 "control_answers": backend.session.control_answers,
                 "direct_syncs": getattr(backend, "direct_syncs", None),
+                "applied_ahead": getattr(backend, "applied_ahead", None),
                 "early_tensors": getattr(backend, "early_tensors", None),
                 "early_forward": getattr(backend, "early_forward", None),
                 "is_primary": result.is_primary,

@@ -69,6 +69,7 @@ def _start(
             env=learner_env,
             delay=0.05,
             gate=gate,
+            watch=0,  # no callback reads the model between iterations: the vote ahead
         )
         for n in names
     }

@@ -85,7 +85,9 @@ def test_collective_learners_match_single_process_training(plane: DataPlane, lea
     plane.open_job(job, batch=BATCH, epochs=epochs)
     names = [f"{job}-l{i}" for i in range(learners)]
     gate = plane.tmp / f"{job}.gate"  # all warm before any joins: all are in the job's end
-    procs = [start(plane, job, name, epochs, gate=gate) for name in names]
+    # No callback reads the model between iterations (watch=0): each update is applied once
+    # its vote is sent, the next iteration running while the answer travels.
+    procs = [start(plane, job, name, epochs, gate=gate, watch=0) for name in names]
     for proc in procs:
         proc.wait_for("READY", timeout=90)
     gate.touch()
@@ -102,6 +104,10 @@ def test_collective_learners_match_single_process_training(plane: DataPlane, lea
         stalls = proc.text().count("a Boundary goes on gRPC: no answer")
         history = plane.history(name)
         assert history["control_answers"] >= len(history["history"]) - 2 * stalls
+        # Most iterations voted ahead (not an epoch's last, nor one after a stall on the
+        # lane), and nothing was aborted, so nothing was taken back.
+        assert history["applied_ahead"][0] > len(history["history"]) // 2, history
+        assert history["applied_ahead"][1] == 0
     assert_matches_reference(plane.final_model(job), epochs)
     records = assert_each_iteration_recorded_once(plane, job, total)
     _, reference_losses = reference_training(epochs, BATCH)
@@ -224,10 +230,12 @@ def rescale(plane: DataPlane, job: str, first: list[str], later: list[str], at: 
     pauses = plane.tmp / f"{job}-pauses"
     pauses.mkdir()
     gate_first, gate_later = plane.tmp / f"{job}-first.gate", plane.tmp / f"{job}-later.gate"
+    # (watch=0: the vote ahead; the rescale's answer comes to an iteration run ahead of it)
     procs = {
-        n: start(plane, job, n, 2, gate=gate_first, pause_at=at, pause_dir=pauses) for n in first
+        n: start(plane, job, n, 2, gate=gate_first, pause_at=at, pause_dir=pauses, watch=0)
+        for n in first
     }
-    procs.update({n: start(plane, job, n, 2, gate=gate_later) for n in later})
+    procs.update({n: start(plane, job, n, 2, gate=gate_later, watch=0) for n in later})
     for proc in procs.values():
         proc.wait_for("READY", timeout=90)
     gate_first.touch()
@@ -265,6 +273,9 @@ def test_collective_grows_from_two_to_four_without_restarting_the_survivors(plan
     for name in later:  # the joiners got the state by broadcast and ran the rest
         steps = [r["step"] for r in plane.history(name)["history"]]
         assert steps == list(range(grown, total))
+    # The grow's answer came to the iteration the first two ran ahead of it: run again.
+    for name in first:
+        assert "runs again as assigned" in procs[name].text()
     assert_shares_tile_every_batch(plane, first + later, range(total))
 
 
@@ -292,6 +303,8 @@ def test_collective_shrinks_from_four_to_two_without_restarting_the_survivors(pl
         history = assert_not_restarted(plane, name, procs[name], generations=2)
         steps = [r["step"] for r in history["history"]]
         assert steps == list(range(steps[0], total))
+    for name in names:  # the answer came to the iteration run ahead of it: run again as told
+        assert "runs again as assigned" in procs[name].text()
     assert_shares_tile_every_batch(plane, names, range(total))
 
 
@@ -357,6 +370,41 @@ def test_collective_learner_sigkilled_mid_all_reduce_costs_only_that_iteration(
         # the other when the first dropped its group), not from the collective's timeout.
         assert "Timed out" not in procs[name].text()
     assert_shares_tile_every_batch(plane, survivors, range(victim_step, total))
+
+
+@pytest.mark.slow
+def test_collective_update_applied_ahead_is_taken_back_when_its_iteration_aborts(
+    plane: DataPlane,
+):
+    """The vote ahead: t0 applies iteration k's update once its vote is sent and runs k + 1.
+    t1 stops between its all-reduce of k and its vote (a test fault point), is SIGKILLed and
+    evicted: the coordinator aborts k, so t0 takes its update back (from its copy of the
+    state), forgets it completed k, and runs k again in a group of its own."""
+    job, epochs, k = "c-takeback", 2, 5
+    total = epochs * iterations_per_epoch()
+    plane.open_job(job, batch=BATCH, epochs=epochs)
+    gate = plane.tmp / f"{job}.gate"
+    survivor = start(plane, job, "t0", epochs, gate=gate, watch=0)
+    victim = start(
+        plane, job, "t1", epochs, gate=gate, env={"SHOAL_TEST_FAULT": f"stop-before-vote@{k}"}
+    )
+    for proc in (survivor, victim):
+        proc.wait_for("READY", timeout=90)
+    gate.touch()
+    victim.wait_for("test fault stop-before-vote: SIGSTOP", timeout=90)
+    victim.kill()
+    assert plane.evict(job, "t1") == k  # k was running: aborted
+    assert survivor.wait() == 0, survivor.text()[-3000:]
+
+    assert_matches_reference(plane.final_model(job), epochs)
+    records = assert_each_iteration_recorded_once(plane, job, total)
+    assert records[k - 1]["world_size"] == 2 and records[k]["world_size"] == 1
+    history = assert_not_restarted(plane, "t0", survivor, generations=2)
+    assert [r["step"] for r in history["history"]] == list(range(total))  # k once
+    applied, taken_back = history["applied_ahead"]
+    assert taken_back == 1 and applied > total // 2, history["applied_ahead"]
+    assert f"iteration {k} was aborted: its update is dropped" in survivor.text()
+    assert f"(iteration {k} was aborted)" in survivor.text()
 
 
 @pytest.mark.slow

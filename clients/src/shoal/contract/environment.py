@@ -13,6 +13,7 @@ __all__ = [
     "BATCH_RULE",
     "BATCH_SIZE",
     "BOUNDARY_AHEAD",
+    "COLLECTIVE_AHEAD",
     "COLLECTIVE_OVERLAP",
     "COLLECTIVE_TIMEOUT_S",
     "COORDINATOR",
@@ -63,6 +64,11 @@ COLLECTIVE_TIMEOUT_S = "SHOAL_COLLECTIVE_TIMEOUT_S"
 #: backward runs (read by ``shoal.learner.collective`` itself, like the shared-memory lane's
 #: ``SHOAL_SHM_LANE``; not part of what the scheduler writes).
 COLLECTIVE_OVERLAP = "SHOAL_COLLECTIVE_OVERLAP"
+#: ``on`` (default) or ``off``: a collective-mode learner applies its update once its vote
+#: is sent and runs the next iteration's forward and backward while the answer travels,
+#: taking the update back if the answer does not commit it (read by
+#: ``shoal.learner.collective`` itself; not part of what the scheduler writes).
+COLLECTIVE_AHEAD = "SHOAL_COLLECTIVE_AHEAD"
 #: ``on`` (default) or ``off``: a parameter-server learner streams its gradients to the shards
 #: while backward runs (read by ``shoal.learner.ps_overlap`` itself, like
 #: ``SHOAL_COLLECTIVE_OVERLAP``; not part of what the scheduler writes).

@@ -23,6 +23,10 @@ Points:
   the first learner's commit vote for iteration k has arrived and before the last one (k not
   committed), so that the test can SIGKILL it with a vote in flight (the successor's "run k
   again" path, tests/integration/test_collective_coordinator_failover.py).
+* ``stop-before-vote@<k>`` (a collective-mode learner): the learner stops itself (SIGSTOP)
+  once its all-reduce of iteration k succeeded, before it votes, so that the test can SIGKILL
+  it and evict it with the other members' votes in (their update applied ahead is taken back:
+  tests/integration/test_collective_training.py).
 * ``raise-floor@<k>``: the first SyncStep of global iteration k that reaches the shard finds
   the shard's generation floor raised above the running generation (the held sums of the
   iteration dropped, the floor set to the running generation + 1, as the SetCoordinator bug of
@@ -67,6 +71,7 @@ __all__ = [
     "RAISE_FLOOR",
     "STOP_AFTER_VOTE",
     "STOP_BEFORE_RENAME",
+    "STOP_BEFORE_VOTE",
     "armed",
     "armed_from",
     "die",
@@ -81,13 +86,20 @@ log = logging.getLogger("shoal.faults")
 #: The points at a global iteration that kill the process.
 KILL_POINTS = frozenset({"commit-partial", "save-shard", "snapshot-sent"})
 STOP_AFTER_VOTE = "stop-after-vote"
+STOP_BEFORE_VOTE = "stop-before-vote"
 #: The point that raises a shard's generation floor at a global iteration (once).
 RAISE_FLOOR = "raise-floor"
 #: A learner's points at the answer of a global iteration (early forward; once each).
 HOLD_ANSWER = "hold-answer"
 DROP_ANSWER = "drop-answer"
 #: The points whose argument is a global iteration.
-ITERATION_POINTS = KILL_POINTS | {STOP_AFTER_VOTE, RAISE_FLOOR, HOLD_ANSWER, DROP_ANSWER}
+ITERATION_POINTS = KILL_POINTS | {
+    STOP_AFTER_VOTE,
+    STOP_BEFORE_VOTE,
+    RAISE_FLOOR,
+    HOLD_ANSWER,
+    DROP_ANSWER,
+}
 #: The point that stops the process before a checkpoint file's rename (argument: a trigger
 #: file).
 STOP_BEFORE_RENAME = "stop-before-rename"

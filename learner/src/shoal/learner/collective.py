@@ -41,6 +41,7 @@ Per learner (docs/data-plane.md, "Collective mode"):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -52,7 +53,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shoal.contract import environment
+from shoal.contract import environment, faults
 from shoal.contract.wire import TensorMeta
 from shoal.learner.backend import (
     Assignment,
@@ -70,6 +71,7 @@ from shoal.learner.backend import (
     registered_backends,
     set_learning_rate,
 )
+from shoal.learner.collective_ahead import AHEAD_MAX_BYTES, StateCopy, state_bytes
 from shoal.learner.collective_checkpoint import (
     CHECKPOINT_FILE,
     encode_checkpoint,
@@ -92,7 +94,7 @@ from shoal.learner.coordinator_messages import (
 )
 from shoal.learner.env import LearnerEnv, switch
 from shoal.learner.grpc_backend import session_options
-from shoal.learner.grpc_lane import lane_control_enabled, shm_lane_enabled
+from shoal.learner.grpc_lane import DirectControl, lane_control_enabled, shm_lane_enabled
 from shoal.learner.overlap import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_FIRST_BUCKET_BYTES,
@@ -119,6 +121,20 @@ class _Pending:
     buffers: list[torch.Tensor]
     lr: float | None
     skip_step: bool = False  # the global gradient was not finite (float16 loss scaling)
+    applied: bool = False  # applied ahead of the commit (the backend's StateCopy has before)
+
+
+@dataclass
+class _Ahead:
+    """The vote of an iteration sent ahead (:meth:`CollectiveBackend.vote_ahead`): its
+    request, where its answer comes, and the next iteration as that answer gives it if
+    nothing changes (handed to the trainer before the answer)."""
+
+    request: ps_pb2.BoundaryRequest
+    md: Any
+    direct: DirectControl
+    next: Assignment
+    handed: bool = False  # next_assignment() gave ``next``
 
 
 class CollectiveBackend(SyncBackend):
@@ -133,7 +149,10 @@ class CollectiveBackend(SyncBackend):
     same collectives, so members may differ in it. ``lane_control`` (default: on unless
     ``SHOAL_LANE_CONTROL`` or ``SHOAL_SHM_LANE`` is off): on the host of the coordinator's
     shard, the Boundaries go on the control connection of a lane with no tensors to it
-    instead of gRPC (docs/data-plane.md, "The lane's control channel").
+    instead of gRPC (docs/data-plane.md, "The lane's control channel"). ``ahead`` (default:
+    ``SHOAL_COLLECTIVE_AHEAD``, on): with the trainer's leave (:meth:`vote_ahead`), an
+    iteration's update is applied once its vote is sent on that connection, and the next
+    iteration runs while the answer travels (``collective_ahead.py``).
     """
 
     #: The mode this backend joins a job in (the first Join fixes the job's).
@@ -147,6 +166,7 @@ class CollectiveBackend(SyncBackend):
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
         overlap: bool | None = None,
         lane_control: bool | None = None,
+        ahead: bool | None = None,
         **session_args: Any,
     ) -> None:
         if timeout_s is None:
@@ -177,6 +197,13 @@ class CollectiveBackend(SyncBackend):
         self._bucket_bytes = bucket_bytes
         self._first_bucket_bytes = first_bucket_bytes
         self.overlap = overlap
+        self.ahead = switch(environment.COLLECTIVE_AHEAD, "on") if ahead is None else ahead
+        self._ahead_allowed = False  # the trainer's leave (vote_ahead)
+        self._ahead: _Ahead | None = None  # the vote in flight
+        self._copy: StateCopy | None = None  # the state before the update applied ahead
+        self._state_bytes: int | None = None  # what _copy copies (known after a step)
+        #: Iterations whose update was applied ahead, and of them taken back.
+        self.applied_ahead = [0, 0]
         self._bucketer: GradientBucketer | None = None
         # Gradient buckets sent by the hooks while backward ran, and in all (overlap only).
         self.buckets_sent = [0, 0]
@@ -336,16 +363,97 @@ class CollectiveBackend(SyncBackend):
             iteration_failed=failed,
         )
 
-    def _vote(self, assignment: Assignment, loss_sum: float, n: int) -> ps_pb2.BoundaryResponse:
-        """The Boundary that ends iteration ``assignment``: on the trainer's thread over the
+    def _vote(self, request: ps_pb2.BoundaryRequest, md: Any) -> ps_pb2.BoundaryResponse:
+        """The Boundary that ends an iteration: on the trainer's thread over the
         control-only lane when one is open (``ShardSession.boundary_direct``), else, and for
         whatever follows a CHECKPOINT answer, through the loop (:meth:`_exchange`)."""
-        md = self._md()
-        request = self._boundary(assignment.generation, assignment.step, loss_sum, n, False)
         reply = self.session.boundary_direct(request, md) if self.lane_control else None
         if reply is not None and reply.action != ps_pb2.BOUNDARY_ACTION_CHECKPOINT:
             return reply
         return self._run(self._exchange(md=md, request=request, reply=reply))
+
+    # -- the vote ahead (collective_ahead.py) --------------------------------------------------
+
+    def vote_ahead(self, allowed: bool) -> None:
+        self._ahead_allowed = allowed
+
+    def _send_ahead(self, a: Assignment, request: ps_pb2.BoundaryRequest, md: Any) -> bool:
+        """Vote ahead: send the vote of iteration ``a`` on the control-only lane, apply its
+        update at once (a copy of the state kept to take it back) and leave the answer to the
+        next :meth:`sync`, which reads it before its all-reduce. Only with the trainer's
+        leave, when the next iteration is in this epoch (the trainer reads the model at an
+        epoch's end: evaluation, callbacks; checkpoints fall there) and when the state is
+        small enough to copy every iteration (``AHEAD_MAX_BYTES``)."""
+        plan = self._plan
+        if (
+            not (self.ahead and self._ahead_allowed and self.lane_control)
+            or plan is None
+            or plan.is_last_of_epoch(a.iteration)
+            or not self._ahead_fits()
+        ):
+            return False
+        direct = self.session.send_boundary(request, md)
+        if direct is None:
+            return False
+        start, stop = plan.batch_range(a.iteration + 1)
+        following = dataclasses.replace(
+            a,
+            iteration=a.iteration + 1,
+            step=a.step + 1,
+            batch_start=start,
+            batch_stop=stop,
+            pull_parameters=False,
+        )
+        self._ahead = _Ahead(request, md, direct, following)
+        p = self._pending
+        assert p is not None and self._optimizer is not None
+        if self._copy is None:
+            self._copy = StateCopy(self._params, self._buffers, self._optimizer)
+        self._copy.take()
+        self._apply(p)
+        p.applied = True
+        self.applied_ahead[0] += 1
+        return True
+
+    def _ahead_fits(self) -> bool:
+        if self._state_bytes is None:
+            assert self._optimizer is not None
+            size = state_bytes(self._params, self._buffers, self._optimizer)
+            if not self._optimizer.state:
+                return size <= AHEAD_MAX_BYTES.get(self._group.device.type, 0)
+            self._state_bytes = size  # (the optimizer's state exists: the size is settled)
+        return self._state_bytes <= AHEAD_MAX_BYTES.get(self._group.device.type, 0)
+
+    def _answer_ahead(self, expected: Assignment | None) -> bool:
+        """Read the answer to the vote sent ahead. True when it commits that iteration and
+        runs ``expected`` (the iteration given ahead) next. Otherwise the iteration given
+        ahead does not hold: its forward's changes to the buffers are undone, whatever the
+        answer asks first is done (a CHECKPOINT: written), the update is kept or taken back
+        by what it says, and the answer is kept for :meth:`next_assignment`; False."""
+        ahead, self._ahead = self._ahead, None
+        assert ahead is not None
+        reply = self.session.boundary_answer(ahead.direct)
+        if (
+            expected is not None
+            and reply is not None
+            and reply.action == ps_pb2.BOUNDARY_ACTION_RUN
+            and reply.completed_iterations == expected.step
+            and assignment_of(reply, self._require_plan(), self._report[:2]) == expected
+        ):
+            self._settle(reply.completed_iterations, final=True)
+            return True
+        p = self._pending
+        if p is not None and p.applied:
+            with torch.no_grad():
+                for dst, src in zip(self._buffers, p.buffers, strict=True):
+                    dst.copy_(src)
+        if self._bucketer is not None:
+            self._bucketer.discard()  # launched during the iteration given ahead
+        if reply is None or reply.action == ps_pb2.BOUNDARY_ACTION_CHECKPOINT:
+            reply = self._run(self._exchange(md=ahead.md, request=ahead.request, reply=reply))
+        self._settle(reply.completed_iterations, final=True)
+        self._reply = reply
+        return False
 
     def log_metrics(self, step: int, metrics: Mapping[str, tuple[float, int]]) -> None:
         self._user = (step, dict(metrics))
@@ -355,6 +463,11 @@ class CollectiveBackend(SyncBackend):
         # Not a retry: a generation that did not form is reported, and the coordinator's
         # answer (a new generation, or the end) is the next turn.
         while True:
+            if self._ahead is not None and self._reply is None:
+                if not self._ahead.handed:
+                    self._ahead.handed = True
+                    return self._ahead.next  # before the answer: sync() reads it
+                self._answer_ahead(None)  # the iteration given ahead was not synced
             reply = (
                 self._reply if self._reply is not None else self._run(self._exchange(md=self._md()))
             )
@@ -384,12 +497,22 @@ class CollectiveBackend(SyncBackend):
         if p is None:
             return
         if completed > p.step:
-            self._apply(p)
+            if not p.applied:
+                self._apply(p)
             self._state_step = p.step + 1
             self._pending = None
         elif final:
+            if p.applied:
+                self._take_back(p)
             log.info("iteration %d was aborted: its update is dropped", p.step)
             self._pending = None
+
+    def _take_back(self, p: _Pending) -> None:
+        """The state as it was before ``p``'s update, applied ahead (bitwise: a copy)."""
+        assert self._copy is not None
+        self._copy.restore()
+        p.applied = False
+        self.applied_ahead[1] += 1
 
     @torch.no_grad()
     def _apply(self, p: _Pending) -> None:
@@ -505,6 +628,17 @@ class CollectiveBackend(SyncBackend):
                 f"assignment of generation {assignment.generation} without its group "
                 f"(formed: {self._group.generation}); call next_assignment() first"
             )
+        if self._ahead is not None:
+            p = self._pending
+            if not self._answer_ahead(assignment):
+                taken_back = p.step if p is not None and self._state_step == p.step else None
+                raise IterationAborted(
+                    f"iteration {assignment.step} ran ahead of the answer to the vote before "
+                    "it, which said otherwise"
+                    + (f" (iteration {taken_back} was aborted)" if taken_back is not None else ""),
+                    ahead=True,
+                    taken_back=taken_back,
+                )
         launched = None
         bucketer = self._bucketer
         if bucketer is not None and bucketer.finished:
@@ -546,20 +680,31 @@ class CollectiveBackend(SyncBackend):
         # Every member holds the same reduced gradient: clipping it here is clipping the
         # global gradient, and every member decides the same about a non-finite one.
         grad_norm, skip_step = apply_gradient_policy(grads, setup)
+        if faults.armed(faults.STOP_BEFORE_VOTE, assignment.step):
+            faults.stop(faults.STOP_BEFORE_VOTE)  # all-reduced, not voted (test fault point)
         self._pending = _Pending(assignment.step, grads, buffers, lr, skip_step)
-        reply = self._vote(assignment, contribution.loss_sum, contribution.n_samples)
-        self._settle(reply.completed_iterations, final=True)
-        self._reply = reply
         self._report = (
             assignment.generation,
             assignment.step,
             contribution.loss_sum,
             contribution.n_samples,
         )
-        if self._state_step != assignment.step + 1:
-            raise IterationAborted(
-                f"iteration {assignment.step} was aborted by the coordinator (a member failed)"
-            )
+        md = self._md()
+        request = self._boundary(
+            assignment.generation,
+            assignment.step,
+            contribution.loss_sum,
+            contribution.n_samples,
+            False,
+        )
+        if not self._send_ahead(assignment, request, md):
+            reply = self._vote(request, md)
+            self._settle(reply.completed_iterations, final=True)
+            self._reply = reply
+            if self._state_step != assignment.step + 1:
+                raise IterationAborted(
+                    f"iteration {assignment.step} was aborted by the coordinator (a member failed)"
+                )
         return SyncResult(
             self._params, self._buffers, assignment.step, loss_sum / total, grad_norm, skip_step
         )
@@ -579,6 +724,9 @@ class CollectiveBackend(SyncBackend):
         """Write this learner's state after ``reply.completed_iterations`` iterations as the
         parameter-sync shard file of index 0 (holding every tensor) in the directory given."""
         self._settle(reply.completed_iterations, final=False)
+        p = self._pending
+        if p is not None and p.applied:  # the checkpoint is of the state before it
+            self._take_back(p)
         iteration = int(reply.completed_iterations)
         if self._state_step != iteration:
             raise RuntimeError(
@@ -623,6 +771,7 @@ class CollectiveBackend(SyncBackend):
         self.session.report_epoch_metrics(report.epoch, values)
 
     def close(self) -> None:
+        self._ahead = None
         self._drop_group()
         if self._bucketer is not None:
             self._bucketer.remove()

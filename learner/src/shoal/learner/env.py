@@ -57,6 +57,13 @@ SHOAL_DATASET_URIS          empty                   Comma-separated dataset URIs
 SHOAL_COLLECTIVE_OVERLAP    ``on``                  Collective mode: gradient buckets are sent
                                                     while backward runs (``off``: after it).
                                                     Read by ``shoal.learner.collective``.
+SHOAL_COLLECTIVE_AHEAD      ``on``                  Collective mode: the update is applied once
+                                                    the vote is sent, and the next iteration's
+                                                    forward and backward run while the answer
+                                                    travels; an update the answer does not
+                                                    commit is taken back (``off``: applied
+                                                    once the answer came). Read by
+                                                    ``shoal.learner.collective``.
 SHOAL_PS_OVERLAP            ``on``                  Parameter-server mode: gradients stream to
                                                     the shards while backward runs (``off``:
                                                     after it). Read by

@@ -33,9 +33,9 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -48,6 +48,8 @@ from shoal.contract.shm import SHM_DIR, LaneError, Segment, host_id
 from shoal.contract.wire import BundleError, Frame, TensorMeta, decode_frame, validate_layout
 from shoal.learner.env import switch
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
+
+T = TypeVar("T")
 
 __all__ = [
     "ClientLane",
@@ -393,14 +395,33 @@ class DirectControl:
         would have raised (the connection stays open); :class:`LaneError` when the connection
         is closed or ends; :class:`NoAnswer` when none came within ``wait_s`` (it is closed
         then)."""
+        self.send_boundary(request, wait_s=wait_s)
+        return self.boundary_answer(wait_s=wait_s)
+
+    def send_boundary(self, request: ps_pb2.BoundaryRequest, *, wait_s: float) -> None:
+        """Send ``request`` without waiting for its answer (:meth:`boundary_answer` reads it:
+        the vote ahead); errors as :meth:`boundary`'s."""
+        data = lane_control.request(lane_control.BOUNDARY, request.SerializeToString())
+        self._io(lambda: self._sock.sendall(data), wait_s)
+
+    def boundary_answer(self, *, wait_s: float) -> ps_pb2.BoundaryResponse:
+        """The answer to the Boundary sent last, within ``wait_s``; errors as
+        :meth:`boundary`'s."""
+        reply = self._io(lambda: lane_control.recv_reply(self._sock), wait_s)
+        if reply.method != lane_control.BOUNDARY:
+            self.close()
+            raise LaneError(f"a reply to no {reply.method!r} call on the lane's control connection")
+        if reply.failed:
+            raise _rpc_error(reply)
+        self.calls += 1
+        return ps_pb2.BoundaryResponse.FromString(reply.body)
+
+    def _io(self, call: Callable[[], T], wait_s: float) -> T:
         if self.closed:
             raise LaneError("the lane's control connection is closed")
         try:
             self._sock.settimeout(wait_s)
-            self._sock.sendall(
-                lane_control.request(lane_control.BOUNDARY, request.SerializeToString())
-            )
-            reply = lane_control.recv_reply(self._sock)
+            return call()
         except TimeoutError:
             self.close()
             raise NoAnswer(
@@ -409,13 +430,6 @@ class DirectControl:
         except OSError as exc:  # ControlError too (a ConnectionError)
             self.close()
             raise LaneError(f"the lane's control connection ended: {exc}") from None
-        if reply.method != lane_control.BOUNDARY:
-            self.close()
-            raise LaneError(f"a reply to no {reply.method!r} call on the lane's control connection")
-        if reply.failed:
-            raise _rpc_error(reply)
-        self.calls += 1
-        return ps_pb2.BoundaryResponse.FromString(reply.body)
 
     def close(self) -> None:
         if not self.closed:

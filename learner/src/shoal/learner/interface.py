@@ -82,6 +82,16 @@ class SyncBackend(ABC):
         :meth:`initialize`."""
         return None
 
+    def vote_ahead(self, allowed: bool) -> None:  # noqa: B027 - optional hook
+        """Whether :meth:`sync` may return before the coordinator answered the iteration,
+        with its update applied ahead, and :meth:`next_assignment` give the next iteration
+        before that answer (collective mode: docs/data-plane.md, "The vote ahead"). The
+        trainer allows it when nothing but the next iteration's forward and backward reads
+        the model or the result before the next :meth:`sync` (no callback's
+        ``on_iteration_end``, no float16 loss scaling, no adaptive batch); a :meth:`sync`
+        that finds the answer differs raises :class:`IterationAborted` with ``ahead``. Not
+        allowed until called."""
+
     def pull_parameters(self) -> ModelState:
         """The job's current parameters and buffers, fetched when an assignment says
         ``pull_parameters`` (and before the first iteration when :meth:`initialize` returned

@@ -44,6 +44,7 @@ from shoal.learner.grpc_calls import (
 )
 from shoal.learner.grpc_lane import (
     ClientLane,
+    DirectControl,
     LaneControl,
     NoAnswer,
     close_lane,
@@ -422,6 +423,15 @@ class ShardSession:
         meanwhile. An answer that took over ``watch_after_s`` is not awaited (the loop's
         :meth:`watch` asks the shards where the coordinator is): that connection is closed,
         and a new one is asked for only once a Boundary got an answer there."""
+        direct = self.send_boundary(request, metadata)
+        return None if direct is None else self.boundary_answer(direct)
+
+    def send_boundary(
+        self, request: ps_pb2.BoundaryRequest, metadata: Any = None
+    ) -> DirectControl | None:
+        """The first half of :meth:`boundary_direct`: ``request`` sent, its answer left to
+        :meth:`boundary_answer` on the connection returned (the vote ahead); None when it was
+        not sent there."""
         held = self.control_lane
         if (
             held is None
@@ -434,17 +444,28 @@ class ShardSession:
         direct = held[1].direct
         if direct is None or direct.closed:
             return None
+        sent = self._direct_call(
+            held[0], lambda wait_s: direct.send_boundary(request, wait_s=wait_s) or True
+        )
+        return direct if sent else None
+
+    def boundary_answer(self, direct: DirectControl) -> ps_pb2.BoundaryResponse | None:
+        """The second half of :meth:`boundary_direct`: the answer on ``direct``, or None (the
+        caller asks through :meth:`control`)."""
+        reply = self._direct_call(self.coordinator, direct.boundary_answer)
+        return reply if reply is not None and self.accept(reply) else None
+
+    def _direct_call(self, address: str, call: Callable[..., T]) -> T | None:
         try:
-            reply = direct.boundary(request, wait_s=self.watch_after_s)
+            return call(wait_s=self.watch_after_s)
         except LaneError as exc:
             if isinstance(exc, NoAnswer):
-                self._control_stalled = held[0]
+                self._control_stalled = address
                 self._watch_soon = True
             log.info("a Boundary goes on gRPC: %s", exc)
             return None
         except aio.AioRpcError:
             return None  # (control() asks again and takes the error as it would have)
-        return reply if self.accept(reply) else None
 
     def accept(self, reply: ps_pb2.BoundaryResponse) -> bool:
         """Whether a Boundary's ``reply`` that came on a lane's control connection, read

@@ -567,4 +567,15 @@ class EpochReport:
 class IterationAborted(RuntimeError):
     """Raised by :meth:`SyncBackend.sync` when the coordinator aborted the iteration (a member
     died mid-iteration): nothing was applied, and the learner asks for its next assignment,
-    which re-issues the same iteration to the survivors with new ranks."""
+    which re-issues the same iteration to the survivors with new ranks.
+
+    ``ahead``: the iteration ran on an assignment given ahead of the answer to the last vote
+    (:meth:`SyncBackend.vote_ahead`), and that answer said otherwise; the backend put the
+    model's buffers in the state the next assignment runs on. ``taken_back``: that answer
+    did not commit iteration ``taken_back`` either, whose update the backend had applied
+    ahead and took back (the trainer forgets that it completed it)."""
+
+    def __init__(self, *args: object, ahead: bool = False, taken_back: int | None = None):
+        super().__init__(*args)
+        self.ahead = ahead
+        self.taken_back = taken_back

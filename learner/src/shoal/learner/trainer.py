@@ -420,6 +420,13 @@ class ElasticTrainer:
                     "optimizer has no numeric 'lr' and no lr_schedule: there is no learning "
                     "rate to scale with the batch"
                 )
+            # Collective mode: the next iteration may run while its vote's answer travels, when
+            # nothing else reads the model or the result before the next sync.
+            backend.vote_ahead(
+                scaler is None
+                and self._batch_rule is None
+                and not callbacks.overrides("on_iteration_end")
+            )
             have_state = state.params is not None and state.buffers is not None
             if state.params is not None and state.buffers is not None:
                 self._load(state.params, state.buffers)
@@ -553,6 +560,14 @@ class ElasticTrainer:
                         last_sync = (a.generation, time.perf_counter() - sync_started)
                 except IterationAborted as exc:
                     tracing.end_iteration(aborted=True)
+                    if exc.ahead:  # it ran ahead of an answer that gave something else
+                        logger.info("iteration %d runs again as assigned: %s", a.step, exc)
+                        if exc.taken_back is not None:  # it did not complete after all
+                            back = exc.taken_back
+                            while result.history and result.history[-1].step >= back:
+                                result.history.pop()
+                        self._snapshot_buffers(synced_buffers)  # (the backend set them)
+                        continue
                     logger.warning(
                         "iteration %d (generation %d) aborted; waiting for it to be re-issued: %s",
                         a.step,
