@@ -797,7 +797,14 @@ class ElasticTrainer:
         eval_batch_size: int,
         seconds: float,
     ) -> EpochResult:
-        records = [r for r in result.history if r.epoch == a.epoch]
+        # The epoch's records are the last ones (the history is in step order): no scan of
+        # the whole run's at every epoch's end.
+        records = []
+        for r in reversed(result.history):
+            if r.epoch != a.epoch:
+                break
+            records.append(r)
+        records.reverse()
         if all(r.loss is not None for r in records):
             pairs = [(r.best_loss, r.batch_size) for r in records]
         else:  # only this learner's shares are known
