@@ -1,7 +1,10 @@
 """A collective group of one member (a job shrunk to one learner) starts no collective: the sum
-or maximum over one member is its own tensor, so ``reduce_contribution`` gives the same bytes
-as through gloo's all-reduce, without it. A real gloo group of one, formed through a real
-TCPStore."""
+or maximum over one member is its own tensor (``CollectiveGroup.allreduce`` starts nothing and
+leaves the tensor as it is), and ``reduce_contribution`` hands back the member's own gradients
+and a copy of its buffers: the sums over the one member, without the weighting by ``n`` and
+back that a larger group's path does (which may move a gradient by its last bit). A real gloo
+group of one, formed through a real TCPStore; the gloo path over the same member is the
+reference."""
 
 from __future__ import annotations
 
@@ -65,11 +68,27 @@ def test_a_group_of_one_reduces_without_a_collective(group: CollectiveGroup, mon
     monkeypatch.setattr(group, "world", 1)
     _, contribution = _contribution()
     alone = reduce_contribution(group, params, contribution, None, 1 << 20, 1 << 20)
-    assert started and all(w is _DONE for w in started)  # nothing started
+    assert not started  # no collective at all
     grads, buffers, total, loss_sum = alone
     assert (total, loss_sum) == (through_gloo[2], through_gloo[3]) == (6.0, 1.75)
     assert grads[2] is None and through_gloo[0][2] is None
-    for x, y in zip(grads[:2], through_gloo[0][:2], strict=True):
-        assert x is not None and y is not None and torch.equal(x, y)
-    for x, y in zip(buffers, through_gloo[1], strict=True):
-        assert torch.equal(x, y)
+    for own, x, y in zip(contribution.grads[:2], grads[:2], through_gloo[0][:2], strict=True):
+        assert x is not None and y is not None and own is not None
+        assert torch.equal(x, own)  # the member's own gradient: the exact mean over one
+        torch.testing.assert_close(x, y, rtol=2e-7, atol=0)  # 6 * g / 6: its last bit
+    for own, x, y in zip(contribution.buffers, buffers, through_gloo[1], strict=True):
+        assert torch.equal(x, own)
+        torch.testing.assert_close(x, y, rtol=2e-7, atol=0)  # (6 * b / 6 for a float one)
+        assert x.data_ptr() != own.data_ptr()  # a copy: the next forward changes the model's
+    # Nothing to reduce: an iteration without a sample is refused, as in any group.
+    empty = Contribution([None, None, None], 0, 0.0, [])
+    with pytest.raises(RuntimeError, match="no member of the iteration had a sample"):
+        reduce_contribution(group, params, empty, None, 1 << 20, 1 << 20)
+
+
+def test_a_sum_over_a_group_of_one_starts_nothing(group: CollectiveGroup) -> None:
+    steps = torch.tensor([4, -1], dtype=torch.int64)
+    works = group.allreduce([steps], dist.ReduceOp.MAX)
+    assert works == [_DONE]
+    group.wait(works)
+    assert steps.tolist() == [4, -1]

@@ -260,3 +260,27 @@ def test_discard_drops_the_iteration_in_flight_and_remove_unhooks() -> None:
     model.zero_grad()
     nn.CrossEntropyLoss()(model(x), y).backward()
     assert len(sent.sent) == count  # no hook left on the model
+
+
+def test_a_share_not_needing_the_hooks_sends_nothing_from_them() -> None:
+    # needed() is asked at begin(): in a group of one there is nothing to overlap, so the
+    # hooks copy nothing and the gradients leave in sync (finished stays false).
+    model = mlp()
+    params = list(model.parameters())
+    sent = Recorder()
+    group = {"world": 1}
+    bucketer = GradientBucketer(
+        params, sent, lambda: torch.device("cpu"), needed=lambda: group["world"] > 1
+    )
+    plain = compute_contribution(mlp(), nn.CrossEntropyLoss(), data(), torch.arange(24))
+    contribution = compute_contribution(
+        model, nn.CrossEntropyLoss(), data(), torch.arange(24), hooks=bucketer
+    )
+    assert sent.sent == [] and not bucketer.finished
+    for a, b in zip(contribution.grads, plain.grads, strict=True):
+        assert torch.equal(a, b)
+    group["world"] = 2  # grown: the next share's buckets leave from the hooks again
+    model.zero_grad()
+    compute_contribution(model, nn.CrossEntropyLoss(), data(), torch.arange(24), hooks=bucketer)
+    assert bucketer.finished and len(sent.sent) == len(bucketer.layout)
+    bucketer.remove()

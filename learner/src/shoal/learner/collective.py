@@ -602,6 +602,7 @@ class CollectiveBackend(SyncBackend):
                 self._group.comm_device,
                 bucket_bytes=self._bucket_bytes,
                 first_bucket_bytes=self._first_bucket_bytes,
+                needed=lambda: self._group.world > 1,  # (a group of one reduces nothing)
             )
         return self._bucketer
 

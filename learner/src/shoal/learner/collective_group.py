@@ -216,8 +216,22 @@ def reduce_contribution(
     already launched during backward when ``launched`` is given), ``n``, the loss sum,
     which parameters got a gradient, ``n * buffer`` (float buffers) and the buffers'
     maximum (integer ones), as :func:`~shoal.learner.backend.reduce_contributions` weighs
-    them. Both paths issue the same collectives in the same order."""
+    them. Both paths issue the same collectives in the same order.
+
+    In a group of one (the bucketer idle: ``launched`` is None) the sums over the one member
+    are its own values: its gradients and buffers as they are (the buffers copied: the next
+    forward changes the model's), with no weighting by ``n`` and back (``n * g / n`` may differ
+    from ``g`` in the last bit; ``g`` is the single process's gradient)."""
     n = contribution.n_samples
+    if group.world == 1 and launched is None:
+        if n <= 0:
+            raise RuntimeError("no member of the iteration had a sample")
+        return (
+            [None if g is None else g.detach() for g in contribution.grads],
+            [b.detach().clone() for b in contribution.buffers],
+            float(n),
+            float(contribution.loss_sum),
+        )
     device = group.comm_device()
     # Built on the host in one operation (an element set per parameter costs a tensor op
     # each); pinned for a CUDA group, so that its copy does not wait for the device.

@@ -385,6 +385,7 @@ class DirectControl:
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
+        self._wait_s: float | None = None  # the socket's timeout (set when it changes)
         self.calls = 0  # answered through it
         self.closed = False
 
@@ -420,7 +421,9 @@ class DirectControl:
         if self.closed:
             raise LaneError("the lane's control connection is closed")
         try:
-            self._sock.settimeout(wait_s)
+            if wait_s != self._wait_s:
+                self._sock.settimeout(wait_s)
+                self._wait_s = wait_s
             return call()
         except TimeoutError:
             self.close()

@@ -118,7 +118,11 @@ class LaunchedBuckets:
 class GradientBucketer:
     """See the module docstring. ``launch(flat)`` starts the all-reduce of one bucket and
     returns its work (it may raise: the failure is kept and reported by :meth:`take`);
-    ``device()`` is where the flat tensors live (the group's communication device)."""
+    ``device()`` is where the flat tensors live (the group's communication device).
+    ``needed()`` (default: always) says at :meth:`begin` whether the share's buckets are sent
+    from the hooks at all: not in a group of one, where there is nothing to overlap (the
+    hooks' copies would only cost); the share's gradients then leave in ``sync``, as with
+    overlap off (:attr:`finished` stays false)."""
 
     def __init__(
         self,
@@ -128,8 +132,11 @@ class GradientBucketer:
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+        needed: Callable[[], bool] | None = None,
     ) -> None:
         self._params = list(params)
+        self._needed = needed
+        self._idle = False  # this share's hooks send nothing (needed() said so at begin)
         self._launch_fn = launch
         self._device = device
         self.layout = bucket_layout(self._params, bucket_bytes, first_bucket_bytes)
@@ -164,6 +171,9 @@ class GradientBucketer:
     def begin(self) -> None:
         """Start a share: forget anything not taken (its works are dropped, not waited)."""
         self.discard()
+        self._idle = self._needed is not None and not self._needed()
+        if self._idle:
+            return
         self._active = True
         self.launched_in_backward = 0
         for bucket in self._buckets:
@@ -175,6 +185,8 @@ class GradientBucketer:
     def arm(self, n: int, inv_scale: torch.Tensor | None) -> None:
         """The next backward is the share's last: its hooks send the buckets, scaled by
         ``inv_scale`` (when not None) and then by ``n``."""
+        if self._idle:
+            return
         if not self._active:
             raise RuntimeError("arm() before begin()")
         self._armed = True
@@ -183,6 +195,8 @@ class GradientBucketer:
 
     def finish(self) -> None:
         """The share's backward is over: launch every bucket not launched yet, in order."""
+        if self._idle:
+            return
         if not self._active:
             raise RuntimeError("finish() before begin()")
         self._armed = False
