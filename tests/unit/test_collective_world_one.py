@@ -92,3 +92,74 @@ def test_a_sum_over_a_group_of_one_starts_nothing(group: CollectiveGroup) -> Non
     assert works == [_DONE]
     group.wait(works)
     assert steps.tolist() == [4, -1]
+
+
+def test_the_counts_ride_on_the_last_bucket_one_collective_less(
+    group: CollectiveGroup, monkeypatch
+) -> None:
+    """``ride``: ``[n, loss sum, flags]`` go in the tail of the last gradient bucket (its
+    float32) instead of a float64 collective of their own: the same gradients and buffers
+    bitwise, the same counts, the loss sum to float32's precision, one collective less; and
+    the overlap path (the bucketer holding the last bucket, with room for the tail) gives the
+    same bytes as the path without it."""
+    from torch import nn
+
+    from shoal.learner.collective_group import counts_ride
+    from shoal.learner.overlap import GradientBucketer
+    from shoal.learner.steps import compute_contribution
+
+    monkeypatch.setattr(group, "world", 2)  # gloo's all-reduce over the one member
+    started: list[object] = []
+    real = CollectiveGroup.allreduce
+
+    def counting(self: CollectiveGroup, tensors, op=None):  # type: ignore[no-untyped-def]
+        started.append(len(tensors))
+        return real(self, tensors, op)
+
+    monkeypatch.setattr(CollectiveGroup, "allreduce", counting)
+    params, _ = _contribution()
+    assert counts_ride(params, 1797, 64, 64)
+    assert not counts_ride([p.half() for p in params], 1797, 64, 64)  # float16: not exact
+    assert not counts_ride(params, 2**24, 64, 64)  # a batch could exceed 2**24 samples
+    results = {}
+    for ride in (False, True):
+        started.clear()
+        _, contribution = _contribution()
+        results[ride] = reduce_contribution(group, params, contribution, None, 64, 64, ride)
+        results[ride, "collectives"] = sum(started)
+    assert results[True, "collectives"] == results[False, "collectives"] - 1
+    (g0, b0, t0, l0), (g1, b1, t1, l1) = results[False], results[True]
+    assert t0 == t1 == 6.0 and l1 == pytest.approx(l0, rel=1e-7)
+    for x, y in zip([*g0, *b0], [*g1, *b1], strict=True):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+    # The overlap path: the hooks fill the buckets, the last one is held with room for the
+    # counts, and the result is the path without overlap's, bitwise.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    ps = list(model.parameters())
+    data = torch.utils.data.TensorDataset(torch.randn(12, 8), torch.randint(0, 3, (12,)))
+    bucketer = GradientBucketer(
+        ps,
+        lambda flat: real(group, [flat])[0],
+        lambda: torch.device("cpu"),
+        bucket_bytes=64,
+        first_bucket_bytes=64,
+        tail=2 + len(ps),
+    )
+    hooked = compute_contribution(
+        model, nn.CrossEntropyLoss(), data, torch.arange(12), hooks=bucketer
+    )
+    launched = bucketer.take()
+    assert launched.held and len(launched.works) == len(bucketer.layout) - 1
+    last = launched.buckets[-1][1]
+    assert last.numel() == sum(ps[j].numel() for j in bucketer.layout[-1]) + 2 + len(ps)
+    detached = [p.detach() for p in ps]
+    with_hooks = reduce_contribution(group, detached, hooked, launched, 64, 64, True)
+    model.zero_grad()
+    plain = compute_contribution(model, nn.CrossEntropyLoss(), data, torch.arange(12))
+    without = reduce_contribution(group, detached, plain, None, 64, 64, True)
+    assert with_hooks[2:] == without[2:]
+    for x, y in zip(with_hooks[0], without[0], strict=True):
+        assert torch.equal(x, y)
+    bucketer.remove()

@@ -81,6 +81,7 @@ from shoal.learner.collective_checkpoint import (
 from shoal.learner.collective_group import (
     CollectiveError,
     CollectiveGroup,
+    counts_ride,
     first_line,
     reduce_contribution,
 )
@@ -217,6 +218,7 @@ class CollectiveBackend(SyncBackend):
         self._setup: TrainingSetup | None = None
         self._plan: TrainingPlan | None = None
         self._layout: list[TensorMeta] = []
+        self._ride = False  # the counts ride on the last gradient bucket (initialize)
         self._report = (0, -1, 0.0, 0)  # generation, completed iteration, loss_sum, samples
         self._user: UserMetrics = (-1, {})  # trainer.log
 
@@ -258,6 +260,10 @@ class CollectiveBackend(SyncBackend):
             )
         self._group.rendezvous_at(reply.rendezvous_address, reply.rendezvous_prefix or self.job_id)
         self._plan = plan = adopted_plan(reply, setup.plan)
+        # The iteration's counts ride on the last gradient bucket (one collective less).
+        self._ride = counts_ride(
+            self._params, plan.num_samples, self._bucket_bytes, self._first_bucket_bytes
+        )
         if reply.initialize:
             log.info("initializing job %s (collective)", self.job_id)
             self._state_step = 0
@@ -603,6 +609,7 @@ class CollectiveBackend(SyncBackend):
                 bucket_bytes=self._bucket_bytes,
                 first_bucket_bytes=self._first_bucket_bytes,
                 needed=lambda: self._group.world > 1,  # (a group of one reduces nothing)
+                tail=2 + len(params) if self._ride else 0,  # the counts: [n, loss sum, flags]
             )
         return self._bucketer
 
@@ -661,6 +668,7 @@ class CollectiveBackend(SyncBackend):
                 launched,
                 self._bucket_bytes,
                 self._first_bucket_bytes,
+                self._ride,
             )
         except CollectiveError as exc:
             failure: str | None = str(exc)

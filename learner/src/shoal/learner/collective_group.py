@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from shoal.learner.overlap import LaunchedBuckets, bucket_layout
+from shoal.learner.overlap import COUNT_DTYPES, LaunchedBuckets, bucket_layout
 from shoal.learner.sync_types import Assignment, Contribution
 
 __all__ = ["CollectiveError", "CollectiveGroup", "reduce_contribution"]
@@ -211,12 +211,18 @@ def reduce_contribution(
     launched: LaunchedBuckets | None,
     bucket_bytes: int,
     first_bucket_bytes: int,
+    ride: bool = False,
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor], float, float]:
     """All-reduce ``n * grad`` (in buckets of :func:`~shoal.learner.overlap.bucket_layout`,
     already launched during backward when ``launched`` is given), ``n``, the loss sum,
     which parameters got a gradient, ``n * buffer`` (float buffers) and the buffers'
     maximum (integer ones), as :func:`~shoal.learner.backend.reduce_contributions` weighs
     them. Both paths issue the same collectives in the same order.
+
+    ``ride`` (:func:`counts_ride`, the same on every member): the counts ``[n, loss sum,
+    flags]`` ride in the tail of the last bucket (in its dtype) instead of a float64
+    collective of their own: one collective less per iteration (the loss sum is then summed
+    in the bucket's precision; the counts stay exact).
 
     In a group of one (the bucketer idle: ``launched`` is None) the sums over the one member
     are its own values: its gradients and buffers as they are (the buffers copied: the next
@@ -251,18 +257,30 @@ def reduce_contribution(
             for param, g in zip(params, contribution.grads, strict=True)
         ]
         buckets = []
-        for indices in bucket_layout(grads, bucket_bytes, first_bucket_bytes):
-            flat = _flatten_dense_tensors([grads[j] for j in indices]).to(device)
-            flat.mul_(n)
+        layout = bucket_layout(grads, bucket_bytes, first_bucket_bytes)
+        for b, indices in enumerate(layout):
+            pieces = [grads[j].reshape(-1) for j in indices]
+            room = len(meta) if ride and b == len(layout) - 1 else 0
+            if room:  # (written below: the tail is not scaled)
+                pieces.append(grads[indices[0]].new_empty(room))
+            flat = torch.cat(pieces).to(device)
+            flat.narrow(0, 0, flat.numel() - room).mul_(n)
             buckets.append((indices, flat))
-        works += group.allreduce([flat for _, flat in buckets])
+        works += group.allreduce([flat for _, flat in (buckets[:-1] if ride else buckets)])
+        held = ride
     else:
-        buckets, works = launched.buckets, launched.works
+        buckets, works, held = launched.buckets, launched.works, launched.held
         if launched.failure is not None:
             works.clear()  # they hold the group, which the caller drops
             raise CollectiveError(launched.failure)
-    meta = meta.to(device, non_blocking=True)
-    works += group.allreduce([meta])
+    if held:  # the counts ride in the last bucket's tail
+        last = buckets[-1][1]
+        counts = last.narrow(0, last.numel() - len(meta), len(meta))
+        counts.copy_(meta)
+        works += group.allreduce([last])
+    else:
+        counts = meta = meta.to(device, non_blocking=True)
+        works += group.allreduce([meta])
     floats = [j for j, b in enumerate(contribution.buffers) if b.is_floating_point()]
     ints = [j for j, b in enumerate(contribution.buffers) if not b.is_floating_point()]
     flat_f = flat_i = None
@@ -277,13 +295,14 @@ def reduce_contribution(
             flat_i.fill_(torch.iinfo(flat_i.dtype).min)
         works += group.allreduce([flat_i], dist.ReduceOp.MAX)
     group.wait(works)
-    sums = meta.tolist()  # one copy back (the one sync), read as Python floats
+    sums = counts.tolist()  # one copy back (the one sync), read as Python floats
     total = sums[0]
     if total <= 0:
         raise RuntimeError("no member of the iteration had a sample")
     reduced: list[torch.Tensor | None] = [None] * len(params)
     for indices, flat in buckets:
-        flat.div_(total)
+        size = sum(params[j].numel() for j in indices)
+        flat.narrow(0, 0, size).div_(total)
         offset = 0
         for j in indices:
             param = params[j]
@@ -302,6 +321,17 @@ def reduce_contribution(
         for j, view in zip(indices, views, strict=True):
             buffers[j] = view
     return reduced, buffers, total, sums[1]
+
+
+def counts_ride(params: Sequence[torch.Tensor], num_samples: int, *layout_args: int) -> bool:
+    """Whether an iteration's counts may ride in the tail of its last gradient bucket
+    (:func:`reduce_contribution`): that bucket's dtype keeps integers exact up to 2**24
+    (``overlap.COUNT_DTYPES``) and no iteration can have more samples than that (the job's
+    ``num_samples`` bounds every global batch). The same on every member (the same model
+    and plan). ``layout_args``: the bucket sizes of :func:`~shoal.learner.overlap
+    .bucket_layout`."""
+    layout = bucket_layout(list(params), *layout_args)
+    return bool(layout) and num_samples < 2**24 and params[layout[-1][0]].dtype in COUNT_DTYPES
 
 
 def first_line(exc: BaseException) -> str:

@@ -27,6 +27,13 @@ model overlaps less, never wrongly.
 The owner (``CollectiveBackend``) takes the launched buckets with :meth:`take`, waits for
 them with the rest of the iteration's collectives, and drops them with :meth:`discard` when
 its group goes (a failed or re-formed group must not keep a pending work).
+
+With ``tail`` the **last** bucket's flat tensor has room for that many more elements after its
+gradients, and that bucket is held: the hooks and :meth:`finish` fill and scale it but do not
+launch it; :meth:`take` hands it over, and the owner writes the iteration's counts into the
+tail and launches it (the counts ride on the last bucket instead of a collective of their own:
+``collective_group.reduce_contribution``). The last bucket holds the first layers' gradients,
+the last that backward produces, so holding it costs next to no overlap.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any, Protocol
 import torch
 
 __all__ = [
+    "COUNT_DTYPES",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_FIRST_BUCKET_BYTES",
     "GradientBucketer",
@@ -48,6 +56,10 @@ __all__ = [
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's bucket_cap_mb
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket (torch.distributed's default)
+
+#: The dtypes of a bucket the iteration's counts may ride on: integers up to 2**24 are exact
+#: in them (a sample count, the flags summed over the members).
+COUNT_DTYPES = (torch.float32, torch.float64)
 
 
 class GradientHooks(Protocol):
@@ -107,12 +119,14 @@ class _Bucket:
 class LaunchedBuckets:
     """One iteration's buckets: ``(indices, flat)`` each (the flat tensor is the
     concatenation of the parameters ``indices``, in that order, times ``n``), the works
-    launched on them, the sample count they were scaled by, and the first launch failure."""
+    launched on them, the sample count they were scaled by, and the first launch failure.
+    ``held``: the last bucket was not launched (its flat has the tail after the gradients)."""
 
     buckets: list[tuple[list[int], torch.Tensor]]
     works: list[Any]
     n: int
     failure: str | None
+    held: bool = False
 
 
 class GradientBucketer:
@@ -133,8 +147,10 @@ class GradientBucketer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
         needed: Callable[[], bool] | None = None,
+        tail: int = 0,
     ) -> None:
         self._params = list(params)
+        self.tail = tail
         self._needed = needed
         self._idle = False  # this share's hooks send nothing (needed() said so at begin)
         self._launch_fn = launch
@@ -220,6 +236,7 @@ class GradientBucketer:
             self._works,
             n,
             self._failure,
+            held=self.tail > 0,
         )
         self._reset()
         return launched
@@ -270,7 +287,10 @@ class GradientBucketer:
 
     def _slot(self, bucket: _Bucket, slot: int) -> torch.Tensor:
         if bucket.flat is None:
-            bucket.flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self._device())
+            room = self.tail if bucket is self._buckets[-1] else 0
+            bucket.flat = torch.empty(
+                bucket.numel + room, dtype=bucket.dtype, device=self._device()
+            )
         j = bucket.indices[slot]
         return bucket.flat.narrow(0, bucket.offsets[slot], self._params[j].numel()).view(
             self._params[j].shape
@@ -280,12 +300,12 @@ class GradientBucketer:
     def _launch_ready(self) -> int:
         launched = 0
         while self._next < len(self._buckets) and self._buckets[self._next].pending <= 0:
-            self._launch(self._buckets[self._next])
+            launched += self._launch(self._buckets[self._next])
             self._next += 1
-            launched += 1
         return launched
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: _Bucket) -> bool:
+        """Fill and scale ``bucket``, and launch it unless it is held; whether it went."""
         if self._n is None:  # never armed: an empty share contributes zeros
             for slot in range(len(bucket.indices)):
                 self._slot(bucket, slot).zero_()
@@ -299,14 +319,18 @@ class GradientBucketer:
                     else:  # accumulated by earlier micro-batches, untouched by the last one
                         target.copy_(grad)
             assert bucket.flat is not None
+            grads = bucket.flat.narrow(0, 0, bucket.numel)  # (not the tail)
             if self._inv_scale is not None:
                 # On the bucket's device: a gloo group of CUDA learners buckets on the CPU.
-                bucket.flat.mul_(self._inv_scale.to(bucket.flat.device, bucket.flat.dtype))
-            bucket.flat.mul_(self._n)
+                grads.mul_(self._inv_scale.to(bucket.flat.device, bucket.flat.dtype))
+            grads.mul_(self._n)
+        if self.tail and bucket is self._buckets[-1]:
+            return False  # held: the owner writes the tail and launches it
         if self._failure is not None:
-            return  # the group already failed: nothing more is sent on it
+            return True  # the group already failed: nothing more is sent on it
         try:
             self._works.append(self._launch_fn(bucket.flat))
         except RuntimeError as exc:  # a broken group; reported by take(), never in backward
             text = str(exc)
             self._failure = text.splitlines()[0] if text else type(exc).__name__
+        return True
