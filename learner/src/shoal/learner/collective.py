@@ -41,6 +41,7 @@ Per learner (docs/data-plane.md, "Collective mode"):
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import logging
@@ -133,7 +134,8 @@ class _Ahead:
 
     request: ps_pb2.BoundaryRequest
     md: Any
-    direct: DirectControl
+    direct: DirectControl | None  # the control-only lane's connection it went on, or
+    call: concurrent.futures.Future[ps_pb2.BoundaryResponse] | None  # the loop's gRPC call
     next: Assignment
     handed: bool = False  # next_assignment() gave ``next``
 
@@ -339,10 +341,7 @@ class CollectiveBackend(SyncBackend):
         # Not a retry: each CHECKPOINT answer is a step of the protocol (control() retries).
         while True:
             if reply is None:
-                if self.lane_control:
-                    await self.session.open_coordinator_control(md)
-                reply = await self.session.control("Boundary", request, md)
-                self.session.answered_at(self.session.coordinator)
+                reply = await self._boundary_call(request, md)
             if reply.action != ps_pb2.BOUNDARY_ACTION_CHECKPOINT:
                 return reply
             report = await self.session.loop.run_in_executor(None, self._write_checkpoint, reply)
@@ -354,6 +353,17 @@ class CollectiveBackend(SyncBackend):
                 checkpoint_file=report,
             )
             reply = None
+
+    async def _boundary_call(
+        self, request: ps_pb2.BoundaryRequest, md: Any
+    ) -> ps_pb2.BoundaryResponse:
+        """One Boundary through the loop (gRPC, or the lane's connection the loop holds),
+        once the coordinator's control-only lane was asked for (for the Boundaries after)."""
+        if self.lane_control:
+            await self.session.open_coordinator_control(md)
+        reply = await self.session.control("Boundary", request, md)
+        self.session.answered_at(self.session.coordinator)
+        return reply
 
     def _boundary(
         self, generation: int, completed: int, loss_sum: float, n: int, failed: bool
@@ -384,23 +394,23 @@ class CollectiveBackend(SyncBackend):
         self._ahead_allowed = allowed
 
     def _send_ahead(self, a: Assignment, request: ps_pb2.BoundaryRequest, md: Any) -> bool:
-        """Vote ahead: send the vote of iteration ``a`` on the control-only lane, apply its
-        update at once (a copy of the state kept to take it back) and leave the answer to the
-        next :meth:`sync`, which reads it before its all-reduce. Only with the trainer's
-        leave, when the next iteration is in this epoch (the trainer reads the model at an
-        epoch's end: evaluation, callbacks; checkpoints fall there) and when the state is
-        small enough to copy every iteration (``AHEAD_MAX_BYTES``)."""
+        """Vote ahead: send the vote of iteration ``a`` (on the control-only lane, from this
+        thread; else as the loop's gRPC call, not awaited), apply its update at once (a copy
+        of the state kept to take it back) and leave the answer to the next :meth:`sync`,
+        which reads it before its all-reduce. Only with the trainer's leave, when the next
+        iteration is in this epoch (the trainer reads the model at an epoch's end:
+        evaluation, callbacks; checkpoints fall there) and when the state is small enough to
+        copy every iteration (``AHEAD_MAX_BYTES``)."""
         plan = self._plan
         if (
-            not (self.ahead and self._ahead_allowed and self.lane_control)
+            not (self.ahead and self._ahead_allowed)
             or plan is None
             or plan.is_last_of_epoch(a.iteration)
             or not self._ahead_fits()
         ):
             return False
-        direct = self.session.send_boundary(request, md)
-        if direct is None:
-            return False
+        direct = self.session.send_boundary(request, md) if self.lane_control else None
+        call = None if direct is not None else self.session.start(self._boundary_call(request, md))
         start, stop = plan.batch_range(a.iteration + 1)
         following = dataclasses.replace(
             a,
@@ -410,7 +420,7 @@ class CollectiveBackend(SyncBackend):
             batch_stop=stop,
             pull_parameters=False,
         )
-        self._ahead = _Ahead(request, md, direct, following)
+        self._ahead = _Ahead(request, md, direct, call, following)
         p = self._pending
         assert p is not None and self._optimizer is not None
         if self._copy is None:
@@ -438,7 +448,15 @@ class CollectiveBackend(SyncBackend):
         by what it says, and the answer is kept for :meth:`next_assignment`; False."""
         ahead, self._ahead = self._ahead, None
         assert ahead is not None
-        reply = self.session.boundary_answer(ahead.direct)
+        if ahead.direct is not None:
+            reply = self.session.boundary_answer(ahead.direct)
+        else:
+            assert ahead.call is not None
+            try:
+                reply = ahead.call.result()
+            except Exception as exc:  # asked again below: an error that holds is raised there
+                log.info("the vote sent ahead got no answer (%s): asking again", first_line(exc))
+                reply = None
         if (
             expected is not None
             and reply is not None

@@ -20,6 +20,7 @@ are, and how an iteration is synchronized.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -237,10 +238,14 @@ class ShardSession:
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the session's loop and wait for its result (from any other thread)."""
+        return self.start(coro).result()
+
+    def start(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the session's loop (from any other thread); its future."""
         if self.closed:
             coro.close()
             raise RuntimeError(f"the {self._what} is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def channel(self, address: str) -> aio.Channel:
         channel = self._channels.get(address)
