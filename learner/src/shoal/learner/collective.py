@@ -154,8 +154,9 @@ class CollectiveBackend(SyncBackend):
     shard, the Boundaries go on the control connection of a lane with no tensors to it
     instead of gRPC (docs/data-plane.md, "The lane's control channel"). ``ahead`` (default:
     ``SHOAL_COLLECTIVE_AHEAD``, on): with the trainer's leave (:meth:`vote_ahead`), an
-    iteration's update is applied once its vote is sent on that connection, and the next
-    iteration runs while the answer travels (``collective_ahead.py``).
+    iteration's update is applied once its vote is sent (on that connection, else over gRPC
+    from the loop), and the next iteration runs while the answer travels
+    (``collective_ahead.py``).
     """
 
     #: The mode this backend joins a job in (the first Join fixes the job's).

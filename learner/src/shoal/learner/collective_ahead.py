@@ -65,7 +65,8 @@ class StateCopy:
         self._live = [*params, *buffers]
         self._optimizer = optimizer
         self._saved: list[torch.Tensor] = []
-        self._state: list[tuple[Any, dict[str, Any]]] = []  # (param, its state, tensors copied)
+        # (param, its state's entries: a tensor one as (the tensor, its copy))
+        self._state: list[tuple[Any, dict[str, Any]]] = []
         self._groups: list[dict[str, Any]] = []
 
     def take(self) -> None:
