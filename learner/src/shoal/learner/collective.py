@@ -433,13 +433,13 @@ class CollectiveBackend(SyncBackend):
         return True
 
     def _ahead_fits(self) -> bool:
-        if self._state_bytes is None:
+        size = self._state_bytes
+        if size is None:
             assert self._optimizer is not None
             size = state_bytes(self._params, self._buffers, self._optimizer)
-            if not self._optimizer.state:
-                return size <= AHEAD_MAX_BYTES.get(self._group.device.type, 0)
-            self._state_bytes = size  # (the optimizer's state exists: the size is settled)
-        return self._state_bytes <= AHEAD_MAX_BYTES.get(self._group.device.type, 0)
+            if self._optimizer.state:  # (it exists after the first step: the size is settled)
+                self._state_bytes = size
+        return size <= AHEAD_MAX_BYTES.get(self._group.device.type, 0)
 
     def _answer_ahead(self, expected: Assignment | None) -> bool:
         """Read the answer to the vote sent ahead. True when it commits that iteration and
@@ -469,9 +469,7 @@ class CollectiveBackend(SyncBackend):
             return True
         p = self._pending
         if p is not None and p.applied:
-            with torch.no_grad():
-                for dst, src in zip(self._buffers, p.buffers, strict=True):
-                    dst.copy_(src)
+            self._load_buffers(p)
         if self._bucketer is not None:
             self._bucketer.discard()  # launched during the iteration given ahead
         if reply is None or reply.action == ps_pb2.BOUNDARY_ACTION_CHECKPOINT:
@@ -551,6 +549,11 @@ class CollectiveBackend(SyncBackend):
             optimizer.step()
         for param in self._params:
             param.grad = None
+        self._load_buffers(p)
+
+    @torch.no_grad()
+    def _load_buffers(self, p: _Pending) -> None:
+        """The reduced buffers of ``p`` into the model's (its update's part for them)."""
         for dst, src in zip(self._buffers, p.buffers, strict=True):
             dst.copy_(src)
 
