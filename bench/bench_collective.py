@@ -18,10 +18,18 @@
     .venv/bin/python bench/bench_collective.py [--world 2 4] [--width 1024] [--iters 60]
     python3 bench/bench_collective.py --device cuda --world 1 --no-rescale   # on GPUs: NCCL
     .venv/bin/python bench/bench_collective.py --world 1 --width 64 --no-rescale --parts
+    .venv/bin/python bench/bench_collective.py --world 2 --width 64 --iters 2000 --no-rescale --cpu
 
 ``--parts`` also times shoal's iteration part by part inside the learners and the shard
 (``collective_parts.py``: compute, reduce, the Boundary call, apply; the coordinator's
-Boundary handler and its record write) and prints milliseconds per iteration.
+Boundary handler and its record write) and prints milliseconds per iteration
+(``SHOAL_BENCH_PARTS_CPU=1``: the thread's CPU time instead of the wall time).
+
+``--cpu`` prints the CPU time per iteration of every process of each run, its threads grouped
+by name (``/proc/<pid>/task/*/stat``, 10 ms ticks, over the middle of the run: shoal's from
+outside between two record counts, DDP's ranks from inside between two iterations). On a
+machine with fewer cores than processes the sum over all of them bounds the iteration from
+below: ``sum / cores``.
 
 With ``--device cuda`` each learner (and each DDP rank) gets one GPU (``CUDA_VISIBLE_DEVICES``
 = its rank; NCCL refuses two ranks on one device), shoal's group is NCCL, DDP runs over NCCL,
@@ -86,6 +94,45 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def thread_cpu(pid: int | str = "self") -> dict[str, float]:
+    """CPU seconds (user + system) of the threads of process ``pid``, summed by thread name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_per_iteration(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], iterations: int
+) -> dict[str, float]:
+    """``{"process/thread": ms per iteration}`` between two :func:`thread_cpu` snapshots per
+    process (threads with none left out)."""
+    out = {}
+    for proc, threads in after.items():
+        for name, seconds in threads.items():
+            used = seconds - before.get(proc, {}).get(name, 0.0)
+            if used > 0:
+                out[f"{proc}/{name}"] = used * 1e3 / max(iterations, 1)
+    return out
+
+
+def print_cpu(label: str, per_iteration: dict[str, float], iteration_ms: float) -> None:
+    total = sum(per_iteration.values())
+    cores = os.cpu_count() or 1
+    print(
+        f"  CPU per iteration, {label}: {total:.2f} ms in all (/ {cores} cores = "
+        f"{total / cores:.2f} ms; the iteration took {iteration_ms:.2f} ms)"
+    )
+    for key in sorted(per_iteration):
+        print(f"    {key:<36} {per_iteration[key]:7.3f}")
 
 
 # -- a shoal learner (a subprocess) ----------------------------------------------------------
@@ -228,6 +275,20 @@ class Cluster:
                 raise TimeoutError(f"{job}: fewer than {count} iterations after {timeout} s")
             time.sleep(0.05)
 
+    def cpu_window(
+        self, job: str, learners: list[subprocess.Popen], iters: int
+    ) -> dict[str, float]:
+        """CPU per iteration of the shard and the learners over the middle half of the run
+        (from the 1/4th record on to the 3/4th)."""
+        procs = {"shard": self.shard.pid, **{f"l{i}": p.pid for i, p in enumerate(learners)}}
+        marks = (WARMUP + iters // 4, WARMUP + 3 * iters // 4)
+        snapshots, counts = [], []
+        for mark in marks:
+            self.wait_records(job, mark)
+            counts.append(len(self.records(job)))
+            snapshots.append({name: thread_cpu(pid) for name, pid in procs.items()})
+        return cpu_per_iteration(snapshots[0], snapshots[1], counts[1] - counts[0])
+
     def close(self) -> None:
         for p in [*self.learners, self.shard]:
             p.kill()
@@ -240,7 +301,13 @@ def gaps(records: list[dict[str, Any]]) -> list[float]:
 
 
 def bench_shoal(
-    world: int, width: int, iters: int, device: str = "cpu", depth: int = 3, overlap: bool = True
+    world: int,
+    width: int,
+    iters: int,
+    device: str = "cpu",
+    depth: int = 3,
+    overlap: bool = True,
+    cpu: bool = False,
 ) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         if "SHOAL_BENCH_PARTS" in ENV:  # --parts: timed in the processes of this run
@@ -261,13 +328,18 @@ def bench_shoal(
                 while "READY" not in log.read_text():
                     time.sleep(0.05)
             gate.touch()
+            used = cluster.cpu_window(job, procs, iters) if cpu else None
             for p in procs:
                 if p.wait(timeout=900) != 0:
                     raise RuntimeError((Path(tmp) / "l0.log").read_text()[-3000:])
             records = [r for r in cluster.records(job) if r["world_size"] == world]
             if "SHOAL_BENCH_PARTS" in ENV:
                 print_parts(Path(ENV["SHOAL_BENCH_PARTS"]), world, overlap, len(records))
-            return statistics.median(gaps(records[WARMUP:]))
+            median = statistics.median(gaps(records[WARMUP:]))
+            if used is not None:
+                label = f"shoal at world {world}, overlap {'on' if overlap else 'off'}"
+                print_cpu(label, used, median * 1e3)
+            return median
         finally:
             cluster.close()
 
@@ -295,6 +367,7 @@ def ddp_worker(
     out: Any,
     device: str = "cpu",
     depth: int = 3,
+    cpu: Any = None,
 ) -> None:
     import torch.distributed as dist
 
@@ -320,7 +393,11 @@ def ddp_worker(
         x, y = x.cuda(), y.cuda()
     n = len(y)
     times = []
+    marks = {WARMUP + iters // 4: "before", WARMUP + 3 * iters // 4: "after"}
+    used = {}
     for step in range(iters + WARMUP):
+        if cpu is not None and step in marks:
+            used[marks[step]] = {f"rank{rank}": thread_cpu()}
         start = (step * BATCH) % (n - BATCH)
         lo, hi = start + rank * BATCH // world, start + (rank + 1) * BATCH // world
         began = time.perf_counter()
@@ -332,22 +409,34 @@ def ddp_worker(
         times.append(time.perf_counter() - began)
     if rank == 0:
         out.put(statistics.median(times[WARMUP:]))
+    if cpu is not None:
+        cpu.put(cpu_per_iteration(used["before"], used["after"], iters // 2))
     dist.destroy_process_group()
 
 
-def bench_ddp(world: int, width: int, iters: int, device: str = "cpu", depth: int = 3) -> float:
+def bench_ddp(
+    world: int, width: int, iters: int, device: str = "cpu", depth: int = 3, cpu: bool = False
+) -> float:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    used = ctx.Queue() if cpu else None
     port = free_port()
     procs = [
-        ctx.Process(target=ddp_worker, args=(r, world, port, width, iters, out, device, depth))
+        ctx.Process(
+            target=ddp_worker, args=(r, world, port, width, iters, out, device, depth, used)
+        )
         for r in range(world)
     ]
     for p in procs:
         p.start()
     value = out.get(timeout=600)
+    if used is not None:
+        per_iteration: dict[str, float] = {}
+        for _ in procs:
+            per_iteration.update(used.get(timeout=600))
+        print_cpu(f"DDP at world {world}", per_iteration, value * 1e3)
     for p in procs:
         p.join(timeout=60)
     return float(value)
@@ -430,6 +519,11 @@ def main() -> int:
         action="store_true",
         help="time shoal's iteration part by part (collective_parts.py) and print the parts",
     )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="print each process's CPU time per iteration (its threads by name), shoal and DDP",
+    )
     args = parser.parse_args()
     if args.learner:
         return run_learner(args)
@@ -452,9 +546,10 @@ def main() -> int:
     print("|---|" + "---|" * (len(modes) + 2))
     for world in args.world:
         shoal = [
-            bench_shoal(world, args.width, args.iters, args.device, args.depth, m) for m in modes
+            bench_shoal(world, args.width, args.iters, args.device, args.depth, m, args.cpu)
+            for m in modes
         ]
-        ddp = bench_ddp(world, args.width, args.iters, args.device, args.depth)
+        ddp = bench_ddp(world, args.width, args.iters, args.device, args.depth, args.cpu)
         cells = " | ".join(f"{t * 1e3:.1f}" for t in shoal)
         ratios = " / ".join(f"{t / ddp:.2f}" for t in shoal)
         print(f"| {world} | {cells} | {ddp * 1e3:.1f} | {ratios} |", flush=True)

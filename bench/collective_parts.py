@@ -44,7 +44,7 @@ def _wrap(owner: Any, name: str, key: str, *, dump_every: int = 0, out: str = ""
     """Time ``owner.name`` under ``key`` (``{0}`` in it: the call's first argument after
     ``self``, e.g. a control call's method)."""
     f = getattr(owner, name)
-    clock = time.perf_counter
+    clock = time.thread_time if os.environ.get("SHOAL_BENCH_PARTS_CPU") else time.perf_counter
     key_of = key
     if inspect.iscoroutinefunction(f):
 
@@ -84,7 +84,7 @@ def install_learner() -> None:
     prefix = os.environ.get(ENV)
     if not prefix:
         return
-    from shoal.learner import collective, shard_session, trainer
+    from shoal.learner import collective, collective_ahead, shard_session, trainer
 
     _wrap(trainer.ElasticTrainer, "train", "learner train")
     _wrap(trainer.ElasticTrainer, "_compute", "learner compute")
@@ -94,6 +94,9 @@ def install_learner() -> None:
     _wrap(shard_session.ShardSession, "control", "learner sync: boundary (loop): {0}")
     _wrap(shard_session.ShardSession, "boundary_direct", "learner sync: boundary (direct)")
     _wrap(collective.CollectiveBackend, "_apply", "learner sync: apply")
+    _wrap(collective.CollectiveBackend, "_answer_ahead", "learner sync: answer ahead")
+    _wrap(collective.CollectiveBackend, "_send_ahead", "learner sync: send ahead")
+    _wrap(collective_ahead.StateCopy, "take", "learner sync: send ahead: copy")
     _wrap(collective.CollectiveBackend, "report_epoch", "learner report_epoch")
     name = os.environ.get("SHOAL_LEARNER_ID", "learner")
     atexit.register(_dump, f"{prefix}.{name}")
