@@ -284,3 +284,38 @@ def test_a_share_not_needing_the_hooks_sends_nothing_from_them() -> None:
     compute_contribution(model, nn.CrossEntropyLoss(), data(), torch.arange(24), hooks=bucketer)
     assert bucketer.finished and len(sent.sent) == len(bucketer.layout)
     bucketer.remove()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_backward_with_create_graph_sends_the_same_buckets_outside_the_graph() -> None:
+    """The hooks skip ``torch.no_grad()`` where autograd already runs them without grad mode
+    (the usual backward); a backward with ``create_graph`` runs them with it, and the copies
+    into the buckets must still stay out of the graph: the same bytes, no grad history."""
+    model = mlp()
+    params = list(model.parameters())
+    sent = Recorder()
+    bucketer = GradientBucketer(
+        params, sent, lambda: torch.device("cpu"), bucket_bytes=2048, first_bucket_bytes=64
+    )
+    x, y = data().tensors
+    modes = []
+    probe = params[0].register_post_accumulate_grad_hook(
+        lambda p: modes.append(torch.is_grad_enabled())
+    )
+    bucketer.begin()
+    bucketer.arm(24, None)
+    loss = nn.CrossEntropyLoss()(model(x), y)
+    loss.backward(create_graph=True)
+    bucketer.finish()
+    probe.remove()
+    launched = bucketer.take()
+    assert modes == [True]  # the case: the hooks ran with grad mode on
+    assert params[0].grad is not None and params[0].grad.requires_grad
+    want = expected(params, bucketer.layout, [p.grad.detach() for p in params], 24)
+    assert len(sent.sent) == len(want)
+    for got, w, (_, flat) in zip(sent.sent, want, launched.buckets, strict=True):
+        assert torch.equal(got, w) and torch.equal(flat, w)
+        assert not flat.requires_grad and flat.grad_fn is None
+    bucketer.remove()
+    for p in params:
+        p.grad = None  # (the reference cycle create_graph makes)

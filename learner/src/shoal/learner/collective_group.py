@@ -303,13 +303,11 @@ def reduce_contribution(
     for indices, flat in buckets:
         size = sum(params[j].numel() for j in indices)
         flat.narrow(0, 0, size).div_(total)
-        offset = 0
-        for j in indices:
-            param = params[j]
+        # The views in one C++ call (a narrow and a view each from Python: ~4 us a parameter).
+        views = _unflatten_dense_tensors(flat, [params[j] for j in indices])
+        for j, view in zip(indices, views, strict=True):
             if sums[2 + j] > 0:
-                view = flat.narrow(0, offset, param.numel()).view(param.shape)
-                reduced[j] = view.to(param.device)
-            offset += param.numel()
+                reduced[j] = view.to(params[j].device)
     # Every buffer is in one of the two fresh flat tensors: keep views of them.
     buffers = list(contribution.buffers)
     for indices, flat_b in ((floats, flat_f), (ints, flat_i)):

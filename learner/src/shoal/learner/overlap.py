@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 __all__ = [
     "COUNT_DTYPES",
@@ -52,6 +53,7 @@ __all__ = [
     "GradientHooks",
     "LaunchedBuckets",
     "bucket_layout",
+    "without_graph",
 ]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's bucket_cap_mb
@@ -60,6 +62,18 @@ DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket (torch.distribute
 #: The dtypes of a bucket the iteration's counts may ride on: integers up to 2**24 are exact
 #: in them (a sample count, the flags summed over the members).
 COUNT_DTYPES = (torch.float32, torch.float64)
+
+
+def without_graph(fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` with grad mode off, for a gradient hook's copies: a usual backward runs
+    its hooks without grad mode already (nothing to enter: ``torch.no_grad()`` costs ~2 us
+    per call, and a hook runs once per parameter per iteration); one with ``create_graph``
+    runs them with it, and the copy must not join the graph."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            fn(*args)
+    else:
+        fn(*args)
 
 
 class GradientHooks(Protocol):
@@ -113,6 +127,7 @@ class _Bucket:
     pending: int = 0
     written: list[bool] = field(default_factory=list)
     flat: torch.Tensor | None = None
+    views: list[torch.Tensor] = field(default_factory=list)  # of flat, one per slot
 
 
 @dataclass
@@ -197,6 +212,7 @@ class GradientBucketer:
             bucket.pending = bucket.expected
             bucket.written = [False] * len(bucket.indices)
             bucket.flat = None
+            bucket.views = []
 
     def arm(self, n: int, inv_scale: torch.Tensor | None) -> None:
         """The next backward is the share's last: its hooks send the buckets, scaled by
@@ -263,22 +279,28 @@ class GradientBucketer:
         self._next = 0
         for bucket in self._buckets:
             bucket.flat = None
+            bucket.views = []
 
     def _hook_for(self, j: int) -> Callable[[torch.Tensor], None]:
+        b, slot = self._where[j]
+
         def hook(param: torch.Tensor) -> None:
             if self._armed:
-                self._ready(j, param)
+                without_graph(self._ready, b, slot, param)
 
         return hook
 
-    @torch.no_grad()
-    def _ready(self, j: int, param: torch.Tensor) -> None:
-        b, slot = self._where[j]
+    def _ready(self, b: int, slot: int, param: torch.Tensor) -> None:
+        """One parameter's gradient is final: into its bucket's slot; the bucket goes when it
+        is full and every bucket before it went. Called once per parameter per backward:
+        plain Python and one copy (a hook per parameter is the per-iteration cost that grows
+        with the model's tensor count)."""
         if b < self._next:
             return  # already launched (a second backward in the armed window): not resent
         bucket = self._buckets[b]
-        if param.grad is not None:
-            self._slot(bucket, slot).copy_(param.grad)
+        grad = param.grad
+        if grad is not None:
+            self._slot(bucket, slot).copy_(grad)
             if not bucket.written[slot]:
                 bucket.written[slot] = True
                 bucket.pending -= 1
@@ -286,15 +308,17 @@ class GradientBucketer:
             self.launched_in_backward += self._launch_ready()
 
     def _slot(self, bucket: _Bucket, slot: int) -> torch.Tensor:
+        """The view of ``bucket``'s flat tensor for its parameter ``slot`` (the flat tensor and
+        all its views made at the bucket's first use in a share)."""
         if bucket.flat is None:
             room = self.tail if bucket is self._buckets[-1] else 0
-            bucket.flat = torch.empty(
-                bucket.numel + room, dtype=bucket.dtype, device=self._device()
+            flat = torch.empty(bucket.numel + room, dtype=bucket.dtype, device=self._device())
+            bucket.flat = flat
+            # One C++ call for all the views (a narrow and a view from Python: ~4 us each).
+            bucket.views = list(
+                _unflatten_dense_tensors(flat, [self._params[j] for j in bucket.indices])
             )
-        j = bucket.indices[slot]
-        return bucket.flat.narrow(0, bucket.offsets[slot], self._params[j].numel()).view(
-            self._params[j].shape
-        )
+        return bucket.views[slot]
 
     @torch.no_grad()
     def _launch_ready(self) -> int:

@@ -52,6 +52,7 @@ from shoal.contract.wire import (
 )
 from shoal.learner.backend import Assignment, Contribution
 from shoal.learner.env import switch
+from shoal.learner.overlap import without_graph
 from shoal.v1 import parameter_sync_service_pb2 as ps_pb2
 
 if TYPE_CHECKING:
@@ -322,11 +323,10 @@ class StreamedGradients:
     def _hook_for(self, j: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if self._armed:
-                self._ready(j, param)
+                without_graph(self._ready, j, param)
 
         return hook
 
-    @torch.no_grad()
     def _ready(self, j: int, param: torch.Tensor) -> None:
         share = self._share
         if share is None or param.grad is None:
