@@ -108,3 +108,52 @@ def test_the_copy_is_reused_while_the_shapes_hold() -> None:
     assert [t.data_ptr() for t in saved._saved] == kept
     # params 15 floats, buffers 3 floats + one int64, momentum 15 floats
     assert state_bytes(params, buffers, optimizer) == (15 + 3 + 15) * 4 + 8
+
+
+class _Replacing(torch.optim.Optimizer):
+    """Keeps a running sum of gradients in a state tensor it replaces at every step (a new
+    object each time, not an in-place update), of the shape ``shape(p)``."""
+
+    def __init__(self, params, shape=lambda p: p.shape) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.shape = shape
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                old = state.get("sum", torch.zeros(self.shape(p)))
+                fresh = torch.zeros(self.shape(p))
+                fresh.view(-1)[: old.numel()] = old.view(-1)[: fresh.numel()]
+                fresh.view(-1)[: p.numel()] += p.grad.view(-1)[: fresh.numel()]
+                state["sum"] = fresh
+                p.sub_(group["lr"] * p.grad)
+
+
+def test_state_tensors_replaced_by_the_optimizer_are_copied_and_restored() -> None:
+    """The copies are kept for the same tensors (an identity test); an optimizer that puts new
+    state tensors in at every step still gets every value back, into copies reused while the
+    shapes hold and made anew when they change."""
+    params, buffers = _model()
+    optimizer = _Replacing(params)
+    _step(params, buffers, optimizer, seed=1, lr=0.1)
+    saved = StateCopy(params, buffers, optimizer)
+    saved.take()
+    kept = [t.data_ptr() for t in saved._saved]
+    _step(params, buffers, optimizer, seed=2, lr=0.1)  # new state tensors, the same shapes
+    before = _snapshot(params, buffers, optimizer)
+    saved.take()
+    assert [t.data_ptr() for t in saved._saved] == kept
+    _step(params, buffers, optimizer, seed=3, lr=0.5)
+    saved.restore()
+    _assert_same(_snapshot(params, buffers, optimizer), before)
+    # The state's shapes change (a sum of twice the size): new copies, still restored.
+    optimizer.shape = lambda p: (2 * p.numel(),)
+    _step(params, buffers, optimizer, seed=4, lr=0.1)
+    before = _snapshot(params, buffers, optimizer)
+    saved.take()
+    assert [t.data_ptr() for t in saved._saved] != kept
+    _step(params, buffers, optimizer, seed=5, lr=0.5)
+    saved.restore()
+    _assert_same(_snapshot(params, buffers, optimizer), before)
