@@ -120,7 +120,6 @@ def bucket_layout(
 @dataclass
 class _Bucket:
     indices: list[int]
-    offsets: list[int]
     numel: int
     dtype: torch.dtype
     expected: int  # parameters of the bucket that require a gradient
@@ -174,14 +173,10 @@ class GradientBucketer:
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # parameter -> (bucket, slot)
         for b, indices in enumerate(self.layout):
-            offsets, offset = [], 0
             for slot, j in enumerate(indices):
-                offsets.append(offset)
-                offset += self._params[j].numel()
                 self._where[j] = (b, slot)
-            self._buckets.append(
-                _Bucket(indices, offsets, offset, self._params[indices[0]].dtype, 0)
-            )
+            numel = sum(self._params[j].numel() for j in indices)
+            self._buckets.append(_Bucket(indices, numel, self._params[indices[0]].dtype, 0))
         self._handles = [
             p.register_post_accumulate_grad_hook(self._hook_for(j))
             for j, p in enumerate(self._params)
