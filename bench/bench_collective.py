@@ -410,7 +410,7 @@ def ddp_worker(
     if rank == 0:
         out.put(statistics.median(times[WARMUP:]))
     if cpu is not None:
-        cpu.put(cpu_per_iteration(used["before"], used["after"], iters // 2))
+        cpu.put(cpu_per_iteration(used["before"], used["after"], 3 * iters // 4 - iters // 4))
     dist.destroy_process_group()
 
 
