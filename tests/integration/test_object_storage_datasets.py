@@ -186,3 +186,42 @@ def test_a_job_trains_on_datasets_read_from_a_gcs_server(gcs) -> None:
     assert all(torch.equal(from_gcs[k], from_memory[k]) for k in from_gcs)
     with pytest.raises(FileNotFoundError, match="nothing-here"):
         data.read_bytes(f"gs://{BUCKET}/nothing-here.safetensors")
+
+
+def test_a_jobs_records_on_s3_are_appended_as_objects_and_read_whole(s3, monkeypatch) -> None:
+    """The coordinator's record appends on a real S3 server (shoal.contract.records): an
+    object each, never the file put again; compacted as they accumulate; read back whole by
+    the coordinator (``checkpoint.read_records``) and by the scheduler (GetJobMetrics'
+    ``Storage.read_metrics``); a truncation after a resume leaves one object."""
+    import asyncio
+    import json
+
+    from shoal.contract import records
+    from shoal.param_sync import checkpoint as ckpt
+    from shoal.scheduler.artifacts import Storage, read_jsonl_metrics
+    from shoal.v1 import job_pb2
+
+    monkeypatch.setattr(records, "SEGMENT_AFTER", 5)
+    monkeypatch.setattr(records, "WHOLE_AFTER", 3)
+    storage = f"s3://{BUCKET}/records"
+    uri = ckpt.job_uri(storage, "j", "metrics", "iterations.jsonl")
+    lines = [
+        json.dumps({"epoch": i // 10, "iteration": i % 10, "loss": 1 / (i + 1)}) for i in range(40)
+    ]
+    for line in lines:
+        ckpt.append_line(uri, line)
+    assert ckpt.read_records(uri) == "".join(f"{x}\n" for x in lines).encode()
+    listed = s3.list_objects_v2(Bucket=BUCKET, Prefix="records/")["Contents"]
+    keys = [o["Key"] for o in listed]
+    assert all(k.startswith("records/jobs/j/metrics/iterations.jsonl.parts/") for k in keys)
+    assert len(keys) < 1 + records.WHOLE_AFTER + records.SEGMENT_AFTER  # compacted
+
+    text = asyncio.run(Storage(storage).read_metrics("j", "iterations.jsonl"))
+    got = read_jsonl_metrics(text, job_pb2.IterationMetric)
+    assert [(m.epoch, m.iteration) for m in got] == [(i // 10, i % 10) for i in range(40)]
+
+    ckpt.rewrite_records(uri, "".join(f"{x}\n" for x in lines[:10]).encode())
+    ckpt.append_line(uri, lines[10])
+    assert ckpt.read_records(uri) == "".join(f"{x}\n" for x in lines[:11]).encode()
+    listed = s3.list_objects_v2(Bucket=BUCKET, Prefix="records/")["Contents"]
+    assert len(listed) == 2  # the rewrite's whole and one append after it

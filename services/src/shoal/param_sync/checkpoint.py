@@ -10,6 +10,8 @@ Storage layout under the storage URI (any fsspec URI; ``file://`` by default)::
             latest                    the name of the newest complete checkpoint directory
         metrics/iterations.jsonl      one line per iteration (IterationMetric fields)
         metrics/epochs.jsonl          one line per epoch evaluation (EpochMetric fields)
+        metrics/<file>.parts/         on an object store: the appends to <file>, an object
+                                      each (shoal.contract.records: read them with its read)
         model.safetensors             the whole final model (parameters and buffers by name)
 
 Retention (:func:`prune_checkpoints`, after each commit): a job keeps its newest
@@ -42,7 +44,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from shoal.contract import faults, files, ids
+from shoal.contract import faults, files, ids, records
 
 __all__ = [
     "DEFAULT_KEEP",
@@ -60,6 +62,8 @@ __all__ = [
     "prune_checkpoints",
     "read_bytes",
     "read_manifest",
+    "read_records",
+    "rewrite_records",
     "sha256_hex",
     "write_manifest_and_latest",
 ]
@@ -131,7 +135,8 @@ def is_local(uri: str) -> bool:
 
 
 def append_line(uri: str, line: str, *, before_write: Callable[[], None] | None = None) -> None:
-    """Append one line to a text file (read-modify-write where the store cannot append).
+    """Append one line to a record file (on an object store, which cannot append, as an object
+    of its own: :mod:`shoal.contract.records`, whose ``read`` joins them).
     ``before_write`` (the storage fence's check, holder.py) runs just before the bytes go: on
     the local filesystem after the file is opened, so that a writer stopped between the check
     and the write writes into the file it opened, which a successor that took the job over
@@ -154,14 +159,8 @@ def append_line(uri: str, line: str, *, before_write: Callable[[], None] | None 
         except OSError as exc:
             raise _write_error(f"cannot append to {uri}", exc) from exc
         return
-    fs, path = fsspec.core.url_to_fs(uri)
-    parent = path.rsplit("/", 1)[0]
-    try:
-        fs.makedirs(parent, exist_ok=True)
-        old = fs.cat_file(path) if fs.exists(path) else b""
-        if before_write is not None:
-            before_write()
-        fs.pipe_file(path, old + (line + "\n").encode())
+    try:  # an object store: the line is an object of its own (shoal.contract.records)
+        records.append(uri, (line + "\n").encode(), before_write=before_write)
     except OSError as exc:
         raise _write_error(f"cannot append to {uri}", exc) from exc
 
@@ -256,6 +255,27 @@ def read_bytes(uri: str) -> bytes | None:
         return None
     except OSError as exc:
         raise StorageError(f"cannot read {uri}: {exc}") from exc
+
+
+def read_records(uri: str) -> bytes | None:
+    """A record file's bytes (``metrics/*.jsonl``; on an object store its appends joined:
+    :func:`shoal.contract.records.read`), or None when there is none."""
+    try:
+        return records.read(uri)
+    except OSError as exc:
+        raise StorageError(f"cannot read {uri}: {exc}") from exc
+
+
+def rewrite_records(uri: str, data: bytes) -> None:
+    """Make ``data`` the whole record file ``uri`` (:func:`atomic_write` locally; on an object
+    store one object that covers its appends: :func:`shoal.contract.records.rewrite`)."""
+    if is_local(uri):
+        atomic_write(uri, data)
+        return
+    try:
+        records.rewrite(uri, data)
+    except OSError as exc:
+        raise _write_error(f"cannot write {uri}", exc) from exc
 
 
 def read_manifest(directory: str) -> dict[str, Any] | None:

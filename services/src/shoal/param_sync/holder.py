@@ -18,8 +18,10 @@ again) must still be able to open the job. The check leaves a window of microsec
 coordinator stopped after its check and before its write). For the appended records on local
 storage it is closed: an append checks once its file is open, and a new coordinator renews
 those files (:func:`renew_records`) right after its mark, so a stopped writer's line goes to a
-file no one reads. Elsewhere (stores without appends, the single writes) it stays open; the
-mark closes the one of seconds that a pause through a takeover opens.
+file no one reads. On an object store each append is an object of its own
+(``shoal.contract.records``): a stopped writer's late line is added, never put over the
+successor's. For the single writes it stays open; the mark closes the one of seconds that a
+pause through a takeover opens.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from shoal.contract import records
 from shoal.param_sync import checkpoint as ckpt
 
 __all__ = [
@@ -109,8 +112,10 @@ def renew_records(storage_uri: str, job_id: str, holder: str) -> None:
     replaced by a copy of itself (``ckpt.renew_local``), before the new coordinator reads what
     is recorded. A paused predecessor past its check writes into the old file, which no one
     reads: its line is either in the copy (written before it) or nowhere, and the successor,
-    which reads the copy, records that iteration itself. On a store without appends
-    (read-modify-write) the window between a check and a write remains (microseconds).
+    which reads the copy, records that iteration itself. On an object store each append is
+    an object of its own (``shoal.contract.records``): the successor's appends go after
+    everything there when it took over, and a predecessor's late append adds its line without
+    replacing any; the window between a check and a put remains there.
 
     Each copy replaces its file only if ``holder`` still holds the job (checked just before:
     a renewal paused through another takeover must not put back an older copy over the
@@ -121,4 +126,6 @@ def renew_records(storage_uri: str, job_id: str, holder: str) -> None:
         check_holder(storage_uri, job_id, holder)
 
     for parts in RECORDS:
-        ckpt.renew_local(ckpt.job_uri(storage_uri, job_id, *parts), before_replace=still_held)
+        uri = ckpt.job_uri(storage_uri, job_id, *parts)
+        ckpt.renew_local(uri, before_replace=still_held)
+        records.forget(uri)  # an object store's: the next append lists what is there first

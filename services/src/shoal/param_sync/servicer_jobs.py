@@ -153,7 +153,7 @@ class JobHandlers:
     def _last_recorded(settings: JobSettings) -> int:
         """The highest global iteration in the job's iterations.jsonl (-1: none)."""
         uri = ckpt.job_uri(settings.storage_uri, settings.job_id, "metrics", "iterations.jsonl")
-        data = ckpt.read_bytes(uri)
+        data = ckpt.read_records(uri)
         last = -1
         for line in (data or b"").decode(errors="replace").splitlines():
             try:
@@ -171,7 +171,7 @@ class JobHandlers:
             ("epochs.jsonl", "epoch", epochs_done),
         ):
             uri = ckpt.job_uri(settings.storage_uri, settings.job_id, "metrics", name)
-            data = ckpt.read_bytes(uri)
+            data = ckpt.read_records(uri)
             if data is None:
                 continue
             kept = []
@@ -181,7 +181,7 @@ class JobHandlers:
                         kept.append(line)
                 except (ValueError, AttributeError):
                     continue
-            ckpt.atomic_write(uri, "".join(k + "\n" for k in kept).encode())
+            ckpt.rewrite_records(uri, "".join(k + "\n" for k in kept).encode())
 
     async def CloseJob(self: _S, request: ps_pb2.CloseJobRequest, context: Any) -> Any:
         authorize(current_principal(), "CloseJob", job_id=request.job_id)

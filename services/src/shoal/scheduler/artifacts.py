@@ -21,6 +21,8 @@ nothing (when the header names their sha256, as the client does).
     jobs/<job_id>/model.safetensors the final model (written by the parameter-sync shards)
     jobs/<job_id>/metrics/iterations.jsonl  one IterationMetric per line (protobuf JSON)
     jobs/<job_id>/metrics/epochs.jsonl      one EpochMetric per line (protobuf JSON)
+                                            (on an object store, their appends an object
+                                            each in <file>.parts/: shoal.contract.records)
 
 fsspec calls are blocking; they run in worker threads (``asyncio.to_thread``).
 """
@@ -42,7 +44,7 @@ import fsspec
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from shoal.contract import ids
+from shoal.contract import ids, records
 from shoal.contract.errors import InvalidField, QuotaExceeded, StorageFull, TooLarge
 from shoal.runtime.auth import Principal, Role
 from shoal.scheduler.jobs import ArtifactNotFound
@@ -83,8 +85,12 @@ class Storage:
     def model_path(self, job_id: str) -> str:
         return self.path("jobs", job_id, "model.safetensors")
 
-    def metrics_path(self, job_id: str, name: str) -> str:
-        return self.path("jobs", job_id, "metrics", name)
+    async def read_metrics(self, job_id: str, name: str) -> str | None:
+        """A job's record file ``metrics/<name>`` as text (on an object store its appends
+        joined: ``shoal.contract.records``), or None if there is none."""
+        uri = f"{self.job_uri(job_id)}/metrics/{name}"
+        data = await asyncio.to_thread(records.read, uri)
+        return None if data is None else data.decode("utf-8", errors="replace")
 
     async def exists(self, path: str) -> bool:
         return bool(await asyncio.to_thread(self.fs.exists, path))

@@ -406,8 +406,8 @@ class JobApi:
         if after_iteration < 0:
             raise InvalidField("after_iteration", after_iteration, "must be >= 0")
         iterations, epochs = await asyncio.gather(
-            self.storage.read_text(self.storage.metrics_path(job_id, "iterations.jsonl")),
-            self.storage.read_text(self.storage.metrics_path(job_id, "epochs.jsonl")),
+            self.storage.read_metrics(job_id, "iterations.jsonl"),
+            self.storage.read_metrics(job_id, "epochs.jsonl"),
         )
         return js_pb2.GetJobMetricsResponse(
             iterations=read_jsonl_metrics(iterations, job_pb2.IterationMetric)[after_iteration:],
