@@ -155,3 +155,28 @@ def test_the_local_filesystem_keeps_one_file(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iterations.jsonl"]
     with pytest.raises(ValueError, match="local filesystem"):
         records.append(uri, _line(2))
+
+
+def test_a_compaction_that_fails_does_not_fail_the_written_append(
+    uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The line is in storage once its put returned: a compaction that fails after it (a
+    store's error, the fence refusing it) is logged and left to a later append, so the caller
+    never writes the line again (a record twice)."""
+    real = records._compact
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("503 Slow Down")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(records, "_compact", failing)
+    written = b""
+    for i in range(12):
+        records.append(uri, _line(i))
+        written += _line(i)
+    assert records.read(uri) == written
+    assert len(calls) >= 2  # the next append compacted
+    assert any(n.endswith("~seg.jsonl") for n in _names(uri))

@@ -33,6 +33,7 @@ This module imports neither grpc nor torch (fsspec only).
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import secrets
 import threading
@@ -59,6 +60,8 @@ WHOLE_AFTER = 32
 
 _NAME = re.compile(r"(?P<key>[0-9]{20}-[0-9a-f]{8})(?P<kind>~seg|~all)?\.jsonl")
 _KIND_ORDER = {"": 0, "~seg": 1, "~all": 2}  # an object covering <key> sorts after <key>
+
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _last_key: dict[str, str] = {}  # file URI -> the last key this process wrote
@@ -180,7 +183,9 @@ def _next_key(fs: Any, uri: str, path: str, above: str = "") -> str:
 def append(uri: str, data: bytes, *, before_write: Callable[[], None] | None = None) -> None:
     """Append ``data`` (whole lines) to the record file ``uri`` on an object store: one new
     object; then, every :data:`SEGMENT_AFTER` appends, a compaction. ``before_write`` (the
-    storage fence's check) runs just before each put. Raises ``OSError``."""
+    storage fence's check) runs just before each put. Raises ``OSError`` (or what
+    ``before_write`` raises) when the line was not written; once it is, a compaction that
+    fails is logged and left to a later append (the caller must not write the line again)."""
     fs, path, local = _local(uri)
     if local:
         raise ValueError(f"{uri} is on the local filesystem: append to the file itself")
@@ -191,7 +196,12 @@ def append(uri: str, data: bytes, *, before_write: Callable[[], None] | None = N
     with _lock:
         count = _appends[uri] = _appends.get(uri, 0) + 1
     if count >= SEGMENT_AFTER:
-        _compact(fs, uri, path, before_write)
+        try:
+            _compact(fs, uri, path, before_write)
+        except Exception as exc:  # the line is written: a compaction is for later appends
+            # (a store's error, or the fence's check refusing it: the next append's check
+            # raises that to its caller)
+            log.warning("%s: compaction left for a later append: %s", uri, exc)
 
 
 def _compact(fs: Any, uri: str, path: str, before_write: Callable[[], None] | None) -> None:
