@@ -164,14 +164,16 @@ def read(uri: str) -> bytes | None:
         return _cat(fs, _view(fs, path).paths())
 
 
-def _next_key(fs: Any, uri: str, path: str, above: str = "") -> str:
-    """A key greater than this process's last one for ``uri`` (when it has none: than every
-    key in storage) and than ``above``."""
+def _next_key(fs: Any, uri: str, path: str, listed: str | None = None) -> str:
+    """A key greater than this process's last one for ``uri`` and than every key in storage
+    (``listed``: the greatest a listing just found; else listed here when this process has
+    written none)."""
     with _lock:
         last = _last_key.get(uri)
-    if last is None:
-        last = _view(fs, path).last_key
-    last = max(last, above)
+    if listed is None and last is None:
+        parts = _listing(fs, path + ".parts")
+        listed = parts[-1].key if parts else ""
+    last = max(last or "", listed or "")
     now = time.time_ns()
     stamp = max(now, int(last[:20]) + 1) if last else now
     key = f"{stamp:020d}-{secrets.token_hex(4)}"

@@ -70,22 +70,17 @@ class StateCopy:
         self._groups: list[dict[str, Any]] = []
         self._sources: list[torch.Tensor] = []  # the tensors _saved was made for
 
-    def _same_sources(self, live: list[torch.Tensor]) -> bool:
+    def _copies_fit(self, live: list[torch.Tensor]) -> bool:
         """Whether the copies kept fit ``live``: the same tensors as last time (a steady run:
         an identity test each, ~30 ns, where comparing shapes, dtypes and devices costs ~1 us a
         tensor), else ones of the same shapes, dtypes and devices (an optimizer that replaces
         its state's tensors instead of updating them in place)."""
         if len(self._sources) != len(live):
             return False
-        if all(a is b for a, b in zip(self._sources, live, strict=True)):
-            return True
-        if any(
-            s.shape != t.shape or s.dtype != t.dtype or s.device != t.device
+        return all(a is b for a, b in zip(self._sources, live, strict=True)) or all(
+            s.shape == t.shape and s.dtype == t.dtype and s.device == t.device
             for s, t in zip(self._saved, live, strict=True)
-        ):
-            return False
-        self._sources = live
-        return True
+        )
 
     def take(self) -> None:
         optimizer = self._optimizer
@@ -97,9 +92,9 @@ class StateCopy:
                 self._state.append((p, entries))
                 state_tensors += [v for v in entries.values() if isinstance(v, torch.Tensor)]
         live = self._live + state_tensors
-        if not self._same_sources(live):
+        if not self._copies_fit(live):
             self._saved = [torch.empty_like(t) for t in live]
-            self._sources = live
+        self._sources = live
         with torch.no_grad():
             if live:
                 torch._foreach_copy_(self._saved, live)
